@@ -1,0 +1,27 @@
+# The two commands the README documents: `make demo` and `make test`.
+# Each creates .venv on first use and installs what it needs into it.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first: a bare `torch` requirement would pull the CUDA build.
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/kubetrain run examples/quickstart.yaml
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/mypy -p kubetrain
+
+test: lint
+	bash tests/tools/install-promtool.sh
+	$(BIN)/pytest

@@ -1,0 +1,821 @@
+"""The TrainingJob API (kubetrain.io/v1alpha1) as pydantic models.
+
+The single source of truth for the resource: the operator, the trainer, the local
+runner and the CLI all read a job through these models, and the CRD in
+crds/trainingjob.yaml is generated from them (kubetrain.api.crd). Field
+descriptions become `kubectl explain` text. Torch-free by design.
+
+Cross-field rules live twice on purpose: as pydantic validators here (for
+`kubetrain validate`, the trainer and the runner) and as CEL rules on the CRD
+(`cel=` in each model's json_schema_extra) so the API server rejects the same
+manifests; tests check the two agree.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from kubetrain.api.presets import PRESET_NAMES, PRESETS, Preset, PresetName
+
+GROUP = "kubetrain.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+
+# Names of worker pods are `<job>-worker-<index>` and must stay DNS labels (<= 63).
+MAX_JOB_NAME_LENGTH = 50
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+# Environment variable names that carry credentials: they must come from a Secret.
+CREDENTIAL_ENV_NAMES = frozenset({
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+    "WANDB_API_KEY", "HF_TOKEN",
+})
+
+IntOrString = int | str
+
+
+def problem(field: str, message: str) -> PydanticCustomError:
+    """An error about `field` (a camelCase name or dotted sub-path) of the model being validated.
+
+    The problem formatter appends `field` to the model's location, so users read
+    `spec.workers.minReplicas (4) is greater than maxReplicas (2)`.
+    """
+    return PydanticCustomError("field_problem", "{field}: " + message, {"field": field})
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One CEL rule for the CRD's x-kubernetes-validations."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+class ApiModel(BaseModel):
+    """Base for every API object: camelCase on the wire, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+    )
+
+    def wire(self) -> dict[str, Any]:
+        """The object as it appears in a manifest: camelCase keys, unset optionals omitted."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --- workers -----------------------------------------------------------------------
+
+
+class ResourceRequirements(ApiModel):
+    """Compute resources of each worker pod, as in a Kubernetes container."""
+
+    requests: dict[str, IntOrString] = Field(
+        default_factory=dict,
+        description="Minimum resources, e.g. {cpu: 8, memory: 64Gi, nvidia.com/gpu: 8}.",
+    )
+    limits: dict[str, IntOrString] = Field(
+        default_factory=dict,
+        description="Maximum resources. GPUs (nvidia.com/gpu) must be set here.",
+    )
+
+
+class SecretKeySelector(ApiModel):
+    name: str = Field(description="Name of a Secret in the job's namespace.")
+    key: str = Field(description="Key within the Secret.")
+
+
+class EnvVarSource(ApiModel):
+    secret_key_ref: SecretKeySelector | None = Field(
+        default=None, description="Takes the value from a key of a Secret."
+    )
+    config_map_key_ref: SecretKeySelector | None = Field(
+        default=None, description="Takes the value from a key of a ConfigMap."
+    )
+    field_ref: dict[str, str] | None = Field(
+        default=None, description="Takes the value from a field of the pod (downward API)."
+    )
+
+
+class EnvVar(ApiModel):
+    """An environment variable of the trainer container."""
+
+    name: str = Field(description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: EnvVarSource | None = Field(
+        default=None, description="Where the value comes from, instead of a literal value."
+    )
+
+    @model_validator(mode="after")
+    def _credentials_come_from_secrets(self) -> EnvVar:
+        if self.name.upper() in CREDENTIAL_ENV_NAMES and self.value is not None:
+            raise problem(
+                "value",
+                f"{self.name} is a credential and must not be written into the spec: "
+                "store it in a Secret and use valueFrom.secretKeyRef "
+                "(or spec.storage.credentialsSecret for S3 keys)",
+            )
+        return self
+
+
+class PodTemplate(ApiModel):
+    """Overrides applied to every worker pod."""
+
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="Extra pod annotations."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels a worker must be scheduled on."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Pod tolerations (Kubernetes Toleration objects)."
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None, description="Pod affinity (a Kubernetes Affinity object)."
+    )
+    scheduler_name: str | None = Field(
+        default=None, description="Scheduler for the pods, e.g. a gang scheduler such as volcano."
+    )
+    priority_class_name: str | None = Field(default=None, description="Pod priority class.")
+    service_account_name: str | None = Field(
+        default=None,
+        description="Service account of the pods (for IRSA / workload identity to reach S3).",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, description="Extra environment variables of the trainer."
+    )
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, description="Extra pod volumes (Kubernetes Volume objects)."
+    )
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, description="Mounts of those volumes in the trainer container."
+    )
+
+
+class Workers(ApiModel):
+    """The group of worker pods; each runs one torchrun agent."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
+        cel("!has(self.minReplicas) || self.minReplicas <= self.replicas",
+            "minReplicas must be less than or equal to replicas", ".minReplicas"),
+        cel("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+            "replicas must be less than or equal to maxReplicas", ".replicas"),
+        cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+            "minReplicas must be less than or equal to maxReplicas", ".minReplicas"),
+        cel("self.procsPerWorker == oldSelf.procsPerWorker",
+            "procsPerWorker cannot change after creation: create a new job that resumes "
+            "from this one's checkpoint", ".procsPerWorker"),
+    ]})
+
+    replicas: int = Field(
+        default=1, ge=1, le=4096,
+        description="Number of worker pods now. Change it (or `kubectl scale`) to rescale "
+        "within minReplicas..maxReplicas; training resumes from a checkpoint.",
+    )
+    min_replicas: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="Fewest workers training may continue with (defaults to replicas).",
+    )
+    max_replicas: int | None = Field(
+        default=None, ge=1, le=4096, description="Most workers the job may scale to (defaults to replicas)."
+    )
+    procs_per_worker: int = Field(
+        default=1, ge=1, le=64,
+        description="Training processes per worker pod, normally one per GPU.",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Resources of each worker pod."
+    )
+    template: PodTemplate = Field(
+        default_factory=PodTemplate,
+        description="Pod overrides: nodeSelector, tolerations, affinity, schedulerName, "
+        "priorityClassName, serviceAccountName, env, volumes.",
+    )
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> Workers:
+        lo, hi = self.min_replicas, self.max_replicas
+        if lo is not None and hi is not None and lo > hi:
+            raise problem("minReplicas", f"({lo}) is greater than maxReplicas ({hi}): "
+                          "lower minReplicas or raise maxReplicas")
+        if lo is not None and lo > self.replicas:
+            raise problem("minReplicas", f"({lo}) is greater than replicas ({self.replicas}): "
+                          "lower minReplicas or raise replicas")
+        if hi is not None and self.replicas > hi:
+            raise problem("replicas", f"({self.replicas}) is greater than maxReplicas ({hi}): "
+                          "lower replicas or raise maxReplicas")
+        return self
+
+    @property
+    def min_workers(self) -> int:
+        return self.min_replicas if self.min_replicas is not None else self.replicas
+
+    @property
+    def max_workers(self) -> int:
+        return self.max_replicas if self.max_replicas is not None else self.replicas
+
+
+# --- model, data, optimisation -----------------------------------------------------
+
+
+class ModelSpec(ApiModel):
+    """The model: a preset, optionally with dimensions overridden, or fully custom dims."""
+
+    preset: PresetName | None = Field(
+        default="llama-125m",
+        description="Architecture preset: " + ", ".join(PRESET_NAMES) + ". Dimensions set "
+        "below override the preset's. Set to null for a fully custom model.",
+    )
+    dim: int | None = Field(default=None, ge=8, description="Hidden size.")
+    n_layers: int | None = Field(default=None, ge=1, description="Number of transformer blocks.")
+    n_heads: int | None = Field(default=None, ge=1, description="Number of attention heads.")
+    n_kv_heads: int | None = Field(
+        default=None, ge=1,
+        description="Key/value heads for grouped-query attention (divides nHeads).",
+    )
+    vocab_size: int | None = Field(
+        default=None, ge=2,
+        description="Vocabulary size; defaults to the tokenizer's when the data names one.",
+    )
+    ffn_dim: int | None = Field(default=None, ge=1, description="SwiGLU hidden size.")
+    tie_embeddings: bool | None = Field(
+        default=None, description="Share the input embedding and output projection weights."
+    )
+    rope_theta: float | None = Field(default=None, gt=0, description="Rotary embedding base.")
+    norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
+
+    @model_validator(mode="after")
+    def _dimensions_resolve(self) -> ModelSpec:
+        if self.preset is None:
+            missing = [n for n in ("dim", "n_layers", "n_heads") if getattr(self, n) is None]
+            if missing:
+                names = ", ".join(to_camel(n) for n in missing)
+                raise problem(to_camel(missing[0]),
+                              f"a custom model (preset: null) needs {names}: set them or pick a preset")
+        dims = self.resolve()
+        if dims.dim % dims.n_heads:
+            raise problem("nHeads", f"({dims.n_heads}) must divide dim ({dims.dim})")
+        if dims.n_heads % dims.n_kv_heads:
+            raise problem("nKvHeads", f"({dims.n_kv_heads}) must divide nHeads ({dims.n_heads})")
+        if (dims.dim // dims.n_heads) % 2:
+            raise problem("nHeads", f"head size dim/nHeads ({dims.dim // dims.n_heads}) must be "
+                          "even for rotary embeddings")
+        return self
+
+    def resolve(self) -> ModelDims:
+        """The final dimensions: preset values overridden by any dimension set here."""
+        base = PRESETS[self.preset] if self.preset else None
+        dim = self.dim or (base.dim if base else 0)
+        n_heads = self.n_heads or (base.n_heads if base else 1)
+
+        def pick(own: Any, preset_field: str, fallback: Any) -> Any:
+            if own is not None:
+                return own
+            return getattr(base, preset_field) if base else fallback
+
+        return ModelDims(
+            dim=dim,
+            n_layers=self.n_layers or (base.n_layers if base else 1),
+            n_heads=n_heads,
+            n_kv_heads=pick(self.n_kv_heads, "n_kv_heads", n_heads),
+            vocab_size=pick(self.vocab_size, "vocab_size", 32_000),
+            ffn_dim=pick(self.ffn_dim, "ffn_dim", _swiglu_hidden(dim)),
+            tie_embeddings=pick(self.tie_embeddings, "tie_embeddings", False),
+            rope_theta=pick(self.rope_theta, "rope_theta", 10_000.0),
+            norm_eps=self.norm_eps,
+        )
+
+    @property
+    def preset_defaults(self) -> Preset | None:
+        return PRESETS[self.preset] if self.preset else None
+
+
+def _swiglu_hidden(dim: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim, rounded up to a multiple."""
+    hidden = int(2 * 4 * dim / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class ModelDims(BaseModel):
+    """Resolved model dimensions (internal; not part of the wire format)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_dim: int
+    tie_embeddings: bool
+    rope_theta: float
+    norm_eps: float
+
+
+class DataSpec(ApiModel):
+    """Where the training data comes from: token shards written by `kubetrain prepare`."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
+        cel("self.seqLen == oldSelf.seqLen",
+            "seqLen cannot change after creation", ".seqLen"),
+    ]})
+
+    train: str = Field(
+        min_length=1,
+        description="URI of the prepared training shards: s3://bucket/prefix, file:///path or a path.",
+    )
+    validation: str | None = Field(
+        default=None,
+        description="URI of prepared validation shards; defaults to the split that "
+        "`kubetrain prepare` wrote beside the training shards, if any.",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="URI of a tokenizer.json; defaults to the one recorded with the shards.",
+    )
+    seq_len: int = Field(default=1024, ge=8, le=131_072, description="Tokens per training sequence.")
+    shuffle: bool = Field(default=True, description="Shuffle shards and samples each epoch.")
+    prefetch_shards: int = Field(
+        default=2, ge=1, le=64, description="Shards downloaded ahead of the one being read."
+    )
+
+    @field_validator("train", "validation", "tokenizer")
+    @classmethod
+    def _uri_scheme(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_uri(value)
+        return value
+
+
+def _check_uri(value: str) -> None:
+    if "://" in value and not value.startswith(("s3://", "file://")):
+        scheme = value.split("://", 1)[0]
+        raise ValueError(f"unsupported scheme {scheme}://: use s3://bucket/prefix, "
+                         "file:///path or a plain path")
+
+
+class OptimizationSpec(ApiModel):
+    """Optimizer, learning-rate schedule and batch size."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
+        cel("!has(self.warmupSteps) || self.warmupSteps < self.maxSteps",
+            "warmupSteps must be less than maxSteps", ".warmupSteps"),
+        cel("!has(self.globalBatchTokens) || !has(self.gradientAccumulationSteps)",
+            "set either globalBatchTokens or gradientAccumulationSteps, not both",
+            ".globalBatchTokens"),
+        cel("!has(self.minLrRatio) || self.minLrRatio <= 1.0",
+            "minLrRatio is a fraction of learningRate between 0 and 1", ".minLrRatio"),
+    ]})
+
+    optimizer: Literal["adamw", "adam", "sgd"] = Field(
+        default="adamw", description="Optimizer: adamw (fused on CUDA), adam or sgd."
+    )
+    learning_rate: float | None = Field(
+        default=None, gt=0, le=10,
+        description="Peak learning rate; defaults to the model preset's.",
+    )
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1,
+        description="Final learning rate as a fraction of the peak.",
+    )
+    schedule: Literal["cosine", "linear", "constant", "wsd", "cosine-restarts"] = Field(
+        default="cosine",
+        description="Learning-rate schedule after linear warmup: cosine, linear, constant, "
+        "wsd (warmup-stable-decay) or cosine-restarts.",
+    )
+    decay_fraction: float = Field(
+        default=0.2, gt=0, le=1,
+        description="wsd only: fraction of training spent in the final decay.",
+    )
+    restart_cycles: int = Field(
+        default=4, ge=1, description="cosine-restarts only: number of cosine cycles."
+    )
+    warmup_steps: int | None = Field(
+        default=None, ge=0, description="Linear warmup steps; defaults to the preset's (capped "
+        "at a tenth of maxSteps).",
+    )
+    max_steps: int = Field(default=1000, ge=1, description="Optimizer steps to train for.")
+    micro_batch_size: int = Field(
+        default=8, ge=1, description="Sequences per process per forward/backward pass."
+    )
+    gradient_accumulation_steps: int | None = Field(
+        default=None, ge=1, description="Micro-batches accumulated per optimizer step (default 1).",
+    )
+    global_batch_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Tokens per optimizer step across all processes; sets gradient "
+        "accumulation from the world size. Alternative to gradientAccumulationSteps.",
+    )
+    weight_decay: float = Field(default=0.1, ge=0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.95), description="Adam betas [beta1, beta2].",
+    )
+    eps: float = Field(default=1e-8, gt=0, description="Adam epsilon.")
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="sgd only: momentum.")
+    grad_clip_norm: float | None = Field(
+        default=1.0, gt=0, description="Clip the global gradient norm to this; null disables.",
+    )
+    seed: int = Field(default=0, ge=0, description="Seed for weights, data order and dropout.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        for beta in value:
+            if not 0 <= beta < 1:
+                raise ValueError(f"each beta must be in [0, 1), got {beta}")
+        return value
+
+    @model_validator(mode="after")
+    def _batch_and_warmup(self) -> OptimizationSpec:
+        if self.warmup_steps is not None and self.warmup_steps >= self.max_steps:
+            raise problem("warmupSteps", f"({self.warmup_steps}) must be less than maxSteps "
+                          f"({self.max_steps})")
+        if self.global_batch_tokens is not None and self.gradient_accumulation_steps is not None:
+            raise problem("globalBatchTokens", "set either globalBatchTokens or "
+                          "gradientAccumulationSteps, not both")
+        return self
+
+
+class EarlyStopping(ApiModel):
+    patience: int = Field(
+        default=0, ge=0,
+        description="Stop after this many evaluations without improvement; 0 disables.",
+    )
+    min_delta: float = Field(
+        default=0.0, ge=0, description="Smallest validation-loss decrease that counts."
+    )
+
+
+class EvaluationSpec(ApiModel):
+    """Validation during training."""
+
+    every_steps: int = Field(
+        default=200, ge=0, description="Evaluate every N optimizer steps; 0 disables."
+    )
+    batches: int = Field(
+        default=20, ge=1, description="Micro-batches per process in one evaluation."
+    )
+    early_stopping: EarlyStopping = Field(
+        default_factory=EarlyStopping, description="Stop when validation loss stops improving."
+    )
+
+
+class ParallelismSpec(ApiModel):
+    """How the model is distributed and computed."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
+        cel("self.strategy == oldSelf.strategy",
+            "strategy cannot change after creation", ".strategy"),
+    ]})
+
+    strategy: Literal["fsdp", "ddp"] = Field(
+        default="fsdp", description="fsdp (FSDP2, sharded) or ddp (replicated)."
+    )
+    precision: Literal["bf16", "fp16", "fp32"] = Field(
+        default="bf16",
+        description="Compute precision: bf16 (fp32 master weights and reductions), fp16 "
+        "(with a gradient scaler) or fp32.",
+    )
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        default="none",
+        description="Recompute activations in backward to save memory: none, selective "
+        "(every other block) or full (every block).",
+    )
+    compile: bool = Field(default=False, description="torch.compile each transformer block.")
+
+
+class CheckpointSpec(ApiModel):
+    """Where and how often training state is saved."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
+        cel("self.uri == oldSelf.uri", "uri cannot change after creation", ".uri"),
+    ]})
+
+    uri: str = Field(
+        min_length=1,
+        description="Where checkpoints go: s3://bucket/prefix, file:///path or a path. The "
+        "job resumes from the newest complete checkpoint found here.",
+    )
+    every_steps: int = Field(default=500, ge=1, description="Save every N optimizer steps.")
+    keep_last: int = Field(
+        default=3, ge=1, description="Committed checkpoints kept; older ones are deleted.",
+    )
+    async_: bool = Field(
+        default=False, alias="async",
+        description="Upload in the background while training continues.",
+    )
+    resume_from: str | None = Field(
+        default=None,
+        description="Checkpoint URI of another job to start from when this job has none yet.",
+    )
+    export: bool = Field(
+        default=True,
+        description="At the end, export the model as safetensors with a Hugging Face config.",
+    )
+
+    @field_validator("uri", "resume_from")
+    @classmethod
+    def _uri_scheme(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_uri(value)
+        return value
+
+
+class SecretReference(ApiModel):
+    """A Secret holding S3 credentials as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY keys."""
+
+    name: str = Field(min_length=1, description="Secret name in the job's namespace.")
+
+
+class StorageSpec(ApiModel):
+    """Object storage access. Credentials always come from a Secret, never the spec."""
+
+    endpoint: str | None = Field(
+        default=None, description="S3 endpoint URL for non-AWS stores (MinIO, Ceph, R2, GCS)."
+    )
+    region: str | None = Field(default=None, description="S3 region.")
+    credentials_secret: SecretReference | None = Field(
+        default=None,
+        description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and optionally "
+        "AWS_SESSION_TOKEN). Omit to use the default chain: IRSA / workload identity or the "
+        "node's role.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_credentials(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if re.search(r"(access.?key|secret.?key|password|token|credential)s?$",
+                             str(key), re.IGNORECASE) and key != "credentialsSecret":
+                    raise problem(str(key), "credentials must never be written into a "
+                                  "TrainingJob: store them in a Secret and reference it "
+                                  "with spec.storage.credentialsSecret.name")
+        return data
+
+
+class TrackingSpec(ApiModel):
+    """Optional experiment trackers; used when the package is installed in the image."""
+
+    tensorboard: bool = Field(
+        default=False, description="Write TensorBoard event files next to the checkpoints."
+    )
+    wandb_project: str | None = Field(
+        default=None, description="Weights & Biases project (WANDB_API_KEY from a Secret)."
+    )
+
+
+class MetricsSpec(ApiModel):
+    """Prometheus metrics and logging of the trainer."""
+
+    port: int = Field(
+        default=9400, ge=1024, le=65535, description="Port of rank 0's /metrics endpoint."
+    )
+    log_every_steps: int = Field(
+        default=10, ge=1, description="Log a progress line and a JSON metrics line every N steps."
+    )
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec, description="TensorBoard / Weights & Biases."
+    )
+
+
+class RunPolicy(ApiModel):
+    """How the job is restarted, bounded and cleaned up."""
+
+    max_restarts: int = Field(
+        default=5, ge=0, description="Group restarts allowed before the job fails."
+    )
+    backoff_seconds: int = Field(
+        default=10, ge=0, description="First delay before a restart; doubles on each one.",
+    )
+    max_backoff_seconds: int = Field(
+        default=600, ge=0, description="Upper bound of the restart delay."
+    )
+    permanent_exit_codes: list[int] = Field(
+        default_factory=lambda: [2, 126, 127],
+        description="Exit codes that mean a configuration or code error: the job fails "
+        "without retrying. Signals, OOM kills, evictions and node loss are always retried.",
+    )
+    repeated_failure_limit: int = Field(
+        default=3, ge=1,
+        description="The job fails when the same non-signal exit code (e.g. 1, a Python "
+        "exception) ends this many attempts in a row with no training progress in between.",
+    )
+    pending_deadline_seconds: int | None = Field(
+        default=900, ge=1,
+        description="A worker still Pending after this long is recreated (and counts as a restart).",
+    )
+    progress_deadline_seconds: int | None = Field(
+        default=1800, ge=1,
+        description="Restart the group when the training step has not advanced for this long "
+        "(hang detection); null disables.",
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, description="Fail the job after running this long."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0, description="Delete the finished job (and its pods) after this long."
+    )
+    suspend: bool = Field(
+        default=False,
+        description="true: checkpoint, delete the pods and keep the job; false: resume.",
+    )
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        default="Running",
+        description="Pods deleted when the job finishes: None, Running (keep failed pods "
+        "for their logs) or All.",
+    )
+
+
+class TrainingJobSpec(ApiModel):
+    """What to train, on what, and how."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
+        cel("self.model == oldSelf.model",
+            "model cannot change after creation: create a new job with "
+            "checkpoint.resumeFrom pointing at this one's checkpoints", ".model"),
+    ]})
+
+    image: str = Field(min_length=1, description="Trainer container image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Pull policy of the trainer image."
+    )
+    workers: Workers = Field(default_factory=Workers, description="The worker pods.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model to train.")
+    data: DataSpec = Field(description="Training and validation data.")
+    optimization: OptimizationSpec = Field(
+        default_factory=OptimizationSpec, description="Optimizer, schedule and batch size."
+    )
+    evaluation: EvaluationSpec = Field(
+        default_factory=EvaluationSpec, description="Validation and early stopping."
+    )
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec, description="Sharding, precision, checkpointing."
+    )
+    checkpoint: CheckpointSpec = Field(description="Checkpoint location and cadence.")
+    storage: StorageSpec = Field(
+        default_factory=StorageSpec, description="Object storage endpoint and credentials."
+    )
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metrics and logs.")
+    run_policy: RunPolicy = Field(
+        default_factory=RunPolicy, description="Restarts, deadlines, suspend and cleanup."
+    )
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrainingJobSpec:
+        if self.warmup_steps >= self.optimization.max_steps:
+            raise problem("optimization.warmupSteps",
+                          f"({self.warmup_steps}, from the preset) must be less than "
+                          f"maxSteps ({self.optimization.max_steps}): set warmupSteps")
+        return self
+
+    # Values with preset-dependent defaults, resolved in one place.
+    @property
+    def learning_rate(self) -> float:
+        if self.optimization.learning_rate is not None:
+            return self.optimization.learning_rate
+        preset = self.model.preset_defaults
+        return preset.learning_rate if preset else 3e-4
+
+    @property
+    def warmup_steps(self) -> int:
+        if self.optimization.warmup_steps is not None:
+            return self.optimization.warmup_steps
+        preset = self.model.preset_defaults
+        default = preset.warmup_steps if preset else 100
+        return min(default, self.optimization.max_steps // 10)
+
+    def gradient_accumulation(self, world_size: int) -> int:
+        """Micro-batches per optimizer step for `world_size` training processes."""
+        opt = self.optimization
+        if opt.global_batch_tokens is None:
+            return opt.gradient_accumulation_steps or 1
+        per_micro_step = opt.micro_batch_size * self.data.seq_len * world_size
+        return max(1, round(opt.global_batch_tokens / per_micro_step))
+
+
+# --- status --------------------------------------------------------------------------
+
+Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+
+
+class Condition(ApiModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = Field(description="Created, Running, Restarting, Suspended, Succeeded or Failed.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str | None = Field(default=None, description="One-word CamelCase reason.")
+    message: str | None = Field(default=None, description="Human-readable detail.")
+    last_transition_time: datetime | None = Field(
+        default=None, description="When the status last changed."
+    )
+
+
+class WorkersStatus(ApiModel):
+    model_config = ConfigDict(extra="ignore")
+
+    desired: int = Field(default=0, description="Workers the job wants now.")
+    ready: int = Field(default=0, description="Workers running and ready.")
+    selector: str | None = Field(
+        default=None, description="Label selector of the worker pods (for the scale subresource)."
+    )
+
+
+class Progress(ApiModel):
+    model_config = ConfigDict(extra="ignore")
+
+    step: int = Field(default=0, description="Last completed optimizer step.")
+    max_steps: int | None = Field(default=None, description="Steps to train for.")
+    loss: float | None = Field(default=None, description="Training loss at that step.")
+    tokens_per_second: float | None = Field(default=None, description="Throughput of the group.")
+    updated_at: datetime | None = Field(default=None, description="When the step last advanced.")
+
+
+class CheckpointStatus(ApiModel):
+    model_config = ConfigDict(extra="ignore")
+
+    step: int = Field(description="Step of the newest committed checkpoint.")
+    uri: str = Field(description="Where it is.")
+    time: datetime | None = Field(default=None, description="When it was committed.")
+
+
+class TrainingJobStatus(ApiModel):
+    """Observed state, written only by the operator."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    phase: Phase | None = Field(default=None, description="Pending, Running, Restarting, "
+                                "Suspended, Succeeded or Failed.")
+    conditions: list[Condition] = Field(default_factory=list, description="Detailed conditions.")
+    observed_generation: int | None = Field(
+        default=None, description="The spec generation this status describes."
+    )
+    workers: WorkersStatus = Field(default_factory=WorkersStatus, description="Worker counts.")
+    restarts: int = Field(default=0, description="Group restarts so far.")
+    restart_attempt: int = Field(
+        default=0, description="Generation of the worker group (label kubetrain.io/restart-attempt)."
+    )
+    last_restart_time: datetime | None = Field(default=None, description="When the group last restarted.")
+    last_failure: str | None = Field(default=None, description="Why the group last failed.")
+    progress: Progress = Field(default_factory=Progress, description="Training progress.")
+    latest_checkpoint: CheckpointStatus | None = Field(
+        default=None, description="Newest committed checkpoint."
+    )
+    start_time: datetime | None = Field(default=None, description="When the job first ran.")
+    completion_time: datetime | None = Field(default=None, description="When the job finished.")
+
+
+# --- the resource ----------------------------------------------------------------------
+
+
+class ObjectMeta(BaseModel):
+    """The parts of Kubernetes metadata kubetrain reads; the rest passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(description="Job name: a DNS label of at most 50 characters.")
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    uid: str | None = None
+    generation: int | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if len(value) > MAX_JOB_NAME_LENGTH or not _DNS_LABEL.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid job name: use at most {MAX_JOB_NAME_LENGTH} lowercase "
+                "letters, digits and '-', starting and ending with a letter or digit "
+                "(pods are named <job>-worker-<i>)"
+            )
+        return value
+
+
+class TrainingJob(ApiModel):
+    """A distributed training run: `kubectl apply -f` it, or `kubetrain run` it locally."""
+
+    api_version: Literal["kubetrain.io/v1alpha1"] = Field(
+        default=API_VERSION, description="kubetrain.io/v1alpha1"
+    )
+    kind: Literal["TrainingJob"] = Field(default=KIND, description="TrainingJob")
+    metadata: ObjectMeta
+    spec: TrainingJobSpec
+    status: TrainingJobStatus | None = None

@@ -1,0 +1,59 @@
+"""Fixtures shared by every test area: real servers started by the tests themselves."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Tests never reach real AWS: fake credentials, and no metadata-service lookups.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server over real HTTP on a random loopback port."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
+    """A fresh, empty bucket for one test; returns its name."""
+    import boto3
+
+    name = "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-[]")
+    name = "".join(c if c.isalnum() or c == "-" else "-" for c in name)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def minimal_manifest() -> dict:
+    """The smallest valid TrainingJob manifest: image, model preset, data, checkpoint uri."""
+    return {
+        "apiVersion": "kubetrain.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "demo"},
+        "spec": {
+            "image": "ghcr.io/kubetrain/trainer:0.1.0",
+            "model": {"preset": "tiny"},
+            "data": {"train": "s3://datasets/corpus/train"},
+            "checkpoint": {"uri": "s3://checkpoints/demo"},
+        },
+    }
