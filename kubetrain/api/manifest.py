@@ -106,7 +106,7 @@ def _is_union_tag(part: int | str) -> bool:
 
 
 def parse_job(document: Any, source: str = "") -> TrainingJob:
-    """Validate one manifest document as a TrainingJob, raising InvalidManifest with every problem."""
+    """Validate one manifest document as a TrainingJob; InvalidManifest lists every problem."""
     if not isinstance(document, dict):
         raise InvalidManifest(
             [Problem("", f"expected a mapping, got {type(document).__name__}",
@@ -140,7 +140,8 @@ def load_documents(path: str | Path) -> list[Any]:
 
 def load_job(path: str | Path) -> TrainingJob:
     """The single TrainingJob in a manifest file."""
-    jobs = [doc for doc in load_documents(path) if isinstance(doc, dict) and doc.get("kind") == KIND]
+    documents = load_documents(path)
+    jobs = [doc for doc in documents if isinstance(doc, dict) and doc.get("kind") == KIND]
     if len(jobs) != 1:
         raise InvalidManifest(
             [Problem("", f"expected exactly one TrainingJob, found {len(jobs)}")], str(path)

@@ -68,6 +68,8 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-PresetName = Literal["tiny", "llama-125m", "llama-350m", "llama-1b", "llama-3b", "llama-7b", "llama-8b"]
+PresetName = Literal[
+    "tiny", "llama-125m", "llama-350m", "llama-1b", "llama-3b", "llama-7b", "llama-8b"
+]
 PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
 assert set(PRESET_NAMES) == set(PRESETS), "PresetName and PRESETS disagree"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,14 +25,15 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
 from kubetrain.api.presets import PRESET_NAMES, PRESETS, Preset, PresetName
 
 GROUP = "kubetrain.io"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "TrainingJob"
+API_VERSION: Final = "kubetrain.io/v1alpha1"
+KIND: Final = "TrainingJob"
 PLURAL = "trainingjobs"
 
 # Names of worker pods are `<job>-worker-<index>` and must stay DNS labels (<= 63).
@@ -57,9 +58,9 @@ def problem(field: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("field_problem", "{field}: " + message, {"field": field})
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     """One CEL rule for the CRD's x-kubernetes-validations."""
-    entry = {"rule": rule, "message": message}
+    entry: JsonDict = {"rule": rule, "message": message}
     if field_path:
         entry["fieldPath"] = field_path
     return entry
@@ -177,7 +178,8 @@ class Workers(ApiModel):
             "minReplicas must be less than or equal to replicas", ".minReplicas"),
         cel("!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
             "replicas must be less than or equal to maxReplicas", ".replicas"),
-        cel("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+        cel("!has(self.minReplicas) || !has(self.maxReplicas) "
+            "|| self.minReplicas <= self.maxReplicas",
             "minReplicas must be less than or equal to maxReplicas", ".minReplicas"),
         cel("self.procsPerWorker == oldSelf.procsPerWorker",
             "procsPerWorker cannot change after creation: create a new job that resumes "
@@ -194,7 +196,8 @@ class Workers(ApiModel):
         description="Fewest workers training may continue with (defaults to replicas).",
     )
     max_replicas: int | None = Field(
-        default=None, ge=1, le=4096, description="Most workers the job may scale to (defaults to replicas)."
+        default=None, ge=1, le=4096,
+        description="Most workers the job may scale to (defaults to replicas).",
     )
     procs_per_worker: int = Field(
         default=1, ge=1, le=64,
@@ -238,10 +241,10 @@ class Workers(ApiModel):
 class ModelSpec(ApiModel):
     """The model: a preset, optionally with dimensions overridden, or fully custom dims."""
 
-    preset: PresetName | None = Field(
+    preset: PresetName | Literal["custom"] = Field(
         default="llama-125m",
         description="Architecture preset: " + ", ".join(PRESET_NAMES) + ". Dimensions set "
-        "below override the preset's. Set to null for a fully custom model.",
+        "below override the preset's; `custom` builds the model from the dimensions alone.",
     )
     dim: int | None = Field(default=None, ge=8, description="Hidden size.")
     n_layers: int | None = Field(default=None, ge=1, description="Number of transformer blocks.")
@@ -263,12 +266,12 @@ class ModelSpec(ApiModel):
 
     @model_validator(mode="after")
     def _dimensions_resolve(self) -> ModelSpec:
-        if self.preset is None:
+        if self.preset == "custom":
             missing = [n for n in ("dim", "n_layers", "n_heads") if getattr(self, n) is None]
             if missing:
                 names = ", ".join(to_camel(n) for n in missing)
                 raise problem(to_camel(missing[0]),
-                              f"a custom model (preset: null) needs {names}: set them or pick a preset")
+                              f"a custom model needs {names}: set them or pick a preset")
         dims = self.resolve()
         if dims.dim % dims.n_heads:
             raise problem("nHeads", f"({dims.n_heads}) must divide dim ({dims.dim})")
@@ -281,7 +284,7 @@ class ModelSpec(ApiModel):
 
     def resolve(self) -> ModelDims:
         """The final dimensions: preset values overridden by any dimension set here."""
-        base = PRESETS[self.preset] if self.preset else None
+        base = self.preset_defaults
         dim = self.dim or (base.dim if base else 0)
         n_heads = self.n_heads or (base.n_heads if base else 1)
 
@@ -304,7 +307,7 @@ class ModelSpec(ApiModel):
 
     @property
     def preset_defaults(self) -> Preset | None:
-        return PRESETS[self.preset] if self.preset else None
+        return PRESETS.get(self.preset)
 
 
 def _swiglu_hidden(dim: int, multiple_of: int = 256) -> int:
@@ -339,7 +342,8 @@ class DataSpec(ApiModel):
 
     train: str = Field(
         min_length=1,
-        description="URI of the prepared training shards: s3://bucket/prefix, file:///path or a path.",
+        description="URI of the prepared training shards: s3://bucket/prefix, file:///path "
+        "or a path.",
     )
     validation: str | None = Field(
         default=None,
@@ -350,7 +354,9 @@ class DataSpec(ApiModel):
         default=None,
         description="URI of a tokenizer.json; defaults to the one recorded with the shards.",
     )
-    seq_len: int = Field(default=1024, ge=8, le=131_072, description="Tokens per training sequence.")
+    seq_len: int = Field(
+        default=1024, ge=8, le=131_072, description="Tokens per training sequence."
+    )
     shuffle: bool = Field(default=True, description="Shuffle shards and samples each epoch.")
     prefetch_shards: int = Field(
         default=2, ge=1, le=64, description="Shards downloaded ahead of the one being read."
@@ -620,7 +626,8 @@ class RunPolicy(ApiModel):
     )
     pending_deadline_seconds: int | None = Field(
         default=900, ge=1,
-        description="A worker still Pending after this long is recreated (and counts as a restart).",
+        description="A worker still Pending after this long is recreated (and counts as a "
+        "restart).",
     )
     progress_deadline_seconds: int | None = Field(
         default=1800, ge=1,
@@ -756,6 +763,14 @@ class CheckpointStatus(ApiModel):
     time: datetime | None = Field(default=None, description="When it was committed.")
 
 
+class FailureStreak(ApiModel):
+    model_config = ConfigDict(extra="ignore")
+
+    exit_code: int = Field(description="Exit code that ended the latest attempts.")
+    count: int = Field(description="Attempts in a row it ended with no training progress between.")
+    step: int = Field(description="Training step when the streak began.")
+
+
 class TrainingJobStatus(ApiModel):
     """Observed state, written only by the operator."""
 
@@ -770,9 +785,12 @@ class TrainingJobStatus(ApiModel):
     workers: WorkersStatus = Field(default_factory=WorkersStatus, description="Worker counts.")
     restarts: int = Field(default=0, description="Group restarts so far.")
     restart_attempt: int = Field(
-        default=0, description="Generation of the worker group (label kubetrain.io/restart-attempt)."
+        default=0,
+        description="Generation of the worker group (label kubetrain.io/restart-attempt).",
     )
-    last_restart_time: datetime | None = Field(default=None, description="When the group last restarted.")
+    last_restart_time: datetime | None = Field(
+        default=None, description="When the group last restarted."
+    )
     last_failure: str | None = Field(default=None, description="Why the group last failed.")
     progress: Progress = Field(default_factory=Progress, description="Training progress.")
     latest_checkpoint: CheckpointStatus | None = Field(
@@ -780,6 +798,14 @@ class TrainingJobStatus(ApiModel):
     )
     start_time: datetime | None = Field(default=None, description="When the job first ran.")
     completion_time: datetime | None = Field(default=None, description="When the job finished.")
+    failure_streak: FailureStreak | None = Field(
+        default=None,
+        description="The same non-signal exit code ending consecutive attempts (repeatedFailureLimit).",
+    )
+    kopf: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Handler progress of the kopf framework, kept here instead of annotations.",
+    )
 
 
 # --- the resource ----------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""The generated CRD: committed file, Kubernetes schemas, structural rules, CEL rules."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import kubernetes_validate
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kubetrain.api import InvalidManifest, parse_job
+from kubetrain.api.crd import custom_resource_definition, open_api_schema, render
+
+REPO = Path(__file__).resolve().parents[2]
+OLDEST_KUBERNETES = "1.28.0"  # CEL fieldPath needs 1.28; the chart declares the same floor
+
+
+def test_committed_crd_matches_what_kubetrain_crd_prints() -> None:
+    committed = (REPO / "crds" / "trainingjob.yaml").read_text()
+    assert committed == render(), "stale: run `kubetrain crd -o crds/trainingjob.yaml`"
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_crd_is_a_valid_custom_resource_definition(version: str) -> None:
+    kubernetes_validate.validate(custom_resource_definition(), version, strict=True)
+
+
+def _walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    nodes = [(path, schema)]
+    for name, child in schema.get("properties", {}).items():
+        nodes += _walk(child, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            nodes += _walk(schema[key], f"{path}[{key}]")
+    return nodes
+
+
+def test_schema_is_structural() -> None:
+    """Kubernetes' structural-schema rules, checked node by node."""
+    for path, node in _walk(open_api_schema()):
+        assert "$ref" not in node and "anyOf" not in node and "oneOf" not in node, path
+        assert "allOf" not in node and "not" not in node, path
+        free_form = node.get("x-kubernetes-int-or-string") or node.get(
+            "x-kubernetes-preserve-unknown-fields")
+        assert "type" in node or free_form, f"{path} has no type"
+        assert not ("properties" in node and "additionalProperties" in node), path
+        assert "nullable" not in node, path
+        if isinstance(node.get("exclusiveMinimum"), (int, float)):
+            assert isinstance(node["exclusiveMinimum"], bool), path  # OpenAPI v3.0 form
+
+
+def test_pod_template_free_form_fields_preserve_unknown_fields() -> None:
+    spec = open_api_schema()["properties"]["spec"]
+    props = spec["properties"]["workers"]["properties"]["template"]["properties"]
+    assert props["affinity"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert props["tolerations"]["items"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert props["volumes"]["items"]["x-kubernetes-preserve-unknown-fields"] is True
+
+
+def test_scale_subresource_and_printer_columns() -> None:
+    version = custom_resource_definition()["spec"]["versions"][0]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.workers.replicas"
+    assert "status" in version["subresources"]
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Phase", "Step", "Loss", "Workers", "Age"]
+
+
+# --- CEL rules: the API server's checks must agree with the models' ------------------------
+
+def _rules() -> list[tuple[tuple[str, ...], dict[str, str]]]:
+    found = []
+
+    def visit(node: dict[str, Any], at: tuple[str, ...]) -> None:
+        for rule in node.get("x-kubernetes-validations", []):
+            found.append((at, rule))
+        for name, child in node.get("properties", {}).items():
+            visit(child, (*at, name))
+
+    visit(open_api_schema(), ())
+    return found
+
+
+_CEL = celpy.Environment()
+
+
+def _lookup(document: dict[str, Any], at: tuple[str, ...]) -> Any:
+    for part in at:
+        if not isinstance(document, dict) or part not in document:
+            return None
+        document = document[part]
+    return document
+
+
+def cel_violations(new: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """Messages of every CEL rule the API server would fail for this create (or update)."""
+    failed = []
+    for at, rule in _rules():
+        value = _lookup(new, at)
+        if value is None:
+            continue
+        is_transition = "oldSelf" in rule["rule"]
+        old_value = _lookup(old, at) if old is not None else None
+        if is_transition and old_value is None:
+            continue  # transition rules only run on updates where the old value exists
+        activation = {"self": celpy.json_to_cel(value)}
+        if is_transition:
+            activation["oldSelf"] = celpy.json_to_cel(old_value)
+        if not _CEL.program(_CEL.compile(rule["rule"])).evaluate(activation):
+            failed.append(rule["message"])
+    return failed
+
+
+def _with(manifest: dict[str, Any], section: str, values: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(manifest)
+    doc["spec"].setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    return doc
+
+
+def _models_accept(document: dict[str, Any]) -> bool:
+    try:
+        parse_job(document)
+        return True
+    except InvalidManifest:
+        return False
+
+
+counts = st.one_of(st.none(), st.integers(min_value=1, max_value=12))
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # copied, never mutated
+@given(replicas=st.integers(min_value=1, max_value=12), low=counts, high=counts)
+def test_cel_replica_rules_agree_with_the_models(
+    minimal_manifest: dict[str, Any], replicas: int, low: int | None, high: int | None
+) -> None:
+    document = _with(minimal_manifest, "workers",
+                     {"replicas": replicas, "minReplicas": low, "maxReplicas": high})
+    assert (not cel_violations(document)) == _models_accept(document)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # copied, never mutated
+@given(warmup=st.one_of(st.none(), st.integers(0, 300)), max_steps=st.integers(1, 300),
+       tokens=st.one_of(st.none(), st.integers(1, 10**6)),
+       accumulation=st.one_of(st.none(), st.integers(1, 8)))
+def test_cel_optimization_rules_agree_with_the_models(
+    minimal_manifest: dict[str, Any], warmup: int | None, max_steps: int,
+    tokens: int | None, accumulation: int | None,
+) -> None:
+    document = _with(minimal_manifest, "optimization", {
+        # An explicit warmup, so the models' preset-derived default plays no part.
+        "warmupSteps": warmup if warmup is not None else 0, "maxSteps": max_steps,
+        "globalBatchTokens": tokens, "gradientAccumulationSteps": accumulation,
+    })
+    assert (not cel_violations(document)) == _models_accept(document)
+
+
+def _stored(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The object as the API server stores it: schema defaults applied."""
+    return parse_job(manifest).model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+@pytest.mark.parametrize(("section", "change"), [
+    ("model", {"preset": "llama-350m"}),
+    ("checkpoint", {"uri": "s3://elsewhere/ckpt"}),
+    ("data", {"seqLen": 4096}),
+    ("parallelism", {"strategy": "ddp"}),
+    ("workers", {"procsPerWorker": 4}),
+])
+def test_fields_that_must_not_change_are_rejected_on_update(
+    minimal_manifest: dict[str, Any], section: str, change: dict[str, Any]
+) -> None:
+    old = _stored(minimal_manifest)
+    new = copy.deepcopy(old)
+    new["spec"][section].update(change)
+    assert cel_violations(new, old), f"changing spec.{section} was allowed"
+
+
+def test_scaling_and_suspending_are_allowed_updates(minimal_manifest: dict[str, Any]) -> None:
+    minimal_manifest["spec"]["workers"] = {"replicas": 2, "minReplicas": 1, "maxReplicas": 4}
+    old = _stored(minimal_manifest)
+    new = copy.deepcopy(old)
+    new["spec"]["workers"]["replicas"] = 4
+    new["spec"]["runPolicy"] = {"suspend": True}
+    assert cel_violations(new, old) == []
+
+
+def test_long_job_names_are_rejected_by_cel_and_models(minimal_manifest: dict[str, Any]) -> None:
+    document = copy.deepcopy(minimal_manifest)
+    document["metadata"]["name"] = "a" * 51
+    assert cel_violations(document)
+    assert not _models_accept(document)
+
+
+def test_crd_yaml_parses_as_one_document() -> None:
+    assert len(list(yaml.safe_load_all(render()))) == 1
