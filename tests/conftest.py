@@ -57,3 +57,30 @@ def minimal_manifest() -> dict:
             "checkpoint": {"uri": "s3://checkpoints/demo"},
         },
     }
+
+
+@pytest.fixture(scope="session")
+def prepared_corpus(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """A small real corpus prepared with `kubetrain prepare` into a temp folder.
+
+    About 300 KB of the Python standard library's own `.py` sources, a byte-level
+    BPE tokenizer of 2048 entries (the `tiny` preset's vocabulary), 16 Ki-token
+    shards and a 1-in-10-documents validation split. Returns a
+    `kubetrain.trainer.prepare.PreparedDataset`: use `.train_uri` for
+    spec.data.train (validation is found beside it), `.validation_uri`,
+    `.tokenizer_uri`, and `.train.vocab_size` / `.train.total_tokens`.
+    """
+    import sysconfig
+
+    from kubetrain.trainer.prepare import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = tmp_path_factory.mktemp("corpus-text")
+    total = 0
+    for source in sorted(stdlib.glob("*.py")):
+        size = source.stat().st_size
+        if size <= 20_000 and total + size <= 300_000:
+            (corpus / source.name).write_bytes(source.read_bytes())
+            total += size
+    return prepare([str(corpus)], str(tmp_path_factory.mktemp("corpus")), vocab_size=2048,
+                   shard_tokens=16 * 1024, validation_fraction=0.1, progress=False)

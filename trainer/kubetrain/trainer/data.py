@@ -1,0 +1,264 @@
+"""The streaming, resumable training data: token shards (from `kubetrain prepare`) to batches.
+
+Use (what the training loop does):
+
+    train, validation = build_datasets(job.spec, rank=rank, world_size=world)
+    inputs, targets = next(train)        # int64 tensors [micro_batch_size, seq_len] (CPU)
+    state = train.state_dict()           # {"position": ..., ...}: identical on every rank
+    train.load_state_dict(state)         # continue exactly there, with any world size
+    validation.rewind()                  # before each evaluation pass: the same batches
+    train.close()                        # stop the prefetch thread
+
+or `TokenDataset(uri, seq_len=..., micro_batch_size=..., rank=..., world_size=...)`.
+
+The order of samples is defined once for the whole job, independent of the
+number of ranks:
+- a *sample* is `seq_len + 1` consecutive tokens of one shard, starting at a
+  multiple of `seq_len` (so inputs and targets of neighbouring samples share one
+  token and no token is wasted); the tail of a shard shorter than that is skipped;
+- epoch `e` visits the shards in a permutation drawn from `(seed, e)` and the
+  samples of each shard in a permutation drawn from `(seed, e, shard)`; with
+  `shuffle=False` both are the identity;
+- the *position* is the number of samples the whole job has consumed. Each call
+  to `next()` is one micro-step of every rank together: rank `r` of `W` takes
+  the samples at `position + r * B ... position + r * B + B - 1` and every rank
+  advances the position by `W * B`.
+So ranks never share a sample, and a job resumed from a checkpoint with another
+world size continues at the same global sample: nothing is repeated or skipped.
+
+Every rank streams the shards it needs, in order, from S3 or disk: a background
+thread downloads the current shard and the next `prefetch_shards` ones (verifying
+size and sha256 against the index) while training runs; at most
+`prefetch_shards + 1` shards are held in memory and the dataset is never
+downloaded whole. Ranks read the same shards (each keeps only its own samples):
+at 2-4 bytes per token that costs a few MB/s per rank even for large global
+batches, and it is what keeps the order independent of the world size. No
+DataLoader worker processes are needed: building a batch is an index copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from kubetrain.trainer.prepare import INDEX_NAME, DatasetIndex, ShardInfo
+from kubetrain.trainer.storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
+
+
+class CorruptShard(RuntimeError):
+    """A shard whose bytes do not match its index entry (size or sha256)."""
+
+
+class TokenDataset:
+    """Batches of (inputs, targets) for one rank; an endless iterator over epochs."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        prefetch_shards: int = 2,
+        storage: StorageSpec | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        self.uri = uri
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.prefetch_shards = prefetch_shards
+        self._store: Storage = open_storage(uri, storage)
+        self.index = DatasetIndex.load(self._store)
+        self._samples = np.array(
+            [max(0, (shard.tokens - 1) // seq_len) for shard in self.index.shards], dtype=np.int64
+        )
+        self.samples_per_epoch = int(self._samples.sum())
+        if self.samples_per_epoch < world_size * micro_batch_size:
+            raise ValueError(
+                f"{uri} holds {self.samples_per_epoch} sequences of {seq_len + 1} tokens, fewer "
+                f"than one micro-batch of all ranks ({world_size} x {micro_batch_size}): use "
+                "more data or a smaller seqLen / microBatchSize"
+            )
+        self.position = 0
+        self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._sample_orders: dict[tuple[int, int], np.ndarray] = {}
+        self._downloads = ThreadPoolExecutor(max_workers=prefetch_shards,
+                                             thread_name_prefix="shard-prefetch")
+        self._shards: dict[int, Future[np.ndarray]] = {}
+        self._current_shard = -1
+
+    # --- position ----------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.samples_per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position and what it depends on; the same on every rank."""
+        return {"position": self.position, "seq_len": self.seq_len, "seed": self.seed,
+                "shuffle": self.shuffle, "samples_per_epoch": self.samples_per_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; refuses one that means other samples here."""
+        for name in ("seq_len", "seed", "shuffle", "samples_per_epoch"):
+            if name in state and state[name] != getattr(self, name):
+                raise ValueError(
+                    f"the data position was saved with {name}={state[name]}, but this run has "
+                    f"{name}={getattr(self, name)} ({self.uri}): resuming would not continue "
+                    "the same sample order; keep the data, seqLen and seed of the checkpoint"
+                )
+        self.position = int(state["position"])
+        self._current_shard = -1  # re-plan the prefetch window from the new position
+
+    def rewind(self) -> None:
+        """Back to the first sample: evaluation passes see the same batches each time."""
+        self.position = 0
+        self._current_shard = -1
+
+    # --- iteration ---------------------------------------------------------------------
+
+    def __iter__(self) -> TokenDataset:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.position + self.rank * self.micro_batch_size
+        rows = np.stack([self._sample(first + i) for i in range(self.micro_batch_size)])
+        self.position += self.world_size * self.micro_batch_size
+        batch = torch.from_numpy(rows.astype(np.int64))
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def sample_ids(self, position: int) -> tuple[int, int]:
+        """(shard, sample within the shard) of the sample at a global position."""
+        epoch, offset = divmod(position, self.samples_per_epoch)
+        order, ends = self._epoch(epoch)
+        slot = int(np.searchsorted(ends, offset, side="right"))
+        shard = int(order[slot])
+        local = offset - (int(ends[slot - 1]) if slot else 0)
+        return shard, int(self._sample_order(epoch, shard)[local])
+
+    def _sample(self, position: int) -> np.ndarray:
+        shard, sample = self.sample_ids(position)
+        tokens = self._shard(shard, position)
+        start = sample * self.seq_len
+        return tokens[start:start + self.seq_len + 1]
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The shard order of an epoch and the cumulative sample counts along it."""
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            count = len(self.index.shards)
+            order = (np.random.default_rng([self.seed, epoch]).permutation(count)
+                     if self.shuffle else np.arange(count))
+            self._epoch_cache = (epoch, order, np.cumsum(self._samples[order]))
+            self._sample_orders.clear()
+        return self._epoch_cache[1], self._epoch_cache[2]
+
+    def _sample_order(self, epoch: int, shard: int) -> np.ndarray:
+        if (epoch, shard) not in self._sample_orders:
+            count = int(self._samples[shard])
+            self._sample_orders[(epoch, shard)] = (
+                np.random.default_rng([self.seed, epoch, shard]).permutation(count)
+                if self.shuffle else np.arange(count)
+            )
+        return self._sample_orders[(epoch, shard)]
+
+    # --- shards and prefetch -------------------------------------------------------------
+
+    def _upcoming_shards(self, position: int) -> list[int]:
+        """The shard holding `position` and the next `prefetch_shards` ones in visiting order."""
+        epoch, offset = divmod(position, self.samples_per_epoch)
+        order, ends = self._epoch(epoch)
+        slot = int(np.searchsorted(ends, offset, side="right"))
+        wanted = min(self.prefetch_shards + 1, int(np.count_nonzero(self._samples)))
+        upcoming: list[int] = []
+        while len(upcoming) < wanted:
+            if slot == len(order):
+                # Peek at the next epoch's order without disturbing the current one's cache.
+                epoch, slot = epoch + 1, 0
+                order = (np.random.default_rng([self.seed, epoch]).permutation(len(order))
+                         if self.shuffle else np.arange(len(order)))
+            shard = int(order[slot])
+            if self._samples[shard] and shard not in upcoming:
+                upcoming.append(shard)
+            slot += 1
+        return upcoming
+
+    def _shard(self, shard: int, position: int) -> np.ndarray:
+        if shard != self._current_shard:
+            # Entering a shard: hold it and the next ones, drop the ones behind.
+            self._current_shard = shard
+            upcoming = self._upcoming_shards(position)
+            for behind in [held for held in self._shards if held not in upcoming]:
+                del self._shards[behind]
+            for ahead in upcoming:
+                if ahead not in self._shards:
+                    self._shards[ahead] = self._downloads.submit(
+                        self._download, self.index.shards[ahead]
+                    )
+        return self._shards[shard].result()
+
+    def _download(self, shard: ShardInfo) -> np.ndarray:
+        data = self._store.read_bytes(shard.name)
+        if len(data) != shard.bytes or hashlib.sha256(data).hexdigest() != shard.sha256:
+            raise CorruptShard(
+                f"{self._store.uri}/{shard.name} does not match {INDEX_NAME} "
+                f"({len(data)} bytes, expected {shard.bytes} with sha256 {shard.sha256}): "
+                "the shard was truncated or modified; run `kubetrain prepare` again"
+            )
+        return np.frombuffer(data, dtype=self.index.dtype)
+
+    def close(self) -> None:
+        """Stop the prefetch thread and drop held shards."""
+        self._downloads.shutdown(wait=False, cancel_futures=True)
+        self._shards.clear()
+        self._current_shard = -1
+
+    def __repr__(self) -> str:
+        return (f"TokenDataset({self.uri!r}, rank {self.rank}/{self.world_size}, "
+                f"position {self.position}, epoch {self.epoch})")
+
+
+def build_datasets(
+    spec: TrainingJobSpec, *, rank: int, world_size: int
+) -> tuple[TokenDataset, TokenDataset | None]:
+    """The training dataset of this rank and, if there is one, the validation dataset.
+
+    Validation comes from `spec.data.validation`, else from the `validation` split
+    that `kubetrain prepare` wrote beside the training split; it is not shuffled.
+    """
+    data, opt = spec.data, spec.optimization
+    train = TokenDataset(
+        data.train, seq_len=data.seq_len, micro_batch_size=opt.micro_batch_size, rank=rank,
+        world_size=world_size, seed=opt.seed, shuffle=data.shuffle,
+        prefetch_shards=data.prefetch_shards, storage=spec.storage,
+    )
+    validation_uri = data.validation or _validation_beside(data.train, spec.storage)
+    if validation_uri is None:
+        return train, None
+    validation = TokenDataset(
+        validation_uri, seq_len=data.seq_len, micro_batch_size=opt.micro_batch_size, rank=rank,
+        world_size=world_size, seed=opt.seed, shuffle=False, prefetch_shards=1,
+        storage=spec.storage,
+    )
+    return train, validation
+
+
+def _validation_beside(train_uri: str, storage: StorageSpec | None) -> str | None:
+    parent, _, name = train_uri.rstrip("/").rpartition("/")
+    if name != "train" or not parent:
+        return None
+    candidate = f"{parent}/validation"
+    return candidate if open_storage(candidate, storage).exists(INDEX_NAME) else None
