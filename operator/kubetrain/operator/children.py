@@ -1,0 +1,240 @@
+"""The Kubernetes objects a TrainingJob owns, as pure functions of the job.
+
+`worker_pod`, `service` and `config_map` build plain manifests (dicts) and touch no
+API: the operator creates what they return, `kubetrain run --dry-run` prints it, and
+tests validate it against the Kubernetes schema. Restart and scaling decisions live
+in `kubetrain.operator.reconcile`, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
+
+JOB_LABEL = "kubetrain.io/job-name"
+INDEX_LABEL = "kubetrain.io/worker-index"
+ATTEMPT_LABEL = "kubetrain.io/restart-attempt"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetrain"}
+
+TRAINER_CONTAINER = "trainer"
+RENDEZVOUS_PORT = 29400
+CONFIG_DIR = "/etc/kubetrain"
+CONFIG_KEY = "job.yaml"
+
+# A SIGTERM makes every rank agree on a step, save one checkpoint together and exit;
+# uploading a large sharded checkpoint can take minutes, so the kubelet must wait.
+TERMINATION_GRACE_SECONDS = 300
+
+# Kueue's plain-pod integration admits a group of pods as one workload.
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+
+# Keys of the Secret named by spec.storage.credentialsSecret; the session token is optional.
+_CREDENTIAL_KEYS = (
+    ("AWS_ACCESS_KEY_ID", False),
+    ("AWS_SECRET_ACCESS_KEY", False),
+    ("AWS_SESSION_TOKEN", True),
+)
+
+# The trainer image runs as this unprivileged user.
+_TRAINER_UID = 1000
+
+
+def pod_name(job_name: str, index: int) -> str:
+    """`<job>-worker-<index>`: stable across restarts so the rendezvous host keeps its DNS name."""
+    return f"{job_name}-worker-{index}"
+
+
+def config_map_name(job_name: str) -> str:
+    return f"{job_name}-config"
+
+
+def worker_selector(job_name: str) -> str:
+    """Label selector of the job's worker pods (status.workers.selector, for `kubectl scale`)."""
+    return f"{JOB_LABEL}={job_name}"
+
+
+def owner_reference(job: TrainingJob) -> dict[str, Any]:
+    """Makes a child garbage-collected with its job."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.metadata.name,
+        "uid": job.metadata.uid or "",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: TrainingJob, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "labels": {**MANAGED_BY, JOB_LABEL: job.metadata.name, **labels},
+        "ownerReferences": [owner_reference(job)],
+    }
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    return meta
+
+
+def service(job: TrainingJob) -> dict[str, Any]:
+    """The headless Service that gives each worker the DNS name `<pod>.<job>`.
+
+    Not-ready addresses are published because workers must find the rendezvous host
+    before any of them is ready.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, job.metadata.name, {}),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {JOB_LABEL: job.metadata.name},
+            "ports": [
+                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT},
+                {"name": "metrics", "port": job.spec.metrics.port,
+                 "targetPort": job.spec.metrics.port},
+            ],
+        },
+    }
+
+
+def job_snapshot(job: TrainingJob) -> str:
+    """The manifest the trainer reads at /etc/kubetrain/job.yaml: the spec, without status."""
+    meta: dict[str, Any] = {"name": job.metadata.name}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    document = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
+                "spec": job.spec.wire()}
+    return yaml.safe_dump(document, sort_keys=False)
+
+
+def config_map(job: TrainingJob) -> dict[str, Any]:
+    """The ConfigMap `<job>-config` holding the trainer's config snapshot."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, config_map_name(job.metadata.name), {}),
+        "data": {CONFIG_KEY: job_snapshot(job)},
+    }
+
+
+def torchrun_env(job: TrainingJob) -> list[dict[str, Any]]:
+    """torchrun's options as PET_* variables: elastic nnodes, c10d rendezvous at worker 0."""
+    workers = job.spec.workers
+    name = job.metadata.name
+    return [
+        {"name": "PET_NNODES", "value": f"{workers.min_workers}:{workers.max_workers}"},
+        {"name": "PET_NPROC_PER_NODE", "value": str(workers.procs_per_worker)},
+        {"name": "PET_RDZV_BACKEND", "value": "c10d"},
+        {"name": "PET_RDZV_ENDPOINT", "value": f"{pod_name(name, 0)}.{name}:{RENDEZVOUS_PORT}"},
+        # The uid, not the name: a re-created job of the same name must not join stale rendezvous.
+        {"name": "PET_RDZV_ID", "value": job.metadata.uid or name},
+        {"name": "PET_MAX_RESTARTS", "value": str(job.spec.run_policy.max_restarts)},
+    ]
+
+
+def credentials_env(job: TrainingJob) -> list[dict[str, Any]]:
+    """S3 keys taken from the referenced Secret at run time; values never enter a manifest."""
+    secret = job.spec.storage.credentials_secret
+    if secret is None:
+        return []
+    return [
+        {"name": key, "valueFrom": {"secretKeyRef": {
+            "name": secret.name, "key": key, **({"optional": True} if optional else {})}}}
+        for key, optional in _CREDENTIAL_KEYS
+    ]
+
+
+def _kueue_metadata(job: TrainingJob) -> tuple[dict[str, str], dict[str, str]]:
+    queue = job.metadata.labels.get(KUEUE_QUEUE_LABEL)
+    if not queue:
+        return {}, {}
+    labels = {KUEUE_QUEUE_LABEL: queue, KUEUE_GROUP_LABEL: job.metadata.name}
+    annotations = {KUEUE_GROUP_COUNT: str(job.spec.workers.replicas)}
+    return labels, annotations
+
+
+def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, Any]:
+    """Worker pod `index` of the group, in its `restart_attempt`-th incarnation."""
+    spec = job.spec
+    template = spec.workers.template
+    name = job.metadata.name
+    kueue_labels, kueue_annotations = _kueue_metadata(job)
+    labels = {
+        **template.labels,
+        **kueue_labels,
+        INDEX_LABEL: str(index),
+        ATTEMPT_LABEL: str(restart_attempt),
+    }
+    metadata = _metadata(job, pod_name(name, index), labels)
+    annotations = {**template.annotations, **kueue_annotations}
+    if annotations:
+        metadata["annotations"] = annotations
+
+    container: dict[str, Any] = {
+        "name": TRAINER_CONTAINER,
+        "image": spec.image,
+        "command": ["torchrun", "-m", "kubetrain.trainer", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "env": [
+            *torchrun_env(job),
+            *credentials_env(job),
+            *(env.wire() for env in template.env),
+        ],
+        "ports": [
+            {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+            {"name": "metrics", "containerPort": spec.metrics.port},
+        ],
+        "resources": spec.workers.resources.wire(),
+        "volumeMounts": [
+            {"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *template.volume_mounts,
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+        },
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+
+    pod_spec: dict[str, Any] = {
+        "hostname": pod_name(name, index),
+        "subdomain": name,
+        # The operator owns restarts: a failed pod is replaced, never restarted in place.
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": _TRAINER_UID,
+            "runAsGroup": _TRAINER_UID,
+            "fsGroup": _TRAINER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            {"name": "job-config", "configMap": {"name": config_map_name(name)}},
+            # NCCL and DataLoader workers share tensors through /dev/shm; the default is 64 MiB.
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *template.volumes,
+        ],
+    }
+    optional = {
+        "nodeSelector": template.node_selector or None,
+        "tolerations": template.tolerations or None,
+        "affinity": template.affinity,
+        "schedulerName": template.scheduler_name,
+        "priorityClassName": template.priority_class_name,
+        "serviceAccountName": template.service_account_name,
+    }
+    pod_spec.update({key: value for key, value in optional.items() if value is not None})
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

@@ -1,0 +1,120 @@
+"""Run the TrainingJob operator (kopf): keep each job's worker pods, status and progress current.
+
+Watches TrainingJobs in all namespaces, or in those given with --namespace, and
+their pods. Serves its Prometheus metrics on --metrics-port (/metrics) and a
+liveness probe on --health-port (/healthz). Several replicas coordinate through
+kopf peering (the KopfPeering resources must be installed, as the Helm chart
+does): only the one with the highest priority acts; --standalone skips that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """How one operator process runs."""
+
+    namespaces: tuple[str, ...] = ()
+    resync_seconds: float = 10.0
+    scrape_timeout_seconds: float = 2.0
+    standalone: bool = False
+    peering_name: str = "kubetrain"
+    priority: int = 0
+    metrics_port: int = 9090
+    health_port: int = 8080
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", action="append", default=[], metavar="NS",
+                        help="watch this namespace (repeatable; default: all namespaces)")
+    parser.add_argument("--metrics-port", type=int, default=9090,
+                        help="port of the operator's /metrics (default: 9090)")
+    parser.add_argument("--health-port", type=int, default=8080,
+                        help="port of the liveness probe /healthz (default: 8080)")
+    parser.add_argument("--standalone", action="store_true",
+                        help="act without peering (a single replica, or local development)")
+    parser.add_argument("--resync-seconds", type=float, default=10.0,
+                        help="how often each job is re-checked and rank 0's metrics scraped "
+                        "(default: 10)")
+    parser.add_argument("--verbose", action="store_true", help="log debug messages")
+
+
+def config_from(args: argparse.Namespace) -> OperatorConfig:
+    return OperatorConfig(
+        namespaces=tuple(args.namespace),
+        resync_seconds=args.resync_seconds,
+        standalone=args.standalone,
+        # Replicas of one Deployment need distinct priorities: kopf pauses all of a tie.
+        priority=random.randrange(1, 2**31),
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+    )
+
+
+def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
+          ready_flag: threading.Event | None = None) -> None:
+    """Run the operator until `stop_flag` is set (or forever); blocks the calling thread."""
+    import kopf
+    from kubernetes import client
+    from kubernetes import config as kube_config
+    from kubetrain.operator.handlers import USER_AGENT, TrainingJobController
+    from prometheus_client import start_http_server
+
+    configuration = client.Configuration()
+    try:
+        kube_config.load_incluster_config(client_configuration=configuration)
+    except kube_config.ConfigException:
+        kube_config.load_kube_config(client_configuration=configuration)
+    # Creates and deletes fan out over kopf's worker threads: one connection each.
+    configuration.connection_pool_maxsize = 32
+    api = client.ApiClient(configuration)
+    api.user_agent = USER_AGENT
+
+    controller = TrainingJobController(config, api)
+    registry = kopf.OperatorRegistry()
+    controller.register(registry)
+
+    settings = kopf.OperatorSettings()
+    # kopf's own bookkeeping goes to status.kopf, never to annotations GitOps tools would diff.
+    # (status.kopf.progress and status.kopf.last-handled-configuration).
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(name="kopf")
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(name="kopf")
+    # Only the transitions the operator records are events, not every log line.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 32
+    settings.peering.name = config.peering_name
+    settings.peering.priority = config.priority
+    settings.peering.mandatory = not config.standalone
+    settings.peering.clusterwide = not config.namespaces
+
+    metrics_server, metrics_thread = start_http_server(
+        config.metrics_port, registry=controller.metrics.registry)
+    try:
+        asyncio.run(kopf.operator(
+            registry=registry,
+            settings=settings,
+            standalone=config.standalone,
+            clusterwide=not config.namespaces,
+            namespaces=config.namespaces,
+            liveness_endpoint=f"http://0.0.0.0:{config.health_port}/healthz",
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        ))
+    finally:
+        metrics_server.shutdown()
+        metrics_thread.join()
+        api.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(config_from(args))
+    return 0

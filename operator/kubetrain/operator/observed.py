@@ -1,0 +1,145 @@
+"""What the operator sees of a TrainingJob's world, reduced to the facts reconcile decides on.
+
+Pure translations only: a pod manifest becomes a `WorkerPod`, rank 0's Prometheus
+exposition becomes a `MetricsSample`. Fetching them (watches, HTTP) is the
+handlers' job; deciding what to do about them is `kubetrain.operator.reconcile`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kubetrain.operator.children import ATTEMPT_LABEL, INDEX_LABEL, TRAINER_CONTAINER
+from prometheus_client.parser import text_string_to_metric_families
+
+# Pod or container reasons that mean the infrastructure, not the training code, ended a pod.
+DISRUPTION_REASONS = frozenset({
+    "OOMKilled", "Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated",
+    "NodeShutdown", "UnexpectedAdmissionError", "DeadlineExceeded",
+})
+
+
+@dataclass(frozen=True)
+class WorkerPod:
+    """One observed worker pod."""
+
+    name: str
+    index: int
+    restart_attempt: int
+    phase: str = "Pending"
+    ready: bool = False
+    deleting: bool = False
+    created_at: datetime | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    node_lost: bool = False
+    ip: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Still scheduled or running (not finished, not on its way out)."""
+        return not self.deleting and self.phase in ("Pending", "Running", "Unknown")
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    """Rank 0's training metrics at one scrape; None where the trainer has not reported yet."""
+
+    step: int | None = None
+    max_steps: int | None = None
+    loss: float | None = None
+    tokens_per_second: float | None = None
+    last_step_time: datetime | None = None
+    checkpoint_step: int | None = None
+    checkpoint_time: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything reconcile looks at besides the job itself."""
+
+    pods: tuple[WorkerPod, ...] = ()
+    service: bool = False
+    config_map: bool = False
+    metrics: MetricsSample | None = None
+
+
+def _time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
+def _terminated(pod_status: Mapping[str, Any]) -> Mapping[str, Any]:
+    for container in pod_status.get("containerStatuses") or []:
+        if container.get("name") == TRAINER_CONTAINER:
+            state = container.get("state") or {}
+            return state.get("terminated") or {}
+    return {}
+
+
+def _condition(pod_status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    for condition in pod_status.get("conditions") or []:
+        if condition.get("type") == kind:
+            return condition
+    return {}
+
+
+def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> WorkerPod:
+    """The facts about one worker pod manifest.
+
+    `nodes` is the set of existing node names, when known: a pod bound to a node
+    outside it has lost its node, whatever its last reported phase says.
+    """
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    status = pod.get("status") or {}
+    terminated = _terminated(status)
+    phase = status.get("phase") or "Pending"
+    reason = terminated.get("reason") or status.get("reason")
+    if _condition(status, "DisruptionTarget").get("status") == "True":
+        reason = _condition(status, "DisruptionTarget").get("reason") or "DisruptionTarget"
+    node = (pod.get("spec") or {}).get("nodeName")
+    return WorkerPod(
+        name=meta.get("name", ""),
+        index=int(labels.get(INDEX_LABEL, -1)),
+        restart_attempt=int(labels.get(ATTEMPT_LABEL, 0)),
+        phase=phase,
+        ready=phase == "Running" and _condition(status, "Ready").get("status", "True") == "True",
+        deleting=bool(meta.get("deletionTimestamp")),
+        created_at=_time(meta.get("creationTimestamp")),
+        exit_code=terminated.get("exitCode"),
+        reason=reason,
+        node_lost=bool(node) and nodes is not None and node not in nodes,
+        ip=status.get("podIP"),
+    )
+
+
+def _seconds(value: float | None) -> datetime | None:
+    return datetime.fromtimestamp(value, UTC).replace(microsecond=0) if value else None
+
+
+def metrics_sample(exposition: str) -> MetricsSample:
+    """Parse rank 0's /metrics text (the trainer's kubetrain_* gauges)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            # NaN (a diverged loss) has no JSON form; such a value is left unreported.
+            if (sample.name.startswith("kubetrain_") and not sample.labels
+                    and math.isfinite(sample.value)):
+                values[sample.name] = sample.value
+
+    def whole(name: str) -> int | None:
+        return int(values[name]) if name in values else None
+
+    return MetricsSample(
+        step=whole("kubetrain_step"),
+        max_steps=whole("kubetrain_max_steps"),
+        loss=values.get("kubetrain_loss"),
+        tokens_per_second=values.get("kubetrain_tokens_per_second"),
+        last_step_time=_seconds(values.get("kubetrain_last_step_timestamp_seconds")),
+        checkpoint_step=whole("kubetrain_latest_checkpoint_step"),
+        checkpoint_time=_seconds(values.get("kubetrain_latest_checkpoint_timestamp_seconds")),
+    )

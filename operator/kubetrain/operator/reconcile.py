@@ -1,0 +1,498 @@
+"""The operator's decisions: `reconcile(job, observed, now) -> actions`, a pure function.
+
+Level-based: the actions depend only on the job (spec and the status the operator
+last wrote), the observed children and the time, so running it again after any
+partial application, or after an operator restart, converges without duplicating
+or orphaning a pod. The kopf handlers (`kubetrain.operator.handlers`) observe and
+apply; nothing here performs I/O.
+
+Recovery policy, in the order it is checked:
+- a finished job only cleans up (cleanPodPolicy) and expires (ttlSecondsAfterFinished);
+- activeDeadlineSeconds fails the job; rank 0 exiting 0 completes it;
+- suspend deletes the pods and keeps the job;
+- a failed pod is classed by its exit code: permanent codes fail the job, the same
+  non-signal code repeated without progress fails it, anything else is retried;
+  pods on lost nodes and pods Pending past their deadline are retried too;
+- a retry replaces the broken pods under their names with the next restart-attempt
+  label; when worker 0 (the rendezvous host) is among them, the whole group is
+  recreated, because the survivors cannot re-form without it;
+- a step that has not advanced for progressDeadlineSeconds restarts the group;
+- every restart counts against maxRestarts and waits an exponential backoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from kubetrain.operator import children
+from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
+
+from kubetrain.api.trainingjob import (
+    CheckpointStatus,
+    Condition,
+    FailureStreak,
+    TrainingJob,
+    TrainingJobStatus,
+)
+
+FINISHED = ("Succeeded", "Failed")
+INVALID_SPEC = "InvalidSpec"
+# The trainer's exit code for "another rank was signalled; restart me into the new group".
+RESTART_ME_EXIT_CODE = 75
+
+
+# --- actions ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateObject:
+    """Create a child (Service, ConfigMap or Pod); an existing one of that name is kept."""
+
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    """Delete a worker pod; grace 0 for pods whose node is gone (no kubelet to ask)."""
+
+    name: str
+    reason: str
+    grace_period_seconds: int | None = None
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """Delete the TrainingJob itself; owner references take its children with it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class WriteStatus:
+    """Patch status: `patch` (a JSON merge patch) turns the job's status into `status`.
+
+    Emitted only when the status changed.
+    """
+
+    status: dict[str, Any]
+    patch: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RecordEvent:
+    """A Kubernetes event on the job, one per transition."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CountRestart:
+    """Bookkeeping for the operator's metrics: the workers restart for `reason`."""
+
+    reason: str
+    hang: bool = False
+
+
+Action = CreateObject | DeletePod | DeleteJob | WriteStatus | RecordEvent | CountRestart
+
+
+# --- the decision -------------------------------------------------------------------
+
+
+def backoff_seconds(job: TrainingJob, restarts: int) -> float:
+    """Delay before the `restarts`-th restart's pods are created: doubles each time, capped."""
+    policy = job.spec.run_policy
+    if restarts <= 0:
+        return 0.0
+    return float(min(policy.backoff_seconds * 2 ** (restarts - 1), policy.max_backoff_seconds))
+
+
+def failure_class(pod: WorkerPod, permanent_exit_codes: list[int]) -> str:
+    """`permanent`, `retryable` or `code` (a plain non-zero exit: retried until it repeats)."""
+    if pod.exit_code is not None and pod.exit_code in permanent_exit_codes:
+        return "permanent"
+    if (pod.exit_code is None or pod.exit_code >= 128 or pod.exit_code == RESTART_ME_EXIT_CODE
+            or pod.node_lost or pod.reason in DISRUPTION_REASONS):
+        return "retryable"
+    return "code"
+
+
+def _describe(pod: WorkerPod) -> str:
+    if pod.node_lost:
+        return f"{pod.name} lost its node"
+    if pod.exit_code is None:
+        return f"{pod.name} failed ({pod.reason or 'no exit code'})"
+    why = f" ({pod.reason})" if pod.reason and pod.reason != "Error" else ""
+    return f"{pod.name} exited with code {pod.exit_code}{why}"
+
+
+@dataclass
+class _Decision:
+    """The status being computed and the actions decided so far for one reconcile pass."""
+
+    job: TrainingJob
+    observed: Observed
+    now: datetime
+    status: TrainingJobStatus
+    actions: list[Action] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.job.metadata.name
+
+    @property
+    def replicas(self) -> int:
+        return self.job.spec.workers.replicas
+
+    def live_pods(self) -> list[WorkerPod]:
+        return [pod for pod in self.observed.pods if not pod.deleting]
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.actions.append(RecordEvent("Warning" if warning else "Normal", reason, message))
+
+    def condition(self, kind: str, value: bool, reason: str, message: str = "") -> None:
+        """Set one condition, keeping its transition time when its truth did not change."""
+        text = "True" if value else "False"
+        for existing in self.status.conditions:
+            if existing.type == kind:
+                if existing.status != text:
+                    existing.last_transition_time = self.now
+                existing.status, existing.reason, existing.message = text, reason, message
+                return
+        if value:  # a condition that never held is simply absent
+            self.status.conditions.append(Condition(
+                type=kind, status=text, reason=reason, message=message,
+                last_transition_time=self.now))
+
+    def condition_since(self, kind: str) -> datetime | None:
+        for existing in self.status.conditions:
+            if existing.type == kind and existing.status == "True":
+                return existing.last_transition_time
+        return None
+
+    def delete(self, pod: WorkerPod, reason: str) -> None:
+        grace = 0 if pod.node_lost else None
+        self.actions.append(DeletePod(pod.name, reason, grace))
+
+    # --- transitions -----------------------------------------------------------------
+
+    def finish(self, phase: Literal["Succeeded", "Failed"], reason: str, message: str) -> None:
+        self.status.phase = phase
+        self.status.completion_time = self.now
+        self.status.workers.desired = 0
+        self.condition(phase, True, reason, message)
+        self.condition("Running", False, reason)
+        self.condition("Restarting", False, reason)
+        self.event(reason, message, warning=phase == "Failed")
+
+    def restart(self, reason: str, message: str, broken: list[WorkerPod], *,
+                whole_group: bool) -> None:
+        """Count a restart and delete the pods to replace (all of them for a whole-group one)."""
+        policy = self.job.spec.run_policy
+        if self.status.restarts >= policy.max_restarts:
+            self.finish("Failed", "MaxRestartsExceeded",
+                        f"{message}; the job already restarted {self.status.restarts} times "
+                        f"(runPolicy.maxRestarts: {policy.max_restarts})")
+            return
+        self.status.restarts += 1
+        self.status.restart_attempt += 1
+        self.status.last_restart_time = self.now
+        self.status.last_failure = message
+        self.status.phase = "Restarting"
+        scope = "the whole group" if whole_group else ", ".join(pod.name for pod in broken)
+        delay = backoff_seconds(self.job, self.status.restarts)
+        text = (f"{message}: restarting {scope} (restart {self.status.restarts} of "
+                f"{policy.max_restarts}, in {delay:g}s); workers resume from the latest checkpoint")
+        self.condition("Restarting", True, reason, text)
+        self.condition("Running", False, reason)
+        self.event(reason, text, warning=True)
+        self.actions.append(CountRestart(reason, hang=reason == "ProgressDeadlineExceeded"))
+        to_delete = self.live_pods() if whole_group else broken
+        for pod in to_delete:
+            self.delete(pod, reason)
+
+    # --- the steps, in order ---------------------------------------------------------
+
+    def observe_status(self) -> None:
+        status = self.status
+        status.observed_generation = self.job.metadata.generation
+        status.workers.selector = children.worker_selector(self.name)
+        status.workers.ready = sum(
+            1 for pod in self.live_pods() if pod.ready and pod.index < self.replicas)
+        self.observe_progress()
+
+    def observe_progress(self) -> None:
+        sample = self.observed.metrics
+        if sample is None:
+            return
+        progress = self.status.progress
+        if sample.step is not None:
+            newer = sample.last_step_time is not None and (
+                progress.updated_at is None or sample.last_step_time > progress.updated_at)
+            if sample.step != progress.step or newer or progress.updated_at is None:
+                progress.step = sample.step
+                progress.updated_at = min(sample.last_step_time or self.now, self.now)
+        if sample.max_steps is not None:
+            progress.max_steps = sample.max_steps
+        if sample.loss is not None:
+            progress.loss = round(sample.loss, 6)
+        if sample.tokens_per_second is not None:
+            progress.tokens_per_second = round(sample.tokens_per_second, 3)
+        latest = self.status.latest_checkpoint
+        if sample.checkpoint_step is not None and (
+                latest is None or latest.step != sample.checkpoint_step):
+            self.status.latest_checkpoint = CheckpointStatus(
+                step=sample.checkpoint_step, uri=self.job.spec.checkpoint.uri,
+                time=sample.checkpoint_time)
+
+    def clean_up(self) -> None:
+        """Apply cleanPodPolicy to a finished job and expire it after its TTL."""
+        policy = self.job.spec.run_policy
+        succeeded = self.status.phase == "Succeeded"
+        for pod in self.live_pods():
+            # A succeeded job always stops the pods still running: their work is done.
+            stop_active = succeeded or policy.clean_pod_policy != "None"
+            if (pod.active and stop_active) or (
+                    not pod.active and policy.clean_pod_policy == "All"):
+                self.delete(pod, "JobFinished")
+        ttl = policy.ttl_seconds_after_finished
+        done = self.status.completion_time
+        if ttl is not None and done is not None and self.now >= done + timedelta(seconds=ttl):
+            self.actions.append(DeleteJob(f"finished {ttl}s ago (ttlSecondsAfterFinished)"))
+
+    def retry_invalid_spec(self) -> None:
+        """A job failed for an invalid spec gets another chance once its spec changed."""
+        failed = next((c for c in self.status.conditions if c.type == "Failed"), None)
+        if (self.status.phase == "Failed" and failed is not None
+                and failed.reason == INVALID_SPEC
+                and self.status.observed_generation != self.job.metadata.generation):
+            self.status.phase = None
+            self.status.completion_time = None
+            self.condition("Failed", False, "SpecCorrected", "the spec is valid now")
+
+    def ensure_service_and_config(self) -> None:
+        if not self.observed.service:
+            self.actions.append(CreateObject(children.service(self.job)))
+        if not self.observed.config_map:
+            self.actions.append(CreateObject(children.config_map(self.job)))
+
+    def rank0_succeeded(self) -> bool:
+        return any(pod.index == 0 and pod.phase == "Succeeded" and not pod.deleting
+                   for pod in self.observed.pods)
+
+    def deadline_passed(self) -> bool:
+        limit = self.job.spec.run_policy.active_deadline_seconds
+        start = self.status.start_time
+        return limit is not None and start is not None and self.now >= start + timedelta(
+            seconds=limit)
+
+    def suspend(self) -> None:
+        for pod in self.live_pods():
+            self.delete(pod, "Suspended")
+        if self.status.phase != "Suspended":
+            self.status.phase = "Suspended"
+            message = "runPolicy.suspend is true: the workers checkpoint and stop; the job is kept"
+            self.condition("Suspended", True, "Suspended", message)
+            self.condition("Running", False, "Suspended")
+            self.condition("Restarting", False, "Suspended")
+            self.event("Suspended", message)
+
+    def resume(self) -> None:
+        self.status.phase = "Pending"
+        message = "runPolicy.suspend is false: the workers start again from the latest checkpoint"
+        self.condition("Suspended", False, "Resumed", message)
+        self.event("Resumed", message)
+
+    def handle_failures(self) -> None:
+        """Fail the job or restart workers for failed, lost and stuck pods."""
+        policy = self.job.spec.run_policy
+        live = [pod for pod in self.live_pods() if pod.index < self.replicas]
+        failed = [pod for pod in live if pod.phase == "Failed" or (pod.node_lost and pod.active)]
+        stuck: list[WorkerPod] = []
+        if policy.pending_deadline_seconds is not None:
+            limit = timedelta(seconds=policy.pending_deadline_seconds)
+            stuck = [pod for pod in live if pod.phase == "Pending" and not pod.node_lost
+                     and pod.created_at is not None and self.now >= pod.created_at + limit]
+        if not failed and not stuck:
+            return
+
+        classes = {pod.name: failure_class(pod, policy.permanent_exit_codes) for pod in failed}
+        permanent = [pod for pod in failed if classes[pod.name] == "permanent"]
+        if permanent:
+            self.finish("Failed", "PermanentError",
+                        f"{_describe(permanent[0])}, listed in runPolicy.permanentExitCodes: "
+                        "fix the configuration or code and create the job again")
+            return
+        coded = [pod for pod in failed if classes[pod.name] == "code"]
+        if coded and self.repeated_failure(coded[0]):
+            return
+
+        broken = failed + stuck
+        if failed:
+            reason = "NodeLost" if all(pod.node_lost for pod in failed) else "WorkerFailed"
+            message = "; ".join(_describe(pod) for pod in failed)
+        else:
+            reason = "PendingTimeout"
+            message = "; ".join(f"{pod.name} was Pending for over "
+                                f"{policy.pending_deadline_seconds}s" for pod in stuck)
+        self.restart(reason, message, broken, whole_group=any(pod.index == 0 for pod in broken))
+
+    def repeated_failure(self, pod: WorkerPod) -> bool:
+        """Track the streak of one exit code; True when it failed the job."""
+        assert pod.exit_code is not None  # "code" failures always have one
+        step = self.status.progress.step
+        streak = self.status.failure_streak
+        if streak is not None and streak.exit_code == pod.exit_code and streak.step == step:
+            streak.count += 1
+        else:
+            streak = self.status.failure_streak = FailureStreak(
+                exit_code=pod.exit_code, count=1, step=step)
+        limit = self.job.spec.run_policy.repeated_failure_limit
+        if streak.count < limit:
+            return False
+        self.finish("Failed", "RepeatedFailure",
+                    f"{_describe(pod)} in {streak.count} attempts in a row with no progress "
+                    f"past step {step} (runPolicy.repeatedFailureLimit: {limit}): check the "
+                    "trainer's logs (kubectl logs)")
+        return True
+
+    def detect_hang(self) -> None:
+        deadline = self.job.spec.run_policy.progress_deadline_seconds
+        if deadline is None or self.status.phase != "Running":
+            return
+        marks = [self.status.progress.updated_at, self.status.last_restart_time,
+                 self.condition_since("Running")]
+        since = max((mark for mark in marks if mark is not None), default=None)
+        if since is None or self.now < since + timedelta(seconds=deadline):
+            return
+        step = self.status.progress.step
+        self.restart("ProgressDeadlineExceeded",
+                     f"the training step ({step}) has not advanced for {deadline}s "
+                     "(runPolicy.progressDeadlineSeconds)", [], whole_group=True)
+
+    def scale(self, previous_desired: int) -> None:
+        for pod in self.live_pods():
+            if pod.index >= self.replicas:
+                self.delete(pod, "ScaledDown")
+        if previous_desired and previous_desired != self.replicas:
+            self.event("Scaled", f"workers {previous_desired} -> {self.replicas}; training "
+                       "resumes from a checkpoint in the new group")
+
+    def create_missing(self) -> None:
+        if self.status.phase == "Restarting" and self.status.last_restart_time is not None:
+            delay = backoff_seconds(self.job, self.status.restarts)
+            if self.now < self.status.last_restart_time + timedelta(seconds=delay):
+                return
+        # A pod still being deleted keeps its name: its replacement waits until it is gone.
+        present = {pod.index for pod in self.observed.pods}
+        missing = [index for index in range(self.replicas) if index not in present]
+        for index in missing:
+            self.actions.append(CreateObject(
+                children.worker_pod(self.job, index, self.status.restart_attempt)))
+        if missing and self.condition_since("Created") is None:
+            message = (f"created service {self.name}, config map "
+                       f"{children.config_map_name(self.name)} and {len(missing)} worker pods")
+            self.condition("Created", True, "ChildrenCreated", message)
+            self.event("Created", message)
+
+    def update_phase(self) -> None:
+        status = self.status
+        running = [pod for pod in self.live_pods()
+                   if pod.phase == "Running" and pod.index < self.replicas]
+        rank0 = any(pod.index == 0 for pod in running)
+        if rank0 and len(running) >= self.job.spec.workers.min_workers:
+            if status.phase != "Running":
+                status.phase = "Running"
+                status.start_time = status.start_time or self.now
+                message = f"{len(running)} of {self.replicas} workers running"
+                self.condition("Running", True, "WorkersRunning", message)
+                self.condition("Restarting", False, "WorkersRunning")
+                self.event("Running", message)
+        elif status.phase in (None, "Running"):
+            # Lost members without a failure (e.g. a pod deleted by hand) re-form as Pending.
+            status.phase = "Pending"
+            self.condition("Running", False, "WaitingForWorkers")
+
+
+def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Action]:
+    """The actions that move the job's children and status towards its spec."""
+    previous = job.status or TrainingJobStatus()
+    decision = _Decision(job, observed, now, previous.model_copy(deep=True))
+    decision.retry_invalid_spec()
+    status = decision.status
+    decision.observe_status()
+
+    if status.phase in FINISHED:
+        decision.clean_up()
+    elif decision.deadline_passed():
+        limit = job.spec.run_policy.active_deadline_seconds
+        decision.finish("Failed", "DeadlineExceeded",
+                        f"the job ran longer than runPolicy.activeDeadlineSeconds ({limit}s)")
+        decision.clean_up()
+    elif decision.rank0_succeeded():
+        decision.finish("Succeeded", "Completed", "worker 0 exited 0: training is complete")
+        decision.clean_up()
+    elif job.spec.run_policy.suspend:
+        status.workers.desired = 0
+        decision.suspend()
+    else:
+        if status.phase == "Suspended":
+            decision.resume()
+        status.workers.desired = decision.replicas
+        decision.ensure_service_and_config()
+        decision.handle_failures()
+        if status.phase not in FINISHED:
+            decision.detect_hang()
+        if status.phase not in FINISHED:
+            decision.scale(previous.workers.desired if previous.phase != "Suspended" else 0)
+            decision.create_missing()
+            decision.update_phase()
+        else:
+            decision.clean_up()
+
+    return _with_status(decision.actions, previous, status)
+
+
+def reject(job_status: dict[str, Any] | None, generation: int | None, message: str,
+           now: datetime) -> list[Action]:
+    """Actions for a job whose spec does not parse: Failed with reason InvalidSpec, once."""
+    previous = TrainingJobStatus.model_validate(job_status or {})
+    status = previous.model_copy(deep=True)
+    already = any(c.type == "Failed" and c.status == "True" and c.reason == INVALID_SPEC
+                  and c.message == message for c in status.conditions)
+    actions: list[Action] = []
+    if not already:
+        status.phase = "Failed"
+        status.completion_time = now
+        status.conditions = [c for c in status.conditions if c.type != "Failed"] + [Condition(
+            type="Failed", status="True", reason=INVALID_SPEC, message=message,
+            last_transition_time=now)]
+        actions.append(RecordEvent("Warning", INVALID_SPEC, message))
+    status.observed_generation = generation
+    return _with_status(actions, previous, status)
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`; empty when equal."""
+    patch: dict[str, Any] = {key: None for key in old.keys() - new.keys()}
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(key), dict):
+            nested = merge_patch(old[key], value)
+            if nested:
+                patch[key] = nested
+        elif key not in old or old[key] != value:
+            patch[key] = value
+    return patch
+
+
+def _with_status(actions: list[Action], previous: TrainingJobStatus,
+                 status: TrainingJobStatus) -> list[Action]:
+    """Prepend the status write when the status changed: it records each decision first."""
+    patch = merge_patch(previous.wire(), status.wire())
+    if not patch:
+        return actions
+    return [WriteStatus(status.wire(), patch), *actions]
