@@ -139,6 +139,7 @@ class _Decision:
     now: datetime
     status: TrainingJobStatus
     actions: list[Action] = field(default_factory=list)
+    deleted: set[str] = field(default_factory=set)  # pods this pass deletes
 
     @property
     def name(self) -> str:
@@ -149,7 +150,8 @@ class _Decision:
         return self.job.spec.workers.replicas
 
     def live_pods(self) -> list[WorkerPod]:
-        return [pod for pod in self.observed.pods if not pod.deleting]
+        return [pod for pod in self.observed.pods
+                if not pod.deleting and pod.name not in self.deleted]
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.actions.append(RecordEvent("Warning" if warning else "Normal", reason, message))
@@ -177,6 +179,7 @@ class _Decision:
     def delete(self, pod: WorkerPod, reason: str) -> None:
         grace = 0 if pod.node_lost else None
         self.actions.append(DeletePod(pod.name, reason, grace))
+        self.deleted.add(pod.name)
 
     # --- transitions -----------------------------------------------------------------
 
@@ -404,7 +407,9 @@ class _Decision:
         running = [pod for pod in self.live_pods()
                    if pod.phase == "Running" and pod.index < self.replicas]
         rank0 = any(pod.index == 0 for pod in running)
-        if rank0 and len(running) >= self.job.spec.workers.min_workers:
+        # A first start may begin with minReplicas; a restart is over once every replacement runs.
+        needed = self.replicas if status.phase == "Restarting" else self.job.spec.workers.min_workers
+        if rank0 and len(running) >= needed:
             if status.phase != "Running":
                 status.phase = "Running"
                 status.start_time = status.start_time or self.now

@@ -1,0 +1,426 @@
+"""Table-driven tests of the pure reconcile: every transition, failure class and restart case."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from kubetrain.operator.observed import MetricsSample, Observed, WorkerPod
+from kubetrain.operator.reconcile import (
+    CountRestart,
+    CreateObject,
+    DeleteJob,
+    DeletePod,
+    RecordEvent,
+    WriteStatus,
+    backoff_seconds,
+    failure_class,
+    merge_patch,
+    reconcile,
+    reject,
+)
+
+from kubetrain.api.manifest import parse_job
+from kubetrain.api.trainingjob import TrainingJob
+
+NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
+EARLIER = NOW - timedelta(hours=1)
+
+
+def make_job(minimal_manifest: dict[str, Any], replicas: int = 2, status: dict | None = None,
+             generation: int = 1, **run_policy: Any) -> TrainingJob:
+    manifest = copy.deepcopy(minimal_manifest)
+    manifest["metadata"].update(namespace="ml", uid="uid-1", generation=generation)
+    manifest["spec"]["workers"] = {"replicas": replicas, "minReplicas": 1, "maxReplicas": 4}
+    manifest["spec"]["runPolicy"] = {"backoffSeconds": 10, "maxRestarts": 3, **run_policy}
+    if status is not None:
+        manifest["status"] = status
+    return parse_job(manifest)
+
+
+def pod(index: int, phase: str = "Running", attempt: int = 0, **facts: Any) -> WorkerPod:
+    facts.setdefault("created_at", EARLIER)
+    return WorkerPod(name=f"demo-worker-{index}", index=index, restart_attempt=attempt,
+                     phase=phase, ready=phase == "Running", **facts)
+
+
+def running_status(**extra: Any) -> dict[str, Any]:
+    since = EARLIER.isoformat()
+    return {
+        "phase": "Running", "observedGeneration": 1, "startTime": since,
+        "workers": {"desired": 2, "ready": 2, "selector": "kubetrain.io/job-name=demo"},
+        "conditions": [
+            {"type": "Created", "status": "True", "reason": "ChildrenCreated",
+             "lastTransitionTime": since},
+            {"type": "Running", "status": "True", "reason": "WorkersRunning",
+             "lastTransitionTime": since},
+        ],
+        "progress": {"step": 0},
+        **extra,
+    }
+
+
+@dataclass
+class Outcome:
+    """The actions of one reconcile, summarised for assertions."""
+
+    actions: list[Any]
+    created: list[tuple[str, str, str]] = field(default_factory=list)  # kind, name, attempt
+    deleted: list[DeletePod] = field(default_factory=list)
+    events: list[tuple[str, str]] = field(default_factory=list)
+    status: dict[str, Any] | None = None
+    restarts: list[CountRestart] = field(default_factory=list)
+    job_deleted: bool = False
+
+    @classmethod
+    def of(cls, actions: list[Any]) -> Outcome:
+        out = cls(actions)
+        for action in actions:
+            if isinstance(action, CreateObject):
+                meta = action.manifest["metadata"]
+                attempt = meta["labels"].get("kubetrain.io/restart-attempt", "")
+                out.created.append((action.manifest["kind"], meta["name"], attempt))
+            elif isinstance(action, DeletePod):
+                out.deleted.append(action)
+            elif isinstance(action, RecordEvent):
+                out.events.append((action.type, action.reason))
+            elif isinstance(action, WriteStatus):
+                out.status = action.status
+            elif isinstance(action, CountRestart):
+                out.restarts.append(action)
+            elif isinstance(action, DeleteJob):
+                out.job_deleted = True
+        return out
+
+    @property
+    def deleted_names(self) -> list[str]:
+        return sorted(action.name for action in self.deleted)
+
+    def condition(self, kind: str) -> dict[str, Any] | None:
+        assert self.status is not None
+        return next((c for c in self.status["conditions"] if c["type"] == kind), None)
+
+
+def run(job: TrainingJob, *pods: WorkerPod, now: datetime = NOW, service: bool = True,
+        metrics: MetricsSample | None = None) -> Outcome:
+    observed = Observed(pods=pods, service=service, config_map=service, metrics=metrics)
+    return Outcome.of(reconcile(job, observed, now))
+
+
+# --- creation and steady state -----------------------------------------------------------
+
+
+def test_new_job_creates_service_config_map_and_every_worker(minimal_manifest: dict) -> None:
+    out = run(make_job(minimal_manifest), service=False)
+    assert out.created == [("Service", "demo", ""), ("ConfigMap", "demo-config", ""),
+                           ("Pod", "demo-worker-0", "0"), ("Pod", "demo-worker-1", "0")]
+    assert out.status is not None and out.status["phase"] == "Pending"
+    assert out.status["workers"] == {"desired": 2, "ready": 0,
+                                     "selector": "kubetrain.io/job-name=demo"}
+    assert out.condition("Created")["status"] == "True"
+    assert out.events == [("Normal", "Created")]
+    assert isinstance(out.actions[0], WriteStatus), "the decision is recorded before acting"
+
+
+def test_status_is_not_written_again_when_nothing_changed(minimal_manifest: dict) -> None:
+    first = run(make_job(minimal_manifest), pod(0), pod(1))
+    assert first.status is not None and first.status["phase"] == "Running"
+    again = run(make_job(minimal_manifest, status=first.status), pod(0), pod(1))
+    assert again.actions == []
+
+
+@pytest.mark.parametrize(("existing", "expected"), [
+    pytest.param([pod(0)], [("Pod", "demo-worker-1", "0")], id="one-pod-created-before-crash"),
+    pytest.param([pod(0), pod(1)], [], id="all-created-before-crash"),
+    pytest.param([pod(0), pod(1, deleting=True)], [], id="replacement-waits-for-old-name"),
+])
+def test_operator_restart_never_duplicates_pods(minimal_manifest: dict, existing: list,
+                                                expected: list) -> None:
+    status = running_status(phase="Pending")
+    out = run(make_job(minimal_manifest, status=status), *existing)
+    assert out.created == expected
+    assert out.deleted == []
+
+
+def test_operator_restart_mid_restart_finishes_it_without_counting_again(
+        minimal_manifest: dict) -> None:
+    # Crashed after writing "restart 1" and deleting worker 1, before re-creating it.
+    status = running_status(phase="Restarting", restarts=1, restartAttempt=1,
+                            lastRestartTime=(NOW - timedelta(minutes=1)).isoformat())
+    out = run(make_job(minimal_manifest, status=status), pod(0))
+    assert out.created == [("Pod", "demo-worker-1", "1")]
+    assert out.restarts == []
+    assert out.status is None or out.status["restarts"] == 1
+
+
+def test_all_workers_running_makes_the_job_running(minimal_manifest: dict) -> None:
+    status = running_status(phase="Pending", startTime=None)
+    status["conditions"] = status["conditions"][:1]
+    out = run(make_job(minimal_manifest, status=status), pod(0), pod(1))
+    assert out.status is not None and out.status["phase"] == "Running"
+    assert out.status["startTime"] == NOW.isoformat().replace("+00:00", "Z")
+    assert out.status["workers"]["ready"] == 2
+    assert out.events == [("Normal", "Running")]
+
+
+# --- failure classes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("facts", "expected"), [
+    ({"exit_code": 2}, "permanent"),
+    ({"exit_code": 127}, "permanent"),
+    ({"exit_code": 1}, "code"),
+    ({"exit_code": 137, "reason": "OOMKilled"}, "retryable"),
+    ({"exit_code": 1, "reason": "OOMKilled"}, "retryable"),
+    ({"exit_code": 143}, "retryable"),
+    ({"exit_code": 75}, "retryable"),
+    ({"exit_code": None, "reason": "Evicted"}, "retryable"),
+    ({"exit_code": 1, "node_lost": True}, "retryable"),
+    ({"exit_code": 1, "reason": "DisruptionTarget"}, "code"),
+    ({"exit_code": 1, "reason": "DeadlineExceeded"}, "retryable"),
+])
+def test_failure_classes(facts: dict, expected: str) -> None:
+    assert failure_class(pod(1, "Failed", **facts), [2, 126, 127]) == expected
+
+
+def test_failed_worker_is_replaced_alone_after_backoff(minimal_manifest: dict) -> None:
+    job = make_job(minimal_manifest, status=running_status())
+    out = run(job, pod(0), pod(1, "Failed", exit_code=137, reason="OOMKilled"))
+    assert out.deleted_names == ["demo-worker-1"]
+    assert out.created == []
+    assert out.status is not None
+    assert (out.status["phase"], out.status["restarts"], out.status["restartAttempt"]) == (
+        "Restarting", 1, 1)
+    assert out.condition("Restarting")["reason"] == "WorkerFailed"
+    assert out.events == [("Warning", "WorkerFailed")]
+    assert [r.reason for r in out.restarts] == ["WorkerFailed"]
+
+    # Once the old pod is gone: nothing during the backoff, the replacement after it.
+    job = make_job(minimal_manifest, status=out.status)
+    during = run(job, pod(0), now=NOW + timedelta(seconds=5))
+    assert during.created == []
+    after = run(job, pod(0), now=NOW + timedelta(seconds=backoff_seconds(job, 1)))
+    assert after.created == [("Pod", "demo-worker-1", "1")]
+    assert after.restarts == []
+
+
+def test_losing_worker_zero_restarts_the_whole_group(minimal_manifest: dict) -> None:
+    job = make_job(minimal_manifest, status=running_status())
+    out = run(job, pod(0, "Failed", exit_code=137), pod(1))
+    assert out.deleted_names == ["demo-worker-0", "demo-worker-1"]
+    assert "the whole group" in out.condition("Restarting")["message"]
+
+
+def test_backoff_doubles_and_is_capped(minimal_manifest: dict) -> None:
+    job = make_job(minimal_manifest, backoffSeconds=10, maxBackoffSeconds=60)
+    assert [backoff_seconds(job, n) for n in range(1, 6)] == [10, 20, 40, 60, 60]
+
+
+def test_pod_already_being_replaced_is_not_counted_again(minimal_manifest: dict) -> None:
+    status = running_status(phase="Restarting", restarts=1, restartAttempt=1,
+                            lastRestartTime=NOW.isoformat())
+    out = run(make_job(minimal_manifest, status=status), pod(0),
+              pod(1, "Failed", exit_code=137, deleting=True))
+    assert out.restarts == [] and out.deleted == [] and out.created == []
+
+
+def test_permanent_exit_code_fails_the_job_and_keeps_the_failed_pod(
+        minimal_manifest: dict) -> None:
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0),
+              pod(1, "Failed", exit_code=2))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert out.condition("Failed")["reason"] == "PermanentError"
+    assert out.deleted_names == ["demo-worker-0"], "cleanPodPolicy Running keeps failed pods"
+    assert out.status["completionTime"]
+    assert ("Warning", "PermanentError") in out.events
+
+
+def test_same_exit_code_without_progress_fails_after_the_limit(minimal_manifest: dict) -> None:
+    status = running_status()
+    for attempt in range(3):
+        job = make_job(minimal_manifest, status=status, repeatedFailureLimit=3)
+        out = run(job, pod(0), pod(1, "Failed", attempt=attempt, exit_code=1))
+        assert out.status is not None
+        status = out.status
+        if attempt < 2:
+            assert status["phase"] == "Restarting"
+            assert status["failureStreak"] == {"exitCode": 1, "count": attempt + 1, "step": 0}
+    assert status["phase"] == "Failed"
+    assert out.condition("Failed")["reason"] == "RepeatedFailure"
+
+
+def test_progress_between_failures_resets_the_streak(minimal_manifest: dict) -> None:
+    status = running_status(failureStreak={"exitCode": 1, "count": 2, "step": 0},
+                            progress={"step": 50})
+    job = make_job(minimal_manifest, status=status, repeatedFailureLimit=3)
+    out = run(job, pod(0), pod(1, "Failed", exit_code=1))
+    assert out.status is not None and out.status["phase"] == "Restarting"
+    assert out.status["failureStreak"] == {"exitCode": 1, "count": 1, "step": 50}
+
+
+def test_restarts_beyond_max_restarts_fail_the_job(minimal_manifest: dict) -> None:
+    status = running_status(restarts=3, restartAttempt=3)
+    out = run(make_job(minimal_manifest, status=status, maxRestarts=3), pod(0, attempt=3),
+              pod(1, "Failed", attempt=3, exit_code=137))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert out.condition("Failed")["reason"] == "MaxRestartsExceeded"
+    assert out.restarts == []
+
+
+def test_pod_on_a_lost_node_is_force_deleted_and_replaced(minimal_manifest: dict) -> None:
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0),
+              pod(1, "Running", node_lost=True))
+    assert out.deleted == [DeletePod("demo-worker-1", "NodeLost", 0)]
+    assert [r.reason for r in out.restarts] == ["NodeLost"]
+
+
+def test_pod_pending_past_its_deadline_is_recreated(minimal_manifest: dict) -> None:
+    job = make_job(minimal_manifest, status=running_status(phase="Pending"),
+                   pendingDeadlineSeconds=60)
+    fresh = run(job, pod(0), pod(1, "Pending", created_at=NOW - timedelta(seconds=30)))
+    assert fresh.deleted == []
+    stuck = run(job, pod(0), pod(1, "Pending", created_at=NOW - timedelta(seconds=61)))
+    assert stuck.deleted_names == ["demo-worker-1"]
+    assert [r.reason for r in stuck.restarts] == ["PendingTimeout"]
+
+
+def test_active_deadline_fails_the_job(minimal_manifest: dict) -> None:
+    status = running_status(startTime=(NOW - timedelta(seconds=100)).isoformat())
+    out = run(make_job(minimal_manifest, status=status, activeDeadlineSeconds=100),
+              pod(0), pod(1))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert out.condition("Failed")["reason"] == "DeadlineExceeded"
+    assert out.deleted_names == ["demo-worker-0", "demo-worker-1"]
+
+
+# --- completion and cleanup ---------------------------------------------------------------
+
+
+def test_rank_zero_exiting_zero_completes_and_stops_the_others(minimal_manifest: dict) -> None:
+    out = run(make_job(minimal_manifest, status=running_status()),
+              pod(0, "Succeeded", exit_code=0), pod(1))
+    assert out.status is not None and out.status["phase"] == "Succeeded"
+    assert out.condition("Succeeded")["reason"] == "Completed"
+    assert out.condition("Running")["status"] == "False"
+    assert out.deleted_names == ["demo-worker-1"]
+    assert out.events == [("Normal", "Completed")]
+
+
+@pytest.mark.parametrize(("policy", "deleted"), [
+    ("None", []),
+    ("Running", ["demo-worker-0"]),
+    ("All", ["demo-worker-0", "demo-worker-1"]),
+])
+def test_clean_pod_policy_after_failure(minimal_manifest: dict, policy: str,
+                                        deleted: list[str]) -> None:
+    status = running_status(phase="Failed", completionTime=NOW.isoformat())
+    out = run(make_job(minimal_manifest, status=status, cleanPodPolicy=policy),
+              pod(0), pod(1, "Failed", exit_code=2))
+    assert out.deleted_names == deleted
+
+
+def test_ttl_after_finished_deletes_the_job(minimal_manifest: dict) -> None:
+    status = running_status(phase="Succeeded", completionTime=NOW.isoformat())
+    job = make_job(minimal_manifest, status=status, ttlSecondsAfterFinished=30)
+    assert not run(job, now=NOW + timedelta(seconds=29)).job_deleted
+    assert run(job, now=NOW + timedelta(seconds=30)).job_deleted
+
+
+# --- suspend, resume, scale ---------------------------------------------------------------
+
+
+def test_suspend_deletes_the_pods_and_resume_recreates_them(minimal_manifest: dict) -> None:
+    job = make_job(minimal_manifest, status=running_status(), suspend=True)
+    out = run(job, pod(0), pod(1))
+    assert out.deleted_names == ["demo-worker-0", "demo-worker-1"]
+    assert out.status is not None and out.status["phase"] == "Suspended"
+    assert out.status["workers"]["desired"] == 0
+    assert out.events == [("Normal", "Suspended")]
+    assert out.restarts == []
+
+    resumed = run(make_job(minimal_manifest, status=out.status, suspend=False))
+    assert resumed.created == [("Pod", "demo-worker-0", "0"), ("Pod", "demo-worker-1", "0")]
+    assert resumed.status is not None and resumed.status["phase"] == "Pending"
+    assert resumed.condition("Suspended")["reason"] == "Resumed"
+    assert ("Normal", "Resumed") in resumed.events
+    assert ("Normal", "Scaled") not in resumed.events
+
+
+def test_scaling_up_adds_workers_and_down_removes_the_highest(minimal_manifest: dict) -> None:
+    up = run(make_job(minimal_manifest, replicas=3, status=running_status(),
+                      progressDeadlineSeconds=None), pod(0), pod(1))
+    assert up.created == [("Pod", "demo-worker-2", "0")]
+    assert ("Normal", "Scaled") in up.events
+    assert up.status is not None and up.status["phase"] == "Running"
+
+    down_status = running_status(workers={"desired": 3, "ready": 3})
+    down = run(make_job(minimal_manifest, replicas=2, status=down_status,
+                        progressDeadlineSeconds=None),
+               pod(0), pod(1), pod(2))
+    assert down.deleted == [DeletePod("demo-worker-2", "ScaledDown")]
+    assert down.restarts == []
+
+
+# --- hang detection and progress ----------------------------------------------------------
+
+
+def test_step_not_advancing_past_the_deadline_restarts_the_group(minimal_manifest: dict) -> None:
+    updated = NOW - timedelta(seconds=601)
+    status = running_status(progress={"step": 40, "updatedAt": updated.isoformat()})
+    job = make_job(minimal_manifest, status=status, progressDeadlineSeconds=600)
+    stalled = MetricsSample(step=40, last_step_time=updated)
+    out = run(job, pod(0), pod(1), metrics=stalled)
+    assert out.deleted_names == ["demo-worker-0", "demo-worker-1"]
+    assert out.restarts == [CountRestart("ProgressDeadlineExceeded", hang=True)]
+    assert out.condition("Restarting")["reason"] == "ProgressDeadlineExceeded"
+    assert ("Warning", "ProgressDeadlineExceeded") in out.events
+
+    advancing = MetricsSample(step=41, last_step_time=NOW - timedelta(seconds=1))
+    fine = run(job, pod(0), pod(1), metrics=advancing)
+    assert fine.deleted == [] and fine.restarts == []
+
+
+def test_metrics_become_progress_and_latest_checkpoint(minimal_manifest: dict) -> None:
+    sample = MetricsSample(step=120, max_steps=1000, loss=2.5, tokens_per_second=1234.5,
+                           last_step_time=NOW - timedelta(seconds=2), checkpoint_step=100,
+                           checkpoint_time=NOW - timedelta(seconds=30))
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0), pod(1),
+              metrics=sample)
+    assert out.status is not None
+    assert out.status["progress"] == {
+        "step": 120, "maxSteps": 1000, "loss": 2.5, "tokensPerSecond": 1234.5,
+        "updatedAt": (NOW - timedelta(seconds=2)).isoformat().replace("+00:00", "Z")}
+    assert out.status["latestCheckpoint"]["step"] == 100
+    assert out.status["latestCheckpoint"]["uri"] == "s3://checkpoints/demo"
+
+
+# --- admission ----------------------------------------------------------------------------
+
+
+def test_invalid_spec_fails_once_with_reason_invalid_spec() -> None:
+    message = "spec.workers.minReplicas (4) is greater than maxReplicas (2)"
+    first = Outcome.of(reject(None, 1, message, NOW))
+    assert first.status is not None and first.status["phase"] == "Failed"
+    assert first.condition("Failed") == {
+        "type": "Failed", "status": "True", "reason": "InvalidSpec", "message": message,
+        "lastTransitionTime": "2025-01-01T12:00:00Z"}
+    assert first.events == [("Warning", "InvalidSpec")]
+    assert reject(first.status, 1, message, NOW + timedelta(seconds=5)) == []
+
+
+def test_corrected_spec_gets_a_fresh_start(minimal_manifest: dict) -> None:
+    failed = Outcome.of(reject(None, 1, "bad", NOW)).status
+    out = run(make_job(minimal_manifest, status=failed, generation=2), service=False)
+    assert out.status is not None and out.status["phase"] == "Pending"
+    assert len(out.created) == 4
+
+
+def test_merge_patch_sets_changes_and_removes_dropped_fields() -> None:
+    old = {"phase": "Failed", "completionTime": "t", "workers": {"desired": 2, "ready": 1}}
+    new = {"phase": "Pending", "workers": {"desired": 2, "ready": 2}}
+    assert merge_patch(old, new) == {"phase": "Pending", "completionTime": None,
+                                     "workers": {"ready": 2}}
+    assert merge_patch(new, new) == {}
