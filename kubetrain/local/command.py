@@ -1,0 +1,101 @@
+"""Run a TrainingJob on this machine: simulated nodes as local torchrun agents, live progress.
+
+The same manifest you would `kubectl apply`: `spec.workers.replicas` simulated
+nodes, each a `torchrun` agent with `procsPerWorker` training processes, meet at
+a c10d rendezvous on loopback and run the real trainer. Relative data and
+checkpoint paths live under ./runs/JOB/ (with the metrics log, the manifest the
+trainer reads and each worker's log); s3:// URIs use spec.storage and the AWS
+credentials in your environment. The run policy applies as on Kubernetes:
+restarts with backoff up to maxRestarts, hang detection, deadlines.
+
+Ctrl-C saves a checkpoint and stops; the same command again resumes from it.
+`--dry-run` shows what would run here next to the Pod the operator would create.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from kubetrain.api.manifest import InvalidManifest, load_job
+from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.local.launch import Rendezvous, agent_launch
+from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("manifest", metavar="JOB.yaml", help="the TrainingJob manifest")
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="print the commands and environment of each simulated node and the Pod the "
+        "operator would create for worker 0, then exit",
+    )
+    parser.add_argument(
+        "--kill-worker-at-step", dest="kill_at_steps", type=int, action="append", default=[],
+        metavar="N",
+        help="kill a worker (its agent and training processes, with SIGKILL, like a lost "
+        "node) when the run first reaches step N, to watch it recover from the latest "
+        "checkpoint; repeatable",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.manifest)
+    except (InvalidManifest, OSError) as error:
+        print(f"kubetrain run: {error}", file=sys.stderr)
+        return 2
+    workspace = Workspace.of(job)
+    local_job = workspace.localize(job)
+    if args.dry_run:
+        print(dry_run(job, local_job, workspace))
+        return 0
+
+    from kubetrain.local.runner import LocalRun, RunOptions
+    from kubetrain.local.workspace import prepare_demo_data
+
+    source = prepare_demo_data(local_job, workspace)
+    if source is not None:
+        print(f"prepared {local_job.spec.data.train} from {source} "
+              f"(the {PREPARE_FROM_ANNOTATION} annotation)", file=sys.stderr)
+    print(_plan(local_job, workspace), file=sys.stderr)
+    options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
+    return LocalRun(local_job, workspace, options).run()
+
+
+def _plan(job: TrainingJob, workspace: Workspace) -> str:
+    workers = job.spec.workers
+    return (f"{job.metadata.name}: {workers.replicas} simulated nodes x "
+            f"{workers.procs_per_worker} processes, {job.spec.optimization.max_steps} steps; "
+            f"data {job.spec.data.train}, checkpoints {job.spec.checkpoint.uri}, "
+            f"metrics http://127.0.0.1:{job.spec.metrics.port}/metrics, logs {workspace.logs}/")
+
+
+def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> str:
+    """What `kubetrain run` would start here, and the Pod the operator would create instead.
+
+    Only the variables the runner adds are shown: the rest of the environment is
+    passed through unprinted, so credentials in it never appear.
+    """
+    import yaml
+    from kubetrain.operator.children import worker_pod
+
+    rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")
+    lines = [f"# kubetrain run {job.metadata.name}: on this machine",
+             f"# the trainer reads {workspace.manifest} (this manifest, relative paths "
+             f"resolved under {workspace.root}/); rendezvous port 0 = a free port per attempt",
+             "# each node's environment: yours, plus the variables below"]
+    for index in range(job.spec.workers.replicas):
+        launch = agent_launch(local_job, workspace.manifest, workspace.metrics_log, index,
+                              rendezvous)
+        assignments = " ".join(f"{name}={shlex.quote(value)}"
+                               for name, value in launch.env.items())
+        lines.append(f"\n# simulated node {index} (output: {workspace.worker_log(index)})")
+        lines.append(f"{assignments} \\\n  {shlex.join(launch.argv)}")
+    pod: dict[str, Any] = worker_pod(job, 0, 0)
+    lines.append(f"\n# on Kubernetes: the operator creates {job.spec.workers.replicas} "
+                 "such Pods (worker-0 shown), torchrun settings as PET_* variables")
+    lines.append(yaml.safe_dump(pod, sort_keys=False).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""How `kubetrain run` starts one simulated node: the torchrun command line and its environment.
+
+A local run stands in for the operator's worker pods: node `i` is a `torchrun`
+agent (`python -m torch.distributed.run`) with the same elastic settings as
+worker pod `i` (nnodes min:max, procs per worker, c10d rendezvous), but the
+rendezvous is on loopback and the trainer reads the run directory's copy of the
+manifest. Pure: the runner starts what `agent_launch` describes, and `--dry-run`
+prints the same thing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubetrain.api.trainingjob import TrainingJob
+
+RENDEZVOUS_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """The c10d rendezvous one attempt of the worker group meets at."""
+
+    port: int
+    run_id: str
+
+    @property
+    def endpoint(self) -> str:
+        return f"{RENDEZVOUS_HOST}:{self.port}"
+
+
+@dataclass(frozen=True)
+class AgentLaunch:
+    """One simulated node: its index, command line, and the variables added to the environment."""
+
+    index: int
+    argv: list[str]
+    env: dict[str, str]
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind((RENDEZVOUS_HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+def threads_per_process(job: TrainingJob, cpus: int | None = None) -> int:
+    """CPU threads each training process may use so the whole local group fits the machine.
+
+    Every simulated node's processes share this machine's cores; without a limit
+    each would start one thread per core and they would slow each other down.
+    """
+    processes = job.spec.workers.replicas * job.spec.workers.procs_per_worker
+    return max(1, (cpus or os.cpu_count() or 1) // processes)
+
+
+def agent_launch(
+    job: TrainingJob, manifest: Path, metrics_log: Path, index: int, rendezvous: Rendezvous
+) -> AgentLaunch:
+    """The torchrun agent of simulated node `index` for one attempt of the group."""
+    workers = job.spec.workers
+    argv = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", f"{workers.min_workers}:{workers.max_workers}",
+        "--nproc-per-node", str(workers.procs_per_worker),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", rendezvous.endpoint,
+        "--rdzv-id", rendezvous.run_id,
+        # The runner owns restarts: a failed process ends the agent, and the runner
+        # restarts the whole group under spec.runPolicy, counting each restart once.
+        "--max-restarts", "0",
+        "-m", "kubetrain.trainer", str(manifest),
+        "--metrics-log", str(metrics_log),
+    ]
+    env = {
+        # Literal variables of the pod template apply locally too; valueFrom ones
+        # (Secrets) come from the user's own environment instead.
+        **{var.name: var.value for var in workers.template.env if var.value is not None},
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(job))),
+        "PYTHONUNBUFFERED": "1",
+        "KUBETRAIN_WORKER_INDEX": str(index),
+    }
+    return AgentLaunch(index, argv, env)

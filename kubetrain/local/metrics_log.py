@@ -1,0 +1,117 @@
+"""Reading the trainer's JSONL metrics log while it is being written, and what it says so far.
+
+Rank 0 of the trainer appends one JSON object per line (`step`, `eval`,
+`checkpoint`, `resumed`, `start`, `finished` events; the format is part of the
+trainer's contract). The local runner follows the file as it grows, like
+`tail -f`: `MetricsLogReader` returns only complete new lines, and `RunHistory`
+folds the events into the facts the progress bar, the restart policy and the
+final summary need. Unknown events and fields are ignored, so the trainer may
+log more without breaking the runner.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Event = dict[str, Any]
+
+
+class MetricsLogReader:
+    """Follows one metrics log file from a byte offset, returning each complete line once."""
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        self.path = path
+        self.offset = offset
+
+    def read_new(self) -> list[Event]:
+        """Events appended since the last call; a partly written last line waits for the next."""
+        try:
+            with self.path.open("rb") as log:
+                log.seek(self.offset)
+                data = log.read()
+        except FileNotFoundError:
+            return []
+        complete = data.rfind(b"\n") + 1
+        self.offset += complete
+        return parse_lines(data[:complete].decode("utf-8", errors="replace"))
+
+
+def parse_lines(text: str) -> list[Event]:
+    """The events in JSONL text; lines that are not JSON objects with an "event" are skipped."""
+    events = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict) and isinstance(event.get("event"), str):
+            events.append(event)
+    return events
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint the trainer reported as committed."""
+
+    step: int
+    uri: str
+
+
+@dataclass
+class RunHistory:
+    """What the metrics log has said so far (across earlier runs of the same job, too)."""
+
+    step: int = 0
+    max_steps: int | None = None
+    first_loss: float | None = None
+    loss: float | None = None
+    tokens_per_second: float | None = None
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    resumed_from: list[int] = field(default_factory=list)
+    """Step of each resume from a checkpoint, in order."""
+    finished: Event | None = None
+    """The `finished` event, once the trainer has written it."""
+
+    def apply(self, event: Event) -> None:
+        """Fold one event into the history."""
+        kind = event["event"]
+        step = event.get("step")
+        if isinstance(step, int) and kind in {"step", "resumed", "start", "finished"}:
+            # A resume may go back to an earlier step than the last one logged.
+            self.step = step
+        if kind == "step":
+            self.max_steps = event.get("max_steps", self.max_steps)
+            self.loss = _number(event.get("loss"))
+            if self.first_loss is None:
+                self.first_loss = self.loss
+            self.tokens_per_second = _number(event.get("tokens_per_second"))
+        elif kind == "eval":
+            val_loss = _number(event.get("val_loss"))
+            if isinstance(step, int) and val_loss is not None:
+                self.val_losses.append((step, val_loss))
+        elif kind == "checkpoint" and isinstance(step, int):
+            self.checkpoints.append(Checkpoint(step, str(event.get("uri", ""))))
+        elif kind == "resumed" and isinstance(step, int):
+            self.resumed_from.append(step)
+        elif kind == "finished":
+            self.finished = event
+
+    @property
+    def best_val_loss(self) -> float | None:
+        """Lowest validation loss: the trainer's own figure once finished, else the lowest seen."""
+        if self.finished is not None and _number(self.finished.get("best_val_loss")) is not None:
+            return _number(self.finished.get("best_val_loss"))
+        return min((loss for _, loss in self.val_losses), default=None)
+
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        return max(self.checkpoints, key=lambda c: c.step, default=None)

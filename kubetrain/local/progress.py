@@ -1,0 +1,128 @@
+"""What a user of `kubetrain run` sees: a live progress bar, event lines, and the final summary.
+
+The bar (tqdm, on stderr) shows step / max steps, training loss, tokens per
+second and the ETA; evaluations, checkpoints, resumes and restarts are printed
+above it as they happen. Everything shown comes from the trainer's metrics log
+(`RunHistory`); the workers' own output goes to log files so it never tears the
+bar.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import IO
+
+from tqdm import tqdm
+
+from kubetrain.local.metrics_log import Event, RunHistory
+
+
+class ProgressDisplay:
+    """The progress bar of the current attempt of the worker group, and lines printed above it."""
+
+    def __init__(self, max_steps: int, stream: IO[str] | None = None) -> None:
+        self.max_steps = max_steps
+        self.stream = stream or sys.stderr
+        self.bar: tqdm | None = None
+
+    def show(self, event: Event, history: RunHistory) -> None:
+        """Reflect one metrics-log event (already folded into `history`)."""
+        kind = event["event"]
+        if kind == "resumed":
+            self.say(f"resumed from the checkpoint at step {history.step} "
+                     f"({event.get('world_size', '?')} processes)")
+            self._new_bar(history.step)
+        elif kind == "start":
+            self._new_bar(history.step)
+        elif kind == "step":
+            self._advance(history)
+        elif kind == "eval":
+            step, val_loss = history.val_losses[-1]
+            perplexity = event.get("perplexity")
+            extra = f", perplexity {perplexity:.1f}" if isinstance(perplexity, int | float) else ""
+            self.say(f"step {step}: validation loss {val_loss:.4f}{extra}")
+        elif kind == "checkpoint":
+            latest = history.checkpoints[-1]
+            self.say(f"step {latest.step}: checkpoint saved to {latest.uri}")
+        elif kind == "finished":
+            self._advance(history)
+
+    def say(self, line: str) -> None:
+        """Print a line above the bar."""
+        tqdm.write(line, file=self.stream)
+
+    def close(self) -> None:
+        """Leave the current bar on screen as it is and stop updating it."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def _new_bar(self, step: int) -> None:
+        # One bar per attempt: after a resume the rate and ETA start afresh from the
+        # checkpoint's step instead of averaging over the restart.
+        self.close()
+        self.bar = tqdm(total=self.max_steps, initial=step, unit="step", file=self.stream,
+                        dynamic_ncols=True, smoothing=0.1)
+
+    def _advance(self, history: RunHistory) -> None:
+        if self.bar is None:
+            self._new_bar(history.step)
+        assert self.bar is not None
+        self.bar.update(max(0, history.step - self.bar.n))
+        postfix = {}
+        if history.loss is not None:
+            postfix["loss"] = f"{history.loss:.4f}"
+        if history.tokens_per_second is not None:
+            postfix["tok/s"] = f"{history.tokens_per_second:,.0f}"
+        self.bar.set_postfix(postfix, refresh=True)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a local run ended, for the summary."""
+
+    succeeded: bool
+    reason: str
+    seconds: float
+    restarts: list[str]
+    """Why each group restart of this run happened, in order."""
+    checkpoints_before: int
+    """Checkpoints the metrics log already recorded when this run started."""
+
+
+def summary(job_name: str, history: RunHistory, outcome: Outcome, logs: str) -> str:
+    """The closing report of a local run, one fact per line."""
+    minutes, seconds = divmod(round(outcome.seconds), 60)
+    state = "succeeded" if outcome.succeeded else "stopped"
+    lines = [f"{job_name} {state}: {outcome.reason} ({minutes}m {seconds:02d}s)"]
+
+    def row(label: str, text: str) -> None:
+        lines.append(f"  {label:<17}{text}")
+
+    if history.loss is not None:
+        first = f"{history.first_loss:.4f} -> " if history.first_loss is not None else ""
+        row("training loss", f"{first}{history.loss:.4f} at step {history.step} "
+            f"of {history.max_steps or '?'}")
+    if history.val_losses:
+        first_val, final_val = history.val_losses[0][1], history.val_losses[-1][1]
+        best = history.best_val_loss
+        row("validation loss", f"first {first_val:.4f}, final {final_val:.4f}"
+            + (f", best {best:.4f}" if best is not None else ""))
+    if history.resumed_from:
+        row("resumed from", ", ".join(f"step {step}" for step in history.resumed_from))
+    if outcome.restarts:
+        row("restarts", f"{len(outcome.restarts)}: " + "; ".join(outcome.restarts))
+    written = len(history.checkpoints) - outcome.checkpoints_before
+    latest = history.latest_checkpoint
+    if latest is not None:
+        row("checkpoints", f"{written} written by this run; latest: step {latest.step} "
+            f"at {latest.uri}")
+    export_uri = history.finished.get("export_uri") if history.finished else None
+    if export_uri:
+        row("exported model", str(export_uri))
+        row("try it", f"kubetrain generate --checkpoint {export_uri} --prompt 'def '")
+    elif not outcome.succeeded and latest is not None:
+        row("continue", "run the same command again to resume from the latest checkpoint")
+    row("logs", logs)
+    return "\n".join(lines)

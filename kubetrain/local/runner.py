@@ -1,0 +1,260 @@
+"""The local runner: a TrainingJob's worker group as processes on this machine, under its policy.
+
+`LocalRun` does locally what the operator does on Kubernetes: it starts
+`spec.workers.replicas` simulated nodes (`kubetrain.local.node`), each a
+`torchrun` agent running the real trainer, and watches them. A failed or lost
+node, or a step that stops advancing for `progressDeadlineSeconds`, tears the
+group down and starts it again on a fresh rendezvous after the backoff that
+`kubetrain.local.policy` decides; the trainer resumes from its newest
+checkpoint. `activeDeadlineSeconds` and Ctrl-C (SIGINT or SIGTERM) stop the
+group the way a planned change does on Kubernetes: SIGTERM to every agent, the
+trainer saves a checkpoint and exits, and running the same job again resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.local.launch import Rendezvous, agent_launch, free_port
+from kubetrain.local.metrics_log import MetricsLogReader, RunHistory
+from kubetrain.local.node import Node
+from kubetrain.local.policy import GroupFailure, ProgressClock, after_failure
+from kubetrain.local.progress import Outcome, ProgressDisplay, summary
+from kubetrain.local.workspace import Workspace
+
+# Exit statuses of `kubetrain run`.
+EXIT_SUCCEEDED = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+# A failed group is torn down quickly: its collectives are broken, nothing to save.
+FAILED_GROUP_GRACE_SECONDS = 10.0
+# A stopping group saves a checkpoint first (torchrun gives its workers 30 s after SIGTERM).
+STOPPING_GROUP_GRACE_SECONDS = 120.0
+POLL_SECONDS = 0.2
+LOG_TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How `kubetrain run` runs a job, beyond what the manifest says."""
+
+    kill_at_steps: tuple[int, ...] = ()
+    """Kill a simulated node (SIGKILL, as a lost machine) when the step first reaches each."""
+
+
+@dataclass
+class _Stop:
+    """Why the group must stop in an orderly way (a checkpoint is saved first)."""
+
+    reason: str
+    exit_code: int
+
+
+@dataclass
+class _Attempt:
+    """What one run of the worker group came to."""
+
+    finished: bool = False
+    failure: GroupFailure | None = None
+    stop: _Stop | None = None
+
+
+@dataclass
+class LocalRun:
+    """One `kubetrain run` of a job; `run()` returns the command's exit status."""
+
+    job: TrainingJob
+    workspace: Workspace
+    options: RunOptions = field(default_factory=RunOptions)
+
+    def __post_init__(self) -> None:
+        self.history = RunHistory()
+        self.reader = MetricsLogReader(self.workspace.metrics_log)
+        for event in self.reader.read_new():  # earlier runs of the same job
+            self.history.apply(event)
+        self.checkpoints_before = len(self.history.checkpoints)
+        self.display = ProgressDisplay(self.job.spec.optimization.max_steps)
+        self.pending_kills = sorted(set(self.options.kill_at_steps))
+        self.restarts: list[str] = []
+        self.signalled: int | None = None
+        self.started = time.monotonic()
+
+    def run(self) -> int:
+        """Run the group until the job finishes, fails or is stopped; print the summary."""
+        manifest = self.workspace.write_manifest(self.job)
+        failures: list[GroupFailure] = []
+        with self._signals_forwarded():
+            attempt = 0
+            while True:
+                result = self._run_group(manifest, attempt)
+                if result.finished:
+                    return self._finish(True, self._finished_reason(), EXIT_SUCCEEDED)
+                if result.stop is not None:
+                    return self._finish(False, result.stop.reason, result.stop.exit_code)
+                assert result.failure is not None
+                failures.append(result.failure)
+                decision = after_failure(self.job.spec.run_policy, failures)
+                if not decision.restart:
+                    return self._finish(False, decision.reason, EXIT_FAILED)
+                self.restarts.append(decision.reason)
+                max_restarts = self.job.spec.run_policy.max_restarts
+                self.display.say(f"{decision.reason}: restarting the group in "
+                                 f"{decision.delay:g}s (restart {len(failures)} of "
+                                 f"{max_restarts})")
+                if not self._sleep(decision.delay):
+                    return self._finish(False, "interrupted while waiting to restart",
+                                        EXIT_INTERRUPTED)
+                attempt += 1
+
+    # --- one attempt of the group ----------------------------------------------------
+
+    def _run_group(self, manifest: Path, attempt: int) -> _Attempt:
+        rendezvous = Rendezvous(free_port(), f"{self.job.metadata.name}-{os.getpid()}-{attempt}")
+        with ExitStack() as logs:
+            nodes = []
+            for index in range(self.job.spec.workers.replicas):
+                log = logs.enter_context(self.workspace.worker_log(index).open("ab"))
+                log.write(f"\n=== kubetrain run: attempt {attempt}, rendezvous "
+                          f"{rendezvous.endpoint} ===\n".encode())
+                log.flush()
+                launch = agent_launch(self.job, manifest, self.workspace.metrics_log, index,
+                                      rendezvous)
+                nodes.append(Node(launch, cwd=Path.cwd(), log=log))
+            result = self._watch(nodes)
+            if result.stop is not None:
+                self.display.say(f"{result.stop.reason}: stopping the workers, which save a "
+                                 "checkpoint first (Ctrl-C again to kill them now)")
+                self._stop_all(nodes, STOPPING_GROUP_GRACE_SECONDS)
+            elif result.failure is not None:
+                self._stop_all(nodes, FAILED_GROUP_GRACE_SECONDS)
+            self._read_events()
+            self.display.close()
+        return result
+
+    def _watch(self, nodes: list[Node]) -> _Attempt:
+        clock = ProgressClock(step=-1, since=time.monotonic())
+        policy = self.job.spec.run_policy
+        trained = False  # whether this attempt logged a training step
+        while True:
+            trained |= self._read_events(clock, nodes)
+            if self.signalled is not None:
+                name = signal.Signals(self.signalled).name
+                return _Attempt(stop=_Stop(f"interrupted by {name}", EXIT_INTERRUPTED))
+            statuses = [node.poll() for node in nodes]
+            failed = [(node, code) for node, code in zip(nodes, statuses, strict=True)
+                      if code not in (None, 0)]
+            if failed:
+                node, code = failed[0]
+                assert code is not None
+                return _Attempt(failure=self._node_failure(node, code, trained))
+            if all(code == 0 for code in statuses):
+                self._read_events(clock, nodes)
+                return _Attempt(finished=True)
+            now = time.monotonic()
+            if clock.is_hung(policy, now):
+                return _Attempt(failure=GroupFailure(
+                    f"no training progress for {clock.stalled_for(now):.0f}s "
+                    "(spec.runPolicy.progressDeadlineSeconds)", None, trained))
+            deadline = policy.active_deadline_seconds
+            if deadline is not None and now - self.started > deadline:
+                return _Attempt(stop=_Stop(f"running longer than {deadline}s "
+                                           "(spec.runPolicy.activeDeadlineSeconds)", EXIT_FAILED))
+            time.sleep(POLL_SECONDS)
+
+    def _read_events(self, clock: ProgressClock | None = None,
+                     nodes: list[Node] | None = None) -> bool:
+        """Show the new metrics-log events; True if one of them was a training step."""
+        trained = False
+        for event in self.reader.read_new():
+            self.history.apply(event)
+            self.display.show(event, self.history)
+            if clock is not None and event["event"] in {"step", "start", "resumed"}:
+                clock.observe(self.history.step, time.monotonic())
+            if event["event"] == "step":
+                trained = True
+                if nodes:
+                    self._inject_kills(nodes)
+        return trained
+
+    def _inject_kills(self, nodes: list[Node]) -> None:
+        # A kill fires once, at the first step logged at or after it, in whichever
+        # attempt gets there: replaying the same steps after a resume does not re-fire it.
+        while self.pending_kills and self.history.step >= self.pending_kills[0]:
+            at = self.pending_kills.pop(0)
+            victim = nodes[-1]  # the last node: not the rendezvous host, like most lost nodes
+            self.display.say(f"step {self.history.step}: killing worker {victim.index} "
+                             f"(--kill-worker-at-step {at})")
+            victim.lose()
+
+    def _node_failure(self, node: Node, code: int, trained: bool) -> GroupFailure:
+        if code < 0:
+            what = f"worker {node.index} was lost (killed by {signal.Signals(-code).name})"
+        else:
+            what = f"worker {node.index} failed with exit code {code}"
+            self.display.say(f"{what}; the end of {self.workspace.worker_log(node.index)}:")
+            for line in self._log_tail(node.index):
+                self.display.say(f"  | {line}")
+        return GroupFailure(f"{what} at step {self.history.step}", code, trained)
+
+    def _log_tail(self, index: int) -> list[str]:
+        text = self.workspace.worker_log(index).read_text(errors="replace")
+        return text.splitlines()[-LOG_TAIL_LINES:]
+
+    def _stop_all(self, nodes: list[Node], grace_seconds: float) -> None:
+        """SIGTERM every agent; after `grace_seconds`, or a second Ctrl-C, kill what is left."""
+        self.signalled = None
+        for node in nodes:
+            node.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while any(node.poll() is None for node in nodes):
+            self._read_events()
+            if self.signalled is not None or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_SECONDS)
+        for node in nodes:
+            if node.poll() is None:
+                node.lose()
+
+    # --- signals, waiting and the end ------------------------------------------------
+
+    @contextmanager
+    def _signals_forwarded(self) -> Iterator[None]:
+        def note(signum: int, _frame: FrameType | None) -> None:
+            self.signalled = signum
+
+        previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait `seconds`; False if interrupted meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.signalled is not None:
+                return False
+            time.sleep(min(POLL_SECONDS, deadline - time.monotonic()))
+        return self.signalled is None
+
+    def _finished_reason(self) -> str:
+        finished = self.history.finished
+        return str(finished.get("reason", "finished")) if finished else "all workers exited 0"
+
+    def _finish(self, succeeded: bool, reason: str, exit_code: int) -> int:
+        self.display.close()
+        outcome = Outcome(succeeded, reason, time.monotonic() - self.started, self.restarts,
+                          self.checkpoints_before)
+        logs = f"{self.workspace.logs}/, {self.workspace.metrics_log}"
+        print(summary(self.job.metadata.name, self.history, outcome, logs), flush=True)
+        return exit_code

@@ -1,0 +1,137 @@
+"""Where a local run keeps its files, and the demo data it prepares on first use.
+
+Everything a `kubetrain run` of job NAME writes locally lives in `runs/NAME/`
+(relative to the current directory):
+
+    runs/NAME/job.yaml          the manifest the trainer reads, relative paths resolved
+    runs/NAME/metrics.jsonl     the trainer's metrics log (the progress bar reads it)
+    runs/NAME/logs/worker-I.log the output of simulated node I, all attempts appended
+    runs/NAME/corpus/           the demo corpus, when the job prepares one (below)
+
+Relative paths in the manifest's URIs (`spec.data.*`, `spec.checkpoint.uri`,
+`spec.checkpoint.resumeFrom`) are resolved under `runs/NAME/` too, so a local job
+keeps its data and checkpoints beside its logs; absolute paths, `file://` and
+`s3://` URIs are used unchanged (S3 with `spec.storage` and credentials from the
+environment, as on Kubernetes).
+
+The annotation `kubetrain.io/prepare-from` names a corpus to prepare when
+`spec.data.train` holds no prepared data yet: a path or URI given to `kubetrain
+prepare`, or `python-stdlib` for the Python standard library's own source files,
+a real corpus present on every machine. The quickstart uses it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubetrain.api.trainingjob import TrainingJob
+
+RUNS_DIR = Path("runs")
+PREPARE_FROM_ANNOTATION = "kubetrain.io/prepare-from"
+PYTHON_STDLIB = "python-stdlib"
+
+# Demo-data shape: small shards so every data-parallel rank reads from several, and a
+# validation split large enough for a stable loss on a corpus of a few MB.
+DEMO_SHARD_TOKENS = 1 << 18
+DEMO_VALIDATION_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The local files of one job; see the module docstring."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, job: TrainingJob) -> Workspace:
+        return cls(RUNS_DIR / job.metadata.name)
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "job.yaml"
+
+    @property
+    def metrics_log(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def worker_log(self, index: int) -> Path:
+        return self.logs / f"worker-{index}.log"
+
+    def resolve(self, uri: str) -> str:
+        """`uri` as the trainer should see it: a relative path is placed under the run folder."""
+        if "://" in uri or Path(uri).is_absolute():
+            return uri
+        return str(self.root / uri)
+
+    def localize(self, job: TrainingJob) -> TrainingJob:
+        """The job with every relative data and checkpoint path resolved under the run folder."""
+        data, checkpoint = job.spec.data, job.spec.checkpoint
+        optional = self._resolve_optional
+        spec = job.spec.model_copy(update={
+            "data": data.model_copy(update={
+                "train": self.resolve(data.train),
+                "validation": optional(data.validation),
+                "tokenizer": optional(data.tokenizer),
+            }),
+            "checkpoint": checkpoint.model_copy(update={
+                "uri": self.resolve(checkpoint.uri),
+                "resume_from": optional(checkpoint.resume_from),
+            }),
+        })
+        return job.model_copy(update={"spec": spec})
+
+    def _resolve_optional(self, uri: str | None) -> str | None:
+        return None if uri is None else self.resolve(uri)
+
+    def write_manifest(self, job: TrainingJob) -> Path:
+        """Write the manifest the trainer reads: the same snapshot the operator mounts in pods."""
+        from kubetrain.operator.children import job_snapshot
+
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.manifest.write_text(job_snapshot(job))
+        return self.manifest
+
+
+def corpus_inputs(source: str, workspace: Workspace) -> list[str]:
+    """The inputs `kubetrain prepare` reads for a prepare-from annotation value."""
+    if source != PYTHON_STDLIB:
+        return [source]
+    # The top level of the standard library: a few MB of real Python, without the
+    # site-packages and test data that share its folder. Copied into one folder of
+    # the run, so the user can see what the model trains on.
+    corpus = workspace.root / "corpus"
+    corpus.mkdir(parents=True, exist_ok=True)
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        shutil.copyfile(path, corpus / path.name)
+    return [str(corpus)]
+
+
+def prepare_demo_data(job: TrainingJob, workspace: Workspace) -> str | None:
+    """Prepare `spec.data.train` from the job's prepare-from corpus if it is missing.
+
+    Returns the corpus prepared, or None when nothing had to be done. `job` must
+    already be localized (see `Workspace.localize`).
+    """
+    from kubetrain.trainer.prepare import INDEX_NAME, prepare
+    from kubetrain.trainer.storage import open_storage
+
+    source = job.metadata.annotations.get(PREPARE_FROM_ANNOTATION)
+    train = job.spec.data.train
+    if source is None or open_storage(train, job.spec.storage).exists(INDEX_NAME):
+        return None
+    output, _, split = train.rstrip("/").rpartition("/")
+    if split != "train" or not output:
+        raise ValueError(f"spec.data.train ({train}) must end in /train to be prepared from "
+                         f"the {PREPARE_FROM_ANNOTATION} annotation: `kubetrain prepare` writes "
+                         "OUTPUT/train and OUTPUT/validation")
+    prepare(corpus_inputs(source, workspace), output,
+            vocab_size=job.spec.model.resolve().vocab_size, shard_tokens=DEMO_SHARD_TOKENS,
+            validation_fraction=DEMO_VALIDATION_FRACTION, storage=job.spec.storage)
+    return source
