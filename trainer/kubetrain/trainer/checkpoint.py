@@ -165,7 +165,8 @@ def _world_size() -> int:
 
 def _read_manifest(store: Storage, folder: str) -> dict[str, Any] | None:
     try:
-        manifest: dict[str, Any] = json.loads(store.read_bytes(f"{folder}/{MANIFEST_NAME}"))
+        key = f"{folder}/{MANIFEST_NAME}" if folder else MANIFEST_NAME
+        manifest: dict[str, Any] = json.loads(store.read_bytes(key))
     except FileNotFoundError:
         return None
     return manifest if manifest.get("format") == MANIFEST_FORMAT else None

@@ -1,0 +1,233 @@
+"""Checkpoints: manifest-last commits, async saves, rotation, refusal of corrupt or foreign ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kubetrain.api.manifest import parse_job
+from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
+from kubetrain.trainer.checkpoint import (
+    MANIFEST_NAME,
+    Checkpointer,
+    IncompatibleCheckpoint,
+    ModelState,
+    RandomState,
+    committed_checkpoints,
+    latest_checkpoint,
+    step_folder,
+)
+from kubetrain.trainer.data import TokenDataset
+from kubetrain.trainer.prepare import PreparedDataset
+from kubetrain.trainer.storage import open_storage
+
+
+@pytest.fixture(autouse=True)
+def process_group() -> Iterator[None]:
+    """A one-process gloo group, as the trainer runs outside torchrun."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+def _spec(uri: str, storage: StorageSpec | None, train_uri: str,
+          **checkpoint: Any) -> TrainingJobSpec:
+    return parse_job({
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "ckpt"},
+        "spec": {"image": "trainer", "model": {"preset": "tiny"},
+                 "data": {"train": train_uri, "seqLen": 16},
+                 "optimization": {"maxSteps": 100, "microBatchSize": 2},
+                 "checkpoint": {"uri": uri, **checkpoint},
+                 "storage": storage.wire() if storage else {}},
+    }).spec
+
+
+class Progress:
+    """A stand-in for the loop's train state: a step and the best validation loss."""
+
+    def __init__(self) -> None:
+        self.step, self.best_val_loss = 0, float("inf")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "best_val_loss": self.best_val_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.best_val_loss = state["step"], state["best_val_loss"]
+
+
+def _app(spec: TrainingJobSpec, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    data = TokenDataset(spec.data.train, seq_len=spec.data.seq_len, micro_batch_size=2)
+    return {"model": ModelState(model, optimizer), "scheduler": scheduler, "data": data,
+            "train": Progress(), "rng": RandomState()}
+
+
+def _train(app: dict[str, Any], steps: int) -> None:
+    model, optimizer = app["model"].model, app["model"].optimizer
+    for _ in range(steps):
+        inputs, _ = next(app["data"])
+        loss = model(inputs[:, :16].float()).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        app["scheduler"].step()
+        app["train"].step += 1
+        app["train"].best_val_loss = min(app["train"].best_val_loss, loss.item())
+
+
+def _snapshot(app: dict[str, Any]) -> dict[str, Any]:
+    model, optimizer = app["model"].model, app["model"].optimizer
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "moments": [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()],
+        "lr": optimizer.param_groups[0]["lr"],
+        "data": app["data"].state_dict(), "train": app["train"].state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a["moments"], b["moments"], strict=True))
+    assert (a["lr"], a["data"], a["train"]) == (b["lr"], b["data"], b["train"])
+    assert torch.equal(a["rng"], b["rng"])
+
+
+@pytest.fixture
+def s3_spec(s3_endpoint: str) -> StorageSpec:
+    return StorageSpec(endpoint=s3_endpoint, region="us-east-1")
+
+
+def test_a_loaded_checkpoint_restores_every_part_of_the_training_state(
+        s3_bucket: str, s3_spec: StorageSpec, prepared_corpus: PreparedDataset) -> None:
+    spec = _spec(f"s3://{s3_bucket}/job", s3_spec, prepared_corpus.train_uri)
+    app = _app(spec, seed=1)
+    _train(app, 3)
+    saver = Checkpointer(spec, rank=0, world_size=1)
+    saver.save(3, app)
+    saved = _snapshot(app)
+    saver.close()
+
+    fresh = _app(spec, seed=2)
+    loader = Checkpointer(spec, rank=0, world_size=1)
+    assert loader.load_latest(fresh) == 3
+    _assert_same(_snapshot(fresh), saved)
+    manifest = open_storage(f"s3://{s3_bucket}/job/{step_folder(3)}", s3_spec)
+    assert b'"preset": "tiny"' in manifest.read_bytes(MANIFEST_NAME)  # the config that made it
+    loader.close()
+
+
+def test_an_async_save_keeps_the_state_of_the_step_it_was_called_at(
+        s3_bucket: str, s3_spec: StorageSpec, prepared_corpus: PreparedDataset) -> None:
+    spec = _spec(f"s3://{s3_bucket}/job", s3_spec, prepared_corpus.train_uri, **{"async": True})
+    app = _app(spec, seed=1)
+    _train(app, 2)
+    committed: list[int] = []
+    checkpointer = Checkpointer(spec, rank=0, world_size=1,
+                                on_commit=lambda info: committed.append(info.step))
+    checkpointer.save(2, app, blocking=False)
+    saved = _snapshot(app)
+    _train(app, 2)  # training goes on while the upload runs
+    checkpointer.wait()
+    assert committed == [2]
+
+    fresh = _app(spec, seed=3)
+    assert Checkpointer(spec, rank=0, world_size=1).load_latest(fresh) == 2
+    _assert_same(_snapshot(fresh), saved)
+    checkpointer.close()
+
+
+def test_uncommitted_saves_are_ignored_and_rotation_keeps_the_newest(
+        s3_bucket: str, s3_spec: StorageSpec, prepared_corpus: PreparedDataset) -> None:
+    uri = f"s3://{s3_bucket}/job"
+    spec = _spec(uri, s3_spec, prepared_corpus.train_uri, keepLast=2)
+    app = _app(spec, seed=1)
+    checkpointer = Checkpointer(spec, rank=0, world_size=1)
+    store = open_storage(uri, s3_spec)
+    for step in (1, 2, 3):
+        _train(app, 1)
+        checkpointer.save(step, app)
+    at_three = _snapshot(app)
+    # A save that crashed before its manifest: files but no commit, older and newer.
+    for step in (2, 9):
+        folder = store.join(step_folder(step))
+        folder.write_bytes("__0_0.distcp", b"partial")
+        folder.delete([MANIFEST_NAME])
+    assert [info.step for info in committed_checkpoints(uri, s3_spec)] == [3]
+    assert latest_checkpoint(uri, s3_spec).step == 3  # type: ignore[union-attr]
+
+    _train(app, 1)
+    checkpointer.save(4, app)
+    folders = {obj.key.partition("/")[0] for obj in store.list()}
+    assert folders == {step_folder(3), step_folder(4), step_folder(9)}
+
+    fresh = _app(spec, seed=5)
+    resumed = Checkpointer(spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
+        update={"keep_last": 1})}), rank=0, world_size=1)
+    store.delete([f"{step_folder(4)}/{MANIFEST_NAME}"])  # as if step 4 never committed
+    assert resumed.load_latest(fresh) == 3
+    _assert_same(_snapshot(fresh), at_three)
+    checkpointer.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-a-byte"])
+def test_a_damaged_file_is_refused_and_the_previous_checkpoint_resumed(
+        damage: str, tmp_path: Any, prepared_corpus: PreparedDataset,
+        caplog: pytest.LogCaptureFixture) -> None:
+    spec = _spec(str(tmp_path / "ckpt"), None, prepared_corpus.train_uri)
+    app = _app(spec, seed=1)
+    checkpointer = Checkpointer(spec, rank=0, world_size=1)
+    _train(app, 1)
+    checkpointer.save(1, app)
+    at_one = _snapshot(app)
+    _train(app, 1)
+    checkpointer.save(2, app)
+    shard = tmp_path / "ckpt" / step_folder(2) / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100] if damage == "truncate" else
+                      data[:50] + bytes([data[50] ^ 1]) + data[51:])
+
+    fresh = _app(spec, seed=9)
+    assert Checkpointer(spec, rank=0, world_size=1).load_latest(fresh) == 1
+    _assert_same(_snapshot(fresh), at_one)
+    assert "truncated or modified" in caplog.text and "__0_0.distcp" in caplog.text
+    checkpointer.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_the_differences(
+        tmp_path: Any, prepared_corpus: PreparedDataset) -> None:
+    spec = _spec(str(tmp_path / "ckpt"), None, prepared_corpus.train_uri)
+    app = _app(spec, seed=1)
+    Checkpointer(spec, rank=0, world_size=1).save(1, app)
+    wider = spec.model.model_copy(update={"dim": 128})
+    other = spec.model_copy(update={"model": wider})
+    with pytest.raises(IncompatibleCheckpoint, match=r"dim: 64 there, 128 here"):
+        Checkpointer(other, rank=0, world_size=1).load_latest(_app(spec, seed=1))
+
+
+def test_resume_from_starts_a_new_job_from_another_jobs_checkpoint(
+        s3_bucket: str, s3_spec: StorageSpec, prepared_corpus: PreparedDataset) -> None:
+    first = _spec(f"s3://{s3_bucket}/first", s3_spec, prepared_corpus.train_uri)
+    app = _app(first, seed=1)
+    _train(app, 2)
+    Checkpointer(first, rank=0, world_size=1).save(2, app)
+    saved = _snapshot(app)
+
+    second = _spec(f"s3://{s3_bucket}/second", s3_spec, prepared_corpus.train_uri,
+                   resumeFrom=f"s3://{s3_bucket}/first")
+    fresh = _app(second, seed=4)
+    checkpointer = Checkpointer(second, rank=0, world_size=1)
+    assert checkpointer.load_latest(fresh) == 2
+    _assert_same(_snapshot(fresh), saved)
+    assert latest_checkpoint(f"s3://{s3_bucket}/second", s3_spec) is None

@@ -1,0 +1,118 @@
+"""The streaming dataset: one global sample order, split over ranks, resumable at any size."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kubetrain.api.trainingjob import StorageSpec
+from kubetrain.trainer.data import CorruptShard, TokenDataset
+from kubetrain.trainer.prepare import PreparedDataset
+from kubetrain.trainer.storage import open_storage
+
+SEQ, BATCH = 32, 2
+
+
+def _datasets(uri: str, world: int, **options: object) -> list[TokenDataset]:
+    return [TokenDataset(uri, seq_len=SEQ, micro_batch_size=BATCH, rank=rank, world_size=world,
+                         seed=7, **options) for rank in range(world)]  # type: ignore[arg-type]
+
+
+def _run(datasets: list[TokenDataset], micro_steps: int) -> list[np.ndarray]:
+    """The rows every rank sees, in global order (rank 0's batch, rank 1's, ...)."""
+    rows = []
+    for _ in range(micro_steps):
+        for dataset in datasets:
+            inputs, targets = next(dataset)
+            assert inputs.dtype == targets.dtype and str(inputs.dtype) == "torch.int64"
+            assert inputs.shape == targets.shape == (BATCH, SEQ)
+            assert (inputs[:, 1:] == targets[:, :-1]).all()
+            rows.extend(torch.cat([inputs[:, :1], targets], dim=1).numpy())
+    return rows
+
+
+def test_any_number_of_ranks_sees_the_single_rank_sequence(
+        prepared_corpus: PreparedDataset) -> None:
+    single = _run(_datasets(prepared_corpus.train_uri, 1), 60)
+    for world in (2, 3):
+        split = _run(_datasets(prepared_corpus.train_uri, world), 60 // world)
+        assert np.array_equal(np.stack(split), np.stack(single))
+
+
+def test_resuming_with_another_world_size_repeats_and_skips_nothing(
+        prepared_corpus: PreparedDataset) -> None:
+    uri = prepared_corpus.train_uri
+    first = _datasets(uri, 2)
+    seen = _run(first, 5)
+    state = first[0].state_dict()
+    for world in (1, 3, 2):  # 2 ranks, then 1, 3 and 2 again, each from the last state
+        resumed = _datasets(uri, world)
+        for dataset in resumed:
+            dataset.load_state_dict(state)
+        seen += _run(resumed, 6)
+        state = resumed[0].state_dict()
+        assert all(dataset.state_dict() == state for dataset in resumed)
+    ids = [row.tobytes() for row in seen]
+    reference = [row.tobytes() for row in _run(_datasets(uri, 1), len(seen) // BATCH)]
+    assert ids == reference
+
+
+def test_every_sample_appears_once_per_epoch_in_a_seeded_order(
+        prepared_corpus: PreparedDataset) -> None:
+    dataset = _datasets(prepared_corpus.train_uri, 1)[0]
+    per_epoch = dataset.samples_per_epoch
+    first = [dataset.sample_ids(p) for p in range(per_epoch)]
+    second = [dataset.sample_ids(p) for p in range(per_epoch, 2 * per_epoch)]
+    assert len(set(first)) == per_epoch and set(first) == set(second) and first != second
+    other_seed = TokenDataset(prepared_corpus.train_uri, seq_len=SEQ, micro_batch_size=BATCH,
+                              seed=8)
+    assert [other_seed.sample_ids(p) for p in range(per_epoch)] != first
+    ordered = TokenDataset(prepared_corpus.train_uri, seq_len=SEQ, micro_batch_size=BATCH,
+                           shuffle=False)
+    assert [ordered.sample_ids(p) for p in range(per_epoch)] == sorted(first)
+
+
+def test_streaming_from_s3_matches_local_and_holds_few_shards(
+        prepared_corpus: PreparedDataset, s3_bucket: str, s3_spec: StorageSpec) -> None:
+    remote = open_storage(f"s3://{s3_bucket}/corpus/train", s3_spec)
+    local = Path(prepared_corpus.train_uri.removeprefix("file://"))
+    for path in local.iterdir():
+        remote.upload_file(path, path.name)
+    from_s3 = TokenDataset(remote.uri, seq_len=SEQ, micro_batch_size=BATCH, seed=7,
+                           prefetch_shards=1, storage=s3_spec)
+    from_disk = _datasets(prepared_corpus.train_uri, 1)[0]
+    most_held = 0
+    for _ in range(from_s3.samples_per_epoch // BATCH):
+        assert all(np.array_equal(a, b) for a, b in
+                   zip(next(from_s3), next(from_disk), strict=True))
+        most_held = max(most_held, len(from_s3._shards))
+    assert most_held <= 2  # current shard + prefetch_shards
+    from_s3.close()
+
+
+def test_a_saved_position_from_another_order_is_refused(
+        prepared_corpus: PreparedDataset) -> None:
+    state = _datasets(prepared_corpus.train_uri, 1)[0].state_dict()
+    longer = TokenDataset(prepared_corpus.train_uri, seq_len=SEQ * 2, micro_batch_size=BATCH)
+    with pytest.raises(ValueError, match="seq_len"):
+        longer.load_state_dict(state)
+
+
+def test_a_tampered_shard_is_refused(prepared_corpus: PreparedDataset, tmp_path: Path) -> None:
+    copy = tmp_path / "train"
+    source = Path(prepared_corpus.train_uri.removeprefix("file://"))
+    copy.mkdir()
+    for path in source.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    shard = copy / prepared_corpus.train.shards[0].name
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    dataset = TokenDataset(str(copy), seq_len=SEQ, micro_batch_size=BATCH, shuffle=False)
+    with pytest.raises(CorruptShard, match="truncated or modified"):
+        for _ in itertools.count():
+            next(dataset)

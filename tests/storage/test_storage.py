@@ -1,0 +1,73 @@
+"""The storage layer behaves the same on local disk and on S3 (moto over HTTP)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kubetrain.api.trainingjob import StorageSpec
+from kubetrain.trainer.storage import PART_SIZE, Storage, open_object, open_storage
+
+
+def test_objects_round_trip_and_list_below_their_prefix(store: Storage) -> None:
+    store.write_bytes("a/one.bin", b"1")
+    store.join("a").write_bytes("two.bin", b"22")
+    store.write_bytes("ab/three.bin", b"333")
+
+    assert [(o.key, o.size) for o in store.list()] == [
+        ("a/one.bin", 1), ("a/two.bin", 2), ("ab/three.bin", 3)]
+    assert [o.key for o in store.list("a/")] == ["a/one.bin", "a/two.bin"]
+    assert [o.key for o in store.join("a").list()] == ["one.bin", "two.bin"]
+    assert store.join("a", "two.bin").uri == store.uri + "/a/two.bin"
+    assert store.read_bytes("a/two.bin") == b"22"
+    assert store.exists("a/one.bin") and not store.exists("a/missing")
+
+    store.delete(["a/one.bin", "a/never-existed"])
+    assert [o.key for o in store.list("a/")] == ["a/two.bin"]
+
+
+def test_missing_objects_raise_file_not_found(store: Storage, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        store.read_bytes("nothing/here")
+    with pytest.raises(FileNotFoundError):
+        store.download_file("nothing/here", tmp_path / "out")
+
+
+def test_a_root_does_not_list_its_siblings_with_a_longer_name(store: Storage) -> None:
+    parent = store.join("runs")
+    parent.write_bytes("run10/x", b"x")
+    assert parent.join("run1").list() == []
+
+
+def test_large_files_upload_in_parts_and_download_intact(store: Storage, tmp_path: Path) -> None:
+    data = os.urandom(PART_SIZE + 12345)  # two multipart parts on S3
+    (tmp_path / "big").write_bytes(data)
+    store.upload_file(tmp_path / "big", "big/file")
+    store.download_file("big/file", tmp_path / "copy" / "file")
+    assert (tmp_path / "copy" / "file").read_bytes() == data
+    assert store.list("big/")[0].size == len(data)
+
+
+def test_open_object_splits_a_uri_into_folder_and_key(s3_spec: StorageSpec, s3_bucket: str,
+                                                      tmp_path: Path) -> None:
+    folder, key = open_object(f"s3://{s3_bucket}/deep/tokenizer.json", s3_spec)
+    assert (folder.uri, key) == (f"s3://{s3_bucket}/deep", "tokenizer.json")
+    folder, key = open_object((tmp_path / "t.json").as_uri())
+    assert (folder.uri, key) == (tmp_path.as_uri(), "t.json")
+
+
+def test_unsupported_schemes_are_refused() -> None:
+    with pytest.raises(ValueError, match="gs://"):
+        open_storage("gs://bucket/x")
+
+
+def test_credentials_never_appear_in_reprs_or_errors(s3_spec: StorageSpec, s3_bucket: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "kubetrain-test-secret-value"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    store = open_storage(f"s3://{s3_bucket}/p", s3_spec)
+    with pytest.raises(FileNotFoundError) as missing:
+        store.read_bytes("absent")
+    assert secret not in repr(store) + str(missing.value) + store.uri
