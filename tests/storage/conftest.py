@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kubetrain.trainer.storage import Storage, open_storage
 
 from kubetrain.api.trainingjob import StorageSpec
-from kubetrain.trainer.storage import Storage, open_storage
 
 
 @pytest.fixture

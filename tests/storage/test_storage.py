@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
+from kubetrain.trainer.storage import PART_SIZE, Storage, open_object, open_storage
 
 from kubetrain.api.trainingjob import StorageSpec
-from kubetrain.trainer.storage import PART_SIZE, Storage, open_object, open_storage
 
 
 def test_objects_round_trip_and_list_below_their_prefix(store: Storage) -> None:
