@@ -1,0 +1,62 @@
+"""A torchrun worker for the resharding test: FSDP2 training state saved on N ranks, loaded on M.
+
+`save`: train two steps of a small FSDP2 model and checkpoint at step 2.
+`load`: build the same model on this world size and load the newest checkpoint.
+Either way rank 0 then writes the full (unsharded) model and optimizer state to OUT.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from kubetrain.api.manifest import parse_job
+from kubetrain.trainer.checkpoint import Checkpointer, ModelState
+
+
+def main(mode: str, uri: str, endpoint: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(24, 24) for _ in range(3)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    spec = parse_job({
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "reshard"},
+        "spec": {"image": "trainer", "model": {"preset": "tiny"},
+                 "data": {"train": "s3://unused/train"},
+                 "optimization": {"maxSteps": 10},
+                 "checkpoint": {"uri": uri},
+                 "storage": {"endpoint": endpoint, "region": "us-east-1"}},
+    }).spec
+    checkpointer = Checkpointer(spec, rank=rank, world_size=world)
+    app = {"model": ModelState(model, optimizer)}
+    if mode == "save":
+        for step in range(2):
+            inputs = torch.randn(8, 24, generator=torch.Generator().manual_seed(step * world + rank))
+            model(inputs).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        checkpointer.save(2, app)
+    else:
+        assert checkpointer.load_latest(app) == 2
+    full_model, full_optimizer = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"model": full_model, "optimizer": full_optimizer}, out)
+    checkpointer.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
