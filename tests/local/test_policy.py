@@ -1,0 +1,107 @@
+"""The local runner's restart, backoff and hang decisions (kubetrain.local.policy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubetrain.api.trainingjob import RunPolicy
+from kubetrain.local.policy import (
+    GroupFailure,
+    ProgressClock,
+    after_failure,
+    is_signal_exit,
+    restart_delay,
+)
+
+LOST = GroupFailure("worker 1 was lost", -9, progressed=True)
+
+
+def crash(code: int = 1, progressed: bool = False) -> GroupFailure:
+    return GroupFailure(f"worker 0 failed with exit code {code}", code, progressed)
+
+
+def test_backoff_doubles_per_restart_up_to_the_maximum() -> None:
+    policy = RunPolicy(backoff_seconds=3, max_backoff_seconds=20)
+    delays = [restart_delay(policy, done) for done in range(5)]
+    assert delays == [3, 6, 12, 20, 20]
+
+
+def test_lost_nodes_are_restarted_until_max_restarts_is_spent() -> None:
+    policy = RunPolicy(max_restarts=2, backoff_seconds=1)
+    first, second, third = (after_failure(policy, [LOST] * n) for n in (1, 2, 3))
+    assert (first.restart, first.delay) == (True, restart_delay(policy, 0))
+    assert (second.restart, second.delay) == (True, restart_delay(policy, 1))
+    assert not third.restart
+    assert "maxRestarts" in third.reason
+
+
+def test_zero_max_restarts_fails_on_the_first_failure() -> None:
+    decision = after_failure(RunPolicy(max_restarts=0), [LOST])
+    assert not decision.restart
+
+
+@pytest.mark.parametrize("code", [2, 126, 127])
+def test_permanent_exit_code_fails_without_retrying(code: int) -> None:
+    decision = after_failure(RunPolicy(max_restarts=10), [crash(code)])
+    assert not decision.restart
+    assert "permanentExitCodes" in decision.reason
+
+
+def test_same_crash_without_progress_fails_at_the_repeated_failure_limit() -> None:
+    policy = RunPolicy(max_restarts=10, repeated_failure_limit=3)
+    assert after_failure(policy, [crash(), crash()]).restart
+    decision = after_failure(policy, [crash(), crash(), crash()])
+    assert not decision.restart
+    assert "repeatedFailureLimit" in decision.reason
+
+
+def test_repeated_crash_with_progress_in_between_keeps_restarting() -> None:
+    policy = RunPolicy(max_restarts=10, repeated_failure_limit=3)
+    assert after_failure(policy, [crash(), crash(progressed=True), crash()]).restart
+
+
+def test_different_exit_codes_are_not_a_repeated_failure() -> None:
+    policy = RunPolicy(max_restarts=10, repeated_failure_limit=2)
+    assert after_failure(policy, [crash(1), crash(3)]).restart
+
+
+def test_repeated_signal_kills_are_always_retried() -> None:
+    policy = RunPolicy(max_restarts=10, repeated_failure_limit=2)
+    killed = GroupFailure("worker 1 was lost", -9, progressed=False)
+    assert after_failure(policy, [killed, killed, killed]).restart
+
+
+def test_hangs_are_retried_like_other_failures() -> None:
+    hang = GroupFailure("no training progress for 31s", None, progressed=False)
+    policy = RunPolicy(max_restarts=1, repeated_failure_limit=1)
+    assert after_failure(policy, [hang]).restart
+    assert not after_failure(policy, [hang, hang]).restart
+
+
+@pytest.mark.parametrize(("code", "signalled"), [(-9, True), (137, True), (143, True),
+                                                 (1, False), (75, False)])
+def test_signal_exits_are_told_apart_from_exit_codes(code: int, signalled: bool) -> None:
+    assert is_signal_exit(code) is signalled
+
+
+def test_progress_clock_resets_only_when_the_step_advances() -> None:
+    policy = RunPolicy(progress_deadline_seconds=30)
+    clock = ProgressClock(step=-1, since=100.0)
+    clock.observe(0, 110.0)
+    clock.observe(10, 120.0)
+    clock.observe(10, 145.0)  # the same step again is no progress
+    assert clock.stalled_for(145.0) == 25.0
+    assert not clock.is_hung(policy, 150.0)
+    assert clock.is_hung(policy, 151.0)
+    clock.observe(20, 151.0)
+    assert not clock.is_hung(policy, 151.0)
+
+
+def test_progress_clock_counts_startup_against_the_deadline() -> None:
+    clock = ProgressClock(step=-1, since=0.0)
+    assert clock.is_hung(RunPolicy(progress_deadline_seconds=60), 61.0)
+
+
+def test_hang_detection_can_be_disabled() -> None:
+    clock = ProgressClock(step=-1, since=0.0)
+    assert not clock.is_hung(RunPolicy(progress_deadline_seconds=None), 1e9)
