@@ -43,7 +43,8 @@ def main(mode: str, uri: str, endpoint: str, out: str) -> None:
     app = {"model": ModelState(model, optimizer)}
     if mode == "save":
         for step in range(2):
-            inputs = torch.randn(8, 24, generator=torch.Generator().manual_seed(step * world + rank))
+            seed = torch.Generator().manual_seed(step * world + rank)
+            inputs = torch.randn(8, 24, generator=seed)
             model(inputs).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
