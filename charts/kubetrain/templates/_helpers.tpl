@@ -68,23 +68,48 @@ app.kubernetes.io/component: operator
 {{- end -}}
 
 {{/*
-The operator's permissions on the namespaced resources it manages: exactly the
-(verb, resource) calls its integration tests record (tests/chart checks this).
+The operator's permissions: exactly the (verb, resource) calls its integration
+tests record (tests/operator/harness.py); tests/chart/test_rbac.py checks that
+these grant each of them and nothing more.
+
+kubetrain.operatorNamespacedRules: on resources in the watched namespaces (a Role
+per namespace in namespaced mode, part of the ClusterRole in cluster mode).
 */}}
-{{- define "kubetrain.operatorRules" -}}
+{{- define "kubetrain.operatorNamespacedRules" -}}
 - apiGroups: ["kubetrain.io"]
   resources: ["trainingjobs"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "delete"]
 - apiGroups: ["kubetrain.io"]
   resources: ["trainingjobs/status"]
   verbs: ["patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["list", "watch", "create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if and (gt (int .Values.replicas) 1) (eq .Values.rbac.mode "namespaced") }}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["list", "watch", "patch"]
+{{- end }}
+{{- end -}}
+
+{{/*
+kubetrain.operatorClusterRules: on cluster-scoped resources, in both modes. Nodes
+are watched to notice pods on lost nodes; with several replicas in cluster mode
+they elect a leader through a ClusterKopfPeering.
+*/}}
+{{- define "kubetrain.operatorClusterRules" -}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list", "watch"]
+{{- if and (gt (int .Values.replicas) 1) (eq .Values.rbac.mode "cluster") }}
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["list", "watch", "patch"]
+{{- end }}
 {{- end -}}
