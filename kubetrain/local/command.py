@@ -86,16 +86,30 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
     lines = [f"# kubetrain run {job.metadata.name}: on this machine",
              f"# the trainer reads {workspace.manifest} (this manifest, relative paths "
              f"resolved under {workspace.root}/); rendezvous port 0 = a free port per attempt",
-             "# each node's environment: yours, plus the variables below"]
+             "# each node's environment: yours, plus the variables below",
+             "# restarts: this runner restarts the whole group under spec.runPolicy, so "
+             "torchrun's own are off"]
     for index in range(job.spec.workers.replicas):
         launch = agent_launch(local_job, workspace.manifest, workspace.metrics_log, index,
                               rendezvous)
-        assignments = " ".join(f"{name}={shlex.quote(value)}"
-                               for name, value in launch.env.items())
         lines.append(f"\n# simulated node {index} (output: {workspace.worker_log(index)})")
-        lines.append(f"{assignments} \\\n  {shlex.join(launch.argv)}")
+        lines.append(_shell_lines(launch.env, launch.argv))
     pod: dict[str, Any] = worker_pod(job, 0, 0)
     lines.append(f"\n# on Kubernetes: the operator creates {job.spec.workers.replicas} "
                  "such Pods (worker-0 shown), torchrun settings as PET_* variables")
     lines.append(yaml.safe_dump(pod, sort_keys=False).rstrip())
     return "\n".join(lines)
+
+
+def _shell_lines(env: dict[str, str], argv: list[str]) -> str:
+    """`env` and `argv` as one shell command, an option and its value per line."""
+    parts = [f"{name}={shlex.quote(value)}" for name, value in env.items()]
+    words = [shlex.quote(word) for word in argv]
+    # Start a new line at each option so the command reads like the Pod's PET_* list.
+    command = [" ".join(words[:3])]
+    for word in words[3:]:
+        if word.startswith("-") or not command[-1].startswith("-"):
+            command.append(word)
+        else:
+            command[-1] += f" {word}"
+    return " \\\n  ".join([" ".join(parts), *command])

@@ -83,6 +83,5 @@ def agent_launch(
         **{var.name: var.value for var in workers.template.env if var.value is not None},
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(job))),
         "PYTHONUNBUFFERED": "1",
-        "KUBETRAIN_WORKER_INDEX": str(index),
     }
     return AgentLaunch(index, argv, env)

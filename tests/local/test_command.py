@@ -1,0 +1,102 @@
+"""`kubetrain run --dry-run` and the simulated node's process handling (kubetrain.local)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kubetrain.api.manifest import parse_job
+from kubetrain.cli import main
+from kubetrain.local.launch import AgentLaunch
+from kubetrain.local.node import Node, descendants
+from kubetrain.local.workspace import Workspace
+
+
+@pytest.fixture
+def job_file(tmp_path: Path, minimal_manifest: dict[str, Any]) -> Path:
+    manifest = minimal_manifest
+    manifest["spec"]["workers"] = {"replicas": 3, "procsPerWorker": 2}
+    manifest["spec"]["data"] = {"train": "data/train"}
+    manifest["spec"]["checkpoint"] = {"uri": "s3://checkpoints/demo"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def test_dry_run_shows_each_node_and_the_operators_pod(
+        job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--dry-run", str(job_file)]) == 0
+    out = capsys.readouterr().out
+    local, _, pod_text = out.partition("# on Kubernetes")
+    for index in range(3):
+        assert f"# simulated node {index}" in local
+    assert local.count("--nnodes 3:3") == 3
+    assert local.count("--nproc-per-node 2") == 3
+    assert "-m kubetrain.trainer runs/demo/job.yaml" in local
+    pod = yaml.safe_load(pod_text.partition("\n")[2])
+    assert pod["kind"] == "Pod"
+    assert pod["metadata"]["name"] == "demo-worker-0"
+    env = {var["name"]: var.get("value") for var in pod["spec"]["containers"][0]["env"]}
+    assert env["PET_NNODES"] == "3:3"
+    assert env["PET_NPROC_PER_NODE"] == "2"
+
+
+def test_dry_run_never_prints_credentials(
+        job_file: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "wJalrXUtnFEMI-not-a-real-key"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    assert main(["run", "--dry-run", str(job_file)]) == 0
+    assert secret not in capsys.readouterr().out
+
+
+def test_relative_paths_live_under_the_run_folder(job_file: Path) -> None:
+    job = parse_job(yaml.safe_load(job_file.read_text()))
+    local = Workspace.of(job).localize(job)
+    assert local.spec.data.train == str(Path("runs/demo/data/train"))
+    assert local.spec.checkpoint.uri == "s3://checkpoints/demo"
+
+
+def test_invalid_manifest_is_reported_with_its_field(
+        job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = yaml.safe_load(job_file.read_text())
+    manifest["spec"]["workers"]["minReplicas"] = 5
+    job_file.write_text(yaml.safe_dump(manifest))
+    assert main(["run", str(job_file)]) == 2
+    assert "spec.workers.minReplicas (5)" in capsys.readouterr().err
+
+
+def test_losing_a_node_kills_its_processes_in_their_own_sessions(tmp_path: Path) -> None:
+    # Like torchrun: the agent starts its worker in a new session, which a process-group
+    # kill of the agent would miss.
+    agent = ("import subprocess, sys, time\n"
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+             " start_new_session=True)\n"
+             "time.sleep(60)\n")
+    launch = AgentLaunch(0, [sys.executable, "-c", agent], {})
+    with (tmp_path / "node.log").open("wb") as log:
+        node = Node(launch, cwd=tmp_path, log=log)
+        deadline = time.monotonic() + 10
+        while not descendants(node.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (worker,) = descendants(node.pid)
+        node.lose()
+    assert node.poll() == -9
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    # A killed child of a dead agent is reaped by init; until then it is a zombie.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
