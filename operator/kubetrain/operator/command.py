@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import random
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,9 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     try:
         kube_config.load_incluster_config(client_configuration=configuration)
     except kube_config.ConfigException:
-        kube_config.load_kube_config(client_configuration=configuration)
+        # KUBECONFIG is read now, not when the client library was imported.
+        kube_config.load_kube_config(os.environ.get("KUBECONFIG"),
+                                     client_configuration=configuration)
     # Creates and deletes fan out over kopf's worker threads: one connection each.
     configuration.connection_pool_maxsize = 32
     api = client.ApiClient(configuration)
@@ -80,6 +84,7 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     controller = TrainingJobController(config, api)
     registry = kopf.OperatorRegistry()
     controller.register(registry)
+    kopf.on.login(registry=registry)(_login)
 
     settings = kopf.OperatorSettings()
     # kopf's own bookkeeping goes to status.kopf, never to annotations GitOps tools would diff.
@@ -111,6 +116,13 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
         metrics_server.shutdown()
         metrics_thread.join()
         api.close()
+
+
+def _login(**kwargs: Any) -> Any:
+    """kopf's credentials: the pod's service account in a cluster, else the kubeconfig."""
+    import kopf
+
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -62,6 +62,15 @@ class JobMemory:
     children: dict[str, float] = field(default_factory=dict)  # Service, ConfigMap created
 
 
+def _snapshot(index: kopf.Index, key: Any) -> list[Any]:
+    """The values under `key`, copied: kopf updates indexes on its loop while handlers read."""
+    while True:
+        try:
+            return list(index.get(key, []))
+        except RuntimeError:  # changed size during iteration: read again
+            continue
+
+
 def _now() -> datetime:
     # Kubernetes times have whole seconds; so do the operator's decisions.
     return datetime.now(UTC).replace(microsecond=0)
@@ -132,7 +141,7 @@ class TrainingJobController:
     def on_pod_event(self, namespace: str, labels: kopf.Labels, tj_jobs: kopf.Index,
                      tj_pods: kopf.Index, tj_services: kopf.Index, tj_configmaps: kopf.Index,
                      tj_nodes: kopf.Index, **_: Any) -> None:
-        for job in tj_jobs.get((namespace, labels[children.JOB_LABEL]), []):
+        for job in _snapshot(tj_jobs, (namespace, labels[children.JOB_LABEL])):
             self.reconcile(job, tj_pods, tj_services, tj_configmaps, tj_nodes)
 
     def on_timer(self, body: kopf.Body, tj_pods: kopf.Index, tj_services: kopf.Index,
@@ -170,7 +179,7 @@ class TrainingJobController:
     def observe(self, key: JobKey, memory: JobMemory, pods: kopf.Index, services: kopf.Index,
                 config_maps: kopf.Index, nodes: kopf.Index, now: datetime) -> Observed:
         """The job's children as the indexes show them, corrected by this process's own writes."""
-        seen = {pod.name: pod for pod in (worker_pod(raw, nodes) for raw in pods.get(key, []))}
+        seen = {pod.name: pod for pod in (worker_pod(raw, nodes) for raw in _snapshot(pods, key))}
         clock = time.monotonic()
         for name, since in list(memory.deleted.items()):
             fresh = clock - since < EXPECTATION_TIMEOUT_SECONDS
@@ -183,7 +192,7 @@ class TrainingJobController:
                 seen[name] = replace(pod, created_at=now)
             else:
                 del memory.created[name]
-        kinds = set(services.get(key, [])) | set(config_maps.get(key, []))
+        kinds = set(_snapshot(services, key)) | set(_snapshot(config_maps, key))
         for kind, since in list(memory.children.items()):
             if kind in kinds or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
                 del memory.children[kind]

@@ -408,7 +408,8 @@ class _Decision:
                    if pod.phase == "Running" and pod.index < self.replicas]
         rank0 = any(pod.index == 0 for pod in running)
         # A first start may begin with minReplicas; a restart is over once every replacement runs.
-        needed = self.replicas if status.phase == "Restarting" else self.job.spec.workers.min_workers
+        restarting = status.phase == "Restarting"
+        needed = self.replicas if restarting else self.job.spec.workers.min_workers
         if rank0 and len(running) >= needed:
             if status.phase != "Running":
                 status.phase = "Running"

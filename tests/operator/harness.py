@@ -1,0 +1,482 @@
+"""A Kubernetes API (kmock's emulator, extended) and the real operator, for integration tests.
+
+`EmulatedCluster` serves kmock's `KubernetesEmulator` over HTTP on a random loopback
+port, in a thread, and writes a kubeconfig for it. The emulator is extended here
+where the operator relies on API-server behaviour kmock leaves out: uid,
+creationTimestamp, resourceVersion and generation on objects; the status and scale
+subresources of TrainingJobs; and owner-reference garbage collection.
+
+`running_operator` runs `kubetrain operator` itself (`kubetrain.operator.command.serve`)
+in a thread against it.
+
+RBAC check for the chart: `run_operator_scenarios()` runs every integration
+scenario of tests/operator against a fresh cluster and returns the set of
+(verb, resource) pairs the operator called, e.g. ("create", "pods"),
+("patch", "trainingjobs/status"), ("watch", "nodes"). Verbs are RBAC verbs
+(get, list, watch, create, update, patch, delete); resources are plurals, with
+"/subresource" where one was used. The chart's Role must grant exactly these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kmock
+import yaml
+from kubernetes import client
+from kubernetes import config as kube_config
+from kubetrain.operator.command import OperatorConfig, serve
+from kubetrain.operator.handlers import USER_AGENT
+
+T = TypeVar("T")
+
+JOBS = "kubetrain.io/v1alpha1/trainingjobs"
+NAMESPACE = "default"
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus the API-server behaviour the operator depends on."""
+
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if isinstance(request.data, dict) and request.resource is not None:
+            self._server_side_fields(request)
+        elif isinstance(request.data, list) and request.action == kmock.action.UPDATE:
+            self._json_patch_concurrency(request)
+        response = await super()._handle(request)
+        if request.action in (kmock.action.DELETE, kmock.action.UPDATE) and request.name:
+            stored = self._stored(request)
+            if stored is None or stored.deleted:
+                await self._collect_garbage()
+        return response
+
+    def _json_patch_concurrency(self, request: kmock.Request) -> None:
+        """A JSON patch's resourceVersion test fails with 422, as the API server answers."""
+        stored = self._stored(request)
+        current = stored.get("metadata", {}).get("resourceVersion") if stored else None
+        for op in request.data:
+            if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" \
+                    and op.get("value") != current:
+                raise kmock.KubernetesError(status=422, reason="Invalid",
+                                            message="the object has been modified")
+        request.data.append({"op": "replace", "path": "/metadata/resourceVersion",
+                             "value": str(next(self._versions))})
+
+    def _stored(self, request: kmock.Request) -> Any:
+        key = (request.resource, request.namespace, request.name)
+        return self.objects[key] if key in self.objects else None  # noqa: SIM401 (no .get)
+
+    def _server_side_fields(self, request: kmock.Request) -> None:
+        data = request.data
+        meta = data.setdefault("metadata", {})
+        meta["resourceVersion"] = str(next(self._versions))
+        if request.action == kmock.action.CREATE:
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp",
+                            datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            meta.setdefault("generation", 1)
+            data.pop("status", None) if request.resource == JOBS else None
+            return
+        if request.action != kmock.action.UPDATE or request.resource != JOBS:
+            return
+        stored = self._stored(request)
+        if request.subresource == "scale":
+            # The CRD's scale subresource maps Scale.spec.replicas to .spec.workers.replicas.
+            replicas = data.get("spec", {}).get("replicas")
+            data.clear()
+            data.update({"metadata": meta, "spec": {"workers": {"replicas": replicas}}})
+        elif request.subresource == "status":
+            for key in list(data):
+                if key not in ("status", "metadata"):
+                    del data[key]
+            return
+        else:
+            data.pop("status", None)  # the main resource ignores status, as with a real CRD
+        if "spec" in data and stored is not None:
+            meta["generation"] = int(stored.get("metadata", {}).get("generation", 1)) + 1
+
+    async def _collect_garbage(self) -> None:
+        """Delete objects whose owner is gone, as the garbage collector does (background)."""
+        while True:
+            async with self._lock:
+                live = {obj.get("metadata", {}).get("uid") for obj in self._objects.values()
+                        if not obj.deleted}
+                orphans = [(key, obj) for key, obj in self._objects.items()
+                           if not obj.deleted and any(
+                               ref.get("uid") not in live
+                               for ref in obj.get("metadata", {}).get("ownerReferences", []))]
+                for (resource, _, _), obj in orphans:
+                    raw = obj.raw
+                    obj.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
+            if not orphans:
+                return
+
+
+def _declare_resources(emulator: Emulator) -> None:
+    info = kmock.ResourceInfo
+    verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
+    emulator.resources[JOBS] = info(kind="TrainingJob", singular="trainingjob",
+                                    namespaced=True, verbs=verbs, shortnames={"tj"},
+                                    subresources={"status", "scale"})
+    for plural, kind, namespaced in [("pods", "Pod", True), ("services", "Service", True),
+                                     ("configmaps", "ConfigMap", True),
+                                     ("events", "Event", True), ("nodes", "Node", False),
+                                     ("namespaces", "Namespace", False)]:
+        emulator.resources[f"v1/{plural}"] = info(kind=kind, singular=kind.lower(),
+                                                  namespaced=namespaced, verbs=verbs,
+                                                  subresources={"status"} if kind == "Pod"
+                                                  else set())
+    emulator.resources["kopf.dev/v1/clusterkopfpeerings"] = info(
+        kind="ClusterKopfPeering", namespaced=False, verbs=verbs)
+    emulator.resources["kopf.dev/v1/kopfpeerings"] = info(
+        kind="KopfPeering", namespaced=True, verbs=verbs)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmulatedCluster:
+    """The emulator on a loopback port, in its own thread and event loop."""
+
+    def __init__(self, directory: Path) -> None:
+        self.kubeconfig = directory / "kubeconfig"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.emulator = Emulator()
+        _declare_resources(self.emulator)
+        self.server = kmock.Server(self.emulator)
+
+    def __enter__(self) -> EmulatedCluster:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
+        url = f"http://127.0.0.1:{self.server.port}"
+        self.kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+            "users": [{"name": "tests", "user": {"token": "emulator"}}],
+            "contexts": [{"name": "emulator",
+                          "context": {"cluster": "emulator", "user": "tests"}}],
+        }))
+        return self
+
+    async def _start(self) -> None:
+        await self.emulator.__aenter__()
+        await self.server.__aenter__()
+
+    async def _stop(self) -> None:
+        await self.server.__aexit__(None, None, None)
+        await self.emulator.__aexit__(None, None, None)
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+    def api_client(self) -> client.ApiClient:
+        configuration = client.Configuration()
+        kube_config.load_kube_config(str(self.kubeconfig), client_configuration=configuration)
+        return client.ApiClient(configuration)
+
+    def operator_calls(self) -> set[tuple[str, str]]:
+        """(verb, resource) of every request the operator (kopf or its client) made."""
+        calls = set()
+        for request in list(self.emulator):
+            agent = request.headers.get("User-Agent", "")
+            if request.resource is None or not request.resource.plural:
+                continue  # discovery: allowed to every authenticated user
+            if not agent.startswith(("kopf", USER_AGENT)):
+                continue
+            resource = request.resource.plural or ""
+            if request.subresource:
+                resource += "/" + request.subresource
+            calls.add((_rbac_verb(request), resource))
+        return calls
+
+    def operator_requests(self, resource: str, action: kmock.action) -> int:
+        return sum(1 for request in list(self.emulator)
+                   if request.resource is not None and request.resource.plural == resource
+                   and request.action == action
+                   and request.headers.get("User-Agent", "").startswith(USER_AGENT))
+
+
+def _rbac_verb(request: kmock.Request) -> str:
+    if request.action == kmock.action.WATCH:
+        return "watch"
+    if request.action == kmock.action.LIST:
+        return "list"
+    if request.action == kmock.action.FETCH:
+        return "get"
+    if request.action == kmock.action.CREATE:
+        return "create"
+    if request.action == kmock.action.DELETE:
+        return "delete"
+    return "update" if request.method == kmock.method.PUT else "patch"
+
+
+@contextlib.contextmanager
+def running_operator(cluster: EmulatedCluster, **options: Any) -> Iterator[OperatorConfig]:
+    """`kubetrain operator --standalone` against the cluster, in a thread, until the block ends."""
+    options.setdefault("standalone", True)
+    options.setdefault("resync_seconds", 0.5)
+    config = OperatorConfig(metrics_port=free_port(), health_port=free_port(), **options)
+    stop, ready = threading.Event(), threading.Event()
+    with _kubeconfig_env(cluster.kubeconfig):
+        thread = threading.Thread(target=serve, args=(config, stop, ready), daemon=True)
+        thread.start()
+        assert ready.wait(30), "the operator did not start"
+        try:
+            yield config
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def _kubeconfig_env(path: Path) -> Iterator[None]:
+    import os
+
+    previous = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(path)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = previous
+
+
+def eventually(check: Callable[[], T], timeout: float = 20.0, what: str = "") -> T:
+    """Poll `check` until it returns something truthy (and return it) or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        time.sleep(0.1)
+
+
+def job_manifest(name: str, replicas: int = 2, **run_policy: Any) -> dict[str, Any]:
+    """A valid TrainingJob with fast restarts for tests."""
+    return {
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "image": "ghcr.io/kubetrain/trainer:0.1.0",
+            "model": {"preset": "tiny"},
+            "data": {"train": "s3://datasets/corpus/train"},
+            "checkpoint": {"uri": f"s3://checkpoints/{name}"},
+            "storage": {"credentialsSecret": {"name": "s3-credentials"}},
+            "workers": {"replicas": replicas, "minReplicas": 1, "maxReplicas": 4},
+            "runPolicy": {"backoffSeconds": 0, **run_policy},
+        },
+    }
+
+
+class Kube:
+    """The test's own Kubernetes client calls (a different user agent from the operator's)."""
+
+    def __init__(self, cluster: EmulatedCluster) -> None:
+        api = cluster.api_client()
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def create_job(self, manifest: dict[str, Any]) -> None:
+        self.custom.create_namespaced_custom_object(
+            "kubetrain.io", "v1alpha1", NAMESPACE, "trainingjobs", copy.deepcopy(manifest))
+
+    def job(self, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(self.custom.get_namespaced_custom_object(
+                "kubetrain.io", "v1alpha1", NAMESPACE, "trainingjobs", name))
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def patch_job(self, name: str, patch: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            "kubetrain.io", "v1alpha1", NAMESPACE, "trainingjobs", name, patch)
+
+    def scale_job(self, name: str, replicas: int) -> None:
+        self.custom.patch_namespaced_custom_object_scale(
+            "kubetrain.io", "v1alpha1", NAMESPACE, "trainingjobs", name,
+            {"spec": {"replicas": replicas}})
+
+    def delete_job(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(
+            "kubetrain.io", "v1alpha1", NAMESPACE, "trainingjobs", name)
+
+    def phase(self, name: str) -> str | None:
+        job = self.job(name)
+        return (job or {}).get("status", {}).get("phase")
+
+    def pods(self, job: str) -> dict[str, dict[str, Any]]:
+        items = self.core.list_namespaced_pod(NAMESPACE).items
+        api = client.ApiClient()
+        pods = [api.sanitize_for_serialization(pod) for pod in items]
+        return {pod["metadata"]["name"]: pod for pod in pods
+                if pod["metadata"].get("labels", {}).get("kubetrain.io/job-name") == job}
+
+    def set_pod_status(self, name: str, phase: str, exit_code: int | None = None,
+                       reason: str | None = None, pod_ip: str | None = None) -> None:
+        status: dict[str, Any] = {"phase": phase}
+        if exit_code is not None:
+            terminated = {"exitCode": exit_code, "reason": reason or "Error"}
+            status["containerStatuses"] = [{
+                "name": "trainer", "ready": False, "restartCount": 0, "image": "trainer",
+                "imageID": "", "state": {"terminated": terminated}}]
+        if pod_ip:
+            status["podIP"] = pod_ip
+        self.core.patch_namespaced_pod_status(name, NAMESPACE, {"status": status})
+
+    def run_all(self, job: str, pod_ip: str | None = None) -> None:
+        for name in self.pods(job):
+            self.set_pod_status(name, "Running", pod_ip=pod_ip)
+
+    def event_reasons(self, job: str) -> list[str]:
+        events = self.core.list_namespaced_event(NAMESPACE).items
+        return [event.reason for event in events if event.involved_object.name == job]
+
+
+# --- the scenarios: each integration test, and together the operator's RBAC footprint --------
+
+
+def scenario_job_creates_valid_children(kube: Kube) -> None:
+    import kubernetes_validate
+
+    kube.create_job(job_manifest("create"))
+    pods = eventually(lambda: len(kube.pods("create")) == 2 and kube.pods("create"))
+    uid = (kube.job("create") or {})["metadata"]["uid"]
+    for pod in pods.values():
+        kubernetes_validate.validate(pod, "1.30", strict=True)
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == uid
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["PET_RDZV_ENDPOINT"]["value"] == "create-worker-0.create:29400"
+        assert env["PET_RDZV_ID"]["value"] == uid
+        assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
+    service = kube.core.read_namespaced_service("create", NAMESPACE)
+    assert service.spec.cluster_ip == "None" and service.spec.publish_not_ready_addresses
+    config = kube.core.read_namespaced_config_map("create-config", NAMESPACE)
+    assert "name: create" in config.data["job.yaml"]
+
+
+def scenario_failures_restart_then_rank_zero_completes(kube: Kube) -> None:
+    kube.create_job(job_manifest("lifecycle"))
+    eventually(lambda: len(kube.pods("lifecycle")) == 2)
+    kube.run_all("lifecycle")
+    eventually(lambda: kube.phase("lifecycle") == "Running")
+    kube.set_pod_status("lifecycle-worker-1", "Failed", exit_code=137, reason="OOMKilled")
+    replaced = eventually(lambda: (kube.pods("lifecycle").get("lifecycle-worker-1", {})
+                                   .get("metadata", {}).get("labels", {})
+                                   .get("kubetrain.io/restart-attempt") == "1"))
+    assert replaced
+    status = (kube.job("lifecycle") or {})["status"]
+    assert status["restarts"] == 1 and status["lastFailure"].startswith("lifecycle-worker-1")
+    kube.run_all("lifecycle")
+    eventually(lambda: kube.phase("lifecycle") == "Running")
+    kube.set_pod_status("lifecycle-worker-0", "Succeeded", exit_code=0)
+    eventually(lambda: kube.phase("lifecycle") == "Succeeded")
+    eventually(lambda: "lifecycle-worker-1" not in kube.pods("lifecycle"))
+    reasons = eventually(lambda: "Completed" in kube.event_reasons("lifecycle")
+                         and kube.event_reasons("lifecycle"))
+    assert {"Created", "Running", "WorkerFailed", "Completed"} <= set(reasons)
+
+
+def scenario_permanent_exit_code_fails_the_job(kube: Kube) -> None:
+    kube.create_job(job_manifest("permanent"))
+    eventually(lambda: len(kube.pods("permanent")) == 2)
+    kube.set_pod_status("permanent-worker-1", "Failed", exit_code=2)
+    eventually(lambda: kube.phase("permanent") == "Failed")
+    conditions = (kube.job("permanent") or {})["status"]["conditions"]
+    assert any(c["type"] == "Failed" and c["reason"] == "PermanentError" for c in conditions)
+
+
+def scenario_scale_subresource_adds_and_removes_workers(kube: Kube) -> None:
+    kube.create_job(job_manifest("scale"))
+    eventually(lambda: len(kube.pods("scale")) == 2)
+    kube.scale_job("scale", 3)
+    eventually(lambda: set(kube.pods("scale")) == {f"scale-worker-{i}" for i in range(3)})
+    kube.scale_job("scale", 1)
+    eventually(lambda: set(kube.pods("scale")) == {"scale-worker-0"})
+    assert (kube.job("scale") or {})["status"]["workers"]["desired"] == 1
+
+
+def scenario_suspend_and_resume(kube: Kube) -> None:
+    kube.create_job(job_manifest("pause"))
+    eventually(lambda: len(kube.pods("pause")) == 2)
+    kube.patch_job("pause", {"spec": {"runPolicy": {"suspend": True}}})
+    eventually(lambda: kube.phase("pause") == "Suspended" and not kube.pods("pause"))
+    kube.patch_job("pause", {"spec": {"runPolicy": {"suspend": False}}})
+    eventually(lambda: len(kube.pods("pause")) == 2)
+    assert {"Suspended", "Resumed"} <= set(kube.event_reasons("pause"))
+
+
+def scenario_deleting_a_job_removes_its_children(kube: Kube) -> None:
+    kube.create_job(job_manifest("gone"))
+    eventually(lambda: len(kube.pods("gone")) == 2)
+    kube.delete_job("gone")
+    eventually(lambda: not kube.pods("gone") and kube.job("gone") is None)
+
+
+def scenario_ttl_deletes_a_finished_job(kube: Kube) -> None:
+    kube.create_job(job_manifest("ttl", replicas=1, ttlSecondsAfterFinished=1))
+    eventually(lambda: len(kube.pods("ttl")) == 1)
+    kube.set_pod_status("ttl-worker-0", "Succeeded", exit_code=0)
+    eventually(lambda: kube.job("ttl") is None, timeout=30)
+
+
+def scenario_invalid_spec_is_reported_not_crashed_on(kube: Kube) -> None:
+    manifest = job_manifest("invalid")
+    manifest["spec"]["workers"] = {"replicas": 2, "minReplicas": 4, "maxReplicas": 2}
+    kube.create_job(manifest)
+    eventually(lambda: kube.phase("invalid") == "Failed")
+    failed = [c for c in (kube.job("invalid") or {})["status"]["conditions"]
+              if c["type"] == "Failed"]
+    assert failed[0]["reason"] == "InvalidSpec"
+    assert "minReplicas" in failed[0]["message"]
+    assert not kube.pods("invalid")
+
+
+SCENARIOS = [
+    scenario_job_creates_valid_children,
+    scenario_failures_restart_then_rank_zero_completes,
+    scenario_permanent_exit_code_fails_the_job,
+    scenario_scale_subresource_adds_and_removes_workers,
+    scenario_suspend_and_resume,
+    scenario_deleting_a_job_removes_its_children,
+    scenario_ttl_deletes_a_finished_job,
+    scenario_invalid_spec_is_reported_not_crashed_on,
+]
+
+
+def run_operator_scenarios() -> set[tuple[str, str]]:
+    """Run every scenario on a fresh cluster; return the operator's (verb, resource) pairs."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory, \
+            EmulatedCluster(Path(directory)) as cluster, running_operator(cluster):
+        kube = Kube(cluster)
+        for scenario in SCENARIOS:
+            scenario(kube)
+        return cluster.operator_calls()
