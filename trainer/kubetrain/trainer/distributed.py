@@ -1,0 +1,99 @@
+"""The process group, the device mesh, and the stop request every rank agrees on.
+
+One code path for every launch: under torchrun the group comes from its
+environment (RANK, WORLD_SIZE, MASTER_ADDR...); a plain `python` process or a
+notebook gets a one-member group over an in-memory store, so collectives
+(checkpoints, the stop flag) work the same everywhere. gloo on CPU, NCCL on GPU.
+
+A stop is a collective decision. The SIGTERM/SIGINT handler only sets a flag;
+`StopRequest.agreed()` all-reduces it (MAX) at a step boundary, so every rank
+sees the same answer at the same step and they save one checkpoint together.
+This module must not touch the model or the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the training group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that serves metrics and writes logs."""
+        return self.rank == 0
+
+
+def init_world() -> World:
+    """Join (or create) the process group and build a 1-D data-parallel device mesh."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            # device_id binds NCCL communicators to this GPU eagerly (no lazy first-use init).
+            dist.init_process_group(backend=backend,
+                                    device_id=device if backend == "nccl" else None)
+        else:
+            # Not launched by torchrun: a group of one over an in-memory store.
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    return World(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
+                 device=device, mesh=mesh)
+
+
+def shutdown_world() -> None:
+    """Leave the process group (safe to call when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class StopRequest:
+    """SIGTERM/SIGINT turned into a flag that all ranks agree on at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        """Catch SIGTERM and SIGINT (main thread only; a notebook's other threads skip it)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:
+                return
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were there before `install`."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: the loop decides at the next step boundary, together with the other ranks.
+        self.signalled = True
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank when any rank was signalled (a collective: call it on all ranks)."""
+        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

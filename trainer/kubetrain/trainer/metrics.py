@@ -1,0 +1,283 @@
+"""What the trainer reports: Prometheus metrics, the JSONL metrics log, progress lines, trackers.
+
+Only rank 0 reports (a `Reporter` on other ranks does nothing), so every number
+here is the group's: the loss is the global mean, tokens per second the whole
+group's throughput. The metric names are a contract with the operator (which
+reads rank 0's `/metrics` into `status.progress`), the local runner (which reads
+the metrics log) and the Helm chart's dashboard and alerts; `REGISTRY` is the
+one registry they all come from.
+
+MFU is model FLOPs (`sizing.flops_per_token` times tokens per second) over the peak
+dense bf16 FLOP/s of the group's devices, taken from `PEAK_BF16_FLOPS` by device
+name. CPUs and unknown accelerators have no meaningful peak: their MFU is
+reported as 0. Memory figures come from the CUDA caching allocator and are 0 on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from threading import Thread
+from typing import IO, Any, Protocol
+from wsgiref.simple_server import WSGIServer
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kubetrain.api.trainingjob import TrainingJobSpec
+
+REGISTRY = CollectorRegistry()
+
+STEP = Gauge("kubetrain_step", "Last completed optimizer step.", registry=REGISTRY)
+MAX_STEPS = Gauge("kubetrain_max_steps", "Optimizer steps the job trains for.", registry=REGISTRY)
+LOSS = Gauge("kubetrain_loss", "Training loss (mean over the group's tokens) at the last "
+             "logged step.", registry=REGISTRY)
+VALIDATION_LOSS = Gauge("kubetrain_validation_loss", "Validation loss of the last evaluation.",
+                        registry=REGISTRY)
+LEARNING_RATE = Gauge("kubetrain_learning_rate", "Learning rate of the last step.",
+                      registry=REGISTRY)
+GRAD_NORM = Gauge("kubetrain_grad_norm", "Global gradient norm before clipping.",
+                  registry=REGISTRY)
+TOKENS_PER_SECOND = Gauge("kubetrain_tokens_per_second", "Training throughput of the whole "
+                          "group over the last log interval.", registry=REGISTRY)
+MFU = Gauge("kubetrain_mfu_ratio", "Model FLOPs utilisation (0..1) against the devices' peak "
+            "dense bf16 FLOP/s; 0 where the peak is unknown (CPU).", registry=REGISTRY)
+STEP_DURATION = Histogram(
+    "kubetrain_step_duration_seconds", "Wall time of one optimizer step, data wait included.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=REGISTRY,
+)
+DATA_WAIT = Gauge("kubetrain_data_wait_ratio", "Fraction of step time spent waiting for data "
+                  "over the last log interval.", registry=REGISTRY)
+MEMORY_ALLOCATED = Gauge("kubetrain_memory_allocated_bytes", "Peak device memory allocated by "
+                         "tensors on rank 0 (0 on CPU).", registry=REGISTRY)
+MEMORY_RESERVED = Gauge("kubetrain_memory_reserved_bytes", "Peak device memory reserved by the "
+                        "caching allocator on rank 0 (0 on CPU).", registry=REGISTRY)
+LAST_STEP_TIME = Gauge("kubetrain_last_step_timestamp_seconds", "Unix time the last step "
+                       "finished: a stall shows as this not moving.", registry=REGISTRY)
+RESTARTS = Gauge("kubetrain_restarts", "Times torchrun restarted this worker group "
+                 "(TORCHELASTIC_RESTART_COUNT).", registry=REGISTRY)
+CHECKPOINT_STEP = Gauge("kubetrain_latest_checkpoint_step", "Step of the newest committed "
+                        "checkpoint.", registry=REGISTRY)
+CHECKPOINT_TIME = Gauge("kubetrain_latest_checkpoint_timestamp_seconds", "Unix time the newest "
+                        "checkpoint was committed.", registry=REGISTRY)
+TOKENS = Counter("kubetrain_tokens", "Tokens trained on by the group since this process "
+                 "started.", registry=REGISTRY)
+
+# Peak dense bf16 FLOP/s per device, matched against torch.cuda.get_device_name() in order.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+
+
+def peak_flops(device: torch.device) -> float:
+    """Peak dense bf16 FLOP/s of one `device`; 0.0 when unknown (every CPU)."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), 0.0)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One logged step, already reduced over the group."""
+
+    step: int
+    loss: float
+    learning_rate: float
+    grad_norm: float
+    tokens_per_second: float
+    mfu: float
+    step_time: float
+    data_wait_ratio: float
+
+
+class Reporter:
+    """Rank 0's outlet for every figure of the run; a silent no-op on other ranks."""
+
+    def __init__(self, spec: TrainingJobSpec, *, enabled: bool, metrics_log: Path,
+                 job_name: str, serve: bool = True) -> None:
+        self.enabled = enabled
+        self.max_steps = spec.optimization.max_steps
+        self._log: IO[str] | None = None
+        self._server: tuple[WSGIServer, Thread] | None = None
+        self._trackers: list[_Tracker] = []
+        if not enabled:
+            return
+        metrics_log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = metrics_log.open("a", buffering=1)  # line-buffered: readers tail it
+        if serve:
+            self._server = start_http_server(spec.metrics.port, registry=REGISTRY)
+        MAX_STEPS.set(self.max_steps)
+        RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        self._trackers = _open_trackers(spec, job_name)
+
+    # --- events -------------------------------------------------------------------------
+
+    def started(self, step: int, world_size: int) -> None:
+        if not self.enabled:
+            return
+        STEP.set(step)
+        self._event("start", step=step, world_size=world_size)
+
+    def resumed(self, step: int, uri: str, world_size: int) -> None:
+        self._event("resumed", step=step, uri=uri, world_size=world_size)
+        self._print(f"resumed from {uri} at step {step} with {world_size} processes")
+
+    def stepped(self, step: int, tokens: int, step_time: float) -> None:
+        """Every step: the cheap, always-current figures (step, time, tokens)."""
+        if not self.enabled:
+            return
+        STEP.set(step)
+        LAST_STEP_TIME.set(time.time())
+        STEP_DURATION.observe(step_time)
+        TOKENS.inc(tokens)
+
+    def logged(self, report: StepReport, device: torch.device) -> None:
+        """Every `logEverySteps`: loss, throughput and the rest, everywhere they go."""
+        if not self.enabled:
+            return
+        LOSS.set(report.loss)
+        LEARNING_RATE.set(report.learning_rate)
+        GRAD_NORM.set(report.grad_norm)
+        TOKENS_PER_SECOND.set(report.tokens_per_second)
+        MFU.set(report.mfu)
+        DATA_WAIT.set(report.data_wait_ratio)
+        if device.type == "cuda":
+            MEMORY_ALLOCATED.set(torch.cuda.max_memory_allocated(device))
+            MEMORY_RESERVED.set(torch.cuda.max_memory_reserved(device))
+        self._event("step", step=report.step, max_steps=self.max_steps, loss=report.loss,
+                    lr=report.learning_rate, grad_norm=report.grad_norm,
+                    tokens_per_second=report.tokens_per_second, mfu=report.mfu,
+                    step_time=report.step_time, data_wait_ratio=report.data_wait_ratio)
+        self._print(
+            f"step {report.step}/{self.max_steps} | loss {report.loss:.4f} | "
+            f"lr {report.learning_rate:.2e} | grad {report.grad_norm:.3f} | "
+            f"{report.tokens_per_second:,.0f} tok/s | mfu {report.mfu:.1%} | "
+            f"{report.step_time * 1000:.0f} ms/step | data wait {report.data_wait_ratio:.1%}"
+        )
+        for tracker in self._trackers:
+            tracker.log(report.step, {"loss": report.loss, "lr": report.learning_rate,
+                                      "grad_norm": report.grad_norm,
+                                      "tokens_per_second": report.tokens_per_second,
+                                      "mfu": report.mfu})
+
+    def evaluated(self, step: int, val_loss: float) -> None:
+        if not self.enabled:
+            return
+        perplexity = math.exp(min(val_loss, 700.0))  # exp overflows a float beyond ~709
+        VALIDATION_LOSS.set(val_loss)
+        self._event("eval", step=step, val_loss=val_loss, perplexity=perplexity)
+        self._print(f"eval at step {step} | val loss {val_loss:.4f} | perplexity {perplexity:.2f}")
+        for tracker in self._trackers:
+            tracker.log(step, {"val_loss": val_loss, "perplexity": perplexity})
+
+    def checkpointed(self, step: int, uri: str, committed_at: float) -> None:
+        """A committed checkpoint (called from the checkpointer's thread for async saves)."""
+        if not self.enabled:
+            return
+        CHECKPOINT_STEP.set(step)
+        CHECKPOINT_TIME.set(committed_at)
+        self._event("checkpoint", step=step, uri=uri)
+
+    def finished(self, step: int, reason: str, best_val_loss: float | None,
+                 export_uri: str | None) -> None:
+        self._event("finished", step=step, reason=reason, best_val_loss=best_val_loss,
+                    export_uri=export_uri)
+        self._print(f"finished at step {step}: {reason}")
+
+    def close(self) -> None:
+        """Stop serving /metrics and close the log and trackers."""
+        if self._server is not None:
+            server, thread = self._server
+            server.shutdown()
+            server.server_close()
+            thread.join()
+            self._server = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # --- outlets ------------------------------------------------------------------------
+
+    def _event(self, event: str, **fields: Any) -> None:
+        if self._log is not None:
+            self._log.write(json.dumps({"event": event, **fields, "time": time.time()}) + "\n")
+
+    def _print(self, line: str) -> None:
+        if self.enabled:
+            print(line, file=sys.stdout, flush=True)
+
+
+class _Tracker(Protocol):
+    """An experiment tracker that takes scalar dictionaries per step."""
+
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _TensorBoard:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, project: str, job_name: str, config: dict[str, Any]) -> None:
+        import wandb  # type: ignore[import-not-found]  # optional; not in the base image
+
+        self.run = wandb.init(project=project, name=job_name, config=config, resume="allow")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _open_trackers(spec: TrainingJobSpec, job_name: str) -> list[_Tracker]:
+    """The trackers the spec asks for whose package is installed; says so for the others."""
+    tracking = spec.metrics.tracking
+    trackers: list[_Tracker] = []
+    if tracking.tensorboard:
+        # Next to local checkpoints; in the working directory when they go to object storage.
+        uri = spec.checkpoint.uri
+        base = Path(uri.removeprefix("file://")) if "://" not in uri or uri.startswith(
+            "file://") else Path.cwd()
+        try:
+            trackers.append(_TensorBoard(base / "tensorboard"))
+        except ImportError:
+            print("spec.metrics.tracking.tensorboard is true, but the tensorboard package is "
+                  "not installed in this image: add `pip install tensorboard` to it. Training "
+                  "goes on; metrics still reach Prometheus and the metrics log.", file=sys.stderr)
+    if tracking.wandb_project:
+        try:
+            trackers.append(_WandB(tracking.wandb_project, job_name, spec.wire()))
+        except ImportError:
+            print("spec.metrics.tracking.wandbProject is set, but the wandb package is not "
+                  "installed in this image: add `pip install wandb` to it. Training goes on; "
+                  "metrics still reach Prometheus and the metrics log.", file=sys.stderr)
+    return trackers

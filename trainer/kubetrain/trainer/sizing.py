@@ -1,0 +1,43 @@
+"""Model size arithmetic: parameter count and training FLOPs per token of a ModelDims.
+
+Torch-free, so the memory planner (`kubetrain estimate`) and the trainer's MFU
+share one definition; `model.py` builds exactly the parameters counted here (a
+test checks the two agree).
+"""
+
+from __future__ import annotations
+
+from kubetrain.api.trainingjob import ModelDims
+
+
+def block_parameter_count(dims: ModelDims) -> int:
+    """Parameters of one transformer block: attention, SwiGLU feed-forward and two RMSNorms."""
+    head_dim = dims.dim // dims.n_heads
+    attention = 2 * dims.dim * dims.dim + 2 * dims.dim * dims.n_kv_heads * head_dim
+    feed_forward = 3 * dims.dim * dims.ffn_dim
+    norms = 2 * dims.dim
+    return attention + feed_forward + norms
+
+
+def parameter_count(dims: ModelDims) -> int:
+    """All parameters of the model, a tied embedding counted once."""
+    embedding = dims.vocab_size * dims.dim
+    output = 0 if dims.tie_embeddings else dims.vocab_size * dims.dim
+    final_norm = dims.dim
+    return embedding + dims.n_layers * block_parameter_count(dims) + final_norm + output
+
+
+def flops_per_token(dims: ModelDims, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token, as torchtitan and nanoGPT count them.
+
+    6·N for the matrix multiplies of the N parameters that take part in one
+    (an untied input embedding is a lookup, not a matmul, so it is left out),
+    plus 12·L·H·Q·T for the attention scores and their weighted sum
+    (L layers, H heads, Q head size, T sequence length).
+    """
+    matmul_parameters = parameter_count(dims)
+    if not dims.tie_embeddings:
+        matmul_parameters -= dims.vocab_size * dims.dim
+    head_dim = dims.dim // dims.n_heads
+    attention = 12 * dims.n_layers * dims.n_heads * head_dim * seq_len
+    return 6 * matmul_parameters + attention
