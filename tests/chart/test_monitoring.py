@@ -6,7 +6,6 @@ operator's own registries, rendered by prometheus_client and parsed back.
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import subprocess
@@ -18,11 +17,11 @@ from typing import Any
 import promql_parser
 import pytest
 import yaml
+from kubetrain.operator.children import JOB_LABEL, RENDEZVOUS_PORT, worker_pod
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.api.manifest import parse_job
-from kubetrain.operator.children import JOB_LABEL, RENDEZVOUS_PORT, worker_pod
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "kubetrain" / "dashboards" / "kubetrain.json"
@@ -39,30 +38,34 @@ _SAMPLE_SUFFIXES = {
 _GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$namespace": ".*", "$trainingjob": ".*"}
 
 
-def _registries(module_name: str) -> list[CollectorRegistry]:
-    """The CollectorRegistry objects a metrics module defines."""
-    module = importlib.import_module(module_name)
-    found = [value for value in vars(module).values() if isinstance(value, CollectorRegistry)]
-    assert found, f"{module_name} should define its CollectorRegistry at module level"
-    return found
+def _trainer_registry() -> CollectorRegistry:
+    from kubetrain.trainer.metrics import REGISTRY
+
+    return REGISTRY
 
 
-def _exported_names(module_name: str) -> set[str]:
-    """Every sample name the module's registries put on /metrics."""
+def _operator_registry() -> CollectorRegistry:
+    from kubetrain.operator.metrics import OperatorMetrics
+
+    return OperatorMetrics().registry
+
+
+def _exported_names(registry: CollectorRegistry) -> set[str]:
+    """Every sample name the registry puts on /metrics."""
     names: set[str] = set()
-    for registry in _registries(module_name):
-        exposition = generate_latest(registry).decode()
-        for family in text_string_to_metric_families(exposition):
-            names.update(family.name + suffix for suffix in _SAMPLE_SUFFIXES.get(family.type, ("",)))
-            names.update(sample.name for sample in family.samples)
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        # Families with no sample yet (labelled metrics before first use) still expose
+        # their names; derive the sample names their type implies.
+        suffixes = _SAMPLE_SUFFIXES.get(family.type, ("",))
+        names.update(family.name + suffix for suffix in suffixes)
+        names.update(sample.name for sample in family.samples)
     return names
 
 
 @pytest.fixture(scope="module")
 def exported_metrics() -> set[str]:
     """The sample names the trainer and the operator export, from their real exposition."""
-    return _exported_names("kubetrain.trainer.metrics") | _exported_names(
-        "kubetrain.operator.metrics")
+    return _exported_names(_trainer_registry()) | _exported_names(_operator_registry())
 
 
 def _metric_names(expr: str) -> set[str]:
@@ -234,7 +237,8 @@ def test_alert_rules_pass_promtool_and_fire_only_on_the_broken_jobs(
     for command in (["check", "rules", "rules.yaml"], ["test", "rules", "tests.yaml"]):
         result = subprocess.run([promtool, *command], cwd=tmp_path, capture_output=True,
                                 text=True, timeout=60)
-        assert result.returncode == 0, f"promtool {' '.join(command)}:\n{result.stdout}{result.stderr}"
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, f"promtool {' '.join(command)}:\n{output}"
 
 
 def _sample_worker_pod(minimal_manifest: dict[str, Any]) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import helm_python
@@ -206,7 +206,8 @@ def test_every_values_key_is_documented() -> None:
 
     def leaves(node: Any, prefix: str) -> list[str]:
         if isinstance(node, dict) and node:
-            return [leaf for key, child in node.items() for leaf in leaves(child, f"{prefix}{key}.")]
+            return [leaf for key, child in node.items()
+                    for leaf in leaves(child, f"{prefix}{key}.")]
         return [prefix.rstrip(".")]
 
     missing = [path for path in leaves(values, "") if f"`{path}`" not in install]

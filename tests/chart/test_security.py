@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import yaml
+from kubetrain.operator.children import worker_pod
 
 from kubetrain.api.manifest import load_job
-from kubetrain.operator.children import worker_pod
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKOV_VENV = REPO / ".venv-checkov"
@@ -97,7 +97,8 @@ def test_rendered_chart_has_no_unexplained_checkov_finding(
     unexplained, used = _unexplained(findings, "chart")
     assert not unexplained, "checkov findings not in checkov-allowlist.yaml:\n" + "\n".join(
         unexplained)
-    assert not _stale("chart", used), f"allow-list entries that match nothing: {_stale('chart', used)}"
+    assert not _stale("chart", used), (
+        f"allow-list entries that match nothing: {_stale('chart', used)}")
 
 
 def test_operator_worker_pods_have_no_unexplained_checkov_finding(
