@@ -91,7 +91,8 @@ class Outcome:
     """Checkpoints the metrics log already recorded when this run started."""
 
 
-def summary(job_name: str, history: RunHistory, outcome: Outcome, logs: str) -> str:
+def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri: str,
+            logs: str) -> str:
     """The closing report of a local run, one fact per line."""
     minutes, seconds = divmod(round(outcome.seconds), 60)
     state = "succeeded" if outcome.succeeded else "stopped"
@@ -120,8 +121,10 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, logs: str) -> 
             f"at {latest.uri}")
     export_uri = history.finished.get("export_uri") if history.finished else None
     if export_uri:
-        row("exported model", str(export_uri))
-        row("try it", f"kubetrain generate --checkpoint {export_uri} --prompt 'def '")
+        row("exported model", f"{export_uri} (Hugging Face Llama: safetensors, config, "
+            "tokenizer)")
+    if outcome.succeeded and latest is not None:
+        row("try it", f"kubetrain generate --checkpoint {checkpoint_uri} --prompt 'def '")
     elif not outcome.succeeded and latest is not None:
         row("continue", "run the same command again to resume from the latest checkpoint")
     row("logs", logs)

@@ -256,5 +256,6 @@ class LocalRun:
         outcome = Outcome(succeeded, reason, time.monotonic() - self.started, self.restarts,
                           self.checkpoints_before)
         logs = f"{self.workspace.logs}/, {self.workspace.metrics_log}"
-        print(summary(self.job.metadata.name, self.history, outcome, logs), flush=True)
+        print(summary(self.job.metadata.name, self.history, outcome, self.job.spec.checkpoint.uri,
+                      logs), flush=True)
         return exit_code

@@ -96,9 +96,10 @@ def test_summary_reports_losses_checkpoints_and_the_exported_model() -> None:
     ):
         history.apply(event)
     outcome = Outcome(True, "max_steps", 75.0, ["worker 1 was lost at step 15"], 0)
-    text = summary("x", history, outcome, "runs/x/logs/")
+    text = summary("x", history, outcome, "runs/x/checkpoints", "runs/x/logs/")
     assert "x succeeded: max_steps (1m 15s)" in text
     assert "first 5.5000, final 3.5000, best 3.5000" in text
     assert "1 written by this run; latest: step 10 at runs/x/checkpoints/step-10" in text
     assert "worker 1 was lost at step 15" in text
-    assert "kubetrain generate --checkpoint runs/x/checkpoints/export" in text
+    assert "exported model   runs/x/checkpoints/export" in text
+    assert "kubetrain generate --checkpoint runs/x/checkpoints " in text

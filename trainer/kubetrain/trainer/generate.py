@@ -49,7 +49,7 @@ def _checkpoint_manifest(uri: str, storage: StorageSpec | None) -> tuple[str, di
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no committed checkpoint at {uri}: pass a job's spec.checkpoint.uri or one of "
-            "its step-NNNNNNNN folders"
+            "its step-NNNNNNNN folders (an export/ folder is for Hugging Face transformers)"
         ) from None
     return folder, manifest
 
