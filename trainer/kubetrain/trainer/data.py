@@ -3,7 +3,7 @@
 Use (what the training loop does):
 
     train, validation = build_datasets(job.spec, rank=rank, world_size=world)
-    inputs, targets = next(train)        # int64 tensors [micro_batch_size, seq_len] (CPU)
+    inputs, targets = next(train)        # int64 [micro_batch_size, seq_len], CPU views
     state = train.state_dict()           # {"position": ..., ...}: identical on every rank
     train.load_state_dict(state)         # continue exactly there, with any world size
     validation.rewind()                  # before each evaluation pass: the same batches
@@ -38,6 +38,7 @@ DataLoader worker processes are needed: building a batch is an index copy.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -94,7 +95,7 @@ class TokenDataset:
                 "more data or a smaller seqLen / microBatchSize"
             )
         self.position = 0
-        self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._epoch_cache: tuple[int, list[int], list[int]] | None = None
         self._sample_orders: dict[tuple[int, int], np.ndarray] = {}
         self._downloads = ThreadPoolExecutor(max_workers=prefetch_shards,
                                              thread_name_prefix="shard-prefetch")
@@ -136,18 +137,20 @@ class TokenDataset:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         first = self.position + self.rank * self.micro_batch_size
-        rows = np.stack([self._sample(first + i) for i in range(self.micro_batch_size)])
+        rows = np.empty((self.micro_batch_size, self.seq_len + 1), dtype=np.int64)
+        for row in range(self.micro_batch_size):
+            rows[row] = self._sample(first + row)  # widens uint16/uint32 while copying
         self.position += self.world_size * self.micro_batch_size
-        batch = torch.from_numpy(rows.astype(np.int64))
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        batch = torch.from_numpy(rows)
+        return batch[:, :-1], batch[:, 1:]
 
     def sample_ids(self, position: int) -> tuple[int, int]:
         """(shard, sample within the shard) of the sample at a global position."""
         epoch, offset = divmod(position, self.samples_per_epoch)
         order, ends = self._epoch(epoch)
-        slot = int(np.searchsorted(ends, offset, side="right"))
-        shard = int(order[slot])
-        local = offset - (int(ends[slot - 1]) if slot else 0)
+        slot = bisect.bisect_right(ends, offset)
+        shard = order[slot]
+        local = offset - (ends[slot - 1] if slot else 0)
         return shard, int(self._sample_order(epoch, shard)[local])
 
     def _sample(self, position: int) -> np.ndarray:
@@ -156,15 +159,20 @@ class TokenDataset:
         start = sample * self.seq_len
         return tokens[start:start + self.seq_len + 1]
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
         """The shard order of an epoch and the cumulative sample counts along it."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
-            count = len(self.index.shards)
-            order = (np.random.default_rng([self.seed, epoch]).permutation(count)
-                     if self.shuffle else np.arange(count))
-            self._epoch_cache = (epoch, order, np.cumsum(self._samples[order]))
+            order = self._shard_order(epoch)
+            # Python lists: bisect on them is far cheaper per sample than numpy calls.
+            self._epoch_cache = (epoch, order.tolist(),
+                                 np.cumsum(self._samples[order]).tolist())
             self._sample_orders.clear()
         return self._epoch_cache[1], self._epoch_cache[2]
+
+    def _shard_order(self, epoch: int) -> np.ndarray:
+        count = len(self.index.shards)
+        return (np.random.default_rng([self.seed, epoch]).permutation(count)
+                if self.shuffle else np.arange(count))
 
     def _sample_order(self, epoch: int, shard: int) -> np.ndarray:
         if (epoch, shard) not in self._sample_orders:
@@ -181,16 +189,15 @@ class TokenDataset:
         """The shard holding `position` and the next `prefetch_shards` ones in visiting order."""
         epoch, offset = divmod(position, self.samples_per_epoch)
         order, ends = self._epoch(epoch)
-        slot = int(np.searchsorted(ends, offset, side="right"))
+        slot = bisect.bisect_right(ends, offset)
         wanted = min(self.prefetch_shards + 1, int(np.count_nonzero(self._samples)))
         upcoming: list[int] = []
         while len(upcoming) < wanted:
             if slot == len(order):
                 # Peek at the next epoch's order without disturbing the current one's cache.
                 epoch, slot = epoch + 1, 0
-                order = (np.random.default_rng([self.seed, epoch]).permutation(len(order))
-                         if self.shuffle else np.arange(len(order)))
-            shard = int(order[slot])
+                order = self._shard_order(epoch).tolist()
+            shard = order[slot]
             if self._samples[shard] and shard not in upcoming:
                 upcoming.append(shard)
             slot += 1
