@@ -118,7 +118,11 @@ class Reporter:
         metrics_log.parent.mkdir(parents=True, exist_ok=True)
         self._log = metrics_log.open("a", buffering=1)  # line-buffered: readers tail it
         if serve:
-            self._server = start_http_server(spec.metrics.port, registry=REGISTRY)
+            try:
+                self._server = start_http_server(spec.metrics.port, registry=REGISTRY)
+            except OSError as error:
+                raise OSError(f"cannot serve /metrics on spec.metrics.port "
+                              f"{spec.metrics.port}: {error.strerror}; pick a free port") from None
         MAX_STEPS.set(self.max_steps)
         RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._trackers = _open_trackers(spec, job_name)

@@ -1,0 +1,46 @@
+"""`python -m kubetrain.trainer JOB.yaml`: train one TrainingJob (run under torchrun).
+
+Exit codes, read by the operator and the local runner: 0 training complete
+(maxSteps or early stopping); 143 stopped by SIGTERM/SIGINT after saving a
+checkpoint; 75 another rank was signalled, the checkpoint is saved and this
+rank exits so torchrun re-forms the group; 2 an invalid manifest (permanent);
+anything else a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from kubetrain.api.manifest import InvalidManifest, load_job
+
+EXIT_INVALID_MANIFEST = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kubetrain.trainer", description=(__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("job", metavar="JOB.yaml", help="the TrainingJob manifest")
+    parser.add_argument(
+        "--metrics-log", default=os.environ.get("KUBETRAIN_METRICS_LOG", "metrics.jsonl"),
+        help="JSONL metrics log written by rank 0 (env KUBETRAIN_METRICS_LOG; "
+        "default ./metrics.jsonl)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        job = load_job(args.job)
+    except InvalidManifest as error:
+        print(f"invalid TrainingJob: {error}", file=sys.stderr)
+        return EXIT_INVALID_MANIFEST
+
+    from kubetrain.trainer.loop import Trainer  # torch loads only once the manifest is valid
+
+    return Trainer(job, metrics_log=args.metrics_log).fit().exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The training loop and the `Trainer` API that runs it.
+
+`Trainer(job).fit()` is what every worker pod runs (through `python -m
+kubetrain.trainer`) and what a notebook calls: under torchrun it joins the
+group; alone it trains as a group of one. Setup (`_build`) assembles the parts
+each module owns - data (data.py), model (model.py), parallelism
+(parallelize.py), optimizer and schedule (optim.py), checkpoints
+(checkpoint.py), metrics (metrics.py) - and `_train` is the loop itself,
+readable top to bottom:
+
+    stop agreed? → fetch micro-batches → forward/backward with accumulation
+    → clip → optimizer step → LR schedule → metrics → maybe eval (early stopping)
+    → maybe checkpoint
+
+Loss normalisation: every micro-batch is full (the dataset packs sequences, no
+padding), so each rank divides its summed token losses by its tokens per step;
+gradient averaging over ranks then yields the mean over the global token count,
+independent of how the global batch is split into ranks and micro-steps.
+
+Stopping: SIGTERM/SIGINT only set a flag; at each step boundary the flag is
+all-reduced, every rank saves the same checkpoint and `fit` returns exit code
+143 on the signalled ranks and 75 ("restart me into the new membership") on the
+others. A finished run (maxSteps or early stopping) saves, exports and returns 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from kubetrain.api.manifest import load_job
+from kubetrain.api.trainingjob import ModelDims, TrainingJob, TrainingJobSpec
+from kubetrain.trainer.checkpoint import Checkpointer, CheckpointInfo, ModelState, RandomState
+from kubetrain.trainer.data import TokenDataset, build_datasets
+from kubetrain.trainer.distributed import StopRequest, World, init_world, shutdown_world
+from kubetrain.trainer.export import export_model
+from kubetrain.trainer.metrics import Reporter, StepReport, peak_flops
+from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.optim import build_optimizer, build_schedule
+from kubetrain.trainer.parallelize import ParallelModel, parallelize
+from kubetrain.trainer.sizing import flops_per_token
+
+EXIT_COMPLETE = 0
+EXIT_SIGNALLED = 143  # 128 + SIGTERM, what a process killed by SIGTERM reports
+EXIT_RESTART = 75  # EX_TEMPFAIL: another rank was signalled; rejoin the new membership
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """How a `fit` ended."""
+
+    step: int
+    reason: str  # "max_steps", "early_stopping" or "signalled"
+    exit_code: int
+    best_val_loss: float | None
+    export_uri: str | None
+
+
+class TrainProgress(Stateful):
+    """The loop's own state that must survive a restart: early-stopping bookkeeping."""
+
+    def __init__(self) -> None:
+        self.best_val_loss = math.inf
+        self.evals_without_improvement = 0
+
+    def record(self, val_loss: float, min_delta: float) -> None:
+        """Count an evaluation as an improvement only when it beats the best by min_delta."""
+        if val_loss < self.best_val_loss - min_delta:
+            self.evals_without_improvement = 0
+        else:
+            self.evals_without_improvement += 1
+        self.best_val_loss = min(self.best_val_loss, val_loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_val_loss": self.best_val_loss,
+                "evals_without_improvement": self.evals_without_improvement}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best_val_loss = float(state_dict["best_val_loss"])
+        self.evals_without_improvement = int(state_dict["evals_without_improvement"])
+
+
+@dataclass
+class _Run:
+    """Everything `_train` works with, assembled by `_build`."""
+
+    world: World
+    dims: ModelDims
+    parallel: ParallelModel
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    train_data: TokenDataset
+    validation_data: TokenDataset | None
+    progress: TrainProgress
+    app_state: dict[str, Any]
+    checkpointer: Checkpointer
+    reporter: Reporter
+
+
+class Trainer:
+    """Trains one TrainingJob: `Trainer("job.yaml").fit()`.
+
+    `job` is a TrainingJob, its spec, or the path of a manifest. Metrics go to
+    `metrics_log` (JSONL, rank 0; default `$KUBETRAIN_METRICS_LOG`, else
+    metrics.jsonl in the working directory) and, when `serve_metrics`, to a
+    Prometheus endpoint on `spec.metrics.port`.
+    """
+
+    def __init__(self, job: TrainingJob | TrainingJobSpec | str | Path, *,
+                 metrics_log: str | Path | None = None, serve_metrics: bool = True) -> None:
+        if isinstance(job, str | Path):
+            job = load_job(job)
+        if isinstance(job, TrainingJob):
+            self.spec, self.name = job.spec, job.metadata.name
+        else:
+            self.spec, self.name = job, "kubetrain"
+        self.metrics_log = Path(
+            metrics_log or os.environ.get("KUBETRAIN_METRICS_LOG", "metrics.jsonl"))
+        self.serve_metrics = serve_metrics
+
+    def fit(self) -> FitResult:
+        """Train until maxSteps, early stopping or a stop signal; see the module docstring."""
+        created_group = not dist.is_initialized()
+        world = init_world()
+        stop = StopRequest()
+        stop.install()
+        run = self._build(world)
+        try:
+            return self._train(run, stop)
+        finally:
+            stop.uninstall()
+            run.checkpointer.close()
+            run.train_data.close()
+            if run.validation_data is not None:
+                run.validation_data.close()
+            run.reporter.close()
+            if created_group:
+                shutdown_world()
+
+    def _build(self, world: World) -> _Run:
+        """Data, model, parallelism, optimizer, schedule, checkpointer and reporter."""
+        spec, opt = self.spec, self.spec.optimization
+        train_data, validation_data = build_datasets(
+            spec, rank=world.rank, world_size=world.world_size)
+        dims = spec.model.resolve()
+        if spec.model.vocab_size is None:
+            # The model's vocabulary is the tokenizer's unless the spec sets one.
+            dims = dims.model_copy(update={"vocab_size": train_data.index.vocab_size})
+        # Every rank draws the same initial weights; FSDP2 then keeps each rank's shard.
+        torch.manual_seed(opt.seed)
+        model = Transformer(dims, max_seq_len=spec.data.seq_len)
+        parallel = parallelize(model, spec.parallelism, world.mesh, world.device)
+        optimizer = build_optimizer(parallel.module, opt, spec.learning_rate, world.device)
+        schedule = build_schedule(optimizer, peak=spec.learning_rate,
+                                  warmup_steps=spec.warmup_steps, max_steps=opt.max_steps,
+                                  spec=opt)
+        progress = TrainProgress()
+        app_state: dict[str, Any] = {
+            "model": ModelState(parallel.module, optimizer), "scheduler": schedule,
+            "data": train_data, "train": progress, "rng": RandomState(),
+        }
+        if parallel.scaler is not None:
+            app_state["scaler"] = parallel.scaler
+        reporter = Reporter(spec, enabled=world.is_main, metrics_log=self.metrics_log,
+                            job_name=self.name, serve=self.serve_metrics)
+
+        def committed(info: CheckpointInfo) -> None:
+            reporter.checkpointed(info.step, info.uri, info.time.timestamp())
+
+        checkpointer = Checkpointer(spec, rank=world.rank, world_size=world.world_size,
+                                    model_dims=dims, on_commit=committed)
+        return _Run(world, dims, parallel, optimizer, schedule, train_data, validation_data,
+                    progress, app_state, checkpointer, reporter)
+
+    def _train(self, run: _Run, stop: StopRequest) -> FitResult:
+        """The loop: one iteration per optimizer step."""
+        spec, opt = self.spec, self.spec.optimization
+        world, parallel, reporter = run.world, run.parallel, run.reporter
+        device, model, optimizer = world.device, run.parallel.module, run.optimizer
+
+        step = run.checkpointer.load_latest(run.app_state) or 0
+        if step:
+            resumed_from = run.checkpointer.latest.uri if run.checkpointer.latest else str(
+                spec.checkpoint.resume_from)
+            reporter.resumed(step, resumed_from, world.world_size)
+        reporter.started(step, world.world_size)
+
+        accumulation = spec.gradient_accumulation(world.world_size)
+        local_tokens = accumulation * opt.micro_batch_size * spec.data.seq_len
+        flops_per_second_peak = peak_flops(device) * world.world_size
+        model_flops = flops_per_token(run.dims, spec.data.seq_len)
+        interval = _Interval()
+
+        if step == 0 and spec.evaluation.every_steps:
+            self._evaluate_and_record(run, step)  # the baseline the run improves on
+        reason = "max_steps"
+        while step < opt.max_steps:
+            if stop.agreed(device):
+                reason = "signalled"
+                break
+            started = time.perf_counter()
+
+            # Fetch every micro-batch of the step; the wait is what the data pipeline costs.
+            batches = [next(run.train_data) for _ in range(accumulation)]
+            data_wait = time.perf_counter() - started
+
+            # Forward/backward, synchronising gradients only on the last micro-step.
+            loss_sum = torch.zeros((), device=device)
+            for index, (inputs, targets) in enumerate(batches):
+                with parallel.gradient_sync(index == accumulation - 1), parallel.autocast():
+                    logits = model(inputs.to(device, non_blocking=True))
+                    loss = F.cross_entropy(logits.float().flatten(0, 1),
+                                           targets.to(device, non_blocking=True).flatten(),
+                                           reduction="sum") / local_tokens
+                (parallel.scaler.scale(loss) if parallel.scaler else loss).backward()
+                loss_sum += loss.detach()
+
+            # Clip on the global norm (DTensor shards under FSDP2 reduce across ranks).
+            if parallel.scaler is not None:
+                parallel.scaler.unscale_(optimizer)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
+            if opt.grad_clip_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), opt.grad_clip_norm,
+                                                     grad_norm)
+
+            # Optimizer step, then the learning rate for the next one.
+            learning_rate = float(run.schedule.get_last_lr()[0])
+            if parallel.scaler is not None:
+                parallel.scaler.step(optimizer)
+                parallel.scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.schedule.step()
+            step += 1
+
+            # Metrics: cheap ones every step, reduced ones every logEverySteps.
+            step_time = time.perf_counter() - started
+            interval.add(step_time, data_wait, local_tokens * world.world_size)
+            reporter.stepped(step, local_tokens * world.world_size, step_time)
+            if step % spec.metrics.log_every_steps == 0 or step == opt.max_steps:
+                tokens_per_second = interval.tokens / interval.seconds
+                reporter.logged(StepReport(
+                    step=step, loss=_mean_over_ranks(loss_sum), learning_rate=learning_rate,
+                    grad_norm=float(grad_norm), tokens_per_second=tokens_per_second,
+                    mfu=(model_flops * tokens_per_second / flops_per_second_peak
+                         if flops_per_second_peak else 0.0),
+                    step_time=interval.seconds / interval.steps,
+                    data_wait_ratio=interval.data_wait / interval.seconds,
+                ), device)
+                interval = _Interval()
+
+            # Evaluation and early stopping.
+            every = spec.evaluation.every_steps
+            if every and (step % every == 0 or step == opt.max_steps):
+                self._evaluate_and_record(run, step)
+                patience = spec.evaluation.early_stopping.patience
+                if patience and run.progress.evals_without_improvement >= patience:
+                    reason = "early_stopping"
+                    break
+
+            if step % spec.checkpoint.every_steps == 0:
+                run.checkpointer.save(step, run.app_state, blocking=False)
+
+        # Every rank saves the same final checkpoint together, whatever ended the loop.
+        run.checkpointer.save(step, run.app_state, blocking=True)
+        best = run.progress.best_val_loss if math.isfinite(run.progress.best_val_loss) else None
+        if reason == "signalled":
+            code = EXIT_SIGNALLED if stop.signalled else EXIT_RESTART
+            return FitResult(step, reason, code, best, None)
+        export_uri = (export_model(model, run.dims, spec, rank=world.rank)
+                      if spec.checkpoint.export else None)
+        reporter.finished(step, reason, best, export_uri)
+        return FitResult(step, reason, EXIT_COMPLETE, best, export_uri)
+
+    def _evaluate_and_record(self, run: _Run, step: int) -> None:
+        if run.validation_data is None:
+            return
+        val_loss = evaluate(run.parallel, run.validation_data, self.spec.evaluation.batches,
+                            run.world.device)
+        run.progress.record(val_loss, self.spec.evaluation.early_stopping.min_delta)
+        run.reporter.evaluated(step, val_loss)
+
+
+def evaluate(parallel: ParallelModel, data: TokenDataset, batches: int,
+             device: torch.device) -> float:
+    """Mean token loss over the same `batches` micro-batches per rank each time (collective)."""
+    model = parallel.module
+    model.eval()
+    data.rewind()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
+    with torch.no_grad(), parallel.autocast():
+        for _ in range(batches):
+            inputs, targets = next(data)
+            logits = model(inputs.to(device))
+            totals[0] += F.cross_entropy(logits.float().flatten(0, 1),
+                                         targets.to(device).flatten(), reduction="sum")
+            totals[1] += targets.numel()
+    model.train()
+    dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    total = value.detach().clone()
+    dist.all_reduce(total)  # SUM: gloo has no AVG
+    return float(total) / dist.get_world_size()
+
+
+@dataclass
+class _Interval:
+    """Time, data wait and tokens since the last logged step."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    data_wait: float = 0.0
+    tokens: int = 0
+
+    def add(self, seconds: float, data_wait: float, tokens: int) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.data_wait += data_wait
+        self.tokens += tokens
