@@ -71,3 +71,13 @@ def test_credentials_never_appear_in_reprs_or_errors(s3_spec: StorageSpec, s3_bu
     with pytest.raises(FileNotFoundError) as missing:
         store.read_bytes("absent")
     assert secret not in repr(store) + str(missing.value) + store.uri
+
+
+def test_dot_files_are_objects_too_and_deleting_the_last_one_leaves_nothing(
+        store: Storage) -> None:
+    store.write_bytes("step/.metadata", b"m")  # DCP's metadata file is a dot file
+    assert [o.key for o in store.list()] == ["step/.metadata"]
+    store.delete(["step/.metadata"])
+    assert store.list() == [] and not store.exists("step/.metadata")
+    if store.uri.startswith("file://"):
+        assert not Path(store.uri.removeprefix("file://"), "step").exists()

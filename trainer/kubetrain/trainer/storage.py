@@ -128,6 +128,9 @@ def _join_key(*parts: str) -> str:
 # --- local ---------------------------------------------------------------------------
 
 
+_PARTIAL = ".partial"
+
+
 class LocalStorage(Storage):
     """Files below a local folder."""
 
@@ -161,10 +164,12 @@ class LocalStorage(Storage):
     def _replace_with(self, key: str, write: Any) -> None:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
+                                         suffix=_PARTIAL)
         try:
             with os.fdopen(fd, "wb") as handle:
                 write(handle)
+            os.chmod(temporary, 0o644)  # mkstemp makes 0600; objects are plain files
             os.replace(temporary, target)
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
@@ -178,7 +183,7 @@ class LocalStorage(Storage):
         found = []
         for folder, _, files in os.walk(start):
             for name in files:
-                if name.startswith("."):  # temporaries of in-flight atomic writes
+                if name.endswith(_PARTIAL):  # an atomic write in flight
                     continue
                 path = Path(folder) / name
                 key = path.relative_to(self.root).as_posix()
@@ -191,7 +196,16 @@ class LocalStorage(Storage):
 
     def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
-            self._path(key).unlink(missing_ok=True)
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            # Folders exist only to hold objects (as on S3): drop the ones left empty.
+            for folder in path.parents:
+                if folder == self.root or not folder.is_relative_to(self.root):
+                    break
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
 
 
 # --- S3 ------------------------------------------------------------------------------
