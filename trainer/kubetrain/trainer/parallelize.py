@@ -21,7 +21,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
-from kubetrain.trainer.model import Transformer
 from torch import nn
 from torch.amp import GradScaler
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -31,6 +30,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
 from kubetrain.api.trainingjob import ParallelismSpec
+from kubetrain.trainer.model import Transformer
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
