@@ -78,7 +78,7 @@ per namespace in namespaced mode, part of the ClusterRole in cluster mode).
 {{- define "kubetrain.operatorNamespacedRules" -}}
 - apiGroups: ["kubetrain.io"]
   resources: ["trainingjobs"]
-  verbs: ["list", "watch", "delete"]
+  verbs: ["list", "watch", "patch", "delete"]
 - apiGroups: ["kubetrain.io"]
   resources: ["trainingjobs/status"]
   verbs: ["patch"]
