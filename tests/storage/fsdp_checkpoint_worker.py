@@ -11,12 +11,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from kubetrain.trainer.checkpoint import Checkpointer, ModelState
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from kubetrain.api.manifest import parse_job
+from kubetrain.trainer.checkpoint import Checkpointer, ModelState
 
 
 def main(mode: str, uri: str, endpoint: str, out: str) -> None:

@@ -8,6 +8,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
+from kubetrain.api.manifest import parse_job
+from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
 from kubetrain.trainer.checkpoint import (
     MANIFEST_NAME,
     Checkpointer,
@@ -21,9 +24,6 @@ from kubetrain.trainer.checkpoint import (
 from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.prepare import PreparedDataset
 from kubetrain.trainer.storage import open_storage
-
-from kubetrain.api.manifest import parse_job
-from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
 
 
 @pytest.fixture(autouse=True)

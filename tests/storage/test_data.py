@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from kubetrain.api.trainingjob import StorageSpec
 from kubetrain.trainer.data import CorruptShard, TokenDataset
 from kubetrain.trainer.prepare import PreparedDataset
 from kubetrain.trainer.storage import open_storage
-
-from kubetrain.api.trainingjob import StorageSpec
 
 SEQ, BATCH = 32, 2
 

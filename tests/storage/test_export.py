@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+
+from kubetrain.api.manifest import parse_job
 from kubetrain.trainer.export import export_model
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import PreparedDataset
-
-from kubetrain.api.manifest import parse_job
 
 
 @pytest.fixture(autouse=True)

@@ -11,12 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from kubetrain.trainer.prepare import END_OF_TEXT, DatasetIndex, PreparedDataset, prepare
-from kubetrain.trainer.storage import open_storage
 from tokenizers import Tokenizer
 
 from kubetrain.api.trainingjob import StorageSpec
 from kubetrain.cli import main as kubetrain
+from kubetrain.trainer.prepare import END_OF_TEXT, DatasetIndex, PreparedDataset, prepare
+from kubetrain.trainer.storage import open_storage
 
 
 def _stdlib_texts(count: int) -> list[str]:

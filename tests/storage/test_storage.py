@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from kubetrain.trainer.storage import PART_SIZE, Storage, open_object, open_storage
 
 from kubetrain.api.trainingjob import StorageSpec
+from kubetrain.trainer.storage import PART_SIZE, Storage, open_object, open_storage
 
 
 def test_objects_round_trip_and_list_below_their_prefix(store: Storage) -> None:
@@ -81,3 +83,22 @@ def test_dot_files_are_objects_too_and_deleting_the_last_one_leaves_nothing(
     assert store.list() == [] and not store.exists("step/.metadata")
     if store.uri.startswith("file://"):
         assert not Path(store.uri.removeprefix("file://"), "step").exists()
+
+
+def test_injected_faults_slow_transfers_down_but_lose_nothing(
+        faulty_s3: Callable[..., Any], s3_bucket: str, tmp_path: Path) -> None:
+    proxy = faulty_s3(fault_ratio=0.2, seed=1)
+    store = open_storage(f"s3://{s3_bucket}/faulty",
+                         StorageSpec(endpoint=proxy.endpoint, region="us-east-1"))
+    blobs = {f"obj-{n}": os.urandom(50_000 + n) for n in range(12)}
+    for key, data in blobs.items():
+        store.write_bytes(key, data)
+    big = os.urandom(PART_SIZE + 1000)
+    (tmp_path / "big").write_bytes(big)
+    store.upload_file(tmp_path / "big", "big")
+    store.download_file("big", tmp_path / "back")
+
+    assert all(store.read_bytes(key) == data for key, data in blobs.items())
+    assert (tmp_path / "back").read_bytes() == big
+    assert [o.key for o in store.list()] == sorted([*blobs, "big"])
+    assert set(proxy.injected) == {"500", "reset", "truncate"}
