@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubetrain.operator.children import worker_pod
 
 from kubetrain.api.manifest import parse_job
+from kubetrain.operator.children import worker_pod
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"

@@ -17,11 +17,11 @@ from typing import Any
 import promql_parser
 import pytest
 import yaml
-from kubetrain.operator.children import JOB_LABEL, RENDEZVOUS_PORT, worker_pod
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.api.manifest import parse_job
+from kubetrain.operator.children import JOB_LABEL, RENDEZVOUS_PORT, worker_pod
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "kubetrain" / "dashboards" / "kubetrain.json"

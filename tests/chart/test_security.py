@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import yaml
-from kubetrain.operator.children import worker_pod
 
 from kubetrain.api.manifest import load_job
+from kubetrain.operator.children import worker_pod
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKOV_VENV = REPO / ".venv-checkov"
