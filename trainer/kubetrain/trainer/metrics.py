@@ -27,7 +27,14 @@ from typing import IO, Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from kubetrain.api.trainingjob import TrainingJobSpec
 
@@ -117,6 +124,9 @@ class Reporter:
             return
         metrics_log.parent.mkdir(parents=True, exist_ok=True)
         self._log = metrics_log.open("a", buffering=1)  # line-buffered: readers tail it
+        # `*_created` series carry only the process start time, which the restarts and
+        # last-step gauges already tell; without them /metrics has exactly the documented names.
+        disable_created_metrics()
         if serve:
             try:
                 self._server = start_http_server(spec.metrics.port, registry=REGISTRY)

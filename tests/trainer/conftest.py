@@ -1,0 +1,104 @@
+"""Fixtures of the trainer tests: a tiny job on the shared prepared corpus, and how to launch it.
+
+Training runs in real processes: `torchrun --standalone` with gloo on CPU for
+several ranks, plain `python -m kubetrain.trainer` for one (a group of one, as a
+notebook gets), each with one CPU thread so two ranks share the two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+JobFactory = Callable[..., Path]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        merged[key] = (deep_merge(merged[key], value)
+                       if isinstance(value, dict) and isinstance(merged.get(key), dict) else value)
+    return merged
+
+
+@pytest.fixture
+def tiny_job(prepared_corpus: Any, tmp_path: Path) -> JobFactory:
+    """Writes a `tiny`-preset TrainingJob on the corpus (seqLen 64) with `spec` overrides."""
+
+    def write(name: str = "tiny", **spec: Any) -> Path:
+        base = {
+            "image": "kubetrain/trainer:test",
+            "model": {"preset": "tiny"},
+            "data": {"train": prepared_corpus.train_uri, "seqLen": 64},
+            "optimization": {"maxSteps": 20, "microBatchSize": 8, "warmupSteps": 5},
+            "evaluation": {"everySteps": 0, "batches": 4},
+            "parallelism": {"precision": "fp32"},
+            "checkpoint": {"uri": str(tmp_path / name / "checkpoints"), "everySteps": 1000,
+                           "export": False},
+            "metrics": {"port": free_port(), "logEverySteps": 1},
+        }
+        manifest = {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                    "metadata": {"name": name}, "spec": deep_merge(base, spec)}
+        path = tmp_path / name / "job.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(manifest))
+        return path
+
+    return write
+
+
+class Launcher:
+    """Starts trainer processes for a job file and reads what they logged."""
+
+    free_port = staticmethod(free_port)
+
+    def command(self, job: Path, ranks: int) -> list[str]:
+        """torchrun for several ranks, a plain process (a group of one) for one."""
+        entry = ["-m", "kubetrain.trainer", str(job),
+                 "--metrics-log", str(self.log(job))]
+        if ranks == 1:
+            return [sys.executable, *entry]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={ranks}", *entry]
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def log(self, job: Path) -> Path:
+        return job.with_name("metrics.jsonl")
+
+    def train(self, job: Path, ranks: int, timeout: float = 180) -> list[dict[str, Any]]:
+        """Run the job to completion and return its metrics-log events."""
+        done = subprocess.run(self.command(job, ranks), env=self.env(), capture_output=True,
+                              text=True, timeout=timeout)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+        return self.events(job)
+
+    def events(self, job: Path, kind: str | None = None) -> list[dict[str, Any]]:
+        """The metrics-log events of `job` (only those of `kind` when given)."""
+        log = self.log(job)
+        if not log.exists():
+            return []
+        found = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        return [event for event in found if kind is None or event["event"] == kind]
+
+
+@pytest.fixture
+def launcher() -> Launcher:
+    return Launcher()
