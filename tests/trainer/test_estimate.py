@@ -1,0 +1,77 @@
+"""The memory planner: how each setting moves the estimate, and the recommendation it makes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubetrain.api.manifest import parse_job
+from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.trainer.estimate import GIB, Plan, estimate_memory, job_plan, recommend
+from kubetrain.trainer.sizing import parameter_count
+
+
+def manifest(**spec: object) -> dict:
+    return {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+            "metadata": {"name": "big"},
+            "spec": {"image": "x", "model": {"preset": "llama-8b"},
+                     "data": {"train": "s3://d/train", "seqLen": 4096},
+                     "optimization": {"microBatchSize": 4, "gradientAccumulationSteps": 4},
+                     "checkpoint": {"uri": "s3://c/big"}, **spec}}
+
+
+def job_spec(**spec: object) -> TrainingJobSpec:
+    return parse_job(manifest(**spec)).spec
+
+
+def test_fsdp_shards_weights_gradients_and_optimizer_state_over_the_world() -> None:
+    spec = job_spec()
+    plan = job_plan(spec, 8)
+    alone, sharded = estimate_memory(spec, 1, plan), estimate_memory(spec, 8, plan)
+    n = parameter_count(spec.model.resolve())
+    assert alone.parameters == 4 * n and alone.optimizer == 8 * n
+    assert sharded.parameters == 4 * n // 8 and sharded.gradients == 4 * n // 8
+    assert sharded.activations == alone.activations
+    ddp = job_spec(parallelism={"strategy": "ddp"})
+    assert estimate_memory(ddp, 8, plan).parameters == 4 * n
+
+
+def test_checkpointing_trades_activation_memory_and_micro_batch_scales_it() -> None:
+    spec = job_spec()
+    activations = {ac: estimate_memory(spec, 8, Plan(4, 4, ac)).activations
+                   for ac in ("none", "selective", "full")}
+    assert activations["none"] > activations["selective"] > activations["full"]
+    half = estimate_memory(spec, 8, Plan(2, 8, "none"))
+    assert half.activations * 2 == activations["none"]
+
+
+def test_the_recommendation_fits_and_keeps_the_global_batch() -> None:
+    spec = job_spec()
+    asked = job_plan(spec, 8)
+    assert estimate_memory(spec, 8, asked).total > 80 * GIB
+    better = recommend(spec, 8, 80 * GIB)
+    assert better is not None
+    assert estimate_memory(spec, 8, better).total <= 80 * GIB
+    assert (better.micro_batch_size * better.gradient_accumulation
+            == asked.micro_batch_size * asked.gradient_accumulation)
+    assert recommend(spec, 1, 8 * GIB) is None  # 8B parameters of fp32 Adam state never fit
+
+
+@pytest.mark.parametrize(("gpu", "code"), [("80", 1), ("200", 0)])
+def test_the_command_prints_the_estimate_and_exits_by_whether_it_fits(
+        tmp_path: Path, gpu: str, code: int) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest(workers={"procsPerWorker": 8})))
+    # Torch-free: the planner runs where torch is not installed (poisoned here).
+    program = ("import sys; sys.modules['torch'] = None; from kubetrain.cli import main; "
+               f"sys.exit(main(['estimate', {str(path)!r}, '--gpu-memory', {gpu!r}]))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == code, done.stderr
+    billions = parameter_count(parse_job(manifest()).spec.model.resolve()) / 1e9
+    assert f"llama-8b: {billions:.2f}B parameters, 8 processes" in done.stdout
+    assert ("Recommended for 80 GiB" in done.stdout) == (code == 1)

@@ -1,0 +1,97 @@
+"""Rank 0's reporting: the Prometheus exposition passes promtool, the metrics log has the
+documented events, and `Trainer` runs in-process as a notebook would call it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from kubetrain.api.manifest import load_job
+from kubetrain.trainer import Trainer
+from kubetrain.trainer.metrics import Reporter, StepReport
+
+LOG_FIELDS = {
+    "step": {"event", "step", "max_steps", "loss", "lr", "grad_norm", "tokens_per_second", "mfu",
+             "step_time", "data_wait_ratio", "time"},
+    "eval": {"event", "step", "val_loss", "perplexity", "time"},
+    "checkpoint": {"event", "step", "uri", "time"},
+    "resumed": {"event", "step", "uri", "world_size", "time"},
+    "start": {"event", "step", "world_size", "time"},
+    "finished": {"event", "step", "reason", "best_val_loss", "export_uri", "time"},
+}
+
+
+def _report_a_run(reporter: Reporter) -> None:
+    reporter.resumed(40, "file:///ckpt/step-00000040", 2)
+    reporter.started(40, 2)
+    reporter.stepped(41, 1024, 0.25)
+    reporter.logged(StepReport(step=41, loss=3.5, learning_rate=1e-3, grad_norm=0.9,
+                               tokens_per_second=4096.0, mfu=0.0, step_time=0.25,
+                               data_wait_ratio=0.01), torch.device("cpu"))
+    reporter.evaluated(41, 3.75)
+    reporter.checkpointed(41, "file:///ckpt/step-00000041", 1_700_000_000.0)
+    reporter.finished(41, "max_steps", 3.75, None)
+
+
+def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
+        tiny_job, tmp_path: Path) -> None:
+    job = load_job(tiny_job("reported"))
+    log = tmp_path / "metrics.jsonl"
+    reporter = Reporter(job.spec, enabled=True, metrics_log=log, job_name="reported")
+    try:
+        _report_a_run(reporter)
+        url = f"http://127.0.0.1:{job.spec.metrics.port}/metrics"
+        exposition = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        reporter.close()
+
+    families = {f.name: f for f in text_string_to_metric_families(exposition)}
+    assert families["kubetrain_step"].samples[0].value == 41
+    assert families["kubetrain_validation_loss"].samples[0].value == 3.75
+    assert families["kubetrain_latest_checkpoint_step"].samples[0].value == 41
+    assert all(not sample.labels for f in families.values() for sample in f.samples
+               if f.type != "histogram")
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed: run tests/tools/install-promtool.sh")
+    checked = subprocess.run([promtool, "check", "metrics"], input=exposition,
+                             capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0 and not checked.stdout.strip(), checked.stdout + checked.stderr
+
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["event"] for e in events] == [
+        "resumed", "start", "step", "eval", "checkpoint", "finished"]
+    for event in events:
+        assert set(event) == LOG_FIELDS[event["event"]]
+
+
+def test_a_reporter_on_another_rank_writes_and_serves_nothing(tiny_job, tmp_path: Path) -> None:
+    job = load_job(tiny_job("silent"))
+    reporter = Reporter(job.spec, enabled=False, metrics_log=tmp_path / "m.jsonl",
+                        job_name="silent")
+    _report_a_run(reporter)
+    reporter.close()
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_trainer_fits_in_process_as_a_group_of_one(tiny_job, tmp_path: Path) -> None:
+    """What a notebook does: no torchrun, no environment; the group is left as found."""
+    path = tiny_job("notebook", optimization={"maxSteps": 6, "warmupSteps": 2},
+                    evaluation={"everySteps": 3, "batches": 2},
+                    checkpoint={"export": True})
+    spec = load_job(path).spec
+    result = Trainer(spec, metrics_log=tmp_path / "log.jsonl", serve_metrics=False).fit()
+
+    assert (result.step, result.reason, result.exit_code) == (6, "max_steps", 0)
+    assert result.export_uri is not None and result.export_uri.endswith("/export")
+    assert not torch.distributed.is_initialized()
+    evals = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    assert result.best_val_loss == min(e["val_loss"] for e in evals)
