@@ -1,0 +1,176 @@
+"""`kubetrain run` end to end: real torchrun agents running the real trainer on a tiny job.
+
+Each test starts `python -m kubetrain run` in its own folder (so `runs/` lands
+there), as a user would, and reads what the run left behind: the trainer's
+metrics log, the checkpoints and the exported model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kubetrain.local.launch import free_port
+from kubetrain.local.metrics_log import parse_lines
+
+pytestmark = pytest.mark.slow
+
+# A few hundred KB of real Python: enough text for a tiny model's loss to fall clearly.
+CORPUS_FILES = 40
+RUN_TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small text corpus: the first standard-library modules, one document per file."""
+    folder = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py"))[:CORPUS_FILES]:
+        shutil.copyfile(path, folder / path.name)
+    return folder
+
+
+def tiny_job(name: str, corpus: Path, data: str, checkpoints: str, *, max_steps: int,
+             storage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A job that trains the tiny preset in well under a minute on 2 simulated nodes."""
+    spec: dict[str, Any] = {
+        "image": "ghcr.io/kubetrain/trainer:0.1.0",
+        "workers": {"replicas": 2, "procsPerWorker": 1},
+        "model": {"preset": "tiny"},
+        "data": {"train": f"{data}/train", "seqLen": 64},
+        "optimization": {"maxSteps": max_steps, "microBatchSize": 8, "warmupSteps": 10,
+                         "learningRate": 3e-3},
+        "parallelism": {"strategy": "fsdp", "precision": "fp32"},
+        "evaluation": {"everySteps": 20, "batches": 4},
+        "checkpoint": {"uri": checkpoints, "everySteps": 20},
+        "metrics": {"port": free_port(), "logEverySteps": 5},
+        "runPolicy": {"maxRestarts": 2, "backoffSeconds": 1, "progressDeadlineSeconds": 120},
+    }
+    if storage:
+        spec["storage"] = storage
+    return {
+        "apiVersion": "kubetrain.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": name,
+                     "annotations": {"kubetrain.io/prepare-from": str(corpus)}},
+        "spec": spec,
+    }
+
+
+def start_run(folder: Path, manifest: dict[str, Any], *extra: str) -> subprocess.Popen[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "job.yaml").write_text(yaml.safe_dump(manifest))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kubetrain", "run", "job.yaml", *extra],
+        cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def finish(run: subprocess.Popen[str]) -> tuple[int, str]:
+    try:
+        output, _ = run.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        run.send_signal(signal.SIGINT)
+        output, _ = run.communicate(timeout=60)
+        pytest.fail(f"kubetrain run did not finish in {RUN_TIMEOUT}s:\n{output}")
+    return run.returncode, output
+
+
+def events(folder: Path, name: str) -> list[dict[str, Any]]:
+    return parse_lines((folder / "runs" / name / "metrics.jsonl").read_text())
+
+
+def of_kind(found: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [event for event in found if event["event"] == kind]
+
+
+def exported_weights(s3_endpoint: str, export_uri: str) -> dict[str, Any]:
+    import boto3
+    from safetensors.torch import load
+
+    bucket, _, prefix = export_uri.removeprefix("s3://").partition("/")
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    body = client.get_object(Bucket=bucket, Key=f"{prefix}/model.safetensors")["Body"].read()
+    return load(body)
+
+
+def test_run_recovers_from_a_lost_worker_and_matches_an_uninterrupted_run(
+        tmp_path: Path, corpus: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    import torch
+
+    storage = {"endpoint": s3_endpoint, "region": "us-east-1"}
+    data = f"s3://{s3_bucket}/data"
+    max_steps = 100
+    results = {}
+    for name, extra in (("steady", ()), ("killed", ("--kill-worker-at-step", "50"))):
+        manifest = tiny_job(name, corpus, data, f"s3://{s3_bucket}/{name}",
+                            max_steps=max_steps, storage=storage)
+        code, output = finish(start_run(tmp_path / name, manifest, *extra))
+        assert code == 0, output
+        results[name] = events(tmp_path / name, name)
+
+    killed = results["killed"]
+    (finished,) = of_kind(killed, "finished")
+    assert finished["step"] == max_steps
+    resumed = of_kind(killed, "resumed")
+    assert len(resumed) == 1, "the kill should have caused exactly one resume"
+    assert 0 < resumed[0]["step"] <= 50, "resumed from a checkpoint saved before the kill"
+    val_losses = [event["val_loss"] for event in of_kind(killed, "eval")]
+    assert val_losses[-1] < val_losses[0] - 1.0, f"validation loss did not fall: {val_losses}"
+
+    steady_weights = exported_weights(s3_endpoint, of_kind(results["steady"], "finished")[0]
+                                      ["export_uri"])
+    killed_weights = exported_weights(s3_endpoint, finished["export_uri"])
+    assert steady_weights.keys() == killed_weights.keys()
+    for key, value in steady_weights.items():
+        torch.testing.assert_close(killed_weights[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_interrupted_run_saves_a_checkpoint_and_the_same_command_resumes_it(
+        tmp_path: Path, corpus: Path) -> None:
+    name = "interrupted"
+    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=80)
+    run = start_run(tmp_path, manifest)
+    log = tmp_path / "runs" / name / "metrics.jsonl"
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < deadline and run.poll() is None:
+        if log.exists() and any(e["event"] == "step" and e["step"] >= 25
+                                for e in parse_lines(log.read_text())):
+            break
+        time.sleep(0.2)
+    # While it runs, rank 0's metrics endpoint is live at the spec's port.
+    url = f"http://127.0.0.1:{manifest['spec']['metrics']['port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    assert families["kubetrain_step"].samples[0].value >= 25
+    run.send_signal(signal.SIGINT)
+    code, output = finish(run)
+    assert code == 130, output
+
+    stopped = events(tmp_path, name)
+    assert not of_kind(stopped, "finished")
+    saved = max(event["step"] for event in of_kind(stopped, "checkpoint"))
+    last_logged = max(event["step"] for event in of_kind(stopped, "step"))
+    assert saved >= last_logged, "the checkpoint on SIGINT holds the latest step"
+    assert (tmp_path / "runs" / name / "data" / "train" / "index.json").exists()
+
+    code, output = finish(start_run(tmp_path, manifest))
+    assert code == 0, output
+    after = events(tmp_path, name)[len(stopped):]
+    assert [event["step"] for event in of_kind(after, "resumed")] == [saved]
+    assert of_kind(after, "finished")[0]["step"] == 80
+    assert "resumed from" in output and "succeeded" in output
+    assert json.loads((tmp_path / "runs" / name / "metrics.jsonl").read_text()
+                      .splitlines()[-1])["event"] == "finished"
