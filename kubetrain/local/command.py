@@ -67,8 +67,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(job: TrainingJob, workspace: Workspace) -> str:
     workers = job.spec.workers
-    return (f"{job.metadata.name}: {workers.replicas} simulated nodes x "
-            f"{workers.procs_per_worker} processes, {job.spec.optimization.max_steps} steps; "
+    nodes = "node" if workers.replicas == 1 else "nodes"
+    processes = "process" if workers.procs_per_worker == 1 else "processes"
+    return (f"{job.metadata.name}: {workers.replicas} simulated {nodes} x "
+            f"{workers.procs_per_worker} training {processes}, "
+            f"{job.spec.optimization.max_steps} steps; "
             f"data {job.spec.data.train}, checkpoints {job.spec.checkpoint.uri}, "
             f"metrics http://127.0.0.1:{job.spec.metrics.port}/metrics, logs {workspace.logs}/")
 
@@ -80,6 +83,7 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
     passed through unprinted, so credentials in it never appear.
     """
     import yaml
+
     from kubetrain.operator.children import worker_pod
 
     rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from tqdm import tqdm
 
 from kubetrain.local.metrics_log import Event, RunHistory
+
+
+def shown(uri: str) -> str:
+    """A URI as the user should read it: a local file below the current folder as a short path."""
+    if not uri.startswith("file://"):
+        return uri
+    path = Path(uri.removeprefix("file://"))
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 class ProgressDisplay:
@@ -44,7 +53,7 @@ class ProgressDisplay:
             self.say(f"step {step}: validation loss {val_loss:.4f}{extra}")
         elif kind == "checkpoint":
             latest = history.checkpoints[-1]
-            self.say(f"step {latest.step}: checkpoint saved to {latest.uri}")
+            self.say(f"step {latest.step}: checkpoint saved to {shown(latest.uri)}")
         elif kind == "finished":
             self._advance(history)
 
@@ -118,11 +127,11 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri
     latest = history.latest_checkpoint
     if latest is not None:
         row("checkpoints", f"{written} written by this run; latest: step {latest.step} "
-            f"at {latest.uri}")
+            f"at {shown(latest.uri)}")
     export_uri = history.finished.get("export_uri") if history.finished else None
     if export_uri:
-        row("exported model", f"{export_uri} (Hugging Face Llama: safetensors, config, "
-            "tokenizer)")
+        row("exported model", f"{shown(str(export_uri))} (Hugging Face Llama: safetensors, "
+            "config, tokenizer)")
     if outcome.succeeded and latest is not None:
         row("try it", f"kubetrain generate --checkpoint {checkpoint_uri} --prompt 'def '")
     elif not outcome.succeeded and latest is not None:

@@ -35,8 +35,8 @@ EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 
-# A failed group is torn down quickly: its collectives are broken, nothing to save.
-FAILED_GROUP_GRACE_SECONDS = 10.0
+# A failed or hung group is torn down quickly: its collectives are broken, nothing to save.
+FAILED_GROUP_GRACE_SECONDS = 5.0
 # A stopping group saves a checkpoint first (torchrun gives its workers 30 s after SIGTERM).
 STOPPING_GROUP_GRACE_SECONDS = 120.0
 POLL_SECONDS = 0.2

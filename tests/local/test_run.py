@@ -8,6 +8,7 @@ metrics log, the checkpoints and the exported model.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -43,7 +44,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny_job(name: str, corpus: Path, data: str, checkpoints: str, *, max_steps: int,
-             storage: dict[str, Any] | None = None) -> dict[str, Any]:
+             storage: dict[str, Any] | None = None,
+             run_policy: dict[str, Any] | None = None) -> dict[str, Any]:
     """A job that trains the tiny preset in well under a minute on 2 simulated nodes."""
     spec: dict[str, Any] = {
         "image": "ghcr.io/kubetrain/trainer:0.1.0",
@@ -56,7 +58,8 @@ def tiny_job(name: str, corpus: Path, data: str, checkpoints: str, *, max_steps:
         "evaluation": {"everySteps": 20, "batches": 4},
         "checkpoint": {"uri": checkpoints, "everySteps": 20},
         "metrics": {"port": free_port(), "logEverySteps": 5},
-        "runPolicy": {"maxRestarts": 2, "backoffSeconds": 1, "progressDeadlineSeconds": 120},
+        "runPolicy": {"maxRestarts": 2, "backoffSeconds": 1, "progressDeadlineSeconds": 120,
+                      **(run_policy or {})},
     }
     if storage:
         spec["storage"] = storage
@@ -86,6 +89,32 @@ def finish(run: subprocess.Popen[str]) -> tuple[int, str]:
         output, _ = run.communicate(timeout=60)
         pytest.fail(f"kubetrain run did not finish in {RUN_TIMEOUT}s:\n{output}")
     return run.returncode, output
+
+
+def wait_for_step(run: subprocess.Popen[str], folder: Path, name: str, step: int) -> None:
+    log = folder / "runs" / name / "metrics.jsonl"
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < deadline and run.poll() is None:
+        if log.exists() and any(e["event"] == "step" and e["step"] >= step
+                                for e in parse_lines(log.read_text())):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the run never reached step {step}")
+
+
+def training_processes(folder: Path) -> list[int]:
+    """The trainer ranks (not the torchrun agents) of runs started in `folder`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            cwd = os.readlink(entry / "cwd")
+        except (OSError, ValueError):
+            continue
+        if b"kubetrain.trainer" in argv and b"torch.distributed.run" not in argv[:3] \
+                and Path(cwd) == folder:
+            found.append(int(entry.name))
+    return found
 
 
 def events(folder: Path, name: str) -> list[dict[str, Any]]:
@@ -143,13 +172,7 @@ def test_interrupted_run_saves_a_checkpoint_and_the_same_command_resumes_it(
     name = "interrupted"
     manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=80)
     run = start_run(tmp_path, manifest)
-    log = tmp_path / "runs" / name / "metrics.jsonl"
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while time.monotonic() < deadline and run.poll() is None:
-        if log.exists() and any(e["event"] == "step" and e["step"] >= 25
-                                for e in parse_lines(log.read_text())):
-            break
-        time.sleep(0.2)
+    wait_for_step(run, tmp_path, name, 25)
     # While it runs, rank 0's metrics endpoint is live at the spec's port.
     url = f"http://127.0.0.1:{manifest['spec']['metrics']['port']}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
@@ -174,3 +197,41 @@ def test_interrupted_run_saves_a_checkpoint_and_the_same_command_resumes_it(
     assert "resumed from" in output and "succeeded" in output
     assert json.loads((tmp_path / "runs" / name / "metrics.jsonl").read_text()
                       .splitlines()[-1])["event"] == "finished"
+
+    # And the model it trained can be sampled from.
+    sampled = subprocess.run(
+        [sys.executable, "-m", "kubetrain", "generate", "--checkpoint", f"runs/{name}/checkpoints",
+         "--prompt", "def ", "--max-tokens", "20", "--seed", "0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+    assert sampled.stdout.startswith("def ") and len(sampled.stdout) > len("def \n")
+
+
+def test_a_frozen_worker_is_detected_as_a_hang_and_the_group_restarts(
+        tmp_path: Path, corpus: Path) -> None:
+    name = "frozen"
+    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=60,
+                        run_policy={"progressDeadlineSeconds": 15})
+    run = start_run(tmp_path, manifest)
+    wait_for_step(run, tmp_path, name, 25)
+    # SIGSTOP one rank: the others block in their next collective, so no step advances.
+    os.kill(max(training_processes(tmp_path)), signal.SIGSTOP)
+    code, output = finish(run)
+    assert code == 0, output
+    assert "no training progress for" in output
+    found = events(tmp_path, name)
+    assert len(of_kind(found, "resumed")) == 1
+    assert of_kind(found, "finished")[0]["step"] == 60
+    assert training_processes(tmp_path) == []
+
+
+def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus: Path) -> None:
+    name = "deadline"
+    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=5000,
+                        run_policy={"activeDeadlineSeconds": 20})
+    code, output = finish(start_run(tmp_path, manifest))
+    assert code == 1, output
+    assert "activeDeadlineSeconds" in output
+    found = events(tmp_path, name)
+    assert not of_kind(found, "finished")
+    last_step = max(event["step"] for event in of_kind(found, "step"))
+    assert max(event["step"] for event in of_kind(found, "checkpoint")) >= last_step

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from kubetrain.trainer.model import Transformer
 
     from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
+    from kubetrain.trainer.model import Transformer
 
 
 @dataclass
@@ -63,14 +63,14 @@ def _tokenizer_uri(spec: TrainingJobSpec) -> str:
 def load_model(uri: str, storage: StorageSpec | None = None,
                device: str = "cpu") -> LoadedModel:
     """The model of the checkpoint `uri` names, on `device`, in eval mode, and its tokenizer."""
-    from kubetrain.trainer.checkpoint import Checkpointer
-    from kubetrain.trainer.model import Transformer
-    from kubetrain.trainer.storage import open_object
     from tokenizers import Tokenizer
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.checkpoint.stateful import Stateful
 
     from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
+    from kubetrain.trainer.checkpoint import Checkpointer
+    from kubetrain.trainer.model import Transformer
+    from kubetrain.trainer.storage import open_object
 
     folder, manifest = _checkpoint_manifest(uri, storage)
     trained = TrainingJobSpec.model_validate(manifest["config"])
@@ -148,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     import torch
-    from kubetrain.trainer.prepare import END_OF_TEXT
 
     from kubetrain.api.trainingjob import StorageSpec
+    from kubetrain.trainer.prepare import END_OF_TEXT
 
     if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
         print("kubetrain generate: --max-tokens must be at least 1, --temperature and --top-k "
