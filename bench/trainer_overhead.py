@@ -87,7 +87,7 @@ def baseline_step_time(spec: TrainingJobSpec) -> float:
                                   weight_decay=opt.weight_decay)
     data = TokenDataset(spec.data.train, seq_len=spec.data.seq_len,
                         micro_batch_size=opt.micro_batch_size, seed=opt.seed)
-    times = []
+    times: list[float] = []
     for _ in range(opt.max_steps):
         started = time.perf_counter()
         inputs, targets = next(data)
