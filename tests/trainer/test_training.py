@@ -89,9 +89,11 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 @pytest.mark.slow
 def test_sigterm_saves_one_checkpoint_on_every_rank_and_training_resumes_from_it(
         tiny_job, launcher, tmp_path) -> None:
-    """Rank 1 gets SIGTERM mid-run: both ranks save the same step, rank 1 exits 143 and rank 0
-    75 (restart me). Meanwhile rank 0 serves /metrics. A one-process rerun resumes there."""
+    """Rank 1 of an FSDP2 fp16 run gets SIGTERM: both ranks save the same step, rank 1 exits
+    143 and rank 0 75 (restart me). Meanwhile rank 0 serves /metrics. A one-process rerun
+    resumes there (model, optimizer, grad scaler and data position, resharded)."""
     job = tiny_job("stopped", optimization={"maxSteps": 100_000},
+                   parallelism={"precision": "fp16"},  # the grad scaler's state is saved too
                    metrics={"logEverySteps": 5})
     spec = yaml.safe_load(job.read_text())["spec"]
     port = spec["metrics"]["port"]

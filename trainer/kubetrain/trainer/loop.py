@@ -106,6 +106,16 @@ class _Run:
     checkpointer: Checkpointer
     reporter: Reporter
 
+    def close(self) -> None:
+        """Wait for a checkpoint in flight, stop prefetching, stop serving metrics."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.train_data.close()
+            if self.validation_data is not None:
+                self.validation_data.close()
+            self.reporter.close()
+
 
 class Trainer:
     """Trains one TrainingJob: `Trainer("job.yaml").fit()`.
@@ -132,19 +142,17 @@ class Trainer:
         """Train until maxSteps, early stopping or a stop signal; see the module docstring."""
         created_group = not dist.is_initialized()
         world = init_world()
-        stop = StopRequest()
-        stop.install()
-        run = self._build(world)
         try:
-            return self._train(run, stop)
+            run = self._build(world)
+            stop = StopRequest()
+            stop.install()
+            try:
+                return self._train(run, stop)
+            finally:
+                stop.uninstall()
+                run.close()
         finally:
-            stop.uninstall()
-            run.checkpointer.close()
-            run.train_data.close()
-            if run.validation_data is not None:
-                run.validation_data.close()
-            run.reporter.close()
-            if created_group:
+            if created_group:  # a group the caller made is the caller's to end
                 shutdown_world()
 
     def _build(self, world: World) -> _Run:
