@@ -144,6 +144,7 @@ class Reporter:
             return
         STEP.set(step)
         self._event("start", step=step, world_size=world_size)
+        self._print(f"training from step {step} to {self.max_steps} with {world_size} processes")
 
     def resumed(self, step: int, uri: str, world_size: int) -> None:
         self._event("resumed", step=step, uri=uri, world_size=world_size)
