@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/mypy -p kubetrain
+	$(BIN)/mypy
 
 test: lint
 	bash tests/tools/install-promtool.sh
