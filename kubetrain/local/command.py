@@ -8,6 +8,11 @@ trainer reads and each worker's log); s3:// URIs use spec.storage and the AWS
 credentials in your environment. The run policy applies as on Kubernetes:
 restarts with backoff up to maxRestarts, hang detection, deadlines.
 
+A job annotated `kubetrain.io/prepare-from: CORPUS` has spec.data.train prepared
+from CORPUS (a path or URI, or `python-stdlib` for the standard library's own
+source) on its first run, as `kubetrain prepare` would; examples/quickstart.yaml
+does this.
+
 Ctrl-C saves a checkpoint and stops; the same command again resumes from it.
 `--dry-run` shows what would run here next to the Pod the operator would create.
 """
@@ -33,12 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "operator would create for worker 0, then exit",
     )
     parser.add_argument(
-        "--kill-worker-at-step", dest="kill_at_steps", type=int, action="append", default=[],
+        "--kill-worker-at-step", dest="kill_at_steps", type=_step, action="append", default=[],
         metavar="N",
         help="kill a worker (its agent and training processes, with SIGKILL, like a lost "
         "node) when the run first reaches step N, to watch it recover from the latest "
         "checkpoint; repeatable",
     )
+
+
+def _step(text: str) -> int:
+    step = int(text)
+    if step < 1:
+        raise argparse.ArgumentTypeError(f"a step is a positive number, got {step}")
+    return step
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
     from kubetrain.local.runner import LocalRun, RunOptions
     from kubetrain.local.workspace import prepare_demo_data
 
-    source = prepare_demo_data(local_job, workspace)
+    try:
+        source = prepare_demo_data(local_job, workspace)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"kubetrain run: cannot prepare the job's data: {error}", file=sys.stderr)
+        return 1
     if source is not None:
         print(f"prepared {local_job.spec.data.train} from {source} "
               f"(the {PREPARE_FROM_ANNOTATION} annotation)", file=sys.stderr)

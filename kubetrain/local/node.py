@@ -78,6 +78,8 @@ class Node:
 
     def lose(self) -> None:
         """Kill the agent and every process under it with SIGKILL at once, as a lost node."""
+        if self.poll() is not None:
+            return  # already gone, and its pid may belong to another process by now
         victims = [self.pid, *descendants(self.pid)]
         for pid in victims:
             with contextlib.suppress(ProcessLookupError, PermissionError):

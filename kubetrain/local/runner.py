@@ -85,7 +85,7 @@ class LocalRun:
         self.display = ProgressDisplay(self.job.spec.optimization.max_steps)
         self.pending_kills = sorted(set(self.options.kill_at_steps))
         self.restarts: list[str] = []
-        self.signalled: int | None = None
+        self.signals: list[int] = []  # SIGINT / SIGTERM received, in order
         self.started = time.monotonic()
 
     def run(self) -> int:
@@ -129,7 +129,12 @@ class LocalRun:
                 launch = agent_launch(self.job, manifest, self.workspace.metrics_log, index,
                                       rendezvous)
                 nodes.append(Node(launch, cwd=Path.cwd(), log=log))
-            result = self._watch(nodes)
+            try:
+                result = self._watch(nodes)
+            except BaseException:
+                for node in nodes:
+                    node.lose()
+                raise
             if result.stop is not None:
                 self.display.say(f"{result.stop.reason}: stopping the workers, which save a "
                                  "checkpoint first (Ctrl-C again to kill them now)")
@@ -146,8 +151,8 @@ class LocalRun:
         trained = False  # whether this attempt logged a training step
         while True:
             trained |= self._read_events(clock, nodes)
-            if self.signalled is not None:
-                name = signal.Signals(self.signalled).name
+            if self.signals:
+                name = signal.Signals(self.signals[-1]).name
                 return _Attempt(stop=_Stop(f"interrupted by {name}", EXIT_INTERRUPTED))
             statuses = [node.poll() for node in nodes]
             failed = [(node, code) for node, code in zip(nodes, statuses, strict=True)
@@ -210,14 +215,14 @@ class LocalRun:
         return text.splitlines()[-LOG_TAIL_LINES:]
 
     def _stop_all(self, nodes: list[Node], grace_seconds: float) -> None:
-        """SIGTERM every agent; after `grace_seconds`, or a second Ctrl-C, kill what is left."""
-        self.signalled = None
+        """SIGTERM every agent; after `grace_seconds`, or another Ctrl-C, kill what is left."""
+        signals_before = len(self.signals)
         for node in nodes:
             node.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_seconds
         while any(node.poll() is None for node in nodes):
             self._read_events()
-            if self.signalled is not None or time.monotonic() > deadline:
+            if len(self.signals) > signals_before or time.monotonic() > deadline:
                 break
             time.sleep(POLL_SECONDS)
         for node in nodes:
@@ -229,7 +234,7 @@ class LocalRun:
     @contextmanager
     def _signals_forwarded(self) -> Iterator[None]:
         def note(signum: int, _frame: FrameType | None) -> None:
-            self.signalled = signum
+            self.signals.append(signum)
 
         previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -241,11 +246,9 @@ class LocalRun:
     def _sleep(self, seconds: float) -> bool:
         """Wait `seconds`; False if interrupted meanwhile."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if self.signalled is not None:
-                return False
-            time.sleep(min(POLL_SECONDS, deadline - time.monotonic()))
-        return self.signalled is None
+        while time.monotonic() < deadline and not self.signals:
+            time.sleep(max(0.0, min(POLL_SECONDS, deadline - time.monotonic())))
+        return not self.signals
 
     def _finished_reason(self) -> str:
         finished = self.history.finished
