@@ -1,11 +1,11 @@
 """How `kubetrain run` starts one simulated node: the torchrun command line and its environment.
 
 A local run stands in for the operator's worker pods: node `i` is a `torchrun`
-agent (`python -m torch.distributed.run`) with the same elastic settings as
-worker pod `i` (nnodes min:max, procs per worker, c10d rendezvous), but the
-rendezvous is on loopback and the trainer reads the run directory's copy of the
-manifest. Pure: the runner starts what `agent_launch` describes, and `--dry-run`
-prints the same thing.
+agent (`python -m torch.distributed.run`) with the settings of worker pod `i`
+(procs per worker, c10d rendezvous, elastic nnodes), but the rendezvous is on
+loopback, the group never grows past `replicas`, and the trainer reads the run
+folder's copy of the manifest. Pure: the runner starts what `agent_launch`
+describes, and `--dry-run` prints the same thing.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def agent_launch(
     workers = job.spec.workers
     argv = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", f"{workers.min_workers}:{workers.max_workers}",
+        # At most `replicas` nodes ever start here, so the rendezvous closes as soon as they
+        # have all joined instead of waiting for maxReplicas that will never come.
+        "--nnodes", f"{workers.min_workers}:{workers.replicas}",
         "--nproc-per-node", str(workers.procs_per_worker),
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", rendezvous.endpoint,

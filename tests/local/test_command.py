@@ -20,7 +20,8 @@ from kubetrain.local.workspace import Workspace
 @pytest.fixture
 def job_file(tmp_path: Path, minimal_manifest: dict[str, Any]) -> Path:
     manifest = minimal_manifest
-    manifest["spec"]["workers"] = {"replicas": 3, "procsPerWorker": 2}
+    manifest["spec"]["workers"] = {"replicas": 3, "minReplicas": 2, "maxReplicas": 8,
+                                   "procsPerWorker": 2}
     manifest["spec"]["data"] = {"train": "data/train"}
     manifest["spec"]["checkpoint"] = {"uri": "s3://checkpoints/demo"}
     path = tmp_path / "job.yaml"
@@ -35,14 +36,15 @@ def test_dry_run_shows_each_node_and_the_operators_pod(
     local, _, pod_text = out.partition("# on Kubernetes")
     for index in range(3):
         assert f"# simulated node {index}" in local
-    assert local.count("--nnodes 3:3") == 3
+    # Locally the group never grows past replicas; the pod allows up to maxReplicas.
+    assert local.count("--nnodes 2:3") == 3
     assert local.count("--nproc-per-node 2") == 3
     assert "-m kubetrain.trainer runs/demo/job.yaml" in local
     pod = yaml.safe_load(pod_text.partition("\n")[2])
     assert pod["kind"] == "Pod"
     assert pod["metadata"]["name"] == "demo-worker-0"
     env = {var["name"]: var.get("value") for var in pod["spec"]["containers"][0]["env"]}
-    assert env["PET_NNODES"] == "3:3"
+    assert env["PET_NNODES"] == "2:8"
     assert env["PET_NPROC_PER_NODE"] == "2"
 
 
@@ -66,6 +68,7 @@ def test_invalid_manifest_is_reported_with_its_field(
         job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     manifest = yaml.safe_load(job_file.read_text())
     manifest["spec"]["workers"]["minReplicas"] = 5
+    manifest["spec"]["workers"]["maxReplicas"] = 8
     job_file.write_text(yaml.safe_dump(manifest))
     assert main(["run", str(job_file)]) == 2
     assert "spec.workers.minReplicas (5)" in capsys.readouterr().err
