@@ -31,14 +31,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from boto3.s3.transfer import TransferConfig
+
+from kubetrain.api.manifest import parse_job
+from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
 from kubetrain.trainer.checkpoint import Checkpointer, ModelState
 from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import DatasetIndex, ShardInfo, token_dtype
 from kubetrain.trainer.storage import open_storage
-
-from kubetrain.api.manifest import parse_job
-from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
 
 
 def _job(endpoint: str, checkpoint_uri: str, train_uri: str, asynchronous: bool) -> TrainingJobSpec:

@@ -68,12 +68,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from kubetrain.trainer.storage import LocalStorage, Storage, open_storage
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from kubetrain.api.trainingjob import ModelDims, StorageSpec, TrainingJobSpec
+from kubetrain.trainer.storage import LocalStorage, Storage, open_storage
 
 log = logging.getLogger(__name__)
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
 from kubetrain.trainer.prepare import INDEX_NAME, DatasetIndex, ShardInfo
 from kubetrain.trainer.storage import Storage, open_storage
 

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kubetrain.trainer.prepare import END_OF_TEXT, TOKENIZER_NAME
-from kubetrain.trainer.storage import open_object, open_storage
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
+from kubetrain.trainer.prepare import END_OF_TEXT, TOKENIZER_NAME
+from kubetrain.trainer.storage import open_object, open_storage
 
 EXPORT_FOLDER = "export"
 # Wrappers that parallelize() may add around modules; they are not part of the names.
