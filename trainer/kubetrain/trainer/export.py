@@ -122,9 +122,11 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
 
-    state = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    state = {
+        name: value for name, value in get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ).items() if isinstance(value, torch.Tensor)
+    }
     target = open_storage(spec.checkpoint.uri, spec.storage).join(EXPORT_FOLDER)
     if rank != 0:
         return target.uri
