@@ -96,6 +96,7 @@ class TokenDataset:
                 "more data or a smaller seqLen / microBatchSize"
             )
         self.position = 0
+        self._window = np.arange(seq_len + 1)
         self._epoch_cache: tuple[int, list[int], list[int]] | None = None
         self._sample_orders: dict[tuple[int, int], np.ndarray] = {}
         self._downloads = ThreadPoolExecutor(max_workers=prefetch_shards,
@@ -139,26 +140,31 @@ class TokenDataset:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         first = self.position + self.rank * self.micro_batch_size
         rows = np.empty((self.micro_batch_size, self.seq_len + 1), dtype=np.int64)
-        for row in range(self.micro_batch_size):
-            rows[row] = self._sample(first + row)  # widens uint16/uint32 while copying
+        row = 0
+        while row < self.micro_batch_size:
+            # The rows that come from one shard are gathered (and widened) in one copy.
+            epoch, shard, local, left = self._locate(first + row)
+            count = min(self.micro_batch_size - row, left)
+            samples = self._sample_order(epoch, shard)[local:local + count]
+            tokens = self._shard(shard, first + row)
+            rows[row:row + count] = tokens[samples[:, None] * self.seq_len + self._window]
+            row += count
         self.position += self.world_size * self.micro_batch_size
         batch = torch.from_numpy(rows)
         return batch[:, :-1], batch[:, 1:]
 
     def sample_ids(self, position: int) -> tuple[int, int]:
         """(shard, sample within the shard) of the sample at a global position."""
+        epoch, shard, local, _ = self._locate(position)
+        return shard, int(self._sample_order(epoch, shard)[local])
+
+    def _locate(self, position: int) -> tuple[int, int, int, int]:
+        """(epoch, shard, slot in the shard's sample order, samples left in the shard)."""
         epoch, offset = divmod(position, self.samples_per_epoch)
         order, ends = self._epoch(epoch)
         slot = bisect.bisect_right(ends, offset)
-        shard = order[slot]
         local = offset - (ends[slot - 1] if slot else 0)
-        return shard, int(self._sample_order(epoch, shard)[local])
-
-    def _sample(self, position: int) -> np.ndarray:
-        shard, sample = self.sample_ids(position)
-        tokens = self._shard(shard, position)
-        start = sample * self.seq_len
-        return tokens[start:start + self.seq_len + 1]
+        return epoch, order[slot], local, ends[slot] - offset
 
     def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
         """The shard order of an epoch and the cumulative sample counts along it."""
