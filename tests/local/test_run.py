@@ -170,7 +170,7 @@ def test_run_recovers_from_a_lost_worker_and_matches_an_uninterrupted_run(
 def test_interrupted_run_saves_a_checkpoint_and_the_same_command_resumes_it(
         tmp_path: Path, corpus: Path) -> None:
     name = "interrupted"
-    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=80)
+    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=60)
     run = start_run(tmp_path, manifest)
     wait_for_step(run, tmp_path, name, 25)
     # While it runs, rank 0's metrics endpoint is live at the spec's port.
@@ -193,7 +193,7 @@ def test_interrupted_run_saves_a_checkpoint_and_the_same_command_resumes_it(
     assert code == 0, output
     after = events(tmp_path, name)[len(stopped):]
     assert [event["step"] for event in of_kind(after, "resumed")] == [saved]
-    assert of_kind(after, "finished")[0]["step"] == 80
+    assert of_kind(after, "finished")[0]["step"] == 60
     assert "resumed from" in output and "succeeded" in output
     assert json.loads((tmp_path / "runs" / name / "metrics.jsonl").read_text()
                       .splitlines()[-1])["event"] == "finished"
@@ -227,7 +227,7 @@ def test_a_frozen_worker_is_detected_as_a_hang_and_the_group_restarts(
 def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus: Path) -> None:
     name = "deadline"
     manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=5000,
-                        run_policy={"activeDeadlineSeconds": 20})
+                        run_policy={"activeDeadlineSeconds": 15})
     code, output = finish(start_run(tmp_path, manifest))
     assert code == 1, output
     assert "activeDeadlineSeconds" in output
