@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import socket
 import sys
 from typing import Any
 
@@ -66,12 +67,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     from kubetrain.local.runner import LocalRun, RunOptions
-    from kubetrain.local.workspace import prepare_demo_data
+    from kubetrain.local.workspace import ensure_data
 
+    if job.spec.run_policy.suspend:
+        print(f"kubetrain run: {job.metadata.name} is suspended (spec.runPolicy.suspend: true): "
+              "set it to false to run it", file=sys.stderr)
+        return 1
+    if _port_in_use(job.spec.metrics.port):
+        print(f"kubetrain run: spec.metrics.port {job.spec.metrics.port} is already in use on "
+              "this machine (another run?): stop it or choose another port", file=sys.stderr)
+        return 1
     try:
-        source = prepare_demo_data(local_job, workspace)
+        source = ensure_data(local_job, workspace)
     except (ValueError, FileNotFoundError) as error:
-        print(f"kubetrain run: cannot prepare the job's data: {error}", file=sys.stderr)
+        print(f"kubetrain run: {error}", file=sys.stderr)
         return 1
     if source is not None:
         print(f"prepared {local_job.spec.data.train} from {source} "
@@ -79,6 +88,18 @@ def run(args: argparse.Namespace) -> int:
     print(_plan(local_job, workspace), file=sys.stderr)
     options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
     return LocalRun(local_job, workspace, options).run()
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether something listens on `port`, where rank 0 will serve its metrics."""
+    with socket.socket() as probe:
+        # Connections of an earlier run lingering in TIME_WAIT do not count, a listener does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 def _plan(job: TrainingJob, workspace: Workspace) -> str:

@@ -113,19 +113,27 @@ def corpus_inputs(source: str, workspace: Workspace) -> list[str]:
     return [str(corpus)]
 
 
-def prepare_demo_data(job: TrainingJob, workspace: Workspace) -> str | None:
-    """Prepare `spec.data.train` from the job's prepare-from corpus if it is missing.
+def ensure_data(job: TrainingJob, workspace: Workspace) -> str | None:
+    """Make sure `spec.data.train` holds prepared data before any worker starts.
 
-    Returns the corpus prepared, or None when nothing had to be done. `job` must
-    already be localized (see `Workspace.localize`).
+    Prepares it from the job's prepare-from corpus when it is missing and returns
+    that corpus; returns None when the data was already there. Without the
+    annotation, missing data raises FileNotFoundError at once, rather than after
+    every restart the run policy allows. `job` must be localized
+    (`Workspace.localize`).
     """
     from kubetrain.trainer.prepare import INDEX_NAME, prepare
     from kubetrain.trainer.storage import open_storage
 
     source = job.metadata.annotations.get(PREPARE_FROM_ANNOTATION)
     train = job.spec.data.train
-    if source is None or open_storage(train, job.spec.storage).exists(INDEX_NAME):
+    if open_storage(train, job.spec.storage).exists(INDEX_NAME):
         return None
+    if source is None:
+        raise FileNotFoundError(
+            f"spec.data.train ({train}) holds no prepared data: run `kubetrain prepare "
+            f"CORPUS -o {train.rstrip('/').removesuffix('/train')}`, or annotate the job with "
+            f"{PREPARE_FROM_ANNOTATION}: CORPUS to have `kubetrain run` prepare it")
     output, _, split = train.rstrip("/").rpartition("/")
     if split != "train" or not output:
         raise ValueError(f"spec.data.train ({train}) must end in /train to be prepared from "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.cli import main
-from kubetrain.local.launch import AgentLaunch
+from kubetrain.local.launch import AgentLaunch, free_port
 from kubetrain.local.node import Node, descendants
 from kubetrain.local.workspace import Workspace
 
@@ -72,6 +73,40 @@ def test_invalid_manifest_is_reported_with_its_field(
     job_file.write_text(yaml.safe_dump(manifest))
     assert main(["run", str(job_file)]) == 2
     assert "spec.workers.minReplicas (5)" in capsys.readouterr().err
+
+
+def test_missing_data_fails_before_any_worker_starts(
+        job_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    manifest = yaml.safe_load(job_file.read_text())
+    manifest["spec"]["metrics"] = {"port": free_port()}
+    job_file.write_text(yaml.safe_dump(manifest))
+    assert main(["run", str(job_file)]) == 1
+    err = capsys.readouterr().err
+    assert "runs/demo/data/train" in err and "kubetrain prepare" in err
+    assert not (tmp_path / "runs" / "demo" / "logs").exists()
+
+
+def test_a_metrics_port_in_use_is_refused(
+        job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        manifest = yaml.safe_load(job_file.read_text())
+        manifest["spec"]["metrics"] = {"port": listener.getsockname()[1]}
+        job_file.write_text(yaml.safe_dump(manifest))
+        assert main(["run", str(job_file)]) == 1
+    assert "already in use" in capsys.readouterr().err
+
+
+def test_a_suspended_job_does_not_run(
+        job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = yaml.safe_load(job_file.read_text())
+    manifest["spec"]["runPolicy"] = {"suspend": True}
+    job_file.write_text(yaml.safe_dump(manifest))
+    assert main(["run", str(job_file)]) == 1
+    assert "suspended" in capsys.readouterr().err
 
 
 def test_losing_a_node_kills_its_processes_in_their_own_sessions(tmp_path: Path) -> None:
