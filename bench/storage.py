@@ -36,7 +36,6 @@ from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
 from kubetrain.trainer.checkpoint import Checkpointer, ModelState
 from kubetrain.trainer.data import TokenDataset
-from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import DatasetIndex, ShardInfo, token_dtype
 from kubetrain.trainer.storage import open_storage
 
@@ -156,33 +155,36 @@ def bench_data_read(endpoint: str, bucket: str, train_uri: str) -> float:
     return raw / ours
 
 
-def bench_data_wait(endpoint: str, train_uri: str, steps: int) -> float:
-    """Fraction of step time spent in `next(dataset)` while training the tiny preset."""
-    job = _job(endpoint, "unused", train_uri, asynchronous=False)
-    dims = job.model.resolve()
-    torch.manual_seed(0)
-    model = Transformer(dims, max_seq_len=job.data.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dataset = TokenDataset(train_uri, seq_len=job.data.seq_len,
-                           micro_batch_size=job.optimization.micro_batch_size,
-                           prefetch_shards=job.data.prefetch_shards, storage=job.storage)
-    waited = 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
-        fetch = time.perf_counter()
-        inputs, targets = next(dataset)
-        waited += time.perf_counter() - fetch
-        logits = model(inputs)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    total = time.perf_counter() - start
-    dataset.close()
-    shards_read = dataset.position * job.data.seq_len // dataset.index.shard_tokens
-    print(f"training: {steps} steps of the tiny preset in {total:.2f}s, {waited:.3f}s waiting "
-          f"for data, about {shards_read} shard boundaries crossed")
-    return waited / total
+def bench_data_wait(endpoint: str, bucket: str, train_uri: str, steps: int) -> float:
+    """The trainer's own data-wait ratio over a run of the tiny preset streaming from S3."""
+    from kubetrain.trainer.loop import Trainer
+
+    spec = parse_job({
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "bench"},
+        "spec": {"image": "bench", "model": {"preset": "tiny"},
+                 "data": {"train": train_uri, "seqLen": 256},
+                 "optimization": {"maxSteps": steps, "microBatchSize": 8},
+                 "evaluation": {"everySteps": 0},
+                 "checkpoint": {"uri": f"s3://{bucket}/train-run", "everySteps": steps,
+                                "export": False},
+                 "storage": {"endpoint": endpoint, "region": "us-east-1"},
+                 "metrics": {"logEverySteps": 10}},
+    }).spec
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "metrics.jsonl"
+        Trainer(spec, metrics_log=log, serve_metrics=False).fit()
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+    logged = [event for event in events if event["event"] == "step"]
+    # Each logged ratio covers the steps since the previous log line: weight by their time.
+    seconds = [event["step_time"] * 10 for event in logged]
+    waited = sum(event["data_wait_ratio"] * time for event, time in zip(logged, seconds,
+                                                                        strict=True))
+    shard_tokens = DatasetIndex.load(open_storage(train_uri, spec.storage)).shard_tokens
+    boundaries = steps * 8 * 256 // shard_tokens
+    print(f"training (kubetrain Trainer, tiny preset): {steps} steps in {sum(seconds):.2f}s, "
+          f"{waited:.3f}s waiting for data, about {boundaries} shard boundaries crossed")
+    return waited / sum(seconds)
 
 
 def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
@@ -210,7 +212,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint-mb", type=int, default=192)
     parser.add_argument("--dataset-mb", type=int, default=128)
-    parser.add_argument("--train-steps", type=int, default=150)
+    parser.add_argument("--train-steps", type=int, default=150,
+                        help="a multiple of 10 (the metrics log interval)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     server, endpoint = _start_moto()
@@ -223,7 +226,7 @@ def main() -> None:
         read_ratio = bench_data_read(endpoint, bucket, train_uri)
         # Small shards, so that the run crosses a shard boundary every 16 steps.
         small_uri = _upload_shards(endpoint, bucket, "small", 4, shard_kb=64)
-        wait_fraction = bench_data_wait(endpoint, small_uri, args.train_steps)
+        wait_fraction = bench_data_wait(endpoint, bucket, small_uri, args.train_steps)
     finally:
         dist.destroy_process_group()
         server.terminate()
