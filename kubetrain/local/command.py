@@ -116,30 +116,50 @@ def _plan(job: TrainingJob, workspace: Workspace) -> str:
 def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> str:
     """What `kubetrain run` would start here, and the Pod the operator would create instead.
 
-    Only the variables the runner adds are shown: the rest of the environment is
-    passed through unprinted, so credentials in it never appear.
+    First a table of torchrun's settings in both places, then each simulated
+    node's command and the worker Pod in full. Only the variables the runner
+    adds are shown: the rest of the environment is passed through unprinted, so
+    credentials in it never appear.
     """
     import yaml
 
     from kubetrain.operator.children import worker_pod
 
     rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")
-    lines = [f"# kubetrain run {job.metadata.name}: on this machine",
-             f"# the trainer reads {workspace.manifest} (this manifest, relative paths "
-             f"resolved under {workspace.root}/); rendezvous port 0 = a free port per attempt",
-             "# each node's environment: yours, plus the variables below",
-             "# restarts: this runner restarts the whole group under spec.runPolicy, so "
-             "torchrun's own are off"]
-    for index in range(job.spec.workers.replicas):
-        launch = agent_launch(local_job, workspace.manifest, workspace.metrics_log, index,
-                              rendezvous)
-        lines.append(f"\n# simulated node {index} (output: {workspace.worker_log(index)})")
-        lines.append(_shell_lines(launch.env, launch.argv))
+    launches = [agent_launch(local_job, workspace.manifest, workspace.metrics_log, index,
+                             rendezvous) for index in range(job.spec.workers.replicas)]
     pod: dict[str, Any] = worker_pod(job, 0, 0)
+    lines = [f"# {job.metadata.name}: torchrun here (kubetrain run) and on Kubernetes "
+             "(the operator's worker Pod)",
+             *_side_by_side(launches[0].argv, pod),
+             "# here: rendezvous port 0 = a free port per attempt; torchrun's own restarts "
+             "are off because the runner restarts the whole group under spec.runPolicy",
+             f"# here: the trainer reads {workspace.manifest} (relative paths resolved under "
+             f"{workspace.root}/); each node's environment is yours plus the variables shown"]
+    for launch in launches:
+        lines.append(f"\n# simulated node {launch.index} "
+                     f"(output: {workspace.worker_log(launch.index)})")
+        lines.append(_shell_lines(launch.env, launch.argv))
     lines.append(f"\n# on Kubernetes: the operator creates {job.spec.workers.replicas} "
                  "such Pods (worker-0 shown), torchrun settings as PET_* variables")
     lines.append(yaml.safe_dump(pod, sort_keys=False).rstrip())
     return "\n".join(lines)
+
+
+def _side_by_side(argv: list[str], pod: dict[str, Any]) -> list[str]:
+    """One row per torchrun option: its value here and in the Pod (PET_<OPTION> variables)."""
+    container = pod["spec"]["containers"][0]
+    in_pod = {var["name"]: var.get("value", "") for var in container["env"]
+              if var["name"].startswith("PET_")}
+    module = argv.index("-m", 3)  # `python -m torch.distributed.run OPTIONS -m kubetrain...`
+    options = argv[3:module]
+    rows = [("torchrun option", "here", "in the Pod")]
+    for flag, value in zip(options[::2], options[1::2], strict=True):
+        pet = "PET_" + flag.removeprefix("--").replace("-", "_").upper()
+        rows.append((flag, value, in_pod.get(pet, "-")))
+    rows.append(("trainer", " ".join(argv[module:module + 3]), " ".join(container["command"][1:])))
+    widths = [max(len(row[column]) for row in rows) for column in range(2)]
+    return [f"#   {a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
 
 
 def _shell_lines(env: dict[str, str], argv: list[str]) -> str:

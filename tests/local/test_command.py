@@ -35,10 +35,12 @@ def test_dry_run_shows_each_node_and_the_operators_pod(
     assert main(["run", "--dry-run", str(job_file)]) == 0
     out = capsys.readouterr().out
     local, _, pod_text = out.partition("# on Kubernetes")
+    (nnodes_row,) = [line.split() for line in local.splitlines() if line.startswith("#   --nnodes")]
+    assert nnodes_row == ["#", "--nnodes", "2:3", "2:8"]  # here and in the Pod, side by side
     for index in range(3):
         assert f"# simulated node {index}" in local
     # Locally the group never grows past replicas; the pod allows up to maxReplicas.
-    assert local.count("--nnodes 2:3") == 3
+    assert local.count("\n  --nnodes 2:3 ") == 3
     assert local.count("--nproc-per-node 2") == 3
     assert "-m kubetrain.trainer runs/demo/job.yaml" in local
     pod = yaml.safe_load(pod_text.partition("\n")[2])
