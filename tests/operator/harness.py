@@ -3,8 +3,9 @@
 `EmulatedCluster` serves kmock's `KubernetesEmulator` over HTTP on a random loopback
 port, in a thread, and writes a kubeconfig for it. The emulator is extended here
 where the operator relies on API-server behaviour kmock leaves out: uid,
-creationTimestamp, resourceVersion and generation on objects; the status and scale
-subresources of TrainingJobs; and owner-reference garbage collection.
+creationTimestamp, resourceVersion and generation on objects; optimistic concurrency
+(a patch carrying a stale resourceVersion is refused with 409 Conflict); the status and scale
+subresources of TrainingJobs; Leases; and owner-reference garbage collection.
 
 `running_operator` runs `kubetrain operator` itself (`kubetrain.operator.command.serve`)
 in a thread against it.
@@ -36,6 +37,7 @@ import kmock
 import yaml
 from kubernetes import client
 from kubernetes import config as kube_config
+
 from kubetrain.operator.command import OperatorConfig, serve
 from kubetrain.operator.handlers import USER_AGENT
 
@@ -50,17 +52,91 @@ class Emulator(kmock.KubernetesEmulator):
 
     _versions = itertools.count(1)
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._same_resource: dict[tuple[Any, Any], bool] = {}
+        self.served: list[kmock.Request] = []  # routed requests, oldest first
+
+    def requests(self) -> list[kmock.Request]:
+        """Every request so far: the routed ones, then those not routed yet."""
+        return [*self.served, *self._requests]
+
     async def _handle(self, request: kmock.Request) -> Any:
         if isinstance(request.data, dict) and request.resource is not None:
             self._server_side_fields(request)
         elif isinstance(request.data, list) and request.action == kmock.action.UPDATE:
             self._json_patch_concurrency(request)
-        response = await super()._handle(request)
+        try:
+            response = await super()._handle(request)
+        finally:
+            self._retire(request)
         if request.action in (kmock.action.DELETE, kmock.action.UPDATE) and request.name:
             stored = self._stored(request)
             if stored is None or stored.deleted:
                 await self._collect_garbage()
         return response
+
+    def _retire(self, request: kmock.Request) -> None:
+        """Move a routed request out of kmock's history into `served` (once).
+
+        kmock routes each request by filtering its whole history of requests, which makes
+        every request slower than the one before; only requests not yet routed need to be
+        there, so each one leaves as soon as it reaches the handler that serves it.
+        """
+        for position in range(len(self._requests) - 1, -1, -1):
+            if self._requests[position] is request:
+                del self._requests[position]
+                self.served.append(request)
+                return
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        self._retire(request)
+        return await super()._serve_list(request)
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        self._retire(request)
+        async for event in super()._serve_watch(request):
+            yield event
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        self._retire(request)
+        return await super()._serve_fetch(request)
+
+    async def _serve_create(self, request: kmock.Request) -> Any:
+        self._retire(request)
+        return await super()._serve_create(request)
+
+    async def _serve_update(self, request: kmock.Request) -> Any:
+        self._retire(request)
+        return await super()._serve_update(request)
+
+    async def _serve_delete(self, request: kmock.Request) -> Any:
+        self._retire(request)
+        return await super()._serve_delete(request)
+
+    # kmock finds an object by scanning all of them and comparing resources with regular
+    # expressions: quadratic in the object count, hours for the 500-job benchmark. These two
+    # overrides of its private lookups keep its semantics: a dict lookup for one object,
+    # and resource comparisons remembered.
+    def _KubernetesEmulator__get_objs(self, request: kmock.Request,
+                                      strict: bool) -> list[Any]:
+        if strict and request.name is not None:
+            key = (request.resource, request.namespace, request.name)
+            return [self._objects[key]] if key in self._objects else []
+        return [obj for (resource, namespace, name), obj in self._objects.items()
+                if self._KubernetesEmulator__check(request, resource, namespace, name, strict)]
+
+    def _KubernetesEmulator__check(self, request: kmock.Request, resource: Any,
+                                   namespace: str | None, name: str, strict: bool) -> bool:
+        namespace_ok = (namespace == request.namespace if strict else
+                        request.namespace is None or namespace == request.namespace)
+        if not namespace_ok or (request.name is not None and name != request.name):
+            return False
+        same = self._same_resource.get((resource, request.resource))
+        if same is None:
+            same = self._same_resource[resource, request.resource] = bool(
+                resource == request.resource)
+        return same
 
     def _json_patch_concurrency(self, request: kmock.Request) -> None:
         """A JSON patch's resourceVersion test fails with 422, as the API server answers."""
@@ -81,6 +157,12 @@ class Emulator(kmock.KubernetesEmulator):
     def _server_side_fields(self, request: kmock.Request) -> None:
         data = request.data
         meta = data.setdefault("metadata", {})
+        if request.action == kmock.action.UPDATE and meta.get("resourceVersion"):
+            stored = self._stored(request)
+            current = stored.get("metadata", {}).get("resourceVersion") if stored else None
+            if meta["resourceVersion"] != current:
+                raise kmock.KubernetesError(status=409, reason="Conflict",
+                                            message="the object has been modified")
         meta["resourceVersion"] = str(next(self._versions))
         if request.action == kmock.action.CREATE:
             if not meta.get("name") and meta.get("generateName"):
@@ -141,10 +223,8 @@ def _declare_resources(emulator: Emulator) -> None:
                                                   namespaced=namespaced, verbs=verbs,
                                                   subresources={"status"} if kind == "Pod"
                                                   else set())
-    emulator.resources["kopf.dev/v1/clusterkopfpeerings"] = info(
-        kind="ClusterKopfPeering", namespaced=False, verbs=verbs)
-    emulator.resources["kopf.dev/v1/kopfpeerings"] = info(
-        kind="KopfPeering", namespaced=True, verbs=verbs)
+    emulator.resources["coordination.k8s.io/v1/leases"] = info(
+        kind="Lease", singular="lease", namespaced=True, verbs=verbs)
 
 
 def free_port() -> int:
@@ -198,7 +278,7 @@ class EmulatedCluster:
     def operator_calls(self) -> set[tuple[str, str]]:
         """(verb, resource) of every request the operator (kopf or its client) made."""
         calls = set()
-        for request in list(self.emulator):
+        for request in self.emulator.requests():
             agent = request.headers.get("User-Agent", "")
             if request.resource is None or not request.resource.plural:
                 continue  # discovery: allowed to every authenticated user
@@ -210,11 +290,13 @@ class EmulatedCluster:
             calls.add((_rbac_verb(request), resource))
         return calls
 
-    def operator_requests(self, resource: str, action: kmock.action) -> int:
-        return sum(1 for request in list(self.emulator)
+    def operator_requests(self, resource: str, action: kmock.action, identity: str = "") -> int:
+        """How many `action` requests on `resource` the operator (of `identity`, if given) made."""
+        agent = f"{USER_AGENT}/{identity}"
+        return sum(1 for request in self.emulator.requests()
                    if request.resource is not None and request.resource.plural == resource
                    and request.action == action
-                   and request.headers.get("User-Agent", "").startswith(USER_AGENT))
+                   and request.headers.get("User-Agent", "").startswith(agent))
 
 
 def _rbac_verb(request: kmock.Request) -> str:
@@ -300,6 +382,17 @@ class Kube:
         api = cluster.api_client()
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.leases = client.CoordinationV1Api(api)
+
+    def lease_holder(self, namespace: str = NAMESPACE) -> str | None:
+        """Who holds the operator's leader-election Lease, if anyone."""
+        try:
+            lease = self.leases.read_namespaced_lease("kubetrain-operator", namespace)
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return lease.spec.holder_identity or None
 
     def create_job(self, manifest: dict[str, Any]) -> None:
         self.custom.create_namespaced_custom_object(

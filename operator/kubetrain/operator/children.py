@@ -111,7 +111,8 @@ def job_snapshot(job: TrainingJob) -> str:
         meta["namespace"] = job.metadata.namespace
     document = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
                 "spec": job.spec.wire()}
-    return yaml.safe_dump(document, sort_keys=False)
+    # libyaml's emitter: the pure-Python one costs milliseconds per job at every create.
+    return yaml.dump(document, Dumper=yaml.CSafeDumper, sort_keys=False)
 
 
 def config_map(job: TrainingJob) -> dict[str, Any]:

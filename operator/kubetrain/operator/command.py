@@ -2,9 +2,9 @@
 
 Watches TrainingJobs in all namespaces, or in those given with --namespace, and
 their pods. Serves its Prometheus metrics on --metrics-port (/metrics) and a
-liveness probe on --health-port (/healthz). Several replicas coordinate through
-kopf peering (the KopfPeering resources must be installed, as the Helm chart
-does): only the one with the highest priority acts; --standalone skips that.
+liveness probe on --health-port (/healthz). Several replicas elect a leader
+through the Lease `kubetrain-operator` in --lease-namespace: only the leader acts,
+the others keep watching and take over when it stops; --standalone skips that.
 """
 
 from __future__ import annotations
@@ -13,10 +13,27 @@ import argparse
 import asyncio
 import logging
 import os
-import random
+import socket
 import threading
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+# The namespace a pod's service account belongs to: where an in-cluster operator keeps its Lease.
+_POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _identity() -> str:
+    # The pod name (hostname) says who leads; the suffix keeps two processes on one host apart.
+    return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+def _default_lease_namespace() -> str:
+    try:
+        return _POD_NAMESPACE_FILE.read_text().strip()
+    except OSError:
+        return "default"
 
 
 @dataclass(frozen=True)
@@ -27,8 +44,10 @@ class OperatorConfig:
     resync_seconds: float = 10.0
     scrape_timeout_seconds: float = 2.0
     standalone: bool = False
-    peering_name: str = "kubetrain"
-    priority: int = 0
+    identity: str = field(default_factory=_identity)
+    lease_namespace: str = "default"
+    lease_seconds: float = 15.0
+    lease_retry_seconds: float = 2.0
     metrics_port: int = 9090
     health_port: int = 8080
 
@@ -41,7 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-port", type=int, default=8080,
                         help="port of the liveness probe /healthz (default: 8080)")
     parser.add_argument("--standalone", action="store_true",
-                        help="act without peering (a single replica, or local development)")
+                        help="act without leader election (a single replica, or local "
+                        "development)")
+    parser.add_argument("--lease-namespace", default=_default_lease_namespace(),
+                        help="namespace of the leader-election Lease (default: the pod's own "
+                        "namespace in a cluster, else default)")
     parser.add_argument("--resync-seconds", type=float, default=10.0,
                         help="how often each job is re-checked and rank 0's metrics scraped "
                         "(default: 10)")
@@ -53,8 +76,7 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         namespaces=tuple(args.namespace),
         resync_seconds=args.resync_seconds,
         standalone=args.standalone,
-        # Replicas of one Deployment need distinct priorities: kopf pauses all of a tie.
-        priority=random.randrange(1, 2**31),
+        lease_namespace=args.lease_namespace,
         metrics_port=args.metrics_port,
         health_port=args.health_port,
     )
@@ -66,8 +88,9 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     import kopf
     from kubernetes import client
     from kubernetes import config as kube_config
-    from kubetrain.operator.handlers import USER_AGENT, TrainingJobController
     from prometheus_client import start_http_server
+
+    from kubetrain.operator.handlers import USER_AGENT, TrainingJobController
 
     configuration = client.Configuration()
     try:
@@ -79,7 +102,8 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     # Creates and deletes fan out over kopf's worker threads: one connection each.
     configuration.connection_pool_maxsize = 32
     api = client.ApiClient(configuration)
-    api.user_agent = USER_AGENT
+    # The identity says which replica made a request (audit logs, tests of leader election).
+    api.user_agent = f"{USER_AGENT}/{config.identity}"
 
     controller = TrainingJobController(config, api)
     registry = kopf.OperatorRegistry()
@@ -87,25 +111,28 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     kopf.on.login(registry=registry)(_login)
 
     settings = kopf.OperatorSettings()
-    # kopf's own bookkeeping goes to status.kopf, never to annotations GitOps tools would diff.
-    # (status.kopf.progress and status.kopf.last-handled-configuration).
+    # Indexes and event handlers keep no kopf state; were any added, it would go to
+    # status.kopf, never to annotations or finalizers GitOps tools would diff.
     settings.persistence.progress_storage = kopf.StatusProgressStorage(name="kopf")
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(name="kopf")
-    # Only the transitions the operator records are events, not every log line.
+    # kopf posts its own log lines as events on the job: only its warnings, not its chatter.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 32
-    settings.peering.name = config.peering_name
-    settings.peering.priority = config.priority
-    settings.peering.mandatory = not config.standalone
-    settings.peering.clusterwide = not config.namespaces
 
     metrics_server, metrics_thread = start_http_server(
         config.metrics_port, registry=controller.metrics.registry)
+    election_stop = threading.Event()
+    election = None
+    if controller.election is not None:
+        election = threading.Thread(target=controller.election.run, args=(election_stop,),
+                                    name="leader-election", daemon=True)
+        election.start()
     try:
+        # kopf runs standalone: the Lease, not kopf peering, decides which replica acts.
         asyncio.run(kopf.operator(
             registry=registry,
             settings=settings,
-            standalone=config.standalone,
+            standalone=True,
             clusterwide=not config.namespaces,
             namespaces=config.namespaces,
             liveness_endpoint=f"http://0.0.0.0:{config.health_port}/healthz",
@@ -113,6 +140,9 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
             ready_flag=ready_flag,
         ))
     finally:
+        election_stop.set()
+        if election is not None:
+            election.join()
         metrics_server.shutdown()
         metrics_thread.join()
         api.close()

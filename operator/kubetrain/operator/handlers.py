@@ -3,7 +3,13 @@
 What is observed comes from kopf indexes (in-memory views kept current by watches),
 so a reconcile costs no API reads: only the creates, deletes and status patches
 that `reconcile` decided. A reconcile of a job runs on its own events, on its pods'
-events and on a timer (which also scrapes rank 0's /metrics).
+events and on one operator-wide resync loop over the job index (which also scrapes
+rank 0's /metrics). The loop is not a kopf timer on purpose: a per-object timer makes
+kopf put a finalizer on every TrainingJob, an extra write per job that GitOps tools
+would see as drift.
+
+With leader election (not --standalone) every replica watches, but only the one
+holding the Lease (`kubetrain.operator.leader`) reconciles.
 
 Two facts a watch reports late are bridged in memory per job, as Kubernetes
 controllers do ("expectations"): pods this operator just created or deleted, and
@@ -13,11 +19,14 @@ filled before any handler runs, are the truth again.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import logging
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -25,8 +34,12 @@ from typing import Any
 import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from kubetrain.api.manifest import InvalidManifest, parse_job
+from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION
 from kubetrain.operator import children
 from kubetrain.operator.command import OperatorConfig
+from kubetrain.operator.leader import LeaderElection
 from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.observed import Observed, WorkerPod, metrics_sample, worker_pod
 from kubetrain.operator.reconcile import (
@@ -41,21 +54,38 @@ from kubetrain.operator.reconcile import (
     reject,
 )
 
-from kubetrain.api.manifest import InvalidManifest, parse_job
-from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION
-
 USER_AGENT = "kubetrain-operator"
+# The API server refuses longer event messages.
+EVENT_MESSAGE_LIMIT = 1024
 # A create or delete the watch has not reported after this long is presumed lost.
 EXPECTATION_TIMEOUT_SECONDS = 120.0
 
 JobKey = tuple[str, str]  # (namespace, name)
 
 
+@dataclass(frozen=True)
+class Indexes:
+    """kopf's in-memory views: jobs, and the pods, services and config maps of each job."""
+
+    jobs: kopf.Index  # (namespace, name) -> [job]
+    pods: kopf.Index  # (namespace, job name) -> [pod]
+    services: kopf.Index  # (namespace, job name) -> ["Service"]
+    config_maps: kopf.Index  # (namespace, job name) -> ["ConfigMap"]
+    nodes: kopf.Index  # node name -> [True]
+
+
 @dataclass
 class JobMemory:
-    """What this process did to one job that its watches may not show yet."""
+    """What this process did to one job that its watches may not show yet.
+
+    Also whether a reconcile of the job is running (`running`), and whether triggers
+    arrived meanwhile (`again`, `scrape`): one thread at a time reconciles a job.
+    """
 
     lock: threading.Lock = field(default_factory=threading.Lock)
+    running: bool = False
+    again: bool = False
+    scrape: bool = False
     status: dict[str, Any] | None = None
     created: dict[str, tuple[WorkerPod, float]] = field(default_factory=dict)
     deleted: dict[str, float] = field(default_factory=dict)
@@ -69,6 +99,27 @@ def _snapshot(index: kopf.Index, key: Any) -> list[Any]:
             return list(index.get(key, []))
         except RuntimeError:  # changed size during iteration: read again
             continue
+
+
+def _keys(index: kopf.Index) -> list[Any]:
+    """The keys of an index, copied (see `_snapshot`)."""
+    while True:
+        try:
+            return list(index)
+        except RuntimeError:
+            continue
+
+
+def _send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Make an API call whose answer the operator does not need.
+
+    The client would decode the answer into its model classes, which costs more CPU
+    than the request itself; the raw answer is read and dropped instead. Errors still
+    raise ApiException.
+    """
+    response = call(*args, _preload_content=False, **kwargs)
+    response.drain_conn()
+    response.release_conn()
 
 
 def _now() -> datetime:
@@ -87,6 +138,10 @@ class TrainingJobController:
         self.memory: dict[str, JobMemory] = {}  # by job uid
         self.phases: dict[str, str] = {}  # by job uid, for the jobs-by-phase gauge
         self._memory_lock = threading.Lock()
+        self.election = None if config.standalone else LeaderElection(
+            api, config.lease_namespace, config.identity, lease_seconds=config.lease_seconds,
+            retry_seconds=config.lease_retry_seconds, on_elected=self._forget)
+        self._resync: asyncio.Task[None] | None = None
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
         """Attach the handlers to a kopf registry."""
@@ -101,7 +156,8 @@ class TrainingJobController:
         kopf.index("v1", "nodes", id="tj_nodes", registry=registry)(self.index_node)
         kopf.on.event(*job, registry=registry)(self.on_job_event)
         kopf.on.event("v1", "pods", labels=owned, registry=registry)(self.on_pod_event)
-        kopf.timer(*job, interval=self.config.resync_seconds, registry=registry)(self.on_timer)
+        kopf.on.startup(registry=registry)(self.start_resync)
+        kopf.on.cleanup(registry=registry)(self.stop_resync)
 
     # --- indexes: what is observed --------------------------------------------------
 
@@ -125,42 +181,104 @@ class TrainingJobController:
 
     # --- triggers -------------------------------------------------------------------
 
-    def on_job_event(self, type: str | None, body: kopf.Body, uid: str, tj_pods: kopf.Index,
-                     tj_services: kopf.Index, tj_configmaps: kopf.Index, tj_nodes: kopf.Index,
-                     **_: Any) -> None:
+    def on_job_event(self, type: str | None, uid: str, namespace: str, name: str,
+                     tj_jobs: kopf.Index, tj_pods: kopf.Index, tj_services: kopf.Index,
+                     tj_configmaps: kopf.Index, tj_nodes: kopf.Index, **_: Any) -> None:
         if type == "DELETED":
             with self._memory_lock:
                 self.memory.pop(uid, None)
                 self.phases.pop(uid, None)
             self.metrics.count_phases(self.phases)
             return
-        if body.get("metadata", {}).get("deletionTimestamp"):
-            return
-        self.reconcile(dict(body), tj_pods, tj_services, tj_configmaps, tj_nodes)
+        self.reconcile((namespace, name),
+                       Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes))
 
     def on_pod_event(self, namespace: str, labels: kopf.Labels, tj_jobs: kopf.Index,
                      tj_pods: kopf.Index, tj_services: kopf.Index, tj_configmaps: kopf.Index,
                      tj_nodes: kopf.Index, **_: Any) -> None:
-        for job in _snapshot(tj_jobs, (namespace, labels[children.JOB_LABEL])):
-            self.reconcile(job, tj_pods, tj_services, tj_configmaps, tj_nodes)
+        self.reconcile((namespace, labels[children.JOB_LABEL]),
+                       Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes))
 
-    def on_timer(self, body: kopf.Body, tj_pods: kopf.Index, tj_services: kopf.Index,
-                 tj_configmaps: kopf.Index, tj_nodes: kopf.Index, **_: Any) -> None:
-        self.reconcile(dict(body), tj_pods, tj_services, tj_configmaps, tj_nodes, scrape=True)
+    async def start_resync(self, settings: kopf.OperatorSettings, tj_jobs: kopf.Index,
+                           tj_pods: kopf.Index, tj_services: kopf.Index,
+                           tj_configmaps: kopf.Index, tj_nodes: kopf.Index, **_: Any) -> None:
+        self._resync = asyncio.create_task(self.resync(
+            settings.execution.executor,
+            Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes)))
+
+    async def stop_resync(self, **_: Any) -> None:
+        if self._resync is not None:
+            self._resync.cancel()
+            await asyncio.gather(self._resync, return_exceptions=True)
+
+    async def resync(self, executor: concurrent.futures.Executor, indexes: Indexes) -> None:
+        """Every resync_seconds, reconcile every job and scrape its progress, all at once."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.resync_seconds)
+            if not self.acting():
+                continue
+            passes = [loop.run_in_executor(executor, functools.partial(
+                self.reconcile, key, indexes, scrape=True)) for key in _keys(indexes.jobs)]
+            for outcome in await asyncio.gather(*passes, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    logging.getLogger(__name__).error("resync failed", exc_info=outcome)
 
     # --- observe, decide, apply -----------------------------------------------------
+
+    def acting(self) -> bool:
+        """True when this replica may write: standalone, or the leader."""
+        return self.election is None or self.election.is_leader()
+
+    def _forget(self) -> None:
+        """Drop what an earlier term remembered: another leader may have acted since."""
+        with self._memory_lock:
+            self.memory.clear()
 
     def _memory(self, uid: str) -> JobMemory:
         with self._memory_lock:
             return self.memory.setdefault(uid, JobMemory())
 
-    def reconcile(self, body: dict[str, Any], pods: kopf.Index, services: kopf.Index,
-                  config_maps: kopf.Index, nodes: kopf.Index, *, scrape: bool = False) -> None:
-        """One level-based pass over one job; safe to run any number of times."""
+    def reconcile(self, key: JobKey, indexes: Indexes, *, scrape: bool = False) -> None:
+        """Bring one job towards its spec; safe to run any number of times, from any thread.
+
+        Triggers that arrive while the job is being reconciled do not wait for it (and hold
+        a worker thread): they are folded into one more pass right after it, which reads
+        the job afresh from the index.
+        """
+        bodies = _snapshot(indexes.jobs, key)
+        if not bodies or not self.acting():
+            return
+        memory = self._memory(bodies[0].get("metadata", {}).get("uid", ""))
+        with memory.lock:
+            memory.scrape |= scrape
+            if memory.running:
+                memory.again = True
+                return
+            memory.running = True
+        while True:
+            with memory.lock:
+                scrape, memory.scrape, memory.again = memory.scrape, False, False
+            try:
+                bodies = _snapshot(indexes.jobs, key)
+                if bodies and self.acting():
+                    self._reconcile_once(bodies[0], key, memory, indexes, scrape)
+            except BaseException:
+                with memory.lock:  # the next trigger or resync tries again
+                    memory.running = False
+                raise
+            with memory.lock:
+                if not memory.again:
+                    memory.running = False
+                    return
+
+    def _reconcile_once(self, body: dict[str, Any], key: JobKey, memory: JobMemory,
+                        indexes: Indexes, scrape: bool) -> None:
+        """Observe, decide and apply once."""
         meta = body.get("metadata", {})
-        key = (meta.get("namespace", ""), meta.get("name", ""))
-        memory = self._memory(meta.get("uid", ""))
-        with memory.lock, self.metrics.reconcile_duration.time():
+        if meta.get("deletionTimestamp"):
+            return
+        with self.metrics.reconcile_duration.time():
             now = _now()
             if memory.status is not None:
                 body = {**body, "status": memory.status}
@@ -169,17 +287,18 @@ class TrainingJobController:
             except InvalidManifest as error:
                 actions = reject(body.get("status"), meta.get("generation"), str(error), now)
             else:
-                observed = self.observe(key, memory, pods, services, config_maps, nodes, now)
+                observed = self.observe(key, memory, indexes, now)
                 if scrape:
                     observed = replace(observed, metrics=self.scrape(
                         observed.pods, job.spec.metrics.port))
                 actions = reconcile(job, observed, now)
             self.apply(body, memory, actions)
 
-    def observe(self, key: JobKey, memory: JobMemory, pods: kopf.Index, services: kopf.Index,
-                config_maps: kopf.Index, nodes: kopf.Index, now: datetime) -> Observed:
+    def observe(self, key: JobKey, memory: JobMemory, indexes: Indexes,
+                now: datetime) -> Observed:
         """The job's children as the indexes show them, corrected by this process's own writes."""
-        seen = {pod.name: pod for pod in (worker_pod(raw, nodes) for raw in _snapshot(pods, key))}
+        seen = {pod.name: pod for pod in (worker_pod(raw, indexes.nodes)
+                                          for raw in _snapshot(indexes.pods, key))}
         clock = time.monotonic()
         for name, since in list(memory.deleted.items()):
             fresh = clock - since < EXPECTATION_TIMEOUT_SECONDS
@@ -192,7 +311,7 @@ class TrainingJobController:
                 seen[name] = replace(pod, created_at=now)
             else:
                 del memory.created[name]
-        kinds = set(_snapshot(services, key)) | set(_snapshot(config_maps, key))
+        kinds = set(_snapshot(indexes.services, key)) | set(_snapshot(indexes.config_maps, key))
         for kind, since in list(memory.children.items()):
             if kind in kinds or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
                 del memory.children[kind]
@@ -231,8 +350,8 @@ class TrainingJobController:
     def _apply_one(self, namespace: str, name: str, body: Mapping[str, Any], memory: JobMemory,
                    action: Action) -> None:
         if isinstance(action, WriteStatus):
-            self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, {"status": action.patch})
+            _send(self.custom.patch_namespaced_custom_object_status,
+                  GROUP, VERSION, namespace, PLURAL, name, {"status": action.patch})
             memory.status = action.status
             phase = action.status.get("phase")
             if phase:
@@ -242,31 +361,47 @@ class TrainingJobController:
             self._create(namespace, memory, action.manifest)
         elif isinstance(action, DeletePod):
             try:
-                self.core.delete_namespaced_pod(
-                    action.name, namespace, grace_period_seconds=action.grace_period_seconds)
+                _send(self.core.delete_namespaced_pod, action.name, namespace,
+                      grace_period_seconds=action.grace_period_seconds)
                 self.metrics.pods_deleted.inc()
             except ApiException as error:
                 if error.status != 404:
                     raise
             memory.deleted[action.name] = time.monotonic()
         elif isinstance(action, DeleteJob):
-            self.custom.delete_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background")
+            _send(self.custom.delete_namespaced_custom_object,
+                  GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background")
         elif isinstance(action, RecordEvent):
-            kopf.event(dict(body), type=action.type, reason=action.reason,
-                       message=action.message)
+            _send(self.core.create_namespaced_event, namespace, self._event(body, action))
         elif isinstance(action, CountRestart):
             self.metrics.group_restarts.labels(action.reason).inc()
             if action.hang:
                 self.metrics.hang_restarts.inc()
 
+    def _event(self, job: Mapping[str, Any], action: RecordEvent) -> dict[str, Any]:
+        """A core/v1 Event about the job (what `kubectl describe tj` lists)."""
+        meta = job["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta.get("namespace")},
+            "involvedObject": {"apiVersion": job.get("apiVersion"), "kind": job.get("kind"),
+                               "name": meta["name"], "namespace": meta.get("namespace"),
+                               "uid": meta.get("uid")},
+            "type": action.type, "reason": action.reason,
+            "message": action.message[:EVENT_MESSAGE_LIMIT],
+            "source": {"component": USER_AGENT}, "reportingComponent": USER_AGENT,
+            "reportingInstance": self.config.identity,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+
     def _create(self, namespace: str, memory: JobMemory, manifest: dict[str, Any]) -> None:
         kind = manifest["kind"]
-        create = {"Pod": self.core.create_namespaced_pod,
-                  "Service": self.core.create_namespaced_service,
-                  "ConfigMap": self.core.create_namespaced_config_map}[kind]
+        create = getattr(self.core, {"Pod": "create_namespaced_pod",
+                                     "Service": "create_namespaced_service",
+                                     "ConfigMap": "create_namespaced_config_map"}[kind])
         try:
-            create(namespace, manifest)
+            _send(create, namespace, manifest)
             if kind == "Pod":
                 self.metrics.pods_created.inc()
         except ApiException as error:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kubetrain.operator.children import ATTEMPT_LABEL, INDEX_LABEL, TRAINER_CONTAINER
 from prometheus_client.parser import text_string_to_metric_families
+
+from kubetrain.operator.children import ATTEMPT_LABEL, INDEX_LABEL, TRAINER_CONTAINER
 
 # Pod or container reasons that mean the infrastructure, not the training code, ended a pod.
 DISRUPTION_REASONS = frozenset({
