@@ -8,6 +8,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
+from kubetrain.api.manifest import parse_job
+from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.operator.observed import MetricsSample, Observed, WorkerPod
 from kubetrain.operator.reconcile import (
     CountRestart,
@@ -22,9 +25,6 @@ from kubetrain.operator.reconcile import (
     reconcile,
     reject,
 )
-
-from kubetrain.api.manifest import parse_job
-from kubetrain.api.trainingjob import TrainingJob
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 EARLIER = NOW - timedelta(hours=1)
@@ -424,3 +424,66 @@ def test_merge_patch_sets_changes_and_removes_dropped_fields() -> None:
     assert merge_patch(old, new) == {"phase": "Pending", "completionTime": None,
                                      "workers": {"ready": 2}}
     assert merge_patch(new, new) == {}
+
+
+# --- an operator stopped between recording a restart and deleting its pods ---------------
+
+
+def _recorded_restart(reason: str) -> dict[str, Any]:
+    """Status right after a restart was written: restart 1, attempt 1, Restarting."""
+    status = running_status(phase="Restarting", restarts=1, restartAttempt=1,
+                            lastRestartTime=NOW.isoformat())
+    status["conditions"].append({"type": "Restarting", "status": "True", "reason": reason,
+                                 "lastTransitionTime": NOW.isoformat()})
+    return status
+
+
+@pytest.mark.parametrize(("reason", "pods", "deleted"), [
+    pytest.param("WorkerFailed", [pod(0), pod(1, "Failed", exit_code=137)],
+                 ["demo-worker-1"], id="failed-worker-not-yet-deleted"),
+    pytest.param("WorkerFailed", [pod(0), pod(1, "Failed", exit_code=1)],
+                 ["demo-worker-1"], id="exit-code-streak-not-counted-again"),
+    pytest.param("WorkerFailed", [pod(0, "Failed", exit_code=137), pod(1)],
+                 ["demo-worker-0", "demo-worker-1"], id="worker-zero-takes-the-whole-group"),
+    pytest.param("ProgressDeadlineExceeded", [pod(0), pod(1)],
+                 ["demo-worker-0", "demo-worker-1"], id="hang-restart-of-running-pods"),
+])
+def test_restart_recorded_before_a_crash_is_finished_not_counted_again(
+        minimal_manifest: dict, reason: str, pods: list[WorkerPod], deleted: list[str]) -> None:
+    status = _recorded_restart(reason)
+    job = make_job(minimal_manifest, status=status)
+    out = run(job, *pods)
+    assert out.deleted_names == deleted
+    assert out.restarts == [] and out.events == []
+    assert out.status is None or (out.status["restarts"], out.status["restartAttempt"]) == (1, 1)
+
+    # Once they are gone, the replacements come with the recorded attempt, still restart 1.
+    later = NOW + timedelta(seconds=backoff_seconds(job, 1))
+    survivors = [p for p in pods if p.name not in deleted]
+    after = run(job, *survivors, now=later)
+    assert after.created == [("Pod", name, "1") for name in deleted]
+    assert after.restarts == []
+
+
+def test_a_survivor_failing_while_the_group_re_forms_joins_the_same_restart(
+        minimal_manifest: dict) -> None:
+    status = _recorded_restart("WorkerFailed")
+    out = run(make_job(minimal_manifest, replicas=3, status=status), pod(0),
+              pod(1, attempt=1), pod(2, "Failed", exit_code=75))
+    assert out.deleted_names == ["demo-worker-2"]
+    assert out.restarts == []
+
+
+def test_a_permanent_failure_during_a_restart_still_fails_the_job(minimal_manifest: dict) -> None:
+    out = run(make_job(minimal_manifest, status=_recorded_restart("WorkerFailed")), pod(0),
+              pod(1, "Failed", exit_code=2))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert out.condition("Failed")["reason"] == "PermanentError"
+
+
+def test_a_failure_after_the_restart_completed_is_a_new_restart(minimal_manifest: dict) -> None:
+    status = running_status(restarts=1, restartAttempt=1)
+    out = run(make_job(minimal_manifest, status=status), pod(0, attempt=1),
+              pod(1, "Failed", exit_code=137))
+    assert out.deleted_names == ["demo-worker-1"]
+    assert out.status is not None and out.status["restarts"] == 2

@@ -16,6 +16,9 @@ Recovery policy, in the order it is checked:
 - a retry replaces the broken pods under their names with the next restart-attempt
   label; when worker 0 (the rendezvous host) is among them, the whole group is
   recreated, because the survivors cannot re-form without it;
+- while a restart is in progress, pods with an older restart-attempt label belong to
+  it: they are replaced within it and never counted twice (also after an operator
+  restart between recording a restart and deleting its pods);
 - a step that has not advanced for progressDeadlineSeconds restarts the group;
 - every restart counts against maxRestarts and waits an exponential backoff.
 """
@@ -26,9 +29,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from kubetrain.operator import children
-from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
-
 from kubetrain.api.trainingjob import (
     CheckpointStatus,
     Condition,
@@ -36,6 +36,8 @@ from kubetrain.api.trainingjob import (
     TrainingJob,
     TrainingJobStatus,
 )
+from kubetrain.operator import children
+from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
 
 FINISHED = ("Succeeded", "Failed")
 INVALID_SPEC = "InvalidSpec"
@@ -158,7 +160,7 @@ class _Decision:
 
     def condition(self, kind: str, value: bool, reason: str, message: str = "") -> None:
         """Set one condition, keeping its transition time when its truth did not change."""
-        text = "True" if value else "False"
+        text: Literal["True", "False"] = "True" if value else "False"
         for existing in self.status.conditions:
             if existing.type == kind:
                 if existing.status != text:
@@ -310,16 +312,46 @@ class _Decision:
         self.condition("Suspended", False, "Resumed", message)
         self.event("Resumed", message)
 
-    def handle_failures(self) -> None:
-        """Fail the job or restart workers for failed, lost and stuck pods."""
+    def broken(self, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerPod]]:
+        """Of `pods`: the failed ones (or lost with their node), and those stuck Pending."""
         policy = self.job.spec.run_policy
-        live = [pod for pod in self.live_pods() if pod.index < self.replicas]
-        failed = [pod for pod in live if pod.phase == "Failed" or (pod.node_lost and pod.active)]
+        failed = [pod for pod in pods if pod.phase == "Failed" or (pod.node_lost and pod.active)]
         stuck: list[WorkerPod] = []
         if policy.pending_deadline_seconds is not None:
             limit = timedelta(seconds=policy.pending_deadline_seconds)
-            stuck = [pod for pod in live if pod.phase == "Pending" and not pod.node_lost
+            stuck = [pod for pod in pods if pod.phase == "Pending" and not pod.node_lost
                      and pod.created_at is not None and self.now >= pod.created_at + limit]
+        return failed, stuck
+
+    def continue_restart(self) -> None:
+        """Delete, without counting again, the pods the restart in progress already covers.
+
+        A restart is recorded in status (restarts, restartAttempt) before its pods are
+        deleted, so an operator stopped in between finds them still there; a worker may
+        also break while the group re-forms. While the job is Restarting, a pod labelled
+        with an older restart attempt belongs to that restart: a broken one is replaced
+        within it, and in a whole-group restart (worker 0 broke, or a hang) every older
+        pod goes. Permanent failures are left to `handle_failures`: they still fail the job.
+        """
+        status = self.status
+        if status.phase != "Restarting":
+            return
+        older = [pod for pod in self.live_pods() if pod.restart_attempt < status.restart_attempt]
+        failed, stuck = self.broken(older)
+        codes = self.job.spec.run_policy.permanent_exit_codes
+        covered = [pod for pod in failed if failure_class(pod, codes) != "permanent"] + stuck
+        restarting = next((c for c in status.conditions if c.type == "Restarting"), None)
+        reason = (restarting.reason if restarting is not None else None) or "Restarting"
+        whole_group = (reason == "ProgressDeadlineExceeded"
+                       or any(pod.index == 0 for pod in covered))
+        for pod in older if whole_group else covered:
+            self.delete(pod, reason)
+
+    def handle_failures(self) -> None:
+        """Fail the job or restart workers for failed, lost and stuck pods."""
+        policy = self.job.spec.run_policy
+        failed, stuck = self.broken(
+            [pod for pod in self.live_pods() if pod.index < self.replicas])
         if not failed and not stuck:
             return
 
@@ -450,6 +482,7 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
             decision.resume()
         status.workers.desired = decision.replicas
         decision.ensure_service_and_config()
+        decision.continue_restart()
         decision.handle_failures()
         if status.phase not in FINISHED:
             decision.detect_hang()
