@@ -109,6 +109,15 @@ def _workers(agent: subprocess.Popen[bytes]) -> list[int]:
     return sorted(children)
 
 
+def _stop(agent: subprocess.Popen[bytes]) -> None:
+    """Kill whatever is left of a torchrun launch: its workers first, then the agent."""
+    for worker in _workers(agent):
+        os.kill(worker, signal.SIGKILL)
+    if agent.poll() is None:
+        agent.kill()
+        agent.wait()
+
+
 def _losses(log: Path) -> dict[int, float]:
     """The loss logged at each step; a step redone after a restart logs it again."""
     return {event["step"]: event["loss"] for event in _events(log, "step")}
@@ -142,7 +151,10 @@ def reference(corpus_on_s3: str, s3_endpoint: str,
     manifest = _manifest(folder / "job.yaml", train=corpus_on_s3,
                          checkpoint="s3://reference/run", endpoint=s3_endpoint)
     run = _torchrun(manifest, folder / "metrics.jsonl", ranks=2)
-    assert run.wait(timeout=180) == 0, (folder / "metrics.err").read_text()[-3000:]
+    try:
+        assert run.wait(timeout=180) == 0, (folder / "metrics.err").read_text()[-3000:]
+    finally:
+        _stop(run)
     weights = folder / "model.safetensors"
     open_storage("s3://reference/run/export", StorageSpec(endpoint=s3_endpoint)).download_file(
         "model.safetensors", weights)
@@ -199,11 +211,7 @@ def test_kill_9_at_random_steps_and_mid_upload_under_s3_faults_resumes_bit_for_b
             os.kill(chooser.choice(_workers(agent)), signal.SIGKILL)
             assert agent.wait(timeout=120) != 0
         finally:
-            for worker in _workers(agent):
-                os.kill(worker, signal.SIGKILL)
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
+            _stop(agent)
 
     resumed = _events(log, "resumed")
     assert len(resumed) == 3 and all(event["world_size"] == 2 for event in resumed)
@@ -236,8 +244,7 @@ def test_two_ranks_then_one_then_two_continue_the_same_samples_and_loss(
                     os.kill(worker, signal.SIGTERM)
             agent.wait(timeout=180)
         finally:
-            if agent.poll() is None:
-                agent.kill()
+            _stop(agent)
 
     resumed = _events(log, "resumed")
     assert [event["world_size"] for event in resumed] == [1, 2]
