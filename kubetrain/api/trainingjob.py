@@ -28,7 +28,7 @@ from pydantic.alias_generators import to_camel
 from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
-from kubetrain.api.presets import PRESET_NAMES, PRESETS, Preset, PresetName
+from kubetrain.api.presets import PRESET_NAMES, PRESETS, ModelDims, Preset, PresetName
 
 GROUP = "kubetrain.io"
 VERSION = "v1alpha1"
@@ -283,27 +283,16 @@ class ModelSpec(ApiModel):
         return self
 
     def resolve(self) -> ModelDims:
-        """The final dimensions: preset values overridden by any dimension set here."""
-        base = self.preset_defaults
-        dim = self.dim or (base.dim if base else 0)
-        n_heads = self.n_heads or (base.n_heads if base else 1)
-
-        def pick(own: Any, preset_field: str, fallback: Any) -> Any:
-            if own is not None:
-                return own
-            return getattr(base, preset_field) if base else fallback
-
-        return ModelDims(
-            dim=dim,
-            n_layers=self.n_layers or (base.n_layers if base else 1),
-            n_heads=n_heads,
-            n_kv_heads=pick(self.n_kv_heads, "n_kv_heads", n_heads),
-            vocab_size=pick(self.vocab_size, "vocab_size", 32_000),
-            ffn_dim=pick(self.ffn_dim, "ffn_dim", _swiglu_hidden(dim)),
-            tie_embeddings=pick(self.tie_embeddings, "tie_embeddings", False),
-            rope_theta=pick(self.rope_theta, "rope_theta", 10_000.0),
-            norm_eps=self.norm_eps,
-        )
+        """The final dimensions: the preset's, overridden by any dimension set here."""
+        overrides = {name: getattr(self, name) for name in ModelDims.model_fields
+                     if getattr(self, name) is not None}
+        if (preset := self.preset_defaults) is not None:
+            return preset.dims.model_copy(update=overrides)
+        dim, n_heads = overrides["dim"], overrides["n_heads"]
+        return ModelDims(**{
+            "n_kv_heads": n_heads, "vocab_size": 32_000, "ffn_dim": _swiglu_hidden(dim),
+            "tie_embeddings": False, "rope_theta": 10_000.0, **overrides,
+        })
 
     @property
     def preset_defaults(self) -> Preset | None:
@@ -314,22 +303,6 @@ def _swiglu_hidden(dim: int, multiple_of: int = 256) -> int:
     """Llama's SwiGLU width: 2/3 of 4*dim, rounded up to a multiple."""
     hidden = int(2 * 4 * dim / 3)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-class ModelDims(BaseModel):
-    """Resolved model dimensions (internal; not part of the wire format)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    ffn_dim: int
-    tie_embeddings: bool
-    rope_theta: float
-    norm_eps: float
 
 
 class DataSpec(ApiModel):
@@ -800,7 +773,8 @@ class TrainingJobStatus(ApiModel):
     completion_time: datetime | None = Field(default=None, description="When the job finished.")
     failure_streak: FailureStreak | None = Field(
         default=None,
-        description="The same non-signal exit code ending consecutive attempts (repeatedFailureLimit).",
+        description="The same non-signal exit code ending consecutive attempts "
+        "(repeatedFailureLimit).",
     )
     kopf: dict[str, Any] = Field(
         default_factory=dict,
