@@ -188,7 +188,9 @@ class Emulator(kmock.KubernetesEmulator):
             return
         else:
             data.pop("status", None)  # the main resource ignores status, as with a real CRD
-        if "spec" in data and stored is not None:
+        # metadata.generation counts changes of the spec: a re-apply of the same spec is none.
+        old_spec = stored.raw.get("spec", {}) if stored is not None else {}
+        if "spec" in data and stored is not None and _merged(old_spec, data["spec"]) != old_spec:
             meta["generation"] = int(stored.get("metadata", {}).get("generation", 1)) + 1
 
     async def _collect_garbage(self) -> None:
@@ -207,6 +209,19 @@ class Emulator(kmock.KubernetesEmulator):
                     await self._buses[resource].put({"type": "DELETED", "object": raw})
             if not orphans:
                 return
+
+
+def _merged(target: Any, patch: Any) -> Any:
+    """RFC 7386: `target` with the JSON merge patch `patch` applied (as kmock applies it)."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merged(result.get(key), value)
+    return result
 
 
 def _declare_resources(emulator: Emulator) -> None:
@@ -525,6 +540,34 @@ def scenario_suspend_and_resume(kube: Kube) -> None:
     assert {"Suspended", "Resumed"} <= set(kube.event_reasons("pause"))
 
 
+def scenario_spec_change_updates_the_config_map_not_the_workers(kube: Kube) -> None:
+    kube.create_job(job_manifest("config"))
+    eventually(lambda: len(kube.pods("config")) == 2)
+    kube.run_all("config")
+    eventually(lambda: kube.phase("config") == "Running")
+    uids = {name: pod["metadata"]["uid"] for name, pod in kube.pods("config").items()}
+
+    def snapshot() -> str:
+        return str(kube.core.read_namespaced_config_map("config-config", NAMESPACE)
+                   .data["job.yaml"])
+
+    kube.patch_job("config", {"spec": {"optimization": {"learningRate": 0.0005}}})
+    eventually(lambda: "learningRate: 0.0005" in snapshot(), what="the new snapshot")
+    assert "ConfigUpdated" in kube.event_reasons("config")
+    # The same spec applied again (as GitOps tools do on every sync) changes nothing.
+    def observed() -> tuple[str, int, dict[str, Any]]:
+        job = kube.job("config") or {}
+        return snapshot(), job["metadata"]["generation"], job["status"]
+
+    before = observed()
+    kube.patch_job("config", {"spec": {"optimization": {"learningRate": 0.0005}}})
+    time.sleep(1.0)  # resyncs and the job's MODIFIED event have run
+    assert observed() == before
+    assert kube.event_reasons("config").count("ConfigUpdated") == 1
+    assert {name: pod["metadata"]["uid"] for name, pod in kube.pods("config").items()} == uids
+    assert kube.phase("config") == "Running"
+
+
 def scenario_deleting_a_job_removes_its_children(kube: Kube) -> None:
     kube.create_job(job_manifest("gone"))
     eventually(lambda: len(kube.pods("gone")) == 2)
@@ -557,6 +600,7 @@ SCENARIOS = [
     scenario_permanent_exit_code_fails_the_job,
     scenario_scale_subresource_adds_and_removes_workers,
     scenario_suspend_and_resume,
+    scenario_spec_change_updates_the_config_map_not_the_workers,
     scenario_deleting_a_job_removes_its_children,
     scenario_ttl_deletes_a_finished_job,
     scenario_invalid_spec_is_reported_not_crashed_on,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import yaml
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
@@ -18,6 +19,7 @@ from kubetrain.operator.reconcile import (
     DeleteJob,
     DeletePod,
     RecordEvent,
+    UpdateConfigMap,
     WriteStatus,
     backoff_seconds,
     failure_class,
@@ -106,7 +108,8 @@ class Outcome:
 
 def run(job: TrainingJob, *pods: WorkerPod, now: datetime = NOW, service: bool = True,
         metrics: MetricsSample | None = None) -> Outcome:
-    observed = Observed(pods=pods, service=service, config_map=service, metrics=metrics)
+    held = (job.metadata.generation or 0) if service else None
+    observed = Observed(pods=pods, service=service, config_generation=held, metrics=metrics)
     return Outcome.of(reconcile(job, observed, now))
 
 
@@ -487,3 +490,27 @@ def test_a_failure_after_the_restart_completed_is_a_new_restart(minimal_manifest
               pod(1, "Failed", exit_code=137))
     assert out.deleted_names == ["demo-worker-1"]
     assert out.status is not None and out.status["restarts"] == 2
+
+
+# --- the trainer's config snapshot follows the spec -----------------------------------------
+
+
+def test_a_changed_spec_updates_the_config_map_and_keeps_the_running_workers(
+        minimal_manifest: dict) -> None:
+    training = running_status(progress={"step": 5, "updatedAt": NOW.isoformat()})
+    job = make_job(minimal_manifest, status=training, generation=2)
+    observed = Observed(pods=(pod(0), pod(1)), service=True, config_generation=1)
+    out = Outcome.of(reconcile(job, observed, NOW))
+    updates = [a for a in out.actions if isinstance(a, UpdateConfigMap)]
+    assert len(updates) == 1
+    manifest = updates[0].manifest
+    assert manifest["metadata"]["annotations"]["kubetrain.io/job-generation"] == "2"
+    assert parse_job(yaml.safe_load(manifest["data"]["job.yaml"])).spec == job.spec
+    assert out.deleted == [] and out.created == [] and out.restarts == []
+    assert out.events == [("Normal", "ConfigUpdated")]
+    assert out.status is not None and out.status["observedGeneration"] == 2
+
+    # Once the watch shows the new snapshot, nothing more happens.
+    settled = make_job(minimal_manifest, status=out.status, generation=2)
+    again = reconcile(settled, replace(observed, config_generation=2), NOW)
+    assert again == []

@@ -17,6 +17,8 @@ from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
 JOB_LABEL = "kubetrain.io/job-name"
 INDEX_LABEL = "kubetrain.io/worker-index"
 ATTEMPT_LABEL = "kubetrain.io/restart-attempt"
+# On the ConfigMap: the job's metadata.generation its snapshot was taken from.
+GENERATION_ANNOTATION = "kubetrain.io/job-generation"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetrain"}
 
 TRAINER_CONTAINER = "trainer"
@@ -116,11 +118,17 @@ def job_snapshot(job: TrainingJob) -> str:
 
 
 def config_map(job: TrainingJob) -> dict[str, Any]:
-    """The ConfigMap `<job>-config` holding the trainer's config snapshot."""
+    """The ConfigMap `<job>-config` holding the trainer's config snapshot.
+
+    Annotated with the spec generation it holds, so the operator can tell a stale one
+    (the spec changed) without comparing snapshots.
+    """
+    metadata = _metadata(job, config_map_name(job.metadata.name), {})
+    metadata["annotations"] = {GENERATION_ANNOTATION: str(job.metadata.generation or 0)}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(job, config_map_name(job.metadata.name), {}),
+        "metadata": metadata,
         "data": {CONFIG_KEY: job_snapshot(job)},
     }
 

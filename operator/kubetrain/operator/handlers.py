@@ -49,6 +49,7 @@ from kubetrain.operator.reconcile import (
     DeleteJob,
     DeletePod,
     RecordEvent,
+    UpdateConfigMap,
     WriteStatus,
     reconcile,
     reject,
@@ -70,7 +71,7 @@ class Indexes:
     jobs: kopf.Index  # (namespace, name) -> [job]
     pods: kopf.Index  # (namespace, job name) -> [pod]
     services: kopf.Index  # (namespace, job name) -> ["Service"]
-    config_maps: kopf.Index  # (namespace, job name) -> ["ConfigMap"]
+    config_maps: kopf.Index  # (namespace, job name) -> [generation of the snapshot held]
     nodes: kopf.Index  # node name -> [True]
 
 
@@ -89,7 +90,8 @@ class JobMemory:
     status: dict[str, Any] | None = None
     created: dict[str, tuple[WorkerPod, float]] = field(default_factory=dict)
     deleted: dict[str, float] = field(default_factory=dict)
-    children: dict[str, float] = field(default_factory=dict)  # Service, ConfigMap created
+    # Service and ConfigMap written: kind -> (generation written, when)
+    children: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 def _snapshot(index: kopf.Index, key: Any) -> list[Any]:
@@ -122,6 +124,12 @@ def _send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     response.release_conn()
 
 
+def _held_generation(manifest: Mapping[str, Any]) -> int:
+    """The job generation a child was built from (0 for the Service, which has none)."""
+    annotations = manifest["metadata"].get("annotations") or {}
+    return int(annotations.get(children.GENERATION_ANNOTATION, 0))
+
+
 def _now() -> datetime:
     # Kubernetes times have whole seconds; so do the operator's decisions.
     return datetime.now(UTC).replace(microsecond=0)
@@ -150,9 +158,9 @@ class TrainingJobController:
         kopf.index(*job, id="tj_jobs", registry=registry)(self.index_job)
         kopf.index("v1", "pods", id="tj_pods", labels=owned, registry=registry)(self.index_pod)
         kopf.index("v1", "services", id="tj_services", labels=owned,
-                   registry=registry)(self.index_child)
+                   registry=registry)(self.index_service)
         kopf.index("v1", "configmaps", id="tj_configmaps", labels=owned,
-                   registry=registry)(self.index_child)
+                   registry=registry)(self.index_config_map)
         kopf.index("v1", "nodes", id="tj_nodes", registry=registry)(self.index_node)
         kopf.on.event(*job, registry=registry)(self.on_job_event)
         kopf.on.event("v1", "pods", labels=owned, registry=registry)(self.on_pod_event)
@@ -171,9 +179,16 @@ class TrainingJobController:
         return {(namespace, labels[children.JOB_LABEL]): dict(body)}
 
     @staticmethod
-    def index_child(namespace: str, labels: kopf.Labels, body: kopf.Body,
+    def index_service(namespace: str, labels: kopf.Labels, body: kopf.Body,
                     **_: Any) -> dict[JobKey, str]:
         return {(namespace, labels[children.JOB_LABEL]): body["kind"]}
+
+    @staticmethod
+    def index_config_map(namespace: str, labels: kopf.Labels, annotations: kopf.Annotations,
+                         **_: Any) -> dict[JobKey, int]:
+        generation = annotations.get(children.GENERATION_ANNOTATION, "0")
+        return {(namespace, labels[children.JOB_LABEL]): int(generation) if generation.isdigit()
+                else 0}
 
     @staticmethod
     def index_node(name: str, **_: Any) -> dict[str, bool]:
@@ -311,13 +326,16 @@ class TrainingJobController:
                 seen[name] = replace(pod, created_at=now)
             else:
                 del memory.created[name]
-        kinds = set(_snapshot(indexes.services, key)) | set(_snapshot(indexes.config_maps, key))
-        for kind, since in list(memory.children.items()):
-            if kind in kinds or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
+        indexed: dict[str, int | None] = {
+            "Service": 0 if _snapshot(indexes.services, key) else None,
+            "ConfigMap": next(iter(_snapshot(indexes.config_maps, key)), None)}
+        for kind, (generation, since) in list(memory.children.items()):
+            if indexed[kind] == generation or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
                 del memory.children[kind]
-        kinds |= memory.children.keys()
-        return Observed(pods=tuple(seen.values()), service="Service" in kinds,
-                        config_map="ConfigMap" in kinds)
+            else:
+                indexed[kind] = generation
+        return Observed(pods=tuple(seen.values()), service=indexed["Service"] is not None,
+                        config_generation=indexed["ConfigMap"])
 
     def scrape(self, pods: Iterable[WorkerPod], port: int) -> Any:
         """Rank 0's training metrics, or None when it is not up or not answering."""
@@ -359,6 +377,12 @@ class TrainingJobController:
                 self.metrics.count_phases(self.phases)
         elif isinstance(action, CreateObject):
             self._create(namespace, memory, action.manifest)
+        elif isinstance(action, UpdateConfigMap):
+            meta = action.manifest["metadata"]
+            _send(self.core.patch_namespaced_config_map, meta["name"], namespace,
+                  {"metadata": {"annotations": meta["annotations"]},
+                   "data": action.manifest["data"]})
+            memory.children["ConfigMap"] = (_held_generation(action.manifest), time.monotonic())
         elif isinstance(action, DeletePod):
             try:
                 _send(self.core.delete_namespaced_pod, action.name, namespace,
@@ -411,4 +435,4 @@ class TrainingJobController:
             pod = worker_pod(manifest)
             memory.created[pod.name] = (pod, time.monotonic())
         else:
-            memory.children[kind] = time.monotonic()
+            memory.children[kind] = (_held_generation(manifest), time.monotonic())

@@ -65,7 +65,8 @@ class Observed:
 
     pods: tuple[WorkerPod, ...] = ()
     service: bool = False
-    config_map: bool = False
+    # The job generation the ConfigMap's snapshot was taken from (0: unknown); None: absent.
+    config_generation: int | None = None
     metrics: MetricsSample | None = None
 
 

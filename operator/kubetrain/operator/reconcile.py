@@ -56,6 +56,13 @@ class CreateObject:
 
 
 @dataclass(frozen=True)
+class UpdateConfigMap:
+    """Replace the ConfigMap's snapshot (and its generation annotation) with `manifest`'s."""
+
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class DeletePod:
     """Delete a worker pod; grace 0 for pods whose node is gone (no kubelet to ask)."""
 
@@ -99,7 +106,8 @@ class CountRestart:
     hang: bool = False
 
 
-Action = CreateObject | DeletePod | DeleteJob | WriteStatus | RecordEvent | CountRestart
+Action = (CreateObject | UpdateConfigMap | DeletePod | DeleteJob | WriteStatus | RecordEvent
+          | CountRestart)
 
 
 # --- the decision -------------------------------------------------------------------
@@ -282,8 +290,16 @@ class _Decision:
     def ensure_service_and_config(self) -> None:
         if not self.observed.service:
             self.actions.append(CreateObject(children.service(self.job)))
-        if not self.observed.config_map:
+        generation = self.job.metadata.generation
+        held = self.observed.config_generation
+        if held is None:
             self.actions.append(CreateObject(children.config_map(self.job)))
+        elif generation is not None and held != generation:
+            # Running workers keep the config they started with; restarts read the new one.
+            self.actions.append(UpdateConfigMap(children.config_map(self.job)))
+            self.event("ConfigUpdated",
+                       f"{children.config_map_name(self.name)} holds the spec of generation "
+                       f"{generation} now; workers read it when they next start")
 
     def rank0_succeeded(self) -> bool:
         return any(pod.index == 0 and pod.phase == "Succeeded" and not pod.deleting
