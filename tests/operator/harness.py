@@ -11,9 +11,9 @@ subresources of TrainingJobs; Leases; and owner-reference garbage collection.
 in a thread against it.
 
 RBAC check for the chart: `run_operator_scenarios()` runs every integration
-scenario of tests/operator against a fresh cluster and returns the set of
-(verb, resource) pairs the operator called, e.g. ("create", "pods"),
-("patch", "trainingjobs/status"), ("watch", "nodes"). Verbs are RBAC verbs
+scenario of tests/operator against a fresh cluster, with leader election on, and
+returns the set of (verb, resource) pairs the operator called, e.g. ("create", "pods"),
+("patch", "trainingjobs/status"), ("watch", "nodes"), ("patch", "leases"). Verbs are RBAC verbs
 (get, list, watch, create, update, patch, delete); resources are plurals, with
 "/subresource" where one was used. The chart's Role must grant exactly these.
 """
@@ -611,9 +611,13 @@ def run_operator_scenarios() -> set[tuple[str, str]]:
     """Run every scenario on a fresh cluster; return the operator's (verb, resource) pairs."""
     import tempfile
 
+    # With leader election, as several replicas run: its Lease calls are part of the footprint.
     with tempfile.TemporaryDirectory() as directory, \
-            EmulatedCluster(Path(directory)) as cluster, running_operator(cluster):
+            EmulatedCluster(Path(directory)) as cluster, \
+            running_operator(cluster, standalone=False, lease_seconds=2.0,
+                             lease_retry_seconds=0.2) as config:
         kube = Kube(cluster)
+        eventually(lambda: kube.lease_holder() == config.identity, what="the lease")
         for scenario in SCENARIOS:
             scenario(kube)
         return cluster.operator_calls()
