@@ -69,9 +69,9 @@ def bench_checkpoint(endpoint: str, bucket: str, megabytes: int) -> tuple[float,
     app = _checkpoint_state(megabytes)
     sync_job = _job(endpoint, f"s3://{bucket}/ckpt-sync", "unused", asynchronous=False)
     async_job = _job(endpoint, f"s3://{bucket}/ckpt-async", "unused", asynchronous=True)
-    with tempfile.TemporaryDirectory() as staging:
-        sync_saver = Checkpointer(sync_job, rank=0, world_size=1, staging_dir=staging)
-        async_saver = Checkpointer(async_job, rank=0, world_size=1, staging_dir=staging)
+    with tempfile.TemporaryDirectory() as scratch:
+        sync_saver = Checkpointer(sync_job, rank=0, world_size=1)
+        async_saver = Checkpointer(async_job, rank=0, world_size=1)
         sync_saver.save(1, app)  # warm-up: connections, DCP planning caches
         sync_times, blocked_times = [], []
         for step in range(2, 5):
@@ -89,7 +89,7 @@ def bench_checkpoint(endpoint: str, bucket: str, megabytes: int) -> tuple[float,
         store = open_storage(f"s3://{bucket}/ckpt-sync/step-00000004",
                              StorageSpec(endpoint=endpoint, region="us-east-1"))
         manifest = json.loads(store.read_bytes("checkpoint.json"))
-        local = Path(staging) / "baseline"
+        local = Path(scratch) / "baseline"
         for name in manifest["files"]:
             store.download_file(name, local / name)
         total = sum(entry["bytes"] for entry in manifest["files"].values())

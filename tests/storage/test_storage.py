@@ -102,3 +102,20 @@ def test_injected_faults_slow_transfers_down_but_lose_nothing(
     assert (tmp_path / "back").read_bytes() == big
     assert [o.key for o in store.list()] == sorted([*blobs, "big"])
     assert set(proxy.injected) == {"500", "reset", "truncate"}
+
+
+def test_a_streamed_upload_appears_whole_on_success_and_not_at_all_on_error(
+        store: Storage) -> None:
+    data = os.urandom(PART_SIZE * 2 + 777)  # three parts on S3
+    with store.open_upload("streamed") as stream:
+        for start in range(0, len(data), 1_000_003):
+            stream.write(data[start:start + 1_000_003])
+        assert stream.tell() == len(data)
+    assert store.read_bytes("streamed") == data
+
+    with pytest.raises(RuntimeError, match="writer failed"), \
+            store.open_upload("never") as stream:
+        stream.write(data)
+        raise RuntimeError("writer failed")
+    assert not store.exists("never")
+    assert [o.key for o in store.list()] == ["streamed"]

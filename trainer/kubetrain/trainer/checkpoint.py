@@ -18,10 +18,10 @@ Use (what the training loop does; every call is collective: all ranks, same orde
     checkpointer.close()                           # waits for an upload in flight
 
 `save` with `blocking=False` and `spec.checkpoint.async` returns once the state
-is staged (copied to host memory by `dcp.async_save`); writing, uploading and
-committing run in a background thread over a separate gloo group, so training
-continues. The next `save`, `wait()` and `close()` wait for it and re-raise its
-error. Otherwise `save` returns after the commit.
+is staged (copied to host memory by `dcp.async_save`); uploading and committing
+run in background threads over a separate gloo group, so training continues.
+The next `save`, `wait()` and `close()` wait for it and re-raise its error.
+Otherwise `save` returns after the commit.
 
 Layout under `spec.checkpoint.uri` (s3://bucket/prefix, file:///path or a path):
 
@@ -31,7 +31,7 @@ Layout under `spec.checkpoint.uri` (s3://bucket/prefix, file:///path or a path):
                                      and the job spec that produced it
 
 A checkpoint is *committed* when its manifest exists: rank 0 writes it last,
-after every rank has uploaded its files and reported their sizes and hashes.
+after every rank has uploaded its file and reported its size and hash.
 Readers (`latest_checkpoint`, `load_latest`) ignore folders without one, and
 verify every file against it before loading: a truncated or modified file is
 refused (`CorruptCheckpoint`), never loaded, and the next older committed
@@ -40,34 +40,40 @@ job's is refused with `IncompatibleCheckpoint`. `keepLast` rotation deletes the
 oldest committed checkpoints (manifest first, so a half-deleted one is never
 "committed") and the debris of interrupted saves; it never touches the newest.
 
-Why DCP writes to a local staging folder and the files are then uploaded, rather
-than a DCP StorageWriter for S3: DCP's collective part finishes at local-disk
-speed, the upload uses boto3's transfer manager (multipart, parallel parts,
-retries) for each rank's one file, and hashes come from the same bytes that were
-uploaded. For local URIs DCP writes straight into the final folder.
+How files get to S3: DCP's own FileSystemWriter (one file per rank) writes through
+a small file-system adapter onto the storage layer, so each rank's file streams
+straight into its object as DCP serialises it - a multipart upload with several
+parts in flight, retried per request - and its sha256 is computed from the very
+bytes sent. Serialisation and upload overlap, and no local disk is needed (pods
+often have little ephemeral storage). The alternative, writing DCP to a local
+staging folder and uploading afterwards, costs a full extra write and read of
+the checkpoint and adds their time to every save. Loading downloads a checkpoint
+(all files, verified) to a scratch folder and reads it with DCP's FileSystemReader.
 When the job has no committed checkpoint, `spec.checkpoint.resumeFrom` (another
 job's checkpoint URI, or one checkpoint folder) is loaded instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
+import os
 import re
-import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
@@ -197,6 +203,108 @@ def latest_checkpoint(uri: str, storage: StorageSpec | None = None) -> Checkpoin
     return found[0] if found else None
 
 
+# --- writing DCP files straight to storage --------------------------------------------
+
+
+class _HashingStream(io.RawIOBase):
+    """Passes writes through to `sink`, counting and hashing them on the way."""
+
+    def __init__(self, sink: BinaryIO) -> None:
+        super().__init__()
+        self._sink = sink
+        self._digest = hashlib.sha256()
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._size
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._sink.write(view)
+        self._digest.update(view)
+        self._size += len(view)
+        return len(view)
+
+    @property
+    def entry(self) -> dict[str, Any]:
+        return {"bytes": self._size, "sha256": self._digest.hexdigest()}
+
+
+class _StorageFileSystem(FileSystemBase):
+    """DCP's file interface over one checkpoint folder of a Storage.
+
+    Each file DCP writes streams straight into its object (`Storage.open_upload`),
+    and its size and sha256 are recorded in `files` for the manifest. DCP writes its
+    `.metadata` under a temporary name and renames it; that small file is held in
+    memory until the rename stores it under its final name.
+    """
+
+    def __init__(self, store: Storage) -> None:
+        self.store = store
+        self.files: dict[str, dict[str, Any]] = {}
+        self._held: dict[str, bytes] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            raise ValueError(f"checkpoint files are only written here, not opened {mode!r}")
+        name = str(path)
+        if name.endswith(".tmp"):
+            held = io.BytesIO()
+            yield held
+            self._held[name] = held.getvalue()
+            return
+        with self.store.open_upload(name) as sink:
+            stream = _HashingStream(sink)
+            yield stream
+        self.files[name] = stream.entry
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        data = self._held.pop(str(path))
+        self.store.write_bytes(str(new_path), data)
+        self.files[str(new_path)] = {"bytes": len(data),
+                                     "sha256": hashlib.sha256(data).hexdigest()}
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{path}/{suffix}" if str(path) else suffix
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return ""  # keys are relative to the checkpoint folder the store is rooted at
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        """Folders need no creating in object storage."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self.store.exists(str(path))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.store.delete([str(path)])
+
+
+class _StreamingWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter (one file per rank) writing through `_StorageFileSystem`."""
+
+    def __init__(self, store: Storage) -> None:
+        # sync_files: durability comes from the storage's commit (atomic rename, multipart
+        # completion), not from fsync.
+        super().__init__("", single_file_per_rank=True, sync_files=False)
+        self._storage_fs = _StorageFileSystem(store)
+        self.fs = self._storage_fs  # type: ignore[assignment]  # DCP types it as FileSystem
+        self.path = self._storage_fs.init_path("")
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        """Name → {bytes, sha256} of the files this rank wrote."""
+        return self._storage_fs.files
+
+
 # --- the checkpointer -------------------------------------------------------------------
 
 
@@ -210,19 +318,20 @@ class Checkpointer:
         rank: int,
         world_size: int,
         model_dims: ModelDims | None = None,
-        staging_dir: str | Path | None = None,
+        scratch_dir: str | Path | None = None,
         on_commit: Callable[[CheckpointInfo], None] | None = None,
     ) -> None:
         """`model_dims` defaults to `spec.model.resolve()`; pass the dims actually built
         (e.g. with the tokenizer's vocabulary). `on_commit` runs on rank 0 after each
-        commit (in the background thread for async saves)."""
+        commit (in the background thread for async saves). Loading downloads a
+        checkpoint into `scratch_dir` (default: the system's temporary folder)."""
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.model_dims = model_dims or spec.model.resolve()
         self.store = open_storage(spec.checkpoint.uri, spec.storage)
         self.on_commit = on_commit
-        self._staging_root = Path(staging_dir or tempfile.gettempdir()) / "kubetrain-staging"
+        self._scratch = Path(scratch_dir or tempfile.gettempdir()) / "kubetrain-checkpoints"
         # Async saves run their collectives in a background thread: on a group of their
         # own, so they never interleave with the training loop's collectives.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -243,69 +352,48 @@ class Checkpointer:
         if step == self.last_step:
             return
         self.last_step = step
-        folder = step_folder(step)
-        local = isinstance(self.store, LocalStorage)
-        target = (self.store.root / folder if isinstance(self.store, LocalStorage)
-                  else self._staging_root / _job_key(self.store.uri) / folder)
+        folder = self.store.join(step_folder(step))
         if self.rank == 0:
             # Debris of an interrupted save of this step must not mix with the new files.
-            self.store.delete([obj.key for obj in self.store.list(f"{folder}/")])
-            if target.exists():
-                shutil.rmtree(target, ignore_errors=True)
+            folder.delete([obj.key for obj in folder.list()])
         self._barrier()
-        writer = dcp.FileSystemWriter(str(target), single_file_per_rank=True)
+        writer = _StreamingWriter(folder)
         if blocking or not self.spec.checkpoint.async_:
             dcp.save(app_state, storage_writer=writer, process_group=self._group)
-            self._finish(step, target, upload=not local)
+            self._commit(step, writer.files)
         else:
-            staged = dcp.async_save(app_state, storage_writer=writer, process_group=self._group)
-            if isinstance(staged, AsyncSaveResponse):  # only with an asynchronous stager
-                staged = staged.upload_completion
-            self._in_flight = self._finisher.submit(
-                self._finish_after, staged, step, target, not local
-            )
+            written = dcp.async_save(app_state, storage_writer=writer, process_group=self._group)
+            if isinstance(written, AsyncSaveResponse):  # only with an asynchronous stager
+                written = written.upload_completion
+            self._in_flight = self._finisher.submit(self._commit_after, written, step, writer)
 
-    def _finish_after(self, staged: Future[Any], step: int, target: Path, upload: bool) -> None:
-        staged.result()
-        self._finish(step, target, upload)
+    def _commit_after(self, written: Future[Any], step: int, writer: _StreamingWriter) -> None:
+        written.result()
+        self._commit(step, writer.files)
 
-    def _finish(self, step: int, target: Path, upload: bool) -> None:
-        """Upload this rank's files, gather every file's size and hash, commit on rank 0."""
-        folder = step_folder(step)
-        own = sorted(path for path in target.iterdir()
-                     if path.name.startswith(f"__{self.rank}_")
-                     or (self.rank == 0 and path.name == ".metadata"))
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            hashes = pool.map(_file_digest, own)
-            if upload:
-                for path in own:
-                    self.store.upload_file(path, f"{folder}/{path.name}")
-            files = dict(zip((path.name for path in own), hashes, strict=True))
-        if upload:
-            for path in own:
-                path.unlink()
+    def _commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
+        """Gather every rank's file sizes and hashes; rank 0 writes the manifest (the commit)."""
         every: list[Any] = [None] * self.world_size
         if self._group is not None:
             dist.all_gather_object(every, files, group=self._group)
         else:
             every = [files]
-        if self.rank == 0:
-            manifest = {
-                "format": MANIFEST_FORMAT, "step": step,
-                "time": datetime.now(UTC).isoformat(), "world_size": self.world_size,
-                "files": {name: entry for rank_files in every for name, entry in
-                          rank_files.items()},
-                "model": self.model_dims.model_dump(),
-                "config": self.spec.wire(),
-            }
-            self.store.write_bytes(f"{folder}/{MANIFEST_NAME}",
-                                   json.dumps(manifest, indent=1).encode())  # the commit
-            self.latest = _info(self.store, folder, manifest)
-            self._rotate()
-            if self.on_commit is not None:
-                self.on_commit(self.latest)
-            if upload:
-                shutil.rmtree(target, ignore_errors=True)
+        if self.rank != 0:
+            return
+        folder = step_folder(step)
+        manifest = {
+            "format": MANIFEST_FORMAT, "step": step,
+            "time": datetime.now(UTC).isoformat(), "world_size": self.world_size,
+            "files": {name: entry for rank_files in every for name, entry in rank_files.items()},
+            "model": self.model_dims.model_dump(),
+            "config": self.spec.wire(),
+        }
+        self.store.write_bytes(f"{folder}/{MANIFEST_NAME}",
+                               json.dumps(manifest, indent=1).encode())
+        self.latest = _info(self.store, folder, manifest)
+        self._rotate()
+        if self.on_commit is not None:
+            self.on_commit(self.latest)
 
     def _rotate(self) -> None:
         """Keep the newest `keepLast` committed checkpoints; delete older folders.
@@ -378,7 +466,8 @@ class Checkpointer:
         if manifest is None:
             raise CorruptCheckpoint(f"{info.uri}: its manifest disappeared while loading")
         self._check_compatible(manifest, info.uri)
-        with tempfile.TemporaryDirectory(dir=_ensure(self._staging_root)) as scratch:
+        self._scratch.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self._scratch) as scratch:
             try:
                 folder = self._fetch_verified(store, manifest, Path(scratch))
                 error = ""
@@ -450,17 +539,6 @@ def _file_digest(path: Path) -> dict[str, Any]:
             digest.update(chunk)
             size += len(chunk)
     return {"bytes": size, "sha256": digest.hexdigest()}
-
-
-def _job_key(uri: str) -> str:
-    return hashlib.sha256(uri.encode()).hexdigest()[:16]
-
-
-def _ensure(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 
 
 __all__ = [

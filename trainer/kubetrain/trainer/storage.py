@@ -26,15 +26,19 @@ Torch-free: the `kubetrain prepare` command imports it.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 if TYPE_CHECKING:
     from kubetrain.api.trainingjob import StorageSpec
@@ -77,6 +81,14 @@ class Storage(ABC):
     @abstractmethod
     def upload_file(self, local_path: str | Path, key: str) -> None:
         """Copy a local file to `key` (multipart and parallel on S3)."""
+
+    @abstractmethod
+    def open_upload(self, key: str) -> AbstractContextManager[BinaryIO]:
+        """A stream whose bytes become the object `key` when the block ends without error.
+
+        Written data is sent while the writer goes on (S3: multipart, several parts in
+        flight); on an error nothing is created. The stream supports `write` and `tell`.
+        """
 
     @abstractmethod
     def download_file(self, key: str, local_path: str | Path) -> None:
@@ -151,24 +163,26 @@ class LocalStorage(Storage):
         return self._path(key).read_bytes()
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        self._replace_with(key, lambda handle: handle.write(data))
+        with self.open_upload(key) as handle:
+            handle.write(data)
 
     def upload_file(self, local_path: str | Path, key: str) -> None:
-        with open(local_path, "rb") as source:
-            self._replace_with(key, lambda handle: shutil.copyfileobj(source, handle, PART_SIZE))
+        with open(local_path, "rb") as source, self.open_upload(key) as handle:
+            shutil.copyfileobj(source, handle, PART_SIZE)
 
     def download_file(self, key: str, local_path: str | Path) -> None:
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self._path(key), local_path)
 
-    def _replace_with(self, key: str, write: Any) -> None:
+    @contextmanager
+    def open_upload(self, key: str) -> Iterator[BinaryIO]:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
                                          suffix=_PARTIAL)
         try:
             with os.fdopen(fd, "wb") as handle:
-                write(handle)
+                yield handle
             os.chmod(temporary, 0o644)  # mkstemp makes 0600; objects are plain files
             os.replace(temporary, target)
         except BaseException:
@@ -217,6 +231,7 @@ class _S3Connection:
 
     client: Any
     transfer_config: Any
+    part_uploads: ThreadPoolExecutor
 
     @staticmethod
     def for_spec(spec: StorageSpec | None) -> _S3Connection:
@@ -245,7 +260,8 @@ class _S3Connection:
                 max_concurrency=TRANSFER_CONCURRENCY,
                 use_threads=True,
             )
-            _CONNECTIONS[key] = _S3Connection(client, transfer)
+            parts = ThreadPoolExecutor(TRANSFER_CONCURRENCY, thread_name_prefix="s3-part")
+            _CONNECTIONS[key] = _S3Connection(client, transfer, parts)
         return _CONNECTIONS[key]
 
 
@@ -313,6 +329,17 @@ class S3Storage(Storage):
             str(local_path), self.bucket, self._key(key), Config=self._connection.transfer_config
         )
 
+    @contextmanager
+    def open_upload(self, key: str) -> Iterator[BinaryIO]:
+        upload = _StreamingUpload(self._client, self.bucket, self._key(key),
+                                  self._connection.part_uploads)
+        try:
+            yield upload  # type: ignore[misc]
+            upload.complete()
+        except BaseException:
+            upload.abort()
+            raise
+
     def download_file(self, key: str, local_path: str | Path) -> None:
         Path(local_path).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -355,3 +382,77 @@ class S3Storage(Storage):
                 self._client.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
                 )
+
+
+class _StreamingUpload(io.RawIOBase):
+    """A write-only stream sent to S3 as a multipart upload while it is written.
+
+    Every `PART_SIZE` bytes become a part uploaded on the shared part pool, at most
+    `TRANSFER_CONCURRENCY` parts in flight per stream (writes wait beyond that, which
+    bounds memory); a stream shorter than one part is one PutObject.
+    """
+
+    def __init__(self, client: Any, bucket: str, key: str, pool: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self._client, self._bucket, self._key, self._pool = client, bucket, key, pool
+        self._buffer = bytearray()
+        self._written = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future[str]] = []
+        self._slots = threading.BoundedSemaphore(TRANSFER_CONCURRENCY)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._written
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._buffer += view
+        self._written += len(view)
+        while len(self._buffer) >= PART_SIZE:
+            self._send(bytes(self._buffer[:PART_SIZE]))
+            del self._buffer[:PART_SIZE]
+        return len(view)
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._client.create_multipart_upload(
+                Bucket=self._bucket, Key=self._key)["UploadId"]
+        self._slots.acquire()
+        self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, part))
+
+    def _upload_part(self, number: int, part: bytes) -> str:
+        try:
+            response = self._client.upload_part(Bucket=self._bucket, Key=self._key,
+                                                UploadId=self._upload_id, PartNumber=number,
+                                                Body=part)
+            return str(response["ETag"])
+        finally:
+            self._slots.release()
+
+    def complete(self) -> None:
+        """Send what is left and create the object."""
+        if self._upload_id is None:
+            self._client.put_object(Bucket=self._bucket, Key=self._key, Body=bytes(self._buffer))
+            return
+        if self._buffer:
+            self._send(bytes(self._buffer))
+        etags = [part.result() for part in self._parts]
+        self._client.complete_multipart_upload(
+            Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
+            MultipartUpload={"Parts": [{"ETag": etag, "PartNumber": number}
+                                       for number, etag in enumerate(etags, 1)]},
+        )
+
+    def abort(self) -> None:
+        """Drop the parts sent so far; no object is created."""
+        for part in self._parts:
+            part.cancel()
+        if self._upload_id is not None:
+            for part in self._parts:
+                if not part.cancelled():
+                    part.exception()  # wait for it, whatever its outcome
+            self._client.abort_multipart_upload(Bucket=self._bucket, Key=self._key,
+                                                UploadId=self._upload_id)
