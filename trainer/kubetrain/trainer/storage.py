@@ -15,7 +15,10 @@ IRSA / workload identity, the node role) and are never logged, raised or passed
 around by this module. Requests retry with backoff on throttling, 5xx and
 connection resets (botocore's "adaptive" mode); whole-object reads also retry a
 body cut off mid-stream, which botocore does not. Large files go through boto3's
-transfer manager: multipart, several parts in flight.
+transfer manager (multipart, several parts in flight); `open_upload` streams data
+of unknown length the same way while it is being produced (checkpoints). An
+interrupted multipart upload leaves invisible parts behind: give checkpoint buckets
+an AbortIncompleteMultipartUpload lifecycle rule.
 
 Local paths: writes are atomic (a temporary file renamed into place), so a reader
 never sees half an object, matching S3's semantics.
