@@ -11,9 +11,9 @@ would see as drift.
 With leader election (not --standalone) every replica watches, but only the one
 holding the Lease (`kubetrain.operator.leader`) reconciles.
 
-Two facts a watch reports late are bridged in memory per job, as Kubernetes
-controllers do ("expectations"): pods this operator just created or deleted, and
-the status it just wrote. After a restart the memory is empty and the indexes,
+What a watch reports late is bridged in memory per job, as Kubernetes controllers
+do ("expectations"): the children this operator just created, updated or deleted,
+and the status it just wrote. After a restart the memory is empty and the indexes,
 filled before any handler runs, are the truth again.
 """
 
@@ -36,7 +36,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kubetrain.api.manifest import InvalidManifest, parse_job
-from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION
+from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJobStatus
 from kubetrain.operator import children
 from kubetrain.operator.command import OperatorConfig
 from kubetrain.operator.leader import LeaderElection
@@ -180,7 +180,7 @@ class TrainingJobController:
 
     @staticmethod
     def index_service(namespace: str, labels: kopf.Labels, body: kopf.Body,
-                    **_: Any) -> dict[JobKey, str]:
+                      **_: Any) -> dict[JobKey, str]:
         return {(namespace, labels[children.JOB_LABEL]): body["kind"]}
 
     @staticmethod
@@ -197,20 +197,26 @@ class TrainingJobController:
     # --- triggers -------------------------------------------------------------------
 
     def on_job_event(self, type: str | None, uid: str, namespace: str, name: str,
-                     tj_jobs: kopf.Index, tj_pods: kopf.Index, tj_services: kopf.Index,
-                     tj_configmaps: kopf.Index, tj_nodes: kopf.Index, **_: Any) -> None:
+                     body: kopf.Body, tj_jobs: kopf.Index, tj_pods: kopf.Index,
+                     tj_services: kopf.Index, tj_configmaps: kopf.Index, tj_nodes: kopf.Index,
+                     **_: Any) -> None:
         if type == "DELETED":
             with self._memory_lock:
                 self.memory.pop(uid, None)
                 self.phases.pop(uid, None)
             self.metrics.count_phases(self.phases)
             return
+        if type == "MODIFIED" and self._own_status_echo(uid, body):
+            return
         self.reconcile((namespace, name),
                        Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes))
 
-    def on_pod_event(self, namespace: str, labels: kopf.Labels, tj_jobs: kopf.Index,
-                     tj_pods: kopf.Index, tj_services: kopf.Index, tj_configmaps: kopf.Index,
-                     tj_nodes: kopf.Index, **_: Any) -> None:
+    def on_pod_event(self, type: str | None, name: str, namespace: str, labels: kopf.Labels,
+                     body: kopf.Body, tj_jobs: kopf.Index, tj_pods: kopf.Index,
+                     tj_services: kopf.Index, tj_configmaps: kopf.Index, tj_nodes: kopf.Index,
+                     **_: Any) -> None:
+        if type == "ADDED" and self._own_echo(name, body):
+            return
         self.reconcile((namespace, labels[children.JOB_LABEL]),
                        Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes))
 
@@ -249,6 +255,26 @@ class TrainingJobController:
         """Drop what an earlier term remembered: another leader may have acted since."""
         with self._memory_lock:
             self.memory.clear()
+
+    # Events that only echo this process's own writes bring no news: skipping their
+    # reconciles halves the passes while jobs start (the resync still visits every job).
+
+    def _own_status_echo(self, uid: str, job: kopf.Body) -> bool:
+        """The job as this process last wrote its status, with the spec it last saw."""
+        memory = self.memory.get(uid)
+        if memory is None or memory.status is None:
+            return False
+        # Parsed: the status patches leave out fields still at their defaults.
+        status = TrainingJobStatus.model_validate(job.get("status") or {}).wire()
+        return (status == memory.status
+                and status.get("observedGeneration") == job.get("metadata", {}).get("generation"))
+
+    def _own_echo(self, name: str, pod: kopf.Body) -> bool:
+        """A pod this process created, seen for the first time and still Pending."""
+        owners = pod.get("metadata", {}).get("ownerReferences") or [{}]
+        memory = self.memory.get(owners[0].get("uid", ""))
+        return (memory is not None and name in memory.created
+                and (pod.get("status") or {}).get("phase", "Pending") == "Pending")
 
     def _memory(self, uid: str) -> JobMemory:
         with self._memory_lock:
