@@ -135,6 +135,15 @@ def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
 
+def _attach(decorator: Callable[[Any], Any], handler: Callable[..., Any]) -> None:
+    """Register `handler` with a kopf decorator.
+
+    kopf's handler protocols list only its own keyword arguments, not the index
+    arguments (tj_jobs=...) it passes by name, so the handlers go through Any here.
+    """
+    decorator(handler)
+
+
 class TrainingJobController:
     """The kopf handlers of one operator, with its API clients, memory and metrics."""
 
@@ -155,17 +164,18 @@ class TrainingJobController:
         """Attach the handlers to a kopf registry."""
         job = (GROUP, VERSION, PLURAL)
         owned = {children.JOB_LABEL: kopf.PRESENT}
-        kopf.index(*job, id="tj_jobs", registry=registry)(self.index_job)
-        kopf.index("v1", "pods", id="tj_pods", labels=owned, registry=registry)(self.index_pod)
-        kopf.index("v1", "services", id="tj_services", labels=owned,
-                   registry=registry)(self.index_service)
-        kopf.index("v1", "configmaps", id="tj_configmaps", labels=owned,
-                   registry=registry)(self.index_config_map)
-        kopf.index("v1", "nodes", id="tj_nodes", registry=registry)(self.index_node)
-        kopf.on.event(*job, registry=registry)(self.on_job_event)
-        kopf.on.event("v1", "pods", labels=owned, registry=registry)(self.on_pod_event)
-        kopf.on.startup(registry=registry)(self.start_resync)
-        kopf.on.cleanup(registry=registry)(self.stop_resync)
+        _attach(kopf.index(*job, id="tj_jobs", registry=registry), self.index_job)
+        _attach(kopf.index("v1", "pods", id="tj_pods", labels=owned, registry=registry),
+                self.index_pod)
+        _attach(kopf.index("v1", "services", id="tj_services", labels=owned, registry=registry),
+                self.index_service)
+        _attach(kopf.index("v1", "configmaps", id="tj_configmaps", labels=owned,
+                           registry=registry), self.index_config_map)
+        _attach(kopf.index("v1", "nodes", id="tj_nodes", registry=registry), self.index_node)
+        _attach(kopf.on.event(*job, registry=registry), self.on_job_event)
+        _attach(kopf.on.event("v1", "pods", labels=owned, registry=registry), self.on_pod_event)
+        _attach(kopf.on.startup(registry=registry), self.start_resync)
+        _attach(kopf.on.cleanup(registry=registry), self.stop_resync)
 
     # --- indexes: what is observed --------------------------------------------------
 

@@ -262,7 +262,7 @@ class _TensorBoard:
 
 class _WandB:
     def __init__(self, project: str, job_name: str, config: dict[str, Any]) -> None:
-        import wandb  # type: ignore[import-not-found]  # optional; not in the base image
+        import wandb  # optional; not in the base image
 
         self.run = wandb.init(project=project, name=job_name, config=config, resume="allow")
 
