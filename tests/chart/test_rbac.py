@@ -14,10 +14,13 @@ from typing import Any
 
 import pytest
 
+from kubetrain.operator.leader import LEASE_NAME
+
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "tests" / "operator" / "harness.py"
-# Leader election: only granted, and only used, with more than one operator replica.
-PEERING = {"clusterkopfpeerings", "kopfpeerings"}
+# Leader election: only granted, and only used, with more than one operator replica
+# (the scenarios run with it on, as several replicas do).
+LEADER_ELECTION = {"leases"}
 Render = Callable[[dict[str, Any]], list[dict[str, Any]]]
 Calls = set[tuple[str, str]]
 
@@ -34,23 +37,49 @@ def recorded_calls() -> Calls:
     return calls
 
 
+def _operator_roles(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Roles and ClusterRoles bound to the operator's ServiceAccount (not the user roles)."""
+    account = _operator_deployment(objects)["spec"]["template"]["spec"]["serviceAccountName"]
+    bound: set[tuple[str, str | None, str]] = set()  # (kind, namespace, name) of a role
+    for binding in objects:
+        if binding["kind"] in ("RoleBinding", "ClusterRoleBinding") and any(
+                subject["kind"] == "ServiceAccount" and subject["name"] == account
+                for subject in binding["subjects"]):
+            ref = binding["roleRef"]
+            namespace = binding["metadata"]["namespace"] if ref["kind"] == "Role" else None
+            bound.add((ref["kind"], namespace, ref["name"]))
+    roles = [role for role in objects if role["kind"] in ("Role", "ClusterRole")
+             and (role["kind"], role["metadata"].get("namespace"), role["metadata"]["name"])
+             in bound]
+    assert len(roles) == len(bound), "a binding names a role the chart does not render"
+    return roles
+
+
+def _operator_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    return deployment
+
+
+def _operator_args(objects: list[dict[str, Any]]) -> list[str]:
+    return list(_operator_deployment(objects)["spec"]["template"]["spec"]["containers"][0][
+        "args"])
+
+
 def _operator_grants(objects: list[dict[str, Any]]) -> Calls:
-    """(verb, resource) granted by the operator's Roles and ClusterRoles (not the user roles)."""
+    """(verb, resource) granted to the operator's ServiceAccount."""
     grants: Calls = set()
-    for role in objects:
-        if role["kind"] in ("Role", "ClusterRole") and role["metadata"]["name"].endswith(
-                "-operator"):
-            for rule in role["rules"]:
-                assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-                grants.update((verb, resource) for verb in rule["verbs"]
-                              for resource in rule["resources"])
+    for role in _operator_roles(objects):
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+            grants.update((verb, resource) for verb in rule["verbs"]
+                          for resource in rule["resources"])
     return grants
 
 
 def test_operator_role_grants_exactly_the_calls_the_operator_makes(
     render: Render, recorded_calls: Calls
 ) -> None:
-    needed = {call for call in recorded_calls if call[1] not in PEERING}
+    needed = {call for call in recorded_calls if call[1] not in LEADER_ELECTION}
     granted = _operator_grants(render({}))
     assert needed - granted == set(), f"the operator calls these but is not granted them: " \
         f"{sorted(needed - granted)}"
@@ -65,15 +94,34 @@ def test_namespaced_mode_grants_the_same_calls(
 
 
 @pytest.mark.parametrize("mode", ["cluster", "namespaced"])
-def test_several_replicas_add_only_their_peering_grants(
+def test_several_replicas_add_exactly_the_lease_calls_in_the_release_namespace(
     render: Render, recorded_calls: Calls, mode: str
 ) -> None:
     values: dict[str, Any] = {"rbac": {"mode": mode, "namespaces": ["team-a"]}}
     single = _operator_grants(render(values))
-    several = _operator_grants(render({**values, "replicas": 2}))
-    added = several - single
-    assert added, "several replicas need kopf peering"
-    assert {resource for _, resource in added} <= PEERING
-    peering_calls = {verb for verb, resource in recorded_calls if resource in PEERING}
-    if peering_calls:  # scenarios with peering ran: grant exactly what they used
-        assert {verb for verb, _ in added} == peering_calls
+    objects = render({**values, "replicas": 2})
+    added = _operator_grants(objects) - single
+    lease_calls = {call for call in recorded_calls if call[1] in LEADER_ELECTION}
+    assert lease_calls, "the scenarios ran with leader election but recorded no Lease call"
+    assert added == lease_calls
+    # Only a Role in the release namespace grants them, and reads and renewals only
+    # on the operator's own Lease (the one --lease-namespace points at).
+    release_namespace = _operator_deployment(objects)["metadata"]["namespace"]
+    lease_roles = [role for role in _operator_roles(objects)
+                   if any(set(rule["resources"]) & LEADER_ELECTION for rule in role["rules"])]
+    assert [(role["kind"], role["metadata"]["namespace"]) for role in lease_roles] == [
+        ("Role", release_namespace)]
+    for rule in lease_roles[0]["rules"]:
+        if set(rule["verbs"]) - {"create"}:  # a Lease not created yet has no name to check
+            assert rule["resourceNames"] == [LEASE_NAME]
+    args = _operator_args(objects)
+    assert f"--lease-namespace={release_namespace}" in args
+    assert "--standalone" not in args
+
+
+def test_a_single_replica_runs_standalone_without_lease_grants(render: Render) -> None:
+    objects = render({})
+    args = _operator_args(objects)
+    assert "--standalone" in args
+    assert not [a for a in args if a.startswith("--lease-namespace")]
+    assert not {resource for _, resource in _operator_grants(objects)} & LEADER_ELECTION

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kubetrain.operator import command
 from kubetrain.version import package_version
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,6 +167,18 @@ def test_operator_pod_is_locked_down_and_probed_on_its_health_endpoint(
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert f"--health-port={ports['health']}" in container["args"]
     assert f"--metrics-port={ports['metrics']}" in container["args"]
+
+
+def test_operator_args_are_options_of_kubetrain_operator(
+    rendered: list[dict[str, Any]],
+) -> None:
+    """The Deployment passes only options `kubetrain operator` accepts (its image's entrypoint)."""
+    (container,) = next(o for o in rendered if o["kind"] == "Deployment")[
+        "spec"]["template"]["spec"]["containers"]
+    parser = argparse.ArgumentParser(prog="kubetrain operator", exit_on_error=False)
+    command.add_arguments(parser)
+    unknown = parser.parse_known_args(container["args"])[1]
+    assert unknown == [], f"kubetrain operator does not accept {unknown}"
 
 
 def test_custom_images_are_used_by_digest_with_pull_secrets(

@@ -73,12 +73,14 @@ tests record (tests/operator/harness.py); tests/chart/test_rbac.py checks that
 these grant each of them and nothing more.
 
 kubetrain.operatorNamespacedRules: on resources in the watched namespaces (a Role
-per namespace in namespaced mode, part of the ClusterRole in cluster mode).
+per namespace in namespaced mode, part of the ClusterRole in cluster mode). The
+operator writes only the status of a TrainingJob; it deletes a finished one after
+ttlSecondsAfterFinished. It patches the ConfigMap when the job's spec changes.
 */}}
 {{- define "kubetrain.operatorNamespacedRules" -}}
 - apiGroups: ["kubetrain.io"]
   resources: ["trainingjobs"]
-  verbs: ["list", "watch", "patch", "delete"]
+  verbs: ["list", "watch", "delete"]
 - apiGroups: ["kubetrain.io"]
   resources: ["trainingjobs/status"]
   verbs: ["patch"]
@@ -86,30 +88,43 @@ per namespace in namespaced mode, part of the ClusterRole in cluster mode).
   resources: ["pods"]
   verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
+  resources: ["configmaps"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
   verbs: ["list", "watch", "create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-{{- if and (gt (int .Values.replicas) 1) (eq .Values.rbac.mode "namespaced") }}
-- apiGroups: ["kopf.dev"]
-  resources: ["kopfpeerings"]
-  verbs: ["list", "watch", "patch"]
-{{- end }}
 {{- end -}}
 
 {{/*
 kubetrain.operatorClusterRules: on cluster-scoped resources, in both modes. Nodes
-are watched to notice pods on lost nodes; with several replicas in cluster mode
-they elect a leader through a ClusterKopfPeering.
+are watched to notice pods on lost nodes.
 */}}
 {{- define "kubetrain.operatorClusterRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["list", "watch"]
-{{- if and (gt (int .Values.replicas) 1) (eq .Values.rbac.mode "cluster") }}
-- apiGroups: ["kopf.dev"]
-  resources: ["clusterkopfpeerings"]
-  verbs: ["list", "watch", "patch"]
-{{- end }}
+{{- end -}}
+
+{{/*
+kubetrain.leaderElectionRules: with several replicas, on the Lease they elect a
+leader with: `kubetrain-operator` (LEASE_NAME in operator/kubetrain/operator/leader.py)
+in the release namespace (--lease-namespace). A Lease not created yet has no name
+to restrict `create` to; reads and renewals are restricted to that one Lease.
+*/}}
+{{- define "kubetrain.leaderElectionRules" -}}
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: ["kubetrain-operator"]
+  verbs: ["get", "patch"]
+{{- end -}}
+
+{{/* True (non-empty) when the operator runs several replicas and so elects a leader. */}}
+{{- define "kubetrain.leaderElection" -}}
+{{- if gt (int .Values.replicas) 1 -}}true{{- end -}}
 {{- end -}}
