@@ -69,12 +69,23 @@ def bench_checkpoint(endpoint: str, bucket: str, megabytes: int) -> tuple[float,
     app = _checkpoint_state(megabytes)
     sync_job = _job(endpoint, f"s3://{bucket}/ckpt-sync", "unused", asynchronous=False)
     async_job = _job(endpoint, f"s3://{bucket}/ckpt-async", "unused", asynchronous=True)
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    config = TransferConfig(multipart_chunksize=16 * 1024 * 1024, max_concurrency=8)
     with tempfile.TemporaryDirectory() as scratch:
         sync_saver = Checkpointer(sync_job, rank=0, world_size=1)
         async_saver = Checkpointer(async_job, rank=0, world_size=1)
         sync_saver.save(1, app)  # warm-up: connections, DCP planning caches
-        sync_times, blocked_times = [], []
-        for step in range(2, 5):
+        # Baseline: the same files, uploaded with boto3's multipart transfer manager.
+        store = open_storage(f"s3://{bucket}/ckpt-sync/step-00000001",
+                             StorageSpec(endpoint=endpoint, region="us-east-1"))
+        files = json.loads(store.read_bytes("checkpoint.json"))["files"]
+        local = Path(scratch) / "baseline"
+        for name in files:
+            store.download_file(name, local / name)
+        total = sum(entry["bytes"] for entry in files.values())
+        # Interleaved, so that all three see the same load on a shared machine.
+        sync_times, blocked_times, raw_times = [], [], []
+        for step in range(2, 7):
             start = time.perf_counter()
             sync_saver.save(step, app)
             sync_times.append(time.perf_counter() - start)
@@ -82,26 +93,13 @@ def bench_checkpoint(endpoint: str, bucket: str, megabytes: int) -> tuple[float,
             async_saver.save(step, app, blocking=False)
             blocked_times.append(time.perf_counter() - start)
             async_saver.wait()
-        sync_saver.close()
-        async_saver.close()
-
-        # Baseline: the same files, uploaded with boto3's multipart transfer manager.
-        store = open_storage(f"s3://{bucket}/ckpt-sync/step-00000004",
-                             StorageSpec(endpoint=endpoint, region="us-east-1"))
-        manifest = json.loads(store.read_bytes("checkpoint.json"))
-        local = Path(scratch) / "baseline"
-        for name in manifest["files"]:
-            store.download_file(name, local / name)
-        total = sum(entry["bytes"] for entry in manifest["files"].values())
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        config = TransferConfig(multipart_chunksize=16 * 1024 * 1024, max_concurrency=8)
-        raw_times = []
-        for attempt in range(3):
             start = time.perf_counter()
-            for name in manifest["files"]:
-                client.upload_file(str(local / name), bucket, f"raw/{attempt}/{name}",
+            for name in files:
+                client.upload_file(str(local / name), bucket, f"raw/{step}/{name}",
                                    Config=config)
             raw_times.append(time.perf_counter() - start)
+        sync_saver.close()
+        async_saver.close()
     sync, raw = min(sync_times), min(raw_times)
     print(f"checkpoint: {total / 2**20:.0f} MiB; kubetrain sync save {sync:.2f}s "
           f"({total / sync / 2**20:.0f} MiB/s), raw multipart upload {raw:.2f}s "

@@ -182,17 +182,19 @@ def test_kill_9_at_random_steps_and_mid_upload_under_s3_faults_resumes_bit_for_b
     chooser = random.Random(11)
 
     def uploading() -> str | None:
-        """A checkpoint folder of this launch with files but no manifest: an upload."""
+        """A checkpoint folder this launch is writing: files, no manifest yet."""
         committed = {info.step for info in committed_checkpoints(uri, store_spec)}
-        since = _events(log, "start")[-1]["step"]
+        since, reached = _events(log, "start")[-1]["step"], _last_step(log)
         started = {obj.key.partition("/")[0] for obj in store.list()
                    if obj.key.startswith("step-")}
-        pending = sorted(f for f in started if since < int(f[5:]) and int(f[5:]) not in committed)
+        pending = sorted(f for f in started if since < int(f[5:]) <= reached
+                         and int(f[5:]) not in committed)
         return pending[-1] if pending else None
 
     first_kill = chooser.randint(EVERY + 1, 2 * EVERY + 2)
     moments: list[Callable[[], bool]] = [
-        lambda: _last_step(log) >= first_kill,  # a random step, mid-interval or not
+        # A random step once a checkpoint exists, mid-interval or not.
+        lambda: _last_step(log) >= first_kill and bool(committed_checkpoints(uri, store_spec)),
         lambda: uploading() is not None,  # inside a checkpoint upload
         lambda: _last_step(log) >= _events(log, "start")[-1]["step"] + chooser.randint(1, 4),
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -112,6 +113,7 @@ def test_a_streamed_upload_appears_whole_on_success_and_not_at_all_on_error(
             stream.write(data[start:start + 1_000_003])
         assert stream.tell() == len(data)
     assert store.read_bytes("streamed") == data
+    assert stream.sha256() == hashlib.sha256(data).hexdigest()
 
     with pytest.raises(RuntimeError, match="writer failed"), \
             store.open_upload("never") as stream:

@@ -68,7 +68,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -206,33 +206,6 @@ def latest_checkpoint(uri: str, storage: StorageSpec | None = None) -> Checkpoin
 # --- writing DCP files straight to storage --------------------------------------------
 
 
-class _HashingStream(io.RawIOBase):
-    """Passes writes through to `sink`, counting and hashing them on the way."""
-
-    def __init__(self, sink: BinaryIO) -> None:
-        super().__init__()
-        self._sink = sink
-        self._digest = hashlib.sha256()
-        self._size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._size
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._sink.write(view)
-        self._digest.update(view)
-        self._size += len(view)
-        return len(view)
-
-    @property
-    def entry(self) -> dict[str, Any]:
-        return {"bytes": self._size, "sha256": self._digest.hexdigest()}
-
-
 class _StorageFileSystem(FileSystemBase):
     """DCP's file interface over one checkpoint folder of a Storage.
 
@@ -257,10 +230,9 @@ class _StorageFileSystem(FileSystemBase):
             yield held
             self._held[name] = held.getvalue()
             return
-        with self.store.open_upload(name) as sink:
-            stream = _HashingStream(sink)
-            yield stream
-        self.files[name] = stream.entry
+        with self.store.open_upload(name) as upload:
+            yield upload
+        self.files[name] = {"bytes": upload.tell(), "sha256": upload.sha256()}
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         data = self._held.pop(str(path))

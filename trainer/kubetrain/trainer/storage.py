@@ -29,6 +29,7 @@ Torch-free: the `kubetrain prepare` command imports it.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
@@ -86,11 +87,11 @@ class Storage(ABC):
         """Copy a local file to `key` (multipart and parallel on S3)."""
 
     @abstractmethod
-    def open_upload(self, key: str) -> AbstractContextManager[BinaryIO]:
+    def open_upload(self, key: str) -> AbstractContextManager[Upload]:
         """A stream whose bytes become the object `key` when the block ends without error.
 
         Written data is sent while the writer goes on (S3: multipart, several parts in
-        flight); on an error nothing is created. The stream supports `write` and `tell`.
+        flight); on an error nothing is created.
         """
 
     @abstractmethod
@@ -146,6 +147,41 @@ def _join_key(*parts: str) -> str:
 _PARTIAL = ".partial"
 
 
+class Upload(io.RawIOBase, ABC):
+    """The stream `Storage.open_upload` yields: `write`, `tell`, and the sha256 of
+    everything written (complete once the `with` block has ended)."""
+
+    def writable(self) -> bool:
+        return True
+
+    @abstractmethod
+    def sha256(self) -> str:
+        """Hex sha256 of the bytes written."""
+
+
+class _FileUpload(Upload):
+    """Writes to a local file, hashing on the way."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        super().__init__()
+        self._handle = handle
+        self._digest = hashlib.sha256()
+        self._written = 0
+
+    def tell(self) -> int:
+        return self._written
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._handle.write(view)
+        self._digest.update(view)
+        self._written += len(view)
+        return len(view)
+
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
+
+
 class LocalStorage(Storage):
     """Files below a local folder."""
 
@@ -178,14 +214,14 @@ class LocalStorage(Storage):
         shutil.copyfile(self._path(key), local_path)
 
     @contextmanager
-    def open_upload(self, key: str) -> Iterator[BinaryIO]:
+    def open_upload(self, key: str) -> Iterator[Upload]:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
                                          suffix=_PARTIAL)
         try:
             with os.fdopen(fd, "wb") as handle:
-                yield handle
+                yield _FileUpload(handle)
             os.chmod(temporary, 0o644)  # mkstemp makes 0600; objects are plain files
             os.replace(temporary, target)
         except BaseException:
@@ -333,11 +369,11 @@ class S3Storage(Storage):
         )
 
     @contextmanager
-    def open_upload(self, key: str) -> Iterator[BinaryIO]:
+    def open_upload(self, key: str) -> Iterator[Upload]:
         upload = _StreamingUpload(self._client, self.bucket, self._key(key),
                                   self._connection.part_uploads)
         try:
-            yield upload  # type: ignore[misc]
+            yield upload
             upload.complete()
         except BaseException:
             upload.abort()
@@ -387,12 +423,13 @@ class S3Storage(Storage):
                 )
 
 
-class _StreamingUpload(io.RawIOBase):
+class _StreamingUpload(Upload):
     """A write-only stream sent to S3 as a multipart upload while it is written.
 
     Every `PART_SIZE` bytes become a part uploaded on the shared part pool, at most
     `TRANSFER_CONCURRENCY` parts in flight per stream (writes wait beyond that, which
-    bounds memory); a stream shorter than one part is one PutObject.
+    bounds memory); a stream shorter than one part is one PutObject. Parts are hashed
+    in order on a thread of the stream's own, off the writer's path.
     """
 
     def __init__(self, client: Any, bucket: str, key: str, pool: ThreadPoolExecutor) -> None:
@@ -403,9 +440,9 @@ class _StreamingUpload(io.RawIOBase):
         self._upload_id: str | None = None
         self._parts: list[Future[str]] = []
         self._slots = threading.BoundedSemaphore(TRANSFER_CONCURRENCY)
-
-    def writable(self) -> bool:
-        return True
+        self._digest = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="s3-part-hash")
+        self._hashed: Future[None] | None = None
 
     def tell(self) -> int:
         return self._written
@@ -415,22 +452,29 @@ class _StreamingUpload(io.RawIOBase):
         self._buffer += view
         self._written += len(view)
         while len(self._buffer) >= PART_SIZE:
-            self._send(bytes(self._buffer[:PART_SIZE]))
+            self._send(bytes(memoryview(self._buffer)[:PART_SIZE]))
             del self._buffer[:PART_SIZE]
         return len(view)
+
+    def _hash(self, part: bytes) -> Future[None]:
+        self._hashed = self._hasher.submit(self._digest.update, part)
+        return self._hashed
 
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
             self._upload_id = self._client.create_multipart_upload(
                 Bucket=self._bucket, Key=self._key)["UploadId"]
         self._slots.acquire()
-        self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, part))
+        hashed = self._hash(part)
+        self._parts.append(
+            self._pool.submit(self._upload_part, len(self._parts) + 1, part, hashed))
 
-    def _upload_part(self, number: int, part: bytes) -> str:
+    def _upload_part(self, number: int, part: bytes, hashed: Future[None]) -> str:
         try:
             response = self._client.upload_part(Bucket=self._bucket, Key=self._key,
                                                 UploadId=self._upload_id, PartNumber=number,
                                                 Body=part)
+            hashed.result()  # the part's memory is freed only once both are done
             return str(response["ETag"])
         finally:
             self._slots.release()
@@ -438,21 +482,30 @@ class _StreamingUpload(io.RawIOBase):
     def complete(self) -> None:
         """Send what is left and create the object."""
         if self._upload_id is None:
-            self._client.put_object(Bucket=self._bucket, Key=self._key, Body=bytes(self._buffer))
-            return
-        if self._buffer:
-            self._send(bytes(self._buffer))
-        etags = [part.result() for part in self._parts]
-        self._client.complete_multipart_upload(
-            Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-            MultipartUpload={"Parts": [{"ETag": etag, "PartNumber": number}
-                                       for number, etag in enumerate(etags, 1)]},
-        )
+            data = bytes(self._buffer)
+            self._hash(data)
+            self._client.put_object(Bucket=self._bucket, Key=self._key, Body=data)
+        else:
+            if self._buffer:
+                self._send(bytes(self._buffer))
+            etags = [part.result() for part in self._parts]
+            self._client.complete_multipart_upload(
+                Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
+                MultipartUpload={"Parts": [{"ETag": etag, "PartNumber": number}
+                                           for number, etag in enumerate(etags, 1)]},
+            )
+        self._hasher.shutdown(wait=True)
+
+    def sha256(self) -> str:
+        if self._hashed is not None:
+            self._hashed.result()
+        return self._digest.hexdigest()
 
     def abort(self) -> None:
         """Drop the parts sent so far; no object is created."""
         for part in self._parts:
             part.cancel()
+        self._hasher.shutdown(wait=False, cancel_futures=True)
         if self._upload_id is not None:
             for part in self._parts:
                 if not part.cancelled():
