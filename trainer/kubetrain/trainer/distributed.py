@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from datetime import timedelta
 from types import FrameType
 
 import torch
@@ -50,7 +51,9 @@ def init_world() -> World:
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
             # device_id binds NCCL communicators to this GPU eagerly (no lazy first-use init).
-            dist.init_process_group(backend=backend,
+            dist.init_process_group(backend=backend, store=_attempt_store(),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]),
                                     device_id=device if backend == "nccl" else None)
         else:
             # Not launched by torchrun: a group of one over an in-memory store.
@@ -59,6 +62,24 @@ def init_world() -> World:
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     return World(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
                  device=device, mesh=mesh)
+
+
+def _attempt_store() -> dist.Store:
+    """torchrun's key-value store, with a namespace of its own for each restart attempt.
+
+    When torchrun restarts its workers in place (a replaced pod rejoined, or a rank
+    exited to be restarted into a new membership), the store still holds the
+    previous attempt's keys, and gloo would dial the dead processes' addresses.
+    """
+    rank = int(os.environ["RANK"])
+    # Under torchrun the agent hosts the store; a bare launch makes rank 0 host it.
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=int(os.environ["WORLD_SIZE"]),
+                          is_master=rank == 0 and not agent_hosts_it,
+                          timeout=timedelta(minutes=10))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"kubetrain/attempt-{attempt}", store)
 
 
 def shutdown_world() -> None:

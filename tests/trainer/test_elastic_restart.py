@@ -1,0 +1,52 @@
+"""torchrun restarting its workers in place: the path a surviving pod takes when the
+operator replaces a lost peer, or when a rank is signalled (scale-down, eviction)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _trainer_processes(agent: int) -> list[int]:
+    """The training processes torchrun (pid `agent`) started."""
+    children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+    return [int(pid) for pid in children
+            if b"kubetrain.trainer" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+@pytest.mark.slow
+def test_a_signalled_rank_makes_torchrun_restart_the_group_in_place_from_its_checkpoint(
+    tiny_job: Any, launcher: Any,
+) -> None:
+    job = tiny_job("in-place", optimization={"maxSteps": 40, "microBatchSize": 8,
+                                             "warmupSteps": 5},
+                   checkpoint={"everySteps": 1000, "export": False})
+    command = launcher.command(job, ranks=2)
+    command.insert(command.index("--standalone") + 1, "--max-restarts=1")
+    agent = subprocess.Popen(command, env=launcher.env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["step"] >= 8 for e in launcher.events(job, "step")):
+            assert agent.poll() is None and time.monotonic() < deadline, "training never began"
+            time.sleep(0.2)
+        # SIGTERM one rank, as Kubernetes does to an evicted pod: every rank saves the
+        # same checkpoint, the signalled rank exits 143 and the other 75; torchrun then
+        # restarts both in place, on the same store, and they must resume.
+        os.kill(_trainer_processes(agent.pid)[-1], signal.SIGTERM)
+        output, _ = agent.communicate(timeout=150)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, output[-4000:]
+
+    saved = [e["step"] for e in launcher.events(job, "checkpoint")]
+    resumed = launcher.events(job, "resumed")
+    assert len(resumed) == 1 and resumed[0]["step"] == saved[0] >= 8
+    assert launcher.events(job, "finished")[-1]["step"] == 40
