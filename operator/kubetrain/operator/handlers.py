@@ -159,6 +159,8 @@ class TrainingJobController:
             api, config.lease_namespace, config.identity, lease_seconds=config.lease_seconds,
             retry_seconds=config.lease_retry_seconds, on_elected=self._forget)
         self._resync: asyncio.Task[None] | None = None
+        self._indexes: Indexes | None = None
+        self._executor: concurrent.futures.Executor | None = None
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
         """Attach the handlers to a kopf registry."""
@@ -174,42 +176,45 @@ class TrainingJobController:
         _attach(kopf.index("v1", "nodes", id="tj_nodes", registry=registry), self.index_node)
         _attach(kopf.on.event(*job, registry=registry), self.on_job_event)
         _attach(kopf.on.event("v1", "pods", labels=owned, registry=registry), self.on_pod_event)
-        _attach(kopf.on.startup(registry=registry), self.start_resync)
+        _attach(kopf.on.startup(registry=registry), self.start)
         _attach(kopf.on.cleanup(registry=registry), self.stop_resync)
+
+    # Every handler is a coroutine on kopf's event loop: kopf would run a plain function in
+    # its thread pool, a thread hop per watch event. Only a reconcile that has work to do
+    # goes to a thread (it blocks on API calls).
 
     # --- indexes: what is observed --------------------------------------------------
 
     @staticmethod
-    def index_job(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[JobKey, Any]:
+    async def index_job(namespace: str, name: str, body: kopf.Body,
+                        **_: Any) -> dict[JobKey, Any]:
         return {(namespace, name): dict(body)}
 
     @staticmethod
-    def index_pod(namespace: str, labels: kopf.Labels, body: kopf.Body,
-                  **_: Any) -> dict[JobKey, Any]:
+    async def index_pod(namespace: str, labels: kopf.Labels, body: kopf.Body,
+                        **_: Any) -> dict[JobKey, Any]:
         return {(namespace, labels[children.JOB_LABEL]): dict(body)}
 
     @staticmethod
-    def index_service(namespace: str, labels: kopf.Labels, body: kopf.Body,
-                      **_: Any) -> dict[JobKey, str]:
+    async def index_service(namespace: str, labels: kopf.Labels, body: kopf.Body,
+                            **_: Any) -> dict[JobKey, str]:
         return {(namespace, labels[children.JOB_LABEL]): body["kind"]}
 
     @staticmethod
-    def index_config_map(namespace: str, labels: kopf.Labels, annotations: kopf.Annotations,
-                         **_: Any) -> dict[JobKey, int]:
+    async def index_config_map(namespace: str, labels: kopf.Labels,
+                               annotations: kopf.Annotations, **_: Any) -> dict[JobKey, int]:
         generation = annotations.get(children.GENERATION_ANNOTATION, "0")
         return {(namespace, labels[children.JOB_LABEL]): int(generation) if generation.isdigit()
                 else 0}
 
     @staticmethod
-    def index_node(name: str, **_: Any) -> dict[str, bool]:
+    async def index_node(name: str, **_: Any) -> dict[str, bool]:
         return {name: True}
 
     # --- triggers -------------------------------------------------------------------
 
-    def on_job_event(self, type: str | None, uid: str, namespace: str, name: str,
-                     body: kopf.Body, tj_jobs: kopf.Index, tj_pods: kopf.Index,
-                     tj_services: kopf.Index, tj_configmaps: kopf.Index, tj_nodes: kopf.Index,
-                     **_: Any) -> None:
+    async def on_job_event(self, type: str | None, uid: str, namespace: str, name: str,
+                           body: kopf.Body, **_: Any) -> None:
         if type == "DELETED":
             with self._memory_lock:
                 self.memory.pop(uid, None)
@@ -218,42 +223,48 @@ class TrainingJobController:
             return
         if type == "MODIFIED" and self._own_status_echo(uid, body):
             return
-        self.reconcile((namespace, name),
-                       Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes))
+        await self._reconcile_in_thread((namespace, name))
 
-    def on_pod_event(self, type: str | None, name: str, namespace: str, labels: kopf.Labels,
-                     body: kopf.Body, tj_jobs: kopf.Index, tj_pods: kopf.Index,
-                     tj_services: kopf.Index, tj_configmaps: kopf.Index, tj_nodes: kopf.Index,
-                     **_: Any) -> None:
+    async def on_pod_event(self, type: str | None, name: str, namespace: str,
+                           labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
         if type == "ADDED" and self._own_echo(name, body):
             return
-        self.reconcile((namespace, labels[children.JOB_LABEL]),
-                       Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes))
+        await self._reconcile_in_thread((namespace, labels[children.JOB_LABEL]))
 
-    async def start_resync(self, settings: kopf.OperatorSettings, tj_jobs: kopf.Index,
-                           tj_pods: kopf.Index, tj_services: kopf.Index,
-                           tj_configmaps: kopf.Index, tj_nodes: kopf.Index, **_: Any) -> None:
-        self._resync = asyncio.create_task(self.resync(
-            settings.execution.executor,
-            Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes)))
+    async def start(self, settings: kopf.OperatorSettings, tj_jobs: kopf.Index,
+                    tj_pods: kopf.Index, tj_services: kopf.Index, tj_configmaps: kopf.Index,
+                    tj_nodes: kopf.Index, **_: Any) -> None:
+        """Keep the indexes and kopf's thread pool (startup runs before any watch), then resync."""
+        self._indexes = Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes)
+        self._executor = settings.execution.executor
+        self._resync = asyncio.create_task(self.resync())
 
     async def stop_resync(self, **_: Any) -> None:
         if self._resync is not None:
             self._resync.cancel()
             await asyncio.gather(self._resync, return_exceptions=True)
 
-    async def resync(self, executor: concurrent.futures.Executor, indexes: Indexes) -> None:
+    async def resync(self) -> None:
         """Every resync_seconds, reconcile every job and scrape its progress, all at once."""
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.config.resync_seconds)
             if not self.acting():
                 continue
-            passes = [loop.run_in_executor(executor, functools.partial(
-                self.reconcile, key, indexes, scrape=True)) for key in _keys(indexes.jobs)]
+            passes = [self._reconcile_in_thread(key, scrape=True)
+                      for key in _keys(self.indexes.jobs)]
             for outcome in await asyncio.gather(*passes, return_exceptions=True):
                 if isinstance(outcome, Exception):
                     logging.getLogger(__name__).error("resync failed", exc_info=outcome)
+
+    async def _reconcile_in_thread(self, key: JobKey, *, scrape: bool = False) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(self.reconcile, key, self.indexes, scrape=scrape))
+
+    @property
+    def indexes(self) -> Indexes:
+        """kopf's indexes, known once the startup handler ran."""
+        assert self._indexes is not None, "the startup handler has not run"
+        return self._indexes
 
     # --- observe, decide, apply -----------------------------------------------------
 
