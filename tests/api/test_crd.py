@@ -199,3 +199,11 @@ def test_long_job_names_are_rejected_by_cel_and_models(minimal_manifest: dict[st
 
 def test_crd_yaml_parses_as_one_document() -> None:
     assert len(list(yaml.safe_load_all(render()))) == 1
+
+
+def test_every_field_has_kubectl_explain_text() -> None:
+    missing = [path for path, node in _walk(open_api_schema()["properties"]["spec"], "spec")
+               + _walk(open_api_schema()["properties"]["status"], "status")
+               if path.count(".") and "[" not in path.rsplit(".", 1)[-1]
+               and "description" not in node]
+    assert missing == []
