@@ -6,7 +6,7 @@ the end of the test) and returns it; its `endpoint` is what the code under test
 gets. Some requests then get a 500, a TCP reset, or half a body followed by a reset;
 faults are drawn from a seeded generator, and `delay` slows requests that carry data
 (PUT/POST) so that a test can act while an upload is in flight. `injected` counts
-what was injected.
+what was injected, `served` the bytes of the GET answers it forwarded.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class FaultyProxy:
         self.delay = delay
         self.injected: Counter[str] = Counter()
         self.forwarded = 0
+        self.served = 0
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -170,6 +171,9 @@ class FaultyProxy:
                     return self._reset()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+                if self.command == "GET":
+                    with proxy._lock:
+                        proxy.served += len(data)
                 return None
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward

@@ -1,8 +1,12 @@
 """A torchrun worker for the resharding test: FSDP2 training state saved on N ranks, loaded on M.
 
+    fsdp_checkpoint_worker.py save|load URI ENDPOINTS OUT [WIDTH]
+
 `save`: train two steps of a small FSDP2 model and checkpoint at step 2.
 `load`: build the same model on this world size and load the newest checkpoint.
 Either way rank 0 then writes the full (unsharded) model and optimizer state to OUT.
+ENDPOINTS is one S3 endpoint, or a comma-separated one per rank; WIDTH (default 24)
+sizes the model's three square layers.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from kubetrain.api.manifest import parse_job
 from kubetrain.trainer.checkpoint import Checkpointer, ModelState
 
 
-def main(mode: str, uri: str, endpoint: str, out: str) -> None:
+def main(mode: str, uri: str, endpoints: str, out: str, width: str = "24") -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = endpoints.split(",")
+    endpoint = per_rank[rank % len(per_rank)]
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(24, 24) for _ in range(3)))
+    size = int(width)
+    model = torch.nn.Sequential(*(torch.nn.Linear(size, size) for _ in range(3)))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -44,7 +51,7 @@ def main(mode: str, uri: str, endpoint: str, out: str) -> None:
     if mode == "save":
         for step in range(2):
             seed = torch.Generator().manual_seed(step * world + rank)
-            inputs = torch.randn(8, 24, generator=seed)
+            inputs = torch.randn(8, size, generator=seed)
             model(inputs).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -60,4 +67,4 @@ def main(mode: str, uri: str, endpoint: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

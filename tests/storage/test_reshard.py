@@ -1,14 +1,21 @@
-"""FSDP2 checkpoints written by 2 ranks load on 1 rank with identical full state (DCP reshards)."""
+"""FSDP2 checkpoints under torchrun: 2 ranks load on 1 (DCP reshards), and each of 2 loading
+ranks reads only part of the checkpoint."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+from kubetrain.api.trainingjob import StorageSpec
+from kubetrain.trainer.checkpoint import MANIFEST_NAME, latest_checkpoint
+from kubetrain.trainer.storage import open_storage
 
 WORKER = Path(__file__).with_name("fsdp_checkpoint_worker.py")
 
@@ -42,3 +49,26 @@ def test_a_two_rank_fsdp_checkpoint_loads_on_one_rank(
     saved = torch.load(tmp_path / "saved.pt")
     loaded = torch.load(tmp_path / "loaded.pt")
     _assert_equal_states(saved, loaded)
+
+
+@pytest.mark.slow
+def test_each_of_two_loading_ranks_reads_less_than_the_whole_checkpoint(
+        s3_endpoint: str, s3_bucket: str, faulty_s3: Callable[..., Any], tmp_path: Path) -> None:
+    uri = f"s3://{s3_bucket}/ranged"
+    # Layers of 1024 x 1024: each rank's file spans several verification chunks.
+    _torchrun(2, "save", uri, s3_endpoint, str(tmp_path / "saved.pt"), "1024")
+    # One fault-free proxy per rank: what each one serves is what that rank read.
+    proxies = [faulty_s3(fault_ratio=0.0) for _ in range(2)]
+    _torchrun(2, "load", uri, ",".join(p.endpoint for p in proxies), str(tmp_path / "loaded.pt"),
+              "1024")
+    _assert_equal_states(torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt"))
+
+    spec = StorageSpec(endpoint=s3_endpoint)
+    info = latest_checkpoint(uri, spec)
+    assert info is not None
+    folder = open_storage(info.uri, spec)
+    sizes = {obj.key: obj.size for obj in folder.list() if obj.key != MANIFEST_NAME}
+    whole = sum(sizes.values())
+    for rank, proxy in enumerate(proxies):
+        own = sizes[f"__{rank}_0.distcp"]
+        assert own <= proxy.served < whole, (rank, proxy.served, sizes)

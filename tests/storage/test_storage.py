@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from kubetrain.api.trainingjob import StorageSpec
-from kubetrain.trainer.storage import PART_SIZE, Storage, open_object, open_storage
+from kubetrain.trainer.storage import (
+    HASH_CHUNK,
+    PART_SIZE,
+    Storage,
+    open_object,
+    open_storage,
+)
 
 
 def test_objects_round_trip_and_list_below_their_prefix(store: Storage) -> None:
@@ -22,6 +28,8 @@ def test_objects_round_trip_and_list_below_their_prefix(store: Storage) -> None:
     assert [(o.key, o.size) for o in store.list()] == [
         ("a/one.bin", 1), ("a/two.bin", 2), ("ab/three.bin", 3)]
     assert [o.key for o in store.list("a/")] == ["a/one.bin", "a/two.bin"]
+    assert [o.key for o in store.list("a")] == ["a/one.bin", "a/two.bin", "ab/three.bin"]
+    assert [o.key for o in store.list("a/one")] == ["a/one.bin"]
     assert [o.key for o in store.join("a").list()] == ["one.bin", "two.bin"]
     assert store.join("a", "two.bin").uri == store.uri + "/a/two.bin"
     assert store.read_bytes("a/two.bin") == b"22"
@@ -51,6 +59,14 @@ def test_large_files_upload_in_parts_and_download_intact(store: Storage, tmp_pat
     store.download_file("big/file", tmp_path / "copy" / "file")
     assert (tmp_path / "copy" / "file").read_bytes() == data
     assert store.list("big/")[0].size == len(data)
+
+
+def test_a_range_read_returns_just_those_bytes(store: Storage) -> None:
+    data = os.urandom(5000)
+    store.write_bytes("blob", data)
+    assert store.read_range("blob", 1234, 100) == data[1234:1334]
+    assert store.read_range("blob", 4990, 100) == data[4990:]  # shorter past the end
+    assert store.read_range("blob", 0, 0) == b""
 
 
 def test_open_object_splits_a_uri_into_folder_and_key(s3_spec: StorageSpec, s3_bucket: str,
@@ -100,6 +116,7 @@ def test_injected_faults_slow_transfers_down_but_lose_nothing(
     store.download_file("big", tmp_path / "back")
 
     assert all(store.read_bytes(key) == data for key, data in blobs.items())
+    assert store.read_range("big", PART_SIZE - 10, 100) == big[PART_SIZE - 10:PART_SIZE + 90]
     assert (tmp_path / "back").read_bytes() == big
     assert [o.key for o in store.list()] == sorted([*blobs, "big"])
     assert set(proxy.injected) == {"500", "reset", "truncate"}
@@ -113,7 +130,8 @@ def test_a_streamed_upload_appears_whole_on_success_and_not_at_all_on_error(
             stream.write(data[start:start + 1_000_003])
         assert stream.tell() == len(data)
     assert store.read_bytes("streamed") == data
-    assert stream.sha256() == hashlib.sha256(data).hexdigest()
+    assert stream.chunk_sha256() == [hashlib.sha256(data[at:at + HASH_CHUNK]).hexdigest()
+                                     for at in range(0, len(data), HASH_CHUNK)]
 
     with pytest.raises(RuntimeError, match="writer failed"), \
             store.open_upload("never") as stream:

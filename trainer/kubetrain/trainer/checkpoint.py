@@ -27,18 +27,37 @@ Layout under `spec.checkpoint.uri` (s3://bucket/prefix, file:///path or a path):
 
     step-00000500/__0_0.distcp ...   one DCP file per rank, plus DCP's .metadata
     step-00000500/checkpoint.json    the manifest: step, time, world size, every
-                                     file's size and sha256, the model dimensions
-                                     and the job spec that produced it
+                                     file's size and the sha256 of each of its 1 MiB
+                                     chunks, the model dimensions and the job spec
+                                     that produced it
 
 A checkpoint is *committed* when its manifest exists: rank 0 writes it last,
-after every rank has uploaded its file and reported its size and hash.
-Readers (`latest_checkpoint`, `load_latest`) ignore folders without one, and
-verify every file against it before loading: a truncated or modified file is
-refused (`CorruptCheckpoint`), never loaded, and the next older committed
-checkpoint is used instead. A checkpoint whose model dimensions differ from the
-job's is refused with `IncompatibleCheckpoint`. `keepLast` rotation deletes the
-oldest committed checkpoints (manifest first, so a half-deleted one is never
-"committed") and the debris of interrupted saves; it never touches the newest.
+after every rank has uploaded its file and reported its size and hashes.
+Readers (`latest_checkpoint`, `load_latest`) ignore folders without one.
+A checkpoint whose model dimensions differ from the job's is refused with
+`IncompatibleCheckpoint`. `keepLast` rotation deletes the oldest committed
+checkpoints (manifest first, so a half-deleted one is never "committed") and the
+debris of interrupted saves; it never touches the newest.
+
+Loading reads only what each rank needs. DCP's load plan says which stored items
+(a rank's saved shard of a tensor, or a pickled value) this rank must read, and
+where each lies (file, offset, length); `_StorageReader` fetches exactly the
+chunks covering those ranges (S3 ranged GETs, local seeks; several in flight,
+a bounded window held in memory), so with FSDP at an unchanged world size a rank
+reads its own file plus the head chunk of other ranks' files (where the small
+replicated entries are packed, see `_StreamingWriter`), not the whole checkpoint.
+Integrity without whole-file reads: a whole-file hash can only be checked by
+reading the whole file, so the manifest records the sha256 of every 1 MiB chunk
+of every file instead (computed from the very bytes uploaded, while streaming).
+Before loading, rank 0 checks every file's size against a listing of the folder
+(a truncated or missing file), and every rank fetches and verifies `.metadata`.
+Every chunk a rank fetches is verified before any byte of it is used; a
+mismatch raises `CorruptCheckpoint` inside DCP's read step, which DCP reports to
+every rank, so all ranks refuse the checkpoint together and the next older
+committed one is loaded instead. Bytes nobody reads cannot reach the model, so
+they need no check. A refused load may already have copied verified tensors
+into the model; loading the older checkpoint overwrites every one of them, and
+when no intact checkpoint is left the job fails rather than train on them.
 
 How files get to S3: DCP's own FileSystemWriter (one file per rank) writes through
 a small file-system adapter onto the storage layer, so each rank's file streams
@@ -47,44 +66,67 @@ parts in flight, retried per request - and its sha256 is computed from the very
 bytes sent. Serialisation and upload overlap, and no local disk is needed (pods
 often have little ephemeral storage). The alternative, writing DCP to a local
 staging folder and uploading afterwards, costs a full extra write and read of
-the checkpoint and adds their time to every save. Loading downloads a checkpoint
-(all files, verified) to a scratch folder and reads it with DCP's FileSystemReader.
+the checkpoint and adds their time to every save.
+
 When the job has no committed checkpoint, `spec.checkpoint.resumeFrom` (another
 job's checkpoint URI, or one checkpoint folder) is loaded instead.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-import hashlib
+import dataclasses
 import io
 import json
 import logging
+import math
 import os
+import pickle
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.futures
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
 
 from kubetrain.api.trainingjob import ModelDims, StorageSpec, TrainingJobSpec
-from kubetrain.trainer.storage import LocalStorage, Storage, open_storage
+from kubetrain.trainer.storage import (
+    HASH_CHUNK,
+    PART_SIZE,
+    TRANSFER_CONCURRENCY,
+    Storage,
+    chunk_digests,
+    open_storage,
+)
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "checkpoint.json"
-MANIFEST_FORMAT = "kubetrain-checkpoint-v1"
+MANIFEST_FORMAT = "kubetrain-checkpoint-v2"  # v2: a sha256 per HASH_CHUNK (1 MiB) chunk
+METADATA_NAME = ".metadata"  # DCP's own index of the stored items
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
@@ -210,7 +252,7 @@ class _StorageFileSystem(FileSystemBase):
     """DCP's file interface over one checkpoint folder of a Storage.
 
     Each file DCP writes streams straight into its object (`Storage.open_upload`),
-    and its size and sha256 are recorded in `files` for the manifest. DCP writes its
+    and its size and chunk hashes are recorded in `files` for the manifest. DCP writes its
     `.metadata` under a temporary name and renames it; that small file is held in
     memory until the rename stores it under its final name.
     """
@@ -232,13 +274,12 @@ class _StorageFileSystem(FileSystemBase):
             return
         with self.store.open_upload(name) as upload:
             yield upload
-        self.files[name] = {"bytes": upload.tell(), "sha256": upload.sha256()}
+        self.files[name] = {"bytes": upload.tell(), "chunk_sha256": upload.chunk_sha256()}
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         data = self._held.pop(str(path))
         self.store.write_bytes(str(new_path), data)
-        self.files[str(new_path)] = {"bytes": len(data),
-                                     "sha256": hashlib.sha256(data).hexdigest()}
+        self.files[str(new_path)] = {"bytes": len(data), "chunk_sha256": chunk_digests(data)}
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return f"{path}/{suffix}" if str(path) else suffix
@@ -261,7 +302,13 @@ class _StorageFileSystem(FileSystemBase):
 
 
 class _StreamingWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter (one file per rank) writing through `_StorageFileSystem`."""
+    """DCP's FileSystemWriter (one file per rank) writing through `_StorageFileSystem`.
+
+    Each file holds its small entries first (pickled values, then tensors by size):
+    the replicated ones that DCP spreads over the ranks' files (optimizer step
+    counters, ...) are needed by every loading rank, and packed at the head of a file
+    they cost another rank one verification chunk of it rather than one per entry.
+    """
 
     def __init__(self, store: Storage) -> None:
         # sync_files: durability comes from the storage's commit (atomic rename, multipart
@@ -271,10 +318,164 @@ class _StreamingWriter(dcp.FileSystemWriter):
         self.fs = self._storage_fs  # type: ignore[assignment]  # DCP types it as FileSystem
         self.path = self._storage_fs.init_path("")
 
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[
+            list[WriteResult]]:
+        small_first = sorted(plan.items, key=_stored_size)
+        return super().write_data(dataclasses.replace(plan, items=small_first), planner)
+
     @property
     def files(self) -> dict[str, dict[str, Any]]:
-        """Name → {bytes, sha256} of the files this rank wrote."""
+        """Name → {bytes, chunk_sha256} of the files this rank wrote."""
         return self._storage_fs.files
+
+
+def _stored_size(item: WriteItem) -> int:
+    """The bytes of a tensor entry; 0 for a pickled value (written before the tensors)."""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+
+
+# --- reading only the ranges a rank needs ---------------------------------------------
+
+
+class _VerifiedFile:
+    """Ranges of one committed checkpoint file, fetched in whole verified chunks.
+
+    `fetch_ahead(ranges)` plans the chunk-aligned pieces (at most `PART_SIZE` each)
+    covering the ranges a rank will read, in offset order, and fetches them in
+    parallel, at most `TRANSFER_CONCURRENCY` pieces ahead of the reader; `read`
+    returns the bytes of one range and releases the pieces behind it.
+    """
+
+    def __init__(self, store: Storage, name: str, entry: dict[str, Any],
+                 pool: ThreadPoolExecutor) -> None:
+        self.store, self.name, self.pool = store, name, pool
+        self.size, self.chunk = int(entry["bytes"]), HASH_CHUNK
+        self.digests: list[str] = entry["chunk_sha256"]
+        self.bytes_read = 0
+        self._pieces: list[tuple[int, int]] = []
+        self._starts: list[int] = []
+        self._fetched: dict[int, Future[bytes]] = {}
+        self._submitted = 0
+
+    def fetch_ahead(self, ranges: list[tuple[int, int]]) -> None:
+        """Plan the pieces covering `ranges` ((offset, length), any order) and start them."""
+        chunks = sorted({index for offset, length in ranges
+                         for index in range(offset // self.chunk,
+                                            (offset + length - 1) // self.chunk + 1)})
+        per_piece = PART_SIZE // self.chunk
+        run: list[int] = []
+        for index in [*chunks, None]:
+            if run and (index != run[-1] + 1 or len(run) == per_piece):
+                self._pieces.append((run[0] * self.chunk,
+                                     min((run[-1] + 1) * self.chunk, self.size)))
+                run = []
+            if index is not None:
+                run.append(index)
+        self._starts = [start for start, _ in self._pieces]
+        self._submit_until(TRANSFER_CONCURRENCY)
+
+    def read(self, offset: int, length: int) -> bytes:
+        """The verified bytes `offset .. offset + length` (inside the planned ranges)."""
+        first = bisect.bisect_right(self._starts, offset) - 1
+        last = bisect.bisect_right(self._starts, offset + length - 1) - 1
+        self._submit_until(last + 1 + TRANSFER_CONCURRENCY)
+        parts = []
+        for number in range(first, last + 1):
+            start, _ = self._pieces[number]
+            data = self._fetched[number].result()
+            parts.append(memoryview(data)[max(0, offset - start):offset + length - start])
+        for behind in [number for number in self._fetched if number < first]:
+            del self._fetched[behind]
+        return b"".join(parts)
+
+    def _submit_until(self, count: int) -> None:
+        while self._submitted < min(count, len(self._pieces)):
+            self._fetched[self._submitted] = self.pool.submit(self._fetch,
+                                                              *self._pieces[self._submitted])
+            self._submitted += 1
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        data = self.store.read_range(self.name, start, end - start)
+        self.bytes_read += len(data)
+        first = start // self.chunk
+        got = chunk_digests(data)
+        if len(data) != end - start or got != self.digests[first:first + len(got)]:
+            raise CorruptCheckpoint(
+                f"{self.store.uri}/{self.name}: bytes {start}..{end} do not match the sha256 "
+                "the manifest records for them: truncated or modified"
+            )
+        return data
+
+
+class _StorageReader(dcp.StorageReader):
+    """DCP's reader over one committed checkpoint folder, reading only the planned ranges.
+
+    The same item layout as DCP's FileSystemReader (`_StorageInfo`: file, offset,
+    length; a tensor is a `torch.save` record, a value pickled bytes), read through
+    `_VerifiedFile`. `metadata` is DCP's `.metadata`, already read and verified.
+    """
+
+    def __init__(self, store: Storage, manifest: dict[str, Any], metadata: Metadata) -> None:
+        super().__init__()
+        self.store, self.manifest, self.metadata = store, manifest, metadata
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Nothing to reset: one reader serves one load."""
+
+    def read_metadata(self) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
+        """The metadata is the one passed in; nothing else to set up."""
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        where = self.metadata.storage_data
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(where[item.storage_index].relative_path, []).append(item)
+        with ThreadPoolExecutor(TRANSFER_CONCURRENCY, thread_name_prefix="ckpt-read") as pool:
+            for name, items in per_file.items():
+                items.sort(key=lambda item: where[item.storage_index].offset)
+                source = _VerifiedFile(self.store, name, self.manifest["files"][name], pool)
+                source.fetch_ahead([(where[item.storage_index].offset,
+                                     where[item.storage_index].length) for item in items])
+                for item in items:
+                    info = where[item.storage_index]
+                    if info.transform_descriptors:
+                        raise CorruptCheckpoint(f"{self.store.uri}/{name} was written with "
+                                                f"DCP extensions {info.transform_descriptors}")
+                    self._load_item(item, source.read(info.offset, info.length), planner)
+                self.bytes_read += source.bytes_read
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    @staticmethod
+    def _load_item(item: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(data))
+            return
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        saved = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != saved.size():
+            raise CorruptCheckpoint(f"{item.storage_index}: stored as {tuple(saved.size())}, "
+                                    f"expected {tuple(target.size())}")
+        target.copy_(saved)
+        planner.commit_tensor(item, target)
 
 
 # --- the checkpointer -------------------------------------------------------------------
@@ -290,20 +491,17 @@ class Checkpointer:
         rank: int,
         world_size: int,
         model_dims: ModelDims | None = None,
-        scratch_dir: str | Path | None = None,
         on_commit: Callable[[CheckpointInfo], None] | None = None,
     ) -> None:
         """`model_dims` defaults to `spec.model.resolve()`; pass the dims actually built
         (e.g. with the tokenizer's vocabulary). `on_commit` runs on rank 0 after each
-        commit (in the background thread for async saves). Loading downloads a
-        checkpoint into `scratch_dir` (default: the system's temporary folder)."""
+        commit (in the background thread for async saves)."""
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.model_dims = model_dims or spec.model.resolve()
         self.store = open_storage(spec.checkpoint.uri, spec.storage)
         self.on_commit = on_commit
-        self._scratch = Path(scratch_dir or tempfile.gettempdir()) / "kubetrain-checkpoints"
         # Async saves run their collectives in a background thread: on a group of their
         # own, so they never interleave with the training loop's collectives.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -371,21 +569,22 @@ class Checkpointer:
         """Keep the newest `keepLast` committed checkpoints; delete older folders.
 
         Older folders are older committed checkpoints and interrupted saves; folders
-        newer than the newest commit are left alone.
+        newer than the newest commit are left alone. One listing and two batched
+        deletes, whatever the number of checkpoints: it runs on every commit.
         """
-        committed = committed_checkpoints(self.store.uri, self.spec.storage)
-        kept = {step_folder(info.step) for info in committed[:self.spec.checkpoint.keep_last]}
-        newest = committed[0].step
-        doomed: dict[str, list[str]] = {}
+        folders: dict[int, list[str]] = {}
         for obj in self.store.list():
-            folder = obj.key.partition("/")[0]
-            match = _STEP_FOLDER.match(folder)
-            if match and int(match.group(1)) < newest and folder not in kept:
-                doomed.setdefault(folder, []).append(obj.key)
-        for folder, keys in sorted(doomed.items()):
-            manifest = f"{folder}/{MANIFEST_NAME}"
-            self.store.delete([manifest])  # de-commit first
-            self.store.delete([key for key in keys if key != manifest])
+            match = _STEP_FOLDER.match(obj.key.partition("/")[0])
+            if match:
+                folders.setdefault(int(match.group(1)), []).append(obj.key)
+        committed = sorted((step for step, keys in folders.items()
+                            if f"{step_folder(step)}/{MANIFEST_NAME}" in keys), reverse=True)
+        kept = set(committed[:self.spec.checkpoint.keep_last])
+        doomed = [key for step, keys in folders.items()
+                  if step < committed[0] and step not in kept for key in keys]
+        manifests = [key for key in doomed if key.endswith(f"/{MANIFEST_NAME}")]
+        self.store.delete(manifests)  # de-commit first
+        self.store.delete([key for key in doomed if key not in set(manifests)])
 
     def wait(self) -> None:
         """Block until a background save has committed; re-raise its error."""
@@ -438,35 +637,33 @@ class Checkpointer:
         if manifest is None:
             raise CorruptCheckpoint(f"{info.uri}: its manifest disappeared while loading")
         self._check_compatible(manifest, info.uri)
-        self._scratch.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self._scratch) as scratch:
-            try:
-                folder = self._fetch_verified(store, manifest, Path(scratch))
-                error = ""
-            except (CorruptCheckpoint, FileNotFoundError) as problem:
-                folder, error = Path(scratch), str(problem)
-            if not self._all_ranks_agree(not error):
-                log.warning("refusing checkpoint %s: %s", info.uri,
-                            error or "another rank found it corrupt")
-                return False
-            dcp.load(app_state, checkpoint_id=str(folder), process_group=self._group)
+        try:
+            if self.rank == 0:
+                _check_sizes(store, manifest)
+            metadata = _read_metadata(store, manifest)
+            error = ""
+        except (CorruptCheckpoint, FileNotFoundError) as problem:
+            error = str(problem)
+        if not self._all_ranks_agree(not error):
+            log.warning("refusing checkpoint %s: %s", info.uri,
+                        error or "another rank found it corrupt")
+            return False
+        reader = _StorageReader(store, manifest, metadata)
+        try:
+            dcp.load(app_state, storage_reader=reader, process_group=self._group)
+        except CheckpointException as failed:
+            # DCP gathers every rank's read errors: all ranks see the same failures here.
+            problems = [error for error, _ in failed.failures.values()]
+            if not all(isinstance(error, CorruptCheckpoint | FileNotFoundError)
+                       for error in problems):
+                raise
+            log.warning("refusing checkpoint %s: %s", info.uri,
+                        "; ".join(str(error) for error in problems))
+            return False
+        total = sum(int(entry["bytes"]) for entry in manifest["files"].values())
+        log.info("rank %d loaded %s, reading %d of its %d bytes", self.rank, info.uri,
+                 reader.bytes_read, total)
         return True
-
-    def _fetch_verified(self, store: Storage, manifest: dict[str, Any], scratch: Path) -> Path:
-        """A local folder holding the checkpoint's files, each checked against the manifest."""
-        local = isinstance(store, LocalStorage)
-        folder = store.root if isinstance(store, LocalStorage) else scratch
-        for name, expected in manifest["files"].items():
-            if not local:
-                store.download_file(name, folder / name)
-            digest = _file_digest(folder / name)
-            if digest != expected:
-                raise CorruptCheckpoint(
-                    f"{store.uri}/{name} is {digest['bytes']} bytes with sha256 "
-                    f"{digest['sha256'][:12]}..., but the manifest says {expected['bytes']} "
-                    f"bytes with sha256 {expected['sha256'][:12]}...: truncated or modified"
-                )
-        return folder
 
     # Coordination runs on the checkpoint's gloo group: CPU objects work with any backend.
 
@@ -503,14 +700,23 @@ class Checkpointer:
             )
 
 
-def _file_digest(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(8 * 1024 * 1024):
-            digest.update(chunk)
-            size += len(chunk)
-    return {"bytes": size, "sha256": digest.hexdigest()}
+def _check_sizes(store: Storage, manifest: dict[str, Any]) -> None:
+    """Every file of the manifest exists with its recorded size (one listing)."""
+    sizes = {obj.key: obj.size for obj in store.list()}
+    for name, expected in manifest["files"].items():
+        if sizes.get(name) != expected["bytes"]:
+            found = "missing" if name not in sizes else f"{sizes[name]} bytes"
+            raise CorruptCheckpoint(f"{store.uri}/{name} is {found}, but the manifest says "
+                                    f"{expected['bytes']} bytes: truncated or modified")
+
+
+def _read_metadata(store: Storage, manifest: dict[str, Any]) -> Metadata:
+    """DCP's `.metadata`, verified against the manifest."""
+    data = store.read_bytes(METADATA_NAME)
+    if chunk_digests(data) != manifest["files"][METADATA_NAME]["chunk_sha256"]:
+        raise CorruptCheckpoint(f"{store.uri}/{METADATA_NAME} does not match the sha256 the "
+                                "manifest records for it: truncated or modified")
+    return cast(Metadata, pickle.loads(data))
 
 
 __all__ = [

@@ -13,12 +13,18 @@ S3: the endpoint and region come from `spec.storage`; credentials only from the
 standard AWS environment variables / default chain (a Secret mounted as env,
 IRSA / workload identity, the node role) and are never logged, raised or passed
 around by this module. Requests retry with backoff on throttling, 5xx and
-connection resets (botocore's "adaptive" mode); whole-object reads also retry a
-body cut off mid-stream, which botocore does not. Large files go through boto3's
-transfer manager (multipart, several parts in flight); `open_upload` streams data
-of unknown length the same way while it is being produced (checkpoints). An
-interrupted multipart upload leaves invisible parts behind: give checkpoint buckets
-an AbortIncompleteMultipartUpload lifecycle rule.
+connection resets (botocore's "adaptive" mode); reads also retry a body cut off
+mid-stream, which botocore does not. Large files go through boto3's transfer
+manager (multipart, several parts in flight); `open_upload` streams data of
+unknown length the same way while it is being produced (checkpoints), and
+`read_range` fetches part of an object (a ranged GET) so that a reader takes only
+the bytes it needs. An interrupted multipart upload leaves invisible parts behind:
+give checkpoint buckets an AbortIncompleteMultipartUpload lifecycle rule
+(docs/troubleshooting.md).
+
+Integrity of partial reads: an `Upload` records the sha256 of every `HASH_CHUNK`
+bytes it writes (the last chunk may be shorter), so that a reader of any byte
+range can verify exactly the chunks that cover it without reading the rest.
 
 Local paths: writes are atomic (a temporary file renamed into place), so a reader
 never sees half an object, matching S3's semantics.
@@ -52,6 +58,11 @@ if TYPE_CHECKING:
 PART_SIZE = 16 * 1024 * 1024
 TRANSFER_CONCURRENCY = 8
 MAX_ATTEMPTS = 10
+# The unit of integrity checks for partial reads (see the module docstring): small enough
+# that a reader's ranges pull in little extra, large enough that an 80 GB checkpoint has
+# 80k hashes (a 5 MB manifest). A part is a whole number of chunks: parts hash alone.
+HASH_CHUNK = 1024 * 1024
+assert PART_SIZE % HASH_CHUNK == 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,10 @@ class Storage(ABC):
     @abstractmethod
     def read_bytes(self, key: str) -> bytes:
         """The whole object; `FileNotFoundError` when it does not exist."""
+
+    @abstractmethod
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes of the object from `offset` (fewer only past its end)."""
 
     @abstractmethod
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -147,25 +162,33 @@ def _join_key(*parts: str) -> str:
 _PARTIAL = ".partial"
 
 
+def chunk_digests(data: Any) -> list[str]:
+    """Hex sha256 of every `HASH_CHUNK` bytes of `data` (bytes-like), the last one shorter."""
+    view = memoryview(data).cast("B")
+    return [hashlib.sha256(view[start:start + HASH_CHUNK]).hexdigest()
+            for start in range(0, len(view), HASH_CHUNK)]
+
+
 class Upload(io.RawIOBase, ABC):
-    """The stream `Storage.open_upload` yields: `write`, `tell`, and the sha256 of
-    everything written (complete once the `with` block has ended)."""
+    """The stream `Storage.open_upload` yields: `write`, `tell`, and the sha256 of every
+    `HASH_CHUNK` of what was written (complete once the `with` block has ended)."""
 
     def writable(self) -> bool:
         return True
 
     @abstractmethod
-    def sha256(self) -> str:
-        """Hex sha256 of the bytes written."""
+    def chunk_sha256(self) -> list[str]:
+        """Hex sha256 of each `HASH_CHUNK` bytes written, in order (see `chunk_digests`)."""
 
 
 class _FileUpload(Upload):
-    """Writes to a local file, hashing on the way."""
+    """Writes to a local file, hashing each chunk on the way."""
 
     def __init__(self, handle: BinaryIO) -> None:
         super().__init__()
         self._handle = handle
-        self._digest = hashlib.sha256()
+        self._digests: list[str] = []
+        self._chunk = hashlib.sha256()
         self._written = 0
 
     def tell(self) -> int:
@@ -174,12 +197,21 @@ class _FileUpload(Upload):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._handle.write(view)
-        self._digest.update(view)
-        self._written += len(view)
+        done = 0
+        while done < len(view):
+            room = HASH_CHUNK - self._written % HASH_CHUNK
+            self._chunk.update(view[done:done + room])
+            step = min(room, len(view) - done)
+            done += step
+            self._written += step
+            if self._written % HASH_CHUNK == 0:
+                self._digests.append(self._chunk.hexdigest())
+                self._chunk = hashlib.sha256()
         return len(view)
 
-    def sha256(self) -> str:
-        return self._digest.hexdigest()
+    def chunk_sha256(self) -> list[str]:
+        tail = [self._chunk.hexdigest()] if self._written % HASH_CHUNK else []
+        return self._digests + tail
 
 
 class LocalStorage(Storage):
@@ -200,6 +232,11 @@ class LocalStorage(Storage):
 
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        with open(self._path(key), "rb") as handle:
+            handle.seek(offset)
+            return handle.read(length)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         with self.open_upload(key) as handle:
@@ -229,19 +266,24 @@ class LocalStorage(Storage):
             raise
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        if not self.root.is_dir():
+        # Visit only what the prefix can match: in the folder it names, the entries whose
+        # name starts with its last part (listing one file of a large folder stays cheap).
+        folder, _, stem = prefix.rpartition("/")
+        start = self.root / folder
+        if not start.is_dir():
             return []
-        # Walk only the folder the prefix names, not the whole tree.
-        start = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
         found = []
-        for folder, _, files in os.walk(start):
-            for name in files:
-                if name.endswith(_PARTIAL):  # an atomic write in flight
+        for entry in os.scandir(start):
+            if not entry.name.startswith(stem):
+                continue
+            paths = ([Path(entry.path)] if not entry.is_dir() else
+                     [Path(inner, name) for inner, _, names in os.walk(entry.path)
+                      for name in names])
+            for path in paths:
+                if path.name.endswith(_PARTIAL):  # an atomic write in flight
                     continue
-                path = Path(folder) / name
-                key = path.relative_to(self.root).as_posix()
-                if key.startswith(prefix):
-                    found.append(ObjectInfo(key, path.stat().st_size))
+                found.append(ObjectInfo(path.relative_to(self.root).as_posix(),
+                                        path.stat().st_size))
         return sorted(found, key=lambda info: info.key)
 
     def exists(self, key: str) -> bool:
@@ -337,6 +379,14 @@ class S3Storage(Storage):
         return _join_key(self.prefix, key)
 
     def read_bytes(self, key: str) -> bytes:
+        return self._get(key)
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        return self._get(key, f"bytes={offset}-{offset + length - 1}")
+
+    def _get(self, key: str, byte_range: str | None = None) -> bytes:
         from botocore.exceptions import (
             ConnectionError,
             IncompleteReadError,
@@ -344,10 +394,12 @@ class S3Storage(Storage):
             ResponseStreamingError,
         )
 
+        extra = {"Range": byte_range} if byte_range else {}
         # botocore retries a failed request, but not a body that breaks off mid-read.
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                response = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+                response = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                                   **extra)
                 return bytes(response["Body"].read())
             except (ConnectionError, IncompleteReadError, ReadTimeoutError,
                     ResponseStreamingError):
@@ -426,86 +478,87 @@ class S3Storage(Storage):
 class _StreamingUpload(Upload):
     """A write-only stream sent to S3 as a multipart upload while it is written.
 
-    Every `PART_SIZE` bytes become a part uploaded on the shared part pool, at most
+    Written bytes are copied once, into a `PART_SIZE` buffer; each full buffer is
+    handed to the shared part pool as it is (no further copies), at most
     `TRANSFER_CONCURRENCY` parts in flight per stream (writes wait beyond that, which
-    bounds memory); a stream shorter than one part is one PutObject. Parts are hashed
-    in order on a thread of the stream's own, off the writer's path.
+    bounds memory). The pool's thread also hashes its part's chunks (hashlib releases
+    the GIL, so this runs beside the writer). A stream shorter than one part is one
+    PutObject.
     """
 
     def __init__(self, client: Any, bucket: str, key: str, pool: ThreadPoolExecutor) -> None:
         super().__init__()
         self._client, self._bucket, self._key, self._pool = client, bucket, key, pool
-        self._buffer = bytearray()
+        self._buffer = bytearray(PART_SIZE)
+        self._filled = 0
         self._written = 0
         self._upload_id: str | None = None
-        self._parts: list[Future[str]] = []
+        self._parts: list[Future[tuple[str, list[str]]]] = []
         self._slots = threading.BoundedSemaphore(TRANSFER_CONCURRENCY)
-        self._digest = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="s3-part-hash")
-        self._hashed: Future[None] | None = None
+        self._digests: list[str] = []
 
     def tell(self) -> int:
         return self._written
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._buffer += view
+        done = 0
+        while done < len(view):
+            step = min(PART_SIZE - self._filled, len(view) - done)
+            self._buffer[self._filled:self._filled + step] = view[done:done + step]
+            self._filled += step
+            done += step
+            if self._filled == PART_SIZE:
+                self._send(self._buffer)
+                self._buffer, self._filled = bytearray(PART_SIZE), 0
         self._written += len(view)
-        while len(self._buffer) >= PART_SIZE:
-            self._send(bytes(memoryview(self._buffer)[:PART_SIZE]))
-            del self._buffer[:PART_SIZE]
         return len(view)
 
-    def _hash(self, part: bytes) -> Future[None]:
-        self._hashed = self._hasher.submit(self._digest.update, part)
-        return self._hashed
-
-    def _send(self, part: bytes) -> None:
+    def _send(self, part: bytearray) -> None:
         if self._upload_id is None:
             self._upload_id = self._client.create_multipart_upload(
                 Bucket=self._bucket, Key=self._key)["UploadId"]
         self._slots.acquire()
-        hashed = self._hash(part)
-        self._parts.append(
-            self._pool.submit(self._upload_part, len(self._parts) + 1, part, hashed))
+        self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, part))
 
-    def _upload_part(self, number: int, part: bytes, hashed: Future[None]) -> str:
+    def _upload_part(self, number: int, part: bytearray) -> tuple[str, list[str]]:
         try:
+            digests = chunk_digests(part)
             response = self._client.upload_part(Bucket=self._bucket, Key=self._key,
                                                 UploadId=self._upload_id, PartNumber=number,
                                                 Body=part)
-            hashed.result()  # the part's memory is freed only once both are done
-            return str(response["ETag"])
+            return str(response["ETag"]), digests
         finally:
             self._slots.release()
 
     def complete(self) -> None:
         """Send what is left and create the object."""
+        rest = self._buffer
+        del rest[self._filled:]  # shrinks in place: no copy
         if self._upload_id is None:
-            data = bytes(self._buffer)
-            self._hash(data)
-            self._client.put_object(Bucket=self._bucket, Key=self._key, Body=data)
-        else:
-            if self._buffer:
-                self._send(bytes(self._buffer))
-            etags = [part.result() for part in self._parts]
-            self._client.complete_multipart_upload(
-                Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-                MultipartUpload={"Parts": [{"ETag": etag, "PartNumber": number}
-                                           for number, etag in enumerate(etags, 1)]},
-            )
-        self._hasher.shutdown(wait=True)
+            self._digests = chunk_digests(rest)
+            self._client.put_object(Bucket=self._bucket, Key=self._key, Body=rest)
+            return
+        if self._filled:
+            self._send(rest)
+        etags = []
+        for part in self._parts:
+            etag, digests = part.result()
+            etags.append(etag)
+            self._digests += digests
+        self._client.complete_multipart_upload(
+            Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
+            MultipartUpload={"Parts": [{"ETag": etag, "PartNumber": number}
+                                       for number, etag in enumerate(etags, 1)]},
+        )
 
-    def sha256(self) -> str:
-        if self._hashed is not None:
-            self._hashed.result()
-        return self._digest.hexdigest()
+    def chunk_sha256(self) -> list[str]:
+        return list(self._digests)
 
     def abort(self) -> None:
         """Drop the parts sent so far; no object is created."""
         for part in self._parts:
             part.cancel()
-        self._hasher.shutdown(wait=False, cancel_futures=True)
         if self._upload_id is not None:
             for part in self._parts:
                 if not part.cancelled():
