@@ -54,6 +54,7 @@ from kubetrain.operator.reconcile import (
     reconcile,
     reject,
 )
+from kubetrain.operator.writer import ApiWriter
 
 USER_AGENT = "kubetrain-operator"
 # The API server refuses longer event messages.
@@ -112,18 +113,6 @@ def _keys(index: kopf.Index) -> list[Any]:
             continue
 
 
-def _send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Make an API call whose answer the operator does not need.
-
-    The client would decode the answer into its model classes, which costs more CPU
-    than the request itself; the raw answer is read and dropped instead. Errors still
-    raise ApiException.
-    """
-    response = call(*args, _preload_content=False, **kwargs)
-    response.drain_conn()
-    response.release_conn()
-
-
 def _held_generation(manifest: Mapping[str, Any]) -> int:
     """The job generation a child was built from (0 for the Service, which has none)."""
     annotations = manifest["metadata"].get("annotations") or {}
@@ -149,8 +138,7 @@ class TrainingJobController:
 
     def __init__(self, config: OperatorConfig, api: client.ApiClient) -> None:
         self.config = config
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
+        self.writer = ApiWriter(api)
         self.metrics = OperatorMetrics()
         self.memory: dict[str, JobMemory] = {}  # by job uid
         self.phases: dict[str, str] = {}  # by job uid, for the jobs-by-phase gauge
@@ -415,8 +403,7 @@ class TrainingJobController:
     def _apply_one(self, namespace: str, name: str, body: Mapping[str, Any], memory: JobMemory,
                    action: Action) -> None:
         if isinstance(action, WriteStatus):
-            _send(self.custom.patch_namespaced_custom_object_status,
-                  GROUP, VERSION, namespace, PLURAL, name, {"status": action.patch})
+            self.writer.patch_job_status(namespace, name, action.patch)
             memory.status = action.status
             phase = action.status.get("phase")
             if phase:
@@ -426,24 +413,21 @@ class TrainingJobController:
             self._create(namespace, memory, action.manifest)
         elif isinstance(action, UpdateConfigMap):
             meta = action.manifest["metadata"]
-            _send(self.core.patch_namespaced_config_map, meta["name"], namespace,
-                  {"metadata": {"annotations": meta["annotations"]},
-                   "data": action.manifest["data"]})
+            self.writer.patch_config_map(namespace, meta["name"], {
+                "metadata": {"annotations": meta["annotations"]}, "data": action.manifest["data"]})
             memory.children["ConfigMap"] = (_held_generation(action.manifest), time.monotonic())
         elif isinstance(action, DeletePod):
             try:
-                _send(self.core.delete_namespaced_pod, action.name, namespace,
-                      grace_period_seconds=action.grace_period_seconds)
+                self.writer.delete_pod(namespace, action.name, action.grace_period_seconds)
                 self.metrics.pods_deleted.inc()
             except ApiException as error:
                 if error.status != 404:
                     raise
             memory.deleted[action.name] = time.monotonic()
         elif isinstance(action, DeleteJob):
-            _send(self.custom.delete_namespaced_custom_object,
-                  GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background")
+            self.writer.delete_job(namespace, name)
         elif isinstance(action, RecordEvent):
-            _send(self.core.create_namespaced_event, namespace, self._event(body, action))
+            self.writer.create(namespace, self._event(body, action))
         elif isinstance(action, CountRestart):
             self.metrics.group_restarts.labels(action.reason).inc()
             if action.hang:
@@ -468,11 +452,8 @@ class TrainingJobController:
 
     def _create(self, namespace: str, memory: JobMemory, manifest: dict[str, Any]) -> None:
         kind = manifest["kind"]
-        create = getattr(self.core, {"Pod": "create_namespaced_pod",
-                                     "Service": "create_namespaced_service",
-                                     "ConfigMap": "create_namespaced_config_map"}[kind])
         try:
-            _send(create, namespace, manifest)
+            self.writer.create(namespace, manifest)
             if kind == "Pod":
                 self.metrics.pods_created.inc()
         except ApiException as error:
