@@ -1,8 +1,11 @@
 """Storage benchmark: kubetrain's checkpoint and data paths against raw boto3, one moto server.
 
-    python bench/storage.py [--checkpoint-mb 192] [--dataset-mb 128] [--train-steps 150]
+    python bench/storage.py [--checkpoint-mb 192] [--dataset-mb 128] [--rounds 7]
+                            [--train-steps 150]
 
-Prints four ratios, each measured in this run against a baseline on the same server:
+Prints four ratios, each measured in this run against a baseline on the same server
+(timed rounds interleave kubetrain and its baseline, so both see the same load on a
+shared machine, and each ratio compares medians over the rounds):
 - checkpoint save throughput / raw boto3 multipart upload of the same bytes  (goal >= 0.8)
 - time training is blocked by an async save / by a synchronous save          (goal <= 0.1)
 - dataset read throughput / raw boto3 GETs of the same shards                 (goal >= 0.8)
@@ -16,6 +19,7 @@ import hashlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,7 +68,8 @@ def _checkpoint_state(megabytes: int) -> dict[str, ModelState]:
     return {"model": ModelState(model, optimizer)}
 
 
-def bench_checkpoint(endpoint: str, bucket: str, megabytes: int) -> tuple[float, float]:
+def bench_checkpoint(endpoint: str, bucket: str, megabytes: int,
+                     rounds: int) -> tuple[float, float]:
     """(save throughput ratio to raw multipart upload, async-blocked / sync-save time)."""
     app = _checkpoint_state(megabytes)
     sync_job = _job(endpoint, f"s3://{bucket}/ckpt-sync", "unused", asynchronous=False)
@@ -85,7 +90,7 @@ def bench_checkpoint(endpoint: str, bucket: str, megabytes: int) -> tuple[float,
         total = sum(entry["bytes"] for entry in files.values())
         # Interleaved, so that all three see the same load on a shared machine.
         sync_times, blocked_times, raw_times = [], [], []
-        for step in range(2, 7):
+        for step in range(2, 2 + rounds):
             start = time.perf_counter()
             sync_saver.save(step, app)
             sync_times.append(time.perf_counter() - start)
@@ -100,11 +105,12 @@ def bench_checkpoint(endpoint: str, bucket: str, megabytes: int) -> tuple[float,
             raw_times.append(time.perf_counter() - start)
         sync_saver.close()
         async_saver.close()
-    sync, raw = min(sync_times), min(raw_times)
-    print(f"checkpoint: {total / 2**20:.0f} MiB; kubetrain sync save {sync:.2f}s "
-          f"({total / sync / 2**20:.0f} MiB/s), raw multipart upload {raw:.2f}s "
-          f"({total / raw / 2**20:.0f} MiB/s); async save blocked {min(blocked_times):.3f}s")
-    return raw / sync, min(blocked_times) / sync
+    sync, raw = statistics.median(sync_times), statistics.median(raw_times)
+    blocked = statistics.median(blocked_times)
+    print(f"checkpoint: {total / 2**20:.0f} MiB, medians of {rounds} rounds; kubetrain sync "
+          f"save {sync:.2f}s ({total / sync / 2**20:.0f} MiB/s), raw multipart upload "
+          f"{raw:.2f}s ({total / raw / 2**20:.0f} MiB/s); async save blocked {blocked:.3f}s")
+    return raw / sync, blocked / sync
 
 
 def _upload_shards(endpoint: str, bucket: str, name: str, megabytes: int, shard_kb: int) -> str:
@@ -128,28 +134,30 @@ def _upload_shards(endpoint: str, bucket: str, name: str, megabytes: int, shard_
     return store.uri
 
 
-def bench_data_read(endpoint: str, bucket: str, train_uri: str) -> float:
+def bench_data_read(endpoint: str, bucket: str, train_uri: str, rounds: int) -> float:
     """Dataset read throughput over one epoch / raw sequential GETs of the same shards."""
     spec = StorageSpec(endpoint=endpoint, region="us-east-1")
     index = DatasetIndex.load(open_storage(train_uri, spec))
     total = sum(shard.bytes for shard in index.shards)
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     prefix = train_uri.removeprefix(f"s3://{bucket}/")
-    start = time.perf_counter()
-    for shard in index.shards:
-        client.get_object(Bucket=bucket, Key=f"{prefix}/{shard.name}")["Body"].read()
-    raw = time.perf_counter() - start
+    raw_times, epoch_times = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for shard in index.shards:
+            client.get_object(Bucket=bucket, Key=f"{prefix}/{shard.name}")["Body"].read()
+        raw_times.append(time.perf_counter() - start)
 
-    dataset = TokenDataset(train_uri, seq_len=2048, micro_batch_size=8, storage=spec)
-    batches = dataset.samples_per_epoch // 8
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(dataset)
-    ours = time.perf_counter() - start
-    dataset.close()
-    print(f"dataset: {total / 2**20:.0f} MiB in {len(index.shards)} shards; kubetrain epoch "
-          f"{ours:.2f}s ({total / ours / 2**20:.0f} MiB/s), raw GETs {raw:.2f}s "
-          f"({total / raw / 2**20:.0f} MiB/s)")
+        dataset = TokenDataset(train_uri, seq_len=2048, micro_batch_size=8, storage=spec)
+        start = time.perf_counter()
+        for _ in range(dataset.samples_per_epoch // 8):
+            next(dataset)
+        epoch_times.append(time.perf_counter() - start)
+        dataset.close()
+    ours, raw = statistics.median(epoch_times), statistics.median(raw_times)
+    print(f"dataset: {total / 2**20:.0f} MiB in {len(index.shards)} shards, medians of {rounds} "
+          f"rounds; kubetrain epoch {ours:.2f}s ({total / ours / 2**20:.0f} MiB/s), raw GETs "
+          f"{raw:.2f}s ({total / raw / 2**20:.0f} MiB/s)")
     return raw / ours
 
 
@@ -210,6 +218,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint-mb", type=int, default=192)
     parser.add_argument("--dataset-mb", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="timed rounds of each comparison (medians are compared)")
     parser.add_argument("--train-steps", type=int, default=150,
                         help="a multiple of 10 (the metrics log interval)")
     args = parser.parse_args()
@@ -219,9 +229,10 @@ def main() -> None:
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        save_ratio, blocked_ratio = bench_checkpoint(endpoint, bucket, args.checkpoint_mb)
+        save_ratio, blocked_ratio = bench_checkpoint(endpoint, bucket, args.checkpoint_mb,
+                                                    args.rounds)
         train_uri = _upload_shards(endpoint, bucket, "large", args.dataset_mb, shard_kb=4096)
-        read_ratio = bench_data_read(endpoint, bucket, train_uri)
+        read_ratio = bench_data_read(endpoint, bucket, train_uri, args.rounds)
         # Small shards, so that the run crosses a shard boundary every 16 steps.
         small_uri = _upload_shards(endpoint, bucket, "small", 4, shard_kb=64)
         wait_fraction = bench_data_wait(endpoint, bucket, small_uri, args.train_steps)

@@ -169,6 +169,7 @@ def test_uncommitted_saves_are_ignored_and_rotation_keeps_the_newest(
 
     _train(app, 1)
     checkpointer.save(4, app)
+    checkpointer.wait()  # rotation runs after the commit, in the background
     folders = {obj.key.partition("/")[0] for obj in store.list()}
     assert folders == {step_folder(3), step_folder(4), step_folder(9)}
 

@@ -61,9 +61,10 @@ def test_large_files_upload_in_parts_and_download_intact(store: Storage, tmp_pat
     assert store.list("big/")[0].size == len(data)
 
 
-def test_a_range_read_returns_just_those_bytes(store: Storage) -> None:
+def test_range_and_hashed_reads_return_those_bytes(store: Storage) -> None:
     data = os.urandom(5000)
     store.write_bytes("blob", data)
+    assert store.read_hashed("blob") == (data, hashlib.sha256(data).hexdigest())
     assert store.read_range("blob", 1234, 100) == data[1234:1334]
     assert store.read_range("blob", 4990, 100) == data[4990:]  # shorter past the end
     assert store.read_range("blob", 0, 0) == b""

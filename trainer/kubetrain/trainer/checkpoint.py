@@ -21,7 +21,8 @@ Use (what the training loop does; every call is collective: all ranks, same orde
 is staged (copied to host memory by `dcp.async_save`); uploading and committing
 run in background threads over a separate gloo group, so training continues.
 The next `save`, `wait()` and `close()` wait for it and re-raise its error.
-Otherwise `save` returns after the commit.
+Otherwise `save` returns after the commit, and only the `keepLast` rotation
+(deleting older checkpoints) runs on in the background, waited for the same way.
 
 Layout under `spec.checkpoint.uri` (s3://bucket/prefix, file:///path or a path):
 
@@ -531,6 +532,8 @@ class Checkpointer:
         if blocking or not self.spec.checkpoint.async_:
             dcp.save(app_state, storage_writer=writer, process_group=self._group)
             self._commit(step, writer.files)
+            if self.rank == 0:  # deleting old checkpoints need not hold training up
+                self._in_flight = self._finisher.submit(self._rotate)
         else:
             written = dcp.async_save(app_state, storage_writer=writer, process_group=self._group)
             if isinstance(written, AsyncSaveResponse):  # only with an asynchronous stager
@@ -540,6 +543,8 @@ class Checkpointer:
     def _commit_after(self, written: Future[Any], step: int, writer: _StreamingWriter) -> None:
         written.result()
         self._commit(step, writer.files)
+        if self.rank == 0:
+            self._rotate()
 
     def _commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
         """Gather every rank's file sizes and hashes; rank 0 writes the manifest (the commit)."""
@@ -561,7 +566,6 @@ class Checkpointer:
         self.store.write_bytes(f"{folder}/{MANIFEST_NAME}",
                                json.dumps(manifest, indent=1).encode())
         self.latest = _info(self.store, folder, manifest)
-        self._rotate()
         if self.on_commit is not None:
             self.on_commit(self.latest)
 
@@ -587,7 +591,8 @@ class Checkpointer:
         self.store.delete([key for key in doomed if key not in set(manifests)])
 
     def wait(self) -> None:
-        """Block until a background save has committed; re-raise its error."""
+        """Block until a background save has committed (and a rotation ended); re-raise its
+        error."""
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             in_flight.result()

@@ -39,12 +39,12 @@ DataLoader worker processes are needed: building a batch is an index copy.
 from __future__ import annotations
 
 import bisect
-import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from kubetrain.trainer.prepare import INDEX_NAME, DatasetIndex, ShardInfo
 from kubetrain.trainer.storage import Storage, open_storage
@@ -96,12 +96,11 @@ class TokenDataset:
                 "more data or a smaller seqLen / microBatchSize"
             )
         self.position = 0
-        self._window = np.arange(seq_len + 1)
         self._epoch_cache: tuple[int, list[int], list[int]] | None = None
         self._sample_orders: dict[tuple[int, int], np.ndarray] = {}
         self._downloads = ThreadPoolExecutor(max_workers=prefetch_shards,
                                              thread_name_prefix="shard-prefetch")
-        self._shards: dict[int, Future[np.ndarray]] = {}
+        self._shards: dict[int, Future[np.ndarray]] = {}  # shard -> its samples, as rows
         self._current_shard = -1
 
     # --- position ----------------------------------------------------------------------
@@ -146,8 +145,7 @@ class TokenDataset:
             epoch, shard, local, left = self._locate(first + row)
             count = min(self.micro_batch_size - row, left)
             samples = self._sample_order(epoch, shard)[local:local + count]
-            tokens = self._shard(shard, first + row)
-            rows[row:row + count] = tokens[samples[:, None] * self.seq_len + self._window]
+            rows[row:row + count] = self._shard(shard, first + row)[samples]
             row += count
         self.position += self.world_size * self.micro_batch_size
         batch = torch.from_numpy(rows)
@@ -211,6 +209,7 @@ class TokenDataset:
         return upcoming
 
     def _shard(self, shard: int, position: int) -> np.ndarray:
+        """The samples of `shard` as rows of `seq_len + 1` tokens, downloaded ahead."""
         if shard != self._current_shard:
             # Entering a shard: hold it and the next ones, drop the ones behind.
             self._current_shard = shard
@@ -225,14 +224,17 @@ class TokenDataset:
         return self._shards[shard].result()
 
     def _download(self, shard: ShardInfo) -> np.ndarray:
-        data = self._store.read_bytes(shard.name)
-        if len(data) != shard.bytes or hashlib.sha256(data).hexdigest() != shard.sha256:
+        data, sha256 = self._store.read_hashed(shard.name)
+        if len(data) != shard.bytes or sha256 != shard.sha256:
             raise CorruptShard(
                 f"{self._store.uri}/{shard.name} does not match {INDEX_NAME} "
                 f"({len(data)} bytes, expected {shard.bytes} with sha256 {shard.sha256}): "
                 "the shard was truncated or modified; run `kubetrain prepare` again"
             )
-        return np.frombuffer(data, dtype=self.index.dtype)
+        tokens = np.frombuffer(data, dtype=self.index.dtype)
+        # Sample i is tokens[i * seq_len : (i + 1) * seq_len + 1]: a strided view, no copy,
+        # so a batch is one row gather.
+        return sliding_window_view(tokens, self.seq_len + 1)[::self.seq_len]
 
     def close(self) -> None:
         """Stop the prefetch thread and drop held shards."""

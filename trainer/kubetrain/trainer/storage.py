@@ -14,7 +14,9 @@ standard AWS environment variables / default chain (a Secret mounted as env,
 IRSA / workload identity, the node role) and are never logged, raised or passed
 around by this module. Requests retry with backoff on throttling, 5xx and
 connection resets (botocore's "adaptive" mode); reads also retry a body cut off
-mid-stream, which botocore does not. Large files go through boto3's transfer
+mid-stream, which botocore does not. Uploads send CRC32 checksums that S3 checks;
+whole-object reads check S3's checksum, except `read_hashed`, whose caller checks
+the sha256 it returns instead. Large files go through boto3's transfer
 manager (multipart, several parts in flight); `open_upload` streams data of
 unknown length the same way while it is being produced (checkpoints), and
 `read_range` fetches part of an object (a ranged GET) so that a reader takes only
@@ -43,12 +45,12 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 if TYPE_CHECKING:
     from kubetrain.api.trainingjob import StorageSpec
@@ -88,6 +90,11 @@ class Storage(ABC):
     @abstractmethod
     def read_bytes(self, key: str) -> bytes:
         """The whole object; `FileNotFoundError` when it does not exist."""
+
+    @abstractmethod
+    def read_hashed(self, key: str) -> tuple[bytes, str]:
+        """The whole object and its hex sha256, hashed piece by piece as it streams in
+        (so hashing overlaps the transfer); `FileNotFoundError` when it does not exist."""
 
     @abstractmethod
     def read_range(self, key: str, offset: int, length: int) -> bytes:
@@ -154,6 +161,22 @@ def open_object(uri: str, spec: StorageSpec | None = None) -> tuple[Storage, str
 
 def _join_key(*parts: str) -> str:
     return "/".join(part.strip("/") for part in parts if part.strip("/"))
+
+
+_Read = TypeVar("_Read")
+
+
+def _read_all(stream: BinaryIO) -> bytes:
+    return bytes(stream.read())
+
+
+def _read_hashing(stream: BinaryIO) -> tuple[bytes, str]:
+    digest = hashlib.sha256()
+    pieces = []
+    while piece := stream.read(HASH_CHUNK):
+        digest.update(piece)  # releases the GIL: the next piece streams in meanwhile
+        pieces.append(piece)
+    return b"".join(pieces), digest.hexdigest()
 
 
 # --- local ---------------------------------------------------------------------------
@@ -232,6 +255,10 @@ class LocalStorage(Storage):
 
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def read_hashed(self, key: str) -> tuple[bytes, str]:
+        with open(self._path(key), "rb") as handle:
+            return _read_hashing(handle)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         with open(self._path(key), "rb") as handle:
@@ -330,6 +357,9 @@ class _S3Connection:
                 max_pool_connections=TRANSFER_CONCURRENCY * 4,
                 connect_timeout=10,
                 read_timeout=60,
+                # Whole-object reads ask for S3's checksum themselves (`read_bytes`); reads
+                # that the caller verifies by sha256 skip it.
+                response_checksum_validation="when_required",
             )
             # Credentials: never passed here; boto3 resolves env vars / web identity / role.
             client = boto3.session.Session().client(
@@ -379,14 +409,20 @@ class S3Storage(Storage):
         return _join_key(self.prefix, key)
 
     def read_bytes(self, key: str) -> bytes:
-        return self._get(key)
+        return self._get(key, _read_all, ChecksumMode="ENABLED")
+
+    def read_hashed(self, key: str) -> tuple[bytes, str]:
+        # The caller checks the sha256: S3's CRC would only spend CPU on the same bytes.
+        return self._get(key, _read_hashing)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
+        # S3 has no checksum of an arbitrary range; readers verify the chunks they read.
         if length <= 0:
             return b""
-        return self._get(key, f"bytes={offset}-{offset + length - 1}")
+        return self._get(key, _read_all, Range=f"bytes={offset}-{offset + length - 1}")
 
-    def _get(self, key: str, byte_range: str | None = None) -> bytes:
+    def _get(self, key: str, consume: Callable[[BinaryIO], _Read], **options: str) -> _Read:
+        """`consume` applied to the body of a GET, retried whole if the body breaks off."""
         from botocore.exceptions import (
             ConnectionError,
             IncompleteReadError,
@@ -394,13 +430,12 @@ class S3Storage(Storage):
             ResponseStreamingError,
         )
 
-        extra = {"Range": byte_range} if byte_range else {}
         # botocore retries a failed request, but not a body that breaks off mid-read.
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
                 response = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
-                                                   **extra)
-                return bytes(response["Body"].read())
+                                                   **options)
+                return consume(response["Body"])
             except (ConnectionError, IncompleteReadError, ReadTimeoutError,
                     ResponseStreamingError):
                 if attempt == MAX_ATTEMPTS:
@@ -493,7 +528,7 @@ class _StreamingUpload(Upload):
         self._filled = 0
         self._written = 0
         self._upload_id: str | None = None
-        self._parts: list[Future[tuple[str, list[str]]]] = []
+        self._parts: list[Future[tuple[dict[str, Any], list[str]]]] = []
         self._slots = threading.BoundedSemaphore(TRANSFER_CONCURRENCY)
         self._digests: list[str] = []
 
@@ -516,18 +551,21 @@ class _StreamingUpload(Upload):
 
     def _send(self, part: bytearray) -> None:
         if self._upload_id is None:
+            # CRC32 part checksums, as boto3's transfer manager sends: S3 checks each part
+            # and the whole upload at completion (without, some stores checksum it all).
             self._upload_id = self._client.create_multipart_upload(
-                Bucket=self._bucket, Key=self._key)["UploadId"]
+                Bucket=self._bucket, Key=self._key, ChecksumAlgorithm="CRC32")["UploadId"]
         self._slots.acquire()
         self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, part))
 
-    def _upload_part(self, number: int, part: bytearray) -> tuple[str, list[str]]:
+    def _upload_part(self, number: int, part: bytearray) -> tuple[dict[str, Any], list[str]]:
         try:
             digests = chunk_digests(part)
             response = self._client.upload_part(Bucket=self._bucket, Key=self._key,
                                                 UploadId=self._upload_id, PartNumber=number,
-                                                Body=part)
-            return str(response["ETag"]), digests
+                                                Body=part, ChecksumAlgorithm="CRC32")
+            return {"PartNumber": number, "ETag": response["ETag"],
+                    "ChecksumCRC32": response["ChecksumCRC32"]}, digests
         finally:
             self._slots.release()
 
@@ -541,15 +579,14 @@ class _StreamingUpload(Upload):
             return
         if self._filled:
             self._send(rest)
-        etags = []
+        parts = []
         for part in self._parts:
-            etag, digests = part.result()
-            etags.append(etag)
+            sent, digests = part.result()
+            parts.append(sent)
             self._digests += digests
         self._client.complete_multipart_upload(
             Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-            MultipartUpload={"Parts": [{"ETag": etag, "PartNumber": number}
-                                       for number, etag in enumerate(etags, 1)]},
+            MultipartUpload={"Parts": parts},
         )
 
     def chunk_sha256(self) -> list[str]:
