@@ -218,7 +218,12 @@ def _read_manifest(store: Storage, folder: str) -> dict[str, Any] | None:
         manifest: dict[str, Any] = json.loads(store.read_bytes(key))
     except FileNotFoundError:
         return None
-    return manifest if manifest.get("format") == MANIFEST_FORMAT else None
+    if manifest.get("format") != MANIFEST_FORMAT:
+        # e.g. v1 (one sha256 per file): it cannot be verified range by range.
+        log.warning("ignoring the checkpoint %s/%s: its format is %r, this version reads %r",
+                    store.uri, key, manifest.get("format"), MANIFEST_FORMAT)
+        return None
+    return manifest
 
 
 def _info(store: Storage, folder: str, manifest: dict[str, Any]) -> CheckpointInfo:
