@@ -237,8 +237,10 @@ class TokenDataset:
         return sliding_window_view(tokens, self.seq_len + 1)[::self.seq_len]
 
     def close(self) -> None:
-        """Stop the prefetch thread and drop held shards."""
-        self._downloads.shutdown(wait=False, cancel_futures=True)
+        """Stop the prefetch threads (after the downloads in flight) and drop held shards."""
+        # Waiting keeps a download from outliving the dataset and its storage (at most
+        # `prefetch_shards` of them, already under way).
+        self._downloads.shutdown(wait=True, cancel_futures=True)
         self._shards.clear()
         self._current_shard = -1
 

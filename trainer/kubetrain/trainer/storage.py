@@ -16,7 +16,9 @@ around by this module. Requests retry with backoff on throttling, 5xx and
 connection resets (botocore's "adaptive" mode); reads also retry a body cut off
 mid-stream, which botocore does not. Uploads send CRC32 checksums that S3 checks;
 whole-object reads check S3's checksum, except `read_hashed`, whose caller checks
-the sha256 it returns instead. Large files go through boto3's transfer
+the sha256 it returns instead: it reads the body straight from the socket into one
+buffer of the object's size, hashing each piece as it lands (no copies, no joins; the
+data path of the training dataset). Large files go through boto3's transfer
 manager (multipart, several parts in flight); `open_upload` streams data of
 unknown length the same way while it is being produced (checkpoints), and
 `read_range` fetches part of an object (a ranged GET) so that a reader takes only
@@ -92,7 +94,7 @@ class Storage(ABC):
         """The whole object; `FileNotFoundError` when it does not exist."""
 
     @abstractmethod
-    def read_hashed(self, key: str) -> tuple[bytes, str]:
+    def read_hashed(self, key: str) -> tuple[bytearray, str]:
         """The whole object and its hex sha256, hashed piece by piece as it streams in
         (so hashing overlaps the transfer); `FileNotFoundError` when it does not exist."""
 
@@ -166,17 +168,30 @@ def _join_key(*parts: str) -> str:
 _Read = TypeVar("_Read")
 
 
-def _read_all(stream: BinaryIO) -> bytes:
-    return bytes(stream.read())
+def _read_all(response: dict[str, Any]) -> bytes:
+    return bytes(response["Body"].read())
 
 
-def _read_hashing(stream: BinaryIO) -> tuple[bytes, str]:
+def _read_hashing(stream: Any, size: int) -> tuple[bytearray, str]:
+    """Up to `size` bytes of a `readinto` stream, read into one buffer, and their sha256.
+
+    Each piece is hashed where it landed: no copies and no joins. hashlib releases the
+    GIL on large buffers, so the socket keeps filling and other threads run meanwhile.
+    Fewer bytes come back only when the stream ends early.
+    """
+    buffer = bytearray(size)
+    view = memoryview(buffer)
     digest = hashlib.sha256()
-    pieces = []
-    while piece := stream.read(HASH_CHUNK):
-        digest.update(piece)  # releases the GIL: the next piece streams in meanwhile
-        pieces.append(piece)
-    return b"".join(pieces), digest.hexdigest()
+    filled = 0
+    while filled < size:
+        count = stream.readinto(view[filled:filled + HASH_CHUNK])
+        if not count:
+            del view
+            del buffer[filled:]  # shrinks in place: no copy
+            break
+        digest.update(view[filled:filled + count])
+        filled += count
+    return buffer, digest.hexdigest()
 
 
 # --- local ---------------------------------------------------------------------------
@@ -256,9 +271,9 @@ class LocalStorage(Storage):
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
-    def read_hashed(self, key: str) -> tuple[bytes, str]:
-        with open(self._path(key), "rb") as handle:
-            return _read_hashing(handle)
+    def read_hashed(self, key: str) -> tuple[bytearray, str]:
+        with open(self._path(key), "rb", buffering=0) as handle:
+            return _read_hashing(handle, os.fstat(handle.fileno()).st_size)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         with open(self._path(key), "rb") as handle:
@@ -380,6 +395,28 @@ class _S3Connection:
 _CONNECTIONS: dict[tuple[str | None, str | None], _S3Connection] = {}
 
 
+def _read_body_hashing(response: dict[str, Any]) -> tuple[bytearray, str]:
+    """`_read_hashing` of a GET's body, from the socket straight into the buffer.
+
+    botocore's `StreamingBody.readinto` goes through urllib3's, which reads into a
+    temporary and copies; the http.client response below both reads into the buffer
+    itself. botocore asks urllib3 not to decode content, so the bytes are the same.
+    """
+    from botocore.exceptions import IncompleteReadError
+
+    size = int(response["ContentLength"])
+    pooled = response["Body"]._raw_stream  # urllib3's response: owns the pooled connection
+    try:
+        data, sha256 = _read_hashing(pooled._fp, size)
+    finally:
+        if not pooled._fp.isclosed():  # broken off or failed: the connection is not reusable
+            pooled.close()
+        pooled.release_conn()
+    if len(data) < size:
+        raise IncompleteReadError(actual_bytes=len(data), expected_bytes=size)
+    return data, sha256
+
+
 def _is_missing(error: Exception) -> bool:
     from botocore.exceptions import ClientError
 
@@ -411,9 +448,9 @@ class S3Storage(Storage):
     def read_bytes(self, key: str) -> bytes:
         return self._get(key, _read_all, ChecksumMode="ENABLED")
 
-    def read_hashed(self, key: str) -> tuple[bytes, str]:
+    def read_hashed(self, key: str) -> tuple[bytearray, str]:
         # The caller checks the sha256: S3's CRC would only spend CPU on the same bytes.
-        return self._get(key, _read_hashing)
+        return self._get(key, _read_body_hashing)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         # S3 has no checksum of an arbitrary range; readers verify the chunks they read.
@@ -421,8 +458,11 @@ class S3Storage(Storage):
             return b""
         return self._get(key, _read_all, Range=f"bytes={offset}-{offset + length - 1}")
 
-    def _get(self, key: str, consume: Callable[[BinaryIO], _Read], **options: str) -> _Read:
-        """`consume` applied to the body of a GET, retried whole if the body breaks off."""
+    def _get(self, key: str, consume: Callable[[dict[str, Any]], _Read],
+             **options: str) -> _Read:
+        """`consume` applied to a GET's response, retried whole if the body breaks off."""
+        from http.client import HTTPException
+
         from botocore.exceptions import (
             ConnectionError,
             IncompleteReadError,
@@ -435,9 +475,10 @@ class S3Storage(Storage):
             try:
                 response = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
                                                    **options)
-                return consume(response["Body"])
+                return consume(response)
+            # OSError and HTTPException: from a body read below botocore (`read_hashed`).
             except (ConnectionError, IncompleteReadError, ReadTimeoutError,
-                    ResponseStreamingError):
+                    ResponseStreamingError, OSError, HTTPException):
                 if attempt == MAX_ATTEMPTS:
                     raise
                 time.sleep(min(0.05 * 2**attempt, 5.0))
