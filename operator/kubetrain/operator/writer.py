@@ -71,11 +71,11 @@ class ApiWriter:
               content_type: str = _JSON, query: list[tuple[str, Any]] | None = None) -> None:
         # param_serialize adds the host, the query, the default headers (User-Agent) and
         # the credentials, exactly as the generated methods have it do.
-        method, url, headers, body, _ = self.api.param_serialize(
+        method, url, headers, payload, _ = self.api.param_serialize(
             method, path, query_params=query or None,
             header_params={"Content-Type": content_type, "Accept": _JSON},
             body=body, auth_settings=["BearerToken"])
-        response = self.api.call_api(method, url, header_params=headers, body=body)
+        response = self.api.call_api(method, url, header_params=headers, body=payload)
         if not 200 <= response.status <= 299:
             response.read()
             raise ApiException.from_response(http_resp=response, body=None, data=None)

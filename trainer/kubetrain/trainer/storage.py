@@ -396,22 +396,15 @@ _CONNECTIONS: dict[tuple[str | None, str | None], _S3Connection] = {}
 
 
 def _read_body_hashing(response: dict[str, Any]) -> tuple[bytearray, str]:
-    """`_read_hashing` of a GET's body, from the socket straight into the buffer.
+    """`_read_hashing` of a GET's body through botocore's public `readinto`.
 
-    botocore's `StreamingBody.readinto` goes through urllib3's, which reads into a
-    temporary and copies; the http.client response below both reads into the buffer
-    itself. botocore asks urllib3 not to decode content, so the bytes are the same.
+    A body that ends early raises botocore's IncompleteReadError, which the caller's
+    retry loop treats like any broken transfer.
     """
     from botocore.exceptions import IncompleteReadError
 
     size = int(response["ContentLength"])
-    pooled = response["Body"]._raw_stream  # urllib3's response: owns the pooled connection
-    try:
-        data, sha256 = _read_hashing(pooled._fp, size)
-    finally:
-        if not pooled._fp.isclosed():  # broken off or failed: the connection is not reusable
-            pooled.close()
-        pooled.release_conn()
+    data, sha256 = _read_hashing(response["Body"], size)
     if len(data) < size:
         raise IncompleteReadError(actual_bytes=len(data), expected_bytes=size)
     return data, sha256
