@@ -179,3 +179,16 @@ class FaultyProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
         return Handler
+
+
+@pytest.fixture
+def process_group() -> Iterator[None]:
+    """A one-process gloo group, as the trainer has when it runs outside torchrun."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()

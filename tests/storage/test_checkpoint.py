@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
@@ -25,16 +23,8 @@ from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.prepare import PreparedDataset
 from kubetrain.trainer.storage import open_storage
 
-
-@pytest.fixture(autouse=True)
-def process_group() -> Iterator[None]:
-    """A one-process gloo group, as the trainer runs outside torchrun."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
+# Checkpoints are collectives: these tests run in a one-process group.
+pytestmark = pytest.mark.usefixtures("process_group")
 
 
 def _spec(uri: str, storage: StorageSpec | None, train_uri: str,

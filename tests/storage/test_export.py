@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 
 from kubetrain.api.manifest import parse_job
@@ -15,15 +13,8 @@ from kubetrain.trainer.export import export_model
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import PreparedDataset
 
-
-@pytest.fixture(autouse=True)
-def process_group() -> Iterator[None]:
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
+# Checkpoints are collectives: these tests run in a one-process group.
+pytestmark = pytest.mark.usefixtures("process_group")
 
 
 @pytest.mark.parametrize("tied", [True, False])
