@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import statistics
-import sysconfig
 import tempfile
 from pathlib import Path
 
 import torch
 
 from kubetrain.api.manifest import parse_job
+from kubetrain.local.workspace import copy_stdlib_sources
 from kubetrain.trainer import Trainer
 from kubetrain.trainer.prepare import prepare
 
@@ -35,13 +35,7 @@ WARM_UP_INTERVALS = 2  # torch.compile and the allocator settle during the first
 
 def corpus(folder: Path) -> str:
     """About 2 MB of the standard library's sources, tokenized with a 2048-token BPE."""
-    texts = folder / "text"
-    texts.mkdir()
-    total = 0
-    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if total < 2_000_000:
-            (texts / f"{total}-{source.name}").write_bytes(source.read_bytes())
-            total += source.stat().st_size
+    texts = copy_stdlib_sources(folder / "text", max_bytes=2_000_000)
     return prepare([str(texts)], str(folder / "data"), vocab_size=2048,
                    validation_fraction=0.0, progress=False).train_uri
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.local.workspace import copy_stdlib_sources
 from kubetrain.trainer import Trainer
 from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.model import Transformer
@@ -36,13 +36,7 @@ LOG_EVERY = 10
 
 def corpus(folder: Path) -> str:
     """About 300 KB of the standard library's sources, prepared with a 2048-token BPE."""
-    texts = folder / "text"
-    texts.mkdir()
-    total = 0
-    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        if total < 300_000:
-            (texts / source.name).write_bytes(source.read_bytes())
-            total += source.stat().st_size
+    texts = copy_stdlib_sources(folder / "text", max_bytes=300_000)
     prepared = prepare([str(texts)], str(folder / "data"), vocab_size=2048,
                        shard_tokens=64 * 1024, validation_fraction=0.0, progress=False)
     return prepared.train_uri

@@ -70,17 +70,10 @@ def prepared_corpus(tmp_path_factory: pytest.TempPathFactory) -> object:
     spec.data.train (validation is found beside it), `.validation_uri`,
     `.tokenizer_uri`, and `.train.vocab_size` / `.train.total_tokens`.
     """
-    import sysconfig
-
+    from kubetrain.local.workspace import copy_stdlib_sources
     from kubetrain.trainer.prepare import prepare
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    corpus = tmp_path_factory.mktemp("corpus-text")
-    total = 0
-    for source in sorted(stdlib.glob("*.py")):
-        size = source.stat().st_size
-        if size <= 20_000 and total + size <= 300_000:
-            (corpus / source.name).write_bytes(source.read_bytes())
-            total += size
+    corpus = copy_stdlib_sources(tmp_path_factory.mktemp("corpus-text"),
+                                 max_bytes=300_000, max_file_bytes=20_000)
     return prepare([str(corpus)], str(tmp_path_factory.mktemp("corpus")), vocab_size=2048,
                    shard_tokens=16 * 1024, validation_fraction=0.1, progress=False)

@@ -106,11 +106,28 @@ def corpus_inputs(source: str, workspace: Workspace) -> list[str]:
     # The top level of the standard library: a few MB of real Python, without the
     # site-packages and test data that share its folder. Copied into one folder of
     # the run, so the user can see what the model trains on.
-    corpus = workspace.root / "corpus"
-    corpus.mkdir(parents=True, exist_ok=True)
+    return [str(copy_stdlib_sources(workspace.root / "corpus"))]
+
+
+def copy_stdlib_sources(folder: Path, *, max_bytes: int | None = None,
+                        max_file_bytes: int | None = None) -> Path:
+    """Copy the standard library's top-level `.py` files into `folder`, in name order.
+
+    A real text corpus every machine has. With `max_bytes`, files are taken while they
+    fit in that total; with `max_file_bytes`, larger files are passed over. Returns
+    `folder`. The demo, the tests and the benchmarks all train on this corpus.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    total = 0
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        shutil.copyfile(path, corpus / path.name)
-    return [str(corpus)]
+        size = path.stat().st_size
+        if max_file_bytes is not None and size > max_file_bytes:
+            continue
+        if max_bytes is not None and total + size > max_bytes:
+            continue
+        shutil.copyfile(path, folder / path.name)
+        total += size
+    return folder
 
 
 def ensure_data(job: TrainingJob, workspace: Workspace) -> str | None:
