@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan) -> str:
     dims = spec.model.resolve()
-    name = spec.model.preset or "custom model"
+    name = "custom model" if spec.model.preset == "custom" else spec.model.preset
     return (f"{name}: {parameter_count(dims) / 1e9:.2f}B parameters, {world_size} processes, "
             f"{spec.parallelism.strategy}, {spec.parallelism.precision}, activation "
             f"checkpointing {plan.activation_checkpointing}\n"
