@@ -15,7 +15,6 @@ shared machine, and each ratio compares medians over the rounds):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import socket
@@ -127,8 +126,7 @@ def _upload_shards(endpoint: str, bucket: str, name: str, megabytes: int, shard_
         data = rng.integers(0, vocab, tokens_per_shard, dtype=dtype).tobytes()
         name = f"shard-{number:05d}.bin"
         store.write_bytes(name, data)
-        shards.append(ShardInfo(name, tokens_per_shard, len(data),
-                                hashlib.sha256(data).hexdigest()))
+        shards.append(ShardInfo.of(name, tokens_per_shard, data))
     index = DatasetIndex(dtype=dtype, vocab_size=vocab, eos_token_id=0, tokenizer_sha256="",
                          shard_tokens=tokens_per_shard, shards=tuple(shards))
     store.write_bytes("index.json", index.to_json())

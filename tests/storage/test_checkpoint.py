@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
 from kubetrain.trainer.checkpoint import (
     MANIFEST_NAME,
     Checkpointer,
+    CorruptCheckpoint,
     IncompatibleCheckpoint,
     ModelState,
     RandomState,
@@ -21,7 +24,7 @@ from kubetrain.trainer.checkpoint import (
 )
 from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.prepare import PreparedDataset
-from kubetrain.trainer.storage import open_storage
+from kubetrain.trainer.storage import HASH_CHUNK, open_storage
 
 # Checkpoints are collectives: these tests run in a one-process group.
 pytestmark = pytest.mark.usefixtures("process_group")
@@ -194,6 +197,40 @@ def test_a_damaged_file_is_refused_and_the_previous_checkpoint_resumed(
     _assert_same(_snapshot(fresh), at_one)
     assert "truncated or modified" in caplog.text and "__0_0.distcp" in caplog.text
     checkpointer.close()
+
+
+def test_a_checkpoint_from_before_blake3_loads_and_is_still_verified(
+        tmp_path: Any, prepared_corpus: PreparedDataset,
+        caplog: pytest.LogCaptureFixture) -> None:
+    spec = _spec(str(tmp_path / "ckpt"), None, prepared_corpus.train_uri)
+    app = _app(spec, seed=1)
+    checkpointer = Checkpointer(spec, rank=0, world_size=1)
+    _train(app, 2)
+    checkpointer.save(2, app)
+    checkpointer.close()
+    saved = _snapshot(app)
+    # Rewrite the manifest as v2 wrote it: sha256 chunk digests under their old key.
+    folder = tmp_path / "ckpt" / step_folder(2)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest["format"] = "kubetrain-checkpoint-v2"
+    del manifest["digest"]
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        del entry["chunks"]
+        entry["chunk_sha256"] = [hashlib.sha256(data[at:at + HASH_CHUNK]).hexdigest()
+                                 for at in range(0, len(data), HASH_CHUNK)]
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+    fresh = _app(spec, seed=9)
+    assert Checkpointer(spec, rank=0, world_size=1).load_latest(fresh) == 2
+    _assert_same(_snapshot(fresh), saved)
+
+    shard = folder / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:50] + bytes([data[50] ^ 1]) + data[51:])
+    with pytest.raises(CorruptCheckpoint, match="no intact committed checkpoint"):
+        Checkpointer(spec, rank=0, world_size=1).load_latest(_app(spec, seed=9))
+    assert "truncated or modified" in caplog.text
 
 
 def test_a_checkpoint_of_another_model_is_refused_with_the_differences(

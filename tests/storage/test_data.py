@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import torch
 
 from kubetrain.api.trainingjob import StorageSpec
 from kubetrain.trainer.data import CorruptShard, TokenDataset
-from kubetrain.trainer.prepare import PreparedDataset
+from kubetrain.trainer.prepare import INDEX_NAME, PreparedDataset
 from kubetrain.trainer.storage import open_storage
 
 SEQ, BATCH = 32, 2
@@ -112,6 +114,34 @@ def test_a_tampered_shard_is_refused(prepared_corpus: PreparedDataset, tmp_path:
     data = bytearray(shard.read_bytes())
     data[10] ^= 0xFF
     shard.write_bytes(bytes(data))
+    dataset = TokenDataset(str(copy), seq_len=SEQ, micro_batch_size=BATCH, shuffle=False)
+    with pytest.raises(CorruptShard, match="truncated or modified"):
+        for _ in itertools.count():
+            next(dataset)
+
+
+def test_an_index_from_before_blake3_is_read_and_still_verified(
+        prepared_corpus: PreparedDataset, tmp_path: Path) -> None:
+    # A v1 index: each shard's bare sha256, as kubetrain wrote before digests were labelled.
+    copy = tmp_path / "train"
+    source = Path(prepared_corpus.train_uri.removeprefix("file://"))
+    copy.mkdir()
+    for path in source.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    index = json.loads((copy / INDEX_NAME).read_text())
+    index["format"] = "kubetrain-tokens-v1"
+    for shard in index["shards"]:
+        del shard["digest"]
+        shard["sha256"] = hashlib.sha256((copy / shard["name"]).read_bytes()).hexdigest()
+    (copy / INDEX_NAME).write_text(json.dumps(index))
+
+    old, new = (TokenDataset(uri, seq_len=SEQ, micro_batch_size=BATCH, seed=7)
+                for uri in (str(copy), prepared_corpus.train_uri))
+    for _ in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(next(old), next(new), strict=True))
+
+    shard = copy / index["shards"][0]["name"]
+    shard.write_bytes(shard.read_bytes()[:-2])
     dataset = TokenDataset(str(copy), seq_len=SEQ, micro_batch_size=BATCH, shuffle=False)
     with pytest.raises(CorruptShard, match="truncated or modified"):
         for _ in itertools.count():

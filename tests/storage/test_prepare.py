@@ -7,6 +7,7 @@ import json
 import sysconfig
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,7 +58,8 @@ def test_jsonl_parquet_and_text_from_s3_become_shards_that_decode_back(
     assert index.tokenizer_sha256 == hashlib.sha256(tokenizer_bytes).hexdigest()
     for shard in index.shards:
         data = out.read_bytes(f"train/{shard.name}")
-        assert (len(data), hashlib.sha256(data).hexdigest()) == (shard.bytes, shard.sha256)
+        assert (len(data), f"blake3:{blake3.blake3(data).hexdigest()}") == (shard.bytes,
+                                                                            shard.digest)
         assert shard.bytes == 2 * shard.tokens
 
     # Every 4th document (0, 4, 8...) is held out; decoding the shards gives the documents.

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 from kubetrain.api.trainingjob import StorageSpec
@@ -61,10 +61,10 @@ def test_large_files_upload_in_parts_and_download_intact(store: Storage, tmp_pat
     assert store.list("big/")[0].size == len(data)
 
 
-def test_range_and_hashed_reads_return_those_bytes(store: Storage) -> None:
+def test_range_and_unchecked_reads_return_those_bytes(store: Storage) -> None:
     data = os.urandom(5000)
     store.write_bytes("blob", data)
-    assert store.read_hashed("blob") == (data, hashlib.sha256(data).hexdigest())
+    assert store.read_unchecked("blob") == data
     assert store.read_range("blob", 1234, 100) == data[1234:1334]
     assert store.read_range("blob", 4990, 100) == data[4990:]  # shorter past the end
     assert store.read_range("blob", 0, 0) == b""
@@ -131,8 +131,8 @@ def test_a_streamed_upload_appears_whole_on_success_and_not_at_all_on_error(
             stream.write(data[start:start + 1_000_003])
         assert stream.tell() == len(data)
     assert store.read_bytes("streamed") == data
-    assert stream.chunk_sha256() == [hashlib.sha256(data[at:at + HASH_CHUNK]).hexdigest()
-                                     for at in range(0, len(data), HASH_CHUNK)]
+    assert stream.chunk_digests() == [blake3.blake3(data[at:at + HASH_CHUNK]).hexdigest()
+                                      for at in range(0, len(data), HASH_CHUNK)]
 
     with pytest.raises(RuntimeError, match="writer failed"), \
             store.open_upload("never") as stream:

@@ -28,9 +28,9 @@ Layout under `spec.checkpoint.uri` (s3://bucket/prefix, file:///path or a path):
 
     step-00000500/__0_0.distcp ...   one DCP file per rank, plus DCP's .metadata
     step-00000500/checkpoint.json    the manifest: step, time, world size, every
-                                     file's size and the sha256 of each of its 1 MiB
-                                     chunks, the model dimensions and the job spec
-                                     that produced it
+                                     file's size and the digest (BLAKE3) of each of
+                                     its 1 MiB chunks, the model dimensions and the
+                                     job spec that produced it
 
 A checkpoint is *committed* when its manifest exists: rank 0 writes it last,
 after every rank has uploaded its file and reported its size and hashes.
@@ -48,7 +48,7 @@ a bounded window held in memory), so with FSDP at an unchanged world size a rank
 reads its own file plus the head chunk of other ranks' files (where the small
 replicated entries are packed, see `_StreamingWriter`), not the whole checkpoint.
 Integrity without whole-file reads: a whole-file hash can only be checked by
-reading the whole file, so the manifest records the sha256 of every 1 MiB chunk
+reading the whole file, so the manifest records the digest of every 1 MiB chunk
 of every file instead (computed from the very bytes uploaded, while streaming).
 Before loading, rank 0 checks every file's size against a listing of the folder
 (a truncated or missing file), and every rank fetches and verifies `.metadata`.
@@ -63,7 +63,7 @@ when no intact checkpoint is left the job fails rather than train on them.
 How files get to S3: DCP's own FileSystemWriter (one file per rank) writes through
 a small file-system adapter onto the storage layer, so each rank's file streams
 straight into its object as DCP serialises it - a multipart upload with several
-parts in flight, retried per request - and its sha256 is computed from the very
+parts in flight, retried per request - and its digests are computed from the very
 bytes sent. Serialisation and upload overlap, and no local disk is needed (pods
 often have little ephemeral storage). The alternative, writing DCP to a local
 staging folder and uploading afterwards, costs a full extra write and read of
@@ -115,6 +115,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from kubetrain.api.trainingjob import ModelDims, StorageSpec, TrainingJobSpec
 from kubetrain.trainer.storage import (
+    DIGEST,
     HASH_CHUNK,
     PART_SIZE,
     TRANSFER_CONCURRENCY,
@@ -126,7 +127,10 @@ from kubetrain.trainer.storage import (
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "checkpoint.json"
-MANIFEST_FORMAT = "kubetrain-checkpoint-v2"  # v2: a sha256 per HASH_CHUNK (1 MiB) chunk
+# v3: a digest per HASH_CHUNK (1 MiB) chunk of every file, its algorithm named. v2 (sha256
+# chunk digests) is still read; v1 (one sha256 per file) cannot be verified range by range.
+MANIFEST_FORMAT = "kubetrain-checkpoint-v3"
+_MANIFEST_V2 = "kubetrain-checkpoint-v2"
 METADATA_NAME = ".metadata"  # DCP's own index of the stored items
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
@@ -218,8 +222,12 @@ def _read_manifest(store: Storage, folder: str) -> dict[str, Any] | None:
         manifest: dict[str, Any] = json.loads(store.read_bytes(key))
     except FileNotFoundError:
         return None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        # e.g. v1 (one sha256 per file): it cannot be verified range by range.
+    if manifest.get("format") == _MANIFEST_V2:
+        # The same record with sha256 digests under another name: read as v3.
+        manifest["digest"] = "sha256"
+        for entry in manifest["files"].values():
+            entry["chunks"] = entry.pop("chunk_sha256")
+    elif manifest.get("format") != MANIFEST_FORMAT:
         log.warning("ignoring the checkpoint %s/%s: its format is %r, this version reads %r",
                     store.uri, key, manifest.get("format"), MANIFEST_FORMAT)
         return None
@@ -280,12 +288,12 @@ class _StorageFileSystem(FileSystemBase):
             return
         with self.store.open_upload(name) as upload:
             yield upload
-        self.files[name] = {"bytes": upload.tell(), "chunk_sha256": upload.chunk_sha256()}
+        self.files[name] = {"bytes": upload.tell(), "chunks": upload.chunk_digests()}
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         data = self._held.pop(str(path))
         self.store.write_bytes(str(new_path), data)
-        self.files[str(new_path)] = {"bytes": len(data), "chunk_sha256": chunk_digests(data)}
+        self.files[str(new_path)] = {"bytes": len(data), "chunks": chunk_digests(data)}
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return f"{path}/{suffix}" if str(path) else suffix
@@ -331,7 +339,7 @@ class _StreamingWriter(dcp.FileSystemWriter):
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
-        """Name → {bytes, chunk_sha256} of the files this rank wrote."""
+        """Name → {bytes, chunks (their `DIGEST`s)} of the files this rank wrote."""
         return self._storage_fs.files
 
 
@@ -354,11 +362,13 @@ class _VerifiedFile:
     returns the bytes of one range and releases the pieces behind it.
     """
 
-    def __init__(self, store: Storage, name: str, entry: dict[str, Any],
+    def __init__(self, store: Storage, name: str, manifest: dict[str, Any],
                  pool: ThreadPoolExecutor) -> None:
         self.store, self.name, self.pool = store, name, pool
+        entry = manifest["files"][name]
         self.size, self.chunk = int(entry["bytes"]), HASH_CHUNK
-        self.digests: list[str] = entry["chunk_sha256"]
+        self.algorithm: str = manifest["digest"]
+        self.digests: list[str] = entry["chunks"]
         self.bytes_read = 0
         self._pieces: list[tuple[int, int]] = []
         self._starts: list[int] = []
@@ -406,10 +416,10 @@ class _VerifiedFile:
         data = self.store.read_range(self.name, start, end - start)
         self.bytes_read += len(data)
         first = start // self.chunk
-        got = chunk_digests(data)
+        got = chunk_digests(data, self.algorithm)
         if len(data) != end - start or got != self.digests[first:first + len(got)]:
             raise CorruptCheckpoint(
-                f"{self.store.uri}/{self.name}: bytes {start}..{end} do not match the sha256 "
+                f"{self.store.uri}/{self.name}: bytes {start}..{end} do not match the digests "
                 "the manifest records for them: truncated or modified"
             )
         return data
@@ -455,7 +465,7 @@ class _StorageReader(dcp.StorageReader):
         with ThreadPoolExecutor(TRANSFER_CONCURRENCY, thread_name_prefix="ckpt-read") as pool:
             for name, items in per_file.items():
                 items.sort(key=lambda item: where[item.storage_index].offset)
-                source = _VerifiedFile(self.store, name, self.manifest["files"][name], pool)
+                source = _VerifiedFile(self.store, name, self.manifest, pool)
                 source.fetch_ahead([(where[item.storage_index].offset,
                                      where[item.storage_index].length) for item in items])
                 for item in items:
@@ -564,6 +574,7 @@ class Checkpointer:
         manifest = {
             "format": MANIFEST_FORMAT, "step": step,
             "time": datetime.now(UTC).isoformat(), "world_size": self.world_size,
+            "digest": DIGEST,
             "files": {name: entry for rank_files in every for name, entry in rank_files.items()},
             "model": self.model_dims.model_dump(),
             "config": self.spec.wire(),
@@ -723,8 +734,8 @@ def _check_sizes(store: Storage, manifest: dict[str, Any]) -> None:
 def _read_metadata(store: Storage, manifest: dict[str, Any]) -> Metadata:
     """DCP's `.metadata`, verified against the manifest."""
     data = store.read_bytes(METADATA_NAME)
-    if chunk_digests(data) != manifest["files"][METADATA_NAME]["chunk_sha256"]:
-        raise CorruptCheckpoint(f"{store.uri}/{METADATA_NAME} does not match the sha256 the "
+    if chunk_digests(data, manifest["digest"]) != manifest["files"][METADATA_NAME]["chunks"]:
+        raise CorruptCheckpoint(f"{store.uri}/{METADATA_NAME} does not match the digests the "
                                 "manifest records for it: truncated or modified")
     return cast(Metadata, pickle.loads(data))
 

@@ -28,7 +28,7 @@ world size continues at the same global sample: nothing is repeated or skipped.
 
 Every rank streams the shards it needs, in order, from S3 or disk: a background
 thread downloads the current shard and the next `prefetch_shards` ones (verifying
-size and sha256 against the index) while training runs; at most
+size and digest against the index) while training runs; at most
 `prefetch_shards + 1` shards are held in memory and the dataset is never
 downloaded whole. Ranks read the same shards (each keeps only its own samples):
 at 2-4 bytes per token that costs a few MB/s per rank even for large global
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 
 class CorruptShard(RuntimeError):
-    """A shard whose bytes do not match its index entry (size or sha256)."""
+    """A shard whose bytes do not match its index entry (size or digest)."""
 
 
 class TokenDataset:
@@ -224,11 +224,11 @@ class TokenDataset:
         return self._shards[shard].result()
 
     def _download(self, shard: ShardInfo) -> np.ndarray:
-        data, sha256 = self._store.read_hashed(shard.name)
-        if len(data) != shard.bytes or sha256 != shard.sha256:
+        data = self._store.read_unchecked(shard.name)
+        if not shard.matches(data):
             raise CorruptShard(
                 f"{self._store.uri}/{shard.name} does not match {INDEX_NAME} "
-                f"({len(data)} bytes, expected {shard.bytes} with sha256 {shard.sha256}): "
+                f"({len(data)} bytes, expected {shard.bytes} with digest {shard.digest}): "
                 "the shard was truncated or modified; run `kubetrain prepare` again"
             )
         tokens = np.frombuffer(data, dtype=self.index.dtype)

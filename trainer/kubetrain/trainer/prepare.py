@@ -35,14 +35,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kubetrain.trainer.storage import Storage, open_object, open_storage
+from kubetrain.trainer.storage import DIGEST, Storage, digest, open_object, open_storage
 
 if TYPE_CHECKING:
     import numpy as np
 
     from kubetrain.api.trainingjob import StorageSpec
 
-INDEX_FORMAT = "kubetrain-tokens-v1"
+# v2: shard digests are labelled "algorithm:hex" (BLAKE3 now); v1 had a bare sha256,
+# still read.
+INDEX_FORMAT = "kubetrain-tokens-v2"
+_INDEX_V1 = "kubetrain-tokens-v1"
 INDEX_NAME = "index.json"
 TOKENIZER_NAME = "tokenizer.json"
 STATE_NAME = "prepare-state.json"
@@ -53,12 +56,30 @@ _ENCODE_BATCH = 256  # documents per tokenizers.encode_batch call (it parallelis
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One token shard: file name, token count, size in bytes and sha256 of its bytes."""
+    """One token shard: file name, token count, size in bytes and the digest of its bytes
+    ("blake3:<hex>", as OCI labels digests)."""
 
     name: str
     tokens: int
     bytes: int
-    sha256: str
+    digest: str
+
+    @staticmethod
+    def of(name: str, tokens: int, data: bytes) -> ShardInfo:
+        return ShardInfo(name, tokens, len(data), f"{DIGEST}:{digest(data)}")
+
+    @staticmethod
+    def from_dict(fields: dict[str, Any]) -> ShardInfo:
+        """From `asdict` output, including a v1 record (a bare `sha256`)."""
+        if "sha256" in fields:
+            fields = {**fields, "digest": f"sha256:{fields['sha256']}"}
+            del fields["sha256"]
+        return ShardInfo(**fields)
+
+    def matches(self, data: bytes) -> bool:
+        """Whether `data` has this shard's size and digest."""
+        algorithm, _, expected = self.digest.partition(":")
+        return len(data) == self.bytes and digest(data, algorithm) == expected
 
 
 @dataclass(frozen=True)
@@ -84,12 +105,14 @@ class DatasetIndex:
     @staticmethod
     def from_json(data: bytes, where: str) -> DatasetIndex:
         document = json.loads(data)
+        if document.get("format") == _INDEX_V1:
+            document["format"] = INDEX_FORMAT  # its shards are read by `ShardInfo.from_dict`
         if document.get("format") != INDEX_FORMAT:
             raise ValueError(f"{where}: not a kubetrain token index (format "
                              f"{document.get('format')!r}); prepare the data with "
                              "`kubetrain prepare`")
         document.pop("total_tokens", None)
-        shards = tuple(ShardInfo(**shard) for shard in document.pop("shards"))
+        shards = tuple(ShardInfo.from_dict(shard) for shard in document.pop("shards"))
         return DatasetIndex(shards=shards, **document)
 
     @staticmethod
@@ -275,9 +298,7 @@ class _SplitWriter:
         self._buffer, self._buffered = ([rest] if len(rest) else []), len(rest)
         name = f"shard-{len(self.progress.shards):05d}.bin"
         self.store.write_bytes(name, data)
-        self.progress.shards.append(
-            ShardInfo(name, count, len(data), hashlib.sha256(data).hexdigest())
-        )
+        self.progress.shards.append(ShardInfo.of(name, count, data))
 
 
 def _split_of(document: int, validation_every: int) -> str:
@@ -399,7 +420,7 @@ def _load_state(out: Storage, settings: dict[str, Any]) -> dict[str, _SplitProgr
                          f"({document['settings']}): choose another output or delete it")
     return {
         name: _SplitProgress(
-            shards=[ShardInfo(**shard) for shard in split.pop("shards")], **split
+            shards=[ShardInfo.from_dict(shard) for shard in split.pop("shards")], **split
         )
         for name, split in document["splits"].items()
     }
