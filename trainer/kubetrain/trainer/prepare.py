@@ -28,6 +28,7 @@ Torch-free: imported by `kubetrain --help`. Heavy libraries load inside function
 from __future__ import annotations
 
 import argparse
+import builtins
 import hashlib
 import io
 import json
@@ -65,7 +66,7 @@ class ShardInfo:
     digest: str
 
     @staticmethod
-    def of(name: str, tokens: int, data: bytes) -> ShardInfo:
+    def of(name: str, tokens: int, data: builtins.bytes) -> ShardInfo:
         return ShardInfo(name, tokens, len(data), f"{DIGEST}:{digest(data)}")
 
     @staticmethod
@@ -76,7 +77,7 @@ class ShardInfo:
             del fields["sha256"]
         return ShardInfo(**fields)
 
-    def matches(self, data: bytes) -> bool:
+    def matches(self, data: builtins.bytes) -> bool:
         """Whether `data` has this shard's size and digest."""
         algorithm, _, expected = self.digest.partition(":")
         return len(data) == self.bytes and digest(data, algorithm) == expected

@@ -16,9 +16,10 @@ around by this module. Requests retry with backoff on throttling, 5xx and
 connection resets (botocore's "adaptive" mode); reads also retry a body cut off
 mid-stream, which botocore does not. Uploads send CRC32 checksums that S3 checks;
 whole-object reads check S3's checksum, except `read_unchecked`, whose caller checks
-a digest of its own instead (the training dataset, against its index). Large files go through boto3's transfer
-manager (multipart, several parts in flight); `open_upload` streams data of
-unknown length the same way while it is being produced (checkpoints), and
+a digest of its own instead (the training dataset, against its index). Large files
+go through boto3's transfer manager (multipart, several parts in flight);
+`open_upload` streams data of unknown length the same way while it is being
+produced (checkpoints), and
 `read_range` fetches part of an object (a ranged GET) so that a reader takes only
 the bytes it needs. An interrupted multipart upload leaves invisible parts behind:
 give checkpoint buckets an AbortIncompleteMultipartUpload lifecycle rule
