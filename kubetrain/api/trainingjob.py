@@ -332,7 +332,9 @@ class DataSpec(ApiModel):
     )
     shuffle: bool = Field(default=True, description="Shuffle shards and samples each epoch.")
     prefetch_shards: int = Field(
-        default=2, ge=1, le=64, description="Shards downloaded ahead of the one being read."
+        default=2, ge=1, le=64,
+        description="Shards downloaded at once, ahead of the one being read (one more is "
+        "queued behind them; at most prefetchShards + 2 shards are held in memory).",
     )
 
     @field_validator("train", "validation", "tokenizer")

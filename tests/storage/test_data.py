@@ -92,7 +92,7 @@ def test_streaming_from_s3_matches_local_and_holds_few_shards(
         assert all(np.array_equal(a, b) for a, b in
                    zip(next(from_s3), next(from_disk), strict=True))
         most_held = max(most_held, len(from_s3._shards))
-    assert most_held <= 2  # current shard + prefetch_shards
+    assert most_held <= 3  # the current shard, prefetch_shards downloading, one queued
     from_s3.close()
 
 

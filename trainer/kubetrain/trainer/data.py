@@ -26,21 +26,23 @@ number of ranks:
 So ranks never share a sample, and a job resumed from a checkpoint with another
 world size continues at the same global sample: nothing is repeated or skipped.
 
-Every rank streams the shards it needs, in order, from S3 or disk: a background
-thread downloads the current shard and the next `prefetch_shards` ones (verifying
-size and digest against the index) while training runs; at most
-`prefetch_shards + 1` shards are held in memory and the dataset is never
-downloaded whole. Ranks read the same shards (each keeps only its own samples):
-at 2-4 bytes per token that costs a few MB/s per rank even for large global
-batches, and it is what keeps the order independent of the world size. No
-DataLoader worker processes are needed: building a batch is an index copy.
+Every rank streams the shards it needs, in order, from S3 or disk, while training
+runs: `prefetch_shards` background threads download the shards after the current
+one (verifying size and digest against the index), and one more shard is queued
+behind them, so that a thread that finishes early starts the next download
+instead of waiting for the reader to move on. At most `prefetch_shards + 2`
+shards are held in memory and the dataset is never downloaded whole. Ranks read
+the same shards (each keeps only its own samples): at 2-4 bytes per token that
+costs a few MB/s per rank even for large global batches, and it is what keeps the
+order independent of the world size. No DataLoader worker processes are needed:
+building a batch is an index copy.
 """
 
 from __future__ import annotations
 
 import bisect
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +57,15 @@ if TYPE_CHECKING:
 
 class CorruptShard(RuntimeError):
     """A shard whose bytes do not match its index entry (size or digest)."""
+
+
+class _Run(NamedTuple):
+    """The global positions `start .. end - 1` of one epoch, which all lie in one shard."""
+
+    start: int
+    end: int
+    order: np.ndarray  # the shard's sample order: position p is sample order[p - start]
+    rows: np.ndarray  # the shard's samples, as rows
 
 
 class TokenDataset:
@@ -102,6 +113,7 @@ class TokenDataset:
                                              thread_name_prefix="shard-prefetch")
         self._shards: dict[int, Future[np.ndarray]] = {}  # shard -> its samples, as rows
         self._current_shard = -1
+        self._run: _Run | None = None  # where the last batch came from
 
     # --- position ----------------------------------------------------------------------
 
@@ -124,12 +136,12 @@ class TokenDataset:
                     "the same sample order; keep the data, seqLen and seed of the checkpoint"
                 )
         self.position = int(state["position"])
-        self._current_shard = -1  # re-plan the prefetch window from the new position
+        self._current_shard, self._run = -1, None  # re-plan the prefetch from the new position
 
     def rewind(self) -> None:
         """Back to the first sample: evaluation passes see the same batches each time."""
         self.position = 0
-        self._current_shard = -1
+        self._current_shard, self._run = -1, None
 
     # --- iteration ---------------------------------------------------------------------
 
@@ -137,19 +149,28 @@ class TokenDataset:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Called once per micro-step: kept to a few numpy calls (torch slicing costs more).
         first = self.position + self.rank * self.micro_batch_size
         rows = np.empty((self.micro_batch_size, self.seq_len + 1), dtype=np.int64)
         row = 0
         while row < self.micro_batch_size:
             # The rows that come from one shard are gathered (and widened) in one copy.
-            epoch, shard, local, left = self._locate(first + row)
-            count = min(self.micro_batch_size - row, left)
-            samples = self._sample_order(epoch, shard)[local:local + count]
-            rows[row:row + count] = self._shard(shard, first + row)[samples]
-            row += count
+            run = self._run_at(first + row)
+            offset = first + row - run.start
+            samples = run.order[offset:offset + self.micro_batch_size - row]
+            rows[row:row + len(samples)] = run.rows[samples]
+            row += len(samples)
         self.position += self.world_size * self.micro_batch_size
-        batch = torch.from_numpy(rows)
-        return batch[:, :-1], batch[:, 1:]
+        return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+
+    def _run_at(self, position: int) -> _Run:
+        """The run of positions in one shard that holds `position` (usually the last one)."""
+        run = self._run
+        if run is None or not run.start <= position < run.end:
+            epoch, shard, local, left = self._locate(position)
+            run = self._run = _Run(position - local, position + left,
+                                   self._sample_order(epoch, shard), self._shard(shard, position))
+        return run
 
     def sample_ids(self, position: int) -> tuple[int, int]:
         """(shard, sample within the shard) of the sample at a global position."""
@@ -191,11 +212,12 @@ class TokenDataset:
     # --- shards and prefetch -------------------------------------------------------------
 
     def _upcoming_shards(self, position: int) -> list[int]:
-        """The shard holding `position` and the next `prefetch_shards` ones in visiting order."""
+        """The shard holding `position` and the next `prefetch_shards + 1` in visiting order."""
         epoch, offset = divmod(position, self.samples_per_epoch)
         order, ends = self._epoch(epoch)
         slot = bisect.bisect_right(ends, offset)
-        wanted = min(self.prefetch_shards + 1, int(np.count_nonzero(self._samples)))
+        # One more than there are threads: a thread done early finds the next one queued.
+        wanted = min(self.prefetch_shards + 2, int(np.count_nonzero(self._samples)))
         upcoming: list[int] = []
         while len(upcoming) < wanted:
             if slot == len(order):
@@ -242,7 +264,7 @@ class TokenDataset:
         # `prefetch_shards` of them, already under way).
         self._downloads.shutdown(wait=True, cancel_futures=True)
         self._shards.clear()
-        self._current_shard = -1
+        self._current_shard, self._run = -1, None
 
     def __repr__(self) -> str:
         return (f"TokenDataset({self.uri!r}, rank {self.rank}/{self.world_size}, "
