@@ -98,6 +98,39 @@ def test_an_interrupted_run_resumes_and_writes_the_same_shards(tmp_path: Path) -
     assert resumed.validation == fresh.validation
 
 
+def test_a_rerun_does_not_read_the_input_files_before_where_it_stopped(tmp_path: Path) -> None:
+    text = "".join(_stdlib_texts(40))
+    documents = [json.dumps({"text": text[at:at + 300]}) for at in range(0, 600 * 300, 300)]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    parts = [corpus / f"part-{number}.jsonl" for number in range(6)]
+    for number, part in enumerate(parts):
+        part.write_text("\n".join(documents[number * 100:(number + 1) * 100]))
+    options = {"vocab_size": 400, "shard_tokens": 2048, "validation_fraction": 0.1,
+               "progress": False}
+    tokenizer = prepare([str(parts[0])], str(tmp_path / "tok"), **options).tokenizer_uri
+    options["tokenizer"] = tokenizer
+    fresh = prepare([str(corpus)], str(tmp_path / "fresh"), **options)
+
+    intact = parts[-1].read_bytes()
+    parts[-1].write_bytes(intact + b"\n{not json")
+    with pytest.raises(json.JSONDecodeError):
+        prepare([str(corpus)], str(tmp_path / "out"), **options)
+    parts[-1].write_bytes(intact)
+    # The files wholly before the first unwritten document become garbage of the same
+    # size: reading any of them would fail, so the rerun must skip them.
+    state = json.loads((tmp_path / "out" / "prepare-state.json").read_text())
+    first = min(split["next_document"] for split in state["splits"].values())
+    skipped = parts[:first // 100]
+    assert len(skipped) >= 2
+    for part in skipped:
+        part.write_bytes(b"{" * part.stat().st_size)
+
+    resumed = prepare([str(corpus)], str(tmp_path / "out"), **options)
+    assert (resumed.train, resumed.validation) == (fresh.train, fresh.validation)
+    assert _decoded_documents(resumed, "train") == _decoded_documents(fresh, "train")
+
+
 def test_other_settings_on_the_same_output_are_refused(tmp_path: Path) -> None:
     corpus = tmp_path / "in.txt"
     corpus.write_text(_stdlib_texts(1)[0])

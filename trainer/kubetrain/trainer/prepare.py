@@ -19,8 +19,10 @@ Documents are joined with an end-of-text token; every shard but the last of a
 split holds exactly `shard_tokens` tokens. Every k-th document (k = 1 /
 validation fraction) goes to the validation split, so the split is deterministic.
 After each shard the progress file records, per split, the document and token
-offset where its unwritten tokens begin; a rerun of the same command continues
-from there and writes `index.json` (the commit marker of a split) at the end.
+offset where its unwritten tokens begin, and the document count of every input
+file read so far; a rerun of the same command continues from there, without
+reading again the files that lie wholly before it, and writes `index.json` (the
+commit marker of a split) at the end.
 
 Torch-free: imported by `kubetrain --help`. Heavy libraries load inside functions.
 """
@@ -165,6 +167,10 @@ class _InputFile:
     key: str
     size: int
 
+    @property
+    def uri(self) -> str:
+        return f"{self.store.uri}/{self.key}"
+
 
 def _input_files(inputs: Sequence[str], spec: StorageSpec | None) -> list[_InputFile]:
     files = []
@@ -206,6 +212,27 @@ def _documents_in(data: bytes, key: str, text_field: str) -> Iterator[str]:
 def _documents(files: list[_InputFile], text_field: str, progress: Any) -> Iterator[str]:
     for item in files:
         yield from _documents_in(item.store.read_bytes(item.key), item.key, text_field)
+        progress.update(item.size)
+
+
+def _numbered_documents(files: list[_InputFile], text_field: str, progress: Any,
+                        state: _State, first: int) -> Iterator[tuple[int, str]]:
+    """(number, text) of the documents from number `first` on.
+
+    A file that ends before `first` and that an earlier run read to its end (its size
+    and document count are in `state.file_documents`) is skipped without reading it.
+    """
+    number = 0
+    for item in files:
+        size, count = state.file_documents.get(item.uri, (-1, 0))
+        if size != item.size or number + count > first:
+            count = 0
+            for text in _documents_in(item.store.read_bytes(item.key), item.key, text_field):
+                if number + count >= first:
+                    yield number + count, text
+                count += 1
+            state.file_documents[item.uri] = (item.size, count)
+        number += count
         progress.update(item.size)
 
 
@@ -253,6 +280,44 @@ class _SplitProgress:
     shards: list[ShardInfo] = field(default_factory=list)
     next_document: int = 0  # first document not wholly inside finished shards
     skip_tokens: int = 0  # tokens of that document already inside finished shards
+
+
+@dataclass
+class _State:
+    """`prepare-state.json`: the settings, where each split stands, and the size and
+    document count of each input file read to its end (so that a rerun need not read
+    the files before its first unwritten document)."""
+
+    out: Storage
+    settings: dict[str, Any]
+    splits: dict[str, _SplitProgress] = field(
+        default_factory=lambda: {name: _SplitProgress() for name in SPLITS})
+    file_documents: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def save(self) -> None:
+        document = {"settings": self.settings,
+                    "splits": {name: asdict(split) for name, split in self.splits.items()},
+                    "file_documents": self.file_documents}
+        self.out.write_bytes(STATE_NAME, json.dumps(document).encode())
+
+    @staticmethod
+    def load(out: Storage, settings: dict[str, Any]) -> _State | None:
+        try:
+            document = json.loads(out.read_bytes(STATE_NAME))
+        except FileNotFoundError:
+            return None
+        if document["settings"] != settings:
+            raise ValueError(f"{out.uri} already holds data prepared with other settings "
+                             f"({document['settings']}): choose another output or delete it")
+        splits = {
+            name: _SplitProgress(
+                shards=[ShardInfo.from_dict(shard) for shard in split.pop("shards")], **split
+            )
+            for name, split in document["splits"].items()
+        }
+        files = {name: (size, count)
+                 for name, (size, count) in document.get("file_documents", {}).items()}
+        return _State(out, settings, splits, files)
 
 
 class _SplitWriter:
@@ -336,7 +401,7 @@ def prepare(
     settings = {"inputs": list(inputs), "tokenizer": tokenizer, "vocab_size": vocab_size,
                 "shard_tokens": shard_tokens, "validation_every": validation_every,
                 "text_field": text_field}
-    state = _load_state(out, settings)
+    state = _State.load(out, settings)
 
     if state is not None:  # a rerun: keep the tokenizer the shards were written with
         tokenizer_json = out.read_bytes(TOKENIZER_NAME)
@@ -354,31 +419,30 @@ def prepare(
     tokenizer_hash = hashlib.sha256(tokenizer_json).hexdigest()
     if state is None:
         out.write_bytes(TOKENIZER_NAME, tokenizer_json)
-        state = {name: _SplitProgress() for name in SPLITS}
+        state = _State(out, settings)
 
-    writers = {name: _SplitWriter(out.join(name), state[name], shard_tokens, dtype)
+    writers = {name: _SplitWriter(out.join(name), state.splits[name], shard_tokens, dtype)
                for name in SPLITS}
     if not all(out.join(name).exists(INDEX_NAME) for name in _splits_used(validation_every)):
-        first = min(progress_.next_document for progress_ in state.values())
+        # A rerun tokenizes nothing before `first` and skips reading whole files before it.
+        first = min(split_.next_document for split_ in state.splits.values())
         with _progress(files, "tokenizing", progress) as bar:
-            # A rerun still reads the documents before `first` but does not tokenize them.
             batch: list[tuple[int, str]] = []
-            documents = 0
-            for documents, text in enumerate(_documents(files, text_field, bar), 1):
-                if documents > first:
-                    batch.append((documents - 1, text))
+            for numbered in _numbered_documents(files, text_field, bar, state, first):
+                batch.append(numbered)
                 if len(batch) == _ENCODE_BATCH:
-                    _encode(tok, batch, writers, eos, validation_every, out, settings, state)
+                    _encode(tok, batch, writers, eos, validation_every, state)
                     batch = []
-            _encode(tok, batch, writers, eos, validation_every, out, settings, state)
+            _encode(tok, batch, writers, eos, validation_every, state)
+        documents = sum(state.file_documents[item.uri][1] for item in files)
         for name in _splits_used(validation_every):
             writers[name].finish(documents)
-            _save_state(out, settings, state)
+            state.save()
             split = out.join(name)
             split.write_bytes(TOKENIZER_NAME, tokenizer_json)
             index = DatasetIndex(dtype=dtype, vocab_size=vocab, eos_token_id=eos,
                                  tokenizer_sha256=tokenizer_hash, shard_tokens=shard_tokens,
-                                 shards=tuple(state[name].shards))
+                                 shards=tuple(state.splits[name].shards))
             split.write_bytes(INDEX_NAME, index.to_json())  # last: commits the split
     train = DatasetIndex.load(out.join("train"))
     validation = DatasetIndex.load(out.join("validation")) if validation_every else None
@@ -390,8 +454,7 @@ def _splits_used(validation_every: int) -> tuple[str, ...]:
 
 
 def _encode(tok: Any, batch: list[tuple[int, str]], writers: dict[str, _SplitWriter], eos: int,
-            validation_every: int, out: Storage, settings: dict[str, Any],
-            state: dict[str, _SplitProgress]) -> None:
+            validation_every: int, state: _State) -> None:
     import numpy as np
 
     if not batch:
@@ -402,29 +465,7 @@ def _encode(tok: Any, batch: list[tuple[int, str]], writers: dict[str, _SplitWri
         tokens = np.array([*encoding.ids, eos], dtype=np.int64)
         wrote |= writers[_split_of(number, validation_every)].add(number, tokens)
     if wrote:
-        _save_state(out, settings, state)
-
-
-def _save_state(out: Storage, settings: dict[str, Any],
-                state: dict[str, _SplitProgress]) -> None:
-    document = {"settings": settings, "splits": {name: asdict(p) for name, p in state.items()}}
-    out.write_bytes(STATE_NAME, json.dumps(document).encode())
-
-
-def _load_state(out: Storage, settings: dict[str, Any]) -> dict[str, _SplitProgress] | None:
-    try:
-        document = json.loads(out.read_bytes(STATE_NAME))
-    except FileNotFoundError:
-        return None
-    if document["settings"] != settings:
-        raise ValueError(f"{out.uri} already holds data prepared with other settings "
-                         f"({document['settings']}): choose another output or delete it")
-    return {
-        name: _SplitProgress(
-            shards=[ShardInfo.from_dict(shard) for shard in split.pop("shards")], **split
-        )
-        for name, split in document["splits"].items()
-    }
+        state.save()
 
 
 # --- command line ---------------------------------------------------------------------
