@@ -117,6 +117,7 @@ def test_injected_faults_slow_transfers_down_but_lose_nothing(
     store.download_file("big", tmp_path / "back")
 
     assert all(store.read_bytes(key) == data for key, data in blobs.items())
+    assert all(store.read_unchecked(key) == data for key, data in blobs.items())
     assert store.read_range("big", PART_SIZE - 10, 100) == big[PART_SIZE - 10:PART_SIZE + 90]
     assert (tmp_path / "back").read_bytes() == big
     assert [o.key for o in store.list()] == sorted([*blobs, "big"])
