@@ -69,6 +69,7 @@ class ShardInfo:
 
     @staticmethod
     def of(name: str, tokens: int, data: builtins.bytes) -> ShardInfo:
+        """The entry of a shard holding `data`, digested with today's algorithm."""
         return ShardInfo(name, tokens, len(data), f"{DIGEST}:{digest(data)}")
 
     @staticmethod

@@ -54,7 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import blake3
 
@@ -76,11 +76,21 @@ assert PART_SIZE % HASH_CHUNK == 0
 # (SIMD); every dataset shard and checkpoint byte is hashed, on the trainer's CPU.
 # sha256 verifies what older versions wrote.
 DIGEST = "blake3"
-_HASHERS: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
 
 
-def hasher(algorithm: str = DIGEST) -> Any:
-    """A fresh hashlib-style object (`update`, `hexdigest`) of `algorithm`."""
+class Hasher(Protocol):
+    """What hashlib's and blake3's hash objects have in common."""
+
+    def update(self, data: Any, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+_HASHERS: dict[str, Callable[[], Hasher]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
+
+
+def hasher(algorithm: str = DIGEST) -> Hasher:
+    """A fresh hash object of `algorithm`: `update(bytes)`, then `hexdigest()`."""
     try:
         return _HASHERS[algorithm]()
     except KeyError:
@@ -92,7 +102,7 @@ def digest(data: Any, algorithm: str = DIGEST) -> str:
     """The hex digest of `data` (bytes-like); the GIL is released while hashing."""
     hashed = hasher(algorithm)
     hashed.update(data)
-    return str(hashed.hexdigest())
+    return hashed.hexdigest()
 
 
 @dataclass(frozen=True)
