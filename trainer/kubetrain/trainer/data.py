@@ -7,7 +7,7 @@ Use (what the training loop does):
     state = train.state_dict()           # {"position": ..., ...}: identical on every rank
     train.load_state_dict(state)         # continue exactly there, with any world size
     validation.rewind()                  # before each evaluation pass: the same batches
-    train.close()                        # stop the prefetch thread
+    train.close()                        # stop the prefetch threads
 
 or `TokenDataset(uri, seq_len=..., micro_batch_size=..., rank=..., world_size=...)`.
 
