@@ -167,6 +167,7 @@ class TokenDataset:
         """The run of positions in one shard that holds `position` (usually the last one)."""
         run = self._run
         if run is None or not run.start <= position < run.end:
+            self._run = run = None  # let go of a finished shard before waiting for the next
             epoch, shard, local, left = self._locate(position)
             run = self._run = _Run(position - local, position + left,
                                    self._sample_order(epoch, shard), self._shard(shard, position))
