@@ -37,6 +37,15 @@ def _run(datasets: list[TokenDataset], micro_steps: int) -> list[np.ndarray]:
     return rows
 
 
+def _copy_of_split(prepared: PreparedDataset, tmp_path: Path) -> Path:
+    """A copy of the training split that a test may damage."""
+    copy = tmp_path / "train"
+    copy.mkdir()
+    for path in Path(prepared.train_uri.removeprefix("file://")).iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    return copy
+
+
 def test_any_number_of_ranks_sees_the_single_rank_sequence(
         prepared_corpus: PreparedDataset) -> None:
     single = _run(_datasets(prepared_corpus.train_uri, 1), 60)
@@ -105,11 +114,7 @@ def test_a_saved_position_from_another_order_is_refused(
 
 
 def test_a_tampered_shard_is_refused(prepared_corpus: PreparedDataset, tmp_path: Path) -> None:
-    copy = tmp_path / "train"
-    source = Path(prepared_corpus.train_uri.removeprefix("file://"))
-    copy.mkdir()
-    for path in source.iterdir():
-        (copy / path.name).write_bytes(path.read_bytes())
+    copy = _copy_of_split(prepared_corpus, tmp_path)
     shard = copy / prepared_corpus.train.shards[0].name
     data = bytearray(shard.read_bytes())
     data[10] ^= 0xFF
@@ -123,11 +128,7 @@ def test_a_tampered_shard_is_refused(prepared_corpus: PreparedDataset, tmp_path:
 def test_an_index_from_before_blake3_is_read_and_still_verified(
         prepared_corpus: PreparedDataset, tmp_path: Path) -> None:
     # A v1 index: each shard's bare sha256, as kubetrain wrote before digests were labelled.
-    copy = tmp_path / "train"
-    source = Path(prepared_corpus.train_uri.removeprefix("file://"))
-    copy.mkdir()
-    for path in source.iterdir():
-        (copy / path.name).write_bytes(path.read_bytes())
+    copy = _copy_of_split(prepared_corpus, tmp_path)
     index = json.loads((copy / INDEX_NAME).read_text())
     index["format"] = "kubetrain-tokens-v1"
     for shard in index["shards"]:
@@ -146,3 +147,14 @@ def test_an_index_from_before_blake3_is_read_and_still_verified(
     with pytest.raises(CorruptShard, match="truncated or modified"):
         for _ in itertools.count():
             next(dataset)
+
+
+def test_an_index_with_an_unknown_digest_is_refused_when_opened(
+        prepared_corpus: PreparedDataset, tmp_path: Path) -> None:
+    copy = _copy_of_split(prepared_corpus, tmp_path)
+    index = json.loads((copy / INDEX_NAME).read_text())
+    index["shards"][0]["digest"] = "md5:0123"
+    (copy / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index.json: shard-00000.bin: unknown digest "
+                                         r"algorithm 'md5'.*upgrade kubetrain"):
+        TokenDataset(str(copy), seq_len=SEQ, micro_batch_size=BATCH)

@@ -38,7 +38,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kubetrain.trainer.storage import DIGEST, Storage, digest, open_object, open_storage
+from kubetrain.trainer.storage import (
+    DIGEST,
+    Storage,
+    digest,
+    hasher,
+    open_object,
+    open_storage,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -117,6 +124,11 @@ class DatasetIndex:
                              "`kubetrain prepare`")
         document.pop("total_tokens", None)
         shards = tuple(ShardInfo.from_dict(shard) for shard in document.pop("shards"))
+        for shard in shards:  # refused here, not on the shard's first download mid-run
+            try:
+                hasher(shard.digest.partition(":")[0])
+            except ValueError as error:
+                raise ValueError(f"{where}: {shard.name}: {error}") from None
         return DatasetIndex(shards=shards, **document)
 
     @staticmethod
