@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from kubetrain.api.trainingjob import StorageSpec
 from kubetrain.trainer.data import CorruptShard, TokenDataset
@@ -101,6 +102,32 @@ def test_streaming_from_s3_matches_local_and_holds_few_shards(
         most_held = max(most_held, len(from_s3._shards))
     assert most_held <= 3  # the current shard, prefetch_shards downloading, one queued
     from_s3.close()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_dataloader_workers_hand_out_the_ranks_own_sequence(
+        start_method: str, prepared_corpus: PreparedDataset, s3_bucket: str,
+        s3_spec: StorageSpec) -> None:
+    remote = open_storage(f"s3://{s3_bucket}/loader/train", s3_spec)
+    for path in Path(prepared_corpus.train_uri.removeprefix("file://")).iterdir():
+        remote.upload_file(path, path.name)
+    # Rank 1 of 2, read in this process first (the parent's S3 client is in use at fork).
+    def rank_one() -> TokenDataset:
+        return TokenDataset(remote.uri, seq_len=SEQ, micro_batch_size=BATCH, rank=1,
+                            world_size=2, seed=7, storage=s3_spec)
+    alone = rank_one()
+    expected = [next(alone) for _ in range(13)]
+    dataset = rank_one()
+    loader = DataLoader(dataset, batch_size=None, num_workers=2,
+                        multiprocessing_context=start_method)
+    batches = list(itertools.islice(loader, 12))
+    for got, want in zip(batches, expected, strict=False):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert len(batches) == 12
+    dataset.skip(12)  # what the loader consumed: the dataset continues after it
+    assert all(torch.equal(a, b) for a, b in zip(next(dataset), expected[12], strict=True))
+    alone.close()
+    dataset.close()
 
 
 def test_a_saved_position_from_another_order_is_refused(

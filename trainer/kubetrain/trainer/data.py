@@ -36,6 +36,13 @@ the same shards (each keeps only its own samples): at 2-4 bytes per token that
 costs a few MB/s per rank even for large global batches, and it is what keeps the
 order independent of the world size. No DataLoader worker processes are needed:
 building a batch is an index copy.
+
+In a `torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=N)` (it is an
+`IterableDataset`), worker `w` takes the micro-steps `w, w + N, w + 2N, ...` of its
+rank, and the loader, which yields its workers' batches in turn, hands out exactly the
+sequence the dataset gives without it. Each worker streams with its own storage
+client and threads. Workers' positions do not flow back: after `n` batches from a
+loader, `skip(n)` moves the dataset's position past them.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
+from torch.utils.data import IterableDataset, get_worker_info
 
 from kubetrain.trainer.prepare import INDEX_NAME, DatasetIndex, ShardInfo
 from kubetrain.trainer.storage import Storage, open_storage
@@ -68,7 +76,7 @@ class _Run(NamedTuple):
     rows: np.ndarray  # the shard's samples, as rows
 
 
-class TokenDataset:
+class TokenDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     """Batches of (inputs, targets) for one rank; an endless iterator over epochs."""
 
     def __init__(
@@ -94,6 +102,7 @@ class TokenDataset:
         self.seed = seed
         self.shuffle = shuffle
         self.prefetch_shards = prefetch_shards
+        self.storage = storage
         self._store: Storage = open_storage(uri, storage)
         self.index = DatasetIndex.load(self._store)
         self._samples = np.array(
@@ -107,13 +116,30 @@ class TokenDataset:
                 "more data or a smaller seqLen / microBatchSize"
             )
         self.position = 0
+        self._stride = 1  # micro-steps per batch taken: N in one of N DataLoader workers
         self._epoch_cache: tuple[int, list[int], list[int]] | None = None
         self._sample_orders: dict[tuple[int, int], np.ndarray] = {}
-        self._downloads = ThreadPoolExecutor(max_workers=prefetch_shards,
+        self._start_streaming()
+
+    def _start_streaming(self) -> None:
+        """Fresh prefetch threads and nothing held: in a new object or a new process."""
+        self._downloads = ThreadPoolExecutor(max_workers=self.prefetch_shards,
                                              thread_name_prefix="shard-prefetch")
         self._shards: dict[int, Future[np.ndarray]] = {}  # shard -> its samples, as rows
         self._current_shard = -1
         self._run: _Run | None = None  # where the last batch came from
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned DataLoader worker needs: no threads, clients or held shards."""
+        state = self.__dict__.copy()
+        for name in ("_store", "_downloads", "_shards", "_run"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._store = open_storage(self.uri, self.storage)
+        self._start_streaming()
 
     # --- position ----------------------------------------------------------------------
 
@@ -146,7 +172,20 @@ class TokenDataset:
     # --- iteration ---------------------------------------------------------------------
 
     def __iter__(self) -> TokenDataset:
+        worker = get_worker_info()
+        if worker is not None and self._stride == 1:
+            # This is worker `id`'s own copy (forked or unpickled): start at its first
+            # micro-step, step over the others', and stream with this process's client.
+            self._stride = worker.num_workers
+            self.skip(worker.id)
+            self._store = open_storage(self.uri, self.storage)
+            self._start_streaming()
         return self
+
+    def skip(self, micro_steps: int) -> None:
+        """Move the position past `micro_steps` micro-steps of every rank."""
+        self.position += micro_steps * self.world_size * self.micro_batch_size
+        self._current_shard, self._run = -1, None
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         # Called once per micro-step: kept to a few numpy calls (torch slicing costs more).
@@ -160,7 +199,7 @@ class TokenDataset:
             samples = run.order[offset:offset + self.micro_batch_size - row]
             rows[row:row + len(samples)] = run.rows[samples]
             row += len(samples)
-        self.position += self.world_size * self.micro_batch_size
+        self.position += self._stride * self.world_size * self.micro_batch_size
         return torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
 
     def _run_at(self, position: int) -> _Run:

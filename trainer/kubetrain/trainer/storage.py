@@ -374,7 +374,9 @@ class _S3Connection:
     def for_spec(spec: StorageSpec | None) -> _S3Connection:
         endpoint = spec.endpoint if spec else None
         region = spec.region if spec else None
-        key = (endpoint, region)
+        # Per process too: a forked child (a DataLoader worker) must not share the parent's
+        # pooled sockets or part-upload threads, which do not survive the fork.
+        key = (endpoint, region, os.getpid())
         if key not in _CONNECTIONS:
             import boto3
             from boto3.s3.transfer import TransferConfig
@@ -405,8 +407,8 @@ class _S3Connection:
         return _CONNECTIONS[key]
 
 
-# boto3 clients are thread-safe and expensive to build: one per (endpoint, region).
-_CONNECTIONS: dict[tuple[str | None, str | None], _S3Connection] = {}
+# boto3 clients are thread-safe and expensive to build: one per (endpoint, region, process).
+_CONNECTIONS: dict[tuple[str | None, str | None, int], _S3Connection] = {}
 
 
 def _is_missing(error: Exception) -> bool:
