@@ -12,6 +12,14 @@ readable top to bottom:
     → clip → optimizer step → LR schedule → metrics → maybe eval (early stopping)
     → maybe checkpoint
 
+Throughput: tokens/s, MFU and step time are measured over the wall time from
+one logged step to the next, read after synchronising the device. On a GPU the
+host only enqueues work, so timing each step on the host would count enqueue
+time, not compute; the synchronisation is paid once per logged interval, not
+per step. Intervals are contiguous from the first step on, so they add up to
+the loop's wall time: evaluation and a checkpoint's blocking part count too,
+as torchtitan counts them - the figure is what the job achieves.
+
 Loss normalisation: every micro-batch is full (the dataset packs sequences, no
 padding), so each rank divides its summed token losses by its tokens per step;
 gradient averaging over ranks then yields the mean over the global token count,
@@ -207,7 +215,7 @@ class Trainer:
         local_tokens = accumulation * opt.micro_batch_size * spec.data.seq_len
         flops_per_second_peak = peak_flops(device) * world.world_size
         model_flops = flops_per_token(run.dims, spec.data.seq_len)
-        interval = _Interval()
+        interval = _Interval(device)
 
         if step == 0 and spec.evaluation.every_steps:
             self._evaluate_and_record(run, step)  # the baseline the run improves on
@@ -216,6 +224,7 @@ class Trainer:
             if stop.agreed(device):
                 reason = "signalled"
                 break
+            interval.begin_step()
             started = time.perf_counter()
 
             # Fetch every micro-batch of the step; the wait is what the data pipeline costs.
@@ -255,21 +264,23 @@ class Trainer:
             run.schedule.step()
             step += 1
 
-            # Metrics: cheap ones every step, reduced ones every logEverySteps.
-            step_time = time.perf_counter() - started
-            interval.add(step_time, data_wait, local_tokens * world.world_size)
-            reporter.stepped(step, local_tokens * world.world_size, step_time)
+            # Metrics: cheap ones every step, reduced ones every logEverySteps. The per-step
+            # duration is host time (on a GPU, enqueue time); throughput is wall time.
+            interval.add(data_wait, local_tokens * world.world_size)
+            reporter.stepped(step, local_tokens * world.world_size,
+                             time.perf_counter() - started)
             if step % spec.metrics.log_every_steps == 0 or step == opt.max_steps:
-                tokens_per_second = interval.tokens / interval.seconds
+                seconds = interval.end()
+                tokens_per_second = interval.tokens / seconds
                 reporter.logged(StepReport(
                     step=step, loss=_mean_over_ranks(loss_sum), learning_rate=learning_rate,
                     grad_norm=float(grad_norm), tokens_per_second=tokens_per_second,
                     mfu=(model_flops * tokens_per_second / flops_per_second_peak
                          if flops_per_second_peak else 0.0),
-                    step_time=interval.seconds / interval.steps,
-                    data_wait_ratio=interval.data_wait / interval.seconds,
+                    step_time=seconds / interval.steps,
+                    data_wait_ratio=interval.data_wait / seconds,
                 ), device)
-                interval = _Interval()
+                interval = interval.next()
 
             # Evaluation and early stopping.
             every = spec.evaluation.every_steps
@@ -328,17 +339,47 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return float(total) / dist.get_world_size()
 
 
-@dataclass
 class _Interval:
-    """Time, data wait and tokens since the last logged step."""
+    """Steps, data wait and tokens since the last logged step, and the wall time they took.
 
-    steps: int = 0
-    seconds: float = 0.0
-    data_wait: float = 0.0
-    tokens: int = 0
+    The first interval's clock starts at the first step (`begin_step`); each later
+    one starts where the one before ended (`next`). `end` synchronises the device
+    before reading the clock, so an interval covers the device's work, not just
+    the host's enqueueing of it: one synchronisation per logged interval, none per step.
+    """
 
-    def add(self, seconds: float, data_wait: float, tokens: int) -> None:
+    def __init__(self, device: torch.device, started: float | None = None) -> None:
+        self.device = device
+        self.steps = 0
+        self.data_wait = 0.0
+        self.tokens = 0
+        self._started = started
+        self._ended: float | None = None
+
+    def begin_step(self) -> None:
+        if self._started is None:
+            _synchronize(self.device)
+            self._started = time.perf_counter()
+
+    def add(self, data_wait: float, tokens: int) -> None:
         self.steps += 1
-        self.seconds += seconds
         self.data_wait += data_wait
         self.tokens += tokens
+
+    def end(self) -> float:
+        """Wall seconds from the first step's start to now, once the device has caught up."""
+        assert self._started is not None, "end() before any begin_step()"
+        _synchronize(self.device)
+        self._ended = time.perf_counter()
+        return self._ended - self._started
+
+    def next(self) -> _Interval:
+        """The interval that starts where this one ended."""
+        assert self._ended is not None, "next() before end()"
+        return _Interval(self.device, started=self._ended)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for every kernel queued on `device` (a no-op where work runs synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
