@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The harnesses that stand in for parts of a cluster (tests/cluster/) import as top-level
+# modules, as tests/operator/harness.py does.
+sys.path.insert(0, str(REPO / "tests" / "cluster"))
 
 # Tests never reach real AWS: fake credentials, and no metadata-service lookups.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -77,3 +82,50 @@ def prepared_corpus(tmp_path_factory: pytest.TempPathFactory) -> object:
                                  max_bytes=300_000, max_file_bytes=20_000)
     return prepare([str(corpus)], str(tmp_path_factory.mktemp("corpus")), vocab_size=2048,
                    shard_tokens=16 * 1024, validation_fraction=0.1, progress=False)
+
+
+_control_plane: Any = None  # the session's control plane, for failure reports
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real Kubernetes control plane (tests/cluster/control_plane.py) with the CRD installed.
+
+    Started once per session; its data and logs live under the session's temp dir, and
+    the tail of every component's log is added to the report of a test that fails with
+    it. Without binaries the tests that need it skip, saying how to get them; under
+    CI=true they fail instead, so CI never passes by skipping them.
+    """
+    global _control_plane
+    from control_plane import ControlPlane, ControlPlaneUnavailable
+
+    try:
+        plane = ControlPlane(tmp_path_factory.mktemp("control-plane"))
+    except ControlPlaneUnavailable as error:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI needs a Kubernetes control plane: {error}", pytrace=False)
+        pytest.skip(str(error))
+
+    def install_crd(plane: ControlPlane) -> None:
+        applied = plane.kubectl("apply", "--server-side", "-f",
+                                str(REPO / "crds" / "trainingjob.yaml"))
+        assert "Warning" not in applied.stderr, applied.stderr
+        plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                      "crd/trainingjobs.kubetrain.io")
+
+    plane.start(before_controllers=install_crd)
+    try:
+        _control_plane = plane
+        yield plane
+    finally:
+        _control_plane = None
+        plane.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed and _control_plane is not None and \
+            "control_plane" in getattr(item, "fixturenames", ()):
+        report.sections.append(("control plane logs", _control_plane.log_tails(lines=15)))
+    return report

@@ -1,42 +1,56 @@
-"""The operator scenarios against a real cluster (e.g. kind), when KUBECONFIG points at one.
+"""The operator's scenarios on a real Kubernetes control plane, run as the chart runs it.
 
-Run: install the CRD (`kubectl apply -f crds/trainingjob.yaml`), then
-`KUBECONFIG=~/.kube/config pytest tests/e2e -m e2e`. The operator runs in-process
-(standalone) with the kubeconfig's credentials; pods are never scheduled onto real
-trainer images, because each scenario drives pod phases through the status API
-exactly as the emulator tests do.
+The same scenarios as tests/operator (tests/operator/harness.py), but against real
+etcd, kube-apiserver, kube-controller-manager and kube-scheduler (the `control_plane`
+fixture), with `kubetrain operator` in its own process authenticated as the chart's
+ServiceAccount under the chart's RBAC. No kubelet runs here: the scenarios drive
+pod phases through the pods' status subresource, as a kubelet would report them.
+So what kmock's emulator fakes (garbage collection, the status and scale
+subresources, conflicts, list/watch) is shown on the real server too.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from operator_process import OperatorProcess, install_operator_identity
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(not os.environ.get("KUBECONFIG"),
-                       reason="e2e needs a real cluster: set KUBECONFIG (e.g. a kind cluster)"),
-]
+pytestmark = pytest.mark.e2e
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
 import harness  # noqa: E402
 
 
 class RealCluster:
-    """The parts of harness.EmulatedCluster the scenarios use, backed by KUBECONFIG."""
+    """What harness.Kube needs of a cluster: a kubeconfig, here the admin's."""
 
-    def __init__(self) -> None:
-        self.kubeconfig = Path(os.environ["KUBECONFIG"])
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
 
     api_client = harness.EmulatedCluster.api_client
 
 
+@pytest.fixture(scope="module")
+def operator(control_plane: Any, tmp_path_factory: pytest.TempPathFactory,
+             ) -> Iterator[OperatorProcess]:
+    """The operator with the default chart's ServiceAccount and cluster-wide RBAC."""
+    folder = tmp_path_factory.mktemp("operator")
+    kubeconfig = install_operator_identity(control_plane, {}, folder)
+    with OperatorProcess(kubeconfig, folder / "operator.log") as process:
+        yield process
+
+
 @pytest.mark.parametrize("scenario", harness.SCENARIOS, ids=lambda s: s.__name__[9:])
-def test_scenario_on_a_real_cluster(scenario: Callable[[harness.Kube], None]) -> None:
-    cluster = RealCluster()
-    with harness.running_operator(cluster):  # type: ignore[arg-type]
-        scenario(harness.Kube(cluster))  # type: ignore[arg-type]
+def test_scenario_on_a_real_control_plane(scenario: Callable[[harness.Kube], None],
+                                          control_plane: Any,
+                                          operator: OperatorProcess) -> None:
+    try:
+        scenario(harness.Kube(RealCluster(control_plane.kubeconfig)))  # type: ignore[arg-type]
+    except BaseException:
+        print(f"---- operator log\n{operator.log_tail()}")
+        raise
+    assert not operator.denied_requests(), "\n".join(operator.denied_requests())

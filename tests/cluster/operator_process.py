@@ -1,0 +1,149 @@
+"""The operator as the Helm chart runs it: its own process, its ServiceAccount, its RBAC.
+
+`install_operator_identity` renders the chart with Helm's own engine
+(helm-python-sdk), applies only the ServiceAccount and RBAC objects to the control
+plane (the operator's Deployment cannot run without a kubelet; `OperatorProcess` plays
+that pod), and returns a kubeconfig holding a token the API server issued for that
+ServiceAccount (TokenRequest, as the kubelet projects it into the pod). So every call
+the operator makes is authorised by the chart's rules, never by an admin.
+
+`OperatorProcess` runs `python -m kubetrain operator` with the same arguments the
+chart's Deployment passes, logs to a file, and can be killed with SIGKILL and
+started again, as a node crash or an OOM kill would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+from control_plane import REPO, ControlPlane, free_port
+
+RELEASE = "kubetrain"
+RELEASE_NAMESPACE = "kubetrain-system"
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+def render_chart(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chart's objects as `helm template` renders them with `values`."""
+    import helm_python
+
+    with helm_python.Chart.load(REPO / "charts" / "kubetrain") as chart:
+        manifests = chart.render(values, name=RELEASE, namespace=RELEASE_NAMESPACE,
+                                 is_install=True)
+    return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def install_operator_identity(plane: ControlPlane, values: dict[str, Any],
+                              directory: Path) -> Path:
+    """Apply the chart's ServiceAccount and RBAC for `values`; a kubeconfig with its token."""
+    objects = [o for o in render_chart(values) if o["kind"] in RBAC_KINDS]
+    namespaces = {RELEASE_NAMESPACE} | {o["metadata"]["namespace"] for o in objects
+                                        if o["metadata"].get("namespace")}
+    for namespace in sorted(namespaces):
+        plane.kubectl("create", "namespace", namespace, check=False)
+    plane.kubectl("apply", "--server-side", "-f", "-",
+                  input=yaml.safe_dump_all(objects))
+    account = next(o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount")
+    token = plane.kubectl("create", "token", account, "-n", RELEASE_NAMESPACE,
+                          "--duration=6h").stdout.strip()
+    return plane.write_kubeconfig(directory / f"{account}.kubeconfig",
+                                  f"system:serviceaccount:{RELEASE_NAMESPACE}:{account}", token,
+                                  namespace=RELEASE_NAMESPACE)
+
+
+class OperatorProcess:
+    """`kubetrain operator` in a subprocess; start, kill -9, start again."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path, namespaces: tuple[str, ...] = (),
+                 resync_seconds: float = 1.0) -> None:
+        self.kubeconfig, self.log_path = kubeconfig, log_path
+        self.namespaces, self.resync_seconds = namespaces, resync_seconds
+        self.metrics_port = self.health_port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._log: IO[bytes] | None = None
+
+    def __enter__(self) -> OperatorProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start it (as the chart's single-replica Deployment does) and wait for /healthz."""
+        self.metrics_port, self.health_port = free_port(), free_port()
+        self._log = self.log_path.open("ab")
+        self._log.write(f"---- start {self.starts + 1}\n".encode())
+        self._log.flush()
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        args = [sys.executable, "-m", "kubetrain", "operator", "--standalone",
+                f"--metrics-port={self.metrics_port}", f"--health-port={self.health_port}",
+                f"--resync-seconds={self.resync_seconds}",
+                *(f"--namespace={n}" for n in self.namespaces)]
+        self.process = subprocess.Popen(args, env=env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.starts += 1
+        self._wait_healthy()
+
+    def _wait_healthy(self, timeout: float = 60) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"the operator exited with {self.process.returncode}:\n"
+                                     f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(
+                        f"http://127.0.0.1:{self.health_port}/healthz", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"the operator's /healthz did not answer in {timeout:.0f}s:\n"
+                             f"{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handler runs, as when its node or the OOM killer ends it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+        self._close_log()
+
+    def stop(self) -> None:
+        """SIGTERM, as when its pod is deleted; SIGKILL after 20 s."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._close_log()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def denied_requests(self) -> list[str]:
+        """Log lines where the API server refused the operator (403 Forbidden)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return [line for line in text.splitlines() if "403" in line and "orbidden" in line]
