@@ -118,6 +118,10 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     # kopf posts its own log lines as events on the job: only its warnings, not its chatter.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 32
+    # The watched resources are fixed (TrainingJobs, Pods, Nodes): no need to observe
+    # CustomResourceDefinitions and namespaces at run time, which would take a cluster-wide
+    # list/watch on CRDs that the chart's least-privilege RBAC does not grant.
+    settings.scanning.disabled = True
 
     metrics_server, metrics_thread = start_http_server(
         config.metrics_port, registry=controller.metrics.registry)
