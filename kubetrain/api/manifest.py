@@ -7,6 +7,7 @@ what is wrong, and what to do.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,21 @@ import yaml
 from pydantic import ValidationError
 
 from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
+
+
+class _KubernetesYamlLoader(yaml.SafeLoader):
+    """YAML read as Kubernetes reads it: `3e-4` and `1e-05` are numbers.
+
+    PyYAML follows YAML 1.1, where a float needs a dot, so `learningRate: 3e-4` (and
+    what `kubectl get -o yaml` prints for small floats, e.g. `normEps: 1e-05`) would be
+    strings; Kubernetes (YAML 1.2's core schema) reads them as numbers.
+    """
+
+
+_KubernetesYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 
 
 @dataclass(frozen=True)
@@ -133,7 +149,8 @@ def load_documents(path: str | Path) -> list[Any]:
 
     text = sys.stdin.read() if str(path) == "-" else Path(path).read_text()
     try:
-        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        return [doc for doc in yaml.load_all(text, Loader=_KubernetesYamlLoader)
+                if doc is not None]
     except yaml.YAMLError as error:
         raise InvalidManifest([Problem("", f"not valid YAML: {error}")], str(path)) from None
 

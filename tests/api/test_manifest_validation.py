@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kubetrain.api import InvalidManifest, load_job, parse_job
+from kubetrain.api.manifest import load_documents
 from kubetrain.validate import check_document, schema_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,3 +181,17 @@ def test_min_greater_than_max_reads_like_a_sentence(minimal_manifest: dict[str, 
     with pytest.raises(InvalidManifest) as raised:
         parse_job(minimal_manifest)
     assert "spec.workers.minReplicas (4) is greater than maxReplicas (2)" in str(raised.value)
+
+
+def test_exponent_floats_read_as_numbers_as_kubernetes_reads_them(
+        tmp_path: Path, minimal_manifest: dict[str, Any]) -> None:
+    # PyYAML alone reads `3e-4` as a string; kubectl prints small floats that way too.
+    text = yaml.safe_dump(minimal_manifest) + "  optimization: {learningRate: 3e-4}\n" \
+        + "  model: {preset: tiny, normEps: 1e-05}\n"
+    text = text.replace("  model:\n    preset: tiny\n", "")
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    (document,) = load_documents(path)
+    assert document["spec"]["optimization"]["learningRate"] == 3e-4
+    assert check_document(document) == []
+    assert load_job(path).spec.model.norm_eps == 1e-05
