@@ -23,7 +23,7 @@ LOG_FIELDS = {
     "eval": {"event", "step", "val_loss", "perplexity", "time"},
     "checkpoint": {"event", "step", "uri", "time"},
     "resumed": {"event", "step", "uri", "world_size", "time"},
-    "start": {"event", "step", "world_size", "time"},
+    "start": {"event", "step", "world_size", "output_loss", "time"},
     "finished": {"event", "step", "reason", "best_val_loss", "export_uri", "time"},
 }
 

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -52,6 +51,7 @@ from kubetrain.trainer.checkpoint import Checkpointer, CheckpointInfo, ModelStat
 from kubetrain.trainer.data import TokenDataset, build_datasets
 from kubetrain.trainer.distributed import StopRequest, World, init_world, shutdown_world
 from kubetrain.trainer.export import export_model
+from kubetrain.trainer.loss import select_output_loss
 from kubetrain.trainer.metrics import Reporter, StepReport, peak_flops
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.optim import build_optimizer, build_schedule
@@ -113,6 +113,7 @@ class _Run:
     app_state: dict[str, Any]
     checkpointer: Checkpointer
     reporter: Reporter
+    output_loss: tuple[str, str]  # the implementation's name, and why it was chosen
 
     def close(self) -> None:
         """Wait for a checkpoint in flight, stop prefetching, stop serving metrics."""
@@ -175,6 +176,7 @@ class Trainer:
         # Every rank draws the same initial weights; FSDP2 then keeps each rank's shard.
         torch.manual_seed(opt.seed)
         model = Transformer(dims, max_seq_len=spec.data.seq_len)
+        model.output_loss, why = select_output_loss(world.device)
         parallel = parallelize(model, spec.parallelism, world.mesh, world.device)
         optimizer = build_optimizer(parallel.module, opt, spec.learning_rate, world.device)
         schedule = build_schedule(optimizer, peak=spec.learning_rate,
@@ -196,7 +198,7 @@ class Trainer:
         checkpointer = Checkpointer(spec, rank=world.rank, world_size=world.world_size,
                                     model_dims=dims, on_commit=committed)
         return _Run(world, dims, parallel, optimizer, schedule, train_data, validation_data,
-                    progress, app_state, checkpointer, reporter)
+                    progress, app_state, checkpointer, reporter, (model.output_loss.name, why))
 
     def _train(self, run: _Run, stop: StopRequest) -> FitResult:
         """The loop: one iteration per optimizer step."""
@@ -209,7 +211,7 @@ class Trainer:
             resumed_from = run.checkpointer.latest.uri if run.checkpointer.latest else str(
                 spec.checkpoint.resume_from)
             reporter.resumed(step, resumed_from, world.world_size)
-        reporter.started(step, world.world_size)
+        reporter.started(step, world.world_size, *run.output_loss)
 
         accumulation = spec.gradient_accumulation(world.world_size)
         local_tokens = accumulation * opt.micro_batch_size * spec.data.seq_len
@@ -235,10 +237,9 @@ class Trainer:
             loss_sum = torch.zeros((), device=device)
             for index, (inputs, targets) in enumerate(batches):
                 with parallel.gradient_sync(index == accumulation - 1), parallel.autocast():
-                    logits = model(inputs.to(device, non_blocking=True))
-                    loss = F.cross_entropy(logits.float().flatten(0, 1),
-                                           targets.to(device, non_blocking=True).flatten(),
-                                           reduction="sum") / local_tokens
+                    # The model returns the summed token loss without holding the logits.
+                    loss = model(inputs.to(device, non_blocking=True),
+                                 targets.to(device, non_blocking=True)) / local_tokens
                 (parallel.scaler.scale(loss) if parallel.scaler else loss).backward()
                 loss_sum += loss.detach()
 
@@ -324,9 +325,7 @@ def evaluate(parallel: ParallelModel, data: TokenDataset, batches: int,
     with torch.no_grad(), parallel.autocast():
         for _ in range(batches):
             inputs, targets = next(data)
-            logits = model(inputs.to(device))
-            totals[0] += F.cross_entropy(logits.float().flatten(0, 1),
-                                         targets.to(device).flatten(), reduction="sum")
+            totals[0] += model(inputs.to(device), targets.to(device))
             totals[1] += targets.numel()
     model.train()
     dist.all_reduce(totals)

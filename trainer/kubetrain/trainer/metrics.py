@@ -139,12 +139,15 @@ class Reporter:
 
     # --- events -------------------------------------------------------------------------
 
-    def started(self, step: int, world_size: int) -> None:
+    def started(self, step: int, world_size: int, output_loss: str = "", why: str = "") -> None:
+        """The loop begins; `output_loss` names the loss implementation chosen (loss.py)."""
         if not self.enabled:
             return
         STEP.set(step)
-        self._event("start", step=step, world_size=world_size)
+        self._event("start", step=step, world_size=world_size, output_loss=output_loss)
         self._print(f"training from step {step} to {self.max_steps} with {world_size} processes")
+        if output_loss:
+            self._print(f"output projection and loss: {output_loss} ({why})")
 
     def resumed(self, step: int, uri: str, world_size: int) -> None:
         self._event("resumed", step=step, uri=uri, world_size=world_size)

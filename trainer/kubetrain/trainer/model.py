@@ -5,7 +5,9 @@ RMSNorm, rotary position embeddings, grouped-query attention through
 input/output embeddings. Nothing here knows about parallelism, precision or
 activation checkpointing: `parallelize.py` applies those from outside, so this
 file reads like the architecture and nothing else. Parameter counts and FLOPs
-per token live beside it in `sizing.py`.
+per token live beside it in `sizing.py`. Given targets, the model returns the
+summed token loss instead of the logits, through `output_loss` (loss.py), which
+never holds the whole [tokens, vocab] logits; the trainer picks the implementation.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubetrain.api.trainingjob import ModelDims
+from kubetrain.trainer.loss import OutputLoss, chunked_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +109,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids [batch, seq] → next-token logits [batch, seq, vocab]."""
+    """Token ids [batch, seq] → next-token logits [batch, seq, vocab], or with targets
+    [batch, seq] the summed fp32 cross-entropy of the next tokens (a scalar)."""
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -126,6 +130,8 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(dims.dim // dims.n_heads, max_seq_len, dims.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The loss through the output projection; the trainer may choose another (loss.py).
+        self.output_loss = OutputLoss("chunked", chunked_cross_entropy)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -150,7 +156,7 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = tokens.shape[1]
         if seq > self.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the model's "
@@ -159,4 +165,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         for block in self.layers:
             x = block(x, cos, sin)
-        return self.output(self.norm(x))
+        hidden = self.norm(x)
+        if targets is None:
+            return self.output(hidden)
+        return self.output_loss(hidden.flatten(0, 1), self.output.weight, targets.flatten())

@@ -1,0 +1,71 @@
+"""A torchrun worker for the loss test: the chunked loss against the full one under FSDP2.
+
+    fsdp_loss_worker.py PRECISION OUT
+
+Every rank builds the same small Transformer (vocabulary 1000, untied output) and
+shards it with `parallelize` (FSDP2 over all ranks, as the trainer does), then,
+on its own batch, runs forward and backward once with the full logits and once
+with the chunked loss (chunks of 37 tokens, so several, the last one short).
+Rank 0 writes both losses (summed over ranks) and both sets of full, unsharded
+gradients to OUT.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from kubetrain.api.trainingjob import ModelDims, ParallelismSpec
+from kubetrain.trainer.distributed import init_world
+from kubetrain.trainer.loss import (
+    OutputLoss,
+    OutputLossFn,
+    chunked_cross_entropy,
+    full_cross_entropy,
+)
+from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.parallelize import parallelize
+
+DIMS = ModelDims(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_dim=128,
+                 tie_embeddings=False, rope_theta=10000.0)
+
+
+def main(precision: str, out: str) -> None:
+    torch.set_num_threads(1)
+    world = init_world()
+    torch.manual_seed(0)
+    model = Transformer(DIMS, max_seq_len=48)
+    spec = ParallelismSpec(strategy="fsdp", precision=precision)
+    parallel = parallelize(model, spec, world.mesh, world.device)
+    generator = torch.Generator().manual_seed(1 + world.rank)
+    tokens = torch.randint(0, DIMS.vocab_size, (3, 49), generator=generator)
+    results = {}
+    implementations: dict[str, OutputLossFn] = {
+        "full": full_cross_entropy,
+        "chunked": functools.partial(chunked_cross_entropy, chunk=37),
+    }
+    for name, fn in implementations.items():
+        model.output_loss = OutputLoss(name, fn)
+        with parallel.autocast():
+            loss = parallel.module(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        grads = {}
+        for key, parameter in parallel.module.named_parameters():
+            grad = parameter.grad
+            assert grad is not None, key
+            grads[key] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).clone()
+        parallel.module.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        results[name] = {"loss": total, "grads": grads}
+    if world.rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,170 @@
+"""The output projection + cross-entropy without full logits (loss.py) equals the plain one.
+
+Loss and gradients of the chunked implementation against the full logits: as
+functions, through the model (tied and untied output, fp32 and bf16 autocast),
+and under FSDP2 with two gloo ranks started by torchrun. And the point of it:
+autograd never keeps a tensor as large as the full logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kubetrain.api.trainingjob import ModelDims
+from kubetrain.trainer.loss import (
+    OUTPUT_LOSS_ENV,
+    OutputLoss,
+    chunk_tokens,
+    chunked_cross_entropy,
+    full_cross_entropy,
+    select_output_loss,
+)
+from kubetrain.trainer.model import Transformer
+
+WORKER = Path(__file__).with_name("fsdp_loss_worker.py")
+
+
+def _dims(tie: bool) -> ModelDims:
+    return ModelDims(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=500, ffn_dim=64,
+                     tie_embeddings=tie, rope_theta=10000.0)
+
+
+def assert_close_in(precision: str, actual: torch.Tensor, expected: torch.Tensor,
+                    key: str = "") -> None:
+    """fp32: element by element. bf16: as a whole, relative to its norm, since each side
+    rounds its matmul outputs to bf16 at different places (per chunk, or once)."""
+    if precision == "fp32":
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=key or None)
+    else:
+        error = float((actual.detach().float() - expected.float()).norm() / expected.float().norm())
+        assert error < 1e-2, f"{key}: relative error {error:.2e}"
+
+
+def _grad(parameter: torch.Tensor) -> torch.Tensor:
+    assert parameter.grad is not None
+    return parameter.grad.clone()
+
+
+def _loss_and_grads(fn, hidden, weight, targets):  # type: ignore[no-untyped-def]
+    hidden = hidden.detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    loss = fn(hidden, weight, targets)
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 1000])
+def test_chunked_loss_and_gradients_equal_the_full_logits_in_fp32(chunk: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(100, 16, generator=generator)
+    weight = torch.randn(300, 16, generator=generator)
+    targets = torch.randint(0, 300, (100,), generator=generator)
+    reference = F.cross_entropy(hidden @ weight.t(), targets, reduction="sum")
+
+    full = _loss_and_grads(full_cross_entropy, hidden, weight, targets)
+    chunked = _loss_and_grads(functools.partial(chunked_cross_entropy, chunk=chunk),
+                              hidden, weight, targets)
+    torch.testing.assert_close(full[0], reference)
+    for a, b in zip(full, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_given_targets_returns_the_loss_of_its_logits(tie: bool,
+                                                                  dtype: torch.dtype) -> None:
+    """model(tokens, targets) against cross-entropy of model(tokens), as the loop used to."""
+    torch.manual_seed(0)
+    model = Transformer(_dims(tie), max_seq_len=32)
+    tokens = torch.randint(0, 500, (3, 33))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+
+    with autocast:
+        logits = model(inputs)
+        expected = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   reduction="sum")
+    expected.backward()
+    expected_grads = {k: _grad(p) for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    model.output_loss = OutputLoss("chunked", functools.partial(chunked_cross_entropy, chunk=10))
+    with autocast:
+        loss = model(inputs, targets)
+    loss.backward()
+
+    assert loss.dtype == torch.float32
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    assert_close_in(precision, loss, expected)
+    for key, parameter in model.named_parameters():
+        assert_close_in(precision, _grad(parameter), expected_grads[key], key)
+
+
+def test_chunked_loss_never_keeps_a_tensor_as_large_as_the_logits() -> None:
+    """What autograd saves for backward, by size: the full loss keeps [tokens, vocab]."""
+    tokens, vocab = 256, 2000
+    hidden = torch.randn(tokens, 32, requires_grad=True)
+    weight = torch.randn(vocab, 32, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+
+    def largest_saved(fn) -> int:  # type: ignore[no-untyped-def]
+        sizes = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            sizes.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = fn(hidden, weight, targets)
+        loss.backward()
+        return max(sizes)
+
+    assert largest_saved(full_cross_entropy) >= tokens * vocab
+    assert largest_saved(functools.partial(chunked_cross_entropy, chunk=32)) <= vocab * 32
+
+
+def test_chunks_hold_about_a_quarter_gib_of_fp32_logits() -> None:
+    assert chunk_tokens(128_256) == 523
+    assert chunk_tokens(10) == 256 * 1024**2 // 40
+
+
+def test_the_cpu_gets_the_chunked_loss_and_the_environment_can_choose(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OUTPUT_LOSS_ENV, raising=False)
+    chosen, why = select_output_loss(torch.device("cpu"))
+    assert chosen.name == "chunked" and "CUDA" in why
+    monkeypatch.setenv(OUTPUT_LOSS_ENV, "full")
+    assert select_output_loss(torch.device("cpu"))[0].name == "full"
+    monkeypatch.setenv(OUTPUT_LOSS_ENV, "liger")
+    with pytest.raises(ValueError, match="KUBETRAIN_OUTPUT_LOSS=liger needs a CUDA device"):
+        select_output_loss(torch.device("cpu"))
+    monkeypatch.setenv(OUTPUT_LOSS_ENV, "fused")
+    with pytest.raises(ValueError, match="'fused' is not one of auto, full, chunked, liger"):
+        select_output_loss(torch.device("cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_chunked_loss_equals_the_full_logits_under_fsdp2_with_two_ranks(
+        precision: str, tmp_path: Path) -> None:
+    out = tmp_path / "results.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(WORKER), precision, str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    results = torch.load(out)
+    full, chunked = results["full"], results["chunked"]
+    assert_close_in(precision, chunked["loss"], full["loss"])
+    assert full["grads"].keys() == chunked["grads"].keys()
+    for key, grad in full["grads"].items():
+        assert grad.abs().sum() > 0, key
+        assert_close_in(precision, chunked["grads"][key], grad, key)

@@ -1,0 +1,134 @@
+"""The output projection and next-token cross-entropy, without holding the full logits.
+
+A model's last hidden states [tokens, dim] times the output weight [vocab, dim]
+make logits [tokens, vocab]: with a 128k vocabulary, 8 x 2048 tokens of fp32
+logits are 8 GiB, and autograd keeps them, their fp32 copy and their gradient.
+Every implementation here takes the hidden states, the weight and the targets
+and returns the summed token loss in fp32; they differ only in what they hold:
+
+- `full`: the plain computation (logits, then `F.cross_entropy`): the reference.
+- `chunked`: pure PyTorch, runs everywhere. The tokens are cut into chunks of
+  about `CHUNK_LOGITS_BYTES` of fp32 logits; each chunk is activation-
+  checkpointed, so forward keeps only its inputs and backward recomputes one
+  chunk's logits at a time (one extra output matmul in exchange for the memory).
+- `liger`: Liger Kernel's fused linear cross-entropy (CUDA, when `liger-kernel`
+  is installed): chunked too, with the gradients computed in forward and no
+  recomputation.
+
+`select_output_loss` picks one: `liger` on CUDA when it imports, else `chunked`;
+`KUBETRAIN_OUTPUT_LOSS=full|chunked|liger` overrides the choice (for
+benchmarks and diagnosis). The matmul runs in the autocast dtype when autocast
+is on, as `nn.Linear` would; the softmax and the loss are fp32. This module owns
+the loss arithmetic only: the model calls it, the loop chooses it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_LOGITS_BYTES = 256 * 1024**2  # fp32 logits of one chunk: 512 tokens of a 128k vocabulary
+OUTPUT_LOSS_ENV = "KUBETRAIN_OUTPUT_LOSS"
+LIGER_MODULE = "liger_kernel.transformers.functional"
+
+OutputLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OutputLoss:
+    """A named implementation: `fn(hidden [N, dim], weight [vocab, dim], targets [N])`."""
+
+    name: str
+    fn: OutputLossFn
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
+                 targets: torch.Tensor) -> torch.Tensor:
+        return self.fn(hidden, weight, targets)
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take about `CHUNK_LOGITS_BYTES`."""
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
+
+
+def full_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                       targets: torch.Tensor) -> torch.Tensor:
+    """Summed token loss through the whole logits tensor (what `nn.Linear` + CE would do)."""
+    dtype = _compute_dtype(hidden, weight)
+    return _chunk_loss(hidden.to(dtype), weight, targets, dtype)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk: int | None = None) -> torch.Tensor:
+    """Summed token loss, one checkpointed chunk of `chunk` tokens at a time."""
+    dtype = _compute_dtype(hidden, weight)
+    hidden = hidden.to(dtype)
+    chunk = chunk or chunk_tokens(weight.shape[0])
+    if not torch.is_grad_enabled() or hidden.shape[0] <= chunk:
+        # Nothing to recompute (evaluation), or a single chunk: no checkpoint needed.
+        losses = [_chunk_loss(h, weight, t, dtype)
+                  for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)]
+    else:
+        losses = [checkpoint(_chunk_loss, h, weight, t, dtype, use_reentrant=False)
+                  for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)]
+    return torch.stack(losses).sum()
+
+
+def liger_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                        targets: torch.Tensor) -> torch.Tensor:
+    """Summed token loss through Liger Kernel's fused linear cross-entropy (CUDA only)."""
+    liger = importlib.import_module(LIGER_MODULE)  # optional: imported by name, untyped
+    dtype = _compute_dtype(hidden, weight)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    loss = liger.liger_fused_linear_cross_entropy(hidden, weight, targets, reduction="sum",
+                                                  accum_dtype=torch.float32)
+    return torch.as_tensor(loss).float()
+
+
+IMPLEMENTATIONS: dict[str, OutputLossFn] = {
+    "full": full_cross_entropy, "chunked": chunked_cross_entropy, "liger": liger_cross_entropy,
+}
+
+
+def select_output_loss(device: torch.device) -> tuple[OutputLoss, str]:
+    """The implementation for `device` and a sentence saying why it was chosen."""
+    asked = os.environ.get(OUTPUT_LOSS_ENV, "auto")
+    if asked not in (*IMPLEMENTATIONS, "auto"):
+        raise ValueError(f"{OUTPUT_LOSS_ENV}={asked!r} is not one of auto, "
+                         f"{', '.join(IMPLEMENTATIONS)}")
+    if asked != "auto":
+        if asked == "liger" and device.type != "cuda":
+            raise ValueError(f"{OUTPUT_LOSS_ENV}=liger needs a CUDA device, not {device.type}")
+        return OutputLoss(asked, IMPLEMENTATIONS[asked]), f"set by {OUTPUT_LOSS_ENV}"
+    if device.type != "cuda":
+        return OutputLoss("chunked", chunked_cross_entropy), "Liger Kernel needs CUDA"
+    try:
+        importlib.import_module(LIGER_MODULE)
+    except ImportError as error:
+        return (OutputLoss("chunked", chunked_cross_entropy),
+                f"liger-kernel is not importable ({error}); pip install 'kubetrain[gpu]'")
+    return OutputLoss("liger", liger_cross_entropy), "liger-kernel is installed"
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype `nn.Linear` would compute in: autocast's when it is on."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    # The weight is cast inside the chunk, so the chunks' weight gradients add up in
+    # the weight's own dtype (fp32 master weights under autocast), not in bf16.
+    # The logits come out in the compute dtype (as nn.Linear's), the loss is fp32.
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = hidden @ weight.to(dtype).t()
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
