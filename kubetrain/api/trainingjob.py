@@ -66,6 +66,14 @@ def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     return entry
 
 
+# What `_check_uri` refuses, the API server refuses too, so `kubectl apply` fails at once
+# instead of the job failing later; the length bound keeps the rule's CEL cost small.
+URI_RULES: JsonDict = {"x-kubetrain-cel": [cel(
+    "!self.contains('://') || self.startsWith('s3://') || self.startsWith('file://')",
+    "unsupported scheme: use s3://bucket/prefix, file:///path or a plain path")]}
+URI_MAX_LENGTH = 2048
+
+
 class ApiModel(BaseModel):
     """Base for every API object: camelCase on the wire, unknown fields rejected."""
 
@@ -117,7 +125,15 @@ class EnvVarSource(ApiModel):
 class EnvVar(ApiModel):
     """An environment variable of the trainer container."""
 
-    name: str = Field(description="Variable name.")
+    # The server refuses a literal credential too, so it is never stored in the spec.
+    model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [cel(
+        "!(self.name.upperAscii() in " + str(sorted(CREDENTIAL_ENV_NAMES)).replace("'", '"')
+        + ") || !has(self.value)",
+        "is a credential and must not be written into the spec: store it in a Secret and "
+        "use valueFrom.secretKeyRef (or spec.storage.credentialsSecret for S3 keys)", ".value"),
+    ]})
+
+    name: str = Field(min_length=1, max_length=256, description="Variable name.")
     value: str | None = Field(default=None, description="Literal value.")
     value_from: EnvVarSource | None = Field(
         default=None, description="Where the value comes from, instead of a literal value."
@@ -160,7 +176,8 @@ class PodTemplate(ApiModel):
         description="Service account of the pods (for IRSA / workload identity to reach S3).",
     )
     env: list[EnvVar] = Field(
-        default_factory=list, description="Extra environment variables of the trainer."
+        default_factory=list, max_length=256,  # bounds keep the CEL rule's cost in budget
+        description="Extra environment variables of the trainer."
     )
     volumes: list[dict[str, Any]] = Field(
         default_factory=list, description="Extra pod volumes (Kubernetes Volume objects)."
@@ -314,17 +331,17 @@ class DataSpec(ApiModel):
     ]})
 
     train: str = Field(
-        min_length=1,
+        min_length=1, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
         description="URI of the prepared training shards: s3://bucket/prefix, file:///path "
         "or a path.",
     )
     validation: str | None = Field(
-        default=None,
+        default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
         description="URI of prepared validation shards; defaults to the split that "
         "`kubetrain prepare` wrote beside the training shards, if any.",
     )
     tokenizer: str | None = Field(
-        default=None,
+        default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
         description="URI of a tokenizer.json; defaults to the one recorded with the shards.",
     )
     seq_len: int = Field(
@@ -407,6 +424,8 @@ class OptimizationSpec(ApiModel):
     weight_decay: float = Field(default=0.1, ge=0, description="Decoupled weight decay.")
     betas: tuple[float, float] = Field(
         default=(0.9, 0.95), description="Adam betas [beta1, beta2].",
+        json_schema_extra={"x-kubetrain-cel": [cel(
+            "self.all(beta, beta >= 0.0 && beta < 1.0)", "each beta must be in [0, 1)")]},
     )
     eps: float = Field(default=1e-8, gt=0, description="Adam epsilon.")
     momentum: float = Field(default=0.9, ge=0, lt=1, description="sgd only: momentum.")
@@ -469,10 +488,12 @@ class ParallelismSpec(ApiModel):
     strategy: Literal["fsdp", "ddp"] = Field(
         default="fsdp", description="fsdp (FSDP2, sharded) or ddp (replicated)."
     )
-    precision: Literal["bf16", "fp16", "fp32"] = Field(
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = Field(
         default="bf16",
         description="Compute precision: bf16 (fp32 master weights and reductions), fp16 "
-        "(with a gradient scaler) or fp32.",
+        "(with a gradient scaler), fp32, or fp8: bf16 with the transformer blocks' linear "
+        "layers in float8 (torchao; FSDP2 gathers their weights in float8), on GPUs with "
+        "float8 support only (compute capability 8.9 or newer: Ada, Hopper, Blackwell).",
     )
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         default="none",
@@ -490,7 +511,7 @@ class CheckpointSpec(ApiModel):
     ]})
 
     uri: str = Field(
-        min_length=1,
+        min_length=1, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
         description="Where checkpoints go: s3://bucket/prefix, file:///path or a path. The "
         "job resumes from the newest complete checkpoint found here.",
     )
@@ -503,7 +524,7 @@ class CheckpointSpec(ApiModel):
         description="Upload in the background while training continues.",
     )
     resume_from: str | None = Field(
-        default=None,
+        default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
         description="Checkpoint URI of another job to start from when this job has none yet.",
     )
     export: bool = Field(

@@ -1,21 +1,28 @@
 """How a plain model becomes a distributed, mixed-precision training model.
 
 `parallelize` is the one place parallelism is applied, in torchtitan's order:
-activation checkpointing → torch.compile → FSDP2 (`fully_shard` per block, then
-the root) or DDP. It returns a `ParallelModel` that tells the loop the three
-things that differ between strategies: how to compute in the job's precision,
+float8 conversion (fp8 only) → activation checkpointing → torch.compile → FSDP2
+(`fully_shard` per block, then the root) or DDP. It returns a `ParallelModel`
+that tells the loop the three things that differ between strategies: how to
+compute in the job's precision,
 how to skip gradient synchronisation on non-final micro-steps, and which
 gradient scaler (fp16 only) to use.
 
 Precision: with FSDP2 the `MixedPrecisionPolicy` casts parameters to bf16/fp16
 for compute and reduces gradients in fp32, keeping fp32 master weights; with DDP
 (and a single process, which is left unwrapped) `torch.autocast` does the same
-job. fp32 runs unchanged.
+job. fp32 runs unchanged. fp8 is bf16 with every transformer block's linear
+layers swapped for torchao's `Float8Linear` (dynamic tensorwise scaling; under
+FSDP2 their weights are all-gathered in float8). The output projection stays
+bf16: its loss (loss.py) reads its weight directly, and float8 would cost the
+most accuracy there. fp8 is refused, naming the field, on CPUs and on GPUs
+without float8 tensor cores, and when torchao is not installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -32,7 +39,14 @@ from torch.nn.parallel import DistributedDataParallel
 from kubetrain.api.trainingjob import ParallelismSpec
 from kubetrain.trainer.model import Transformer
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                  "fp8": torch.bfloat16}  # fp8: float8 matmuls inside a bf16 model
+FLOAT8_CAPABILITY = (8, 9)  # Ada and Hopper are the first with float8 tensor cores
+INSTALL_GPU_EXTRA = "pip install 'kubetrain[gpu]' (or pip install torchao)"
+
+
+class PrecisionUnsupported(ValueError):
+    """The job's precision cannot run on this device or with the installed packages."""
 
 
 @dataclass
@@ -57,7 +71,12 @@ class ParallelModel:
 def parallelize(
     model: Transformer, spec: ParallelismSpec, mesh: DeviceMesh, device: torch.device
 ) -> ParallelModel:
-    """Apply activation checkpointing, compile and FSDP2/DDP to `model`, placing it on `device`."""
+    """Apply float8, activation checkpointing, compile and FSDP2/DDP to `model` on `device`."""
+    world_size = mesh.size()
+    if spec.precision == "fp8":
+        # Before anything moves to the device: a job that cannot run fails at once.
+        convert_to_float8(model, device, all_gather_in_float8=(
+            spec.strategy == "fsdp" and world_size > 1))
     model.to(device)
     for index, block in enumerate(model.layers):
         # selective: every other block, halving activation memory for ~half the recompute.
@@ -70,7 +89,6 @@ def parallelize(
         model.layers[index] = block
 
     dtype = COMPUTE_DTYPES[spec.precision]
-    world_size = mesh.size()
     if spec.strategy == "fsdp" and world_size > 1:
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for block in model.layers:
@@ -96,6 +114,46 @@ def parallelize(
         scaler=GradScaler(device.type) if spec.precision == "fp16" else None,
         _skip_sync=skip_sync,
     )
+
+
+def float8_unsupported(device: torch.device) -> str | None:
+    """Why float8 training cannot run on `device`, or None when it can."""
+    if device.type != "cuda":
+        return (f"this process trains on {device.type}, and float8 training needs an NVIDIA "
+                "GPU with float8 tensor cores")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FLOAT8_CAPABILITY:
+        return (f"{torch.cuda.get_device_name(device)} has compute capability "
+                f"{capability[0]}.{capability[1]}, and float8 tensor cores need "
+                f"{FLOAT8_CAPABILITY[0]}.{FLOAT8_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell)")
+    return None
+
+
+def convert_to_float8(model: Transformer, device: torch.device,
+                      all_gather_in_float8: bool) -> None:
+    """Swap the transformer blocks' linear layers for torchao's Float8Linear, in place.
+
+    Raises PrecisionUnsupported, naming `parallelism.precision`, where float8
+    cannot run or torchao is missing.
+    """
+    reason = float8_unsupported(device)
+    if reason is not None:
+        raise PrecisionUnsupported(
+            f"parallelism.precision: fp8 is not supported here: {reason}. Use precision bf16.")
+    try:
+        float8 = importlib.import_module("torchao.float8")  # optional dependency, untyped
+    except ImportError as error:
+        raise PrecisionUnsupported(
+            f"parallelism.precision: fp8 needs torchao, which is not installed ({error}): "
+            f"{INSTALL_GPU_EXTRA}") from error
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather_in_float8)
+
+    def in_a_block(module: nn.Module, name: str) -> bool:
+        # float8 matmuls need both dimensions divisible by 16.
+        return (name.startswith("layers.") and isinstance(module, nn.Linear)
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=in_a_block)
 
 
 def _autocast(
