@@ -1,0 +1,656 @@
+"""A node agent for tests: registers Nodes and runs the pods bound to them as local processes.
+
+What it does as a kubelet does:
+- registers each of its Nodes (capacity and allocatable cpu/memory/pods, an
+  InternalIP, the Ready condition) and heartbeats through a Lease in
+  `kube-node-lease` every 2 s, so kube-controller-manager's node lifecycle
+  controller sees the node alive, and marks it NotReady when the heartbeats stop;
+- runs each pod that the real kube-scheduler binds to one of its nodes
+  (spec.nodeName): the first container's command and args in its workingDir,
+  with its env (literal values, secretKeyRef / configMapKeyRef read from the
+  API, fieldRef of the downward API) and its ConfigMap, Secret and emptyDir
+  volumes at their mount paths (emptyDir medium Memory is a tmpfs);
+- gives each pod its own network namespace and IP (see `pod_network`), its hostname
+  in a UTS namespace, and an /etc/hosts that names every running pod of the
+  agent as `<hostname>.<subdomain>.<namespace>.svc.cluster.local`,
+  `<hostname>.<subdomain>` and `<hostname>` (what cluster DNS answers for pods
+  behind a headless Service);
+- writes pod status as the kubelet does: Pending (ContainerCreating) → Running
+  with podIP, hostIP, conditions and a running container state → Succeeded or
+  Failed with the container's exit code (128 + signal when killed) and reason
+  (Completed, Error); restartPolicy Never is the only policy it runs;
+- on graceful deletion sends SIGTERM to the container's main process, SIGKILL to
+  all its processes at deletionTimestamp (the grace period), writes the final
+  status, then deletes the pod with grace 0 (uid precondition) to free its name.
+
+What it does not: no image is pulled and no container runtime is used: the
+command runs from the project's own environment (PATH starts with the running
+interpreter's bin/, i.e. the virtualenv, which is what the trainer image
+contains), as root (securityContext is not enforced), without cgroups (resource
+requests and limits are recorded, not enforced). Only the first container runs;
+no init containers, probes, hostPath/PVC volumes, no projected
+(service-account token) volume, ConfigMap updates
+after start, `kubectl logs`/`exec` (the output is in `<workdir>/pods/<uid>/log`),
+no CNI, no kube-proxy, no DNS server (/etc/resolv.conf points at a loopback
+nothing answers, so names outside /etc/hosts fail at once).
+
+Each pod's files: its own mount namespace (`unshare --mount`) puts an overlay on
+/etc whose upper layer is the pod's folder, so `/etc/kubetrain/job.yaml` and
+`/etc/hosts` exist only inside the pod: nothing is written into the host's /etc.
+
+Pods are found by listing every 0.5 s rather than by a watch: one small list per
+tick costs little on 2 cores and needs no resume logic.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from pod_network import PodNetwork
+
+log = logging.getLogger("node-agent")
+
+LEASE_NAMESPACE = "kube-node-lease"
+LEASE_SECONDS = 40
+HEARTBEAT_SECONDS = 2.0
+POLL_SECONDS = 0.5
+CLUSTER_DOMAIN = "svc.cluster.local"
+
+# What the trainer image provides besides the pod's env: the virtualenv first on PATH.
+IMAGE_BIN = str(Path(sys.executable).parent)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _exit_code(returncode: int) -> int:
+    """Popen's -N (killed by signal N) as a container runtime reports it: 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class PodConfigError(Exception):
+    """The pod cannot start yet (CreateContainerConfigError): a missing key or object."""
+
+
+@dataclass
+class RunningPod:
+    """One pod this agent started: its process, network namespace and folder."""
+
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    folder: Path
+    netns: str
+    ip: str
+    hostnames: list[str]
+    process: subprocess.Popen[bytes]
+    started_at: str
+    term_sent: bool = False
+    exit_code: int | None = None
+    finished_at: str | None = None
+    status_written: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def processes(self) -> list[int]:
+        """The pids of the container: the main process and every descendant."""
+        found = [self.process.pid]
+        index = 0
+        while index < len(found):
+            children = Path(f"/proc/{found[index]}/task/{found[index]}/children")
+            with contextlib.suppress(OSError):
+                found += [int(pid) for pid in children.read_text().split()]
+            index += 1
+        return found
+
+
+@dataclass
+class Node:
+    name: str
+    cpu: str = "16"
+    memory: str = "64Gi"
+    pods: str = "110"
+    lost: bool = False
+
+
+@dataclass
+class NodeAgent:
+    """The kubelets of `nodes`, in one thread of the test process.
+
+    `image_env` is the environment the "image" defines (added under the pod's own
+    env), e.g. OMP_NUM_THREADS=1 so that several trainers share 2 cores.
+    """
+
+    api: client.ApiClient
+    workdir: Path
+    nodes: list[Node] = field(default_factory=lambda: [Node("node-a"), Node("node-b")])
+    image_env: dict[str, str] = field(default_factory=dict)
+    network: PodNetwork = field(default_factory=lambda: PodNetwork(uuid.uuid4().hex[:4]))
+    running: dict[str, RunningPod] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> NodeAgent:
+        """Create the pod network, register the nodes and start heartbeats and the pod loop."""
+        self.core = client.CoreV1Api(self.api)
+        self.leases = client.CoordinationV1Api(self.api)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.hosts_file = self.workdir / "hosts"
+        self.network.create()
+        self._write_hosts()
+        # No DNS server: a name not in /etc/hosts fails at once (port 53 refused on the
+        # pod's loopback) instead of waiting on the host's resolver it cannot reach.
+        self.resolv_file = self.workdir / "resolv.conf"
+        self.resolv_file.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        for node in self.nodes:
+            self._register(node)
+        for target in (self._heartbeat_loop, self._pod_loop):
+            thread = threading.Thread(target=target, name=f"node-agent-{target.__name__}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        """Stop the loops, kill every pod's processes, delete namespaces, bridge and Nodes."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        with self._lock:
+            for pod in list(self.running.values()):
+                self._kill(pod)
+                self._teardown(pod)
+            self.running.clear()
+        self.network.destroy()
+        for node in self.nodes:
+            with contextlib.suppress(ApiException):
+                self.core.delete_node(node.name)
+
+    def __enter__(self) -> NodeAgent:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    # ---- what tests do to nodes and pods ---------------------------------------------------
+
+    def lose_node(self, name: str) -> list[str]:
+        """The node powers off: its processes die (SIGKILL), its heartbeats and status stop.
+
+        Its pods stay in the API as the kubelet last wrote them, as when a real node
+        dies; returns their names.
+        """
+        with self._lock:
+            node = next(node for node in self.nodes if node.name == name)
+            node.lost = True
+            lost = [pod for pod in self.running.values() if pod.node == name]
+            for pod in lost:
+                self._kill(pod)
+            return [pod.name for pod in lost]
+
+    def pod(self, name: str, namespace: str = "default") -> RunningPod:
+        """The running pod `namespace/name` (KeyError when it does not run here)."""
+        with self._lock:
+            for pod in self.running.values():
+                if pod.name == name and pod.namespace == namespace and pod.exit_code is None:
+                    return pod
+        raise KeyError(f"pod {namespace}/{name} is not running on this agent")
+
+    def logs(self, lines: int = 40) -> str:
+        """The last lines of every pod's output, newest pods last (for failure messages)."""
+        out = []
+        for path in sorted((self.workdir / "pods").glob("*/log"), key=lambda p: p.stat().st_mtime):
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.parent.name} ({(path.parent / 'name').read_text()})\n"
+                       + "\n".join(text))
+        return "\n".join(out)
+
+    # ---- nodes -------------------------------------------------------------------------
+
+    def _register(self, node: Node) -> None:
+        body = {
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": node.name, "labels": {
+                "kubernetes.io/hostname": node.name, "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64"}},
+        }
+        try:
+            self.core.create_node(body)
+        except ApiException as error:
+            if error.status != 409:
+                raise
+        self._write_node_status(node)
+        self._renew_lease(node)
+
+    def _write_node_status(self, node: Node) -> None:
+        capacity = {"cpu": node.cpu, "memory": node.memory, "pods": node.pods}
+        now = _now()
+        conditions = [
+            {"type": kind, "status": "False", "reason": f"KubeletHas{reason}",
+             "lastHeartbeatTime": now, "lastTransitionTime": now}
+            for kind, reason in (("MemoryPressure", "SufficientMemory"),
+                                 ("DiskPressure", "NoDiskPressure"),
+                                 ("PIDPressure", "SufficientPID"))
+        ]
+        conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady",
+                           "message": "node agent is posting ready status",
+                           "lastHeartbeatTime": now, "lastTransitionTime": now})
+        self.core.patch_node_status(node.name, {"status": {
+            "capacity": capacity, "allocatable": capacity, "conditions": conditions,
+            "addresses": [{"type": "InternalIP", "address": self.network.gateway},
+                          {"type": "Hostname", "address": node.name}],
+            "nodeInfo": {"kubeletVersion": "v1.36.2-node-agent", "operatingSystem": "linux",
+                         "architecture": "amd64", "containerRuntimeVersion": "process://",
+                         "kernelVersion": os.uname().release, "osImage": "node-agent",
+                         "kubeProxyVersion": "", "machineID": "", "systemUUID": "",
+                         "bootID": ""}}})
+
+    def _renew_lease(self, node: Node) -> None:
+        now = datetime.now(UTC)
+        spec = {"holderIdentity": node.name, "leaseDurationSeconds": LEASE_SECONDS,
+                "renewTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+        try:
+            self.leases.patch_namespaced_lease(node.name, LEASE_NAMESPACE, {"spec": spec})
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            self.leases.create_namespaced_lease(LEASE_NAMESPACE, {
+                "metadata": {"name": node.name, "ownerReferences": [{
+                    "apiVersion": "v1", "kind": "Node", "name": node.name,
+                    "uid": self.core.read_node(node.name).metadata.uid}]},
+                "spec": spec})
+
+    def _heartbeat_loop(self) -> None:
+        beats = 0
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            beats += 1
+            for node in self.nodes:
+                if node.lost:
+                    continue
+                try:
+                    self._renew_lease(node)
+                    if beats % 5 == 0:  # the kubelet posts node status every 10 s
+                        self._write_node_status(node)
+                except Exception:
+                    log.exception("heartbeat of %s failed", node.name)
+
+    # ---- pods --------------------------------------------------------------------------
+
+    def _live_nodes(self) -> set[str]:
+        return {node.name for node in self.nodes if not node.lost}
+
+    def _pod_loop(self) -> None:
+        while not self._stop.wait(POLL_SECONDS):
+            try:
+                self._sync_pods()
+            except Exception:
+                log.exception("pod sync failed")
+
+    def _sync_pods(self) -> None:
+        listed = self.core.list_pod_for_all_namespaces().items
+        mine = {pod.metadata.uid: pod for pod in listed if pod.spec.node_name in self._live_nodes()}
+        with self._lock:
+            for uid, pod in mine.items():
+                running = self.running.get(uid)
+                if running is None:
+                    if pod.metadata.deletion_timestamp is not None:
+                        self._delete_final(pod)
+                    elif pod.status.phase in (None, "Pending"):
+                        self._start(pod)
+                    continue
+                self._check(running, pod)
+            # Pods gone from the API (force-deleted) or whose node was lost: stop and forget.
+            for uid, running in list(self.running.items()):
+                if uid not in mine:
+                    self._kill(running)
+                    self._teardown(running)
+                    del self.running[uid]
+
+    def _check(self, running: RunningPod, pod: Any) -> None:
+        """Advance one started pod: notice its exit, signal it when deleted, finish deletion."""
+        code = running.process.poll()
+        if code is not None and running.exit_code is None:
+            running.exit_code = _exit_code(code)
+            running.finished_at = _now()
+            self._kill(running)  # stray children die with the container
+        deleting = pod.metadata.deletion_timestamp
+        if deleting is not None and running.exit_code is None:
+            if not running.term_sent:
+                log.info("pod %s/%s: SIGTERM (grace %ss)", running.namespace, running.name,
+                         pod.metadata.deletion_grace_period_seconds)
+                self._signal_main(running, signal.SIGTERM)
+                running.term_sent = True
+            elif datetime.now(UTC) >= deleting:
+                log.info("pod %s/%s: grace period over, SIGKILL", running.namespace, running.name)
+                self._kill(running)
+            return
+        if running.exit_code is not None and not running.status_written:
+            self._write_terminated(running, pod)
+            running.status_written = True
+            self._teardown(running)
+        if deleting is not None and running.exit_code is not None:
+            if not running.status_written:
+                self._write_terminated(running, pod)
+                running.status_written = True
+            self._teardown(running)
+            self._delete_final(pod)
+            del self.running[running.uid]
+
+    def _delete_final(self, pod: Any) -> None:
+        """The kubelet's last word on a pod: delete with grace 0, only that incarnation (uid)."""
+        try:
+            self.core.delete_namespaced_pod(
+                pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0,
+                body=client.V1DeleteOptions(grace_period_seconds=0, preconditions=
+                                            client.V1Preconditions(uid=pod.metadata.uid)))
+        except ApiException as error:
+            if error.status not in (404, 409):
+                raise
+
+    # ---- starting a pod ----------------------------------------------------------------
+
+    def _start(self, pod: Any) -> None:
+        meta, spec = pod.metadata, pod.spec
+        container = spec.containers[0]
+        folder = self.workdir / "pods" / meta.uid
+        if (spec.restart_policy or "Always") != "Never":
+            log.warning("pod %s/%s: restartPolicy %s run as Never", meta.namespace, meta.name,
+                        spec.restart_policy)
+        try:
+            env = self._env(pod, container)
+            volumes = self._volumes(pod, folder)
+        except PodConfigError as error:
+            self._write_waiting(pod, "CreateContainerConfigError", str(error))
+            return
+        netns, ip = self.network.add_pod(meta.uid[:8])
+        hostnames = self._hostnames(pod)
+        running = RunningPod(uid=meta.uid, namespace=meta.namespace, name=meta.name,
+                             node=spec.node_name, folder=folder, netns=netns, ip=ip,
+                             hostnames=hostnames, process=None,  # type: ignore[arg-type]
+                             started_at=_now())
+        self._write_status(pod, phase="Pending", ip=ip, container_state={
+            "waiting": {"reason": "ContainerCreating"}}, ready=False)
+        env.setdefault("HOSTNAME", hostnames[-1])
+        try:
+            running.process = self._spawn(pod, container, folder, netns, hostnames[-1], env,
+                                          volumes)
+        except PodConfigError as error:
+            self.network.remove_pod(netns, ip)
+            self._write_waiting(pod, "CreateContainerError", str(error))
+            return
+        self.running[meta.uid] = running
+        self._write_hosts()
+        self._write_status(pod, phase="Running", ip=ip, container_state={
+            "running": {"startedAt": running.started_at}}, ready=True)
+        log.info("pod %s/%s started on %s at %s (pid %d)", meta.namespace, meta.name,
+                 spec.node_name, ip, running.pid)
+
+    def _hostnames(self, pod: Any) -> list[str]:
+        """The names cluster DNS gives this pod, most qualified first, bare hostname last."""
+        hostname = pod.spec.hostname or pod.metadata.name
+        names = []
+        if pod.spec.subdomain:
+            names += [f"{hostname}.{pod.spec.subdomain}.{pod.metadata.namespace}.{CLUSTER_DOMAIN}",
+                      f"{hostname}.{pod.spec.subdomain}"]
+        return [*names, hostname]
+
+    def _write_hosts(self) -> None:
+        """Every running pod's names, replaced atomically (pods see it through a symlink)."""
+        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        lines += [f"{pod.ip}\t{' '.join(pod.hostnames)}" for pod in self.running.values()
+                  if pod.exit_code is None]
+        staged = self.hosts_file.with_suffix(".new")
+        staged.write_text("\n".join(lines) + "\n")
+        staged.replace(self.hosts_file)
+
+    def _env(self, pod: Any, container: Any) -> dict[str, str]:
+        """The container's environment: the image's, then the pod's own entries in order."""
+        env = {"PATH": f"{IMAGE_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+               **self.image_env}
+        for entry in container.env or []:
+            if entry.value_from is None:
+                env[entry.name] = _expand(entry.value or "", env)
+                continue
+            source = entry.value_from
+            if source.secret_key_ref is not None:
+                value = self._key(pod, "secret", source.secret_key_ref)
+            elif source.config_map_key_ref is not None:
+                value = self._key(pod, "configmap", source.config_map_key_ref)
+            elif source.field_ref is not None:
+                value = self._field(pod, source.field_ref.field_path)
+            else:
+                raise PodConfigError(f"env {entry.name}: only secretKeyRef, configMapKeyRef "
+                                     "and fieldRef are supported by the node agent")
+            if value is not None:
+                env[entry.name] = value
+        return env
+
+    def _key(self, pod: Any, kind: str, ref: Any) -> str | None:
+        data = self._object_data(pod.metadata.namespace, kind, ref.name, ref.optional)
+        if data is None or ref.key not in data:
+            if ref.optional:
+                return None
+            raise PodConfigError(f"{kind} {ref.name!r} has no key {ref.key!r}")
+        return data[ref.key]
+
+    def _object_data(self, namespace: str, kind: str, name: str,
+                     optional: bool | None) -> dict[str, str] | None:
+        try:
+            if kind == "secret":
+                secret = self.core.read_namespaced_secret(name, namespace)
+                return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+            config = self.core.read_namespaced_config_map(name, namespace)
+            return dict(config.data or {})
+        except ApiException as error:
+            if error.status == 404:
+                if optional:
+                    return None
+                raise PodConfigError(f"{kind} {namespace}/{name} not found") from None
+            raise
+
+    def _field(self, pod: Any, path: str) -> str:
+        meta = pod.metadata
+        simple = {"metadata.name": meta.name, "metadata.namespace": meta.namespace,
+                  "metadata.uid": meta.uid, "spec.nodeName": pod.spec.node_name,
+                  "spec.serviceAccountName": pod.spec.service_account_name or "default",
+                  "status.hostIP": self.network.gateway}
+        if path in simple:
+            return simple[path] or ""
+        if path in ("status.podIP", "status.podIPs"):
+            raise PodConfigError("fieldRef status.podIP is resolved after start: unsupported")
+        for prefix, values in (("metadata.labels['", meta.labels or {}),
+                               ("metadata.annotations['", meta.annotations or {})):
+            if path.startswith(prefix) and path.endswith("']"):
+                return values.get(path[len(prefix):-2], "")
+        raise PodConfigError(f"fieldRef {path} is not supported by the node agent")
+
+    def _volumes(self, pod: Any, folder: Path) -> list[tuple[str, str, bool]]:
+        """Materialise the mounted volumes under `folder`; returns (source, mountPath, tmpfs)."""
+        container = pod.spec.containers[0]
+        by_name = {volume.name: volume for volume in pod.spec.volumes or []}
+        mounts = []
+        for mount in container.volume_mounts or []:
+            volume = by_name[mount.name]
+            source = folder / "volumes" / mount.name
+            source.mkdir(parents=True, exist_ok=True)
+            tmpfs = False
+            if volume.config_map is not None or volume.secret is not None:
+                ref = volume.config_map or volume.secret
+                kind = "configmap" if volume.config_map is not None else "secret"
+                name = ref.name if kind == "configmap" else ref.secret_name
+                data = self._object_data(pod.metadata.namespace, kind, name, ref.optional) or {}
+                items = ({item.key: item.path for item in ref.items} if ref.items
+                         else {key: key for key in data})
+                for key, path in items.items():
+                    target = source / path
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(data[key])
+            elif volume.empty_dir is not None:
+                tmpfs = volume.empty_dir.medium == "Memory"
+            elif volume.projected is not None:
+                # The service-account token volume: pods of this agent do not call the API.
+                log.info("pod %s: projected volume %s not mounted", pod.metadata.name, mount.name)
+                continue
+            else:
+                raise PodConfigError(f"volume {mount.name}: only configMap, secret and emptyDir "
+                                     "are supported by the node agent")
+            mounts.append((str(source), mount.mount_path, tmpfs))
+        return mounts
+
+    def _spawn(self, pod: Any, container: Any, folder: Path, netns: str, hostname: str,
+               env: dict[str, str],
+               volumes: list[tuple[str, str, bool]]) -> subprocess.Popen[bytes]:
+        """Start the container's command inside the pod's network, UTS and mount namespaces."""
+        upper, work = folder / "etc-upper", folder / "etc-work"
+        for path in (upper, work):
+            path.mkdir(parents=True, exist_ok=True)
+        script = [
+            "set -e",
+            f"mount -t overlay overlay -o lowerdir=/etc,upperdir={upper},workdir={work} /etc",
+            f"ln -sfn {shlex.quote(str(self.hosts_file))} /etc/hosts",
+            f"ln -sfn {shlex.quote(str(self.resolv_file))} /etc/resolv.conf",
+            f"hostname {shlex.quote(hostname)}",
+        ]
+        for source, target, tmpfs in volumes:
+            script.append(f"mkdir -p {shlex.quote(target)}")
+            script.append(f"mount -t tmpfs tmpfs {shlex.quote(target)}" if tmpfs else
+                          f"mount --bind {shlex.quote(source)} {shlex.quote(target)}")
+        workdir = container.working_dir or str(folder / "workdir")
+        Path(folder / "workdir").mkdir(parents=True, exist_ok=True)
+        script.append(f"cd {shlex.quote(workdir)}")
+        script.append('exec "$@"')
+        argv = [*(container.command or []), *(container.args or [])]
+        if not argv:
+            raise PodConfigError("the container has no command: the node agent has no image "
+                                 "entrypoint to fall back to")
+        argv = [_expand(arg, env) for arg in argv]
+        (folder / "name").write_text(f"{pod.metadata.namespace}/{pod.metadata.name}")
+        (folder / "command").write_text(shlex.join(argv) + "\n")
+        log_file = open(folder / "log", "ab")  # noqa: SIM115 - owned by the child
+        try:
+            return subprocess.Popen(
+                ["nsenter", f"--net={PodNetwork.namespace_path(netns)}", "--",
+                 "unshare", "--mount", "--uts", "--propagation", "private", "--",
+                 "/bin/sh", "-c", "\n".join(script), "pod", *argv],
+                env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        finally:
+            log_file.close()
+
+    # ---- stopping a pod ----------------------------------------------------------------
+
+    def _signal_main(self, pod: RunningPod, sig: signal.Signals) -> None:
+        """As a runtime signals PID 1 of the container: the main process only."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pod.pid, sig)
+
+    def _kill(self, pod: RunningPod) -> None:
+        """SIGKILL every process of the container (its session), as tearing down a cgroup."""
+        for pid in pod.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pod.pid, signal.SIGKILL)
+        try:
+            code = pod.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return
+        if pod.exit_code is None:
+            pod.exit_code = _exit_code(code)
+            pod.finished_at = _now()
+
+    def _teardown(self, pod: RunningPod) -> None:
+        self.network.remove_pod(pod.netns, pod.ip)
+        self._write_hosts()
+
+    # ---- status ------------------------------------------------------------------------
+
+    def _write_waiting(self, pod: Any, reason: str, message: str) -> None:
+        log.warning("pod %s/%s: %s: %s", pod.metadata.namespace, pod.metadata.name, reason,
+                    message)
+        self._write_status(pod, phase="Pending", ip=None, ready=False, container_state={
+            "waiting": {"reason": reason, "message": message}})
+
+    def _write_terminated(self, running: RunningPod, pod: Any) -> None:
+        code = running.exit_code or 0
+        self._write_status(pod, phase="Succeeded" if code == 0 else "Failed", ip=running.ip,
+                           ready=False, container_state={"terminated": {
+                               "exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                               "startedAt": running.started_at,
+                               "finishedAt": running.finished_at or _now()}})
+        log.info("pod %s/%s exited %d", running.namespace, running.name, code)
+
+    def _write_status(self, pod: Any, *, phase: str, ip: str | None, ready: bool,
+                      container_state: Mapping[str, Any]) -> None:
+        now = _now()
+        ready_text = "True" if ready else "False"
+        conditions = [
+            {"type": "PodReadyToStartContainers", "status": "True" if ip else "False"},
+            {"type": "Initialized", "status": "True"},
+            {"type": "Ready", "status": ready_text},
+            {"type": "ContainersReady", "status": ready_text},
+            {"type": "PodScheduled", "status": "True"},
+        ]
+        for condition in conditions:
+            condition["lastTransitionTime"] = now
+        container = pod.spec.containers[0]
+        status: dict[str, Any] = {
+            "phase": phase, "hostIP": self.network.gateway,
+            "hostIPs": [{"ip": self.network.gateway}], "conditions": conditions,
+            "startTime": now if pod.status.start_time is None else None,
+            "containerStatuses": [{
+                "name": container.name, "image": container.image or "",
+                "imageID": "", "ready": ready, "restartCount": 0,
+                "started": "running" in container_state, "state": dict(container_state)}],
+        }
+        if status["startTime"] is None:
+            del status["startTime"]
+        if ip:
+            status["podIP"], status["podIPs"] = ip, [{"ip": ip}]
+        try:
+            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace,
+                                                  {"status": status})
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+
+def _expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in env values, command and args; $$ escapes."""
+    out, index = [], 0
+    while index < len(text):
+        if text.startswith("$$", index):
+            out.append("$")
+            index += 2
+        elif text.startswith("$(", index) and ")" in text[index:]:
+            end = text.index(")", index)
+            name = text[index + 2:end]
+            out.append(env.get(name, text[index:end + 1]))
+            index = end + 1
+        else:
+            out.append(text[index])
+            index += 1
+    return "".join(out)
