@@ -64,6 +64,7 @@ def main(precision: str, out: str) -> None:
         results[name] = {"loss": total, "grads": grads}
     if world.rank == 0:
         torch.save(results, out)
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 

@@ -75,3 +75,28 @@ def test_the_command_prints_the_estimate_and_exits_by_whether_it_fits(
     billions = parameter_count(parse_job(manifest()).spec.model.resolve()) / 1e9
     assert f"llama-8b: {billions:.2f}B parameters, 8 processes" in done.stdout
     assert ("Recommended for 80 GiB" in done.stdout) == (code == 1)
+
+
+def test_the_chunked_loss_frees_the_logits_memory_and_the_recommendation_uses_it() -> None:
+    """llama-1b with a 128k vocabulary: the full logits of 8 x 2048 tokens are most of a
+    GPU's memory; chunked, the loss holds one chunk, whatever the micro-batch."""
+    spec = job_spec(model={"preset": "llama-1b"}, data={"train": "s3://d/t", "seqLen": 2048},
+                    optimization={"microBatchSize": 16, "gradientAccumulationSteps": 1})
+    plan = job_plan(spec, 8)
+    full = estimate_memory(spec, 8, plan, "full")
+    chunked = estimate_memory(spec, 8, plan, "chunked")
+    liger = estimate_memory(spec, 8, plan, "liger")
+    vocab = spec.model.resolve().vocab_size
+    assert full.logits == 16 * 2048 * vocab * (2 + 8)
+    assert chunked.logits < full.logits / 50 and liger.logits < full.logits / 10
+    assert estimate_memory(spec, 8, Plan(1, 16, "none"), "chunked").logits == chunked.logits
+
+    # The logits alone do not fit 40 GiB; without them, less recomputation and bigger
+    # micro-batches do.
+    with_full = recommend(spec, 8, 40 * GIB, "full")
+    with_chunks = recommend(spec, 8, 40 * GIB, "chunked")
+    assert with_full is not None and with_chunks is not None
+    order = ["none", "selective", "full"]
+    assert (order.index(with_chunks.activation_checkpointing),
+            -with_chunks.micro_batch_size) < (order.index(with_full.activation_checkpointing),
+                                              -with_full.micro_batch_size)

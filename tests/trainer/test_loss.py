@@ -22,12 +22,12 @@ from kubetrain.api.trainingjob import ModelDims
 from kubetrain.trainer.loss import (
     OUTPUT_LOSS_ENV,
     OutputLoss,
-    chunk_tokens,
     chunked_cross_entropy,
     full_cross_entropy,
     select_output_loss,
 )
 from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.sizing import loss_chunk_tokens
 
 WORKER = Path(__file__).with_name("fsdp_loss_worker.py")
 
@@ -132,8 +132,8 @@ def test_chunked_loss_never_keeps_a_tensor_as_large_as_the_logits() -> None:
 
 
 def test_chunks_hold_about_a_quarter_gib_of_fp32_logits() -> None:
-    assert chunk_tokens(128_256) == 523
-    assert chunk_tokens(10) == 256 * 1024**2 // 40
+    assert loss_chunk_tokens(128_256) == 523
+    assert loss_chunk_tokens(10) == 256 * 1024**2 // 40
 
 
 def test_the_cpu_gets_the_chunked_loss_and_the_environment_can_choose(

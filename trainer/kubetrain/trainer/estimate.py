@@ -16,7 +16,15 @@ checkpointing, strategy and world size it adds up, per training process:
   fp32 intermediates), q, k, v, rotated q/k, attention output, residual, the
   four SwiGLU tensors; fused attention keeps no seq-by-seq matrix - and b·d for a
   checkpointed block, which also recomputes one block's worth during backward;
-- the logits and their fp32 loss copy and gradient: tokens·vocab·(b + 8);
+- without FSDP, under autocast (bf16/fp16/fp8): the compute-dtype copies of the
+  blocks' weights that autocast caches during forward and backward keeps: b·(block
+  parameters);
+- the output projection and loss (loss.py), by implementation: `full` holds the
+  logits, their fp32 copy and gradient, tokens·vocab·(b + 8); `chunked` (the
+  default) the same for one chunk of `sizing.loss_chunk_tokens` tokens, plus the
+  output weight cast to the compute dtype without FSDP; `liger` (CUDA, when
+  installed) its fp32 weight-gradient accumulator vocab·d·4, the input gradient
+  tokens·d·b and one chunk of its own size;
 - 1 GiB for the CUDA context and allocator fragmentation.
 
 The figures are planning estimates (within ~20% of measured peaks for Llama
@@ -33,13 +41,14 @@ from typing import Literal
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import TrainingJobSpec
-from kubetrain.trainer.sizing import block_parameter_count, parameter_count
+from kubetrain.trainer.sizing import block_parameter_count, loss_chunk_tokens, parameter_count
 
 GIB = 1024**3
 CONTEXT_BYTES = 1 * GIB
-COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # fp8: a bf16 model, float8 matmuls
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors per parameter
 Checkpointing = Literal["none", "selective", "full"]
+OutputLossName = Literal["full", "chunked", "liger"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     fsdp_working_set: int
+    weight_copies: int
     activations: int
     logits: int
     context: int = CONTEXT_BYTES
@@ -66,7 +76,7 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return (self.parameters + self.gradients + self.optimizer + self.fsdp_working_set
-                + self.activations + self.logits + self.context)
+                + self.weight_copies + self.activations + self.logits + self.context)
 
 
 def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
@@ -75,8 +85,10 @@ def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
                 spec.parallelism.activation_checkpointing)
 
 
-def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan) -> MemoryEstimate:
-    """Memory per process for `spec` trained by `world_size` processes with `plan`."""
+def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
+                    output_loss: OutputLossName = "chunked") -> MemoryEstimate:
+    """Memory per process for `spec` trained by `world_size` processes with `plan`,
+    the loss computed by `output_loss` (loss.py)."""
     dims = spec.model.resolve()
     n_params = parameter_count(dims)
     sharded = spec.parallelism.strategy == "fsdp" and world_size > 1
@@ -93,17 +105,35 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan) -> Memor
     if checkpointed:
         activations += full_block  # the block being recomputed during backward
 
+    # Without FSDP the weights stay fp32 and autocast computes with cached casts of them.
+    casts = not sharded and compute < 4
     return MemoryEstimate(
         parameters=4 * n_params // shards,
         gradients=4 * n_params // shards,
         optimizer=4 * OPTIMIZER_STATES[spec.optimization.optimizer] * n_params // shards,
         fsdp_working_set=2 * block_parameter_count(dims) * (compute + 4) if sharded else 0,
+        weight_copies=compute * dims.n_layers * block_parameter_count(dims) if casts else 0,
         activations=activations,
-        logits=tokens * dims.vocab_size * (compute + 8),
+        logits=_loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts),
     )
 
 
-def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int) -> Plan | None:
+def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, compute: int,
+                casts: bool) -> int:
+    """What the output projection and loss hold at their peak (see the module docstring)."""
+    per_logit = compute + 8  # the logits, their fp32 copy, and its gradient
+    if output_loss == "full":
+        return tokens * vocab * per_logit
+    if output_loss == "chunked":
+        weight_cast = vocab * dim * compute if casts else 0
+        return min(tokens, loss_chunk_tokens(vocab)) * vocab * per_logit + weight_cast
+    # Liger: chunks of next_power_of_2(tokens / ceil(vocab / dim)) tokens.
+    chunk = 1 << max(0, math.ceil(math.log2(max(1, tokens / math.ceil(vocab / dim)))))
+    return vocab * dim * 4 + tokens * dim * compute + min(tokens, chunk) * vocab * per_logit
+
+
+def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
+              output_loss: OutputLossName = "chunked") -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
     The global batch stays what the job asks for: gradient accumulation grows as
@@ -117,7 +147,7 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int) -> Plan | 
         micro = asked.micro_batch_size
         while micro >= 1:
             plan = Plan(micro, math.ceil(global_sequences / micro), checkpointing)
-            if estimate_memory(spec, world_size, plan).total <= gpu_bytes:
+            if estimate_memory(spec, world_size, plan, output_loss).total <= gpu_bytes:
                 return plan
             micro //= 2
     return None
@@ -181,8 +211,9 @@ def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> 
         (f"gradients (fp32{share})", estimate.gradients),
         (f"optimizer {spec.optimization.optimizer} state{share}", estimate.optimizer),
         ("FSDP gathered blocks", estimate.fsdp_working_set),
+        ("autocast weight copies", estimate.weight_copies),
         ("activations", estimate.activations),
-        ("logits and loss", estimate.logits),
+        ("output projection and loss (chunked)", estimate.logits),
         ("CUDA context and slack", estimate.context),
     ]
     lines = [f"  {'per GPU':<40}{'GiB':>8}"]

@@ -8,7 +8,7 @@ and returns the summed token loss in fp32; they differ only in what they hold:
 
 - `full`: the plain computation (logits, then `F.cross_entropy`): the reference.
 - `chunked`: pure PyTorch, runs everywhere. The tokens are cut into chunks of
-  about `CHUNK_LOGITS_BYTES` of fp32 logits; each chunk is activation-
+  about 256 MiB of fp32 logits (`sizing.loss_chunk_tokens`); each chunk is activation-
   checkpointed, so forward keeps only its inputs and backward recomputes one
   chunk's logits at a time (one extra output matmul in exchange for the memory).
 - `liger`: Liger Kernel's fused linear cross-entropy (CUDA, when `liger-kernel`
@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-CHUNK_LOGITS_BYTES = 256 * 1024**2  # fp32 logits of one chunk: 512 tokens of a 128k vocabulary
+from kubetrain.trainer.sizing import loss_chunk_tokens
+
 OUTPUT_LOSS_ENV = "KUBETRAIN_OUTPUT_LOSS"
 LIGER_MODULE = "liger_kernel.transformers.functional"
 
@@ -52,11 +53,6 @@ class OutputLoss:
         return self.fn(hidden, weight, targets)
 
 
-def chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits take about `CHUNK_LOGITS_BYTES`."""
-    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
-
-
 def full_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                        targets: torch.Tensor) -> torch.Tensor:
     """Summed token loss through the whole logits tensor (what `nn.Linear` + CE would do)."""
@@ -69,7 +65,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """Summed token loss, one checkpointed chunk of `chunk` tokens at a time."""
     dtype = _compute_dtype(hidden, weight)
     hidden = hidden.to(dtype)
-    chunk = chunk or chunk_tokens(weight.shape[0])
+    chunk = chunk or loss_chunk_tokens(weight.shape[0])
     if not torch.is_grad_enabled() or hidden.shape[0] <= chunk:
         # Nothing to recompute (evaluation), or a single chunk: no checkpoint needed.
         losses = [_chunk_loss(h, weight, t, dtype)

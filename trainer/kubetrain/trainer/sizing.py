@@ -1,13 +1,21 @@
 """Model size arithmetic: parameter count and training FLOPs per token of a ModelDims.
 
 Torch-free, so the memory planner (`kubetrain estimate`) and the trainer's MFU
-share one definition; `model.py` builds exactly the parameters counted here (a
+share one definition, and so do the loss (loss.py) and the planner for the loss's
+chunk size; `model.py` builds exactly the parameters counted here (a
 test checks the two agree).
 """
 
 from __future__ import annotations
 
 from kubetrain.api.trainingjob import ModelDims
+
+CHUNK_LOGITS_BYTES = 256 * 1024**2  # fp32 logits of one loss chunk: 523 tokens of a 128k vocabulary
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss (loss.py): about `CHUNK_LOGITS_BYTES` of fp32 logits."""
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
 
 
 def block_parameter_count(dims: ModelDims) -> int:
