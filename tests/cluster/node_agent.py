@@ -145,6 +145,9 @@ class NodeAgent:
     workdir: Path
     nodes: list[Node] = field(default_factory=lambda: [Node("node-a"), Node("node-b")])
     image_env: dict[str, str] = field(default_factory=dict)
+    # Only pods of these namespaces run (None: all). The control plane is shared by the
+    # whole test session, and other tests leave pods that no kubelet is meant to run.
+    namespaces: set[str] | None = None
     network: PodNetwork = field(default_factory=lambda: PodNetwork(uuid.uuid4().hex[:4]))
     running: dict[str, RunningPod] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -311,7 +314,8 @@ class NodeAgent:
 
     def _sync_pods(self) -> None:
         listed = self.core.list_pod_for_all_namespaces().items
-        mine = {pod.metadata.uid: pod for pod in listed if pod.spec.node_name in self._live_nodes()}
+        mine = {pod.metadata.uid: pod for pod in listed if pod.spec.node_name in self._live_nodes()
+                and (self.namespaces is None or pod.metadata.namespace in self.namespaces)}
         with self._lock:
             for uid, pod in mine.items():
                 running = self.running.get(uid)

@@ -1,0 +1,317 @@
+"""The whole loop on one machine: `kubectl apply` → operator → pods → torchrun → trainer → S3.
+
+Every part is the real one except the kubelet: the `control_plane` fixture's etcd,
+kube-apiserver, kube-controller-manager and kube-scheduler; `kubetrain operator` in
+its own process with the chart's ServiceAccount and RBAC; moto's S3 server over
+HTTP, bound on the pod network's gateway so the pods reach it; data prepared with
+`kubetrain prepare` into it; and the node agent (tests/cluster/node_agent.py),
+which runs the pods the scheduler binds to its two nodes as processes of this
+machine: torchrun and the trainer from the project's own environment, each pod in
+its own network namespace with its own IP.
+
+Each scenario reads as a user's story: apply a TrainingJob, watch `kubectl get tj`,
+break something, watch it recover, check the outcome in S3. The training is tiny
+(the `tiny` preset, 64-token sequences, tens of steps, one process per worker and
+one CPU thread each) so that the scenarios fit CI's 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from node_agent import NodeAgent
+from operator_process import OperatorProcess, install_operator_identity
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+NAMESPACE = "whole-loop"
+MAX_STEPS = 24
+EVERY = 4
+CORPUS = "s3://datasets/corpus"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "whole-loop", "AWS_SECRET_ACCESS_KEY": "whole-loop-secret"}
+
+
+@dataclass
+class Row:
+    """One line of `kubectl get tj NAME`, when it was printed."""
+
+    at: float
+    phase: str
+    step: int | None
+    loss: float | None
+    workers: str
+
+
+@dataclass
+class Cluster:
+    """The running whole loop, and what a scenario does with it."""
+
+    plane: Any
+    agent: NodeAgent
+    operator: OperatorProcess
+    s3: str
+    folder: Path
+    rows: dict[str, list[Row]] = field(default_factory=dict)
+
+    # ---- kubectl, as a user types it --------------------------------------------------
+
+    def kubectl(self, *args: str, input: str | None = None,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.plane.kubectl("-n", NAMESPACE, *args, input=input, check=check)
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+
+    def job(self, name: str) -> dict[str, Any]:
+        return json.loads(self.kubectl("get", "tj", name, "-o", "json").stdout)
+
+    def pods(self, name: str) -> list[dict[str, Any]]:
+        listed = self.kubectl("get", "pods", "-l", f"kubetrain.io/job-name={name}",
+                              "-o", "json").stdout
+        return sorted(json.loads(listed)["items"], key=lambda pod: pod["metadata"]["name"])
+
+    def get_tj(self, name: str) -> Row:
+        """`kubectl get tj NAME`: its printer columns Phase, Step, Loss, Workers."""
+        header, line = self.kubectl("get", "tj", name).stdout.splitlines()[:2]
+        # Cells are cut at the header's column starts: an empty cell prints as blanks.
+        starts = [match.start() for match in re.finditer(r"\S+", header)]
+        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+        _, phase, step, loss, workers, _ = cells
+
+        def number(text: str, kind: type) -> Any:
+            return kind(text) if text and text != "<none>" else None
+
+        row = Row(time.time(), phase, number(step, int), number(loss, float), workers)
+        self.rows.setdefault(name, []).append(row)
+        return row
+
+    # ---- waiting, with what was awaited and what the cluster showed -----------------------
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout: float,
+                 every: float = 1.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = check()
+            if found:
+                return found
+            time.sleep(every)
+        raise AssertionError(f"waited {timeout:.0f}s for {what}\n{self.report()}")
+
+    def wait_for_step(self, name: str, at_least: int, timeout: float = 180) -> Row:
+        """Until `kubectl get tj` shows step ≥ at_least (fails early if the job fails)."""
+
+        def reached() -> Row | None:
+            row = self.get_tj(name)
+            assert row.phase != "Failed", f"{name} failed\n{self.report()}"
+            return row if row.step is not None and row.step >= at_least else None
+
+        return self.wait_for(f"{name} at step {at_least}", reached, timeout)
+
+    def wait_for_phase(self, name: str, phase: str, timeout: float = 240) -> Row:
+        def reached() -> Row | None:
+            row = self.get_tj(name)
+            if phase != "Failed":
+                assert row.phase != "Failed", f"{name} failed\n{self.report()}"
+            return row if row.phase == phase else None
+
+        return self.wait_for(f"{name} in phase {phase}", reached, timeout)
+
+    def report(self) -> str:
+        shown = self.kubectl("get", "tj,pods", "-o", "wide", check=False).stdout
+        events = self.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False).stdout
+        return (f"---- kubectl get tj,pods\n{shown}\n---- events\n{events[-3000:]}\n"
+                f"---- operator log\n{self.operator.log_tail(40)}\n"
+                f"---- pod logs\n{self.agent.logs(15)}")
+
+    # ---- what happened inside the pods ------------------------------------------------
+
+    def trainer_lines(self, name: str) -> list[str]:
+        """Every line rank 0 printed, over all incarnations of worker 0 (oldest first)."""
+        lines = []
+        for log in sorted((self.agent.workdir / "pods").glob("*/log"),
+                          key=lambda path: path.stat().st_ctime):
+            if (log.parent / "name").read_text() == f"{NAMESPACE}/{name}-worker-0":
+                lines += log.read_text(errors="replace").splitlines()
+        return lines
+
+    def trainer_pid(self, pod: str) -> int:
+        """The pid of the trainer process (torchrun's worker) of a running pod."""
+        running = self.agent.pod(pod, NAMESPACE)
+        for pid in running.processes():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"kubetrain.trainer" in cmdline and b"torchrun" not in b" ".join(cmdline[:2]):
+                return pid
+        raise AssertionError(f"no trainer process in {pod}: {running.processes()}")
+
+    def delete(self, name: str) -> None:
+        """Delete the job and wait for its pods to go (garbage collection, then the agent)."""
+        self.kubectl("delete", "tj", name, "--wait=true", check=False)
+        self.wait_for(f"the pods of {name} to be deleted", lambda: not self.pods(name), 120)
+
+
+def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
+    """A 2-worker `tiny` job on the prepared corpus: 24 steps, a checkpoint every 4."""
+    spec: dict[str, Any] = {
+        "image": "ghcr.io/kubetrain/trainer:dev",
+        "workers": {"replicas": 2},
+        "model": {"preset": "tiny"},
+        "data": {"train": f"{CORPUS}/train", "seqLen": 64},
+        # A global batch of 1024 tokens: 2 micro-batches of 4 sequences on each of 2 ranks.
+        "optimization": {"maxSteps": MAX_STEPS, "microBatchSize": 4, "globalBatchTokens": 1024,
+                         "warmupSteps": 3, "seed": 5},
+        "parallelism": {"strategy": "fsdp", "precision": "fp32"},
+        "evaluation": {"everySteps": 0},
+        "checkpoint": {"uri": f"s3://checkpoints/{name}", "everySteps": EVERY, "keepLast": 2},
+        "storage": {"endpoint": s3, "region": "us-east-1",
+                    "credentialsSecret": {"name": "s3-credentials"}},
+        "metrics": {"logEverySteps": 1},
+        "runPolicy": {"backoffSeconds": 1},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
+    return {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+            "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Nodes, S3 with the prepared corpus, the operator: everything a user's job needs."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    folder = tmp_path_factory.mktemp("whole-loop")
+    agent = NodeAgent(control_plane.api_client(), folder / "agent", namespaces={NAMESPACE},
+                      image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                 "TOKENIZERS_PARALLELISM": "false",
+                                 # The "image" is this test run's environment, sources included.
+                                 **{key: os.environ[key] for key in ("PYTHONPATH",)
+                                    if key in os.environ}})
+    with agent:
+        # Bound on the pod network's gateway: the pods reach it there, and so does the host.
+        server = ThreadedMotoServer(ip_address=agent.network.gateway, port=0, verbose=False)
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            s3 = f"http://{host}:{port}"
+            _prepare_corpus(s3, folder, boto3)
+            control_plane.kubectl("create", "namespace", NAMESPACE)
+            control_plane.kubectl("-n", NAMESPACE, "create", "secret", "generic",
+                                  "s3-credentials",
+                                  *(f"--from-literal={k}={v}" for k, v in CREDENTIALS.items()))
+            kubeconfig = install_operator_identity(control_plane, {}, folder)
+            with OperatorProcess(kubeconfig, folder / "operator.log",
+                                 namespaces=(NAMESPACE,)) as operator:
+                yield Cluster(control_plane, agent, operator, s3, folder)
+            control_plane.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+        finally:
+            server.stop()
+
+
+def _prepare_corpus(s3: str, folder: Path, boto3: Any) -> None:
+    """`kubetrain prepare` of ~300 KB of the standard library's sources into S3."""
+    from kubetrain.local.workspace import copy_stdlib_sources
+
+    client = boto3.client("s3", endpoint_url=s3, region_name="us-east-1", **{
+        key.lower(): value for key, value in CREDENTIALS.items()})
+    for bucket in ("datasets", "checkpoints"):
+        client.create_bucket(Bucket=bucket)
+    text = copy_stdlib_sources(folder / "corpus-text", max_bytes=300_000,
+                               max_file_bytes=20_000)
+    env = {**os.environ, **CREDENTIALS}
+    subprocess.run([sys.executable, "-m", "kubetrain", "prepare", str(text), "-o", CORPUS,
+                    "--endpoint", s3, "--region", "us-east-1", "--vocab-size", "2048",
+                    "--shard-tokens", str(16 * 1024), "--validation-fraction", "0.1", "--quiet"],
+                   env=env, check=True, capture_output=True, timeout=120)
+
+
+def _storage(cluster: Cluster) -> Any:
+    from kubetrain.api.trainingjob import StorageSpec
+
+    os.environ.update(CREDENTIALS)
+    return StorageSpec(endpoint=cluster.s3, region="us-east-1")
+
+
+def _export(cluster: Cluster, name: str) -> Path:
+    """Download `<checkpoint uri>/export` into a local folder."""
+    from kubetrain.trainer.storage import open_storage
+
+    store = open_storage(f"s3://checkpoints/{name}/export", _storage(cluster))
+    target = cluster.folder / "exports" / name
+    target.mkdir(parents=True, exist_ok=True)
+    for found in store.list(""):
+        store.download_file(found.key, target / found.key)
+    return target
+
+
+@dataclass
+class Run:
+    """What one job showed: `kubectl get tj` rows, its final object, rank 0's log lines."""
+
+    name: str
+    rows: list[Row]
+    job: dict[str, Any]
+    lines: list[str]
+    export: Path
+
+
+def _steps_printed(lines: list[str]) -> list[int]:
+    return [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/\d+ \|", line))]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster: Cluster) -> Run:
+    """Scenario a's run, also the reference the recovering runs must end equal to."""
+    name = "uninterrupted"
+    cluster.apply(training_job(name, cluster.s3))
+    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+    run = Run(name, cluster.rows[name], cluster.job(name), cluster.trainer_lines(name),
+              _export(cluster, name))
+    return run
+
+
+def test_two_workers_train_to_succeeded_with_progress_checkpoint_and_export(
+        cluster: Cluster, uninterrupted: Run) -> None:
+    import torch
+    import transformers
+
+    from kubetrain.trainer.checkpoint import committed_checkpoints
+
+    rows = uninterrupted.rows
+    steps = [row.step for row in rows if row.step is not None]
+    losses = [row.loss for row in rows if row.loss is not None]
+    assert len(set(steps)) >= 3 and steps == sorted(steps), \
+        f"kubectl get tj did not show the step advancing: {steps}"
+    assert len(set(losses)) >= 3, f"kubectl get tj did not show the loss changing: {losses}"
+    assert any(row.phase == "Running" and row.workers == "2" for row in rows), rows
+
+    assert f"finished at step {MAX_STEPS}: max_steps" in uninterrupted.lines
+    status = uninterrupted.job["status"]
+    assert status["phase"] == "Succeeded" and status["progress"]["maxSteps"] == MAX_STEPS
+    latest = status["latestCheckpoint"]
+    committed = committed_checkpoints(f"s3://checkpoints/{uninterrupted.name}",
+                                      _storage(cluster))
+    assert committed[0].step == MAX_STEPS
+    assert latest["uri"] == f"s3://checkpoints/{uninterrupted.name}"
+    assert latest["step"] in [checkpoint.step for checkpoint in committed], (latest, committed)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(uninterrupted.export,
+                                                              dtype=torch.float32)
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        logits = model(tokens).logits
+    assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
+    cluster.delete(uninterrupted.name)
