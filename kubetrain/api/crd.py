@@ -15,9 +15,13 @@ import sys
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import core_schema
 
 from kubetrain.api.trainingjob import (
     API_VERSION,
+    DNS_LABEL,
     GROUP,
     KIND,
     MAX_JOB_NAME_LENGTH,
@@ -93,7 +97,9 @@ def structural(schema: Schema) -> Schema:
         else:
             node["x-kubernetes-preserve-unknown-fields"] = True  # free-form (affinity, volumes)
     if isinstance(node.get("default"), dict):
-        del node["default"]  # object defaults come from the models, not the API server
+        del node["default"]  # object defaults come from the models...
+    if _SECTION_DEFAULT in node:
+        node["default"] = node.pop(_SECTION_DEFAULT)  # ...and a spec section's from its model
     if isinstance(node.get("default"), tuple):
         node["default"] = list(node["default"])
 
@@ -110,8 +116,33 @@ def structural(schema: Schema) -> Schema:
     return result
 
 
+_SECTION_DEFAULT = "x-kubetrain-section-default"
+
+
+class _SectionDefaults(GenerateJsonSchema):
+    """A spec section that defaults to a model instance gets that instance as its default.
+
+    The API server then stores every section with its fields' defaults filled in, as
+    the models fill them, and the CEL rules that keep a field from changing see the
+    field even when the manifest left its whole section out (a transition rule is not
+    evaluated on an object that did not exist before).
+    """
+
+    def default_schema(self, schema: core_schema.WithDefaultSchema) -> JsonSchemaValue:
+        json_schema = super().default_schema(schema)
+        factory = schema.get("default_factory")
+        if isinstance(factory, type) and issubclass(factory, BaseModel):
+            # The whole default instance, not `{}`: the server checks a default against
+            # the section's CEL rules without filling in the fields' own defaults first.
+            json_schema[_SECTION_DEFAULT] = factory().model_dump(
+                mode="json", by_alias=True, exclude_none=True)
+        return json_schema
+
+
 def _schema_of(model: type[TrainingJobSpec] | type[TrainingJobStatus]) -> Schema:
-    raw = model.model_json_schema(by_alias=True, mode="validation")
+    generator = _SectionDefaults if model is TrainingJobSpec else GenerateJsonSchema
+    raw = model.model_json_schema(by_alias=True, mode="validation",
+                                  schema_generator=generator)
     return structural(_inline(raw, raw.get("$defs", {})))
 
 
@@ -133,6 +164,11 @@ def open_api_schema() -> Schema:
             "rule": f"self.metadata.name.size() <= {MAX_JOB_NAME_LENGTH}",
             "message": f"metadata.name must be at most {MAX_JOB_NAME_LENGTH} characters "
             "(worker pods are named <job>-worker-<i>)",
+        }, {
+            # The server allows dots in names; the job's headless Service does not.
+            "rule": f"self.metadata.name.matches('{DNS_LABEL.pattern}')",
+            "message": "metadata.name must be a DNS label: lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit (no dots: it names the job's Service)",
         }],
     }
 

@@ -38,7 +38,7 @@ PLURAL = "trainingjobs"
 
 # Names of worker pods are `<job>-worker-<index>` and must stay DNS labels (<= 63).
 MAX_JOB_NAME_LENGTH = 50
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 # Environment variable names that carry credentials: they must come from a Secret.
 CREDENTIAL_ENV_NAMES = frozenset({
@@ -823,7 +823,7 @@ class ObjectMeta(BaseModel):
     @field_validator("name")
     @classmethod
     def _dns_label(cls, value: str) -> str:
-        if len(value) > MAX_JOB_NAME_LENGTH or not _DNS_LABEL.match(value):
+        if len(value) > MAX_JOB_NAME_LENGTH or not DNS_LABEL.match(value):
             raise ValueError(
                 f"{value!r} is not a valid job name: use at most {MAX_JOB_NAME_LENGTH} lowercase "
                 "letters, digits and '-', starting and ending with a letter or digit "

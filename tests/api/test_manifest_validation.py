@@ -82,7 +82,7 @@ OUT_OF_RANGE = [
     ("spec.runPolicy.maxRestarts", -3), ("spec.optimization.weightDecay", -0.1),
 ]
 ENUMS = [
-    ("spec.parallelism.strategy", "zero3"), ("spec.parallelism.precision", "fp8"),
+    ("spec.parallelism.strategy", "zero3"), ("spec.parallelism.precision", "int4"),
     ("spec.parallelism.activationCheckpointing", "some"), ("spec.model.preset", "gpt-5"),
     ("spec.optimization.schedule", "exponential"), ("spec.runPolicy.cleanPodPolicy", "Some"),
 ]

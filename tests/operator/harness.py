@@ -588,14 +588,22 @@ def scenario_ttl_deletes_a_finished_job(kube: Kube) -> None:
 
 
 def scenario_invalid_spec_is_reported_not_crashed_on(kube: Kube) -> None:
+    # A spec the models refuse. The emulator stores it and the operator must mark the job
+    # Failed; a real API server refuses it through the CRD's CEL rules.
     manifest = job_manifest("invalid")
-    manifest["spec"]["workers"] = {"replicas": 2, "minReplicas": 4, "maxReplicas": 2}
-    kube.create_job(manifest)
+    manifest["spec"]["data"]["train"] = "gs://datasets/corpus/train"
+    try:
+        kube.create_job(manifest)
+    except client.ApiException as refused:
+        # A real API server's CEL rule refuses it at once, naming the field: even better.
+        assert refused.status == 422 and "spec.data.train" in str(refused.body)
+        assert kube.job("invalid") is None and not kube.pods("invalid")
+        return
     eventually(lambda: kube.phase("invalid") == "Failed")
     failed = [c for c in (kube.job("invalid") or {})["status"]["conditions"]
               if c["type"] == "Failed"]
     assert failed[0]["reason"] == "InvalidSpec"
-    assert "minReplicas" in failed[0]["message"]
+    assert "spec.data.train" in failed[0]["message"] and "gs://" in failed[0]["message"]
     assert not kube.pods("invalid")
 
 
