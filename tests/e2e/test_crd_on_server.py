@@ -28,7 +28,7 @@ from kubetrain.api import parse_job
 from kubetrain.validate import check_document
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "api"))
-from test_manifest_validation import _delete, _set, mutations  # noqa: E402
+from test_manifest_validation import _delete, _set, mutations
 
 pytestmark = pytest.mark.e2e
 
