@@ -1,15 +1,18 @@
 """Packaging promises: the operator side stays torch-free, the stdlib is never shadowed,
-and every command answers --help."""
+every command answers --help, and a command whose extra is missing names it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
 
-from kubetrain.cli import COMMANDS
+from kubetrain.cli import COMMANDS, EXTRA_MODULES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,3 +67,47 @@ def test_version_matches_the_distribution() -> None:
     out = subprocess.run([sys.executable, "-m", "kubetrain", "version"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == f"kubetrain {version('kubetrain')}"
+
+
+def _distribution(requirement: str) -> str:
+    """The normalized distribution name of a requirement such as `prometheus-client>=0.20`."""
+    name = re.match(r"[A-Za-z0-9._-]+", requirement)
+    assert name, requirement
+    return re.sub(r"[-_.]+", "-", name[0]).lower()
+
+
+@pytest.mark.parametrize("extra", sorted(EXTRA_MODULES))
+def test_the_modules_the_cli_checks_are_those_the_extra_installs(extra: str) -> None:
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    declared = {_distribution(requirement) for requirement in extras[extra]}
+    providers = packages_distributions()  # this environment has every extra installed
+    checked = {_distribution(d) for module in EXTRA_MODULES[extra] for d in providers[module]}
+    assert checked == declared
+
+
+def _without_extras(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`kubetrain ARGV...` with every extra's modules made unimportable, as in a base install."""
+    blocked = sorted({module for modules in EXTRA_MODULES.values() for module in modules})
+    program = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r}))\n"
+               "from kubetrain.cli import main\n"
+               f"sys.exit(main({list(argv)!r}))\n")
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)
+
+
+@pytest.mark.parametrize("command", sorted(c for c, spec in COMMANDS.items() if spec.extra))
+def test_a_command_whose_extra_is_missing_says_which_to_install(command: str) -> None:
+    result = _without_extras(command, "examples/quickstart.yaml")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    extra = COMMANDS[command].extra
+    assert f"kubetrain {command} needs the {extra} extra" in result.stderr
+    assert f"pip install 'kubetrain[{extra}]'" in result.stderr
+
+
+@pytest.mark.parametrize("command", sorted(c for c, spec in COMMANDS.items() if not spec.extra))
+def test_commands_of_the_base_install_need_no_extra(command: str) -> None:
+    result = _without_extras(command, "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"kubetrain {command}" in result.stdout
