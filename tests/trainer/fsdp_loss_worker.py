@@ -3,20 +3,25 @@
     fsdp_loss_worker.py PRECISION OUT
 
 Every rank builds the same small Transformer (vocabulary 1000, untied output) and
-shards it with `parallelize` (FSDP2 over all ranks, as the trainer does), then,
-on its own batch, runs forward and backward once with the full logits and once
-with the chunked loss (chunks of 37 tokens, so several, the last one short).
-Rank 0 writes both losses (summed over ranks) and both sets of full, unsharded
+shards it with `parallelize` (FSDP2 over all ranks, as the trainer does; with one
+rank, on a GPU machine with NCCL, `fully_shard` with the same policy directly,
+since `parallelize` leaves a group of one unwrapped), then, on its own batch, runs
+forward and backward with the full logits, with the chunked loss (chunks of 37
+tokens, so several, the last one short) and, on CUDA with liger-kernel, with
+Liger's. Rank 0 writes the losses (summed over ranks) and the full, unsharded
 gradients to OUT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from kubetrain.api.trainingjob import ModelDims, ParallelismSpec
@@ -26,9 +31,11 @@ from kubetrain.trainer.loss import (
     OutputLossFn,
     chunked_cross_entropy,
     full_cross_entropy,
+    liger_cross_entropy,
+    select_output_loss,
 )
 from kubetrain.trainer.model import Transformer
-from kubetrain.trainer.parallelize import parallelize
+from kubetrain.trainer.parallelize import COMPUTE_DTYPES, ParallelModel, parallelize
 
 DIMS = ModelDims(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_dim=128,
                  tie_embeddings=False, rope_theta=10000.0)
@@ -40,14 +47,19 @@ def main(precision: str, out: str) -> None:
     torch.manual_seed(0)
     model = Transformer(DIMS, max_seq_len=48)
     spec = ParallelismSpec(strategy="fsdp", precision=precision)
-    parallel = parallelize(model, spec, world.mesh, world.device)
+    if world.world_size > 1:
+        parallel = parallelize(model, spec, world.mesh, world.device)
+    else:
+        parallel = _shard_alone(model, spec, world.mesh, world.device)
     generator = torch.Generator().manual_seed(1 + world.rank)
-    tokens = torch.randint(0, DIMS.vocab_size, (3, 49), generator=generator)
+    tokens = torch.randint(0, DIMS.vocab_size, (3, 49), generator=generator).to(world.device)
     results = {}
     implementations: dict[str, OutputLossFn] = {
         "full": full_cross_entropy,
         "chunked": functools.partial(chunked_cross_entropy, chunk=37),
     }
+    if world.device.type == "cuda" and select_output_loss(world.device)[0].name == "liger":
+        implementations["liger"] = liger_cross_entropy
     for name, fn in implementations.items():
         model.output_loss = OutputLoss(name, fn)
         with parallel.autocast():
@@ -57,15 +69,28 @@ def main(precision: str, out: str) -> None:
         for key, parameter in parallel.module.named_parameters():
             grad = parameter.grad
             assert grad is not None, key
-            grads[key] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).clone()
+            grads[key] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).cpu()
         parallel.module.zero_grad(set_to_none=True)
         total = loss.detach().clone()
         dist.all_reduce(total)
-        results[name] = {"loss": total, "grads": grads}
+        results[name] = {"loss": total.cpu(), "grads": grads}
     if world.rank == 0:
         torch.save(results, out)
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
+
+
+def _shard_alone(model: Transformer, spec: ParallelismSpec, mesh: DeviceMesh,
+                 device: torch.device) -> ParallelModel:
+    """FSDP2 over a group of one: what parallelize does for several ranks, for the GPU run."""
+    model.to(device)
+    policy = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[spec.precision],
+                                  reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return ParallelModel(module=model, autocast=contextlib.nullcontext, scaler=None,
+                         _skip_sync=contextlib.nullcontext)
 
 
 if __name__ == "__main__":

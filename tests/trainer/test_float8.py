@@ -71,3 +71,32 @@ def test_float8_is_supported_from_ada_on(monkeypatch: pytest.MonkeyPatch) -> Non
                                   ((10, 0), True)]:
         _gpu(monkeypatch, "GPU", capability)
         assert (float8_unsupported(torch.device("cuda", 0)) is None) == supported, capability
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or float8_unsupported(torch.device("cuda", 0)) is not None,
+                    reason="needs a GPU with float8 tensor cores")
+def test_fp8_trains_the_blocks_in_float8_and_keeps_the_loss_close_to_bf16() -> None:
+    pytest.importorskip("torchao.float8")
+    dims = ModelDims(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512,
+                     ffn_dim=512, tie_embeddings=False, rope_theta=10000.0)
+    device = torch.device("cuda", 0)
+    mesh: DeviceMesh = _FakeMesh()  # type: ignore[assignment]
+    tokens = torch.randint(0, 512, (4, 129), device=device)
+    losses = {}
+    for precision in ("bf16", "fp8"):
+        torch.manual_seed(0)
+        parallel = parallelize(Transformer(dims, max_seq_len=128),
+                               ParallelismSpec(precision=precision), mesh, device)
+        with parallel.autocast():
+            loss = parallel.module(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+        losses[precision] = float(loss)
+        kinds = {type(m).__name__ for n, m in parallel.module.named_modules()
+                 if n.startswith("layers.") and isinstance(m, torch.nn.Linear)}
+        assert kinds == ({"Float8Linear"} if precision == "fp8" else {"Linear"})
+        assert type(parallel.module.output).__name__ == "Linear"
+        assert all(p.grad is not None and torch.isfinite(p.grad).all()
+                   for p in parallel.module.parameters())
+    assert abs(losses["fp8"] - losses["bf16"]) < 0.02 * losses["bf16"], losses

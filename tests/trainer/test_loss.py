@@ -168,3 +168,23 @@ def test_chunked_loss_equals_the_full_logits_under_fsdp2_with_two_ranks(
     for key, grad in full["grads"].items():
         assert grad.abs().sum() > 0, key
         assert_close_in(precision, chunked["grads"][key], grad, key)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_loss_equals_the_full_logits_under_fsdp2_with_nccl(tmp_path: Path) -> None:
+    """On the GPU machine: FSDP2 over NCCL (one rank per GPU), bf16; chunked and, when
+    liger-kernel is installed, Liger's fused loss against the full logits."""
+    ranks = torch.cuda.device_count()
+    out = tmp_path / "results.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", str(WORKER), "bf16", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    results = torch.load(out)
+    print("implementations compared on CUDA:", sorted(results))
+    for name, result in results.items():
+        assert_close_in("bf16", result["loss"], results["full"]["loss"], name)
+        for key, grad in results["full"]["grads"].items():
+            assert_close_in("bf16", result["grads"][key], grad, f"{name}: {key}")
