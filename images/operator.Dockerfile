@@ -16,12 +16,11 @@ COPY operator ./operator
 COPY trainer ./trainer
 RUN pip install --no-cache-dir --upgrade pip build \
  && python -m build --wheel --outdir /wheels .
-# The wheel lists torch (the trainer needs it); the operator's venv takes the
-# wheel without dependencies and then exactly the libraries the operator imports.
+# The wheel with its `operator` extra: exactly the libraries pyproject.toml says the
+# operator imports, and no torch (the `trainer` extra's).
 RUN python -m venv /opt/kubetrain \
- && /opt/kubetrain/bin/pip install --no-cache-dir --no-deps /wheels/kubetrain-*.whl \
- && /opt/kubetrain/bin/pip install --no-cache-dir \
-      "kopf>=1.37" "kubernetes>=30.1" "pydantic>=2.7" "prometheus-client>=0.20" "pyyaml>=6.0" \
+ && wheel=$(ls /wheels/kubetrain-*.whl) \
+ && /opt/kubetrain/bin/pip install --no-cache-dir "${wheel}[operator]" \
  && ! /opt/kubetrain/bin/python -c "import torch" 2>/dev/null \
  && /opt/kubetrain/bin/kubetrain operator --help >/dev/null
 

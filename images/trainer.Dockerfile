@@ -5,8 +5,8 @@
 #   docker build -f images/trainer.Dockerfile -t ghcr.io/kubetrain/trainer:0.1.0 .
 #
 # PYTORCH_IMAGE picks the CUDA/PyTorch pair; it must match your drivers
-# (docs/images.md). kubetrain's `torch>=2.6` is satisfied by the base, so pip
-# never replaces the CUDA build of torch.
+# (docs/images.md). The wheel goes in with its `trainer` extra; the extra's
+# `torch>=2.6` is satisfied by the base, so pip never replaces the CUDA build of torch.
 ARG PYTORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 
 FROM ${PYTORCH_IMAGE} AS build
@@ -23,7 +23,8 @@ LABEL org.opencontainers.image.title="kubetrain trainer" \
       org.opencontainers.image.source="https://github.com/kubetrain/kubetrain" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir /wheels/kubetrain-*.whl \
+    wheel=$(ls /wheels/kubetrain-*.whl) \
+ && pip install --no-cache-dir "${wheel}[trainer]" \
  && python -c "import torch, kubetrain.trainer; print('torch', torch.__version__)"
 # UID 1000 is the runAsUser of the worker pods the operator creates.
 RUN groupadd --gid 1000 kubetrain \

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,30 @@ def test_images_are_multi_stage_from_pinned_bases(dockerfile: str) -> None:
         tag = base.rsplit(":", 1)[-1]
         assert re.match(r"\d+\.\d+\.\d+", tag), f"{dockerfile}: {base} is not an exact release"
     assert _user_id(dockerfile) != 0
+
+
+def _distributions() -> set[str]:
+    """Every distribution pyproject.toml names, in the base install or in any extra."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"],
+                    *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    return {re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+@pytest.mark.parametrize(("dockerfile", "extra"), [("operator.Dockerfile", "operator"),
+                                                   ("trainer.Dockerfile", "trainer")])
+def test_images_install_the_wheel_with_its_extra_and_no_copied_requirements(
+        dockerfile: str, extra: str) -> None:
+    """pyproject.toml's extras are the one list of what each image needs: no drift."""
+    runs = " ".join(args for instruction, args in _instructions(dockerfile)
+                    if instruction == "RUN")
+    installs = [words.split() for words in re.findall(r"pip install ([^&;|]*)", runs)]
+    assert [f'"${{wheel}}[{extra}]"'] in [[w for w in words if not w.startswith("-")]
+                                         for words in installs], installs
+    named = {w.strip("\"'").split("[")[0].split(">")[0].split("=")[0].lower()
+             for words in installs for w in words}
+    assert not named & _distributions(), f"{dockerfile} lists dependencies by hand"
+    assert not any("--no-deps" in words for words in installs)
 
 
 def test_operator_image_user_and_entrypoint_match_the_chart(render: Render) -> None:
