@@ -144,6 +144,7 @@ class OperatorProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def denied_requests(self) -> list[str]:
-        """Log lines where the API server refused the operator (403 Forbidden)."""
+        """Log lines where RBAC denied the operator a request (not admission's refusals)."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return [line for line in text.splitlines() if "403" in line and "orbidden" in line]
+        return [line for line in text.splitlines()
+                if "forbidden: User" in line and "cannot" in line]

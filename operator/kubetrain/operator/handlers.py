@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 import threading
 import time
@@ -93,6 +94,21 @@ class JobMemory:
     deleted: dict[str, float] = field(default_factory=dict)
     # Service and ConfigMap written: kind -> (generation written, when)
     children: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # The API server's last refusal of a child, already reported as a FailedCreate event.
+    refused: str = ""
+
+
+# Statuses with which the API server refuses an object itself (validation, admission,
+# authorisation): retrying the same object cannot succeed until someone changes something.
+REFUSED_STATUSES = frozenset({400, 403, 422})
+
+
+def _server_message(error: ApiException) -> str:
+    """The API server's own explanation in an error response, else its reason."""
+    try:
+        return str(json.loads(error.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(error.reason)
 
 
 def _snapshot(index: kopf.Index, key: Any) -> list[Any]:
@@ -395,10 +411,32 @@ class TrainingJobController:
                 self._apply_one(namespace, name, body, memory, action)
             except ApiException as error:
                 self.metrics.api_errors.inc()
+                message = _server_message(error)
                 logging.getLogger(__name__).warning(
-                    "%s/%s: %s failed: %s %s", namespace, name, type(action).__name__,
-                    error.status, error.reason)
+                    "%s/%s: %s failed: %s %s: %s", namespace, name, type(action).__name__,
+                    error.status, error.reason, message)
+                if isinstance(action, CreateObject) and error.status in REFUSED_STATUSES:
+                    self._report_refusal(namespace, body, memory, action, message)
                 return
+
+    def _report_refusal(self, namespace: str, body: Mapping[str, Any], memory: JobMemory,
+                        action: CreateObject, message: str) -> None:
+        """Tell the user, once per distinct message, why the server refuses a child.
+
+        A pod refused by admission (a missing PriorityClass or ServiceAccount, a quota)
+        would otherwise leave the job Pending with the reason only in the operator's log:
+        it goes to a Warning event on the job, as a ReplicaSet reports FailedCreate.
+        """
+        text = f"{action.manifest['kind']} {action.manifest['metadata']['name']}: {message}"
+        if memory.refused == text:
+            return
+        memory.refused = text
+        event = RecordEvent("Warning", "FailedCreate", text)
+        try:
+            self.writer.create(namespace, self._event(body, event))
+        except ApiException as error:
+            logging.getLogger(__name__).warning("event FailedCreate not recorded: %s",
+                                                _server_message(error))
 
     def _apply_one(self, namespace: str, name: str, body: Mapping[str, Any], memory: JobMemory,
                    action: Action) -> None:
