@@ -5,13 +5,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint
+.PHONY: demo test lint lowest
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a bare `torch` requirement would pull the CUDA build.
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
+	# dev includes kubetrain[all]: the operator and trainer extras.
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
@@ -22,6 +23,11 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint
+# The API, storage and operator tests against the lowest version of every direct
+# dependency that pyproject.toml allows, in .venv-lowest (a wrong lower bound fails here).
+lowest: $(VENV)/.installed
+	bash tests/install/lowest-direct.sh -q
+
+test: lint lowest
 	bash tests/tools/install-promtool.sh
 	$(BIN)/pytest
