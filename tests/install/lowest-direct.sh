@@ -23,14 +23,13 @@ for location in $("$BIN/pip" config list 2>/dev/null | sed -n "s/^[^=]*find-link
     find_links+=(--find-links "$location")
 done
 
+[ -x "$LOWEST/bin/python" ] || "${UV[@]}" venv --quiet --python "$BIN/python" "$LOWEST"
 torch=$("$BIN/python" -c 'from importlib.metadata import version; print(version("torch"))')
-mkdir -p "$LOWEST"
 printf 'torch==%s\n' "$torch" > "$LOWEST/override.txt"
 
 "${UV[@]}" pip compile --quiet pyproject.toml --extra dev --resolution lowest-direct \
     --python "$BIN/python" "${find_links[@]}" --override "$LOWEST/override.txt" \
     --no-header --output-file "$LOWEST/requirements.txt"
-[ -x "$LOWEST/bin/python" ] || "${UV[@]}" venv --quiet --python "$BIN/python" "$LOWEST"
 "${UV[@]}" pip sync --quiet --python "$LOWEST/bin/python" "${find_links[@]}" "$LOWEST/requirements.txt"
 "${UV[@]}" pip install --quiet --python "$LOWEST/bin/python" --no-deps -e .
 
