@@ -145,6 +145,11 @@ def torchrun_env(job: TrainingJob) -> list[dict[str, Any]]:
         # The uid, not the name: a re-created job of the same name must not join stale rendezvous.
         {"name": "PET_RDZV_ID", "value": job.metadata.uid or name},
         {"name": "PET_MAX_RESTARTS", "value": str(job.spec.run_policy.max_restarts)},
+        # A fresh store for the trainers at each rendezvous round: in torchrun's shared store
+        # an earlier round's keys remain, and the agents count restarts differently (one
+        # whose worker failed counts it, one that restarts for the new membership does not),
+        # so no per-attempt prefix is the same on every rank (kubetrain.trainer.distributed).
+        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
     ]
 
 

@@ -65,11 +65,16 @@ def init_world() -> World:
 
 
 def _attempt_store() -> dist.Store:
-    """torchrun's key-value store, with a namespace of its own for each restart attempt.
+    """torchrun's key-value store for this restart attempt, the same on every rank.
 
-    When torchrun restarts its workers in place (a replaced pod rejoined, or a rank
-    exited to be restarted into a new membership), the store still holds the
-    previous attempt's keys, and gloo would dial the dead processes' addresses.
+    The operator's pods run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each
+    rendezvous round then gets a fresh store that rank 0 hosts on a new port, so no key
+    of an earlier attempt is ever seen. When torchrun's agent hosts one store for every
+    round (its default), the previous attempt's keys remain there and gloo would dial
+    the dead processes' addresses, so each attempt gets a namespace named by the restart
+    count. That count is the same on every rank only under one agent (`kubetrain run`,
+    `--standalone`): with several, an agent whose worker failed counts the restart and
+    one that restarts for the new membership does not.
     """
     rank = int(os.environ["RANK"])
     # Under torchrun the agent hosts the store; a bare launch makes rank 0 host it.
@@ -78,6 +83,8 @@ def _attempt_store() -> dist.Store:
                           world_size=int(os.environ["WORLD_SIZE"]),
                           is_master=rank == 0 and not agent_hosts_it,
                           timeout=timedelta(minutes=10))
+    if not agent_hosts_it:
+        return store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"kubetrain/attempt-{attempt}", store)
 
