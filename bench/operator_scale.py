@@ -1,93 +1,92 @@
-"""Operator at scale: N TrainingJobs of 4 workers created at once against kmock's emulator.
+"""Operator at scale on a real Kubernetes control plane: N TrainingJobs of 4 workers at once.
 
-Prints, from one run on this machine (the timing as the median of several rounds):
-- time until every worker pod exists, as a ratio to creating the same objects (job,
-  service, config map, pods) directly with the Kubernetes client (goal <= 1.5); and,
-  stricter, as a ratio to creating them with the operator's own write path (`ApiWriter`:
-  the same client without its generated methods' per-call checks), which shows the
-  operator's overhead apart from how cheaply it sends a request;
-- the operator's API writes per job against the objects it had to create plus one
-  status write and one event per transition (goal: nothing beyond those);
-- the operator process's peak memory (VmHWM).
+Each round starts a fresh control plane (tests/cluster/control_plane.py: etcd and
+kube-apiserver, with an audit log; no scheduler or controller-manager, whose work on
+thousands of unschedulable pods would load both sides alike and tell nothing) twice:
+- baseline: one client process creates every object the operator would create
+  (job, Service, ConfigMap, 4 pods per job) directly with the Kubernetes client;
+- kubetrain: the jobs are created and `kubetrain operator` (its own process, the
+  chart's ServiceAccount and RBAC) creates the rest.
+It prints the median ratio of the times until every pod exists (goal <= 1.5), the
+pods created per second, the operator's API writes per job from the API server's own
+audit log (objects + one status write per transition + one event per transition),
+and the operator's peak memory (VmHWM; goal <= 256 MiB at 500 jobs).
 
-    python bench/operator_scale.py --jobs 500
+    python bench/operator_scale.py --jobs 500 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "cluster"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "operator"))
 import harness
+from control_plane import REPO, ControlPlane
 from kubernetes import client
 from kubernetes import config as kube_config
+from operator_process import OperatorProcess, install_operator_identity
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.operator import children
-from kubetrain.operator.writer import ApiWriter
 
 WORKERS = 4
 THREADS = 16
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    verbs: [create, update, patch, delete, deletecollection]
+  - level: None
+"""
 
 
-def _pods(cluster: harness.EmulatedCluster) -> int:
-    while True:
-        try:
-            return sum(1 for (resource, _, _), obj in list(cluster.emulator.objects.items())
-                       if resource.plural == "pods" and not obj.deleted)
-        except RuntimeError:  # the emulator's thread added an object meanwhile: count again
-            continue
+def start_control_plane(directory: Path) -> ControlPlane:
+    (directory / "audit-policy.yaml").write_text(AUDIT_POLICY)
+    plane = ControlPlane(directory, controllers=False, apiserver_args=(
+        f"--audit-policy-file={directory / 'audit-policy.yaml'}",
+        f"--audit-log-path={directory / 'audit.log'}", "--audit-log-maxsize=0"))
+    plane.start(before_controllers=lambda p: p.kubectl(
+        "apply", "--server-side", "-f", str(REPO / "crds" / "trainingjob.yaml")))
+    plane.kubectl("wait", "--for=condition=Established", "crd/trainingjobs.kubetrain.io")
+    # What the controller-manager would have made: the namespace's default ServiceAccount.
+    plane.kubectl("create", "serviceaccount", "default", "-n", harness.NAMESPACE)
+    return plane
 
 
-def baseline(directory: Path, jobs: int, raw: bool) -> float:
-    """Seconds for a client to create every object the operator would create.
-
-    `raw`: the children go through `ApiWriter`, as the operator sends them; else
-    through the client's generated methods. The client runs in its own process, as
-    the operator does, so neither shares the emulator's interpreter (and its GIL).
-    """
-    with harness.EmulatedCluster(directory) as cluster, ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn")) as process:
-        return process.submit(_create_directly, str(cluster.kubeconfig), jobs, raw).result()
-
-
-def _create_directly(kubeconfig: str, jobs: int, raw: bool) -> float:
+def _client(kubeconfig: str) -> client.ApiClient:
     configuration = client.Configuration()
     kube_config.load_kube_config(kubeconfig, client_configuration=configuration)
     configuration.connection_pool_maxsize = THREADS
-    api = client.ApiClient(configuration)
-    core, custom, writer = client.CoreV1Api(api), client.CustomObjectsApi(api), ApiWriter(api)
-    generated: dict[str, Callable[..., Any]] = {"Service": core.create_namespaced_service,
-                 "ConfigMap": core.create_namespaced_config_map,
-                 "Pod": core.create_namespaced_pod}
+    return client.ApiClient(configuration)
 
-    def create(manifest: dict[str, Any]) -> None:
-        if raw:
-            writer.create(harness.NAMESPACE, manifest)
-        else:
-            generated[manifest["kind"]](harness.NAMESPACE, manifest)
+
+def _create_everything(kubeconfig: str, jobs: int) -> float:
+    """The baseline: every object, created directly; returns the seconds it took."""
+    api = _client(kubeconfig)
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
 
     def create_all(index: int) -> None:
         manifest = harness.job_manifest(f"job-{index}", replicas=WORKERS)
         custom.create_namespaced_custom_object(
             "kubetrain.io", "v1alpha1", harness.NAMESPACE, "trainingjobs", manifest)
         job = parse_job({**manifest, "metadata": {**manifest["metadata"], "uid": "u"}})
-        create(children.service(job))
-        create(children.config_map(job))
+        core.create_namespaced_service(harness.NAMESPACE, children.service(job))
+        core.create_namespaced_config_map(harness.NAMESPACE, children.config_map(job))
         for worker in range(WORKERS):
-            create(children.worker_pod(job, worker, 0))
+            core.create_namespaced_pod(harness.NAMESPACE, children.worker_pod(job, worker, 0))
 
     start = time.perf_counter()
     with ThreadPoolExecutor(THREADS) as pool:
@@ -96,11 +95,8 @@ def _create_directly(kubeconfig: str, jobs: int, raw: bool) -> float:
 
 
 def _create_jobs(kubeconfig: str, jobs: int) -> float:
-    """Create the jobs as fast as THREADS clients can; return when it started (time.monotonic)."""
-    configuration = client.Configuration()
-    kube_config.load_kube_config(kubeconfig, client_configuration=configuration)
-    configuration.connection_pool_maxsize = THREADS
-    custom = client.CustomObjectsApi(client.ApiClient(configuration))
+    """Create the jobs as fast as THREADS clients can; return when it started (monotonic)."""
+    custom = client.CustomObjectsApi(_client(kubeconfig))
 
     def create(index: int) -> None:
         custom.create_namespaced_custom_object(
@@ -113,50 +109,55 @@ def _create_jobs(kubeconfig: str, jobs: int) -> float:
     return start
 
 
-def with_operator(directory: Path, jobs: int) -> tuple[float, Counter[str], int, int, float]:
-    """Seconds until all pods exist, the operator's writes by kind, status writes, peak KiB
-    and the operator's CPU seconds until then."""
-    with harness.EmulatedCluster(directory) as cluster:
-        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "kubetrain", "operator", "--standalone",
-             "--resync-seconds", "300", "--metrics-port", str(harness.free_port()),
-             "--health-port", str(harness.free_port())],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            harness.eventually(lambda: cluster.emulator.requests(), timeout=60)
-            time.sleep(2.0)  # kopf has listed and started watching
-            # The jobs come from another process, as the baseline's objects do: a client
-            # in this one would take the emulator's GIL from it.
-            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-                started = process.submit(_create_jobs, str(cluster.kubeconfig), jobs)
-                harness.eventually(lambda: _pods(cluster) == jobs * WORKERS, timeout=1800)
-                elapsed = time.monotonic() - started.result()
-            cpu = _cpu_seconds(operator.pid)
-            time.sleep(3.0)  # let the status writes of the last transitions land
-            peak = _peak_kib(operator.pid)
-        finally:
-            operator.terminate()
-            operator.wait(timeout=60)
-        writes: Counter[str] = Counter()
-        status_writes = 0
-        for request in cluster.emulator.requests():
-            agent = request.headers.get("User-Agent", "")
-            if request.resource is None or not agent.startswith(("kopf", harness.USER_AGENT)):
-                continue
-            if request.action in (harness.kmock.action.LIST, harness.kmock.action.WATCH,
-                                  harness.kmock.action.FETCH):
-                continue
-            kind = request.resource.plural + (f"/{request.subresource}"
-                                              if request.subresource else "")
-            writes[f"{request.method.value} {kind}"] += 1
-            status_writes += request.subresource == "status"
-        return elapsed, writes, status_writes, peak, cpu
+def _in_another_process(function: Any, *args: Any) -> Any:
+    # The client runs in its own process, as the operator does: neither shares this
+    # interpreter's GIL with the pod counting.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+        return process.submit(function, *args).result()
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+def baseline(directory: Path, jobs: int) -> float:
+    plane = start_control_plane(directory)
+    try:
+        return float(_in_another_process(_create_everything, str(plane.kubeconfig), jobs))
+    finally:
+        plane.stop()
+
+
+def with_operator(directory: Path, jobs: int) -> tuple[float, Counter[str], int]:
+    """Seconds until all pods exist, the operator's writes by verb and resource, peak KiB."""
+    plane = start_control_plane(directory)
+    try:
+        kubeconfig = install_operator_identity(plane, {}, directory)
+        core = client.CoreV1Api(plane.api_client())
+        with OperatorProcess(kubeconfig, directory / "operator.log",
+                             resync_seconds=300) as operator, ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn")) as process:
+            started = process.submit(_create_jobs, str(plane.kubeconfig), jobs)
+            while len(core.list_namespaced_pod(harness.NAMESPACE, resource_version="0")
+                      .items) < jobs * WORKERS:
+                time.sleep(0.2)
+            elapsed = time.monotonic() - started.result()
+            time.sleep(3.0)  # the status writes and events of the last transitions land
+            peak = _peak_kib(operator.process.pid) if operator.process else 0
+        account = "system:serviceaccount:kubetrain-system:kubetrain"
+        return elapsed, _writes_of(directory / "audit.log", account), peak
+    finally:
+        plane.stop()
+
+
+def _writes_of(audit_log: Path, user: str) -> Counter[str]:
+    """The user's write requests in the API server's audit log, by 'verb resource'."""
+    writes: Counter[str] = Counter()
+    for line in audit_log.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("stage") != "ResponseComplete" or event["user"]["username"] != user:
+            continue
+        ref = event.get("objectRef", {})
+        resource = ref.get("resource", "?") + (f"/{ref['subresource']}"
+                                               if ref.get("subresource") else "")
+        writes[f"{event['verb']} {resource}"] += 1
+    return writes
 
 
 def _peak_kib(pid: int) -> int:
@@ -170,39 +171,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="baseline/operator pairs run in turn; the median ratio is the result "
-                        "(a shared machine's load moves single timings)")
+                        help="baseline/operator pairs run in turn; the median ratio is the "
+                        "result (a shared machine's load moves single timings)")
     args = parser.parse_args()
-    ratios, raw_ratios = [], []
+    ratios, rates, peaks = [], [], []
+    writes: Counter[str] = Counter()
     for round_ in range(args.rounds):
         with tempfile.TemporaryDirectory() as directory:
-            for part in ("a", "b", "c"):
+            for part in ("baseline", "operator"):
                 (Path(directory) / part).mkdir()
-            direct = baseline(Path(directory) / "a", args.jobs, raw=False)
-            direct_raw = baseline(Path(directory) / "b", args.jobs, raw=True)
-            elapsed, writes, status_writes, peak, cpu = with_operator(Path(directory) / "c",
-                                                                 args.jobs)
+            direct = baseline(Path(directory) / "baseline", args.jobs)
+            elapsed, writes, peak = with_operator(Path(directory) / "operator", args.jobs)
         ratios.append(elapsed / direct)
-        raw_ratios.append(elapsed / direct_raw)
-        print(f"round {round_ + 1}: direct creation {direct:.2f}s (client methods), "
-              f"{direct_raw:.2f}s (ApiWriter); operator until all pods exist {elapsed:.2f}s "
-              f"(operator CPU {cpu:.2f}s); ratios {elapsed / direct:.2f}, "
-              f"{elapsed / direct_raw:.2f}", flush=True)
-    objects = 2 + WORKERS  # service, config map, pods
+        rates.append(args.jobs * WORKERS / elapsed)
+        peaks.append(peak)
+        print(f"round {round_ + 1}: direct creation {direct:.2f}s; operator until all pods "
+              f"exist {elapsed:.2f}s; ratio {elapsed / direct:.2f}; "
+              f"{args.jobs * WORKERS / elapsed:.0f} pods/s; peak {peak / 1024:.0f} MiB",
+              flush=True)
+    objects = 2 + WORKERS  # Service, ConfigMap, pods
     total = sum(writes.values())
-    events = writes["POST events"]
-    print(f"jobs: {args.jobs} x {WORKERS} workers")
-    print(f"time until every pod exists, operator / direct: median ratio "
-          f"{statistics.median(ratios):.2f} of {args.rounds} rounds (goal <= 1.5)")
-    print(f"  against the same requests sent as the operator sends them (ApiWriter): median "
-          f"ratio {statistics.median(raw_ratios):.2f}")
-    print(f"operator writes per job: {total / args.jobs:.2f} = objects {objects} + status "
-          f"{status_writes / args.jobs:.2f} + transition events {events / args.jobs:.2f} "
-          f"+ other {(total - status_writes - events) / args.jobs - objects:.2f}")
+    status = writes["patch trainingjobs/status"]
+    events = writes["create events"]
+    print(f"real control plane, {args.jobs} jobs x {WORKERS} workers, {args.rounds} rounds")
+    print(f"time until every pod exists, operator / direct creation: median ratio "
+          f"{statistics.median(ratios):.2f} (goal <= 1.5)")
+    print(f"pods created per second by the operator: median {statistics.median(rates):.0f}")
+    print(f"operator API writes per job (audit log): {total / args.jobs:.2f} = objects "
+          f"{objects} + status {status / args.jobs:.2f} + events {events / args.jobs:.2f} "
+          f"+ other {(total - status - events) / args.jobs - objects:.2f}")
     for kind, count in sorted(writes.items()):
         print(f"  {kind}: {count / args.jobs:.2f}/job")
-    print(f"operator peak memory (VmHWM): {peak / 1024:.1f} MiB")
+    print(f"operator peak memory (VmHWM): {max(peaks) / 1024:.0f} MiB (goal <= 256 MiB)")
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

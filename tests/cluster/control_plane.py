@@ -112,6 +112,10 @@ class ControlPlane:
 
     workdir: Path
     bin_dir: Path = field(default_factory=find_binaries)
+    # Start kube-controller-manager and kube-scheduler (when their binaries are there).
+    controllers: bool = True
+    # Extra kube-apiserver flags, e.g. an audit log for counting requests.
+    apiserver_args: tuple[str, ...] = ()
     url: str = ""
     admin_token: str = ""
     _components: list[_Component] = field(default_factory=list)
@@ -156,7 +160,8 @@ class ControlPlane:
             self._start_apiserver()
             if before_controllers is not None:
                 before_controllers(self)
-            if all((self.bin_dir / b).is_file() for b in CONTROLLER_BINARIES):
+            if self.controllers and all((self.bin_dir / b).is_file()
+                                        for b in CONTROLLER_BINARIES):
                 self._start_controller_manager()
                 self._start_scheduler()
         except BaseException:
@@ -293,7 +298,8 @@ class ControlPlane:
             "--service-cluster-ip-range=10.96.0.0/16", "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             f"--default-not-ready-toleration-seconds={NOT_READY_TOLERATION_SECONDS}",
-            f"--default-unreachable-toleration-seconds={NOT_READY_TOLERATION_SECONDS}")
+            f"--default-unreachable-toleration-seconds={NOT_READY_TOLERATION_SECONDS}",
+            *self.apiserver_args)
         insecure = ssl.create_default_context()
         insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
         self._wait_healthy("kube-apiserver", f"{self.url}/readyz", 180, self.admin_token, insecure)
