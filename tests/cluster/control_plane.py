@@ -14,10 +14,11 @@ issues through the TokenRequest API, as in a cluster). Node-lifecycle grace peri
 are seconds instead of minutes, so a lost node is noticed within a test.
 
 Binaries are looked up as controller-runtime's envtest does: `$KUBEBUILDER_ASSETS`
-first (a folder with etcd, kube-apiserver and, to get garbage collection and
-scheduling, kube-controller-manager and kube-scheduler), else the project's shared
-build (`../shared/k8s-control-plane/install` beside the checkout). `find_binaries()`
-says which, or why none were found.
+first (a folder with etcd and kube-apiserver, as `setup-envtest` makes it, plus
+kube-controller-manager and kube-scheduler of the same release: the garbage collector,
+node lifecycle and scheduling are part of what the tests show), else the project's
+shared build (`../shared/k8s-control-plane/install` beside the checkout).
+`find_binaries()` says which, or why none were found.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def find_binaries() -> Path:
     assets = os.environ.get("KUBEBUILDER_ASSETS")
     if assets:
         folder = Path(assets)
-        missing = [b for b in SERVER_BINARIES if not (folder / b).is_file()]
+        missing = [b for b in (*SERVER_BINARIES, *CONTROLLER_BINARIES)
+                   if not (folder / b).is_file()]
         if missing:
             raise ControlPlaneUnavailable(
                 f"KUBEBUILDER_ASSETS={assets} has no {', '.join(missing)}; {HOW_TO_GET_BINARIES}")
