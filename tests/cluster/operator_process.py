@@ -63,9 +63,10 @@ class OperatorProcess:
     """`kubetrain operator` in a subprocess; start, kill -9, start again."""
 
     def __init__(self, kubeconfig: Path, log_path: Path, namespaces: tuple[str, ...] = (),
-                 resync_seconds: float = 1.0) -> None:
+                 resync_seconds: float = 1.0, leader_election: bool = False) -> None:
         self.kubeconfig, self.log_path = kubeconfig, log_path
         self.namespaces, self.resync_seconds = namespaces, resync_seconds
+        self.leader_election = leader_election
         self.metrics_port = self.health_port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -85,7 +86,11 @@ class OperatorProcess:
         self._log.write(f"---- start {self.starts + 1}\n".encode())
         self._log.flush()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
-        args = [sys.executable, "-m", "kubetrain", "operator", "--standalone",
+        # As the chart's Deployment: --standalone with one replica, else a Lease in the
+        # release namespace.
+        election = ([f"--lease-namespace={RELEASE_NAMESPACE}"] if self.leader_election
+                    else ["--standalone"])
+        args = [sys.executable, "-m", "kubetrain", "operator", *election,
                 f"--metrics-port={self.metrics_port}", f"--health-port={self.health_port}",
                 f"--resync-seconds={self.resync_seconds}",
                 *(f"--namespace={n}" for n in self.namespaces)]
@@ -142,6 +147,27 @@ class OperatorProcess:
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def metric(self, name: str) -> float:
+        """The value of one unlabelled sample on the operator's /metrics."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=5) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and not sample.labels:
+                    return float(sample.value)
+        raise KeyError(f"no sample {name} on the operator's /metrics")
+
+    def leads(self) -> bool:
+        """Whether this process has logged that it took the leader-election Lease."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        current = text.rsplit(f"---- start {self.starts}", 1)[-1]
+        return "now leads" in current
 
     def denied_requests(self) -> list[str]:
         """Log lines where RBAC denied the operator a request (not admission's refusals)."""
