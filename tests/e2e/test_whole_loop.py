@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -315,3 +316,63 @@ def test_two_workers_train_to_succeeded_with_progress_checkpoint_and_export(
         logits = model(tokens).logits
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
     cluster.delete(uninterrupted.name)
+
+
+def _wait_for_printed_step(cluster: Cluster, name: str, step: int, timeout: float = 180) -> None:
+    """Until rank 0 has printed `step`: read from its log, faster than the operator's scrape."""
+
+    def printed() -> bool:
+        return max(_steps_printed(cluster.trainer_lines(name)), default=-1) >= step
+
+    cluster.wait_for(f"rank 0 of {name} to print step {step}", printed, timeout, every=0.05)
+
+
+def _resume_and_redone(lines: list[str]) -> tuple[int, int]:
+    """(the step training resumed from, steps redone): from rank 0's lines around the resume."""
+    resumed = next(i for i, line in enumerate(lines) if line.startswith("resumed from "))
+    step = int(re.search(r"at step (\d+)", lines[resumed]).group(1))  # type: ignore[union-attr]
+    return step, max(_steps_printed(lines[:resumed])) - step
+
+
+def _advanced_after_resume(lines: list[str]) -> bool:
+    """Whether rank 0 printed a step after its (last) "resumed from" line."""
+    resumed = [i for i, line in enumerate(lines) if line.startswith("resumed from ")]
+    return bool(resumed) and bool(_steps_printed(lines[resumed[-1]:]))
+
+
+def _weights(export: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(export / "model.safetensors")
+
+
+def test_killed_worker_resumes_from_latest_checkpoint_and_ends_as_uninterrupted_run(
+        cluster: Cluster, uninterrupted: Run) -> None:
+    import torch
+
+    name = "killed"
+    cluster.apply(training_job(name, cluster.s3))
+    _wait_for_printed_step(cluster, name, EVERY + 2)
+    pods = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)}
+    os.kill(cluster.trainer_pid(f"{name}-worker-1"), signal.SIGKILL)
+    recovery = time.monotonic()
+    cluster.wait_for("training to advance again after the kill",
+                     lambda: _advanced_after_resume(cluster.trainer_lines(name)), 120, every=0.2)
+    recovery = time.monotonic() - recovery
+    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+
+    step, redone = _resume_and_redone(cluster.trainer_lines(name))
+    print(f"killed rank 1: training advanced again after {recovery:.1f}s, resumed from step "
+          f"{step}, {redone} steps redone")
+    assert step % EVERY == 0 and step > 0
+    assert 0 <= redone <= EVERY
+    # torchrun restarted both pods' trainers in place (PET_MAX_RESTARTS): no pod was replaced.
+    assert {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)} == pods
+
+    ours, reference = _weights(_export(cluster, name)), _weights(uninterrupted.export)
+    assert ours.keys() == reference.keys()
+    differences = {key: (ours[key] - reference[key]).abs().max().item() for key in ours}
+    print(f"largest weight difference from the uninterrupted run: {max(differences.values())}")
+    for key in ours:
+        torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-6)
+    cluster.delete(name)
