@@ -55,7 +55,8 @@ TOKENS_PER_SECOND = Gauge("kubetrain_tokens_per_second", "Training throughput of
 MFU = Gauge("kubetrain_mfu_ratio", "Model FLOPs utilisation (0..1) against the devices' peak "
             "dense bf16 FLOP/s; 0 where the peak is unknown (CPU).", registry=REGISTRY)
 STEP_DURATION = Histogram(
-    "kubetrain_step_duration_seconds", "Wall time of one optimizer step, data wait included.",
+    "kubetrain_step_duration_seconds", "Host time of one optimizer step, data wait included "
+    "(on a GPU, the time to queue its work: throughput is kubetrain_tokens_per_second).",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=REGISTRY,
 )
 DATA_WAIT = Gauge("kubetrain_data_wait_ratio", "Fraction of step time spent waiting for data "
