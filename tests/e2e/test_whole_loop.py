@@ -376,3 +376,29 @@ def test_killed_worker_resumes_from_latest_checkpoint_and_ends_as_uninterrupted_
     for key in ours:
         torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-6)
     cluster.delete(name)
+
+
+def test_operator_killed_and_restarted_mid_run_recreates_no_pod_and_status_converges(
+        cluster: Cluster) -> None:
+    name = "operator-restart"
+    steps = 120
+    cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": steps},
+                               checkpoint={"everySteps": 40}))
+    cluster.wait_for_step(name, 1)
+    pods = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)}
+    cluster.operator.kill()
+    killed_at_step = max(_steps_printed(cluster.trainer_lines(name)))
+    cluster.operator.start()
+    after = cluster.wait_for_step(name, killed_at_step + 1, timeout=120)
+    print(f"operator killed at step {killed_at_step}; the new one reported step {after.step}")
+    assert {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)} == pods
+    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+
+    job = cluster.job(name)
+    # Once worker 0 is done the job's other pods are stopped; none was ever replaced.
+    assert {pod["metadata"]["uid"] for pod in cluster.pods(name)} <= set(pods.values())
+    assert job["status"].get("restarts", 0) == 0
+    assert not any(line.startswith("resumed from ") for line in cluster.trainer_lines(name))
+    assert f"finished at step {steps}: max_steps" in cluster.trainer_lines(name)
+    assert not cluster.operator.denied_requests(), cluster.operator.denied_requests()
+    cluster.delete(name)
