@@ -124,8 +124,9 @@ def baseline(directory: Path, jobs: int) -> float:
         plane.stop()
 
 
-def with_operator(directory: Path, jobs: int) -> tuple[float, Counter[str], int]:
-    """Seconds until all pods exist, the operator's writes by verb and resource, peak KiB."""
+def with_operator(directory: Path, jobs: int) -> tuple[float, Counter[str], int, float]:
+    """Seconds until all pods exist, the operator's writes by verb and resource, its peak
+    KiB and the CPU seconds it used until then."""
     plane = start_control_plane(directory)
     try:
         kubeconfig = install_operator_identity(plane, {}, directory)
@@ -138,10 +139,11 @@ def with_operator(directory: Path, jobs: int) -> tuple[float, Counter[str], int]
                       .items) < jobs * WORKERS:
                 time.sleep(0.2)
             elapsed = time.monotonic() - started.result()
+            cpu = _cpu_seconds(operator.process.pid) if operator.process else 0.0
             time.sleep(3.0)  # the status writes and events of the last transitions land
             peak = _peak_kib(operator.process.pid) if operator.process else 0
         account = "system:serviceaccount:kubetrain-system:kubetrain"
-        return elapsed, _writes_of(directory / "audit.log", account), peak
+        return elapsed, _writes_of(directory / "audit.log", account), peak, cpu
     finally:
         plane.stop()
 
@@ -158,6 +160,11 @@ def _writes_of(audit_log: Path, user: str) -> Counter[str]:
                                                if ref.get("subresource") else "")
         writes[f"{event['verb']} {resource}"] += 1
     return writes
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _peak_kib(pid: int) -> int:
@@ -181,12 +188,13 @@ def main() -> None:
             for part in ("baseline", "operator"):
                 (Path(directory) / part).mkdir()
             direct = baseline(Path(directory) / "baseline", args.jobs)
-            elapsed, writes, peak = with_operator(Path(directory) / "operator", args.jobs)
+            elapsed, writes, peak, cpu = with_operator(Path(directory) / "operator",
+                                                       args.jobs)
         ratios.append(elapsed / direct)
         rates.append(args.jobs * WORKERS / elapsed)
         peaks.append(peak)
         print(f"round {round_ + 1}: direct creation {direct:.2f}s; operator until all pods "
-              f"exist {elapsed:.2f}s; ratio {elapsed / direct:.2f}; "
+              f"exist {elapsed:.2f}s (operator CPU {cpu:.1f}s); ratio {elapsed / direct:.2f}; "
               f"{args.jobs * WORKERS / elapsed:.0f} pods/s; peak {peak / 1024:.0f} MiB",
               flush=True)
     objects = 2 + WORKERS  # Service, ConfigMap, pods
