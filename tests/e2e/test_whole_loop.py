@@ -402,3 +402,31 @@ def test_operator_killed_and_restarted_mid_run_recreates_no_pod_and_status_conve
     assert f"finished at step {steps}: max_steps" in cluster.trainer_lines(name)
     assert not cluster.operator.denied_requests(), cluster.operator.denied_requests()
     cluster.delete(name)
+
+
+def _patch_spec(cluster: Cluster, name: str, spec: dict[str, Any]) -> None:
+    cluster.kubectl("patch", "tj", name, "--type=merge", "-p", json.dumps({"spec": spec}))
+
+
+def test_suspend_checkpoints_and_removes_the_pods_and_resume_continues_from_that_step(
+        cluster: Cluster) -> None:
+    name = "suspended"
+    steps = 120
+    cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": steps},
+                               checkpoint={"everySteps": 1000}))
+    _wait_for_printed_step(cluster, name, 10)
+    _patch_spec(cluster, name, {"runPolicy": {"suspend": True}})
+    cluster.wait_for_phase(name, "Suspended", timeout=120)
+    cluster.wait_for("the suspended job's pods to be gone", lambda: not cluster.pods(name), 120)
+    before = cluster.trainer_lines(name)
+    last = max(_steps_printed(before))
+    assert last < steps, "the job finished before it was suspended: lengthen it"
+
+    _patch_spec(cluster, name, {"runPolicy": {"suspend": False}})
+    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+    lines = cluster.trainer_lines(name)[len(before):]
+    resumed = next(line for line in lines if line.startswith("resumed from "))
+    print(f"suspended after step {last}; {resumed}")
+    assert f"at step {last} " in resumed + " ", (last, resumed)
+    assert f"finished at step {steps}: max_steps" in lines
+    cluster.delete(name)
