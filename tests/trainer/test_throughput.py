@@ -10,13 +10,15 @@ evaluation after every logged step, which host-timed steps would leave out).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from kubetrain.api.manifest import load_job
 from kubetrain.trainer import Trainer
 
 
-def test_logged_intervals_add_up_to_the_wall_time_of_the_loop(tiny_job, tmp_path: Path) -> None:
+def test_logged_intervals_add_up_to_the_wall_time_of_the_loop(tiny_job: Callable[..., Path],
+                                                              tmp_path: Path) -> None:
     path = tiny_job("throughput", optimization={"maxSteps": 6, "warmupSteps": 2},
                     evaluation={"everySteps": 2, "batches": 24},
                     metrics={"logEverySteps": 2})
