@@ -1,0 +1,207 @@
+"""The goodput ledger against a fake clock: causes sum to wall time, restarts carry over."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kubetrain.trainer.goodput import (
+    CAUSES,
+    CHECKPOINT_LOAD,
+    CHECKPOINT_SAVE,
+    DATA_WAIT,
+    DOWNTIME,
+    EVALUATION,
+    HEARTBEAT_NAME,
+    LOST_PROGRESS,
+    PRODUCTIVE,
+    STARTUP,
+    GoodputLedger,
+    Heartbeat,
+    process_started_at,
+)
+from kubetrain.trainer.storage import open_storage
+
+
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def train(ledger: GoodputLedger, clock: FakeClock, steps: range, *, step_seconds: float = 2.0,
+          data_seconds: float = 0.5) -> None:
+    for step in steps:
+        clock.advance(data_seconds)
+        ledger.charge(DATA_WAIT)
+        clock.advance(step_seconds)
+        ledger.charge(PRODUCTIVE)
+        ledger.stepped(step)
+
+
+def test_every_second_goes_to_one_cause_and_they_sum_to_wall_time() -> None:
+    clock = FakeClock(1000.0)
+    ledger = GoodputLedger(attempt_started=990.0, clock=clock)  # the process began 10 s ago
+    ledger.charge(STARTUP)
+    train(ledger, clock, range(1, 11))
+    clock.advance(3.0)
+    ledger.charge(EVALUATION)
+    clock.advance(1.5)
+    ledger.charge(CHECKPOINT_SAVE)
+
+    seconds = ledger.seconds
+    assert seconds[STARTUP] == 10.0
+    assert seconds[PRODUCTIVE] == 20.0
+    assert seconds[DATA_WAIT] == 5.0
+    assert seconds[EVALUATION] == 3.0
+    assert seconds[CHECKPOINT_SAVE] == 1.5
+    assert ledger.wall_seconds == pytest.approx(clock.now - 990.0)
+    assert ledger.ratio == pytest.approx(20.0 / 39.5)
+
+
+def test_a_clock_going_backwards_books_nothing_negative() -> None:
+    clock = FakeClock(100.0)
+    ledger = GoodputLedger(attempt_started=100.0, clock=clock)
+    clock.advance(-5.0)
+    assert ledger.charge(PRODUCTIVE) == 0.0
+    assert min(ledger.seconds.values()) == 0.0
+
+
+def first_attempt(clock: FakeClock) -> tuple[dict[str, object], dict[str, object]]:
+    """An attempt that checkpoints at step 10, heartbeats at step 15 and is killed."""
+    ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
+    clock.advance(4.0)
+    ledger.charge(STARTUP)
+    train(ledger, clock, range(1, 11))
+    checkpoint = ledger.state_dict()  # as DCP stages it at the save call
+    clock.advance(1.0)
+    ledger.charge(CHECKPOINT_SAVE)
+    train(ledger, clock, range(11, 16))
+    heartbeat = json.loads(json.dumps(ledger.snapshot()))
+    return checkpoint, heartbeat
+
+
+def test_a_restart_turns_redone_steps_into_lost_progress_and_the_gap_into_downtime() -> None:
+    clock = FakeClock(0.0)
+    checkpoint, heartbeat = first_attempt(clock)
+    killed_at = clock.now  # 4 + 10 * 2.5 + 1 + 5 * 2.5 = 42.5
+    clock.advance(7.5)  # the node is replaced, the group starts again
+    ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
+    clock.advance(3.0)
+    ledger.charge(STARTUP)
+    ledger.load_state_dict(checkpoint)
+    clock.advance(0.5)
+    ledger.charge(CHECKPOINT_LOAD)
+    ledger.resume(heartbeat)
+    train(ledger, clock, range(11, 21))
+
+    seconds = ledger.seconds
+    assert seconds[LOST_PROGRESS] == pytest.approx(5 * 2.0)  # steps 11..15, once
+    assert seconds[DOWNTIME] == pytest.approx(7.5)
+    assert seconds[PRODUCTIVE] == pytest.approx(20 * 2.0)  # steps 1..20, each counted once
+    assert seconds[DATA_WAIT] == pytest.approx(25 * 0.5)  # waits are spent, redone or not
+    assert seconds[STARTUP] == pytest.approx(4.0 + 3.0)
+    assert seconds[CHECKPOINT_SAVE] == pytest.approx(1.0)
+    assert seconds[CHECKPOINT_LOAD] == pytest.approx(0.5)
+    assert ledger.wall_seconds == pytest.approx(clock.now)
+    assert killed_at == pytest.approx(42.5)
+
+
+def test_without_a_heartbeat_everything_after_the_checkpoint_is_downtime() -> None:
+    clock = FakeClock(0.0)
+    checkpoint, _ = first_attempt(clock)
+    clock.advance(2.0)
+    ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
+    ledger.load_state_dict(checkpoint)
+    ledger.resume(None)
+    clock.advance(1.0)
+    ledger.charge(STARTUP)
+    assert ledger.seconds[LOST_PROGRESS] == 0.0
+    assert ledger.seconds[DOWNTIME] == pytest.approx(1.0 + 5 * 2.5 + 2.0)
+    assert ledger.wall_seconds == pytest.approx(clock.now)
+
+
+def test_a_kill_before_the_first_checkpoint_loses_all_its_steps() -> None:
+    clock = FakeClock(0.0)
+    ledger = GoodputLedger(attempt_started=0.0, clock=clock)
+    train(ledger, clock, range(1, 5))
+    heartbeat = ledger.snapshot()
+    clock.advance(10.0)
+    again = GoodputLedger(attempt_started=clock.now, clock=clock)
+    again.resume(heartbeat)
+    assert again.seconds[LOST_PROGRESS] == pytest.approx(8.0)
+    assert again.seconds[DATA_WAIT] == pytest.approx(2.0)
+    assert again.seconds[DOWNTIME] == pytest.approx(10.0)
+    assert again.origin == 0.0
+
+
+def test_two_restarts_in_a_row_keep_the_first_ones_losses() -> None:
+    clock = FakeClock(0.0)
+    checkpoint, heartbeat = first_attempt(clock)
+    clock.advance(5.0)
+    second = GoodputLedger(attempt_started=clock.now, clock=clock)
+    second.load_state_dict(checkpoint)
+    second.resume(heartbeat)
+    train(second, clock, range(11, 14))  # killed again before the next checkpoint
+    heartbeat = second.snapshot()
+    clock.advance(5.0)
+    third = GoodputLedger(attempt_started=clock.now, clock=clock)
+    third.load_state_dict(checkpoint)
+    third.resume(heartbeat)
+    assert third.seconds[LOST_PROGRESS] == pytest.approx(5 * 2.0 + 3 * 2.0)
+    assert third.seconds[DOWNTIME] == pytest.approx(10.0)
+    assert third.seconds[PRODUCTIVE] == pytest.approx(10 * 2.0)
+    assert third.wall_seconds == pytest.approx(clock.now)
+
+
+def test_a_checkpoint_of_another_job_starts_the_accounting_afresh() -> None:
+    clock = FakeClock(0.0)
+    checkpoint, heartbeat = first_attempt(clock)
+    clock.advance(100.0)
+    ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
+    ledger.load_state_dict(checkpoint)
+    ledger.resume(heartbeat, from_this_job=False)
+    assert ledger.wall_seconds == 0.0
+    assert ledger.origin == clock.now
+
+
+def test_a_heartbeat_of_another_origin_is_ignored() -> None:
+    clock = FakeClock(0.0)
+    checkpoint, heartbeat = first_attempt(clock)
+    clock.advance(3.0)
+    ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
+    ledger.load_state_dict(checkpoint)
+    ledger.resume({**heartbeat, "origin": 12345.0})
+    assert ledger.seconds[LOST_PROGRESS] == 0.0
+    assert ledger.wall_seconds == pytest.approx(clock.now)
+
+
+def test_the_heartbeat_round_trips_through_storage(tmp_path: Path) -> None:
+    store = open_storage(str(tmp_path))
+    heartbeat = Heartbeat(store)
+    assert heartbeat.read() is None
+    clock = FakeClock(50.0)
+    ledger = GoodputLedger(attempt_started=40.0, clock=clock)
+    ledger.charge(STARTUP)
+    heartbeat.write(ledger.snapshot())
+    heartbeat.flush()
+    read = heartbeat.read()
+    assert read is not None and read["seconds"][STARTUP] == 10.0
+    assert set(read["seconds"]) == set(CAUSES)
+    (tmp_path / HEARTBEAT_NAME).write_text("{not json")
+    assert heartbeat.read() is None
+    heartbeat.close()
+
+
+def test_the_process_start_time_is_in_the_past() -> None:
+    import time
+
+    started = process_started_at()
+    assert time.time() - 3600 * 24 < started <= time.time()

@@ -1,0 +1,243 @@
+"""Goodput: where every second of a job's wall time went, cumulative across restarts.
+
+Owns the accounting only; the loop (loop.py) says when a stretch of time ends
+and what it was spent on, the reporter (metrics.py) exports the totals. Goodput
+is productive step time over wall time, as Google's ml-goodput-measurement
+defines it; the rest ("badput") is split by cause:
+
+    productive        optimizer steps that the job keeps (goodput)
+    data_wait         fetching a step's micro-batches
+    checkpoint_save   the blocking part of checkpoint saves (and the final export)
+    checkpoint_load   loading the checkpoint a restart resumes from
+    startup           process start to the first step: imports, rendezvous, build, compile
+    evaluation        validation passes
+    lost_progress     step time once spent on steps that a restart made the job redo
+    downtime          the last heartbeat of one attempt to the start of the next:
+                      pod replacement, scheduling, backoff; seen only from outside
+
+The ledger charges contiguous stretches: each `charge(cause)` books the time
+since the previous one, so the causes always sum to the wall time since the
+job's first attempt started (`origin`), by construction.
+
+Across restarts. The ledger is a Stateful in the checkpoint, so a resumed
+attempt starts from the totals at the checkpoint. What happened after that
+checkpoint lives in the *heartbeat*: rank 0 writes the same totals to
+`goodput.json` next to the checkpoints at every logged step. On resume the
+stretch from the checkpoint to the last heartbeat keeps its causes, except that
+its productive time becomes lost progress (those steps are done again); the
+stretch from the last heartbeat to this attempt's start is downtime. The
+resolution is therefore the log interval: steps after the last heartbeat count
+as downtime, not lost progress.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from kubetrain.trainer.storage import Storage
+
+log = logging.getLogger(__name__)
+
+PRODUCTIVE = "productive"
+DATA_WAIT = "data_wait"
+CHECKPOINT_SAVE = "checkpoint_save"
+CHECKPOINT_LOAD = "checkpoint_load"
+STARTUP = "startup"
+EVALUATION = "evaluation"
+LOST_PROGRESS = "lost_progress"
+DOWNTIME = "downtime"
+CAUSES = (PRODUCTIVE, DATA_WAIT, CHECKPOINT_SAVE, CHECKPOINT_LOAD, STARTUP, EVALUATION,
+          LOST_PROGRESS, DOWNTIME)
+
+HEARTBEAT_NAME = "goodput.json"
+# Set by `kubetrain run` to when it launched the attempt (unix seconds), so startup
+# includes torchrun's own start; elsewhere the process's start time is used.
+ATTEMPT_STARTED_ENV = "KUBETRAIN_ATTEMPT_STARTED_AT"
+
+
+def process_started_at() -> float:
+    """Unix time this process started (Linux: /proc; elsewhere: now)."""
+    try:
+        with open("/proc/self/stat") as stat:
+            # Field 22, after the parenthesised command name (which may hold spaces).
+            started_ticks = int(stat.read().rpartition(")")[2].split()[19])
+        since_boot = started_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+def attempt_started_at() -> float:
+    """When this attempt of the worker group started: the launcher's time, else the process's."""
+    launched = os.environ.get(ATTEMPT_STARTED_ENV)
+    # torchrun restarts in place keep the agent's environment: only its first round's is true.
+    if launched and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        try:
+            return min(float(launched), time.time())
+        except ValueError:
+            pass
+    return process_started_at()
+
+
+def _zero() -> dict[str, float]:
+    return dict.fromkeys(CAUSES, 0.0)
+
+
+class GoodputLedger(Stateful):
+    """Seconds by cause since the job's first start; see the module docstring.
+
+    `attempt_started` is the unix time this attempt began; `clock` returns unix
+    seconds (injectable for tests).
+    """
+
+    def __init__(self, attempt_started: float, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.attempt_started = attempt_started
+        self.origin = attempt_started
+        self.step = 0
+        self._before = _zero()  # earlier attempts (and the gap before this one)
+        self._attempt = _zero()  # this attempt, from attempt_started to _mark
+        self._mark = attempt_started
+        self._restored: dict[str, Any] | None = None
+
+    # --- charging -------------------------------------------------------------------
+
+    def charge(self, cause: str) -> float:
+        """Book the time since the previous charge to `cause`; returns those seconds."""
+        now = max(self.clock(), self._mark)
+        seconds = now - self._mark
+        self._attempt[cause] += seconds
+        self._mark = now
+        return seconds
+
+    def stepped(self, step: int) -> None:
+        """The step counter after a step (charge its time first)."""
+        self.step = step
+
+    # --- totals ---------------------------------------------------------------------
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds by cause, `productive` included, up to the last charge."""
+        return {cause: self._before[cause] + self._attempt[cause] for cause in CAUSES}
+
+    @property
+    def wall_seconds(self) -> float:
+        """Wall time from the job's first start to the last charge (the sum of all causes)."""
+        return sum(self.seconds.values())
+
+    @property
+    def ratio(self) -> float:
+        """Productive seconds over wall seconds (1.0 before any time has passed)."""
+        wall = self.wall_seconds
+        return self.seconds[PRODUCTIVE] / wall if wall > 0 else 1.0
+
+    def snapshot(self) -> dict[str, Any]:
+        """The totals as of the last charge: what the checkpoint and the heartbeat keep."""
+        return {"origin": self.origin, "time": self._mark, "step": self.step,
+                "seconds": self.seconds}
+
+    # --- restarts -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.snapshot()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Applied by `resume`, once the heartbeat is known too.
+        self._restored = {"origin": float(state_dict["origin"]),
+                          "time": float(state_dict["time"]),
+                          "step": int(state_dict["step"]),
+                          "seconds": {cause: float(state_dict["seconds"].get(cause, 0.0))
+                                      for cause in CAUSES}}
+
+    def resume(self, heartbeat: Mapping[str, Any] | None, *,
+               from_this_job: bool = True) -> None:
+        """Carry the earlier attempts' time into this one.
+
+        Call once, after the checkpoint was loaded (or none was). `heartbeat` is
+        the last one written (or None); `from_this_job` is False when the
+        checkpoint came from another job (`resumeFrom`): then neither it nor the
+        heartbeat's totals are this job's time, and accounting starts afresh.
+        """
+        restored, self._restored = self._restored, None
+        if not from_this_job:
+            return
+        if heartbeat is not None and restored is not None \
+                and float(heartbeat["origin"]) != restored["origin"]:
+            heartbeat = None  # another job wrote it (a reused checkpoint URI)
+        if restored is None:
+            if heartbeat is None:
+                return
+            # Killed before its first checkpoint: everything it trained is redone.
+            restored = {"origin": float(heartbeat["origin"]), "time": float(heartbeat["origin"]),
+                        "step": 0, "seconds": _zero()}
+        self.origin = restored["origin"]
+        before = dict(restored["seconds"])
+        gap_started = restored["time"]
+        if heartbeat is not None and float(heartbeat["time"]) > gap_started:
+            for cause in CAUSES:
+                spent = float(heartbeat["seconds"].get(cause, 0.0)) - restored["seconds"][cause]
+                before[LOST_PROGRESS if cause == PRODUCTIVE else cause] += spent
+            gap_started = float(heartbeat["time"])
+        # Clocks of different machines may disagree a little; downtime is never negative.
+        before[DOWNTIME] += max(0.0, self.attempt_started - gap_started)
+        self._before = before
+
+
+class Heartbeat:
+    """Rank 0's `goodput.json` under the checkpoint URI: the ledger after the last logged step.
+
+    Writes run in one background thread and never hold a step up; while one is
+    in flight a newer one is skipped (the next log interval writes again).
+    """
+
+    def __init__(self, store: Storage) -> None:
+        self.store = store
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="goodput")
+        self._in_flight: Future[None] | None = None
+
+    def read(self) -> dict[str, Any] | None:
+        """The last heartbeat written, or None when there is none (or it is unreadable)."""
+        try:
+            data = json.loads(self.store.read_unchecked(HEARTBEAT_NAME))
+        except FileNotFoundError:
+            return None
+        except Exception as error:  # a storage or JSON error: account as if there were none
+            log.warning("ignoring %s/%s: %s", self.store.uri, HEARTBEAT_NAME, error)
+            return None
+        return data if isinstance(data, dict) and {"origin", "time", "seconds"} <= set(data) \
+            else None
+
+    def write(self, snapshot: dict[str, Any], *, wait: bool = False) -> None:
+        """Write `snapshot` in the background (or now, when `wait`)."""
+        if wait:
+            self.flush()
+            self._put(snapshot)
+            return
+        if self._in_flight is not None and not self._in_flight.done():
+            return
+        self._in_flight = self._writer.submit(self._put, snapshot)
+
+    def flush(self) -> None:
+        """Wait for a write in flight."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            in_flight.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+
+    def _put(self, snapshot: dict[str, Any]) -> None:
+        try:
+            self.store.write_bytes(HEARTBEAT_NAME, json.dumps(snapshot).encode())
+        except Exception as error:  # accounting must never stop training
+            log.warning("cannot write %s/%s: %s", self.store.uri, HEARTBEAT_NAME, error)
