@@ -430,3 +430,40 @@ def test_suspend_checkpoints_and_removes_the_pods_and_resume_continues_from_that
     assert f"at step {last} " in resumed + " ", (last, resumed)
     assert f"finished at step {steps}: max_steps" in lines
     cluster.delete(name)
+
+
+def _wait_for_workers(cluster: Cluster, name: str, count: int, after: int) -> None:
+    """Until rank 0 printed "resumed ... with `count` processes" and a step after it."""
+
+    def resumed() -> bool:
+        lines = cluster.trainer_lines(name)[after:]
+        marks = [i for i, line in enumerate(lines)
+                 if line.startswith("resumed from ") and line.endswith(f"with {count} processes")]
+        return bool(marks) and bool(_steps_printed(lines[marks[-1]:]))
+
+    cluster.wait_for(f"{name} to train on {count} workers", resumed, 180, every=0.2)
+
+
+def test_scale_down_and_up_checkpoint_on_sigterm_and_redo_no_step(cluster: Cluster) -> None:
+    name = "scaled"
+    steps = 200
+    cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": steps},
+                               workers={"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+                               checkpoint={"everySteps": 1000}))
+    _wait_for_printed_step(cluster, name, 10)
+    cluster.kubectl("scale", f"tj/{name}", "--replicas=1")
+    _wait_for_workers(cluster, name, 1, after=0)
+    cluster.wait_for("one worker pod", lambda: len(cluster.pods(name)) == 1, 60)
+    mark = len(cluster.trainer_lines(name))
+    cluster.kubectl("scale", f"tj/{name}", "--replicas=2")
+    _wait_for_workers(cluster, name, 2, after=mark)
+    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+
+    lines = cluster.trainer_lines(name)
+    resumes = [line for line in lines if line.startswith("resumed from ")]
+    printed = _steps_printed(lines)
+    print("\n".join(resumes))
+    assert len(resumes) == 2, resumes
+    # Every step done once: each change resumed from the step just finished.
+    assert printed == list(range(1, steps + 1)), printed
+    cluster.delete(name)
