@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the API, storage and operator tests against the lowest version of every direct
+# Runs ruff and the API, storage and operator tests against the lowest version of every direct
 # dependency that pyproject.toml allows (uv's `--resolution lowest-direct`), so a lower
 # bound the code has outgrown fails CI instead of a user's install.
 #
@@ -50,6 +50,9 @@ for requirement in runtime:
         print(f"lowest-direct: {name}>={bound} is not exercised: another requirement lifts it "
               f"to {pins[name]}")
 PY
+# The lowest ruff lints as `make lint` does (a second); the lowest mypy takes minutes
+# on torch's sources, so it is not run here.
+"$LOWEST/bin/ruff" check --quiet .
 exec "$LOWEST/bin/python" -m pytest -p no:cacheprovider \
     tests/api tests/operator \
     tests/storage/test_storage.py tests/storage/test_prepare.py \
