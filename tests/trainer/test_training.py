@@ -76,6 +76,8 @@ EXPORTED_METRICS = {
     "kubetrain_last_step_timestamp_seconds", "kubetrain_restarts",
     "kubetrain_latest_checkpoint_step", "kubetrain_latest_checkpoint_timestamp_seconds",
     "kubetrain_tokens",  # a counter: its sample is kubetrain_tokens_total
+    "kubetrain_step_time_seconds", "kubetrain_goodput_ratio",
+    "kubetrain_wall_time_seconds",  # a counter by cause: kubetrain_wall_time_seconds_total
 }
 
 
@@ -147,3 +149,11 @@ def test_sigterm_saves_one_checkpoint_on_every_rank_and_training_resumes_from_it
     assert (resumed["step"], resumed["world_size"]) == (saved["step"], 1)
     (finished,) = launcher.events(job, "finished")
     assert (finished["step"], finished["reason"]) == (saved["step"] + 5, "max_steps")
+
+    # Goodput carries over the stop: the pause between the two runs is downtime, and
+    # every second from the first start to the end lands in exactly one cause.
+    first_start = launcher.events(job, "start")[0]["time"]
+    final = launcher.events(job, "goodput")[-1]
+    assert final["seconds"]["downtime"] > 0
+    assert 0 < final["ratio"] < 1
+    assert sum(final["seconds"].values()) == pytest.approx(final["time"] - first_start, abs=15)

@@ -20,6 +20,11 @@ per step. Intervals are contiguous from the first step on, so they add up to
 the loop's wall time: evaluation and a checkpoint's blocking part count too,
 as torchtitan counts them - the figure is what the job achieves.
 
+Goodput: the ledger (goodput.py) is charged where one kind of time ends and the
+next begins - after setup, loading, each step's data fetch and step, evaluation
+and checkpoint saves - so every second of the attempt lands in exactly one cause;
+`_account` exports the totals and writes the heartbeat at each logged step.
+
 Loss normalisation: every micro-batch is full (the dataset packs sequences, no
 padding), so each rank divides its summed token losses by its tokens per step;
 gradient averaging over ranks then yields the mean over the global token count,
@@ -51,12 +56,24 @@ from kubetrain.trainer.checkpoint import Checkpointer, CheckpointInfo, ModelStat
 from kubetrain.trainer.data import TokenDataset, build_datasets
 from kubetrain.trainer.distributed import StopRequest, World, init_world, shutdown_world
 from kubetrain.trainer.export import export_model
+from kubetrain.trainer.goodput import (
+    CHECKPOINT_LOAD,
+    CHECKPOINT_SAVE,
+    DATA_WAIT,
+    EVALUATION,
+    PRODUCTIVE,
+    STARTUP,
+    GoodputLedger,
+    Heartbeat,
+    attempt_started_at,
+)
 from kubetrain.trainer.loss import select_output_loss
 from kubetrain.trainer.metrics import Reporter, StepReport, peak_flops
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
 from kubetrain.trainer.sizing import flops_per_token
+from kubetrain.trainer.storage import open_storage
 
 EXIT_COMPLETE = 0
 EXIT_SIGNALLED = 143  # 128 + SIGTERM, what a process killed by SIGTERM reports
@@ -114,12 +131,16 @@ class _Run:
     checkpointer: Checkpointer
     reporter: Reporter
     output_loss: tuple[str, str]  # the implementation's name, and why it was chosen
+    goodput: GoodputLedger
+    heartbeat: Heartbeat | None  # rank 0 only
 
     def close(self) -> None:
         """Wait for a checkpoint in flight, stop prefetching, stop serving metrics."""
         try:
             self.checkpointer.close()
         finally:
+            if self.heartbeat is not None:
+                self.heartbeat.close()
             self.train_data.close()
             if self.validation_data is not None:
                 self.validation_data.close()
@@ -183,9 +204,10 @@ class Trainer:
                                   warmup_steps=spec.warmup_steps, max_steps=opt.max_steps,
                                   spec=opt)
         progress = TrainProgress()
+        goodput = GoodputLedger(attempt_started_at())
         app_state: dict[str, Any] = {
             "model": ModelState(parallel.module, optimizer), "scheduler": schedule,
-            "data": train_data, "train": progress, "rng": RandomState(),
+            "data": train_data, "train": progress, "rng": RandomState(), "goodput": goodput,
         }
         if parallel.scaler is not None:
             app_state["scaler"] = parallel.scaler
@@ -197,8 +219,11 @@ class Trainer:
 
         checkpointer = Checkpointer(spec, rank=world.rank, world_size=world.world_size,
                                     model_dims=dims, on_commit=committed)
+        heartbeat = (Heartbeat(open_storage(spec.checkpoint.uri, spec.storage))
+                     if world.is_main else None)
         return _Run(world, dims, parallel, optimizer, schedule, train_data, validation_data,
-                    progress, app_state, checkpointer, reporter, (model.output_loss.name, why))
+                    progress, app_state, checkpointer, reporter, (model.output_loss.name, why),
+                    goodput, heartbeat)
 
     def _train(self, run: _Run, stop: StopRequest) -> FitResult:
         """The loop: one iteration per optimizer step."""
@@ -206,12 +231,20 @@ class Trainer:
         world, parallel, reporter = run.world, run.parallel, run.reporter
         device, model, optimizer = world.device, run.parallel.module, run.optimizer
 
+        goodput = run.goodput
+        goodput.charge(STARTUP)
         step = run.checkpointer.load_latest(run.app_state) or 0
+        goodput.charge(CHECKPOINT_LOAD)
+        # A checkpoint of another job (resumeFrom) does not carry this job's time.
+        goodput.resume(self._last_heartbeat(run),
+                       from_this_job=not step or run.checkpointer.latest is not None)
         if step:
             resumed_from = run.checkpointer.latest.uri if run.checkpointer.latest else str(
                 spec.checkpoint.resume_from)
             reporter.resumed(step, resumed_from, world.world_size)
         reporter.started(step, world.world_size, *run.output_loss)
+        goodput.charge(STARTUP)
+        reporter.accounted(step, goodput.seconds)
 
         accumulation = spec.gradient_accumulation(world.world_size)
         local_tokens = accumulation * opt.micro_batch_size * spec.data.seq_len
@@ -223,7 +256,9 @@ class Trainer:
             self._evaluate_and_record(run, step)  # the baseline the run improves on
         reason = "max_steps"
         while step < opt.max_steps:
-            if stop.agreed(device):
+            stopping = stop.agreed(device)
+            goodput.charge(PRODUCTIVE)  # agreeing waits for the last step's device work
+            if stopping:
                 reason = "signalled"
                 break
             interval.begin_step()
@@ -232,6 +267,7 @@ class Trainer:
             # Fetch every micro-batch of the step; the wait is what the data pipeline costs.
             batches = [next(run.train_data) for _ in range(accumulation)]
             data_wait = time.perf_counter() - started
+            goodput.charge(DATA_WAIT)
 
             # Forward/backward, synchronising gradients only on the last micro-step.
             loss_sum = torch.zeros((), device=device)
@@ -270,6 +306,8 @@ class Trainer:
             interval.add(data_wait, local_tokens * world.world_size)
             reporter.stepped(step, local_tokens * world.world_size,
                              time.perf_counter() - started)
+            goodput.charge(PRODUCTIVE)
+            goodput.stepped(step)
             if step % spec.metrics.log_every_steps == 0 or step == opt.max_steps:
                 seconds = interval.end()
                 tokens_per_second = interval.tokens / seconds
@@ -282,6 +320,8 @@ class Trainer:
                     data_wait_ratio=interval.data_wait / seconds,
                 ), device)
                 interval = interval.next()
+                goodput.charge(PRODUCTIVE)  # the step's device work, waited for by the log
+                self._account(run, step)
 
             # Evaluation and early stopping.
             every = spec.evaluation.every_steps
@@ -293,26 +333,55 @@ class Trainer:
                     break
 
             if step % spec.checkpoint.every_steps == 0:
+                _synchronize(device)  # the step's device work is productive, not saving
+                goodput.charge(PRODUCTIVE)
                 run.checkpointer.save(step, run.app_state, blocking=False)
+                goodput.charge(CHECKPOINT_SAVE)
 
         # Every rank saves the same final checkpoint together, whatever ended the loop.
+        _synchronize(device)
+        goodput.charge(PRODUCTIVE)
         run.checkpointer.save(step, run.app_state, blocking=True)
+        goodput.charge(CHECKPOINT_SAVE)
         best = run.progress.best_val_loss if math.isfinite(run.progress.best_val_loss) else None
         if reason == "signalled":
+            self._account(run, step, final=True)
             code = EXIT_SIGNALLED if stop.signalled else EXIT_RESTART
             return FitResult(step, reason, code, best, None)
         export_uri = (export_model(model, run.dims, spec, rank=world.rank)
                       if spec.checkpoint.export else None)
+        goodput.charge(CHECKPOINT_SAVE)  # the export is the run's last save
+        self._account(run, step, final=True)
         reporter.finished(step, reason, best, export_uri)
         return FitResult(step, reason, EXIT_COMPLETE, best, export_uri)
 
     def _evaluate_and_record(self, run: _Run, step: int) -> None:
         if run.validation_data is None:
             return
+        _synchronize(run.world.device)  # the step's device work is productive, not evaluation
+        run.goodput.charge(PRODUCTIVE)
         val_loss = evaluate(run.parallel, run.validation_data, self.spec.evaluation.batches,
                             run.world.device)
+        run.goodput.charge(EVALUATION)
         run.progress.record(val_loss, self.spec.evaluation.early_stopping.min_delta)
         run.reporter.evaluated(step, val_loss)
+
+
+    @staticmethod
+    def _last_heartbeat(run: _Run) -> dict[str, Any] | None:
+        """Rank 0's read of the goodput heartbeat, shared with every rank (collective)."""
+        holder = [run.heartbeat.read() if run.heartbeat is not None else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    @staticmethod
+    def _account(run: _Run, step: int, *, final: bool = False) -> None:
+        """Export the goodput totals and write the heartbeat (rank 0; `final` waits for it)."""
+        snapshot = run.goodput.snapshot()
+        run.reporter.accounted(step, snapshot["seconds"])
+        if run.heartbeat is not None:
+            run.heartbeat.write(snapshot, wait=final)
 
 
 def evaluate(parallel: ParallelModel, data: TokenDataset, batches: int,

@@ -75,6 +75,15 @@ CHECKPOINT_TIME = Gauge("kubetrain_latest_checkpoint_timestamp_seconds", "Unix t
                         "checkpoint was committed.", registry=REGISTRY)
 TOKENS = Counter("kubetrain_tokens", "Tokens trained on by the group since this process "
                  "started.", registry=REGISTRY)
+STEP_TIME = Gauge("kubetrain_step_time_seconds", "Mean wall time of one step over the last "
+                  "log interval (the operator's ETA).", registry=REGISTRY)
+# Goodput (goodput.py): cumulative over the job's restarts, so after a restart the counter
+# starts again from the checkpoint's totals (a counter reset, which rate() handles).
+WALL_TIME = Counter("kubetrain_wall_time_seconds", "Wall time since the job first started, "
+                    "by where it went: cause=\"productive\" is goodput, the others badput.",
+                    ["cause"], registry=REGISTRY)
+GOODPUT = Gauge("kubetrain_goodput_ratio", "Productive step time over wall time since the job "
+                "first started (0..1), restarts included.", registry=REGISTRY)
 
 # Peak dense bf16 FLOP/s per device, matched against torch.cuda.get_device_name() in order.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
@@ -173,6 +182,7 @@ class Reporter:
         TOKENS_PER_SECOND.set(report.tokens_per_second)
         MFU.set(report.mfu)
         DATA_WAIT.set(report.data_wait_ratio)
+        STEP_TIME.set(report.step_time)
         if device.type == "cuda":
             MEMORY_ALLOCATED.set(torch.cuda.max_memory_allocated(device))
             MEMORY_RESERVED.set(torch.cuda.max_memory_reserved(device))
@@ -209,6 +219,20 @@ class Reporter:
         CHECKPOINT_STEP.set(step)
         CHECKPOINT_TIME.set(committed_at)
         self._event("checkpoint", step=step, uri=uri)
+
+    def accounted(self, step: int, seconds: dict[str, float]) -> None:
+        """The goodput ledger's totals by cause (cumulative since the job first started)."""
+        if not self.enabled:
+            return
+        for cause, total in seconds.items():
+            # The counter is process-wide: add what the ledger booked since the last call.
+            shown = REGISTRY.get_sample_value("kubetrain_wall_time_seconds_total",
+                                              {"cause": cause}) or 0.0
+            WALL_TIME.labels(cause).inc(max(0.0, total - shown))
+        wall = sum(seconds.values())
+        ratio = seconds.get("productive", 0.0) / wall if wall > 0 else 1.0
+        GOODPUT.set(ratio)
+        self._event("goodput", step=step, ratio=ratio, seconds=seconds)
 
     def finished(self, step: int, reason: str, best_val_loss: float | None,
                  export_uri: str | None) -> None:
