@@ -467,3 +467,27 @@ def test_scale_down_and_up_checkpoint_on_sigterm_and_redo_no_step(cluster: Clust
     # Every step done once: each change resumed from the step just finished.
     assert printed == list(range(1, steps + 1)), printed
     cluster.delete(name)
+
+
+def test_a_hung_rank_makes_the_progress_deadline_restart_the_group(cluster: Cluster) -> None:
+    name = "hung"
+    cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": 60},
+                               runPolicy={"progressDeadlineSeconds": 10}))
+    _wait_for_printed_step(cluster, name, EVERY + 2)
+    before = {pod["metadata"]["uid"] for pod in cluster.pods(name)}
+    hung = cluster.trainer_pid(f"{name}-worker-1")
+    os.kill(hung, signal.SIGSTOP)
+    stopped = time.monotonic()
+    cluster.wait_for("training to advance again in new pods",
+                     lambda: _advanced_after_resume(cluster.trainer_lines(name)), 240, every=0.5)
+    print(f"SIGSTOP of rank 1: training advanced again after {time.monotonic() - stopped:.0f}s")
+    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+
+    job = cluster.job(name)
+    reasons = cluster.kubectl("get", "events", "--field-selector",
+                              f"involvedObject.name={name}", "-o", "json").stdout
+    assert "ProgressDeadlineExceeded" in reasons
+    assert job["status"]["restarts"] >= 1
+    assert not before & {pod["metadata"]["uid"] for pod in cluster.pods(name)}
+    assert not Path(f"/proc/{hung}").exists(), "the stopped trainer outlived its pod"
+    cluster.delete(name)
