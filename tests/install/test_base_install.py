@@ -2,10 +2,9 @@
 with no extras, and no torch anywhere.
 
 The base dependencies are held at their declared lower bounds (a constraints file
-made from pyproject.toml), so this also proves those bounds; the lowest-direct run
-(`make lowest`) cannot, because the test tools it installs lift some of them.
-`kubetrain validate`, `crd` and `estimate` must work; `run` and `operator` must say
-which extra to install.
+made from pyproject.toml), as in `make lowest`, so the bare install is proven at the
+oldest releases a user may have. `kubetrain validate`, `crd` and `estimate` must
+work; `run` and `operator` must say which extra to install.
 """
 
 from __future__ import annotations
