@@ -80,6 +80,8 @@ class RunHistory:
     """Step of each resume from a checkpoint, in order."""
     finished: Event | None = None
     """The `finished` event, once the trainer has written it."""
+    goodput: dict[str, float] = field(default_factory=dict)
+    """Seconds by cause since the job first started, from the latest `goodput` event."""
 
     def apply(self, event: Event) -> None:
         """Fold one event into the history."""
@@ -104,6 +106,9 @@ class RunHistory:
             self.resumed_from.append(step)
         elif kind == "finished":
             self.finished = event
+        elif kind == "goodput" and isinstance(event.get("seconds"), dict):
+            seconds = {str(cause): _number(value) for cause, value in event["seconds"].items()}
+            self.goodput = {cause: value for cause, value in seconds.items() if value is not None}
 
     @property
     def best_val_loss(self) -> float | None:

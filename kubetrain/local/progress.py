@@ -136,5 +136,30 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri
         row("try it", f"kubetrain generate --checkpoint {checkpoint_uri} --prompt 'def '")
     elif not outcome.succeeded and latest is not None:
         row("continue", "run the same command again to resume from the latest checkpoint")
+    if history.goodput:
+        row("goodput", goodput_breakdown(history.goodput))
     row("logs", logs)
     return "\n".join(lines)
+
+
+def goodput_breakdown(seconds: dict[str, float]) -> str:
+    """`93.1% of 12m 04s productive; badput: downtime 40s, lost progress 9s, ...`."""
+    wall = sum(seconds.values())
+    if wall <= 0:
+        return "no time accounted yet"
+    productive = seconds.get("productive", 0.0)
+    badput = sorted(((value, cause) for cause, value in seconds.items()
+                     if cause != "productive" and value >= 0.05), reverse=True)
+    text = f"{productive / wall:.1%} of {_duration(wall)} productive"
+    if badput:
+        text += "; badput: " + ", ".join(
+            f"{cause.replace('_', ' ')} {_duration(value)}" for value, cause in badput)
+    return text
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, rest = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {rest:02d}s"

@@ -40,6 +40,9 @@ FAILED_GROUP_GRACE_SECONDS = 5.0
 # A stopping group saves a checkpoint first (torchrun gives its workers 30 s after SIGTERM).
 STOPPING_GROUP_GRACE_SECONDS = 120.0
 POLL_SECONDS = 0.2
+# When the runner launched the attempt (unix seconds): the trainer's goodput ledger counts
+# startup from here, torchrun's own start included (kubetrain.trainer.goodput reads it).
+ATTEMPT_STARTED_ENV = "KUBETRAIN_ATTEMPT_STARTED_AT"
 LOG_TAIL_LINES = 20
 
 
@@ -119,15 +122,17 @@ class LocalRun:
 
     def _run_group(self, manifest: Path, attempt: int) -> _Attempt:
         rendezvous = Rendezvous(free_port(), f"{self.job.metadata.name}-{os.getpid()}-{attempt}")
+        launched_at = f"{time.time():.3f}"
         with ExitStack() as logs:
             nodes = []
             for index in range(self.job.spec.workers.replicas):
                 log = logs.enter_context(self.workspace.worker_log(index).open("ab"))
-                log.write(f"\n=== kubetrain run: attempt {attempt}, rendezvous "
-                          f"{rendezvous.endpoint} ===\n".encode())
+                log.write(f"\n=== kubetrain run: attempt {attempt}, launched at {launched_at}, "
+                          f"rendezvous {rendezvous.endpoint} ===\n".encode())
                 log.flush()
                 launch = agent_launch(self.job, manifest, self.workspace.metrics_log, index,
                                       rendezvous)
+                launch.env[ATTEMPT_STARTED_ENV] = launched_at
                 nodes.append(Node(launch, cwd=Path.cwd(), log=log))
             try:
                 result = self._watch(nodes)

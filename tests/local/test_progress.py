@@ -103,3 +103,18 @@ def test_summary_reports_losses_checkpoints_and_the_exported_model() -> None:
     assert "worker 1 was lost at step 15" in text
     assert "exported model   runs/x/checkpoints/export" in text
     assert "kubetrain generate --checkpoint runs/x/checkpoints " in text
+
+
+def test_summary_breaks_the_wall_time_down_by_cause_from_the_latest_goodput_event() -> None:
+    history = RunHistory()
+    for event in parse_lines(
+        line(event="goodput", step=5, ratio=0.5, seconds={"productive": 1.0, "startup": 1.0})
+        + line(event="goodput", step=20, ratio=0.8, seconds={
+            "productive": 80.0, "startup": 6.0, "downtime": 9.0, "lost_progress": 4.5,
+            "data_wait": 0.5, "evaluation": 0.0})
+    ):
+        history.apply(event)
+    outcome = Outcome(True, "max_steps", 100.0, [], 0)
+    text = summary("x", history, outcome, "runs/x/checkpoints", "runs/x/logs/")
+    assert ("goodput          80.0% of 1m 40s productive; badput: downtime 9.0s, "
+            "startup 6.0s, lost progress 4.5s, data wait 0.5s") in text

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -235,3 +237,39 @@ def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus:
     assert not of_kind(found, "finished")
     last_step = max(event["step"] for event in of_kind(found, "step"))
     assert max(event["step"] for event in of_kind(found, "checkpoint")) >= last_step
+
+
+def test_goodput_books_a_lost_worker_as_lost_progress_and_downtime_summing_to_wall_time(
+        tmp_path: Path, corpus: Path) -> None:
+    name = "goodput"
+    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=60)
+    # A heartbeat per step, so the accounting resolves the kill to the step.
+    manifest["spec"]["metrics"]["logEverySteps"] = 1
+    code, output = finish(start_run(tmp_path, manifest, "--kill-worker-at-step", "30"))
+    assert code == 0, output
+
+    found = events(tmp_path, name)
+    (resumed,) = of_kind(found, "resumed")
+    before_resume = found[:found.index(resumed)]
+    redone = [event for event in of_kind(before_resume, "step")
+              if event["step"] > resumed["step"]]
+    assert redone
+    # Each step event's step_time is the wall time of its step; right after an evaluation
+    # or a checkpoint it holds those too, so the typical redone step is the median.
+    step_time = statistics.median(event["step_time"] for event in redone)
+    seconds = of_kind(found, "goodput")[-1]["seconds"]
+    print(f"redone {len(redone)} steps x {step_time * 1000:.1f} ms = "
+          f"{len(redone) * step_time:.3f}s; lost progress {seconds['lost_progress']:.3f}s")
+    assert seconds["lost_progress"] == pytest.approx(len(redone) * step_time, rel=0.2)
+
+    # The runner's own clock says when the job began (the first attempt's launch) and the
+    # trainer's finished event when it ended: every second between is in one cause.
+    header = (tmp_path / "runs" / name / "logs" / "worker-0.log").read_text()
+    launched = float(re.findall(r"attempt 0, launched at ([0-9.]+)", header)[0])
+    wall = of_kind(found, "finished")[0]["time"] - launched
+    print(f"causes sum to {sum(seconds.values()):.3f}s of {wall:.3f}s wall: {seconds}")
+    assert sum(seconds.values()) == pytest.approx(wall, rel=0.02)
+    assert seconds["downtime"] > 0 and seconds["startup"] > 0
+    assert seconds["checkpoint_load"] > 0 and seconds["evaluation"] > 0
+    assert "goodput" in output and "lost progress" in output
+

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -195,13 +196,16 @@ class GoodputLedger(Stateful):
 class Heartbeat:
     """Rank 0's `goodput.json` under the checkpoint URI: the ledger after the last logged step.
 
-    Writes run in one background thread and never hold a step up; while one is
-    in flight a newer one is skipped (the next log interval writes again).
+    Writes run in one background thread and never hold a step up; snapshots that
+    arrive while one is being written collapse into the newest, written next.
     """
 
     def __init__(self, store: Storage) -> None:
         self.store = store
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="goodput")
+        self._lock = threading.Lock()
+        self._pending: dict[str, Any] | None = None
+        self._draining = False
         self._in_flight: Future[None] | None = None
 
     def read(self) -> dict[str, Any] | None:
@@ -217,24 +221,34 @@ class Heartbeat:
             else None
 
     def write(self, snapshot: dict[str, Any], *, wait: bool = False) -> None:
-        """Write `snapshot` in the background (or now, when `wait`)."""
+        """Write `snapshot` in the background; `wait` returns once it is written."""
+        with self._lock:
+            self._pending = snapshot
+            if not self._draining:
+                self._draining = True
+                self._in_flight = self._writer.submit(self._drain)
         if wait:
             self.flush()
-            self._put(snapshot)
-            return
-        if self._in_flight is not None and not self._in_flight.done():
-            return
-        self._in_flight = self._writer.submit(self._put, snapshot)
 
     def flush(self) -> None:
-        """Wait for a write in flight."""
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
+        """Wait until every snapshot given so far is written."""
+        with self._lock:
+            in_flight = self._in_flight
+        if in_flight is not None:
             in_flight.result()
 
     def close(self) -> None:
         self.flush()
         self._writer.shutdown(wait=True)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                snapshot, self._pending = self._pending, None
+                if snapshot is None:
+                    self._draining = False
+                    return
+            self._put(snapshot)
 
     def _put(self, snapshot: dict[str, Any]) -> None:
         try:
