@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs ruff and the API, storage and operator tests against the lowest version of every direct
-# dependency that pyproject.toml allows (uv's `--resolution lowest-direct`), so a lower
-# bound the code has outgrown fails CI instead of a user's install.
+# Runs ruff and the API, storage, operator and chart-rendering tests against the lowest
+# version of every direct dependency that pyproject.toml allows (uv's
+# `--resolution lowest-direct`), so a lower bound the code has outgrown fails CI instead
+# of a user's install.
 #
 #   bash tests/install/lowest-direct.sh [PYTEST ARGS...]     (`make lowest`)
 #
@@ -64,4 +65,5 @@ exec "$LOWEST/bin/python" -m pytest -p no:cacheprovider \
     tests/api tests/operator \
     tests/storage/test_storage.py tests/storage/test_prepare.py \
     tests/storage/test_data.py tests/storage/test_checkpoint.py \
-    tests/trainer/test_metrics.py tests/local/test_progress.py "$@"
+    tests/trainer/test_metrics.py tests/local/test_progress.py \
+    tests/chart/test_render.py tests/chart/test_monitoring.py "$@"
