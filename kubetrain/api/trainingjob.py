@@ -749,6 +749,39 @@ class Progress(ApiModel):
     loss: float | None = Field(default=None, description="Training loss at that step.")
     tokens_per_second: float | None = Field(default=None, description="Throughput of the group.")
     updated_at: datetime | None = Field(default=None, description="When the step last advanced.")
+    eta_seconds: int | None = Field(
+        default=None, description="Seconds until maxSteps at the recent step time "
+        "(restarts and other badput not included).")
+
+
+class BadputSeconds(ApiModel):
+    model_config = ConfigDict(extra="ignore")
+
+    data_wait: float = Field(default=0.0, description="Waiting for training batches.")
+    checkpoint_save: float = Field(default=0.0, description="Blocking part of checkpoint saves "
+                                   "and the final export.")
+    checkpoint_load: float = Field(default=0.0, description="Loading checkpoints on resume.")
+    startup: float = Field(default=0.0, description="Process start to the first step: "
+                           "rendezvous, model build, compilation.")
+    evaluation: float = Field(default=0.0, description="Validation passes.")
+    lost_progress: float = Field(default=0.0, description="Step time once spent on steps that "
+                                 "a restart made the job redo.")
+    downtime: float = Field(default=0.0, description="Between the last step of one attempt and "
+                            "the start of the next: replacement, scheduling, backoff.")
+
+
+class GoodputStatus(ApiModel):
+    """Where the job's wall time went, reported by its trainer (cumulative across restarts)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    ratio: float = Field(description="Productive step time over wall time since the job first "
+                         "started (0..1).")
+    productive_seconds: float = Field(description="Time spent on steps the job keeps.")
+    wall_seconds: float = Field(description="Wall time since the job first started, as of the "
+                                "trainer's last report.")
+    badput_seconds: BadputSeconds = Field(default_factory=BadputSeconds,
+                                          description="The rest of the wall time, by cause.")
 
 
 class CheckpointStatus(ApiModel):
@@ -791,6 +824,9 @@ class TrainingJobStatus(ApiModel):
     progress: Progress = Field(default_factory=Progress, description="Training progress.")
     latest_checkpoint: CheckpointStatus | None = Field(
         default=None, description="Newest committed checkpoint."
+    )
+    goodput: GoodputStatus | None = Field(
+        default=None, description="Where the job's wall time went: goodput and badput by cause."
     )
     start_time: datetime | None = Field(default=None, description="When the job first ran.")
     completion_time: datetime | None = Field(default=None, description="When the job finished.")

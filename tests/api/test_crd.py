@@ -67,7 +67,7 @@ def test_scale_subresource_and_printer_columns() -> None:
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.workers.replicas"
     assert "status" in version["subresources"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Step", "Loss", "Workers", "Age"]
+    assert columns == ["Phase", "Step", "Loss", "Workers", "Goodput", "ETA", "Age"]
 
 
 # --- CEL rules: the API server's checks must agree with the models' ------------------------

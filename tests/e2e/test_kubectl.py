@@ -76,19 +76,22 @@ def test_every_example_applies(control_plane: Any, operator: OperatorProcess) ->
     eventually(lambda: phase(control_plane, "llama-1b") == "Pending", "llama-1b's phase")
 
 
-def test_get_shows_phase_step_loss_and_workers_from_status(control_plane: Any) -> None:
+def test_get_shows_phase_step_loss_workers_goodput_and_eta_from_status(
+        control_plane: Any) -> None:
     # In `default`, which the namespaced operator does not watch, the status written
     # here stays as written: the columns show exactly what status holds.
     control_plane.kubectl("apply", "-f", str(REPO / "examples" / "quickstart.yaml"))
-    status = {"phase": "Running", "progress": {"step": 1234, "loss": 2.875},
-              "workers": {"desired": 2, "ready": 2}}
+    status = {"phase": "Running", "progress": {"step": 1234, "loss": 2.875, "etaSeconds": 5400},
+              "workers": {"desired": 2, "ready": 2},
+              "goodput": {"ratio": 0.9312, "productiveSeconds": 930, "wallSeconds": 1000}}
     control_plane.kubectl("patch", "tj", "quickstart", "--subresource=status",
                           "--type=merge", "-p", json.dumps({"status": status}))
     table = control_plane.kubectl("get", "tj", "quickstart").stdout.splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "STEP", "LOSS", "WORKERS", "AGE"]
-    name, shown_phase, step, loss, workers, age = table[1].split()
-    assert (name, shown_phase, step, loss, workers) == ("quickstart", "Running", "1234",
-                                                         "2.875", "2")
+    assert table[0].split() == ["NAME", "PHASE", "STEP", "LOSS", "WORKERS", "GOODPUT", "ETA",
+                                "AGE"]
+    name, shown_phase, step, loss, workers, goodput, eta, age = table[1].split()
+    assert (name, shown_phase, step, loss, workers, goodput, eta) == (
+        "quickstart", "Running", "1234", "2.875", "2", "0.9312", "5400")
     assert age[-1] in "sm"
 
 

@@ -400,6 +400,24 @@ def test_metrics_become_progress_and_latest_checkpoint(minimal_manifest: dict) -
     assert out.status["latestCheckpoint"]["uri"] == "s3://checkpoints/demo"
 
 
+def test_metrics_become_goodput_and_an_eta_from_the_recent_step_time(
+        minimal_manifest: dict) -> None:
+    seconds = {"productive": 900.4, "data_wait": 10.0, "startup": 40.2, "downtime": 49.4}
+    sample = MetricsSample(step=400, max_steps=1000, step_time=1.5,
+                           last_step_time=NOW - timedelta(seconds=2), wall_seconds=seconds)
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0), pod(1),
+              metrics=sample)
+    assert out.status is not None
+    assert out.status["progress"]["etaSeconds"] == (1000 - 400) * 1.5
+    goodput = out.status["goodput"]
+    assert goodput["wallSeconds"] == round(sum(seconds.values()))
+    assert goodput["productiveSeconds"] == 900
+    assert goodput["ratio"] == round(900.4 / sum(seconds.values()), 4)
+    assert goodput["badputSeconds"] == {
+        "dataWait": 10, "checkpointSave": 0, "checkpointLoad": 0, "startup": 40,
+        "evaluation": 0, "lostProgress": 0, "downtime": 49}
+
+
 # --- admission ----------------------------------------------------------------------------
 
 

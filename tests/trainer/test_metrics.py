@@ -25,7 +25,12 @@ LOG_FIELDS = {
     "resumed": {"event", "step", "uri", "world_size", "time"},
     "start": {"event", "step", "world_size", "output_loss", "time"},
     "finished": {"event", "step", "reason", "best_val_loss", "export_uri", "time"},
+    "goodput": {"event", "step", "ratio", "seconds", "time"},
 }
+# Seconds by cause, as the goodput ledger reports them (cumulative since the job began).
+GOODPUT_SECONDS = {"productive": 600.0, "data_wait": 12.0, "checkpoint_save": 20.0,
+                   "checkpoint_load": 8.0, "startup": 45.0, "evaluation": 30.0,
+                   "lost_progress": 50.0, "downtime": 35.0}
 
 
 def _report_a_run(reporter: Reporter) -> None:
@@ -37,6 +42,7 @@ def _report_a_run(reporter: Reporter) -> None:
                                data_wait_ratio=0.01), torch.device("cpu"))
     reporter.evaluated(41, 3.75)
     reporter.checkpointed(41, "file:///ckpt/step-00000041", 1_700_000_000.0)
+    reporter.accounted(41, GOODPUT_SECONDS)
     reporter.finished(41, "max_steps", 3.75, None)
 
 
@@ -57,7 +63,23 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
     assert families["kubetrain_validation_loss"].samples[0].value == 3.75
     assert families["kubetrain_latest_checkpoint_step"].samples[0].value == 41
     assert all(not sample.labels for f in families.values() for sample in f.samples
-               if f.type != "histogram")
+               if f.type != "histogram" and f.name != "kubetrain_wall_time_seconds")
+    by_cause = {sample.labels["cause"]: sample.value
+                for sample in families["kubetrain_wall_time_seconds"].samples}
+    assert by_cause == GOODPUT_SECONDS
+    assert families["kubetrain_goodput_ratio"].samples[0].value == pytest.approx(
+        600 / sum(GOODPUT_SECONDS.values()))
+
+    # The operator reads the same exposition into status.goodput and the ETA.
+    from kubetrain.operator.observed import metrics_sample
+    from kubetrain.operator.reconcile import goodput_status
+
+    sample = metrics_sample(exposition)
+    assert sample.wall_seconds == GOODPUT_SECONDS and sample.step_time == 0.25
+    status = goodput_status(sample.wall_seconds).wire()
+    assert status["productiveSeconds"] == 600 and status["wallSeconds"] == 800
+    assert status["badputSeconds"]["lostProgress"] == 50
+    assert status["ratio"] == 0.75
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed: run tests/tools/install-promtool.sh")
@@ -67,7 +89,7 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
 
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["event"] for e in events] == [
-        "resumed", "start", "step", "eval", "checkpoint", "finished"]
+        "resumed", "start", "step", "eval", "checkpoint", "goodput", "finished"]
     for event in events:
         assert set(event) == LOG_FIELDS[event["event"]]
 
@@ -95,3 +117,9 @@ def test_trainer_fits_in_process_as_a_group_of_one(tiny_job, tmp_path: Path) -> 
     evals = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()
              if '"eval"' in line]
     assert result.best_val_loss == min(e["val_loss"] for e in evals)
+    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    final = [e for e in events if e["event"] == "goodput"][-1]
+    assert final["seconds"]["productive"] > 0 and final["seconds"]["startup"] > 0
+    assert final["seconds"]["evaluation"] > 0 and final["seconds"]["checkpoint_save"] > 0
+    assert final["seconds"]["lost_progress"] == final["seconds"]["downtime"] == 0
+    assert 0 < final["ratio"] < 1

@@ -57,6 +57,9 @@ class MetricsSample:
     last_step_time: datetime | None = None
     checkpoint_step: int | None = None
     checkpoint_time: datetime | None = None
+    step_time: float | None = None
+    # Seconds of the job's wall time by cause (kubetrain_wall_time_seconds_total{cause}).
+    wall_seconds: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,12 +129,16 @@ def _seconds(value: float | None) -> datetime | None:
 def metrics_sample(exposition: str) -> MetricsSample:
     """Parse rank 0's /metrics text (the trainer's kubetrain_* gauges)."""
     values: dict[str, float] = {}
+    wall_seconds: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             # NaN (a diverged loss) has no JSON form; such a value is left unreported.
-            if (sample.name.startswith("kubetrain_") and not sample.labels
-                    and math.isfinite(sample.value)):
+            if not sample.name.startswith("kubetrain_") or not math.isfinite(sample.value):
+                continue
+            if not sample.labels:
                 values[sample.name] = sample.value
+            elif sample.name == "kubetrain_wall_time_seconds_total" and "cause" in sample.labels:
+                wall_seconds[sample.labels["cause"]] = sample.value
 
     def whole(name: str) -> int | None:
         return int(values[name]) if name in values else None
@@ -144,4 +151,6 @@ def metrics_sample(exposition: str) -> MetricsSample:
         last_step_time=_seconds(values.get("kubetrain_last_step_timestamp_seconds")),
         checkpoint_step=whole("kubetrain_latest_checkpoint_step"),
         checkpoint_time=_seconds(values.get("kubetrain_latest_checkpoint_timestamp_seconds")),
+        step_time=values.get("kubetrain_step_time_seconds"),
+        wall_seconds=wall_seconds or None,
     )

@@ -25,14 +25,17 @@ Recovery policy, in the order it is checked:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from kubetrain.api.trainingjob import (
+    BadputSeconds,
     CheckpointStatus,
     Condition,
     FailureStreak,
+    GoodputStatus,
     TrainingJob,
     TrainingJobStatus,
 )
@@ -129,6 +132,22 @@ def failure_class(pod: WorkerPod, permanent_exit_codes: list[int]) -> str:
             or pod.node_lost or pod.reason in DISRUPTION_REASONS):
         return "retryable"
     return "code"
+
+
+def goodput_status(wall_seconds: Mapping[str, float]) -> GoodputStatus:
+    """status.goodput from the trainer's seconds by cause (kubetrain_wall_time_seconds_total).
+
+    Rounded to whole seconds (the ratio to 4 digits) so the status changes only when
+    the figures visibly do. Causes this operator does not know are left out of the
+    breakdown but stay in the wall time.
+    """
+    wall = sum(wall_seconds.values())
+    productive = wall_seconds.get("productive", 0.0)
+    badput = {cause: round(seconds) for cause, seconds in wall_seconds.items()
+              if cause in BadputSeconds.model_fields}
+    return GoodputStatus(ratio=round(productive / wall, 4) if wall > 0 else 1.0,
+                         productive_seconds=round(productive), wall_seconds=round(wall),
+                         badput_seconds=BadputSeconds(**badput))
 
 
 def _describe(pod: WorkerPod) -> str:
@@ -255,6 +274,11 @@ class _Decision:
             progress.loss = round(sample.loss, 6)
         if sample.tokens_per_second is not None:
             progress.tokens_per_second = round(sample.tokens_per_second, 3)
+        if sample.step_time is not None and progress.max_steps is not None:
+            progress.eta_seconds = round(
+                max(0, progress.max_steps - progress.step) * sample.step_time)
+        if sample.wall_seconds:
+            self.status.goodput = goodput_status(sample.wall_seconds)
         latest = self.status.latest_checkpoint
         if sample.checkpoint_step is not None and (
                 latest is None or latest.step != sample.checkpoint_step):
