@@ -35,9 +35,9 @@ printf 'torch==%s\n' "$torch" > "$LOWEST/override.txt"
 "${UV[@]}" pip install --quiet --python "$LOWEST/bin/python" --no-deps -e .
 
 # A test tool may need a newer release of a runtime dependency than its bound (kubernetes
-# 37 wants pydantic 2.13.5, transformers wants newer tokenizers): the runtime
-# dependencies are then put back at their bounds, without their dependencies, so the
-# code under test still meets the oldest releases a user may have.
+# 37 wants pydantic 2.13.5, transformers wants newer tokenizers): those runtime
+# dependencies are then put back at their bounds (with what those releases need, e.g.
+# pydantic-core), so the code under test still meets the oldest releases a user may have.
 held=$("$BIN/python" - "$LOWEST/requirements.txt" <<'PY'
 import re, sys, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
