@@ -177,6 +177,27 @@ _ALERT_SCENARIOS: dict[str, dict[str, Any]] = {
         },
         "firing": ["stalled"],
     },
+    "KubetrainLowGoodput": {
+        # Sampled every 5m for 40m: below the threshold for the whole 30m of `for`.
+        "interval": "5m", "eval_time": "40m", "by": "trainingjob",
+        "series": {
+            'kubetrain_goodput_ratio{trainingjob="wasteful"}': "0.3x8",
+            'kubetrain_step{trainingjob="wasteful"}': "100+10x8",
+            'kubetrain_max_steps{trainingjob="wasteful"}': "1000x8",
+            # Dipped below for 15 minutes only, then recovered.
+            'kubetrain_goodput_ratio{trainingjob="recovered"}': "0.3 0.3 0.3 0.9x5",
+            'kubetrain_step{trainingjob="recovered"}': "100+10x8",
+            'kubetrain_max_steps{trainingjob="recovered"}': "1000x8",
+            # Finished: its low goodput no longer concerns anyone running it.
+            'kubetrain_goodput_ratio{trainingjob="finished"}': "0.3x8",
+            'kubetrain_step{trainingjob="finished"}': "1000x8",
+            'kubetrain_max_steps{trainingjob="finished"}': "1000x8",
+            'kubetrain_goodput_ratio{trainingjob="healthy"}': "0.95x8",
+            'kubetrain_step{trainingjob="healthy"}': "100+10x8",
+            'kubetrain_max_steps{trainingjob="healthy"}': "1000x8",
+        },
+        "firing": ["wasteful"],
+    },
     "KubetrainRestartsRising": {
         "interval": "1m", "eval_time": "60m", "by": "reason",
         "series": {
@@ -239,6 +260,45 @@ def test_alert_rules_pass_promtool_and_fire_only_on_the_broken_jobs(
                                 text=True, timeout=60)
         output = result.stdout + result.stderr
         assert result.returncode == 0, f"promtool {' '.join(command)}:\n{output}"
+
+
+def test_low_goodput_fires_only_after_thirty_minutes_below_the_chart_threshold(
+    render: Render, tmp_path: Path
+) -> None:
+    """The `for: 30m` of KubetrainLowGoodput, evaluated by promtool as Prometheus would."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed: run tests/tools/install-promtool.sh")
+    objects = render({"monitoring": {"prometheusRule": {"enabled": True, "goodputBelow": 0.6}}})
+    (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    spec = dict(rule["spec"])
+    for alert in (r for group in spec["groups"] for r in group["rules"]):
+        alert.pop("annotations")  # when it fires is tested here; its text elsewhere
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(spec))
+    running = {"kubetrain_step": "100+10x12", "kubetrain_max_steps": "1000x12"}
+    goodput = {
+        "wasteful": "0.3x12",  # below from the start
+        "slipping": "0.9 0.9 0.9 0.9 0.55x8",  # below from minute 20 on
+        "healthy": "0.65x12",  # above the chart's 0.6
+    }
+    series = [{"series": f'{name}{{trainingjob="{job}"}}', "values": values}
+              for job in goodput for name, values in running.items()]
+    series += [{"series": f'kubetrain_goodput_ratio{{trainingjob="{job}"}}', "values": values}
+               for job, values in goodput.items()]
+
+    def firing(*jobs: str) -> list[dict[str, Any]]:
+        return [{"exp_labels": {"severity": "warning", "trainingjob": job}} for job in jobs]
+
+    checks = [(25, firing()), (35, firing("wasteful")), (55, firing("slipping", "wasteful"))]
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "5m", "input_series": series,
+        "alert_rule_test": [{"eval_time": f"{minute}m", "alertname": "KubetrainLowGoodput",
+                             "exp_alerts": alerts} for minute, alerts in checks],
+    }]}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
+    result = subprocess.run([promtool, "test", "rules", "tests.yaml"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def _sample_worker_pod(minimal_manifest: dict[str, Any]) -> dict[str, Any]:
