@@ -32,6 +32,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "operator": ("kopf", "kubernetes", "prometheus_client"),
     "trainer": ("torch", "boto3", "tokenizers", "safetensors", "tqdm", "numpy", "blake3",
                 "prometheus_client"),
+    "report": ("plotly",),
 }
 
 COMMANDS: dict[str, Command] = {
@@ -41,6 +42,8 @@ COMMANDS: dict[str, Command] = {
                        "trainer"),
     "estimate": Command("kubetrain.trainer.estimate", "estimate a job's memory per GPU"),
     "generate": Command("kubetrain.trainer.generate", "sample text from a checkpoint", "trainer"),
+    "report": Command("kubetrain.local.report", "write a run's charts as one HTML page",
+                      "report"),
     "operator": Command("kubetrain.operator.command", "run the Kubernetes operator", "operator"),
     "crd": Command("kubetrain.api.crd", "print the TrainingJob CustomResourceDefinition"),
     "version": Command("kubetrain.version", "print the kubetrain version"),

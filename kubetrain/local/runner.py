@@ -28,6 +28,7 @@ from kubetrain.local.metrics_log import MetricsLogReader, RunHistory
 from kubetrain.local.node import Node
 from kubetrain.local.policy import GroupFailure, ProgressClock, after_failure
 from kubetrain.local.progress import Outcome, ProgressDisplay, summary
+from kubetrain.local.report import write_after_run
 from kubetrain.local.workspace import Workspace
 
 # Exit statuses of `kubetrain run`.
@@ -266,4 +267,5 @@ class LocalRun:
         logs = f"{self.workspace.logs}/, {self.workspace.metrics_log}"
         print(summary(self.job.metadata.name, self.history, outcome, self.job.spec.checkpoint.uri,
                       logs), flush=True)
+        print(f"  {'report':<17}{write_after_run(self.workspace.root)}", flush=True)
         return exit_code

@@ -1,0 +1,138 @@
+"""Write one self-contained HTML page with the charts of a run, from its metrics log.
+
+RUN_DIR is the folder `kubetrain run` keeps a job in (./runs/JOB, holding
+metrics.jsonl), or the metrics log itself. The page shows the training and
+validation loss, the learning rate, tokens per second, the goodput ratio over
+time and where the wall time went (seconds by cause, from the trainer's goodput
+accounting). Each attempt of the worker group is its own line, so a restart
+that went back to a checkpoint shows as a second line over the redone steps.
+
+The charts are drawn with plotly (`pip install 'kubetrain[report]'`); its
+JavaScript is inlined, so the file opens offline and can be mailed or attached.
+`kubetrain run` writes RUN_DIR/report.html at its end when plotly is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kubetrain.local.metrics_log import Event, MetricsLogReader
+
+REPORT_NAME = "report.html"
+INSTALL_HINT = "pip install 'kubetrain[report]'"
+# The causes in the order they stack, productive (goodput) first.
+CAUSES = ("productive", "data_wait", "checkpoint_save", "checkpoint_load", "startup",
+          "evaluation", "lost_progress", "downtime")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a run's folder (runs/JOB, with metrics.jsonl) or a metrics log")
+    parser.add_argument("-o", "--output", metavar="FILE.html",
+                        help=f"where to write the page (default: RUN_DIR/{REPORT_NAME})")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.run_dir)
+    log = path / "metrics.jsonl" if path.is_dir() else path
+    if not log.exists():
+        print(f"kubetrain report: {log} does not exist: give the folder `kubetrain run` keeps "
+              "the job in (runs/JOB) or its metrics.jsonl", file=sys.stderr)
+        return 1
+    events = MetricsLogReader(log).read_new()
+    if not any(event["event"] == "step" for event in events):
+        print(f"kubetrain report: {log} has no training step yet: nothing to chart",
+              file=sys.stderr)
+        return 1
+    output = Path(args.output) if args.output else log.parent / REPORT_NAME
+    output.write_text(report_html(events, title=log.parent.name))
+    print(f"wrote {output}")
+    return 0
+
+
+def _attempts(events: list[Event]) -> list[list[Event]]:
+    """The events split where each attempt of the group started."""
+    attempts: list[list[Event]] = [[]]
+    for event in events:
+        if event["event"] == "start" and any(e["event"] == "step" for e in attempts[-1]):
+            attempts.append([])
+        attempts[-1].append(event)
+    return attempts
+
+
+def _series(events: list[Event], kind: str, field: str) -> tuple[list[int], list[float]]:
+    chosen = [e for e in events if e["event"] == kind and isinstance(e.get(field), int | float)]
+    return [int(e["step"]) for e in chosen], [float(e[field]) for e in chosen]
+
+
+def report_html(events: list[Event], *, title: str) -> str:
+    """The page for a run's metrics-log events (plotly must be installed)."""
+    import plotly.graph_objects as go  # type: ignore[import-untyped]
+    from plotly.subplots import make_subplots  # type: ignore[import-untyped]
+
+    figure = make_subplots(
+        rows=3, cols=2, vertical_spacing=0.1, horizontal_spacing=0.08,
+        subplot_titles=("Loss", "Learning rate", "Tokens per second", "Goodput over time",
+                        "Where the wall time went", ""),
+        specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None]],
+    )
+    attempts = _attempts(events)
+    for number, attempt in enumerate(attempts, start=1):
+        suffix = f" (attempt {number})" if len(attempts) > 1 else ""
+        steps, loss = _series(attempt, "step", "loss")
+        figure.add_trace(go.Scatter(x=steps, y=loss, mode="lines", name=f"loss{suffix}"), 1, 1)
+        steps, val = _series(attempt, "eval", "val_loss")
+        if steps:
+            figure.add_trace(go.Scatter(x=steps, y=val, mode="lines+markers",
+                                        name=f"validation loss{suffix}"), 1, 1)
+        steps, lr = _series(attempt, "step", "lr")
+        figure.add_trace(go.Scatter(x=steps, y=lr, mode="lines",
+                                    name=f"learning rate{suffix}"), 1, 2)
+        steps, speed = _series(attempt, "step", "tokens_per_second")
+        figure.add_trace(go.Scatter(x=steps, y=speed, mode="lines",
+                                    name=f"tokens/s{suffix}"), 2, 1)
+
+    goodput = [e for e in events if e["event"] == "goodput" and isinstance(e.get("seconds"),
+                                                                               dict)]
+    if goodput:
+        times = [datetime.fromtimestamp(float(e["time"]), UTC) for e in goodput]
+        figure.add_trace(go.Scatter(x=times, y=[e["ratio"] for e in goodput], mode="lines",
+                                    name="goodput ratio"), 2, 2)
+        final = goodput[-1]["seconds"]
+        wall = sum(float(value) for value in final.values()) or 1.0
+        for cause in (*CAUSES, *sorted(set(final) - set(CAUSES))):
+            seconds = float(final.get(cause, 0.0))
+            figure.add_trace(go.Bar(
+                x=[seconds], y=["wall time"], orientation="h", name=cause.replace("_", " "),
+                text=[f"{cause.replace('_', ' ')} {seconds:.1f}s ({seconds / wall:.1%})"],
+                textposition="inside", hovertemplate="%{text}<extra></extra>"), 3, 1)
+    figure.update_layout(barmode="stack", height=1100, title_text=f"kubetrain run: {title}",
+                         legend={"orientation": "v"})
+    figure.update_xaxes(title_text="step", row=1)
+    figure.update_xaxes(title_text="step", row=2, col=1)
+    figure.update_xaxes(title_text="seconds", row=3, col=1)
+    figure.update_yaxes(type="log", row=1, col=2)
+    figure.update_yaxes(range=[0, 1], tickformat=".0%", row=2, col=2)
+    page = figure.to_html(include_plotlyjs=True, full_html=True,
+                          config={"displaylogo": False, "responsive": True})
+    return page.replace("<head>", f"<head><title>{html.escape(title)} - kubetrain</title>", 1)
+
+
+def write_after_run(run_dir: Path) -> str:
+    """What `kubetrain run` prints about the report it writes at its end."""
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        return f"no HTML report: plotly is not installed ({INSTALL_HINT})"
+    log = run_dir / "metrics.jsonl"
+    events = MetricsLogReader(log).read_new()
+    if not any(event["event"] == "step" for event in events):
+        return "no HTML report: no training step was logged"
+    output = run_dir / REPORT_NAME
+    output.write_text(report_html(events, title=run_dir.name))
+    return str(output)
+

@@ -1,0 +1,93 @@
+"""`kubetrain report`: one self-contained HTML page of a run's charts, drawn in a real browser."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubetrain.cli import main
+
+plotly = pytest.importorskip("plotly", reason="the report extra: pip install 'kubetrain[report]'")
+
+SECONDS = {"productive": 60.0, "data_wait": 1.0, "checkpoint_save": 2.0, "checkpoint_load": 0.5,
+           "startup": 9.0, "evaluation": 3.0, "lost_progress": 4.0, "downtime": 6.0}
+
+
+def write_log(folder: Path) -> Path:
+    """The metrics log of a run killed at step 14 and resumed from its step-10 checkpoint."""
+    events: list[dict[str, Any]] = []
+    clock = 1_800_000_000.0
+
+    def add(kind: str, **fields: Any) -> None:
+        nonlocal clock
+        clock += 1.0
+        events.append({"event": kind, **fields, "time": clock})
+
+    for start, stop in ((0, 14), (10, 20)):
+        if start:
+            add("resumed", step=start, uri="checkpoints/step-10", world_size=2)
+        add("start", step=start, world_size=2)
+        for step in range(start + 1, stop + 1):
+            add("step", step=step, max_steps=20, loss=8.0 - step * 0.2, lr=1e-3 * step / 20,
+                grad_norm=1.0, tokens_per_second=1000.0 + step, mfu=0.0, step_time=0.1,
+                data_wait_ratio=0.01)
+            done = step / 20
+            add("goodput", step=step, ratio=0.7 * done,
+                seconds={cause: value * done for cause, value in SECONDS.items()})
+            if step % 10 == 0:
+                add("eval", step=step, val_loss=7.5 - step * 0.1, perplexity=100.0)
+    add("finished", step=20, reason="max_steps", best_val_loss=5.5, export_uri=None)
+    log = folder / "metrics.jsonl"
+    log.write_text("".join(json.dumps(event) + "\n" for event in events))
+    return log
+
+
+def test_report_writes_one_self_contained_page_with_every_chart(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_log(tmp_path)
+    assert main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert f"wrote {tmp_path / 'report.html'}" in capsys.readouterr().out
+    # plotly.js is inlined: no script is fetched from anywhere.
+    assert not re.search(r"<script[^>]+src=", page)
+    for title in ("Loss", "Learning rate", "Tokens per second", "Goodput over time",
+                  "Where the wall time went"):
+        assert f'"text":"{title}"' in page
+    for name in ("loss (attempt 1)", "loss (attempt 2)", "validation loss (attempt 2)",
+                 "lost progress", "downtime", "goodput ratio"):
+        assert f'"name":"{name}"' in page
+
+
+def test_report_says_what_is_wrong_with_a_missing_or_empty_log(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path / "nowhere")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n')
+    assert main(["report", str(tmp_path)]) == 1
+    assert "no training step yet" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="Debian's chromium is not installed (apt-get install chromium)")
+def test_the_page_draws_its_charts_in_headless_chromium(tmp_path: Path) -> None:
+    write_log(tmp_path)
+    output = tmp_path / "page.html"
+    assert main(["report", str(tmp_path), "--output", str(output)]) == 0
+    browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu",
+               "--virtual-time-budget=10000", "--window-size=1400,1150"]
+    # The DOM after plotly.js ran: every trace became an SVG group.
+    dom = subprocess.run([*browser, "--dump-dom", output.as_uri()], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert len(re.findall(r'class="trace scatter', dom)) == 9  # loss, val, lr, tok/s x2 + ratio
+    assert len(re.findall(r'class="trace bars"', dom)) == len(SECONDS)
+    screenshot = tmp_path / "report.png"
+    subprocess.run([*browser, "--hide-scrollbars", f"--screenshot={screenshot}",
+                    output.as_uri()], capture_output=True, timeout=120, check=True)
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert screenshot.stat().st_size > 50_000, "a blank page's screenshot is a few KB"
