@@ -121,6 +121,31 @@ def test_a_loaded_checkpoint_restores_every_part_of_the_training_state(
     loader.close()
 
 
+def test_a_checkpoint_without_an_optional_entry_still_loads_the_rest(
+        tmp_path: Any, prepared_corpus: PreparedDataset) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kubetrain.trainer.goodput import GoodputLedger
+
+    spec = _spec(str(tmp_path / "job"), None, prepared_corpus.train_uri)
+    app = _app(spec, seed=1)
+    _train(app, 2)
+    saver = Checkpointer(spec, rank=0, world_size=1)
+    saver.save(2, app)  # as a kubetrain from before goodput accounting saved it
+    saved = _snapshot(app)
+    saver.close()
+
+    fresh = {**_app(spec, seed=2), "goodput": GoodputLedger(attempt_started=0.0)}
+    with pytest.raises(CheckpointException) as refused:  # what a plain load says
+        Checkpointer(spec, rank=0, world_size=1).load_latest(fresh)
+    assert "Missing key in checkpoint state_dict: goodput" in str(refused.value)
+    fresh = {**_app(spec, seed=2), "goodput": GoodputLedger(attempt_started=0.0)}
+    loader = Checkpointer(spec, rank=0, world_size=1, optional_state=frozenset({"goodput"}))
+    assert loader.load_latest(fresh) == 2
+    _assert_same(_snapshot(fresh), saved)
+    loader.close()
+
+
 def test_an_async_save_keeps_the_state_of_the_step_it_was_called_at(
         s3_bucket: str, s3_spec: StorageSpec, prepared_corpus: PreparedDataset) -> None:
     spec = _spec(f"s3://{s3_bucket}/job", s3_spec, prepared_corpus.train_uri, **{"async": True})

@@ -508,16 +508,20 @@ class Checkpointer:
         world_size: int,
         model_dims: ModelDims | None = None,
         on_commit: Callable[[CheckpointInfo], None] | None = None,
+        optional_state: frozenset[str] = frozenset(),
     ) -> None:
         """`model_dims` defaults to `spec.model.resolve()`; pass the dims actually built
         (e.g. with the tokenizer's vocabulary). `on_commit` runs on rank 0 after each
-        commit (in the background thread for async saves)."""
+        commit (in the background thread for async saves). `optional_state` names the
+        app_state entries that checkpoints of older kubetrain versions lack: loading such
+        a checkpoint leaves them as they are instead of refusing it."""
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.model_dims = model_dims or spec.model.resolve()
         self.store = open_storage(spec.checkpoint.uri, spec.storage)
         self.on_commit = on_commit
+        self.optional_state = optional_state
         # Async saves run their collectives in a background thread: on a group of their
         # own, so they never interleave with the training loop's collectives.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -670,8 +674,14 @@ class Checkpointer:
                         error or "another rank found it corrupt")
             return False
         reader = _StorageReader(store, manifest, metadata)
+        saved = {key.partition(".")[0] for key in metadata.state_dict_metadata}
+        absent = sorted(key for key in self.optional_state & app_state.keys() if key not in saved)
+        if absent:
+            log.info("%s holds no %s (an older kubetrain wrote it): left as they are",
+                     info.uri, ", ".join(absent))
+        state = {key: value for key, value in app_state.items() if key not in absent}
         try:
-            dcp.load(app_state, storage_reader=reader, process_group=self._group)
+            dcp.load(state, storage_reader=reader, process_group=self._group)
         except CheckpointException as failed:
             # DCP gathers every rank's read errors: all ranks see the same failures here.
             problems = [error for error, _ in failed.failures.values()]

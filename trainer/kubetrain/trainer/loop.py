@@ -217,8 +217,10 @@ class Trainer:
         def committed(info: CheckpointInfo) -> None:
             reporter.checkpointed(info.step, info.uri, info.time.timestamp())
 
+        # Checkpoints written before goodput accounting existed still resume.
         checkpointer = Checkpointer(spec, rank=world.rank, world_size=world.world_size,
-                                    model_dims=dims, on_commit=committed)
+                                    model_dims=dims, on_commit=committed,
+                                    optional_state=frozenset({"goodput"}))
         heartbeat = (Heartbeat(open_storage(spec.checkpoint.uri, spec.storage))
                      if world.is_main else None)
         return _Run(world, dims, parallel, optimizer, schedule, train_data, validation_data,
