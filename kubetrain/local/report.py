@@ -133,6 +133,9 @@ def write_after_run(run_dir: Path) -> str:
     if not any(event["event"] == "step" for event in events):
         return "no HTML report: no training step was logged"
     output = run_dir / REPORT_NAME
-    output.write_text(report_html(events, title=run_dir.name))
+    try:
+        output.write_text(report_html(events, title=run_dir.name))
+    except Exception as error:  # the run's outcome and exit status must not depend on it
+        return f"no HTML report: {type(error).__name__}: {error}"
     return str(output)
 
