@@ -532,3 +532,25 @@ def test_a_changed_spec_updates_the_config_map_and_keeps_the_running_workers(
     settled = make_job(minimal_manifest, status=out.status, generation=2)
     again = reconcile(settled, replace(observed, config_generation=2), NOW)
     assert again == []
+
+
+def test_pod_terminating_on_a_lost_node_is_force_deleted_to_free_its_name(
+        minimal_manifest: dict) -> None:
+    # The taint eviction controller marked it for deletion; no kubelet will ever confirm it.
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0),
+              pod(1, "Running", node_lost=True, deleting=True))
+    assert DeletePod("demo-worker-1", "NodeLost", 0) in out.deleted
+
+
+@pytest.mark.parametrize(("ready", "reachable"), [
+    ("True", True), ("False", True), ("Unknown", False), (None, True)])
+def test_a_node_is_lost_once_its_ready_condition_is_unknown(ready: str | None,
+                                                            reachable: bool) -> None:
+    from kubetrain.operator.observed import node_reachable, worker_pod
+
+    status = {"conditions": [{"type": "Ready", "status": ready}] if ready else []}
+    assert node_reachable(status) is reachable
+    nodes = {"node-a"} if node_reachable(status) else set()
+    bound = {"metadata": {"name": "demo-worker-1"}, "spec": {"nodeName": "node-a"},
+             "status": {"phase": "Running"}}
+    assert worker_pod(bound, nodes).node_lost is not reachable

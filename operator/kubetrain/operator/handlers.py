@@ -42,7 +42,13 @@ from kubetrain.operator import children
 from kubetrain.operator.command import OperatorConfig
 from kubetrain.operator.leader import LeaderElection
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import Observed, WorkerPod, metrics_sample, worker_pod
+from kubetrain.operator.observed import (
+    Observed,
+    WorkerPod,
+    metrics_sample,
+    node_reachable,
+    worker_pod,
+)
 from kubetrain.operator.reconcile import (
     Action,
     CountRestart,
@@ -177,7 +183,8 @@ class TrainingJobController:
                 self.index_service)
         _attach(kopf.index("v1", "configmaps", id="tj_configmaps", labels=owned,
                            registry=registry), self.index_config_map)
-        _attach(kopf.index("v1", "nodes", id="tj_nodes", registry=registry), self.index_node)
+        _attach(kopf.index("v1", "nodes", id="tj_nodes", when=node_reachable,
+                           registry=registry), self.index_node)
         _attach(kopf.on.event(*job, registry=registry), self.on_job_event)
         _attach(kopf.on.event("v1", "pods", labels=owned, registry=registry), self.on_pod_event)
         _attach(kopf.on.startup(registry=registry), self.start)

@@ -92,11 +92,19 @@ def _condition(pod_status: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
     return {}
 
 
+def node_reachable(status: Mapping[str, Any], **_: Any) -> bool:
+    """Whether a Node's kubelet still reports: False once the node lifecycle controller
+    set its Ready condition to Unknown (no heartbeat within the grace period). Its pods
+    can then neither run nor confirm their deletion: they have lost their node."""
+    return _condition(status, "Ready").get("status") != "Unknown"
+
+
 def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> WorkerPod:
     """The facts about one worker pod manifest.
 
-    `nodes` is the set of existing node names, when known: a pod bound to a node
-    outside it has lost its node, whatever its last reported phase says.
+    `nodes` is the set of names of the existing, reachable nodes (`node_reachable`),
+    when known: a pod bound to a node outside it has lost its node, whatever its last
+    reported phase says.
     """
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}

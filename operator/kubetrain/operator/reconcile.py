@@ -178,6 +178,16 @@ class _Decision:
     def replicas(self) -> int:
         return self.job.spec.workers.replicas
 
+    def release_pods_of_lost_nodes(self) -> None:
+        """Force-delete pods already terminating on a lost node.
+
+        No kubelet will ever confirm their deletion (the taint eviction controller only
+        marks them), and each holds the name its replacement needs.
+        """
+        for pod in self.observed.pods:
+            if pod.deleting and pod.node_lost and pod.name not in self.deleted:
+                self.delete(pod, "NodeLost")
+
     def live_pods(self) -> list[WorkerPod]:
         return [pod for pod in self.observed.pods
                 if not pod.deleting and pod.name not in self.deleted]
@@ -503,6 +513,7 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
     decision.retry_invalid_spec()
     status = decision.status
     decision.observe_status()
+    decision.release_pods_of_lost_nodes()
 
     if status.phase in FINISHED:
         decision.clean_up()
