@@ -214,6 +214,14 @@ class NodeAgent:
                 self._kill(pod)
             return [pod.name for pod in lost]
 
+    def restore_node(self, name: str) -> None:
+        """The node boots again: heartbeats and a Ready status resume; it runs new pods only."""
+        with self._lock:
+            node = next(node for node in self.nodes if node.name == name)
+            node.lost = False
+        self._write_node_status(node)
+        self._renew_lease(node)
+
     def pod(self, name: str, namespace: str = "default") -> RunningPod:
         """The running pod `namespace/name` (KeyError when it does not run here)."""
         with self._lock:

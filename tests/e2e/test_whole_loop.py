@@ -87,8 +87,9 @@ class Cluster:
         header, line = self.kubectl("get", "tj", name).stdout.splitlines()[:2]
         # Cells are cut at the header's column starts: an empty cell prints as blanks.
         starts = [match.start() for match in re.finditer(r"\S+", header)]
-        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
-        _, phase, step, loss, workers, _ = cells
+        cells = {header[a:b].strip(): line[a:b].strip()
+                 for a, b in zip(starts, [*starts[1:], None], strict=True)}
+        phase, step, loss, workers = (cells[c] for c in ("PHASE", "STEP", "LOSS", "WORKERS"))
 
         def number(text: str, kind: type) -> Any:
             return kind(text) if text and text != "<none>" else None
@@ -490,4 +491,35 @@ def test_a_hung_rank_makes_the_progress_deadline_restart_the_group(cluster: Clus
     assert job["status"]["restarts"] >= 1
     assert not before & {pod["metadata"]["uid"] for pod in cluster.pods(name)}
     assert not Path(f"/proc/{hung}").exists(), "the stopped trainer outlived its pod"
+    cluster.delete(name)
+
+
+def test_node_loss_replaces_its_pods_on_the_other_node_and_the_job_succeeds(
+        cluster: Cluster) -> None:
+    name = "node-loss"
+    cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": 60}))
+    _wait_for_printed_step(cluster, name, EVERY + 2)
+    worker = next(pod for pod in cluster.pods(name) if pod["metadata"]["name"].endswith("-1"))
+    node = worker["spec"]["nodeName"]
+    try:
+        assert cluster.agent.lose_node(node) == [worker["metadata"]["name"]]
+        lost = time.monotonic()
+        cluster.wait_for(
+            f"{node} to be marked not ready",
+            lambda: json.loads(cluster.plane.kubectl("get", "node", node, "-o", "json").stdout)
+            ["spec"].get("taints"), 60)
+        cluster.wait_for("training to advance again",
+                         lambda: _advanced_after_resume(cluster.trainer_lines(name)), 240,
+                         every=0.5)
+        print(f"node {node} lost: training advanced again after {time.monotonic() - lost:.0f}s")
+        replaced = next(pod for pod in cluster.pods(name)
+                        if pod["metadata"]["name"] == worker["metadata"]["name"])
+        cluster.wait_for_phase(name, "Succeeded", timeout=300)
+    finally:
+        cluster.agent.restore_node(node)
+
+    assert replaced["metadata"]["uid"] != worker["metadata"]["uid"]
+    assert replaced["spec"]["nodeName"] != node
+    step, redone = _resume_and_redone(cluster.trainer_lines(name))
+    assert 0 <= redone <= EVERY, (step, redone)
     cluster.delete(name)
