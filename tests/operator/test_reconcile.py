@@ -554,3 +554,15 @@ def test_a_node_is_lost_once_its_ready_condition_is_unknown(ready: str | None,
     bound = {"metadata": {"name": "demo-worker-1"}, "spec": {"nodeName": "node-a"},
              "status": {"phase": "Running"}}
     assert worker_pod(bound, nodes).node_lost is not reachable
+
+
+def test_no_latest_checkpoint_before_the_trainer_commits_one(minimal_manifest: dict) -> None:
+    # What rank 0's /metrics reads before its first checkpoint: step 0, timestamp 0.
+    from kubetrain.operator.observed import metrics_sample
+
+    sample = metrics_sample("kubetrain_step 3\nkubetrain_latest_checkpoint_step 0\n"
+                            "kubetrain_latest_checkpoint_timestamp_seconds 0\n")
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0), pod(1),
+              metrics=sample)
+    assert out.status is not None and out.status["progress"]["step"] == 3
+    assert "latestCheckpoint" not in out.status

@@ -290,7 +290,9 @@ class _Decision:
         if sample.wall_seconds:
             self.status.goodput = goodput_status(sample.wall_seconds)
         latest = self.status.latest_checkpoint
-        if sample.checkpoint_step is not None and (
+        # The trainer's gauges read step 0 and time 0 until it commits a checkpoint: only a
+        # commit time shows that one exists.
+        if sample.checkpoint_step is not None and sample.checkpoint_time is not None and (
                 latest is None or latest.step != sample.checkpoint_step):
             self.status.latest_checkpoint = CheckpointStatus(
                 step=sample.checkpoint_step, uri=self.job.spec.checkpoint.uri,
