@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint lowest
+.PHONY: demo test lint lowest tools
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ lint: $(VENV)/.installed
 lowest: $(VENV)/.installed
 	bash tests/install/lowest-direct.sh -q
 
-test: lint lowest
-	bash tests/tools/install-promtool.sh
+# Debian's promtool and chromium, which some tests run (best effort: never fails here).
+tools:
+	bash tests/tools/install-test-tools.sh
+
+test: lint tools lowest
 	$(BIN)/pytest

@@ -247,7 +247,7 @@ def test_alert_rules_pass_promtool_and_fire_only_on_the_broken_jobs(
 
     promtool = shutil.which("promtool")
     if promtool is None:
-        warnings.warn("promtool not found (tests/tools/install-promtool.sh installs Debian's "
+        warnings.warn("promtool not found (tests/tools/install-test-tools.sh installs Debian's "
                       "prometheus package): checking the alert expressions with promql-parser "
                       "only, without evaluating them", stacklevel=1)
         for rule in (r for g in rules["groups"] for r in g["rules"]):
@@ -268,7 +268,7 @@ def test_low_goodput_fires_only_after_thirty_minutes_below_the_chart_threshold(
     """The `for: 30m` of KubetrainLowGoodput, evaluated by promtool as Prometheus would."""
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed: run tests/tools/install-promtool.sh")
+        pytest.skip("promtool is not installed: run tests/tools/install-test-tools.sh")
     objects = render({"monitoring": {"prometheusRule": {"enabled": True, "goodputBelow": 0.6}}})
     (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
     spec = dict(rule["spec"])

@@ -74,7 +74,7 @@ def test_report_says_what_is_wrong_with_a_missing_or_empty_log(
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="Debian's chromium is not installed (apt-get install chromium)")
+                    reason="Debian's chromium is not installed (tests/tools/install-test-tools.sh)")
 def test_the_page_draws_its_charts_in_headless_chromium(tmp_path: Path) -> None:
     write_log(tmp_path)
     output = tmp_path / "page.html"

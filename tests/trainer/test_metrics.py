@@ -82,7 +82,7 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
     assert status["ratio"] == 0.75
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed: run tests/tools/install-promtool.sh")
+        pytest.skip("promtool is not installed: run tests/tools/install-test-tools.sh")
     checked = subprocess.run([promtool, "check", "metrics"], input=exposition,
                              capture_output=True, text=True, timeout=30)
     assert checked.returncode == 0 and not checked.stdout.strip(), checked.stdout + checked.stderr
