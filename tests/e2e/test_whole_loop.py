@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,14 +190,16 @@ def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
             "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}
 
 
-@pytest.fixture(scope="module")
-def cluster(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Nodes, S3 with the prepared corpus, the operator: everything a user's job needs."""
+@contextmanager
+def whole_loop(plane: Any, folder: Path) -> Iterator[Cluster]:
+    """Nodes, S3 with the prepared corpus, the operator: everything a user's job needs.
+
+    On `plane`, a started control plane with the CRD installed; files under `folder`.
+    """
     import boto3
     from moto.server import ThreadedMotoServer
 
-    folder = tmp_path_factory.mktemp("whole-loop")
-    agent = NodeAgent(control_plane.api_client(), folder / "agent", namespaces={NAMESPACE},
+    agent = NodeAgent(plane.api_client(), folder / "agent", namespaces={NAMESPACE},
                       image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                                  "TOKENIZERS_PARALLELISM": "false",
                                  # The "image" is this test run's environment, sources included.
@@ -210,17 +213,22 @@ def cluster(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
             host, port = server.get_host_and_port()
             s3 = f"http://{host}:{port}"
             _prepare_corpus(s3, folder, boto3)
-            control_plane.kubectl("create", "namespace", NAMESPACE)
-            control_plane.kubectl("-n", NAMESPACE, "create", "secret", "generic",
-                                  "s3-credentials",
-                                  *(f"--from-literal={k}={v}" for k, v in CREDENTIALS.items()))
-            kubeconfig = install_operator_identity(control_plane, {}, folder)
+            plane.kubectl("create", "namespace", NAMESPACE)
+            plane.kubectl("-n", NAMESPACE, "create", "secret", "generic", "s3-credentials",
+                          *(f"--from-literal={k}={v}" for k, v in CREDENTIALS.items()))
+            kubeconfig = install_operator_identity(plane, {}, folder)
             with OperatorProcess(kubeconfig, folder / "operator.log",
                                  namespaces=(NAMESPACE,)) as operator:
-                yield Cluster(control_plane, agent, operator, s3, folder)
-            control_plane.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+                yield Cluster(plane, agent, operator, s3, folder)
+            plane.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with whole_loop(control_plane, tmp_path_factory.mktemp("whole-loop")) as running:
+        yield running
 
 
 def _prepare_corpus(s3: str, folder: Path, boto3: Any) -> None:
