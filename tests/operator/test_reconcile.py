@@ -566,3 +566,21 @@ def test_no_latest_checkpoint_before_the_trainer_commits_one(minimal_manifest: d
               metrics=sample)
     assert out.status is not None and out.status["progress"]["step"] == 3
     assert "latestCheckpoint" not in out.status
+
+
+def test_status_takes_the_last_step_and_checkpoint_from_rank_0s_termination_message(
+        minimal_manifest: dict) -> None:
+    # The run ended after the last scrape (step 20): rank 0's exit left its last gauges.
+    from kubetrain.operator.observed import final_metrics
+
+    last = ("kubetrain_step 24.0\nkubetrain_max_steps 24.0\nkubetrain_loss 6.5\n"
+            "kubetrain_latest_checkpoint_step 24.0\n"
+            "kubetrain_latest_checkpoint_timestamp_seconds 1.7e+09\n")
+    status = running_status(progress={"step": 20, "maxSteps": 24},
+                            latestCheckpoint={"step": 20, "uri": "s3://checkpoints/demo"})
+    pods = (pod(0, "Succeeded", exit_code=0, termination_message=last), pod(1))
+    out = run(make_job(minimal_manifest, status=status), *pods, metrics=final_metrics(pods))
+    assert out.status is not None and out.status["phase"] == "Succeeded"
+    assert out.status["progress"]["step"] == 24 and out.status["progress"]["loss"] == 6.5
+    assert out.status["latestCheckpoint"]["step"] == 24
+    assert final_metrics((pod(0), pod(1))) is None  # running: its /metrics is the source

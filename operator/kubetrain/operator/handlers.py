@@ -45,6 +45,7 @@ from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.observed import (
     Observed,
     WorkerPod,
+    final_metrics,
     metrics_sample,
     node_reachable,
     worker_pod,
@@ -364,6 +365,8 @@ class TrainingJobController:
                 if scrape:
                     observed = replace(observed, metrics=self.scrape(
                         observed.pods, job.spec.metrics.port))
+                if observed.metrics is None:
+                    observed = replace(observed, metrics=final_metrics(observed.pods))
                 actions = reconcile(job, observed, now)
             self.apply(body, memory, actions)
 

@@ -8,7 +8,7 @@ handlers' job; deciding what to do about them is `kubetrain.operator.reconcile`'
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +39,8 @@ class WorkerPod:
     reason: str | None = None
     node_lost: bool = False
     ip: str | None = None
+    # What the trainer left in its termination log, once the container ended.
+    termination_message: str | None = None
 
     @property
     def active(self) -> bool:
@@ -127,7 +129,23 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
         reason=reason,
         node_lost=bool(node) and nodes is not None and node not in nodes,
         ip=status.get("podIP"),
+        termination_message=terminated.get("message"),
     )
+
+
+def final_metrics(pods: Iterable[WorkerPod]) -> MetricsSample | None:
+    """Rank 0's last gauges from its termination message, once its container has ended.
+
+    The trainer writes them there on exit (kubetrain.trainer.metrics), so a run that
+    ends between two scrapes still reports its last step and checkpoint.
+    """
+    for pod in pods:
+        if pod.index == 0 and pod.termination_message:
+            try:
+                return metrics_sample(pod.termination_message)
+            except ValueError:
+                return None
+    return None
 
 
 def _seconds(value: float | None) -> datetime | None:

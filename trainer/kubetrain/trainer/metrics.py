@@ -241,7 +241,9 @@ class Reporter:
         self._print(f"finished at step {step}: {reason}")
 
     def close(self) -> None:
-        """Stop serving /metrics and close the log and trackers."""
+        """Leave the termination message, stop serving /metrics, close the log and trackers."""
+        if self.enabled:
+            write_termination_message()
         if self._server is not None:
             server, thread = self._server
             server.shutdown()
@@ -264,6 +266,37 @@ class Reporter:
     def _print(self, line: str) -> None:
         if self.enabled:
             print(line, file=sys.stdout, flush=True)
+
+
+def termination_log() -> Path:
+    """The container's terminationMessagePath: Kubernetes' default unless the env names one."""
+    return Path(os.environ.get("KUBETRAIN_TERMINATION_LOG", "/dev/termination-log"))
+
+
+def write_termination_message() -> None:
+    """Rank 0's last gauges, as /metrics lines, where the kubelet copies them into the pod.
+
+    When the trainer exits, /metrics goes with it: a run that ends between two of the
+    operator's scrapes would leave status.progress and latestCheckpoint short of the
+    last step and the last checkpoint. The kubelet puts this file (4 KiB at most) into
+    the container's terminated state, where the operator reads it with the same parser.
+    Written only where the file exists: in a pod the kubelet creates it.
+    """
+    path = termination_log()
+    if not path.is_file():
+        return
+    from prometheus_client import generate_latest
+
+    lines, size = [], 0
+    for line in generate_latest(REGISTRY).decode().splitlines():
+        # Gauges and counters only: a histogram's buckets would not fit.
+        if line.startswith("kubetrain_") and not line.split("{")[0].split()[0].endswith(
+                ("_bucket", "_sum", "_count", "_created")):
+            size += len(line) + 1
+            if size > 4096:
+                break
+            lines.append(line)
+    path.write_text("\n".join(lines) + "\n")
 
 
 class _Tracker(Protocol):
