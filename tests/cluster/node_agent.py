@@ -34,9 +34,11 @@ after start, `kubectl logs`/`exec` (the output is in `<workdir>/pods/<uid>/log`)
 no CNI, no kube-proxy, no DNS server (/etc/resolv.conf points at a loopback
 nothing answers, so names outside /etc/hosts fail at once).
 
-Each pod's files: its own mount namespace (`unshare --mount`) puts an overlay on
-/etc whose upper layer is the pod's folder, so `/etc/kubetrain/job.yaml` and
-`/etc/hosts` exist only inside the pod: nothing is written into the host's /etc.
+Each pod's files: its own mount namespace (`unshare --mount`) puts overlays on /etc
+and /dev whose upper layers are in the pod's folder, so `/etc/kubetrain/job.yaml`,
+`/etc/hosts` and the termination log `/dev/termination-log` (its text goes into the
+terminated container state, as the kubelet does) exist only inside the pod: nothing
+is written into the host's /etc or /dev.
 
 Pods are found by listing every 0.5 s rather than by a watch: one small list per
 tick costs little on 2 cores and needs no resume logic.
@@ -536,12 +538,18 @@ class NodeAgent:
                env: dict[str, str],
                volumes: list[tuple[str, str, bool]]) -> subprocess.Popen[bytes]:
         """Start the container's command inside the pod's network, UTS and mount namespaces."""
-        upper, work = folder / "etc-upper", folder / "etc-work"
-        for path in (upper, work):
-            path.mkdir(parents=True, exist_ok=True)
+        for layer in ("etc-upper", "etc-work", "dev-upper", "dev-work"):
+            (folder / layer).mkdir(parents=True, exist_ok=True)
+        termination_log = folder / "termination-log"
+        termination_log.touch()
+        termination_path = shlex.quote(container.termination_message_path
+                                       or "/dev/termination-log")
         script = [
             "set -e",
-            f"mount -t overlay overlay -o lowerdir=/etc,upperdir={upper},workdir={work} /etc",
+            *(f"mount -t overlay overlay -o lowerdir=/{top},upperdir={folder}/{top}-upper,"
+              f"workdir={folder}/{top}-work /{top}" for top in ("etc", "dev")),
+            f'mkdir -p "$(dirname {termination_path})" && touch {termination_path}',
+            f"mount --bind {termination_log} {termination_path}",
             f"ln -sfn {shlex.quote(str(self.hosts_file))} /etc/hosts",
             f"ln -sfn {shlex.quote(str(self.resolv_file))} /etc/resolv.conf",
             f"hostname {shlex.quote(hostname)}",
@@ -608,11 +616,20 @@ class NodeAgent:
 
     def _write_terminated(self, running: RunningPod, pod: Any) -> None:
         code = running.exit_code or 0
+        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                      "startedAt": running.started_at,
+                      "finishedAt": running.finished_at or _now()}
+        # As the kubelet: the termination log's first 4 KiB, else (FallbackToLogsOnError,
+        # on failure) the output's last lines.
+        message = _head(running.folder / "termination-log", 4096)
+        container = pod.spec.containers[0]
+        if (not message and code != 0
+                and container.termination_message_policy == "FallbackToLogsOnError"):
+            message = "\n".join(_head(running.folder / "log", None).splitlines()[-80:])[-2048:]
+        if message:
+            terminated["message"] = message
         self._write_status(pod, phase="Succeeded" if code == 0 else "Failed", ip=running.ip,
-                           ready=False, container_state={"terminated": {
-                               "exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                               "startedAt": running.started_at,
-                               "finishedAt": running.finished_at or _now()}})
+                           ready=False, container_state={"terminated": terminated})
         log.info("pod %s/%s exited %d", running.namespace, running.name, code)
 
     def _write_status(self, pod: Any, *, phase: str, ip: str | None, ready: bool,
@@ -648,6 +665,15 @@ class NodeAgent:
         except ApiException as error:
             if error.status != 404:
                 raise
+
+
+def _head(path: Path, limit: int | None) -> str:
+    """The first `limit` bytes of a file as text ('' when it is missing)."""
+    try:
+        with path.open("rb") as file:
+            return file.read(limit if limit is not None else -1).decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _expand(text: str, env: Mapping[str, str]) -> str:

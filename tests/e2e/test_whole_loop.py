@@ -309,14 +309,16 @@ def test_two_workers_train_to_succeeded_with_progress_checkpoint_and_export(
     assert any(row.phase == "Running" and row.workers == "2" for row in rows), rows
 
     assert f"finished at step {MAX_STEPS}: max_steps" in uninterrupted.lines
+    # The last step and checkpoint come after the last scrape: the status has them from
+    # rank 0's termination message.
     status = uninterrupted.job["status"]
-    assert status["phase"] == "Succeeded" and status["progress"]["maxSteps"] == MAX_STEPS
+    assert status["phase"] == "Succeeded"
+    assert status["progress"]["step"] == status["progress"]["maxSteps"] == MAX_STEPS
     latest = status["latestCheckpoint"]
     committed = committed_checkpoints(f"s3://checkpoints/{uninterrupted.name}",
                                       _storage(cluster))
-    assert committed[0].step == MAX_STEPS
     assert latest["uri"] == f"s3://checkpoints/{uninterrupted.name}"
-    assert latest["step"] in [checkpoint.step for checkpoint in committed], (latest, committed)
+    assert latest["step"] == committed[0].step == MAX_STEPS, (latest, committed)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(uninterrupted.export,
                                                               dtype=torch.float32)
