@@ -60,15 +60,18 @@ def test_only_the_leader_acts_and_a_standby_takes_over(
     kube.create_job(harness.job_manifest("ha-real", replicas=2, maxRestarts=10))
     harness.eventually(lambda: len(kube.pods("ha-real")) == 2, what="two workers")
     time.sleep(2.0)  # the standby resyncs several times meanwhile and must not act
-    assert (leader.metric(CREATED), standby.metric(CREATED)) == (2, 0)
+    # The session's other jobs are the leader's too (it watches every namespace): at least
+    # this job's two pods are its, and none is the standby's.
+    assert leader.metric(CREATED) >= 2 and standby.metric(CREATED) == 0
 
     # A graceful stop hands the Lease back: the standby leads and replaces a failed pod.
     leader.stop()
     harness.eventually(standby.leads, what="the standby to lead after a handover")
+    created_before = standby.metric(CREATED)
     kube.set_pod_status("ha-real-worker-1", "Failed", exit_code=137, reason="OOMKilled")
     harness.eventually(lambda: _attempt(kube, "ha-real", "ha-real-worker-1") == "1",
                        what="the new leader to replace worker 1")
-    assert standby.metric(CREATED) == 1
+    assert standby.metric(CREATED) >= created_before + 1
 
     # kill -9 hands nothing back: the restarted replica waits for the Lease to expire.
     leader.start()
