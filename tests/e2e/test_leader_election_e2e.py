@@ -25,12 +25,6 @@ import harness  # noqa: E402
 CREATED = "kubetrain_operator_pods_created_total"
 
 
-class _Admin:
-    def __init__(self, kubeconfig: Path) -> None:
-        self.kubeconfig = kubeconfig
-
-    api_client = harness.EmulatedCluster.api_client
-
 
 @pytest.fixture
 def replicas(control_plane: Any, tmp_path: Path) -> Iterator[list[OperatorProcess]]:
@@ -53,7 +47,7 @@ def _attempt(kube: harness.Kube, job: str, pod: str) -> str | None:
 
 def test_only_the_leader_acts_and_a_standby_takes_over(
         control_plane: Any, replicas: list[OperatorProcess]) -> None:
-    kube = harness.Kube(_Admin(control_plane.kubeconfig))  # type: ignore[arg-type]
+    kube = harness.Kube(control_plane)
     leader = harness.eventually(lambda: next((p for p in replicas if p.leads()), None),
                                 what="a leader", timeout=30)
     standby = next(p for p in replicas if p is not leader)

@@ -156,7 +156,7 @@ class Churn:
 def test_kill_9_at_random_moments_of_a_churn_converges(control_plane: Any,
                                                        operator: OperatorProcess) -> None:
     rng = random.Random(20261123)
-    kube = harness.Kube(_AdminCluster(control_plane.kubeconfig))  # type: ignore[arg-type]
+    kube = harness.Kube(control_plane)
     churn = Churn(kube, rng)
     for _ in range(KILLS):
         for _ in range(rng.randint(2, 6)):
@@ -182,11 +182,3 @@ def test_kill_9_at_random_moments_of_a_churn_converges(control_plane: Any,
     assert not problems, "\n".join(problems) + "\n" + operator.log_tail()
     assert not operator.denied_requests()
 
-
-class _AdminCluster:
-    """What harness.Kube needs: the admin kubeconfig of the control plane."""
-
-    def __init__(self, kubeconfig: Path) -> None:
-        self.kubeconfig = kubeconfig
-
-    api_client = harness.EmulatedCluster.api_client

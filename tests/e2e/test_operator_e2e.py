@@ -25,15 +25,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
 import harness  # noqa: E402
 
 
-class RealCluster:
-    """What harness.Kube needs of a cluster: a kubeconfig, here the admin's."""
-
-    def __init__(self, kubeconfig: Path) -> None:
-        self.kubeconfig = kubeconfig
-
-    api_client = harness.EmulatedCluster.api_client
-
-
 @pytest.fixture(scope="module")
 def operator(control_plane: Any, tmp_path_factory: pytest.TempPathFactory,
              ) -> Iterator[OperatorProcess]:
@@ -49,7 +40,7 @@ def test_scenario_on_a_real_control_plane(scenario: Callable[[harness.Kube], Non
                                           control_plane: Any,
                                           operator: OperatorProcess) -> None:
     try:
-        scenario(harness.Kube(RealCluster(control_plane.kubeconfig)))  # type: ignore[arg-type]
+        scenario(harness.Kube(control_plane))  # type: ignore[arg-type]
     except BaseException:
         print(f"---- operator log\n{operator.log_tail()}")
         raise

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import kmock
 import yaml
@@ -390,10 +390,16 @@ def job_manifest(name: str, replicas: int = 2, **run_policy: Any) -> dict[str, A
     }
 
 
+class Cluster(Protocol):
+    """A cluster the tests talk to: the emulator here, or tests/cluster's real control plane."""
+
+    def api_client(self) -> client.ApiClient: ...
+
+
 class Kube:
     """The test's own Kubernetes client calls (a different user agent from the operator's)."""
 
-    def __init__(self, cluster: EmulatedCluster) -> None:
+    def __init__(self, cluster: Cluster) -> None:
         api = cluster.api_client()
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
