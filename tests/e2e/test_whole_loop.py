@@ -370,6 +370,8 @@ def test_killed_worker_resumes_from_latest_checkpoint_and_ends_as_uninterrupted_
     cluster.wait_for("training to advance again after the kill",
                      lambda: _advanced_after_resume(cluster.trainer_lines(name)), 120, every=0.2)
     recovery = time.monotonic() - recovery
+    # torchrun restarted both pods' trainers in place (PET_MAX_RESTARTS): no pod was replaced.
+    assert {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)} == pods
     cluster.wait_for_phase(name, "Succeeded", timeout=300)
 
     step, redone = _resume_and_redone(cluster.trainer_lines(name))
@@ -377,8 +379,7 @@ def test_killed_worker_resumes_from_latest_checkpoint_and_ends_as_uninterrupted_
           f"{step}, {redone} steps redone")
     assert step % EVERY == 0 and step > 0
     assert 0 <= redone <= EVERY
-    # torchrun restarted both pods' trainers in place (PET_MAX_RESTARTS): no pod was replaced.
-    assert {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)} == pods
+    assert {pod["metadata"]["uid"] for pod in cluster.pods(name)} <= set(pods.values())
 
     ours, reference = _weights(_export(cluster, name)), _weights(uninterrupted.export)
     assert ours.keys() == reference.keys()
