@@ -13,6 +13,7 @@ manifests; tests check the two agree.
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from typing import Any, Final, Literal
@@ -72,6 +73,8 @@ URI_RULES: JsonDict = {"x-kubetrain-cel": [cel(
     "!self.contains('://') || self.startsWith('s3://') || self.startsWith('file://')",
     "unsupported scheme: use s3://bucket/prefix, file:///path or a plain path")]}
 URI_MAX_LENGTH = 2048
+
+DEFAULT_MAX_STEPS = 1000
 
 
 class ApiModel(BaseModel):
@@ -280,6 +283,15 @@ class ModelSpec(ApiModel):
     )
     rope_theta: float | None = Field(default=None, gt=0, description="Rotary embedding base.")
     norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
+    dropout: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Dropout probability while training, on the attention weights and on "
+        "each block's attention and feed-forward outputs before they join the residual "
+        "stream; 0 (the default) turns it off. Masks are drawn from each rank's torch "
+        "random generators (seeded from optimization.seed and the rank), which checkpoints "
+        "save and resumes restore, so a resumed run draws the masks an uninterrupted run "
+        "would. Evaluation and exported models run without it.",
+    )
 
     @model_validator(mode="after")
     def _dimensions_resolve(self) -> ModelSpec:
@@ -373,8 +385,10 @@ class OptimizationSpec(ApiModel):
     """Optimizer, learning-rate schedule and batch size."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
-        cel("!has(self.warmupSteps) || self.warmupSteps < self.maxSteps",
+        cel("!has(self.warmupSteps) || !has(self.maxSteps) || self.warmupSteps < self.maxSteps",
             "warmupSteps must be less than maxSteps", ".warmupSteps"),
+        cel("!has(self.maxSteps) || !has(self.epochs)",
+            "set either maxSteps or epochs, not both", ".epochs"),
         cel("!has(self.globalBatchTokens) || !has(self.gradientAccumulationSteps)",
             "set either globalBatchTokens or gradientAccumulationSteps, not both",
             ".globalBatchTokens"),
@@ -409,7 +423,23 @@ class OptimizationSpec(ApiModel):
         default=None, ge=0, description="Linear warmup steps; defaults to the preset's (capped "
         "at a tenth of maxSteps).",
     )
-    max_steps: int = Field(default=1000, ge=1, description="Optimizer steps to train for.")
+    max_steps: int | None = Field(
+        default=None, ge=1,
+        description=f"Optimizer steps to train for ({DEFAULT_MAX_STEPS} when neither maxSteps "
+        "nor epochs is set). Alternative to epochs.",
+    )
+    epochs: float | None = Field(
+        default=None, gt=0, le=1_000_000,
+        description="Passes over the training data to train for, instead of maxSteps (a "
+        "fraction such as 0.5 is allowed). The trainer converts them to optimizer steps once, "
+        "from the tokens in the training shards (sequences of seqLen) and the global batch: "
+        "steps = ceil(epochs x tokens per epoch / tokens per step), at least 1. With "
+        "globalBatchTokens set, tokens per step is that value, so the step count stays the "
+        "same across resumes and rescales. Without it the global batch is microBatchSize x "
+        "seqLen x gradientAccumulationSteps x the number of training processes, so a rescale "
+        "changes the step count (and the schedule) from the restart on: set "
+        "globalBatchTokens to rescale an epoch-based job.",
+    )
     micro_batch_size: int = Field(
         default=8, ge=1, description="Sequences per process per forward/backward pass."
     )
@@ -444,13 +474,32 @@ class OptimizationSpec(ApiModel):
 
     @model_validator(mode="after")
     def _batch_and_warmup(self) -> OptimizationSpec:
-        if self.warmup_steps is not None and self.warmup_steps >= self.max_steps:
+        if self.max_steps is not None and self.epochs is not None:
+            raise problem("epochs", f"({self.epochs}) and maxSteps ({self.max_steps}) are both "
+                          "set: set either maxSteps or epochs, not both")
+        if (self.warmup_steps is not None and self.max_steps is not None
+                and self.warmup_steps >= self.max_steps):
             raise problem("warmupSteps", f"({self.warmup_steps}) must be less than maxSteps "
                           f"({self.max_steps})")
         if self.global_batch_tokens is not None and self.gradient_accumulation_steps is not None:
             raise problem("globalBatchTokens", "set either globalBatchTokens or "
                           "gradientAccumulationSteps, not both")
         return self
+
+
+    def steps_for(self, *, tokens_per_epoch: int, seq_len: int, world_size: int) -> int:
+        """The optimizer steps to train for: maxSteps, or epochs converted to steps.
+
+        `tokens_per_epoch` counts the training tokens one pass over the data trains on;
+        the global batch is globalBatchTokens when set (independent of `world_size`),
+        else micro-batches of every process (see the `epochs` description).
+        """
+        if self.epochs is None:
+            return self.max_steps if self.max_steps is not None else DEFAULT_MAX_STEPS
+        tokens_per_step = self.global_batch_tokens or (
+            self.micro_batch_size * seq_len * (self.gradient_accumulation_steps or 1)
+            * world_size)
+        return max(1, math.ceil(self.epochs * tokens_per_epoch / tokens_per_step))
 
 
 class EarlyStopping(ApiModel):
@@ -683,11 +732,26 @@ class TrainingJobSpec(ApiModel):
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainingJobSpec:
-        if self.warmup_steps >= self.optimization.max_steps:
-            raise problem("optimization.warmupSteps",
-                          f"({self.warmup_steps}, from the preset) must be less than "
-                          f"maxSteps ({self.optimization.max_steps}): set warmupSteps")
+        if self.optimization.epochs is not None:
+            return self  # the steps are known once the trainer has read the data
+        max_steps = self.optimization.steps_for(tokens_per_epoch=0, seq_len=1, world_size=1)
+        self.check_warmup(max_steps)
         return self
+
+    def check_warmup(self, max_steps: int) -> None:
+        """Refuse a warmup as long as training (`max_steps`, resolved from maxSteps or epochs)."""
+        warmup = self.warmup_steps(max_steps)
+        if warmup < max_steps:
+            return
+        source = ("from the preset" if self.optimization.warmup_steps is None
+                  else "warmupSteps")
+        if self.optimization.epochs is None:
+            raise problem("optimization.warmupSteps", f"({warmup}, {source}) must be less "
+                          f"than maxSteps ({max_steps}): set warmupSteps")
+        raise problem("optimization.warmupSteps",
+                      f"({warmup}, {source}) must be less than the {max_steps} steps that "
+                      f"epochs ({self.optimization.epochs}) make on this data: lower "
+                      "warmupSteps or raise epochs")
 
     # Values with preset-dependent defaults, resolved in one place.
     @property
@@ -697,13 +761,13 @@ class TrainingJobSpec(ApiModel):
         preset = self.model.preset_defaults
         return preset.learning_rate if preset else 3e-4
 
-    @property
-    def warmup_steps(self) -> int:
+    def warmup_steps(self, max_steps: int) -> int:
+        """Warmup steps of a run of `max_steps`: the spec's, else the preset's capped at a tenth."""
         if self.optimization.warmup_steps is not None:
             return self.optimization.warmup_steps
         preset = self.model.preset_defaults
         default = preset.warmup_steps if preset else 100
-        return min(default, self.optimization.max_steps // 10)
+        return min(default, max_steps // 10)
 
     def gradient_accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step for `world_size` training processes."""
@@ -746,6 +810,9 @@ class Progress(ApiModel):
 
     step: int = Field(default=0, description="Last completed optimizer step.")
     max_steps: int | None = Field(default=None, description="Steps to train for.")
+    epoch: float | None = Field(
+        default=None, description="Passes over the training data so far, with the fraction "
+        "of the current one (1.5: halfway through the second epoch).")
     loss: float | None = Field(default=None, description="Training loss at that step.")
     tokens_per_second: float | None = Field(default=None, description="Throughput of the group.")
     updated_at: datetime | None = Field(default=None, description="When the step last advanced.")

@@ -102,13 +102,21 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
+def _length(job: TrainingJob) -> str:
+    """How long the job trains, as its spec says it."""
+    opt = job.spec.optimization
+    if opt.epochs is not None:
+        return f"{opt.epochs:g} epochs"
+    return f"{opt.steps_for(tokens_per_epoch=0, seq_len=1, world_size=1)} steps"
+
+
 def _plan(job: TrainingJob, workspace: Workspace) -> str:
     workers = job.spec.workers
     nodes = "node" if workers.replicas == 1 else "nodes"
     processes = "process" if workers.procs_per_worker == 1 else "processes"
     return (f"{job.metadata.name}: {workers.replicas} simulated {nodes} x "
             f"{workers.procs_per_worker} training {processes}, "
-            f"{job.spec.optimization.max_steps} steps; "
+            f"{_length(job)}; "
             f"data {job.spec.data.train}, checkpoints {job.spec.checkpoint.uri}, "
             f"metrics http://127.0.0.1:{job.spec.metrics.port}/metrics, logs {workspace.logs}/")
 

@@ -71,6 +71,8 @@ class RunHistory:
 
     step: int = 0
     max_steps: int | None = None
+    epoch: float | None = None
+    """Passes over the training data at the last logged step."""
     first_loss: float | None = None
     loss: float | None = None
     tokens_per_second: float | None = None
@@ -90,8 +92,10 @@ class RunHistory:
         if isinstance(step, int) and kind in {"step", "resumed", "start", "finished"}:
             # A resume may go back to an earlier step than the last one logged.
             self.step = step
-        if kind == "step":
+        if kind in {"step", "start"}:
             self.max_steps = event.get("max_steps", self.max_steps)
+        if kind == "step":
+            self.epoch = _number(event.get("epoch"))
             self.loss = _number(event.get("loss"))
             if self.first_loss is None:
                 self.first_loss = self.loss

@@ -1,7 +1,7 @@
 """What a user of `kubetrain run` sees: a live progress bar, event lines, and the final summary.
 
-The bar (tqdm, on stderr) shows step / max steps, training loss, tokens per
-second and the ETA; evaluations, checkpoints, resumes and restarts are printed
+The bar (tqdm, on stderr) shows step / max steps, the epoch, training loss,
+tokens per second and the ETA; evaluations, checkpoints, resumes and restarts are printed
 above it as they happen. Everything shown comes from the trainer's metrics log
 (`RunHistory`); the workers' own output goes to log files so it never tears the
 bar.
@@ -30,7 +30,8 @@ def shown(uri: str) -> str:
 class ProgressDisplay:
     """The progress bar of the current attempt of the worker group, and lines printed above it."""
 
-    def __init__(self, max_steps: int, stream: IO[str] | None = None) -> None:
+    def __init__(self, max_steps: int | None, stream: IO[str] | None = None) -> None:
+        # None until the trainer says (a job given in epochs): its `start` event carries it.
         self.max_steps = max_steps
         self.stream = stream or sys.stderr
         self.bar: tqdm | None = None
@@ -41,9 +42,9 @@ class ProgressDisplay:
         if kind == "resumed":
             self.say(f"resumed from the checkpoint at step {history.step} "
                      f"({event.get('world_size', '?')} processes)")
-            self._new_bar(history.step)
+            self._new_bar(history)
         elif kind == "start":
-            self._new_bar(history.step)
+            self._new_bar(history)
         elif kind == "step":
             self._advance(history)
         elif kind == "eval":
@@ -67,19 +68,22 @@ class ProgressDisplay:
             self.bar.close()
             self.bar = None
 
-    def _new_bar(self, step: int) -> None:
+    def _new_bar(self, history: RunHistory) -> None:
         # One bar per attempt: after a resume the rate and ETA start afresh from the
         # checkpoint's step instead of averaging over the restart.
         self.close()
-        self.bar = tqdm(total=self.max_steps, initial=step, unit="step", file=self.stream,
+        self.bar = tqdm(total=self.max_steps or history.max_steps, initial=history.step,
+                        unit="step", file=self.stream,
                         dynamic_ncols=True, smoothing=0.1)
 
     def _advance(self, history: RunHistory) -> None:
         if self.bar is None:
-            self._new_bar(history.step)
+            self._new_bar(history)
         assert self.bar is not None
         self.bar.update(max(0, history.step - self.bar.n))
         postfix = {}
+        if history.epoch is not None:
+            postfix["epoch"] = f"{history.epoch:.2f}"
         if history.loss is not None:
             postfix["loss"] = f"{history.loss:.4f}"
         if history.tokens_per_second is not None:
@@ -113,7 +117,8 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri
     if history.loss is not None:
         first = f"{history.first_loss:.4f} -> " if history.first_loss is not None else ""
         row("training loss", f"{first}{history.loss:.4f} at step {history.step} "
-            f"of {history.max_steps or '?'}")
+            f"of {history.max_steps or '?'}"
+            + (f" (epoch {history.epoch:.2f})" if history.epoch is not None else ""))
     if history.val_losses:
         first_val, final_val = history.val_losses[0][1], history.val_losses[-1][1]
         best = history.best_val_loss

@@ -86,7 +86,8 @@ class LocalRun:
         for event in self.reader.read_new():  # earlier runs of the same job
             self.history.apply(event)
         self.checkpoints_before = len(self.history.checkpoints)
-        self.display = ProgressDisplay(self.job.spec.optimization.max_steps)
+        self.display = ProgressDisplay(self.job.spec.optimization.max_steps
+                                       if self.job.spec.optimization.epochs is None else None)
         self.pending_kills = sorted(set(self.options.kill_at_steps))
         self.restarts: list[str] = []
         self.signals: list[int] = []  # SIGINT / SIGTERM received, in order

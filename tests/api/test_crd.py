@@ -145,17 +145,19 @@ def test_cel_replica_rules_agree_with_the_models(
 
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # copied, never mutated
-@given(warmup=st.one_of(st.none(), st.integers(0, 300)), max_steps=st.integers(1, 300),
+@given(warmup=st.one_of(st.none(), st.integers(0, 300)),
+       max_steps=st.one_of(st.none(), st.integers(1, 300)),
+       epochs=st.one_of(st.none(), st.floats(0.01, 100)),
        tokens=st.one_of(st.none(), st.integers(1, 10**6)),
        accumulation=st.one_of(st.none(), st.integers(1, 8)))
 def test_cel_optimization_rules_agree_with_the_models(
-    minimal_manifest: dict[str, Any], warmup: int | None, max_steps: int,
-    tokens: int | None, accumulation: int | None,
+    minimal_manifest: dict[str, Any], warmup: int | None, max_steps: int | None,
+    epochs: float | None, tokens: int | None, accumulation: int | None,
 ) -> None:
     document = _with(minimal_manifest, "optimization", {
         # An explicit warmup, so the models' preset-derived default plays no part.
         "warmupSteps": warmup if warmup is not None else 0, "maxSteps": max_steps,
-        "globalBatchTokens": tokens, "gradientAccumulationSteps": accumulation,
+        "epochs": epochs, "globalBatchTokens": tokens, "gradientAccumulationSteps": accumulation,
     })
     assert (not cel_violations(document)) == _models_accept(document)
 

@@ -24,7 +24,8 @@ def test_minimal_manifest_gets_working_defaults(minimal_manifest: dict[str, Any]
     spec = job.spec
     assert spec.workers.replicas == 1 and spec.workers.min_workers == 1
     assert spec.parallelism.strategy == "fsdp" and spec.parallelism.precision == "bf16"
-    assert spec.learning_rate > 0 and 0 <= spec.warmup_steps < spec.optimization.max_steps
+    max_steps = spec.optimization.steps_for(tokens_per_epoch=0, seq_len=1, world_size=1)
+    assert spec.learning_rate > 0 and 0 <= spec.warmup_steps(max_steps) < max_steps
     assert spec.model.resolve().dim > 0
     assert job.wire()["spec"]["checkpoint"]["async"] is False  # the Python keyword's alias
 
@@ -44,6 +45,42 @@ def test_global_batch_tokens_sets_gradient_accumulation(minimal_manifest: dict[s
     spec = parse_job(minimal_manifest).spec
     assert spec.gradient_accumulation(world_size=2) == 4096 // (4 * 128 * 2)
     assert spec.gradient_accumulation(world_size=8) == 1
+
+
+def test_epochs_become_steps_from_the_data_and_the_global_batch_tokens(
+        minimal_manifest: dict[str, Any]) -> None:
+    minimal_manifest["spec"]["data"]["seqLen"] = 128
+    minimal_manifest["spec"]["optimization"] = {
+        "epochs": 2.5, "microBatchSize": 4, "globalBatchTokens": 4096, "warmupSteps": 0}
+    opt = parse_job(minimal_manifest).spec.optimization
+    tokens_per_epoch = 100 * 4096 + 1  # a token more than 100 steps' worth
+    steps = {world: opt.steps_for(tokens_per_epoch=tokens_per_epoch, seq_len=128,
+                                  world_size=world) for world in (1, 2, 8)}
+    # 250 steps and a little: the part step counts, and the world size plays no part.
+    assert set(steps.values()) == {251}
+
+
+def test_epochs_without_global_batch_tokens_count_every_process(
+        minimal_manifest: dict[str, Any]) -> None:
+    minimal_manifest["spec"]["data"]["seqLen"] = 128
+    minimal_manifest["spec"]["optimization"] = {
+        "epochs": 1, "microBatchSize": 4, "gradientAccumulationSteps": 2, "warmupSteps": 0}
+    opt = parse_job(minimal_manifest).spec.optimization
+    tokens_per_epoch = 4 * 128 * 2 * 40
+    assert opt.steps_for(tokens_per_epoch=tokens_per_epoch, seq_len=128, world_size=1) == 40
+    assert opt.steps_for(tokens_per_epoch=tokens_per_epoch, seq_len=128, world_size=4) == 10
+
+
+def test_max_steps_and_epochs_are_exclusive_and_warmup_is_checked_against_epochs(
+        minimal_manifest: dict[str, Any]) -> None:
+    minimal_manifest["spec"]["optimization"] = {"epochs": 3, "maxSteps": 100}
+    with pytest.raises(InvalidManifest, match=r"spec\.optimization\.epochs.*not both"):
+        parse_job(minimal_manifest)
+    minimal_manifest["spec"]["optimization"] = {"epochs": 1, "warmupSteps": 50}
+    spec = parse_job(minimal_manifest).spec  # the steps are not known before the data is read
+    with pytest.raises(ValueError, match=r"warmupSteps.*\(50, warmupSteps\).*20 steps.*epochs"):
+        spec.check_warmup(20)
+    spec.check_warmup(51)
 
 
 # --- invalid manifests -----------------------------------------------------------------
@@ -111,7 +148,14 @@ def mutations() -> st.SearchStrategy[tuple[str, str, Any]]:
         st.tuples(st.integers(2, 50), st.integers(1, 49)).filter(lambda t: t[0] > t[1]).map(
             lambda t: ("set", "spec.workers", {"replicas": t[1], "minReplicas": t[0],
                                                "maxReplicas": t[0]})),
+        st.tuples(st.integers(1, 10**6), st.floats(0.01, 100)).map(
+            lambda t: ("set", "spec.optimization", {"maxSteps": t[0], "epochs": t[1]})),
     )
+
+
+# The field a whole-section mutation of mutations() must be refused at.
+SECTION_PROBLEMS = {"spec.workers": "spec.workers.minReplicas",
+                    "spec.optimization": "spec.optimization.epochs"}
 
 
 @settings(max_examples=300, deadline=None,
@@ -130,8 +174,7 @@ def test_every_invalid_manifest_is_rejected_naming_its_field(
     with pytest.raises(InvalidManifest) as raised:
         parse_job(document)
     named = [str(p) for p in raised.value.problems]
-    expected = path if kind != "set" or not isinstance(value, dict) or path != "spec.workers" \
-        else "spec.workers.minReplicas"
+    expected = SECTION_PROBLEMS.get(path, path) if isinstance(value, dict) else path
     assert any(expected in problem for problem in named), (expected, named)
     # The CLI's full check (models and CRD schema) reports it too, without raising.
     assert check_document(document)

@@ -28,7 +28,7 @@ from kubetrain.api import parse_job
 from kubetrain.validate import check_document
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "api"))
-from test_manifest_validation import _delete, _set, mutations
+from test_manifest_validation import SECTION_PROBLEMS, _delete, _set, mutations
 
 pytestmark = pytest.mark.e2e
 
@@ -92,7 +92,7 @@ def test_the_server_refuses_every_invalid_manifest_the_models_refuse(
     document = copy.deepcopy(minimal_manifest)
     document["metadata"]["namespace"] = NAMESPACE
     _delete(document, path) if kind == "delete" else _set(document, path, value)
-    named = "spec.workers.minReplicas" if path == "spec.workers" else path
+    named = SECTION_PROBLEMS.get(path, path) if isinstance(value, dict) else path
 
     models = [str(problem) for problem in check_document(document)]
     message = server_refusal(jobs, document)

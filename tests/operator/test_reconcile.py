@@ -387,14 +387,15 @@ def test_step_not_advancing_past_the_deadline_restarts_the_group(minimal_manifes
 
 
 def test_metrics_become_progress_and_latest_checkpoint(minimal_manifest: dict) -> None:
-    sample = MetricsSample(step=120, max_steps=1000, loss=2.5, tokens_per_second=1234.5,
+    sample = MetricsSample(step=120, max_steps=1000, epoch=1.25, loss=2.5,
+                           tokens_per_second=1234.5,
                            last_step_time=NOW - timedelta(seconds=2), checkpoint_step=100,
                            checkpoint_time=NOW - timedelta(seconds=30))
     out = run(make_job(minimal_manifest, status=running_status()), pod(0), pod(1),
               metrics=sample)
     assert out.status is not None
     assert out.status["progress"] == {
-        "step": 120, "maxSteps": 1000, "loss": 2.5, "tokensPerSecond": 1234.5,
+        "step": 120, "maxSteps": 1000, "epoch": 1.25, "loss": 2.5, "tokensPerSecond": 1234.5,
         "updatedAt": (NOW - timedelta(seconds=2)).isoformat().replace("+00:00", "Z")}
     assert out.status["latestCheckpoint"]["step"] == 100
     assert out.status["latestCheckpoint"]["uri"] == "s3://checkpoints/demo"
@@ -573,7 +574,8 @@ def test_status_takes_the_last_step_and_checkpoint_from_rank_0s_termination_mess
     # The run ended after the last scrape (step 20): rank 0's exit left its last gauges.
     from kubetrain.operator.observed import final_metrics
 
-    last = ("kubetrain_step 24.0\nkubetrain_max_steps 24.0\nkubetrain_loss 6.5\n"
+    last = ("kubetrain_step 24.0\nkubetrain_max_steps 24.0\nkubetrain_epoch 2.0\n"
+            "kubetrain_loss 6.5\n"
             "kubetrain_latest_checkpoint_step 24.0\n"
             "kubetrain_latest_checkpoint_timestamp_seconds 1.7e+09\n")
     status = running_status(progress={"step": 20, "maxSteps": 24},
@@ -582,5 +584,6 @@ def test_status_takes_the_last_step_and_checkpoint_from_rank_0s_termination_mess
     out = run(make_job(minimal_manifest, status=status), *pods, metrics=final_metrics(pods))
     assert out.status is not None and out.status["phase"] == "Succeeded"
     assert out.status["progress"]["step"] == 24 and out.status["progress"]["loss"] == 6.5
+    assert out.status["progress"]["epoch"] == 2.0
     assert out.status["latestCheckpoint"]["step"] == 24
     assert final_metrics((pod(0), pod(1))) is None  # running: its /metrics is the source

@@ -50,3 +50,42 @@ def test_a_signalled_rank_makes_torchrun_restart_the_group_in_place_from_its_che
     resumed = launcher.events(job, "resumed")
     assert len(resumed) == 1 and resumed[0]["step"] == saved[0] >= 8
     assert launcher.events(job, "finished")[-1]["step"] == 40
+
+
+@pytest.mark.slow
+def test_with_dropout_a_group_restarted_from_its_checkpoint_logs_the_uninterrupted_losses(
+    tiny_job: Any, launcher: Any,
+) -> None:
+    """The dropout variant of the in-place restart: the checkpoint carries each rank's
+    random generators, so the resumed ranks draw the masks the uninterrupted run drew and
+    every step's loss is the same. Restarted ranks reseed, so without the saved generators
+    the steps after the resume would differ."""
+    spec = {"model": {"preset": "tiny", "dropout": 0.1},
+            "optimization": {"maxSteps": 16, "microBatchSize": 8, "warmupSteps": 3},
+            "checkpoint": {"everySteps": 1000, "export": False}}
+    reference = tiny_job("dropout-steady", **spec)
+    steady = {e["step"]: e["loss"] for e in launcher.train(reference, ranks=2)
+              if e["event"] == "step"}
+
+    job = tiny_job("dropout-restarted", **spec)
+    command = launcher.command(job, ranks=2)
+    command.insert(command.index("--standalone") + 1, "--max-restarts=1")
+    agent = subprocess.Popen(command, env=launcher.env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["step"] >= 5 for e in launcher.events(job, "step")):
+            assert agent.poll() is None and time.monotonic() < deadline, "training never began"
+            time.sleep(0.1)
+        os.kill(_trainer_processes(agent.pid)[-1], signal.SIGTERM)
+        output, _ = agent.communicate(timeout=150)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, output[-4000:]
+
+    (resumed,) = launcher.events(job, "resumed")
+    assert 5 <= resumed["step"] < 16, "the restart resumed from a checkpoint before the end"
+    # A step redone after the restart logs its loss again: the last one counts.
+    restarted = {e["step"]: e["loss"] for e in launcher.events(job, "step")}
+    assert restarted == steady

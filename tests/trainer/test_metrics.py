@@ -18,12 +18,12 @@ from kubetrain.trainer import Trainer
 from kubetrain.trainer.metrics import Reporter, StepReport
 
 LOG_FIELDS = {
-    "step": {"event", "step", "max_steps", "loss", "lr", "grad_norm", "tokens_per_second", "mfu",
-             "step_time", "data_wait_ratio", "time"},
+    "step": {"event", "step", "max_steps", "epoch", "loss", "lr", "grad_norm",
+             "tokens_per_second", "mfu", "step_time", "data_wait_ratio", "time"},
     "eval": {"event", "step", "val_loss", "perplexity", "time"},
     "checkpoint": {"event", "step", "uri", "time"},
     "resumed": {"event", "step", "uri", "world_size", "time"},
-    "start": {"event", "step", "world_size", "output_loss", "time"},
+    "start": {"event", "step", "max_steps", "world_size", "output_loss", "time"},
     "finished": {"event", "step", "reason", "best_val_loss", "export_uri", "time"},
     "goodput": {"event", "step", "ratio", "seconds", "time"},
 }
@@ -37,7 +37,7 @@ def _report_a_run(reporter: Reporter) -> None:
     reporter.resumed(40, "file:///ckpt/step-00000040", 2)
     reporter.started(40, 2)
     reporter.stepped(41, 1024, 0.25)
-    reporter.logged(StepReport(step=41, loss=3.5, learning_rate=1e-3, grad_norm=0.9,
+    reporter.logged(StepReport(step=41, epoch=0.5, loss=3.5, learning_rate=1e-3, grad_norm=0.9,
                                tokens_per_second=4096.0, mfu=0.0, step_time=0.25,
                                data_wait_ratio=0.01), torch.device("cpu"))
     reporter.evaluated(41, 3.75)
@@ -60,6 +60,7 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
 
     families = {f.name: f for f in text_string_to_metric_families(exposition)}
     assert families["kubetrain_step"].samples[0].value == 41
+    assert families["kubetrain_epoch"].samples[0].value == 0.5
     assert families["kubetrain_validation_loss"].samples[0].value == 3.75
     assert families["kubetrain_latest_checkpoint_step"].samples[0].value == 41
     assert all(not sample.labels for f in families.values() for sample in f.samples

@@ -67,3 +67,28 @@ def test_sequences_longer_than_the_rotary_table_are_refused() -> None:
     model = Transformer(ModelSpec(preset="tiny").resolve(), max_seq_len=8)
     with pytest.raises(ValueError, match="longer than the model's max_seq_len"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_dropout_acts_only_while_training_and_off_is_todays_model() -> None:
+    dims = ModelSpec(preset="tiny").resolve()
+    tokens = torch.randint(0, dims.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    plain = Transformer(dims, max_seq_len=32)
+    torch.manual_seed(0)
+    off = Transformer(dims, max_seq_len=32, dropout=0.0)
+    torch.manual_seed(0)
+    dropped = Transformer(dims, max_seq_len=32, dropout=0.2)
+    # Off draws nothing from the generator and computes exactly what the plain model does.
+    state = torch.get_rng_state()
+    assert torch.equal(off(tokens), plain(tokens))
+    assert torch.equal(torch.get_rng_state(), state)
+    # On: two training passes draw different masks; the same generator state, the same masks.
+    torch.manual_seed(7)
+    first, second = dropped(tokens), dropped(tokens)
+    torch.manual_seed(7)
+    assert not torch.equal(first, second) and torch.equal(dropped(tokens), first)
+    assert not torch.equal(first, plain(tokens))
+    # Evaluation runs without it.
+    dropped.eval()
+    plain.eval()
+    assert torch.equal(dropped(tokens), plain(tokens))

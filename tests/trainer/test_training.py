@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import time
@@ -69,7 +70,8 @@ def test_same_global_batch_gives_the_same_losses_however_it_is_split(tiny_job, l
 
 
 EXPORTED_METRICS = {
-    "kubetrain_step", "kubetrain_max_steps", "kubetrain_loss", "kubetrain_validation_loss",
+    "kubetrain_step", "kubetrain_max_steps", "kubetrain_epoch", "kubetrain_loss",
+    "kubetrain_validation_loss",
     "kubetrain_learning_rate", "kubetrain_grad_norm", "kubetrain_tokens_per_second",
     "kubetrain_mfu_ratio", "kubetrain_step_duration_seconds", "kubetrain_data_wait_ratio",
     "kubetrain_memory_allocated_bytes", "kubetrain_memory_reserved_bytes",
@@ -157,3 +159,29 @@ def test_sigterm_saves_one_checkpoint_on_every_rank_and_training_resumes_from_it
     assert final["seconds"]["downtime"] > 0
     assert 0 < final["ratio"] < 1
     assert sum(final["seconds"].values()) == pytest.approx(final["time"] - first_start, abs=15)
+
+
+@pytest.mark.slow
+def test_epochs_train_the_steps_that_cover_that_share_of_the_data(tiny_job, launcher,
+                                                                 prepared_corpus) -> None:
+    """A tenth of an epoch at 1024 tokens per step: the trainer converts it to steps from the
+    shards' token count, trains that many, and reports the epoch it reached."""
+    from kubetrain.trainer.data import TokenDataset
+
+    job = tiny_job("epochs", optimization={"epochs": 0.1, "maxSteps": None,
+                                           "globalBatchTokens": 1024, "warmupSteps": 2},
+                   metrics={"logEverySteps": 5})
+    events = launcher.train(job, ranks=1)
+
+    data = TokenDataset(prepared_corpus.train_uri, seq_len=64, micro_batch_size=8)
+    data.close()
+    tokens_per_epoch = data.samples_per_epoch * 64
+    expected = math.ceil(0.1 * tokens_per_epoch / 1024)
+    (finished,) = [e for e in events if e["event"] == "finished"]
+    assert finished["step"] == expected and finished["reason"] == "max_steps"
+    steps = [e for e in events if e["event"] == "step"]
+    assert {e["max_steps"] for e in steps} == {expected}
+    # 1024 tokens per step are 16 sequences of 64: the epoch at each logged step.
+    for event in steps:
+        assert event["epoch"] == round(event["step"] * 16 / data.samples_per_epoch, 4)
+    assert 0.1 <= steps[-1]["epoch"] < 0.1 + 16 / data.samples_per_epoch

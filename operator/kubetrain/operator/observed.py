@@ -54,6 +54,7 @@ class MetricsSample:
 
     step: int | None = None
     max_steps: int | None = None
+    epoch: float | None = None
     loss: float | None = None
     tokens_per_second: float | None = None
     last_step_time: datetime | None = None
@@ -172,6 +173,7 @@ def metrics_sample(exposition: str) -> MetricsSample:
     return MetricsSample(
         step=whole("kubetrain_step"),
         max_steps=whole("kubetrain_max_steps"),
+        epoch=values.get("kubetrain_epoch"),
         loss=values.get("kubetrain_loss"),
         tokens_per_second=values.get("kubetrain_tokens_per_second"),
         last_step_time=_seconds(values.get("kubetrain_last_step_timestamp_seconds")),

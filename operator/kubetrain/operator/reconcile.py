@@ -280,6 +280,8 @@ class _Decision:
                 progress.updated_at = min(sample.last_step_time or self.now, self.now)
         if sample.max_steps is not None:
             progress.max_steps = sample.max_steps
+        if sample.epoch is not None:
+            progress.epoch = round(sample.epoch, 4)
         if sample.loss is not None:
             progress.loss = round(sample.loss, 6)
         if sample.tokens_per_second is not None:

@@ -147,6 +147,11 @@ class TokenDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     def epoch(self) -> int:
         return self.position // self.samples_per_epoch
 
+    @property
+    def epochs_done(self) -> float:
+        """Passes over the data so far, with the fraction of the current one."""
+        return self.position / self.samples_per_epoch
+
     def state_dict(self) -> dict[str, Any]:
         """The global position and what it depends on; the same on every rank."""
         return {"position": self.position, "seq_len": self.seq_len, "seed": self.seed,

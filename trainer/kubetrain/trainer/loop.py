@@ -121,6 +121,7 @@ class _Run:
 
     world: World
     dims: ModelDims
+    max_steps: int  # maxSteps, or epochs converted to steps
     parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
@@ -196,12 +197,18 @@ class Trainer:
             dims = dims.model_copy(update={"vocab_size": train_data.index.vocab_size})
         # Every rank draws the same initial weights; FSDP2 then keeps each rank's shard.
         torch.manual_seed(opt.seed)
-        model = Transformer(dims, max_seq_len=spec.data.seq_len)
+        model = Transformer(dims, max_seq_len=spec.data.seq_len, dropout=spec.model.dropout)
+        # Then each rank draws its own dropout masks; checkpoints carry the generators on.
+        torch.manual_seed(opt.seed + world.rank)
         model.output_loss, why = select_output_loss(world.device)
         parallel = parallelize(model, spec.parallelism, world.mesh, world.device)
         optimizer = build_optimizer(parallel.module, opt, spec.learning_rate, world.device)
+        # Epochs become steps once, from the data and the global batch (see `epochs`).
+        max_steps = opt.steps_for(tokens_per_epoch=train_data.samples_per_epoch * spec.data.seq_len,
+                                  seq_len=spec.data.seq_len, world_size=world.world_size)
+        spec.check_warmup(max_steps)
         schedule = build_schedule(optimizer, peak=spec.learning_rate,
-                                  warmup_steps=spec.warmup_steps, max_steps=opt.max_steps,
+                                  warmup_steps=spec.warmup_steps(max_steps), max_steps=max_steps,
                                   spec=opt)
         progress = TrainProgress()
         goodput = GoodputLedger(attempt_started_at())
@@ -212,7 +219,7 @@ class Trainer:
         if parallel.scaler is not None:
             app_state["scaler"] = parallel.scaler
         reporter = Reporter(spec, enabled=world.is_main, metrics_log=self.metrics_log,
-                            job_name=self.name, serve=self.serve_metrics)
+                            job_name=self.name, serve=self.serve_metrics, max_steps=max_steps)
 
         def committed(info: CheckpointInfo) -> None:
             reporter.checkpointed(info.step, info.uri, info.time.timestamp())
@@ -223,9 +230,9 @@ class Trainer:
                                     optional_state=frozenset({"goodput"}))
         heartbeat = (Heartbeat(open_storage(spec.checkpoint.uri, spec.storage))
                      if world.is_main else None)
-        return _Run(world, dims, parallel, optimizer, schedule, train_data, validation_data,
-                    progress, app_state, checkpointer, reporter, (model.output_loss.name, why),
-                    goodput, heartbeat)
+        return _Run(world, dims, max_steps, parallel, optimizer, schedule, train_data,
+                    validation_data, progress, app_state, checkpointer, reporter,
+                    (model.output_loss.name, why), goodput, heartbeat)
 
     def _train(self, run: _Run, stop: StopRequest) -> FitResult:
         """The loop: one iteration per optimizer step."""
@@ -257,7 +264,7 @@ class Trainer:
         if step == 0 and spec.evaluation.every_steps:
             self._evaluate_and_record(run, step)  # the baseline the run improves on
         reason = "max_steps"
-        while step < opt.max_steps:
+        while step < run.max_steps:
             stopping = stop.agreed(device)
             goodput.charge(PRODUCTIVE)  # agreeing waits for the last step's device work
             if stopping:
@@ -310,11 +317,12 @@ class Trainer:
                              time.perf_counter() - started)
             goodput.charge(PRODUCTIVE)
             goodput.stepped(step)
-            if step % spec.metrics.log_every_steps == 0 or step == opt.max_steps:
+            if step % spec.metrics.log_every_steps == 0 or step == run.max_steps:
                 seconds = interval.end()
                 tokens_per_second = interval.tokens / seconds
                 reporter.logged(StepReport(
-                    step=step, loss=_mean_over_ranks(loss_sum), learning_rate=learning_rate,
+                    step=step, epoch=run.train_data.epochs_done,
+                    loss=_mean_over_ranks(loss_sum), learning_rate=learning_rate,
                     grad_norm=float(grad_norm), tokens_per_second=tokens_per_second,
                     mfu=(model_flops * tokens_per_second / flops_per_second_peak
                          if flops_per_second_peak else 0.0),
@@ -327,7 +335,7 @@ class Trainer:
 
             # Evaluation and early stopping.
             every = spec.evaluation.every_steps
-            if every and (step % every == 0 or step == opt.max_steps):
+            if every and (step % every == 0 or step == run.max_steps):
                 self._evaluate_and_record(run, step)
                 patience = spec.evaluation.early_stopping.patience
                 if patience and run.progress.evals_without_improvement >= patience:

@@ -36,12 +36,15 @@ from prometheus_client import (
     start_http_server,
 )
 
-from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.api.trainingjob import DEFAULT_MAX_STEPS, TrainingJobSpec
 
 REGISTRY = CollectorRegistry()
 
 STEP = Gauge("kubetrain_step", "Last completed optimizer step.", registry=REGISTRY)
-MAX_STEPS = Gauge("kubetrain_max_steps", "Optimizer steps the job trains for.", registry=REGISTRY)
+MAX_STEPS = Gauge("kubetrain_max_steps", "Optimizer steps the job trains for (maxSteps, or "
+                  "epochs converted to steps).", registry=REGISTRY)
+EPOCH = Gauge("kubetrain_epoch", "Passes over the training data at the last logged step, with "
+              "the fraction of the current one.", registry=REGISTRY)
 LOSS = Gauge("kubetrain_loss", "Training loss (mean over the group's tokens) at the last "
              "logged step.", registry=REGISTRY)
 VALIDATION_LOSS = Gauge("kubetrain_validation_loss", "Validation loss of the last evaluation.",
@@ -111,6 +114,7 @@ class StepReport:
     """One logged step, already reduced over the group."""
 
     step: int
+    epoch: float
     loss: float
     learning_rate: float
     grad_norm: float
@@ -124,9 +128,11 @@ class Reporter:
     """Rank 0's outlet for every figure of the run; a silent no-op on other ranks."""
 
     def __init__(self, spec: TrainingJobSpec, *, enabled: bool, metrics_log: Path,
-                 job_name: str, serve: bool = True) -> None:
+                 job_name: str, serve: bool = True, max_steps: int | None = None) -> None:
         self.enabled = enabled
-        self.max_steps = spec.optimization.max_steps
+        # The trainer passes the steps it resolved (epochs become steps once it reads the data).
+        self.max_steps = (max_steps if max_steps is not None
+                          else spec.optimization.max_steps or DEFAULT_MAX_STEPS)
         self._log: IO[str] | None = None
         self._server: tuple[WSGIServer, Thread] | None = None
         self._trackers: list[_Tracker] = []
@@ -154,7 +160,8 @@ class Reporter:
         if not self.enabled:
             return
         STEP.set(step)
-        self._event("start", step=step, world_size=world_size, output_loss=output_loss)
+        self._event("start", step=step, max_steps=self.max_steps, world_size=world_size,
+                    output_loss=output_loss)
         self._print(f"training from step {step} to {self.max_steps} with {world_size} processes")
         if output_loss:
             self._print(f"output projection and loss: {output_loss} ({why})")
@@ -177,6 +184,7 @@ class Reporter:
         if not self.enabled:
             return
         LOSS.set(report.loss)
+        EPOCH.set(report.epoch)
         LEARNING_RATE.set(report.learning_rate)
         GRAD_NORM.set(report.grad_norm)
         TOKENS_PER_SECOND.set(report.tokens_per_second)
@@ -186,12 +194,14 @@ class Reporter:
         if device.type == "cuda":
             MEMORY_ALLOCATED.set(torch.cuda.max_memory_allocated(device))
             MEMORY_RESERVED.set(torch.cuda.max_memory_reserved(device))
-        self._event("step", step=report.step, max_steps=self.max_steps, loss=report.loss,
+        self._event("step", step=report.step, max_steps=self.max_steps,
+                    epoch=round(report.epoch, 4), loss=report.loss,
                     lr=report.learning_rate, grad_norm=report.grad_norm,
                     tokens_per_second=report.tokens_per_second, mfu=report.mfu,
                     step_time=report.step_time, data_wait_ratio=report.data_wait_ratio)
         self._print(
-            f"step {report.step}/{self.max_steps} | loss {report.loss:.4f} | "
+            f"step {report.step}/{self.max_steps} | epoch {report.epoch:.2f} | "
+            f"loss {report.loss:.4f} | "
             f"lr {report.learning_rate:.2e} | grad {report.grad_norm:.3f} | "
             f"{report.tokens_per_second:,.0f} tok/s | mfu {report.mfu:.1%} | "
             f"{report.step_time * 1000:.0f} ms/step | data wait {report.data_wait_ratio:.1%}"

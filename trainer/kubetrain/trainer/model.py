@@ -5,9 +5,11 @@ RMSNorm, rotary position embeddings, grouped-query attention through
 input/output embeddings. Nothing here knows about parallelism, precision or
 activation checkpointing: `parallelize.py` applies those from outside, so this
 file reads like the architecture and nothing else. Parameter counts and FLOPs
-per token live beside it in `sizing.py`. Given targets, the model returns the
-summed token loss instead of the logits, through `output_loss` (loss.py), which
-never holds the whole [tokens, vocab] logits; the trainer picks the implementation.
+per token live beside it in `sizing.py`. Dropout (off by default) acts on the
+attention weights and on each residual branch's output, in training mode only.
+Given targets, the model returns the summed token loss instead of the logits,
+through `output_loss` (loss.py), which never holds the whole [tokens, vocab]
+logits; the trainer picks the implementation.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Causal self-attention; n_kv_heads < n_heads shares each key/value head over a group."""
 
-    def __init__(self, dims: ModelDims) -> None:
+    def __init__(self, dims: ModelDims, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout  # on the attention weights, while training
         self.n_heads = dims.n_heads
         self.n_kv_heads = dims.n_kv_heads
         self.head_dim = dims.dim // dims.n_heads
@@ -75,7 +78,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
+            dropout_p=self.dropout if self.training else 0.0,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -94,18 +98,20 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention, then feed-forward."""
+    """Pre-norm residual block: attention, then feed-forward, each branch dropped out."""
 
-    def __init__(self, dims: ModelDims) -> None:
+    def __init__(self, dims: ModelDims, dropout: float = 0.0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(dims.dim, dims.norm_eps)
-        self.attention = Attention(dims)
+        self.attention = Attention(dims, dropout)
         self.ffn_norm = RMSNorm(dims.dim, dims.norm_eps)
         self.feed_forward = FeedForward(dims.dim, dims.ffn_dim)
+        # Identity when off: the model without dropout computes exactly what it did before.
+        self.residual_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.residual_dropout(self.attention(self.attention_norm(x), cos, sin))
+        return x + self.residual_dropout(self.feed_forward(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -115,13 +121,14 @@ class Transformer(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, dims: ModelDims, max_seq_len: int) -> None:
+    def __init__(self, dims: ModelDims, max_seq_len: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.dims = dims
         self.max_seq_len = max_seq_len
         self.tok_embeddings = nn.Embedding(dims.vocab_size, dims.dim)
         # A ModuleList indexed by position, so parallelize() can wrap blocks one by one.
-        self.layers = nn.ModuleList(TransformerBlock(dims) for _ in range(dims.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(dims, dropout)
+                                    for _ in range(dims.n_layers))
         self.norm = RMSNorm(dims.dim, dims.norm_eps)
         self.output = nn.Linear(dims.dim, dims.vocab_size, bias=False)
         if dims.tie_embeddings:
