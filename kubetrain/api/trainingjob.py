@@ -557,6 +557,10 @@ class CheckpointSpec(ApiModel):
 
     model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
         cel("self.uri == oldSelf.uri", "uri cannot change after creation", ".uri"),
+        cel("!has(self.exportFrom) || self.exportFrom != 'best' "
+            "|| (has(self.keepBest) && self.keepBest)",
+            "exportFrom: best needs keepBest: true, so the best checkpoint is kept to export",
+            ".exportFrom"),
     ]})
 
     uri: str = Field(
@@ -567,6 +571,19 @@ class CheckpointSpec(ApiModel):
     every_steps: int = Field(default=500, ge=1, description="Save every N optimizer steps.")
     keep_last: int = Field(
         default=3, ge=1, description="Committed checkpoints kept; older ones are deleted.",
+    )
+    keep_best: bool = Field(
+        default=False,
+        description="Keep the checkpoint with the lowest validation loss out of keepLast "
+        "rotation. An evaluation that beats every earlier one (after step 0) saves a "
+        "checkpoint at its step; status.bestCheckpoint names it. Needs evaluation "
+        "(evaluation.everySteps > 0 and validation data).",
+    )
+    export_from: Literal["best", "last"] = Field(
+        default="last",
+        description="What the final export holds: last, the weights at the end of training, "
+        "or best, the weights of the best checkpoint (needs keepBest; the last weights when "
+        "no evaluation after step 0 has produced one).",
     )
     async_: bool = Field(
         default=False, alias="async",
@@ -587,6 +604,18 @@ class CheckpointSpec(ApiModel):
         if value is not None:
             _check_uri(value)
         return value
+
+    @model_validator(mode="after")
+    def _best_is_kept_to_export(self) -> CheckpointSpec:
+        if self.export_from == "best" and not self.keep_best:
+            raise problem("exportFrom", "best needs keepBest: true, so the best checkpoint "
+                          "is kept to export: set keepBest or exportFrom: last")
+        return self
+
+
+def step_folder(step: int) -> str:
+    """The folder, under spec.checkpoint.uri, of the checkpoint of `step`."""
+    return f"step-{step:08d}"
 
 
 class SecretReference(ApiModel):
@@ -703,6 +732,11 @@ class TrainingJobSpec(ApiModel):
         cel("self.model == oldSelf.model",
             "model cannot change after creation: create a new job with "
             "checkpoint.resumeFrom pointing at this one's checkpoints", ".model"),
+        cel("!has(self.checkpoint.keepBest) || !self.checkpoint.keepBest "
+            "|| !has(self.evaluation) || !has(self.evaluation.everySteps) "
+            "|| self.evaluation.everySteps > 0",
+            "keepBest needs evaluation: set evaluation.everySteps above 0",
+            ".checkpoint.keepBest"),
     ]})
 
     image: str = Field(min_length=1, description="Trainer container image.")
@@ -729,6 +763,13 @@ class TrainingJobSpec(ApiModel):
     run_policy: RunPolicy = Field(
         default_factory=RunPolicy, description="Restarts, deadlines, suspend and cleanup."
     )
+
+    @model_validator(mode="after")
+    def _best_needs_evaluation(self) -> TrainingJobSpec:
+        if self.checkpoint.keep_best and not self.evaluation.every_steps:
+            raise problem("checkpoint.keepBest", "needs evaluation: set "
+                          "evaluation.everySteps above 0")
+        return self
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainingJobSpec:
@@ -859,6 +900,15 @@ class CheckpointStatus(ApiModel):
     time: datetime | None = Field(default=None, description="When it was committed.")
 
 
+class BestCheckpointStatus(ApiModel):
+    model_config = ConfigDict(extra="ignore")
+
+    step: int = Field(description="Step of the checkpoint with the lowest validation loss.")
+    validation_loss: float = Field(description="Its validation loss.")
+    uri: str = Field(description="Its folder: give it to checkpoint.resumeFrom or "
+                     "`kubetrain generate --checkpoint`.")
+
+
 class FailureStreak(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -891,6 +941,10 @@ class TrainingJobStatus(ApiModel):
     progress: Progress = Field(default_factory=Progress, description="Training progress.")
     latest_checkpoint: CheckpointStatus | None = Field(
         default=None, description="Newest committed checkpoint."
+    )
+    best_checkpoint: BestCheckpointStatus | None = Field(
+        default=None, description="The checkpoint with the lowest validation loss "
+        "(checkpoint.keepBest).",
     )
     goodput: GoodputStatus | None = Field(
         default=None, description="Where the job's wall time went: goodput and badput by cause."

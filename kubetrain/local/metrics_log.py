@@ -66,6 +66,13 @@ class Checkpoint:
 
 
 @dataclass
+class BestCheckpoint(Checkpoint):
+    """The checkpoint with the lowest validation loss (checkpoint.keepBest)."""
+
+    val_loss: float
+
+
+@dataclass
 class RunHistory:
     """What the metrics log has said so far (across earlier runs of the same job, too)."""
 
@@ -78,6 +85,8 @@ class RunHistory:
     tokens_per_second: float | None = None
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
+    best_checkpoint: BestCheckpoint | None = None
+    """The checkpoint with the lowest validation loss, kept out of rotation (keepBest)."""
     resumed_from: list[int] = field(default_factory=list)
     """Step of each resume from a checkpoint, in order."""
     finished: Event | None = None
@@ -106,6 +115,9 @@ class RunHistory:
                 self.val_losses.append((step, val_loss))
         elif kind == "checkpoint" and isinstance(step, int):
             self.checkpoints.append(Checkpoint(step, str(event.get("uri", ""))))
+            val_loss = _number(event.get("val_loss"))
+            if event.get("best") is True and val_loss is not None:
+                self.best_checkpoint = BestCheckpoint(step, str(event.get("uri", "")), val_loss)
         elif kind == "resumed" and isinstance(step, int):
             self.resumed_from.append(step)
         elif kind == "finished":

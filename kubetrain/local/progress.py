@@ -133,10 +133,16 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri
     if latest is not None:
         row("checkpoints", f"{written} written by this run; latest: step {latest.step} "
             f"at {shown(latest.uri)}")
+    kept = history.best_checkpoint
+    if kept is not None:
+        row("best checkpoint", f"step {kept.step}, validation loss {kept.val_loss:.4f}, "
+            f"at {shown(kept.uri)}")
     export_uri = history.finished.get("export_uri") if history.finished else None
     if export_uri:
-        row("exported model", f"{shown(str(export_uri))} (Hugging Face Llama: safetensors, "
-            "config, tokenizer)")
+        export_step = history.finished.get("export_step") if history.finished else None
+        weights = f"weights of step {export_step}; " if isinstance(export_step, int) else ""
+        row("exported model", f"{shown(str(export_uri))} (Hugging Face Llama: {weights}"
+            "safetensors, config, tokenizer)")
     if outcome.succeeded and latest is not None:
         row("try it", f"kubetrain generate --checkpoint {checkpoint_uri} --prompt 'def '")
     elif not outcome.succeeded and latest is not None:

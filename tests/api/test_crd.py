@@ -162,6 +162,21 @@ def test_cel_optimization_rules_agree_with_the_models(
     assert (not cel_violations(document)) == _models_accept(document)
 
 
+@pytest.mark.parametrize(("checkpoint", "evaluation"), [
+    ({"keepBest": True}, {"everySteps": 0}), ({"keepBest": True}, {"everySteps": 10}),
+    ({"keepBest": True}, None), ({"keepBest": False}, {"everySteps": 0}),
+    ({"exportFrom": "best"}, None), ({"exportFrom": "best", "keepBest": True}, None),
+    ({"exportFrom": "last"}, {"everySteps": 0}),
+])
+def test_cel_best_checkpoint_rules_agree_with_the_models(
+        minimal_manifest: dict[str, Any], checkpoint: dict[str, Any],
+        evaluation: dict[str, Any] | None) -> None:
+    document = _with(minimal_manifest, "checkpoint", checkpoint)
+    if evaluation is not None:
+        document = _with(document, "evaluation", evaluation)
+    assert (not cel_violations(document)) == _models_accept(document)
+
+
 def _stored(manifest: dict[str, Any]) -> dict[str, Any]:
     """The object as the API server stores it: schema defaults applied."""
     return parse_job(manifest).model_dump(by_alias=True, exclude_none=True, mode="json")

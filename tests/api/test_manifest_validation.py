@@ -148,6 +148,7 @@ def mutations() -> st.SearchStrategy[tuple[str, str, Any]]:
         st.tuples(st.integers(2, 50), st.integers(1, 49)).filter(lambda t: t[0] > t[1]).map(
             lambda t: ("set", "spec.workers", {"replicas": t[1], "minReplicas": t[0],
                                                "maxReplicas": t[0]})),
+        st.just(("set", "spec.checkpoint.exportFrom", "best")),  # without keepBest
         st.tuples(st.integers(1, 10**6), st.floats(0.01, 100)).map(
             lambda t: ("set", "spec.optimization", {"maxSteps": t[0], "epochs": t[1]})),
     )

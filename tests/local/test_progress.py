@@ -105,6 +105,28 @@ def test_summary_reports_losses_checkpoints_and_the_exported_model() -> None:
     assert "kubetrain generate --checkpoint runs/x/checkpoints " in text
 
 
+def test_summary_names_the_best_checkpoint_and_the_step_the_export_holds() -> None:
+    history = RunHistory()
+    for event in parse_lines(
+        step(10, 6.0)
+        + line(event="eval", step=10, val_loss=3.25, time=1)
+        + line(event="checkpoint", step=10, uri="runs/x/checkpoints/step-00000010",
+               val_loss=3.25, best=True, time=2)
+        + step(20, 4.0)
+        + line(event="eval", step=20, val_loss=3.5, time=3)
+        + line(event="checkpoint", step=20, uri="runs/x/checkpoints/step-00000020",
+               val_loss=3.5, best=False, time=4)
+        + line(event="finished", step=20, reason="early_stopping", best_val_loss=3.25,
+               export_uri="runs/x/checkpoints/export", export_step=10, time=5)
+    ):
+        history.apply(event)
+    outcome = Outcome(True, "early_stopping", 30.0, [], 0)
+    text = summary("x", history, outcome, "runs/x/checkpoints", "runs/x/logs/")
+    assert ("best checkpoint  step 10, validation loss 3.2500, at "
+            "runs/x/checkpoints/step-00000010") in text
+    assert "runs/x/checkpoints/export (Hugging Face Llama: weights of step 10;" in text
+
+
 def test_summary_breaks_the_wall_time_down_by_cause_from_the_latest_goodput_event() -> None:
     history = RunHistory()
     for event in parse_lines(

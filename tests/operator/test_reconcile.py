@@ -399,6 +399,25 @@ def test_metrics_become_progress_and_latest_checkpoint(minimal_manifest: dict) -
         "updatedAt": (NOW - timedelta(seconds=2)).isoformat().replace("+00:00", "Z")}
     assert out.status["latestCheckpoint"]["step"] == 100
     assert out.status["latestCheckpoint"]["uri"] == "s3://checkpoints/demo"
+    assert "bestCheckpoint" not in out.status  # no keepBest checkpoint reported
+
+
+def test_the_best_checkpoint_of_rank_0s_metrics_becomes_status(minimal_manifest: dict) -> None:
+    from kubetrain.operator.observed import metrics_sample
+
+    sample = metrics_sample("kubetrain_step 130\nkubetrain_best_checkpoint_step 80\n"
+                            "kubetrain_best_checkpoint_validation_loss 2.125\n")
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0), pod(1),
+              metrics=sample)
+    assert out.status is not None
+    assert out.status["bestCheckpoint"] == {
+        "step": 80, "validationLoss": 2.125, "uri": "s3://checkpoints/demo/step-00000080"}
+    # Before any best checkpoint the gauges read 0: no status.
+    none_yet = metrics_sample("kubetrain_step 5\nkubetrain_best_checkpoint_step 0\n"
+                              "kubetrain_best_checkpoint_validation_loss 0\n")
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0), pod(1),
+              metrics=none_yet)
+    assert out.status is not None and "bestCheckpoint" not in out.status
 
 
 def test_metrics_become_goodput_and_an_eta_from_the_recent_step_time(

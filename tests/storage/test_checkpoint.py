@@ -284,3 +284,48 @@ def test_resume_from_starts_a_new_job_from_another_jobs_checkpoint(
     assert checkpointer.load_latest(fresh) == 2
     _assert_same(_snapshot(fresh), saved)
     assert latest_checkpoint(f"s3://{s3_bucket}/second", s3_spec) is None
+
+
+def test_keep_best_keeps_the_lowest_validation_loss_out_of_rotation_across_resumes(
+        tmp_path: Any, prepared_corpus: PreparedDataset) -> None:
+    uri = str(tmp_path / "job")
+    spec = _spec(uri, None, prepared_corpus.train_uri, keepLast=1, keepBest=True)
+    app = _app(spec, seed=1)
+    checkpointer = Checkpointer(spec, rank=0, world_size=1)
+    store = open_storage(uri)
+    at_best: dict[str, Any] = {}
+    # Validation losses by step: the best (2.0) comes early, then only worse ones.
+    for step, val_loss in ((1, 3.0), (2, 2.0), (3, 2.5), (4, None), (5, 2.2)):
+        _train(app, 1)
+        if val_loss is not None and checkpointer.improves_best(val_loss):
+            at_best = _snapshot(app)
+        checkpointer.save(step, app, val_loss=val_loss)
+        checkpointer.wait()
+    folders = {obj.key.partition("/")[0] for obj in store.list()}
+    assert folders == {step_folder(2), step_folder(5)}  # the best, and keepLast 1
+    assert checkpointer.best is not None and checkpointer.best.step == 2
+    assert checkpointer.best.val_loss == 2.0
+    assert checkpointer.best.uri == store.join(step_folder(2)).uri
+    checkpointer.close()
+
+    # A resumed job remembers it, keeps it through later rotations and can load it.
+    fresh = _app(spec, seed=7)
+    resumed = Checkpointer(spec, rank=0, world_size=1)
+    assert resumed.load_latest(fresh) == 5
+    assert resumed.best == checkpointer.best
+    _train(fresh, 1)
+    resumed.save(6, fresh, val_loss=2.1)
+    resumed.wait()
+    assert {obj.key.partition("/")[0] for obj in store.list()} == {step_folder(2),
+                                                                  step_folder(6)}
+    assert resumed.load_best({"model": fresh["model"]}) == 2  # the model and its optimizer
+    loaded = _snapshot(fresh)
+    assert all(torch.equal(x, y) for x, y in zip(loaded["params"], at_best["params"],
+                                                 strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(loaded["moments"], at_best["moments"],
+                                                 strict=True))
+    resumed.close()
+
+    # Without keepBest nothing is kept beyond keepLast.
+    plain = _spec(str(tmp_path / "plain"), None, prepared_corpus.train_uri, keepLast=1)
+    assert not Checkpointer(plain, rank=0, world_size=1).improves_best(0.1)

@@ -21,10 +21,11 @@ LOG_FIELDS = {
     "step": {"event", "step", "max_steps", "epoch", "loss", "lr", "grad_norm",
              "tokens_per_second", "mfu", "step_time", "data_wait_ratio", "time"},
     "eval": {"event", "step", "val_loss", "perplexity", "time"},
-    "checkpoint": {"event", "step", "uri", "time"},
+    "checkpoint": {"event", "step", "uri", "val_loss", "best", "time"},
     "resumed": {"event", "step", "uri", "world_size", "time"},
     "start": {"event", "step", "max_steps", "world_size", "output_loss", "time"},
-    "finished": {"event", "step", "reason", "best_val_loss", "export_uri", "time"},
+    "finished": {"event", "step", "reason", "best_val_loss", "export_uri", "export_step",
+                 "time"},
     "goodput": {"event", "step", "ratio", "seconds", "time"},
 }
 # Seconds by cause, as the goodput ledger reports them (cumulative since the job began).

@@ -9,12 +9,14 @@ import time
 import urllib.request
 
 import pytest
+import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.trainer.checkpoint import latest_checkpoint
 
 LEARNS_STEPS = 300
+BEST_LEARNING_RATE = 0.03  # too high for the tiny model: it learns, then diverges
 
 
 @pytest.mark.slow
@@ -77,6 +79,7 @@ EXPORTED_METRICS = {
     "kubetrain_memory_allocated_bytes", "kubetrain_memory_reserved_bytes",
     "kubetrain_last_step_timestamp_seconds", "kubetrain_restarts",
     "kubetrain_latest_checkpoint_step", "kubetrain_latest_checkpoint_timestamp_seconds",
+    "kubetrain_best_checkpoint_step", "kubetrain_best_checkpoint_validation_loss",
     "kubetrain_tokens",  # a counter: its sample is kubetrain_tokens_total
     "kubetrain_step_time_seconds", "kubetrain_goodput_ratio",
     "kubetrain_wall_time_seconds",  # a counter by cause: kubetrain_wall_time_seconds_total
@@ -185,3 +188,44 @@ def test_epochs_train_the_steps_that_cover_that_share_of_the_data(tiny_job, laun
     for event in steps:
         assert event["epoch"] == round(event["step"] * 16 / data.samples_per_epoch, 4)
     assert 0.1 <= steps[-1]["epoch"] < 0.1 + 16 / data.samples_per_epoch
+
+
+@pytest.mark.slow
+def test_early_stopping_with_keep_best_exports_the_best_checkpoints_weights(
+        tiny_job, launcher) -> None:
+    """A learning rate too high for the tiny model: validation loss falls, then climbs, and
+    early stopping ends the run. keepBest kept the best checkpoint out of keepLast 1, and
+    exportFrom: best exported its weights, not the last ones."""
+    from safetensors.torch import load_file
+
+    from kubetrain.trainer.checkpoint import committed_checkpoints
+    from kubetrain.trainer.export import hf_state_dict
+    from kubetrain.trainer.generate import load_model
+
+    job = tiny_job("best", optimization={"maxSteps": 60, "warmupSteps": 2,
+                                         "learningRate": BEST_LEARNING_RATE,
+                                         "schedule": "constant"},
+                   evaluation={"everySteps": 2, "batches": 4,
+                               "earlyStopping": {"patience": 3}},
+                   checkpoint={"everySteps": 1000, "keepLast": 1, "keepBest": True,
+                               "exportFrom": "best", "export": True},
+                   metrics={"logEverySteps": 2})
+    events = launcher.train(job, ranks=1)
+
+    (finished,) = [e for e in events if e["event"] == "finished"]
+    assert finished["reason"] == "early_stopping", finished
+    evals = {e["step"]: e["val_loss"] for e in events if e["event"] == "eval" and e["step"]}
+    best_step = min(evals, key=evals.__getitem__)
+    print(f"validation losses: {evals}; best at step {best_step}")
+    assert best_step < finished["step"] and finished["export_step"] == best_step
+    uri = yaml.safe_load(job.read_text())["spec"]["checkpoint"]["uri"]
+    kept = {info.step: info.uri for info in committed_checkpoints(uri)}
+    assert set(kept) == {best_step, finished["step"]}  # keepLast 1, and the best
+
+    exported = load_file(f"{uri}/export/model.safetensors")
+    for step, equal in ((best_step, True), (finished["step"], False)):
+        checkpoint = load_model(kept[step]).model
+        weights = hf_state_dict(checkpoint.state_dict(), checkpoint.dims)
+        assert exported.keys() == weights.keys()
+        same = all(torch.equal(exported[name], weights[name]) for name in weights)
+        assert same == equal, f"export against the checkpoint of step {step}"

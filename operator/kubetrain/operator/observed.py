@@ -60,6 +60,9 @@ class MetricsSample:
     last_step_time: datetime | None = None
     checkpoint_step: int | None = None
     checkpoint_time: datetime | None = None
+    # The checkpoint with the lowest validation loss (keepBest); step 0: none yet.
+    best_checkpoint_step: int | None = None
+    best_checkpoint_val_loss: float | None = None
     step_time: float | None = None
     # Seconds of the job's wall time by cause (kubetrain_wall_time_seconds_total{cause}).
     wall_seconds: Mapping[str, float] | None = None
@@ -179,6 +182,8 @@ def metrics_sample(exposition: str) -> MetricsSample:
         last_step_time=_seconds(values.get("kubetrain_last_step_timestamp_seconds")),
         checkpoint_step=whole("kubetrain_latest_checkpoint_step"),
         checkpoint_time=_seconds(values.get("kubetrain_latest_checkpoint_timestamp_seconds")),
+        best_checkpoint_step=whole("kubetrain_best_checkpoint_step"),
+        best_checkpoint_val_loss=values.get("kubetrain_best_checkpoint_validation_loss"),
         step_time=values.get("kubetrain_step_time_seconds"),
         wall_seconds=wall_seconds or None,
     )

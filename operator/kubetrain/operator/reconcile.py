@@ -32,12 +32,14 @@ from typing import Any, Literal
 
 from kubetrain.api.trainingjob import (
     BadputSeconds,
+    BestCheckpointStatus,
     CheckpointStatus,
     Condition,
     FailureStreak,
     GoodputStatus,
     TrainingJob,
     TrainingJobStatus,
+    step_folder,
 )
 from kubetrain.operator import children
 from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
@@ -299,6 +301,13 @@ class _Decision:
             self.status.latest_checkpoint = CheckpointStatus(
                 step=sample.checkpoint_step, uri=self.job.spec.checkpoint.uri,
                 time=sample.checkpoint_time)
+        # Step 0 is never a best checkpoint (the baseline evaluation saves none): none yet.
+        if sample.best_checkpoint_step and sample.best_checkpoint_val_loss is not None:
+            uri = self.job.spec.checkpoint.uri.rstrip("/")
+            self.status.best_checkpoint = BestCheckpointStatus(
+                step=sample.best_checkpoint_step,
+                validation_loss=round(sample.best_checkpoint_val_loss, 6),
+                uri=f"{uri}/{step_folder(sample.best_checkpoint_step)}")
 
     def clean_up(self) -> None:
         """Apply cleanPodPolicy to a finished job and expire it after its TTL."""

@@ -30,7 +30,9 @@ Layout under `spec.checkpoint.uri` (s3://bucket/prefix, file:///path or a path):
     step-00000500/checkpoint.json    the manifest: step, time, world size, every
                                      file's size and the digest (BLAKE3) of each of
                                      its 1 MiB chunks, the model dimensions and the
-                                     job spec that produced it
+                                     job spec that produced it; with keepBest, the
+                                     validation loss at its step and the best
+                                     checkpoint so far (kept out of rotation)
 
 A checkpoint is *committed* when its manifest exists: rank 0 writes it last,
 after every rank has uploaded its file and reported its size and hashes.
@@ -108,12 +110,17 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItem,
 )
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
-from kubetrain.api.trainingjob import ModelDims, StorageSpec, TrainingJobSpec
+from kubetrain.api.trainingjob import ModelDims, StorageSpec, TrainingJobSpec, step_folder
 from kubetrain.trainer.storage import (
     DIGEST,
     HASH_CHUNK,
@@ -135,11 +142,6 @@ METADATA_NAME = ".metadata"  # DCP's own index of the stored items
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
-def step_folder(step: int) -> str:
-    """The folder name of the checkpoint of `step`."""
-    return f"step-{step:08d}"
-
-
 class CorruptCheckpoint(RuntimeError):
     """A committed checkpoint whose files do not match its manifest."""
 
@@ -156,6 +158,17 @@ class CheckpointInfo:
     uri: str
     time: datetime
     world_size: int
+    val_loss: float | None = None  # of the evaluation at its step, when it had one
+    best: bool = False  # the best checkpoint kept out of rotation (keepBest), as of its commit
+
+
+@dataclass(frozen=True)
+class BestCheckpoint:
+    """The checkpoint with the lowest validation loss so far (checkpoint.keepBest)."""
+
+    step: int
+    val_loss: float
+    uri: str
 
 
 # --- Stateful wrappers -----------------------------------------------------------------
@@ -175,6 +188,19 @@ class ModelState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optimizer"])
+
+
+class ModelWeights(Stateful):
+    """Only the model's entries of a checkpoint (DCP reads just the keys asked for)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": get_model_state_dict(self.model)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict["model"])
 
 
 class RandomState(Stateful):
@@ -529,20 +555,32 @@ class Checkpointer:
         self._in_flight: Future[None] | None = None
         self.last_step: int | None = None
         self.latest: CheckpointInfo | None = None
+        # The same on every rank: validation losses are reduced over the group.
+        self.best: BestCheckpoint | None = None
 
     # --- saving ---------------------------------------------------------------------
 
-    def save(self, step: int, app_state: dict[str, Any], *, blocking: bool = True) -> None:
+    def improves_best(self, val_loss: float) -> bool:
+        """Whether a checkpoint with `val_loss` would become the best one (keepBest only)."""
+        return self.spec.checkpoint.keep_best and (
+            self.best is None or val_loss < self.best.val_loss)
+
+    def save(self, step: int, app_state: dict[str, Any], *, blocking: bool = True,
+             val_loss: float | None = None) -> None:
         """Save `app_state` as the checkpoint of `step` (collective).
 
         Non-blocking only when `spec.checkpoint.async` is set; a step that was
-        already saved or loaded is skipped.
+        already saved or loaded is skipped. `val_loss` is the validation loss of
+        an evaluation at this step: with keepBest, the lowest one's checkpoint is kept.
         """
         self.wait()
         if step == self.last_step:
             return
         self.last_step = step
         folder = self.store.join(step_folder(step))
+        if val_loss is not None and self.improves_best(val_loss):
+            self.best = BestCheckpoint(step, val_loss, folder.uri)
+        best = self.best
         if self.rank == 0:
             # Debris of an interrupted save of this step must not mix with the new files.
             folder.delete([obj.key for obj in folder.list()])
@@ -550,22 +588,25 @@ class Checkpointer:
         writer = _StreamingWriter(folder)
         if blocking or not self.spec.checkpoint.async_:
             dcp.save(app_state, storage_writer=writer, process_group=self._group)
-            self._commit(step, writer.files)
+            self._commit(step, writer.files, val_loss, best)
             if self.rank == 0:  # deleting old checkpoints need not hold training up
-                self._in_flight = self._finisher.submit(self._rotate)
+                self._in_flight = self._finisher.submit(self._rotate, best)
         else:
             written = dcp.async_save(app_state, storage_writer=writer, process_group=self._group)
             if isinstance(written, AsyncSaveResponse):  # only with an asynchronous stager
                 written = written.upload_completion
-            self._in_flight = self._finisher.submit(self._commit_after, written, step, writer)
+            self._in_flight = self._finisher.submit(self._commit_after, written, step, writer,
+                                                    val_loss, best)
 
-    def _commit_after(self, written: Future[Any], step: int, writer: _StreamingWriter) -> None:
+    def _commit_after(self, written: Future[Any], step: int, writer: _StreamingWriter,
+                      val_loss: float | None, best: BestCheckpoint | None) -> None:
         written.result()
-        self._commit(step, writer.files)
+        self._commit(step, writer.files, val_loss, best)
         if self.rank == 0:
-            self._rotate()
+            self._rotate(best)
 
-    def _commit(self, step: int, files: dict[str, dict[str, Any]]) -> None:
+    def _commit(self, step: int, files: dict[str, dict[str, Any]], val_loss: float | None,
+                best: BestCheckpoint | None) -> None:
         """Gather every rank's file sizes and hashes; rank 0 writes the manifest (the commit)."""
         every: list[Any] = [None] * self.world_size
         if self._group is not None:
@@ -583,14 +624,19 @@ class Checkpointer:
             "model": self.model_dims.model_dump(),
             "config": self.spec.wire(),
         }
+        if val_loss is not None:
+            manifest["val_loss"] = val_loss
+        if best is not None:  # so that a resumed job keeps it out of rotation too
+            manifest["best"] = {"step": best.step, "val_loss": best.val_loss}
         self.store.write_bytes(f"{folder}/{MANIFEST_NAME}",
                                json.dumps(manifest, indent=1).encode())
-        self.latest = _info(self.store, folder, manifest)
+        self.latest = dataclasses.replace(_info(self.store, folder, manifest), val_loss=val_loss,
+                                          best=best is not None and best.step == step)
         if self.on_commit is not None:
             self.on_commit(self.latest)
 
-    def _rotate(self) -> None:
-        """Keep the newest `keepLast` committed checkpoints; delete older folders.
+    def _rotate(self, best: BestCheckpoint | None = None) -> None:
+        """Keep the newest `keepLast` committed checkpoints and `best`; delete older folders.
 
         Older folders are older committed checkpoints and interrupted saves; folders
         newer than the newest commit are left alone. One listing and two batched
@@ -604,6 +650,8 @@ class Checkpointer:
         committed = sorted((step for step, keys in folders.items()
                             if f"{step_folder(step)}/{MANIFEST_NAME}" in keys), reverse=True)
         kept = set(committed[:self.spec.checkpoint.keep_last])
+        if best is not None:
+            kept.add(best.step)
         doomed = [key for step, keys in folders.items()
                   if step < committed[0] and step not in kept for key in keys]
         manifests = [key for key in doomed if key.endswith(f"/{MANIFEST_NAME}")]
@@ -637,9 +685,15 @@ class Checkpointer:
         for uri in sources:
             candidates = self._broadcast(self._candidates(uri) if self.rank == 0 else None)
             for info in candidates:
-                if self._load(info, app_state):
+                manifest = self._load(info.uri, app_state)
+                if manifest is not None:
                     self.last_step = info.step
-                    self.latest = info if uri == self.spec.checkpoint.uri else None
+                    own = uri == self.spec.checkpoint.uri
+                    self.latest = info if own else None
+                    if own and "best" in manifest:
+                        best = manifest["best"]
+                        self.best = BestCheckpoint(int(best["step"]), float(best["val_loss"]),
+                                                   self.store.join(step_folder(best["step"])).uri)
                     return info.step
             if candidates:
                 raise CorruptCheckpoint(f"no intact committed checkpoint under {uri}: every "
@@ -655,13 +709,24 @@ class Checkpointer:
                                    int(manifest["world_size"]))]
         return committed_checkpoints(uri, self.spec.storage)
 
-    def _load(self, info: CheckpointInfo, app_state: dict[str, Any]) -> bool:
-        """Verify and load one checkpoint; False (on every rank) when it is corrupt."""
-        store = open_storage(info.uri, self.spec.storage)
+    def load_best(self, app_state: dict[str, Any]) -> int | None:
+        """Load the best checkpoint (keepBest) into `app_state`, e.g. {"model": ModelWeights};
+        its step, or None when there is none. Collective."""
+        if self.best is None:
+            return None
+        if self._load(self.best.uri, app_state) is None:
+            raise CorruptCheckpoint(f"the best checkpoint {self.best.uri} failed verification "
+                                    "(see the warnings above)")
+        return self.best.step
+
+    def _load(self, uri: str, app_state: dict[str, Any]) -> dict[str, Any] | None:
+        """Verify and load one checkpoint: its manifest, or None (on every rank) when it is
+        corrupt."""
+        store = open_storage(uri, self.spec.storage)
         manifest = _read_manifest(store, "")
         if manifest is None:
-            raise CorruptCheckpoint(f"{info.uri}: its manifest disappeared while loading")
-        self._check_compatible(manifest, info.uri)
+            raise CorruptCheckpoint(f"{uri}: its manifest disappeared while loading")
+        self._check_compatible(manifest, uri)
         try:
             if self.rank == 0:
                 _check_sizes(store, manifest)
@@ -670,15 +735,15 @@ class Checkpointer:
         except (CorruptCheckpoint, FileNotFoundError) as problem:
             error = str(problem)
         if not self._all_ranks_agree(not error):
-            log.warning("refusing checkpoint %s: %s", info.uri,
+            log.warning("refusing checkpoint %s: %s", uri,
                         error or "another rank found it corrupt")
-            return False
+            return None
         reader = _StorageReader(store, manifest, metadata)
         saved = {key.partition(".")[0] for key in metadata.state_dict_metadata}
         absent = sorted(key for key in self.optional_state & app_state.keys() if key not in saved)
         if absent:
             log.info("%s holds no %s (an older kubetrain wrote it): left as they are",
-                     info.uri, ", ".join(absent))
+                     uri, ", ".join(absent))
         state = {key: value for key, value in app_state.items() if key not in absent}
         try:
             dcp.load(state, storage_reader=reader, process_group=self._group)
@@ -688,13 +753,13 @@ class Checkpointer:
             if not all(isinstance(error, CorruptCheckpoint | FileNotFoundError)
                        for error in problems):
                 raise
-            log.warning("refusing checkpoint %s: %s", info.uri,
+            log.warning("refusing checkpoint %s: %s", uri,
                         "; ".join(str(error) for error in problems))
-            return False
+            return None
         total = sum(int(entry["bytes"]) for entry in manifest["files"].values())
-        log.info("rank %d loaded %s, reading %d of its %d bytes", self.rank, info.uri,
+        log.info("rank %d loaded %s, reading %d of its %d bytes", self.rank, uri,
                  reader.bytes_read, total)
-        return True
+        return manifest
 
     # Coordination runs on the checkpoint's gloo group: CPU objects work with any backend.
 
@@ -751,6 +816,7 @@ def _read_metadata(store: Storage, manifest: dict[str, Any]) -> Metadata:
 
 
 __all__ = [
-    "CheckpointInfo", "Checkpointer", "CorruptCheckpoint", "IncompatibleCheckpoint",
-    "ModelState", "RandomState", "committed_checkpoints", "latest_checkpoint", "step_folder",
+    "BestCheckpoint", "CheckpointInfo", "Checkpointer", "CorruptCheckpoint",
+    "IncompatibleCheckpoint", "ModelState", "ModelWeights", "RandomState",
+    "committed_checkpoints", "latest_checkpoint", "step_folder",
 ]

@@ -64,11 +64,9 @@ def load_model(uri: str, storage: StorageSpec | None = None,
                device: str = "cpu") -> LoadedModel:
     """The model of the checkpoint `uri` names, on `device`, in eval mode, and its tokenizer."""
     from tokenizers import Tokenizer
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torch.distributed.checkpoint.stateful import Stateful
 
     from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
-    from kubetrain.trainer.checkpoint import Checkpointer
+    from kubetrain.trainer.checkpoint import Checkpointer, ModelWeights
     from kubetrain.trainer.model import Transformer
     from kubetrain.trainer.storage import open_object
 
@@ -80,17 +78,8 @@ def load_model(uri: str, storage: StorageSpec | None = None,
         update={"uri": folder, "resume_from": None})})
     dims = ModelDims(**manifest["model"])
     model = Transformer(dims, max_seq_len=spec.data.seq_len)
-
-    class Weights(Stateful):
-        # Only the model's entries of the checkpoint: DCP reads just the keys asked for.
-        def state_dict(self) -> dict[str, Any]:
-            return {"model": get_model_state_dict(model)}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            set_model_state_dict(model, state_dict["model"])
-
     step = Checkpointer(spec, rank=0, world_size=1, model_dims=dims).load_latest(
-        {"model": Weights()})
+        {"model": ModelWeights(model)})
     if step is None:
         raise FileNotFoundError(f"no committed checkpoint at {uri}")
     store, key = open_object(_tokenizer_uri(spec), spec.storage)

@@ -52,7 +52,13 @@ from torch.distributed.tensor import DTensor
 
 from kubetrain.api.manifest import load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJob, TrainingJobSpec
-from kubetrain.trainer.checkpoint import Checkpointer, CheckpointInfo, ModelState, RandomState
+from kubetrain.trainer.checkpoint import (
+    Checkpointer,
+    CheckpointInfo,
+    ModelState,
+    ModelWeights,
+    RandomState,
+)
 from kubetrain.trainer.data import TokenDataset, build_datasets
 from kubetrain.trainer.distributed import StopRequest, World, init_world, shutdown_world
 from kubetrain.trainer.export import export_model
@@ -222,7 +228,8 @@ class Trainer:
                             job_name=self.name, serve=self.serve_metrics, max_steps=max_steps)
 
         def committed(info: CheckpointInfo) -> None:
-            reporter.checkpointed(info.step, info.uri, info.time.timestamp())
+            reporter.checkpointed(info.step, info.uri, info.time.timestamp(),
+                                  val_loss=info.val_loss, best=info.best)
 
         # Checkpoints written before goodput accounting existed still resume.
         checkpointer = Checkpointer(spec, rank=world.rank, world_size=world.world_size,
@@ -251,6 +258,8 @@ class Trainer:
             resumed_from = run.checkpointer.latest.uri if run.checkpointer.latest else str(
                 spec.checkpoint.resume_from)
             reporter.resumed(step, resumed_from, world.world_size)
+        if run.checkpointer.best is not None:
+            reporter.kept_best(run.checkpointer.best.step, run.checkpointer.best.val_loss)
         reporter.started(step, world.world_size, *run.output_loss)
         goodput.charge(STARTUP)
         reporter.accounted(step, goodput.seconds)
@@ -264,6 +273,7 @@ class Trainer:
         if step == 0 and spec.evaluation.every_steps:
             self._evaluate_and_record(run, step)  # the baseline the run improves on
         reason = "max_steps"
+        val_loss: float | None = None  # of an evaluation at this step
         while step < run.max_steps:
             stopping = stop.agreed(device)
             goodput.charge(PRODUCTIVE)  # agreeing waits for the last step's device work
@@ -335,39 +345,47 @@ class Trainer:
 
             # Evaluation and early stopping.
             every = spec.evaluation.every_steps
+            val_loss = None
             if every and (step % every == 0 or step == run.max_steps):
-                self._evaluate_and_record(run, step)
+                val_loss = self._evaluate_and_record(run, step)
                 patience = spec.evaluation.early_stopping.patience
                 if patience and run.progress.evals_without_improvement >= patience:
                     reason = "early_stopping"
                     break
 
-            if step % spec.checkpoint.every_steps == 0:
+            # Checkpoints every everySteps, and (keepBest) at each new best validation loss.
+            if step % spec.checkpoint.every_steps == 0 or (
+                    val_loss is not None and run.checkpointer.improves_best(val_loss)):
                 _synchronize(device)  # the step's device work is productive, not saving
                 goodput.charge(PRODUCTIVE)
-                run.checkpointer.save(step, run.app_state, blocking=False)
+                run.checkpointer.save(step, run.app_state, blocking=False, val_loss=val_loss)
                 goodput.charge(CHECKPOINT_SAVE)
 
         # Every rank saves the same final checkpoint together, whatever ended the loop.
         _synchronize(device)
         goodput.charge(PRODUCTIVE)
-        run.checkpointer.save(step, run.app_state, blocking=True)
+        run.checkpointer.save(step, run.app_state, blocking=True, val_loss=val_loss)
         goodput.charge(CHECKPOINT_SAVE)
         best = run.progress.best_val_loss if math.isfinite(run.progress.best_val_loss) else None
         if reason == "signalled":
             self._account(run, step, final=True)
             code = EXIT_SIGNALLED if stop.signalled else EXIT_RESTART
             return FitResult(step, reason, code, best, None)
-        export_uri = (export_model(model, run.dims, spec, rank=world.rank)
-                      if spec.checkpoint.export else None)
+        export_uri, export_step = None, step
+        if spec.checkpoint.export:
+            if spec.checkpoint.export_from == "best":
+                # The final checkpoint holds the last weights; the model takes the best ones.
+                export_step = run.checkpointer.load_best({"model": ModelWeights(model)}) or step
+            export_uri = export_model(model, run.dims, spec, rank=world.rank)
         goodput.charge(CHECKPOINT_SAVE)  # the export is the run's last save
         self._account(run, step, final=True)
-        reporter.finished(step, reason, best, export_uri)
+        reporter.finished(step, reason, best, export_uri, export_step=export_step)
         return FitResult(step, reason, EXIT_COMPLETE, best, export_uri)
 
-    def _evaluate_and_record(self, run: _Run, step: int) -> None:
+    def _evaluate_and_record(self, run: _Run, step: int) -> float | None:
+        """The validation loss at `step`, recorded for early stopping; None without data."""
         if run.validation_data is None:
-            return
+            return None
         _synchronize(run.world.device)  # the step's device work is productive, not evaluation
         run.goodput.charge(PRODUCTIVE)
         val_loss = evaluate(run.parallel, run.validation_data, self.spec.evaluation.batches,
@@ -375,6 +393,7 @@ class Trainer:
         run.goodput.charge(EVALUATION)
         run.progress.record(val_loss, self.spec.evaluation.early_stopping.min_delta)
         run.reporter.evaluated(step, val_loss)
+        return val_loss
 
 
     @staticmethod

@@ -76,6 +76,11 @@ CHECKPOINT_STEP = Gauge("kubetrain_latest_checkpoint_step", "Step of the newest 
                         "checkpoint.", registry=REGISTRY)
 CHECKPOINT_TIME = Gauge("kubetrain_latest_checkpoint_timestamp_seconds", "Unix time the newest "
                         "checkpoint was committed.", registry=REGISTRY)
+BEST_CHECKPOINT_STEP = Gauge("kubetrain_best_checkpoint_step", "Step of the checkpoint with the "
+                             "lowest validation loss (checkpoint.keepBest); 0: none yet.",
+                             registry=REGISTRY)
+BEST_CHECKPOINT_VALIDATION_LOSS = Gauge("kubetrain_best_checkpoint_validation_loss",
+                                        "Validation loss of that checkpoint.", registry=REGISTRY)
 TOKENS = Counter("kubetrain_tokens", "Tokens trained on by the group since this process "
                  "started.", registry=REGISTRY)
 STEP_TIME = Gauge("kubetrain_step_time_seconds", "Mean wall time of one step over the last "
@@ -222,13 +227,25 @@ class Reporter:
         for tracker in self._trackers:
             tracker.log(step, {"val_loss": val_loss, "perplexity": perplexity})
 
-    def checkpointed(self, step: int, uri: str, committed_at: float) -> None:
-        """A committed checkpoint (called from the checkpointer's thread for async saves)."""
+    def checkpointed(self, step: int, uri: str, committed_at: float, *,
+                     val_loss: float | None = None, best: bool = False) -> None:
+        """A committed checkpoint (called from the checkpointer's thread for async saves);
+        `best`: the one with the lowest validation loss so far, kept (keepBest)."""
         if not self.enabled:
             return
         CHECKPOINT_STEP.set(step)
         CHECKPOINT_TIME.set(committed_at)
-        self._event("checkpoint", step=step, uri=uri)
+        self._event("checkpoint", step=step, uri=uri, val_loss=val_loss, best=best)
+        if best and val_loss is not None:
+            self.kept_best(step, val_loss)
+            self._print(f"step {step}: best checkpoint so far (val loss {val_loss:.4f}) at {uri}")
+
+    def kept_best(self, step: int, val_loss: float) -> None:
+        """The best checkpoint (keepBest): committed now, or found again on resuming."""
+        if not self.enabled:
+            return
+        BEST_CHECKPOINT_STEP.set(step)
+        BEST_CHECKPOINT_VALIDATION_LOSS.set(val_loss)
 
     def accounted(self, step: int, seconds: dict[str, float]) -> None:
         """The goodput ledger's totals by cause (cumulative since the job first started)."""
@@ -245,9 +262,10 @@ class Reporter:
         self._event("goodput", step=step, ratio=ratio, seconds=seconds)
 
     def finished(self, step: int, reason: str, best_val_loss: float | None,
-                 export_uri: str | None) -> None:
+                 export_uri: str | None, export_step: int | None = None) -> None:
+        """The run ended; `export_step` is the step whose weights were exported."""
         self._event("finished", step=step, reason=reason, best_val_loss=best_val_loss,
-                    export_uri=export_uri)
+                    export_uri=export_uri, export_step=export_step)
         self._print(f"finished at step {step}: {reason}")
 
     def close(self) -> None:
