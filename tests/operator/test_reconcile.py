@@ -14,6 +14,7 @@ from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.operator.observed import MetricsSample, Observed, WorkerPod
 from kubetrain.operator.reconcile import (
+    HUNG_GROUP_GRACE_SECONDS,
     CountRestart,
     CreateObject,
     DeleteJob,
@@ -376,7 +377,9 @@ def test_step_not_advancing_past_the_deadline_restarts_the_group(minimal_manifes
     job = make_job(minimal_manifest, status=status, progressDeadlineSeconds=600)
     stalled = MetricsSample(step=40, last_step_time=updated)
     out = run(job, pod(0), pod(1), metrics=stalled)
-    assert out.deleted_names == ["demo-worker-0", "demo-worker-1"]
+    # No checkpoint can be agreed in a hung group: the pods get a short grace, not 300 s.
+    assert out.deleted == [DeletePod(f"demo-worker-{i}", "ProgressDeadlineExceeded",
+                                     HUNG_GROUP_GRACE_SECONDS) for i in range(2)]
     assert out.restarts == [CountRestart("ProgressDeadlineExceeded", hang=True)]
     assert out.condition("Restarting")["reason"] == "ProgressDeadlineExceeded"
     assert ("Warning", "ProgressDeadlineExceeded") in out.events

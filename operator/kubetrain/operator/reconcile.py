@@ -46,6 +46,9 @@ from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
 
 FINISHED = ("Succeeded", "Failed")
 INVALID_SPEC = "InvalidSpec"
+# Seconds a hung group's pods get between SIGTERM and SIGKILL: enough to flush logs.
+HUNG_GROUP_GRACE_SECONDS = 5
+
 # The trainer's exit code for "another rank was signalled; restart me into the new group".
 RESTART_ME_EXIT_CODE = 75
 
@@ -218,7 +221,15 @@ class _Decision:
         return None
 
     def delete(self, pod: WorkerPod, reason: str) -> None:
-        grace = 0 if pod.node_lost else None
+        # A pod on a lost node can never confirm; a hung group cannot agree on a checkpoint
+        # (the stop flag's all-reduce waits on the hung rank), so the pod template's long
+        # grace for that checkpoint would only delay the restart.
+        if pod.node_lost:
+            grace: int | None = 0
+        elif reason == "ProgressDeadlineExceeded":
+            grace = HUNG_GROUP_GRACE_SECONDS
+        else:
+            grace = None
         self.actions.append(DeletePod(pod.name, reason, grace))
         self.deleted.add(pod.name)
 
