@@ -401,6 +401,10 @@ def test_killed_worker_resumes_from_latest_checkpoint_and_ends_as_uninterrupted_
     assert step % EVERY == 0 and step > 0
     assert 0 <= redone <= EVERY
     assert {pod["metadata"]["uid"] for pod in cluster.pods(name)} <= set(pods.values())
+    # What the kill cost shows in status: time between the attempts, and goodput below 1.
+    goodput = cluster.job(name)["status"]["goodput"]
+    print(f"status.goodput: {goodput}")
+    assert goodput["badputSeconds"]["downtime"] > 0 and 0 < goodput["ratio"] < 1
 
     ours, reference = _weights(_export(cluster, name)), _weights(uninterrupted.export)
     assert ours.keys() == reference.keys()
