@@ -116,17 +116,26 @@ def _in_another_process(function: Any, *args: Any) -> Any:
         return process.submit(function, *args).result()
 
 
-def baseline(directory: Path, jobs: int) -> float:
+def _server_cpu(plane: ControlPlane) -> float:
+    """CPU seconds kube-apiserver and etcd have used so far."""
+    return sum(_cpu_seconds(pid) for pid in plane.pids(("kube-apiserver", "etcd")))
+
+
+def baseline(directory: Path, jobs: int) -> tuple[float, float]:
+    """Seconds to create everything directly, and the server's CPU seconds meanwhile."""
     plane = start_control_plane(directory)
     try:
-        return float(_in_another_process(_create_everything, str(plane.kubeconfig), jobs))
+        before = _server_cpu(plane)
+        elapsed = float(_in_another_process(_create_everything, str(plane.kubeconfig), jobs))
+        return elapsed, _server_cpu(plane) - before
     finally:
         plane.stop()
 
 
-def with_operator(directory: Path, jobs: int) -> tuple[float, Counter[str], int, float]:
+def with_operator(directory: Path, jobs: int,
+                  ) -> tuple[float, Counter[str], int, float, float]:
     """Seconds until all pods exist, the operator's writes by verb and resource, its peak
-    KiB and the CPU seconds it used until then."""
+    KiB, the CPU seconds it used until then and the server's CPU seconds meanwhile."""
     plane = start_control_plane(directory)
     try:
         kubeconfig = install_operator_identity(plane, {}, directory)
@@ -134,16 +143,18 @@ def with_operator(directory: Path, jobs: int) -> tuple[float, Counter[str], int,
         with OperatorProcess(kubeconfig, directory / "operator.log",
                              resync_seconds=300) as operator, ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn")) as process:
+            server_before = _server_cpu(plane)
             started = process.submit(_create_jobs, str(plane.kubeconfig), jobs)
             while len(core.list_namespaced_pod(harness.NAMESPACE, resource_version="0")
                       .items) < jobs * WORKERS:
                 time.sleep(0.2)
             elapsed = time.monotonic() - started.result()
             cpu = _cpu_seconds(operator.process.pid) if operator.process else 0.0
+            server = _server_cpu(plane) - server_before
             time.sleep(3.0)  # the status writes and events of the last transitions land
             peak = _peak_kib(operator.process.pid) if operator.process else 0
         account = "system:serviceaccount:kubetrain-system:kubetrain"
-        return elapsed, _writes_of(directory / "audit.log", account), peak, cpu
+        return elapsed, _writes_of(directory / "audit.log", account), peak, cpu, server
     finally:
         plane.stop()
 
@@ -187,14 +198,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as directory:
             for part in ("baseline", "operator"):
                 (Path(directory) / part).mkdir()
-            direct = baseline(Path(directory) / "baseline", args.jobs)
-            elapsed, writes, peak, cpu = with_operator(Path(directory) / "operator",
-                                                       args.jobs)
+            direct, direct_server = baseline(Path(directory) / "baseline", args.jobs)
+            elapsed, writes, peak, cpu, server = with_operator(Path(directory) / "operator",
+                                                               args.jobs)
         ratios.append(elapsed / direct)
         rates.append(args.jobs * WORKERS / elapsed)
         peaks.append(peak)
-        print(f"round {round_ + 1}: direct creation {direct:.2f}s; operator until all pods "
-              f"exist {elapsed:.2f}s (operator CPU {cpu:.1f}s); ratio {elapsed / direct:.2f}; "
+        print(f"round {round_ + 1}: direct creation {direct:.2f}s (apiserver+etcd CPU "
+              f"{direct_server:.1f}s); operator until all pods exist {elapsed:.2f}s (operator "
+              f"CPU {cpu:.1f}s, apiserver+etcd {server:.1f}s); ratio {elapsed / direct:.2f}; "
               f"{args.jobs * WORKERS / elapsed:.0f} pods/s; peak {peak / 1024:.0f} MiB",
               flush=True)
     objects = 2 + WORKERS  # Service, ConfigMap, pods

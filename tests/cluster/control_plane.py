@@ -225,6 +225,10 @@ class ControlPlane:
         path.chmod(0o600)
         return path
 
+    def pids(self, names: tuple[str, ...]) -> list[int]:
+        """Process ids of the running components named, e.g. ("kube-apiserver", "etcd")."""
+        return [c.process.pid for c in self._components if c.name in names]
+
     def log_tails(self, lines: int = 40) -> str:
         """The last lines of every component's log, for a failing test's report."""
         parts = []
