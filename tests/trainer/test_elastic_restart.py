@@ -20,6 +20,28 @@ def _trainer_processes(agent: int) -> list[int]:
             if b"kubetrain.trainer" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
+def _sigterm_one_rank_at(launcher: Any, job: Any, step: int) -> None:
+    """Train `job` on 2 ranks under torchrun --max-restarts=1 and SIGTERM one rank once
+    `step` is logged, as Kubernetes does to an evicted pod: every rank saves the same
+    checkpoint, the signalled rank exits 143 and the other 75; torchrun then restarts
+    both in place, on the same store, and they must resume and finish."""
+    command = launcher.command(job, ranks=2)
+    command.insert(command.index("--standalone") + 1, "--max-restarts=1")
+    agent = subprocess.Popen(command, env=launcher.env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["step"] >= step for e in launcher.events(job, "step")):
+            assert agent.poll() is None and time.monotonic() < deadline, "training never began"
+            time.sleep(0.1)
+        os.kill(_trainer_processes(agent.pid)[-1], signal.SIGTERM)
+        output, _ = agent.communicate(timeout=150)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, output[-4000:]
+
+
 @pytest.mark.slow
 def test_a_signalled_rank_makes_torchrun_restart_the_group_in_place_from_its_checkpoint(
     tiny_job: Any, launcher: Any,
@@ -27,24 +49,7 @@ def test_a_signalled_rank_makes_torchrun_restart_the_group_in_place_from_its_che
     job = tiny_job("in-place", optimization={"maxSteps": 40, "microBatchSize": 8,
                                              "warmupSteps": 5},
                    checkpoint={"everySteps": 1000, "export": False})
-    command = launcher.command(job, ranks=2)
-    command.insert(command.index("--standalone") + 1, "--max-restarts=1")
-    agent = subprocess.Popen(command, env=launcher.env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(e["step"] >= 8 for e in launcher.events(job, "step")):
-            assert agent.poll() is None and time.monotonic() < deadline, "training never began"
-            time.sleep(0.2)
-        # SIGTERM one rank, as Kubernetes does to an evicted pod: every rank saves the
-        # same checkpoint, the signalled rank exits 143 and the other 75; torchrun then
-        # restarts both in place, on the same store, and they must resume.
-        os.kill(_trainer_processes(agent.pid)[-1], signal.SIGTERM)
-        output, _ = agent.communicate(timeout=150)
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-    assert agent.returncode == 0, output[-4000:]
+    _sigterm_one_rank_at(launcher, job, step=8)
 
     saved = [e["step"] for e in launcher.events(job, "checkpoint")]
     resumed = launcher.events(job, "resumed")
@@ -68,21 +73,7 @@ def test_with_dropout_a_group_restarted_from_its_checkpoint_logs_the_uninterrupt
               if e["event"] == "step"}
 
     job = tiny_job("dropout-restarted", **spec)
-    command = launcher.command(job, ranks=2)
-    command.insert(command.index("--standalone") + 1, "--max-restarts=1")
-    agent = subprocess.Popen(command, env=launcher.env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(e["step"] >= 5 for e in launcher.events(job, "step")):
-            assert agent.poll() is None and time.monotonic() < deadline, "training never began"
-            time.sleep(0.1)
-        os.kill(_trainer_processes(agent.pid)[-1], signal.SIGTERM)
-        output, _ = agent.communicate(timeout=150)
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-    assert agent.returncode == 0, output[-4000:]
+    _sigterm_one_rank_at(launcher, job, step=5)
 
     (resumed,) = launcher.events(job, "resumed")
     assert 5 <= resumed["step"] < 16, "the restart resumed from a checkpoint before the end"
