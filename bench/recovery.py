@@ -6,7 +6,9 @@ with the chart's RBAC; the node agent running the pods; moto's S3 over HTTP) and
 the same 2-worker `tiny` job (60 steps, a checkpoint every 4):
 
 - none: an uninterrupted run, the baseline;
-- b: kill -9 of worker 1's trainer at step 6;
+- b: kill -9 of worker 1's trainer at step 6 (torchrun restarts it in place);
+- b-pod: kill -9 of worker 1's whole container (trainer and torchrun) at step 6: the
+  pod fails and the operator replaces it;
 - f: worker 1's node loses power at step 6 (heartbeats stop, its processes die).
 
 For each it prints the seconds from the fault until rank 0 prints a step after
@@ -21,6 +23,7 @@ namespaces; about 4 minutes on 2 cores).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -49,6 +52,12 @@ def _install_crd(plane: ControlPlane) -> None:
 
 def _kill_trainer(cluster: loop.Cluster, name: str) -> None:
     os.kill(cluster.trainer_pid(f"{name}-worker-1"), signal.SIGKILL)
+
+
+def _kill_container(cluster: loop.Cluster, name: str) -> None:
+    for pid in cluster.agent.pod(f"{name}-worker-1", loop.NAMESPACE).processes():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _lose_node(cluster: loop.Cluster, name: str) -> None:
@@ -102,18 +111,20 @@ def main() -> None:
         try:
             with loop.whole_loop(plane, Path(folder) / "loop") as cluster:
                 results = {label: run(cluster, f"bench-{label}", fault) for label, fault in
-                           (("none", None), ("b", _kill_trainer), ("f", _lose_node))}
+                           (("none", None), ("b", _kill_trainer), ("b-pod", _kill_container),
+                                ("f", _lose_node))}
         finally:
             plane.stop()
     base = results["none"]["goodput"]
     print(f"whole loop, 2 workers x 1 process, tiny preset, {STEPS} steps, checkpoint every "
           f"{loop.EVERY}; fault at step {FAULT_AT}")
-    print(f"{'scenario':<34}{'fault→advancing':>16}{'redone':>8}{'wall':>8}{'goodput':>9}"
+    print(f"{'scenario':<38}{'fault→advancing':>16}{'redone':>8}{'wall':>8}{'goodput':>9}"
           f"{'/none':>7}{'operator':>10}")
     names = {"none": "none (uninterrupted)", "b": "b: kill -9 of worker 1's trainer",
+             "b-pod": "b: kill -9 of worker 1's container",
              "f": "f: worker 1's node lost"}
     for label, figures in results.items():
-        print(f"{names[label]:<34}{figures['recovery']:>15.1f}s{figures['redone']:>8.0f}"
+        print(f"{names[label]:<38}{figures['recovery']:>15.1f}s{figures['redone']:>8.0f}"
               f"{figures['wall']:>7.0f}s{figures['goodput']:>9.2f}"
               f"{figures['goodput'] / base:>7.2f}{figures['operator_goodput']:>10.2f}")
 

@@ -15,14 +15,17 @@ break something, watch it recover, check the outcome in S3. The training is tiny
 one CPU thread each) so that the scenarios fit CI's 2 cores: the seven take about
 4-5 minutes together. The node agent needs root (network and mount namespaces).
 
-Scenario b (kill -9 of a trainer) shows the design's first line of recovery:
-torchrun (PET_MAX_RESTARTS) restarts both pods' trainers in place, so no pod fails;
-the operator's replacement of failed pods is what f (node loss) and e (a hang past
-progressDeadlineSeconds) show.
+Scenario b kills worker 1 twice in one run. First its trainer alone (kill -9): the
+design's first line of recovery, torchrun (PET_MAX_RESTARTS) restarts both pods'
+trainers in place and no pod fails. Then the whole container (trainer and torchrun,
+as an OOM kill or a crash of the runtime does): the pod fails, the operator replaces
+it under the same name, and both workers resume again. f (node loss) and e (a hang
+past progressDeadlineSeconds) show the other ways a pod is replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -359,17 +362,25 @@ def _wait_for_printed_step(cluster: Cluster, name: str, step: int, timeout: floa
     cluster.wait_for(f"rank 0 of {name} to print step {step}", printed, timeout, every=0.05)
 
 
+def _resumes(lines: list[str]) -> list[tuple[int, int]]:
+    """For each resume in rank 0's lines: (the step it resumed from, steps redone)."""
+    found = []
+    for index, line in enumerate(lines):
+        if line.startswith("resumed from "):
+            step = int(re.search(r"at step (\d+)", line).group(1))  # type: ignore[union-attr]
+            found.append((step, max(_steps_printed(lines[:index])) - step))
+    return found
+
+
 def _resume_and_redone(lines: list[str]) -> tuple[int, int]:
     """(the step training resumed from, steps redone): from rank 0's lines around the resume."""
-    resumed = next(i for i, line in enumerate(lines) if line.startswith("resumed from "))
-    step = int(re.search(r"at step (\d+)", lines[resumed]).group(1))  # type: ignore[union-attr]
-    return step, max(_steps_printed(lines[:resumed])) - step
+    return _resumes(lines)[0]
 
 
-def _advanced_after_resume(lines: list[str]) -> bool:
-    """Whether rank 0 printed a step after its (last) "resumed from" line."""
+def _advanced_after_resume(lines: list[str], resumes: int = 1) -> bool:
+    """Whether rank 0 resumed `resumes` times and printed a step after the last of them."""
     resumed = [i for i, line in enumerate(lines) if line.startswith("resumed from ")]
-    return bool(resumed) and bool(_steps_printed(lines[resumed[-1]:]))
+    return len(resumed) >= resumes and bool(_steps_printed(lines[resumed[-1]:]))
 
 
 def _weights(export: Path) -> dict[str, Any]:
@@ -383,26 +394,51 @@ def test_killed_worker_resumes_from_latest_checkpoint_and_ends_as_uninterrupted_
     import torch
 
     name = "killed"
+    worker = f"{name}-worker-1"
     cluster.apply(training_job(name, cluster.s3))
     _wait_for_printed_step(cluster, name, EVERY + 2)
     pods = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)}
-    os.kill(cluster.trainer_pid(f"{name}-worker-1"), signal.SIGKILL)
-    recovery = time.monotonic()
-    cluster.wait_for("training to advance again after the kill",
+
+    # 1. kill -9 of worker 1's trainer: torchrun restarts both trainers in place.
+    os.kill(cluster.trainer_pid(worker), signal.SIGKILL)
+    in_place = time.monotonic()
+    cluster.wait_for("training to advance again after the trainer's kill",
                      lambda: _advanced_after_resume(cluster.trainer_lines(name)), 120, every=0.2)
-    recovery = time.monotonic() - recovery
-    # torchrun restarted both pods' trainers in place (PET_MAX_RESTARTS): no pod was replaced.
+    in_place = time.monotonic() - in_place
     assert {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)} == pods
+
+    # 2. kill -9 of worker 1's whole container (trainer and torchrun): the pod fails and
+    # the operator replaces it; worker 0's torchrun waits in the rendezvous for it.
+    resumed_at = _resumes(cluster.trainer_lines(name))[0][0]
+    _wait_for_printed_step(cluster, name, resumed_at + EVERY + 2)
+    for pid in cluster.agent.pod(worker, NAMESPACE).processes():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    replaced = time.monotonic()
+    cluster.wait_for("the failed pod to be replaced and training to advance again",
+                     lambda: _advanced_after_resume(cluster.trainer_lines(name), resumes=2),
+                     180, every=0.2)
+    replaced = time.monotonic() - replaced
+    now = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)}
+    assert now[worker] != pods[worker], "the failed pod was not replaced"
+    assert now[f"{name}-worker-0"] == pods[f"{name}-worker-0"], "only the failed pod is replaced"
+    failed = cluster.kubectl("get", "events", "--field-selector",
+                             f"involvedObject.name={name}", "-o", "json").stdout
     cluster.wait_for_phase(name, "Succeeded", timeout=300)
 
-    step, redone = _resume_and_redone(cluster.trainer_lines(name))
-    print(f"killed rank 1: training advanced again after {recovery:.1f}s, resumed from step "
-          f"{step}, {redone} steps redone")
-    assert step % EVERY == 0 and step > 0
-    assert 0 <= redone <= EVERY
-    assert {pod["metadata"]["uid"] for pod in cluster.pods(name)} <= set(pods.values())
-    # What the kill cost shows in status: time between the attempts, and goodput below 1.
-    goodput = cluster.job(name)["status"]["goodput"]
+    resumes = _resumes(cluster.trainer_lines(name))
+    print(f"kill -9 of rank 1's trainer: training advanced again after {in_place:.1f}s "
+          f"(restarted in place); kill -9 of its container: pod replaced and training "
+          f"advanced again after {replaced:.1f}s; (resumed from, redone): {resumes}")
+    assert len(resumes) == 2
+    for step, redone in resumes:
+        assert step % EVERY == 0 and step > 0
+        assert 0 <= redone <= EVERY
+    job = cluster.job(name)
+    assert job["status"]["restarts"] >= 1, job["status"]
+    assert "WorkerFailed" in failed and "137" in failed, failed
+    # What the kills cost shows in status: time between the attempts, and goodput below 1.
+    goodput = job["status"]["goodput"]
     print(f"status.goodput: {goodput}")
     assert goodput["badputSeconds"]["downtime"] > 0 and 0 < goodput["ratio"] < 1
 
