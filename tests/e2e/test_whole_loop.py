@@ -520,8 +520,13 @@ def _wait_for_workers(cluster: Cluster, name: str, count: int, after: int) -> No
 def test_scale_down_and_up_checkpoint_on_sigterm_and_redo_no_step(cluster: Cluster) -> None:
     name = "scaled"
     steps = 200
+    # Below maxReplicas, torchrun's rendezvous waits its last call (30 s) for more nodes
+    # before it closes each round; the documented knob (docs/troubleshooting.md) makes
+    # that 2 s here.
+    last_call = {"name": "PET_RDZV_CONF", "value": "last_call_timeout=2"}
     cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": steps},
-                               workers={"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+                               workers={"replicas": 2, "minReplicas": 1, "maxReplicas": 2,
+                                        "template": {"env": [last_call]}},
                                checkpoint={"everySteps": 1000}))
     _wait_for_printed_step(cluster, name, 10)
     cluster.kubectl("scale", f"tj/{name}", "--replicas=1")
