@@ -576,8 +576,11 @@ def test_node_loss_replaces_its_pods_on_the_other_node_and_the_job_succeeds(
     name = "node-loss"
     cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": 60}))
     _wait_for_printed_step(cluster, name, EVERY + 2)
-    worker = next(pod for pod in cluster.pods(name) if pod["metadata"]["name"].endswith("-1"))
+    # Worker 0's node: the pod that hosts the rendezvous, so the group cannot re-form
+    # around it and the operator recreates the whole group on the node left.
+    worker = next(pod for pod in cluster.pods(name) if pod["metadata"]["name"].endswith("-0"))
     node = worker["spec"]["nodeName"]
+    before = {pod["metadata"]["uid"] for pod in cluster.pods(name)}
     try:
         assert cluster.agent.lose_node(node) == [worker["metadata"]["name"]]
         lost = time.monotonic()
@@ -589,14 +592,17 @@ def test_node_loss_replaces_its_pods_on_the_other_node_and_the_job_succeeds(
                          lambda: _advanced_after_resume(cluster.trainer_lines(name)), 240,
                          every=0.5)
         print(f"node {node} lost: training advanced again after {time.monotonic() - lost:.0f}s")
-        replaced = next(pod for pod in cluster.pods(name)
-                        if pod["metadata"]["name"] == worker["metadata"]["name"])
+        replaced = cluster.pods(name)
         cluster.wait_for_phase(name, "Succeeded", timeout=300)
     finally:
         cluster.agent.restore_node(node)
 
-    assert replaced["metadata"]["uid"] != worker["metadata"]["uid"]
-    assert replaced["spec"]["nodeName"] != node
+    # The whole group was recreated, on the node left.
+    assert len(replaced) == 2 and not before & {pod["metadata"]["uid"] for pod in replaced}
+    assert all(pod["spec"]["nodeName"] != node for pod in replaced)
+    events = cluster.kubectl("get", "events", "--field-selector",
+                             f"involvedObject.name={name}", "-o", "json").stdout
+    assert "NodeLost" in events, events
     step, redone = _resume_and_redone(cluster.trainer_lines(name))
     assert 0 <= redone <= EVERY, (step, redone)
     cluster.delete(name)
