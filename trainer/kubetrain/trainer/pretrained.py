@@ -251,6 +251,15 @@ def job_dims(spec: TrainingJobSpec) -> ModelDims:
     return config.dims
 
 
+def check_vocabulary(dims: ModelDims, data_vocab_size: int, uri: str) -> None:
+    """Refuse training data whose token ids the pretrained model has no embedding for."""
+    if data_vocab_size > dims.vocab_size:
+        raise PretrainedError(
+            f"the training data's tokenizer has {data_vocab_size} tokens but the model at "
+            f"model.init ({uri}) has vocab_size {dims.vocab_size}: prepare the data with the "
+            "model's own tokenizer (kubetrain prepare --tokenizer <model.init>/tokenizer.json)")
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One tensor in a safetensors file: where its bytes start, its dtype and shape."""
