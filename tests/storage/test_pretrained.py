@@ -28,13 +28,8 @@ from kubetrain.trainer.export import _interleaved_to_halves, export_model
 from kubetrain.trainer.loop import Trainer
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import PreparedDataset
-from kubetrain.trainer.pretrained import (
-    PretrainedError,
-    _halves_to_interleaved,
-    job_dims,
-    load_pretrained,
-    pretrained_dims,
-)
+from kubetrain.trainer.pretrained import _halves_to_interleaved, load_pretrained, pretrained_dims
+from kubetrain.trainer.pretrained_config import PretrainedError, job_dims
 from kubetrain.trainer.storage import open_storage
 
 WORKER = Path(__file__).with_name("pretrained_worker.py")
@@ -269,6 +264,7 @@ def test_an_unknown_tensor_is_refused_rather_than_dropped(
         load_pretrained(model, str(folder), None)
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_each_read_only_their_shards_and_equal_one_process(
         tmp_path: Path, hf_models: dict[str, Path]) -> None:
     folder = hf_models["sharded"]

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID_MANIFEST
 
     from kubetrain.trainer.loop import Trainer  # torch loads only once the manifest is valid
-    from kubetrain.trainer.pretrained import PretrainedError
+    from kubetrain.trainer.pretrained_config import PretrainedError
 
     try:
         return Trainer(job, metrics_log=args.metrics_log).fit().exit_code

@@ -78,7 +78,8 @@ from kubetrain.trainer.metrics import Reporter, StepReport, peak_flops
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
-from kubetrain.trainer.pretrained import check_vocabulary, job_dims, load_pretrained
+from kubetrain.trainer.pretrained import load_pretrained
+from kubetrain.trainer.pretrained_config import check_vocabulary, job_dims
 from kubetrain.trainer.sizing import flops_per_token
 from kubetrain.trainer.storage import open_storage
 
