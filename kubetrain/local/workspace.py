@@ -71,10 +71,12 @@ class Workspace:
         return str(self.root / uri)
 
     def localize(self, job: TrainingJob) -> TrainingJob:
-        """The job with every relative data and checkpoint path resolved under the run folder."""
-        data, checkpoint = job.spec.data, job.spec.checkpoint
+        """The job with every relative model, data and checkpoint path resolved under the run
+        folder."""
+        model, data, checkpoint = job.spec.model, job.spec.data, job.spec.checkpoint
         optional = self._resolve_optional
         spec = job.spec.model_copy(update={
+            "model": model.model_copy(update={"init": optional(model.init)}),
             "data": data.model_copy(update={
                 "train": self.resolve(data.train),
                 "validation": optional(data.validation),

@@ -61,10 +61,13 @@ def test_dry_run_never_prints_credentials(
 
 
 def test_relative_paths_live_under_the_run_folder(job_file: Path) -> None:
-    job = parse_job(yaml.safe_load(job_file.read_text()))
+    manifest = yaml.safe_load(job_file.read_text())
+    manifest["spec"]["model"]["init"] = "../first/checkpoints/export"
+    job = parse_job(manifest)
     local = Workspace.of(job).localize(job)
     assert local.spec.data.train == str(Path("runs/demo/data/train"))
     assert local.spec.checkpoint.uri == "s3://checkpoints/demo"
+    assert local.spec.model.init == str(Path("runs/demo/../first/checkpoints/export"))
 
 
 def test_invalid_manifest_is_reported_with_its_field(
