@@ -372,3 +372,18 @@ def test_a_job_started_from_another_jobs_export_starts_at_its_validation_loss(
     Trainer(resumed, metrics_log=tmp_path / "resumed.jsonl", serve_metrics=False).fit()
     assert [e["step"] for e in _events(tmp_path / "resumed.jsonl", "resumed")] == [1]
     assert not _events(tmp_path / "resumed.jsonl", "initialised")
+
+
+def test_the_trainer_exits_2_a_configuration_error_on_a_conflicting_job(
+        tmp_path: Path, prepared_corpus: PreparedDataset, hf_models: dict[str, Path],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kubetrain.trainer.__main__ import EXIT_INVALID_MANIFEST, main
+
+    spec = _job(prepared_corpus, tmp_path / "ckpt", model={"init": str(hf_models["single"]),
+                                                           "nLayers": 3})
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps({"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                                "metadata": {"name": "conflict"}, "spec": spec.wire()}))
+    assert main([str(path), "--metrics-log", str(tmp_path / "log.jsonl")]) == \
+        EXIT_INVALID_MANIFEST
+    assert "spec.model.nLayers is 3 but config.json at" in capsys.readouterr().err

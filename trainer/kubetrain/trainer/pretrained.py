@@ -116,7 +116,11 @@ def _read_header(store: Storage, file: str) -> dict[str, _Entry]:
 def _tensor_entries(store: Storage) -> dict[str, _Entry]:
     """Every tensor of the folder's weights: one file, or the shards its index names."""
     if store.exists(INDEX_NAME):
-        weight_map = json.loads(store.read_bytes(INDEX_NAME)).get("weight_map", {})
+        try:
+            weight_map = json.loads(store.read_bytes(INDEX_NAME))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+            raise PretrainedError(f"model.init: {store.uri}/{INDEX_NAME} is not a safetensors "
+                                  f"index (no weight_map): {error!r}") from None
         headers = {file: _read_header(store, file) for file in sorted(set(weight_map.values()))}
         entries = {}
         for name, file in weight_map.items():
