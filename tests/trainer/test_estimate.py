@@ -100,3 +100,30 @@ def test_the_chunked_loss_frees_the_logits_memory_and_the_recommendation_uses_it
     assert (order.index(with_chunks.activation_checkpointing),
             -with_chunks.micro_batch_size) < (order.index(with_full.activation_checkpointing),
                                               -with_full.micro_batch_size)
+
+
+def test_a_model_init_job_is_sized_from_its_config_json_without_torch(tmp_path: Path) -> None:
+    import json
+
+    from kubetrain.api.presets import PRESETS
+    from kubetrain.trainer.export import llama_config
+
+    dims = PRESETS["llama-1b"].dims
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(llama_config(dims, 4096, 0)))
+    for model, code in (({"init": str(folder), "preset": "custom"}, 0),
+                        ({"init": str(folder), "dim": 1024}, 2)):
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(manifest(model=model)))
+        program = ("import sys; sys.modules['torch'] = None; from kubetrain.cli import main; "
+                   f"sys.exit(main(['estimate', {str(path)!r}, '--gpu-memory', '200']))")
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == code, done.stderr
+        if code == 0:
+            assert (f"model.init {folder}: {parameter_count(dims) / 1e9:.2f}B parameters"
+                    in done.stdout)
+        else:
+            assert "spec.model.dim is 1024 but config.json at" in done.stderr
+            assert "says hidden_size 2048" in done.stderr

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kubetrain.api.manifest import InvalidManifest, load_job
-from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
 from kubetrain.trainer.sizing import block_parameter_count, loss_chunk_tokens, parameter_count
 
 GIB = 1024**3
@@ -90,10 +90,12 @@ def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
 
 
 def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
-                    output_loss: OutputLossName = "chunked") -> MemoryEstimate:
+                    output_loss: OutputLossName = "chunked",
+                    dims: ModelDims | None = None) -> MemoryEstimate:
     """Memory per process for `spec` trained by `world_size` processes with `plan`,
-    the loss computed by `output_loss` (loss.py)."""
-    dims = spec.model.resolve()
+    the loss computed by `output_loss` (loss.py); `dims` (default: the spec's) are the
+    model's dimensions, which a model.init job takes from its config.json."""
+    dims = dims or spec.model.resolve()
     n_params = parameter_count(dims)
     sharded = spec.parallelism.strategy == "fsdp" and world_size > 1
     shards = world_size if sharded else 1
@@ -137,7 +139,8 @@ def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, 
 
 
 def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
-              output_loss: OutputLossName = "chunked") -> Plan | None:
+              output_loss: OutputLossName = "chunked",
+              dims: ModelDims | None = None) -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
     The global batch stays what the job asks for: gradient accumulation grows as
@@ -151,10 +154,20 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
         micro = asked.micro_batch_size
         while micro >= 1:
             plan = Plan(micro, math.ceil(global_sequences / micro), checkpointing)
-            if estimate_memory(spec, world_size, plan, output_loss).total <= gpu_bytes:
+            if estimate_memory(spec, world_size, plan, output_loss, dims).total <= gpu_bytes:
                 return plan
             micro //= 2
     return None
+
+
+def model_dims(spec: TrainingJobSpec) -> ModelDims:
+    """The model's dimensions: the spec's, or a model.init job's config.json's (read through
+    the storage layer, so sizing such a job needs the trainer extra)."""
+    if spec.model.init is None:
+        return spec.model.resolve()
+    from kubetrain.trainer.pretrained_config import job_dims
+
+    return job_dims(spec)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,21 +188,26 @@ def run(args: argparse.Namespace) -> int:
     world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
     gpu_bytes = int(args.gpu_memory * GIB)
     plan = job_plan(spec, world_size)
-    estimate = estimate_memory(spec, world_size, plan)
-    print(_describe(spec, world_size, plan))
+    try:
+        dims = model_dims(spec)
+    except (ValueError, OSError) as error:  # model.init's config.json: unreadable or refused
+        print(f"kubetrain estimate: {error}", file=sys.stderr)
+        return 2
+    estimate = estimate_memory(spec, world_size, plan, dims=dims)
+    print(_describe(spec, world_size, plan, dims))
     print(_table(spec, world_size, estimate))
     fits = estimate.total <= gpu_bytes
     verdict = "fits" if fits else "does NOT fit"
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
     if fits:
         return 0
-    better = recommend(spec, world_size, gpu_bytes)
+    better = recommend(spec, world_size, gpu_bytes, dims=dims)
     if better is None:
         print(f"\nNothing fits {args.gpu_memory:g} GiB with {world_size} processes: use more "
               "processes (workers.replicas or procsPerWorker) with strategy fsdp, or a smaller "
               "model.")
         return 1
-    total = estimate_memory(spec, world_size, better).total
+    total = estimate_memory(spec, world_size, better, dims=dims).total
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
           f"  optimization.microBatchSize: {better.micro_batch_size}\n"
           f"  optimization.gradientAccumulationSteps: {better.gradient_accumulation}\n"
@@ -197,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan) -> str:
-    dims = spec.model.resolve()
-    name = "custom model" if spec.model.preset == "custom" else spec.model.preset
+def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims) -> str:
+    name = (f"model.init {spec.model.init}" if spec.model.init
+            else "custom model" if spec.model.preset == "custom" else spec.model.preset)
     return (f"{name}: {parameter_count(dims) / 1e9:.2f}B parameters, {world_size} processes, "
             f"{spec.parallelism.strategy}, {spec.parallelism.precision}, activation "
             f"checkpointing {plan.activation_checkpointing}\n"
