@@ -1,0 +1,168 @@
+"""INL dynamics (`model.dynamics`): the controller's bounds, its gradients, the plain model
+left exactly as it was, and a dynamics job that trains, reports, exports and generates."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from kubetrain.api.trainingjob import DynamicsSpec, ModelSpec
+from kubetrain.trainer.model import Dynamics, Transformer
+from kubetrain.trainer.sizing import parameter_count
+
+REPO = Path(__file__).resolve().parents[2]
+# The last commit before model.dynamics existed: the model a job without dynamics must
+# still build. A deliberate change to the plain model moves this pin with it.
+BEFORE_DYNAMICS = "8ee1e4258585eebc27be46f4ccf4ada9cb7879a0"
+DIMS = ModelSpec(preset="tiny").resolve()
+ON = DynamicsSpec(enabled=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # tiny matrices: threads only contend with parallel tests
+
+
+def _model_before_dynamics(tmp_path: Path) -> ModuleType:
+    """model.py as it was at BEFORE_DYNAMICS, imported from git's copy."""
+    try:
+        source = subprocess.run(
+            ["git", "show", f"{BEFORE_DYNAMICS}:trainer/kubetrain/trainer/model.py"],
+            cwd=REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"needs the git history with commit {BEFORE_DYNAMICS} ({error})")
+    path = tmp_path / "model_before_dynamics.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("model_before_dynamics", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("off", [None, DynamicsSpec(), DynamicsSpec(enabled=False, betaMax=5)])
+def test_without_dynamics_the_model_is_bit_identical_to_the_one_before_the_option(
+        off: DynamicsSpec | None, tmp_path: Path) -> None:
+    """Same parameters, same draws from the generator at init, same logits, loss and
+    gradients as model.py before dynamics existed, built from the same seed."""
+    before = _model_before_dynamics(tmp_path)
+    tokens = torch.randint(0, DIMS.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+
+    def build_and_run(make: type) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        torch.manual_seed(0)
+        model = make()
+        rng_after_init = torch.get_rng_state()
+        logits = model(tokens)
+        loss = model(tokens, tokens)
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        return model.state_dict(), rng_after_init, logits, loss, grads
+
+    old = build_and_run(lambda: before.Transformer(DIMS, max_seq_len=32))
+    new = build_and_run(lambda: Transformer(DIMS, max_seq_len=32, dynamics=off))
+    old_state, new_state = old[0], new[0]
+    assert list(new_state) == list(old_state)
+    assert all(torch.equal(new_state[name], old_state[name]) for name in old_state)
+    assert torch.equal(new[1], old[1]), "initialisation drew differently from the generator"
+    assert torch.equal(new[2], old[2]) and torch.equal(new[3], old[3])
+    assert all(torch.equal(new[4][name], old[4][name]) for name in old[4])
+
+
+def test_dynamics_adds_the_controller_to_every_block_and_the_count_says_so() -> None:
+    model = Transformer(DIMS, max_seq_len=32, dynamics=ON)
+    names = {name for name, _ in model.named_parameters() if ".dynamics." in name}
+    assert names == {f"layers.{i}.dynamics.{p}" for i in range(DIMS.n_layers) for p in (
+        "equilibrium", "controller_in.weight", "controller_in.bias", "controller_out.weight",
+        "controller_out.bias")}
+    built = sum(p.numel() for p in model.parameters())
+    assert built == parameter_count(DIMS, dynamics=True) > parameter_count(DIMS)
+    # Initialisation is a function of the seed, as for the rest of the model.
+    torch.manual_seed(5)
+    again = Transformer(DIMS, max_seq_len=32, dynamics=ON)
+    torch.manual_seed(5)
+    third = Transformer(DIMS, max_seq_len=32, dynamics=ON)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                 third.state_dict().values(), strict=True))
+
+
+def test_gradients_reach_every_controller_parameter() -> None:
+    torch.manual_seed(0)
+    model = Transformer(DIMS, max_seq_len=32, dynamics=ON)
+    tokens = torch.randint(0, DIMS.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    model(tokens, tokens).backward()
+    controller = {name: p.grad for name, p in model.named_parameters() if ".dynamics." in name}
+    assert len(controller) == 5 * DIMS.n_layers
+    for name, grad in controller.items():
+        assert grad is not None and torch.count_nonzero(grad) > 0, f"no gradient reaches {name}"
+
+
+def _fp32(value: float) -> float:
+    """`value` as the float32 the bounds are computed in."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(scale_exponent=st.floats(4, 6), weight_scale=st.floats(1, 1000),
+       beta_max=st.floats(1e-3, 100), velocity_max=st.floats(1e-3, 100),
+       seed=st.integers(0, 2**16))
+def test_huge_activations_keep_beta_and_velocity_within_their_bounds(
+        scale_exponent: float, weight_scale: float, beta_max: float, velocity_max: float,
+        seed: int) -> None:
+    """Hidden states of 1e4 to 1e6, controllers with weights up to 1000 times their initial
+    size, any incoming velocity: beta stays in [0, betaMax], |v| <= velocityMax, all finite."""
+    generator = torch.Generator().manual_seed(seed)
+    dim = 16
+    dynamics = Dynamics(dim, beta_max=beta_max, velocity_max=velocity_max)
+    dynamics.reset_parameters()
+    with torch.no_grad():
+        for parameter in dynamics.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02 * weight_scale)
+    h = torch.randn(4, 8, dim, generator=generator) * 10**scale_exponent
+    v = torch.randn(4, 8, dim, generator=generator) * 10**scale_exponent
+    with torch.no_grad():
+        alpha, beta, gate = dynamics.controls(h)
+        h_next, v_next = dynamics(h, v)
+    assert beta.min() >= 0 and beta.max() <= _fp32(beta_max)
+    assert alpha.min() >= 0 and alpha.max() <= 1 and gate.min() >= 0 and gate.max() <= 1
+    assert v_next.abs().max() <= _fp32(velocity_max)
+    assert torch.isfinite(h_next).all()
+    mean_beta, mean_square_velocity = dynamics.stats.tolist()
+    assert 0 <= mean_beta <= _fp32(beta_max)
+    assert 0 <= mean_square_velocity <= _fp32(velocity_max) ** 2 * (1 + 1e-6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(scale_exponent=st.floats(4, 6), seed=st.integers(0, 2**16))
+def test_a_whole_model_with_huge_embeddings_stays_bounded_and_finite(
+        scale_exponent: float, seed: int) -> None:
+    """The velocity carried through every block stays within velocityMax; logits are finite."""
+    torch.manual_seed(seed)
+    spec = DynamicsSpec(enabled=True, betaMax=1.5, velocityMax=3.0)
+    model = Transformer(DIMS, max_seq_len=16, dynamics=spec).eval()
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(10**scale_exponent)
+        tokens = torch.randint(0, DIMS.vocab_size, (2, 16))
+        x = model.tok_embeddings(tokens)
+        velocity = torch.zeros_like(x)
+        cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+        for block in model.layers:
+            x, velocity = block(x, velocity, cos, sin)
+            assert velocity is not None and velocity.abs().max() <= 3.0
+            assert torch.isfinite(x).all()
+        assert torch.isfinite(model(tokens)).all()
+
+
+def test_the_bounds_must_be_positive() -> None:
+    for field in ("betaMax", "velocityMax"):
+        with pytest.raises(ValidationError, match=field):
+            ModelSpec(preset="tiny", dynamics={"enabled": True, field: 0})
+    assert ModelSpec(preset="tiny").dynamics == DynamicsSpec(enabled=False, betaMax=2.0,
+                                                            velocityMax=10.0)
