@@ -4,12 +4,17 @@ left exactly as it was, and a dynamics job that trains, reports, exports and gen
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import subprocess
+import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -166,3 +171,104 @@ def test_the_bounds_must_be_positive() -> None:
             ModelSpec(preset="tiny", dynamics={"enabled": True, field: 0})
     assert ModelSpec(preset="tiny").dynamics == DynamicsSpec(enabled=False, betaMax=2.0,
                                                             velocityMax=10.0)
+
+
+# --- a dynamics job, trained once by two FSDP2 ranks --------------------------------------
+
+TRAINED_STEPS = 30
+BETA_MAX = 1.5
+
+
+@pytest.fixture(scope="module")
+def trained(prepared_corpus: Any, launcher: Any,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny dynamics job trained by 2 torchrun ranks (FSDP2, selective activation
+    checkpointing), exported at the end: its metrics-log events and folders."""
+    folder = tmp_path_factory.mktemp("dynamics-job")
+    manifest = {
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "dynamics"},
+        "spec": {
+            "image": "kubetrain/trainer:test",
+            "model": {"preset": "tiny", "dynamics": {"enabled": True, "betaMax": BETA_MAX}},
+            "data": {"train": prepared_corpus.train_uri, "seqLen": 64},
+            "optimization": {"maxSteps": TRAINED_STEPS, "microBatchSize": 4, "warmupSteps": 5},
+            "evaluation": {"everySteps": 0},
+            "parallelism": {"strategy": "fsdp", "precision": "fp32",
+                            "activationCheckpointing": "selective"},
+            "checkpoint": {"uri": str(folder / "checkpoints"), "everySteps": 1000},
+            "metrics": {"port": launcher.free_port(), "logEverySteps": 5},
+        },
+    }
+    job = folder / "job.yaml"
+    job.write_text(yaml.safe_dump(manifest))
+    events = launcher.train(job, ranks=2)
+    return {"events": events, "checkpoints": folder / "checkpoints",
+            "export": folder / "checkpoints" / "export"}
+
+
+@pytest.mark.slow
+def test_a_dynamics_job_learns_the_corpus_and_logs_the_controller(trained: dict) -> None:
+    steps = [e for e in trained["events"] if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(5, TRAINED_STEPS + 1, 5))
+    first, last = steps[0]["loss"], steps[-1]["loss"]
+    assert last < first - 1.0, f"the loss went from {first:.3f} to {last:.3f}"
+    for event in steps:
+        assert 0 <= event["dynamics_beta_mean"] <= BETA_MAX
+        assert 0 <= event["dynamics_velocity_rms"] <= 10.0
+        assert math.isfinite(event["dynamics_mu_mean"])
+    # mu moved away from its initial zeros, and beta from its initial 0.05 * betaMax.
+    assert steps[-1]["dynamics_mu_mean"] != 0
+    assert steps[-1]["dynamics_beta_mean"] != pytest.approx(0.05 * BETA_MAX, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_logged_mean_mu_is_the_mean_of_the_exported_mu_under_fsdp2(trained: dict) -> None:
+    """Each rank holds a shard of mu: the logged mean is over the whole of it."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(trained["export"] / "model.safetensors"))
+    mus = [weights[f"model.layers.{i}.dynamics.equilibrium"] for i in range(DIMS.n_layers)]
+    (last,) = [e for e in trained["events"] if e["event"] == "step"][-1:]
+    assert last["step"] == TRAINED_STEPS
+    assert last["dynamics_mu_mean"] == pytest.approx(float(torch.cat(mus).mean()), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_export_is_marked_and_transformers_refuses_it(trained: dict) -> None:
+    from safetensors.torch import load_file
+
+    config = json.loads((trained["export"] / "config.json").read_text())
+    assert config["architectures"] == ["KubetrainDynamicsForCausalLM"]
+    assert config["model_type"] == "kubetrain_dynamics"
+    assert config["kubetrain"] == {"dynamics": {"betaMax": BETA_MAX, "velocityMax": 10.0,
+                                                "controllerWidth": 64}}
+    assert config["hidden_size"] == DIMS.dim and config["num_hidden_layers"] == DIMS.n_layers
+    names = set(load_file(str(trained["export"] / "model.safetensors")))
+    assert {f"model.layers.{i}.dynamics.{p}" for i in range(DIMS.n_layers) for p in (
+        "equilibrium", "controller_in.weight", "controller_in.bias", "controller_out.weight",
+        "controller_out.bias")} <= names
+    import transformers
+
+    with pytest.raises(ValueError, match="kubetrain_dynamics"):
+        transformers.AutoConfig.from_pretrained(str(trained["export"]))
+
+
+@pytest.mark.slow
+def test_generate_samples_from_a_dynamics_checkpoint(trained: dict) -> None:
+    from safetensors.torch import load_file
+
+    from kubetrain.trainer.generate import load_model, sample
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    loaded = load_model(str(trained["checkpoints"]))
+    assert loaded.step == TRAINED_STEPS and loaded.model.has_dynamics
+    exported = load_file(str(trained["export"] / "model.safetensors"))
+    state = loaded.model.state_dict()
+    for i in range(DIMS.n_layers):
+        for name in ("equilibrium", "controller_out.bias"):
+            assert torch.equal(state[f"layers.{i}.dynamics.{name}"],
+                               exported[f"model.layers.{i}.dynamics.{name}"])
+    prompt = loaded.tokenizer.encode("def ", add_special_tokens=False).ids
+    produced = sample(loaded.model, prompt, max_tokens=8, temperature=0, top_k=None)
+    assert len(produced) == 8
