@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import subprocess
+import urllib.request
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +18,7 @@ import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from kubetrain.api.trainingjob import DynamicsSpec, ModelSpec
@@ -171,6 +173,40 @@ def test_the_bounds_must_be_positive() -> None:
             ModelSpec(preset="tiny", dynamics={"enabled": True, field: 0})
     assert ModelSpec(preset="tiny").dynamics == DynamicsSpec(enabled=False, betaMax=2.0,
                                                             velocityMax=10.0)
+
+
+def test_the_gauges_and_log_fields_exist_only_for_a_dynamics_job(
+        tiny_job: Any, tmp_path: Path) -> None:
+    from kubetrain.api.manifest import load_job
+    from kubetrain.trainer.metrics import DynamicsReport, Reporter, StepReport
+
+    def report(name: str, dynamics: DynamicsReport | None) -> tuple[dict, dict]:
+        job = load_job(tiny_job(name, model={"preset": "tiny",
+                                             "dynamics": {"enabled": dynamics is not None}}))
+        log = tmp_path / f"{name}.jsonl"
+        reporter = Reporter(job.spec, enabled=True, metrics_log=log, job_name=name)
+        try:
+            reporter.logged(StepReport(step=5, epoch=0.1, loss=3.0, learning_rate=1e-3,
+                                       grad_norm=1.0, tokens_per_second=1.0, mfu=0.0,
+                                       step_time=0.1, data_wait_ratio=0.0, dynamics=dynamics),
+                            torch.device("cpu"))
+            url = f"http://127.0.0.1:{job.spec.metrics.port}/metrics"
+            exposition = urllib.request.urlopen(url, timeout=10).read().decode()
+        finally:
+            reporter.close()
+        gauges = {f.name: f.samples[0].value for f in text_string_to_metric_families(exposition)
+                  if f.name.startswith("kubetrain_dynamics")}
+        (step,) = [json.loads(line) for line in log.read_text().splitlines()]
+        return gauges, step
+
+    gauges, step = report("with", DynamicsReport(equilibrium_mean=0.01, beta_mean=0.2,
+                                                 velocity_rms=0.5))
+    assert gauges == {"kubetrain_dynamics_equilibrium_mean": 0.01,
+                      "kubetrain_dynamics_beta_mean": 0.2, "kubetrain_dynamics_velocity_rms": 0.5}
+    assert (step["dynamics_mu_mean"], step["dynamics_beta_mean"],
+            step["dynamics_velocity_rms"]) == (0.01, 0.2, 0.5)
+    gauges, step = report("without", None)
+    assert gauges == {} and not any(key.startswith("dynamics") for key in step)
 
 
 # --- a dynamics job, trained once by two FSDP2 ranks --------------------------------------

@@ -205,6 +205,7 @@ class Reporter:
                 raise OSError(f"cannot serve /metrics on spec.metrics.port "
                               f"{spec.metrics.port}: {error.strerror}; pick a free port") from None
         MAX_STEPS.set(self.max_steps)
+        DYNAMICS.report = None  # a job without dynamics exports no dynamics series
         RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._trackers = _open_trackers(spec, job_name)
 
