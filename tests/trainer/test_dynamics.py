@@ -3,6 +3,7 @@ left exactly as it was, and a dynamics job that trains, reports, exports and gen
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -294,6 +295,9 @@ def test_a_dynamics_job_learns_the_corpus_and_logs_the_controller(trained: dict)
     steps = [e for e in trained["events"] if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(5, TRAINED_STEPS + 1, 5))
     first, last = steps[0]["loss"], steps[-1]["loss"]
+    print(f"loss at step {steps[0]['step']}: {first:.3f}, at step {steps[-1]['step']}: "
+          f"{last:.3f}; last mu {steps[-1]['dynamics_mu_mean']:.3g}, beta "
+          f"{steps[-1]['dynamics_beta_mean']:.4f}, v rms {steps[-1]['dynamics_velocity_rms']:.3g}")
     assert last < first - 1.0, f"the loss went from {first:.3f} to {last:.3f}"
     for event in steps:
         assert 0 <= event["dynamics_beta_mean"] <= BETA_MAX
@@ -337,10 +341,11 @@ def test_the_export_is_marked_and_transformers_refuses_it(trained: dict) -> None
 
 
 @pytest.mark.slow
-def test_generate_samples_from_a_dynamics_checkpoint(trained: dict) -> None:
+def test_generate_samples_from_a_dynamics_checkpoint(
+        trained: dict, capsys: pytest.CaptureFixture[str]) -> None:
     from safetensors.torch import load_file
 
-    from kubetrain.trainer.generate import load_model, sample
+    from kubetrain.trainer.generate import add_arguments, load_model, run, sample
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     loaded = load_model(str(trained["checkpoints"]))
@@ -354,3 +359,10 @@ def test_generate_samples_from_a_dynamics_checkpoint(trained: dict) -> None:
     prompt = loaded.tokenizer.encode("def ", add_special_tokens=False).ids
     produced = sample(loaded.model, prompt, max_tokens=8, temperature=0, top_k=None)
     assert len(produced) == 8
+    # And the command itself, as a user runs it.
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--checkpoint", str(trained["checkpoints"]), "--prompt", "def ",
+                              "--max-tokens", "8", "--temperature", "0"])
+    assert run(args) == 0
+    assert capsys.readouterr().out.startswith("def ")
