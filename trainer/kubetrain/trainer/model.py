@@ -177,7 +177,8 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, velocity: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = x + self.residual_dropout(self.attention(self.attention_norm(x), cos, sin))
-        if self.dynamics is not None and velocity is not None:
+        if self.dynamics is not None:
+            assert velocity is not None, "dynamics need the velocity: zeros at the first block"
             x, velocity = self.dynamics(x, velocity)
         return x + self.residual_dropout(self.feed_forward(self.ffn_norm(x))), velocity
 
