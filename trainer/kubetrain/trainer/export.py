@@ -13,7 +13,8 @@ writes to `<spec.checkpoint.uri>/export`:
     tokenizer_config.json    so AutoTokenizer loads it as a PreTrainedTokenizerFast
 
 so that `AutoModelForCausalLM.from_pretrained(folder)` and
-`AutoTokenizer.from_pretrained(folder)` load it. The weights are gathered from
+`AutoTokenizer.from_pretrained(folder)` load it (except a model with INL
+dynamics: see the end of this docstring). The weights are gathered from
 FSDP2 / DDP shards with DCP's full state dict (on every rank), then rank 0 maps
 the names and writes the files.
 
@@ -45,7 +46,10 @@ and, for each block i, the dynamics tensors (see model.Dynamics) under
 where controller_out's rows are alpha's, then beta's, then the gate's. The
 dynamics act on the hidden state in kubetrain's channel order, which the q/k row
 permutation does not touch. `kubetrain generate` samples from such a model's
-checkpoints; the export prints that transformers cannot load it.
+checkpoints; the export prints that transformers cannot load it. An importer of
+exports (model.init) builds the model with `model.dynamics` = {enabled: true,
+betaMax, velocityMax} from the `kubetrain` block and maps these names back to
+`layers.{i}.dynamics.*` unchanged.
 """
 
 from __future__ import annotations
