@@ -258,6 +258,29 @@ class Workers(ApiModel):
 # --- model, data, optimisation -----------------------------------------------------
 
 
+class DynamicsSpec(ApiModel):
+    """INL dynamics: a learned second-order controller on each block's hidden state."""
+
+    enabled: bool = Field(
+        default=False,
+        description="After attention in every block, move the hidden state h towards a learned "
+        "per-channel equilibrium mu through a velocity v carried from block to block: "
+        "v' = alpha*v - beta*(h - mu), h' = h + g*v', with alpha, beta and g computed from h "
+        "by a small learned controller. Off (the default) builds exactly the plain model. "
+        "Exports of such a model are marked in config.json and do not load in Hugging Face "
+        "transformers; `kubetrain generate` loads them.",
+    )
+    beta_max: float = Field(
+        default=2.0, gt=0,
+        description="Upper bound of the restoring gain beta (beta = betaMax * sigmoid(...)), "
+        "so the controller can never push harder than this.",
+    )
+    velocity_max: float = Field(
+        default=10.0, gt=0,
+        description="The velocity is clamped to [-velocityMax, velocityMax] in every block.",
+    )
+
+
 class ModelSpec(ApiModel):
     """The model: a preset, optionally with dimensions overridden, or fully custom dims."""
 
@@ -304,6 +327,11 @@ class ModelSpec(ApiModel):
         "random generators (seeded from optimization.seed and the rank), which checkpoints "
         "save and resumes restore, so a resumed run draws the masks an uninterrupted run "
         "would. Evaluation and exported models run without it.",
+    )
+    dynamics: DynamicsSpec = Field(
+        default_factory=DynamicsSpec,
+        description="INL dynamics, a stability layer after attention in every block (off by "
+        "default).",
     )
 
     @field_validator("init")

@@ -16,6 +16,11 @@ checkpointing, strategy and world size it adds up, per training process:
   fp32 intermediates), q, k, v, rotated q/k, attention output, residual, the
   four SwiGLU tensors; fused attention keeps no seq-by-seq matrix - and b·d for a
   checkpointed block, which also recomputes one block's worth during backward;
+  INL dynamics (`model.dynamics`) add b·(8d + 2w) per token and block (w = the
+  controller's width: its two hidden tensors; the three sigmoids, beta, the
+  error, the velocity before and after its clamp, the new hidden state; counted
+  with saved-tensor hooks) and a checkpointed block keeps its velocity too, 2·b·d,
+  besides the controller's parameters in every parameter figure;
 - without FSDP, under autocast (bf16/fp16/fp8): the compute-dtype copies of the
   blocks' weights that autocast caches during forward and backward keeps: b·(block
   parameters);
@@ -45,7 +50,12 @@ from typing import Literal
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
-from kubetrain.trainer.sizing import block_parameter_count, loss_chunk_tokens, parameter_count
+from kubetrain.trainer.sizing import (
+    CONTROLLER_WIDTH,
+    block_parameter_count,
+    loss_chunk_tokens,
+    parameter_count,
+)
 
 GIB = 1024**3
 CONTEXT_BYTES = 1 * GIB
@@ -96,15 +106,18 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
     the loss computed by `output_loss` (loss.py); `dims` (default: the spec's) are the
     model's dimensions, which a model.init job takes from its config.json."""
     dims = dims or spec.model.resolve()
-    n_params = parameter_count(dims)
+    dynamics = spec.model.dynamics.enabled
+    n_params = parameter_count(dims, dynamics)
+    block_params = block_parameter_count(dims, dynamics)
     sharded = spec.parallelism.strategy == "fsdp" and world_size > 1
     shards = world_size if sharded else 1
     compute = COMPUTE_BYTES[spec.parallelism.precision]
 
     tokens = plan.micro_batch_size * spec.data.seq_len
     kv_dim = dims.n_kv_heads * (dims.dim // dims.n_heads)
-    full_block = compute * (11 * dims.dim + 3 * kv_dim + 4 * dims.ffn_dim) * tokens
-    block_input = compute * dims.dim * tokens
+    controller = 8 * dims.dim + 2 * CONTROLLER_WIDTH if dynamics else 0
+    full_block = compute * (11 * dims.dim + 3 * kv_dim + 4 * dims.ffn_dim + controller) * tokens
+    block_input = compute * dims.dim * tokens * (2 if dynamics else 1)  # and the velocity
     checkpointed = {"none": 0, "selective": (dims.n_layers + 1) // 2,
                     "full": dims.n_layers}[plan.activation_checkpointing]
     activations = (dims.n_layers - checkpointed) * full_block + checkpointed * block_input
@@ -117,8 +130,8 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         parameters=4 * n_params // shards,
         gradients=4 * n_params // shards,
         optimizer=4 * OPTIMIZER_STATES[spec.optimization.optimizer] * n_params // shards,
-        fsdp_working_set=2 * block_parameter_count(dims) * (compute + 4) if sharded else 0,
-        weight_copies=compute * dims.n_layers * block_parameter_count(dims) if casts else 0,
+        fsdp_working_set=2 * block_params * (compute + 4) if sharded else 0,
+        weight_copies=compute * dims.n_layers * block_params if casts else 0,
         activations=activations,
         logits=_loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts),
     )
@@ -218,7 +231,9 @@ def run(args: argparse.Namespace) -> int:
 def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims) -> str:
     name = (f"model.init {spec.model.init}" if spec.model.init
             else "custom model" if spec.model.preset == "custom" else spec.model.preset)
-    return (f"{name}: {parameter_count(dims) / 1e9:.2f}B parameters, {world_size} processes, "
+    dynamics = " with INL dynamics" if spec.model.dynamics.enabled else ""
+    return (f"{name}{dynamics}: {parameter_count(dims, spec.model.dynamics.enabled) / 1e9:.2f}B "
+            f"parameters, {world_size} processes, "
             f"{spec.parallelism.strategy}, {spec.parallelism.precision}, activation "
             f"checkpointing {plan.activation_checkpointing}\n"
             f"micro-batch {plan.micro_batch_size} x {spec.data.seq_len} tokens, "

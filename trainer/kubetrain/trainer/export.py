@@ -13,7 +13,8 @@ writes to `<spec.checkpoint.uri>/export`:
     tokenizer_config.json    so AutoTokenizer loads it as a PreTrainedTokenizerFast
 
 so that `AutoModelForCausalLM.from_pretrained(folder)` and
-`AutoTokenizer.from_pretrained(folder)` load it. The weights are gathered from
+`AutoTokenizer.from_pretrained(folder)` load it (except a model with INL
+dynamics: see the end of this docstring). The weights are gathered from
 FSDP2 / DDP shards with DCP's full state dict (on every rank), then rank 0 maps
 the names and writes the files.
 
@@ -21,7 +22,37 @@ The one non-trivial mapping: kubetrain's rotary embedding rotates interleaved
 channel pairs (Meta's original Llama layout) while transformers rotates the two
 halves of each head, so the rows of the query and key projections are permuted
 per head - the same permutation as transformers' own Llama conversion script.
-`model.init` reads such a folder back (pretrained.py), inverting it exactly.
+
+A model with INL dynamics (`model.dynamics.enabled`) is not a Llama, and
+transformers has no class for it, so its export says so instead of passing for
+one. Its config.json holds every LlamaConfig field above, except:
+
+    "architectures": ["KubetrainDynamicsForCausalLM"],
+    "model_type": "kubetrain_dynamics",
+    "kubetrain": {"dynamics": {"betaMax": 2.0, "velocityMax": 10.0, "controllerWidth": 64}}
+
+The unregistered model_type makes `AutoConfig`/`AutoModelForCausalLM.from_pretrained`
+refuse the folder with an error. (With model_type "llama" transformers would load
+the Llama weights, drop the dynamics tensors with only a warning, and compute
+something else.) model.safetensors holds the Llama tensors under the names above
+and, for each block i, the dynamics tensors (see model.Dynamics) under
+
+    model.layers.{i}.dynamics.equilibrium            [hidden_size]  mu
+    model.layers.{i}.dynamics.controller_in.weight   [controllerWidth, hidden_size]
+    model.layers.{i}.dynamics.controller_in.bias     [controllerWidth]
+    model.layers.{i}.dynamics.controller_out.weight  [3 * hidden_size, controllerWidth]
+    model.layers.{i}.dynamics.controller_out.bias    [3 * hidden_size]
+
+where controller_out's rows are alpha's, then beta's, then the gate's. The
+dynamics act on the hidden state in kubetrain's channel order, which the q/k row
+permutation does not touch. `kubetrain generate` samples from such a model's
+checkpoints; the export prints that transformers cannot load it. An importer of
+exports (model.init) builds the model with `model.dynamics` = {enabled: true,
+betaMax, velocityMax} from the `kubetrain` block and maps these names back to
+`layers.{i}.dynamics.*` unchanged.
+
+`model.init` reads such a folder back (pretrained.py), inverting it exactly;
+`hf_name` is the one name mapping both directions use.
 """
 
 from __future__ import annotations
@@ -34,11 +65,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
+from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, TrainingJobSpec
 from kubetrain.trainer.prepare import END_OF_TEXT, TOKENIZER_NAME
+from kubetrain.trainer.sizing import CONTROLLER_WIDTH
 from kubetrain.trainer.storage import open_object, open_storage
 
 EXPORT_FOLDER = "export"
+DYNAMICS_ARCHITECTURE = "KubetrainDynamicsForCausalLM"
+DYNAMICS_MODEL_TYPE = "kubetrain_dynamics"  # unknown to transformers, which then refuses it
 # Wrappers that parallelize() may add around modules; they are not part of the names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
@@ -79,6 +113,8 @@ def hf_name(name: str, dims: ModelDims) -> str | None:
         _, index, rest = name.split(".", 2)
         if rest in _LAYER_NAMES:
             return f"model.layers.{index}.{_LAYER_NAMES[rest]}"
+        if rest.startswith("dynamics."):  # kubetrain's own; transformers has no name
+            return f"model.layers.{index}.{rest}"
     raise ValueError(f"no Hugging Face name for the model weight {name!r}")
 
 
@@ -98,9 +134,11 @@ def hf_state_dict(state: dict[str, torch.Tensor], dims: ModelDims) -> dict[str, 
     return converted
 
 
-def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int) -> dict[str, Any]:
-    """The LlamaConfig (config.json) describing a model of these dimensions."""
-    return {
+def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
+                 dynamics: DynamicsSpec | None = None) -> dict[str, Any]:
+    """The LlamaConfig (config.json) describing a model of these dimensions; with
+    dynamics, marked as kubetrain's own architecture (see the module docstring)."""
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": dims.vocab_size,
@@ -122,6 +160,14 @@ def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int) -> dict[s
         "eos_token_id": eos_token_id,
         "torch_dtype": "float32",
     }
+    if dynamics is not None and dynamics.enabled:
+        config.update({
+            "architectures": [DYNAMICS_ARCHITECTURE], "model_type": DYNAMICS_MODEL_TYPE,
+            "kubetrain": {"dynamics": {"betaMax": dynamics.beta_max,
+                                       "velocityMax": dynamics.velocity_max,
+                                       "controllerWidth": CONTROLLER_WIDTH}},
+        })
+    return config
 
 
 def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec, *,
@@ -151,7 +197,7 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
         save_file(hf_state_dict(state, dims), str(weights), metadata={"format": "pt"})
         target.upload_file(weights, "model.safetensors")
     files = {
-        "config.json": llama_config(dims, spec.data.seq_len, eos_id),
+        "config.json": llama_config(dims, spec.data.seq_len, eos_id, spec.model.dynamics),
         "generation_config.json": {"bos_token_id": eos_id, "eos_token_id": eos_id},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
                                   "eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT,
@@ -160,4 +206,8 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
     for name, document in files.items():
         target.write_bytes(name, json.dumps(document, indent=1).encode())
     target.write_bytes(TOKENIZER_NAME, tokenizer_json)
+    if spec.model.dynamics.enabled:
+        print(f"exported a model with INL dynamics to {target.uri}: Hugging Face transformers "
+              f"cannot load it (config.json says architectures {DYNAMICS_ARCHITECTURE}); "
+              "`kubetrain generate --checkpoint` samples from its checkpoints", flush=True)
     return target.uri

@@ -74,8 +74,8 @@ from kubetrain.trainer.goodput import (
     attempt_started_at,
 )
 from kubetrain.trainer.loss import select_output_loss
-from kubetrain.trainer.metrics import Reporter, StepReport, peak_flops
-from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.metrics import DynamicsReport, Reporter, StepReport, peak_flops
+from kubetrain.trainer.model import Dynamics, Transformer
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
 from kubetrain.trainer.pretrained import load_pretrained
@@ -208,7 +208,8 @@ class Trainer:
             dims = dims.model_copy(update={"vocab_size": train_data.index.vocab_size})
         # Every rank draws the same initial weights; FSDP2 then keeps each rank's shard.
         torch.manual_seed(opt.seed)
-        model = Transformer(dims, max_seq_len=spec.data.seq_len, dropout=spec.model.dropout)
+        model = Transformer(dims, max_seq_len=spec.data.seq_len, dropout=spec.model.dropout,
+                            dynamics=spec.model.dynamics)
         # Then each rank draws its own dropout masks; checkpoints carry the generators on.
         torch.manual_seed(opt.seed + world.rank)
         model.output_loss, why = select_output_loss(world.device)
@@ -277,7 +278,8 @@ class Trainer:
         accumulation = spec.gradient_accumulation(world.world_size)
         local_tokens = accumulation * opt.micro_batch_size * spec.data.seq_len
         flops_per_second_peak = peak_flops(device) * world.world_size
-        model_flops = flops_per_token(run.dims, spec.data.seq_len)
+        model_flops = flops_per_token(run.dims, spec.data.seq_len,
+                                      dynamics=spec.model.dynamics.enabled)
         interval = _Interval(device)
 
         if step == 0 and spec.evaluation.every_steps:
@@ -348,6 +350,8 @@ class Trainer:
                          if flops_per_second_peak else 0.0),
                     step_time=seconds / interval.steps,
                     data_wait_ratio=interval.data_wait / seconds,
+                    dynamics=(_dynamics_over_ranks(model, device)
+                              if spec.model.dynamics.enabled else None),
                 ), device)
                 interval = interval.next()
                 goodput.charge(PRODUCTIVE)  # the step's device work, waited for by the log
@@ -444,6 +448,26 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     total = value.detach().clone()
     dist.all_reduce(total)  # SUM: gloo has no AVG
     return float(total) / dist.get_world_size()
+
+
+def _dynamics_over_ranks(model: torch.nn.Module, device: torch.device) -> DynamicsReport:
+    """Mean mu over every block's channels; mean beta and velocity RMS over every block and
+    rank, from each rank's last forward pass (`Dynamics.stats`). Collective: one all-reduce."""
+    blocks = [module for module in model.modules() if isinstance(module, Dynamics)]
+    world_size = dist.get_world_size()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # mu sum, beta, mean square
+    for dynamics in blocks:
+        mu = dynamics.equilibrium.detach()
+        # FSDP2 shards mu: the ranks' shards add up to the whole. Unsharded, each rank
+        # holds all of it, and the sum over ranks counts it world_size times.
+        totals[0] += mu.to_local().sum() if isinstance(mu, DTensor) else mu.sum() / world_size
+        totals[1:] += dynamics.stats
+    dist.all_reduce(totals)
+    channels = len(blocks) * blocks[0].equilibrium.shape[0]  # a DTensor's shape is global
+    samples = len(blocks) * world_size
+    return DynamicsReport(equilibrium_mean=float(totals[0]) / channels,
+                          beta_mean=float(totals[1]) / samples,
+                          velocity_rms=math.sqrt(float(totals[2]) / samples))
 
 
 class _Interval:

@@ -15,8 +15,9 @@ job. fp32 runs unchanged. fp8 is bf16 with every transformer block's linear
 layers swapped for torchao's `Float8Linear` (dynamic tensorwise scaling; under
 FSDP2 their weights are all-gathered in float8). The output projection stays
 bf16: its loss (loss.py) reads its weight directly, and float8 would cost the
-most accuracy there. fp8 is refused, naming the field, on CPUs and on GPUs
-without float8 tensor cores, and when torchao is not installed.
+most accuracy there; so does the INL dynamics controller (model.Dynamics). fp8
+is refused, naming the field, on CPUs and on GPUs without float8 tensor cores,
+and when torchao is not installed.
 """
 
 from __future__ import annotations
@@ -149,8 +150,10 @@ def convert_to_float8(model: Transformer, device: torch.device,
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather_in_float8)
 
     def in_a_block(module: nn.Module, name: str) -> bool:
-        # float8 matmuls need both dimensions divisible by 16.
-        return (name.startswith("layers.") and isinstance(module, nn.Linear)
+        # float8 matmuls need both dimensions divisible by 16. The INL dynamics controller
+        # stays bf16: its matmuls are small, and its outputs are the control gains.
+        return (name.startswith("layers.") and ".dynamics." not in name
+                and isinstance(module, nn.Linear)
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
     float8.convert_to_float8_training(model, config=config, module_filter_fn=in_a_block)
