@@ -4,7 +4,8 @@ A tiny `LlamaForCausalLM` made by transformers (random weights, `save_pretrained
 one file and as shards) computes the same logits in kubetrain; export(import(x)) is
 x; dimensions that disagree with config.json, missing or misshapen tensors and
 unsupported configs are refused; two FSDP2 ranks each read only their shards; and a
-job started from another job's export starts at that job's validation loss.
+job started from another job's export starts at that job's validation loss. Exports
+of a model with INL dynamics load too, with the folder's dynamics settings.
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from kubetrain.api.manifest import parse_job
-from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
+from kubetrain.api.trainingjob import DynamicsSpec, StorageSpec, TrainingJobSpec
 from kubetrain.trainer.export import _interleaved_to_halves, export_model
 from kubetrain.trainer.loop import Trainer
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import PreparedDataset
 from kubetrain.trainer.pretrained import _halves_to_interleaved, load_pretrained, pretrained_dims
-from kubetrain.trainer.pretrained_config import PretrainedError, job_dims
+from kubetrain.trainer.pretrained_config import (
+    PretrainedError,
+    dynamics_config,
+    job_dims,
+    job_spec,
+)
 from kubetrain.trainer.storage import open_storage
 
 WORKER = Path(__file__).with_name("pretrained_worker.py")
@@ -218,7 +224,24 @@ def _edit_config(folder: Path, **changes: Any) -> None:
     ({"attention_bias": True}, "has attention_bias: true"),
     ({"hidden_act": "gelu"}, "has hidden_act 'gelu'"),
     ({"head_dim": 32}, "has head_dim 32"),
-    ({"kubetrain": {"dynamics": {"betaMax": 2.0}}}, "kubetrain.dynamics"),
+    ({"kubetrain": {"mixtureOfExperts": {"experts": 8}}},
+     "marks the model with kubetrain.mixtureOfExperts: it was exported by a kubetrain with a "
+     "feature this version does not build"),
+    (dynamics_config(DynamicsSpec(enabled=True)) | {"model_type": "llama"},
+     "marks kubetrain.dynamics but has model_type 'llama'"),
+    ({"model_type": "kubetrain_dynamics"},
+     "has model_type kubetrain_dynamics but no kubetrain.dynamics entry"),
+    ({"model_type": "kubetrain_dynamics",
+      "kubetrain": {"dynamics": {"betaMax": 2.0, "velocityMax": 10.0, "controllerWidth": 32}}},
+     "has kubetrain.dynamics.controllerWidth 32, but this kubetrain builds the dynamics "
+     "controller 64 wide"),
+    ({"model_type": "kubetrain_dynamics", "kubetrain": {"dynamics": {"betaMax": 2.0}}},
+     "kubetrain reads exactly betaMax, velocityMax, controllerWidth"),
+    ({"model_type": "kubetrain_dynamics", "kubetrain": {"dynamics": {
+        "betaMax": -1.0, "velocityMax": 10.0, "controllerWidth": 64}}},
+     "needs kubetrain.dynamics.betaMax as a positive number, found -1.0"),
+    (dynamics_config(DynamicsSpec(enabled=True)) | {"architectures": ["LlamaForCausalLM"]},
+     "kubetrain needs a KubetrainDynamicsForCausalLM"),
 ])
 def test_unsupported_configs_are_refused_saying_what(
         tmp_path: Path, hf_models: dict[str, Path], changes: dict[str, Any],
@@ -387,3 +410,120 @@ def test_the_trainer_exits_2_a_configuration_error_on_a_conflicting_job(
     assert main([str(path), "--metrics-log", str(tmp_path / "log.jsonl")]) == \
         EXIT_INVALID_MANIFEST
     assert "spec.model.nLayers is 3 but config.json at" in capsys.readouterr().err
+
+
+# Not the defaults, so that the import can only have them from the folder's config.json.
+EXPORTED_DYNAMICS = DynamicsSpec(enabled=True, beta_max=3.0, velocity_max=5.0)
+
+
+def _dynamics_export(corpus: PreparedDataset, checkpoints: Path) -> tuple[Transformer, Path]:
+    """A tiny model with INL dynamics, its every tensor non-trivial, exported by export_model."""
+    spec = _job(corpus, checkpoints, model={"tieEmbeddings": False, "dynamics": {
+        "enabled": True, "betaMax": EXPORTED_DYNAMICS.beta_max,
+        "velocityMax": EXPORTED_DYNAMICS.velocity_max}})
+    torch.manual_seed(0)
+    model = Transformer(spec.model.resolve(), max_seq_len=64, dynamics=spec.model.dynamics)
+    with torch.no_grad():  # norms, mu and the controller's biases start as constants
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight") or ".dynamics." in name:
+                parameter.uniform_(0.5, 1.5)
+    exported = export_model(model, model.dims, spec, rank=0)
+    return model.eval(), Path(exported.removeprefix("file://"))
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_dynamics_export_imports_with_its_dynamics_and_exports_back_bit_for_bit(
+        tmp_path: Path, prepared_corpus: PreparedDataset) -> None:
+    original, exported = _dynamics_export(prepared_corpus, tmp_path / "first")
+
+    # The spec leaves model.dynamics unset: enabled, betaMax and velocityMax are the folder's.
+    spec = job_spec(_job(prepared_corpus, tmp_path / "second", model={"init": str(exported)}))
+    assert spec.model.dynamics == EXPORTED_DYNAMICS
+    again = Transformer(job_dims(spec), max_seq_len=64, dynamics=spec.model.dynamics)
+    load_pretrained(again, str(exported), None)
+    assert again.has_dynamics
+
+    tokens = torch.randint(0, original.dims.vocab_size, (2, 64),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again.eval()(tokens), original(tokens))
+
+    reexported = Path(export_model(again, again.dims, spec, rank=0).removeprefix("file://"))
+    names = sorted(path.name for path in exported.iterdir())
+    assert names == sorted(path.name for path in reexported.iterdir())
+    assert "model.layers.1.dynamics.controller_out.weight" in load_file(
+        reexported / "model.safetensors")
+    for name in names:
+        assert (exported / name).read_bytes() == (reexported / name).read_bytes(), name
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_dynamics_export_does_not_load_into_a_model_built_without_them(
+        tmp_path: Path, prepared_corpus: PreparedDataset) -> None:
+    original, exported = _dynamics_export(prepared_corpus, tmp_path / "first")
+    plain = Transformer(original.dims, max_seq_len=64)
+    with pytest.raises(PretrainedError, match=r"built with dynamics .*enabled=False.* but "
+                       r"config.json at .* describes .*enabled=True"):
+        load_pretrained(plain, str(exported), None)
+
+
+def _dynamics_folder(hf_models: dict[str, Path], to: Path, dynamics: DynamicsSpec) -> Path:
+    """A folder whose config.json marks INL dynamics (its weights do not matter here)."""
+    folder = _copy(hf_models["single"], to)
+    _edit_config(folder, **dynamics_config(dynamics))
+    return folder
+
+
+@pytest.mark.parametrize(("folder_dynamics", "asked", "named"), [
+    (None, {"enabled": True},
+     ["spec.model.dynamics.enabled is true but config.json at", "has no kubetrain.dynamics",
+      "remove model.dynamics or set enabled to false"]),
+    (DynamicsSpec(enabled=True, beta_max=2.5), {"betaMax": 3.0},
+     ["spec.model.dynamics.betaMax is 3.0 but config.json at",
+      "says kubetrain.dynamics.betaMax 2.5", "set it to 2.5"]),
+    (DynamicsSpec(enabled=True), {"enabled": True, "velocityMax": 4.0},
+     ["spec.model.dynamics.velocityMax is 4.0", "kubetrain.dynamics.velocityMax 10.0"]),
+])
+def test_dynamics_that_disagree_with_config_json_are_refused_naming_both(
+        tmp_path: Path, prepared_corpus: PreparedDataset, hf_models: dict[str, Path],
+        folder_dynamics: DynamicsSpec | None, asked: dict[str, Any], named: list[str]) -> None:
+    folder = (hf_models["single"] if folder_dynamics is None
+              else _dynamics_folder(hf_models, tmp_path / "model", folder_dynamics))
+    spec = _job(prepared_corpus, tmp_path, model={"init": str(folder), "dynamics": asked})
+    for resolve in (job_spec, job_dims):
+        with pytest.raises(PretrainedError) as refused:
+            resolve(spec)
+        for text in named:
+            assert text in str(refused.value), (text, str(refused.value))
+
+
+@pytest.mark.parametrize("asked", [{}, {"enabled": False}, {"enabled": True},
+                                   {"enabled": True, "betaMax": 2.5}])
+def test_dynamics_left_at_their_defaults_or_matching_are_the_folders(
+        tmp_path: Path, prepared_corpus: PreparedDataset, hf_models: dict[str, Path],
+        asked: dict[str, Any]) -> None:
+    """enabled: false is the default, which the API server writes into a spec that leaves
+    model.dynamics out: it cannot be told from "unset", so the folder's dynamics win."""
+    folder_dynamics = DynamicsSpec(enabled=True, beta_max=2.5)
+    folder = _dynamics_folder(hf_models, tmp_path / "model", folder_dynamics)
+    spec = _job(prepared_corpus, tmp_path, model={"init": str(folder), "dynamics": asked})
+    assert job_spec(spec).model.dynamics == folder_dynamics
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_job_started_from_a_dynamics_export_trains_checkpoints_and_exports_with_them(
+        tmp_path: Path, prepared_corpus: PreparedDataset) -> None:
+    _, exported = _dynamics_export(prepared_corpus, tmp_path / "first")
+    spec = _job(prepared_corpus, tmp_path / "second", model={"init": str(exported)},
+                optimization={"maxSteps": 1, "warmupSteps": 0, "microBatchSize": 4},
+                metrics={"logEverySteps": 1})
+    done = Trainer(spec, metrics_log=tmp_path / "log.jsonl", serve_metrics=False).fit()
+    (step,) = _events(tmp_path / "log.jsonl", "step")
+    assert 0 <= step["dynamics_beta_mean"] <= EXPORTED_DYNAMICS.beta_max  # a dynamics model
+    assert done.export_uri is not None
+    config = json.loads(Path(done.export_uri.removeprefix("file://"), "config.json").read_text())
+    assert config["kubetrain"]["dynamics"]["betaMax"] == EXPORTED_DYNAMICS.beta_max
+    # The checkpoint records the dynamics, so `kubetrain generate` builds the same model.
+    from kubetrain.trainer.generate import load_model
+
+    assert load_model(str(tmp_path / "second")).model.has_dynamics

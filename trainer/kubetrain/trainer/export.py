@@ -46,12 +46,14 @@ and, for each block i, the dynamics tensors (see model.Dynamics) under
 where controller_out's rows are alpha's, then beta's, then the gate's. The
 dynamics act on the hidden state in kubetrain's channel order, which the q/k row
 permutation does not touch. `kubetrain generate` samples from such a model's
-checkpoints; the export prints that transformers cannot load it. An importer of
-exports (model.init) builds the model with `model.dynamics` = {enabled: true,
-betaMax, velocityMax} from the `kubetrain` block and maps these names back to
-`layers.{i}.dynamics.*` unchanged.
+checkpoints; the export prints that transformers cannot load it. The marker's
+format is pretrained_config.py's (`dynamics_config`), shared with the reader.
 
-`model.init` reads such a folder back (pretrained.py), inverting it exactly;
+`model.init` reads these folders back (pretrained.py), inverting the export
+exactly, a model with dynamics included: it builds the model with
+`model.dynamics` = {enabled: true, betaMax, velocityMax} from the `kubetrain`
+block (a controllerWidth other than this version's is refused) and maps
+`model.layers.{i}.dynamics.*` back to `layers.{i}.dynamics.*` unchanged.
 `hf_name` is the one name mapping both directions use.
 """
 
@@ -67,12 +69,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, TrainingJobSpec
 from kubetrain.trainer.prepare import END_OF_TEXT, TOKENIZER_NAME
-from kubetrain.trainer.sizing import CONTROLLER_WIDTH
+from kubetrain.trainer.pretrained_config import DYNAMICS_ARCHITECTURE, dynamics_config
 from kubetrain.trainer.storage import open_object, open_storage
 
 EXPORT_FOLDER = "export"
-DYNAMICS_ARCHITECTURE = "KubetrainDynamicsForCausalLM"
-DYNAMICS_MODEL_TYPE = "kubetrain_dynamics"  # unknown to transformers, which then refuses it
 # Wrappers that parallelize() may add around modules; they are not part of the names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
@@ -97,7 +97,8 @@ def _interleaved_to_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def hf_name(name: str, dims: ModelDims) -> str | None:
-    """The LlamaForCausalLM name of a kubetrain parameter (wrappers' prefixes ignored).
+    """The LlamaForCausalLM name of a kubetrain parameter (wrappers' prefixes ignored);
+    the INL dynamics' keep their own names under `model.layers.{i}.`.
 
     None for the output projection of a tied model: transformers has no tensor for it.
     """
@@ -161,12 +162,7 @@ def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
         "torch_dtype": "float32",
     }
     if dynamics is not None and dynamics.enabled:
-        config.update({
-            "architectures": [DYNAMICS_ARCHITECTURE], "model_type": DYNAMICS_MODEL_TYPE,
-            "kubetrain": {"dynamics": {"betaMax": dynamics.beta_max,
-                                       "velocityMax": dynamics.velocity_max,
-                                       "controllerWidth": CONTROLLER_WIDTH}},
-        })
+        config.update(dynamics_config(dynamics))
     return config
 
 
@@ -209,5 +205,6 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
     if spec.model.dynamics.enabled:
         print(f"exported a model with INL dynamics to {target.uri}: Hugging Face transformers "
               f"cannot load it (config.json says architectures {DYNAMICS_ARCHITECTURE}); "
-              "`kubetrain generate --checkpoint` samples from its checkpoints", flush=True)
+              "model.init of another job loads it, and `kubetrain generate --checkpoint` "
+              "samples from its checkpoints", flush=True)
     return target.uri

@@ -79,7 +79,7 @@ from kubetrain.trainer.model import Dynamics, Transformer
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
 from kubetrain.trainer.pretrained import load_pretrained
-from kubetrain.trainer.pretrained_config import check_vocabulary, job_dims
+from kubetrain.trainer.pretrained_config import check_vocabulary, job_dims, job_spec
 from kubetrain.trainer.sizing import flops_per_token
 from kubetrain.trainer.storage import open_storage
 
@@ -196,7 +196,10 @@ class Trainer:
 
     def _build(self, world: World) -> _Run:
         """Data, model, parallelism, optimizer, schedule, checkpointer and reporter."""
-        spec, opt = self.spec, self.spec.optimization
+        # A model.init folder decides the model's INL dynamics (config.json's marker): from
+        # here on the spec says so, for the model, its metrics, checkpoints and export.
+        spec = self.spec = job_spec(self.spec)
+        opt = spec.optimization
         train_data, validation_data = build_datasets(
             spec, rank=world.rank, world_size=world.world_size)
         # With model.init the dimensions are its config.json's (checked against the spec).

@@ -3,15 +3,18 @@
 The inverse of export.py. Use (every rank, after `parallelize`, when there is no
 checkpoint to resume from):
 
+    spec = job_spec(spec)                                   # model.dynamics: config.json's
     dims = job_dims(spec)                                   # config.json's, checked
-    model = Transformer(dims, max_seq_len=spec.data.seq_len)
+    model = Transformer(dims, max_seq_len=spec.data.seq_len, dynamics=spec.model.dynamics)
     parallel = parallelize(model, spec.parallelism, mesh, device)
     load_pretrained(parallel.module, spec.model.init, spec.storage)
 
 The folder holds `config.json` (a LlamaConfig, read and checked by
 pretrained_config.py: which configurations load, and the dimensions they give) and
 the weights as safetensors: `model.safetensors`, or shards named by
-`model.safetensors.index.json`.
+`model.safetensors.index.json`. kubetrain's own exports of a model with INL
+dynamics load too: config.json marks them (`kubetrain.dynamics`) and the
+safetensors hold each block's dynamics tensors, read like every other tensor.
 
 How the weights are read: a safetensors file is an 8-byte header length, a JSON
 header giving each tensor's dtype, shape and byte range, then the raw bytes. Every
@@ -43,9 +46,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
 
-from kubetrain.api.trainingjob import ModelDims, StorageSpec
+from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, StorageSpec
 from kubetrain.trainer.export import hf_name
-from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.model import Dynamics, Transformer
 from kubetrain.trainer.pretrained_config import PretrainedError, read_config
 from kubetrain.trainer.storage import Storage, open_storage
 
@@ -168,6 +171,14 @@ def _model_of(model: torch.nn.Module) -> Transformer:
     return inner
 
 
+def _dynamics_of(model: Transformer) -> DynamicsSpec:
+    """The INL dynamics `model` was built with (disabled when its blocks have none)."""
+    block = next((module for module in model.modules() if isinstance(module, Dynamics)), None)
+    if block is None:
+        return DynamicsSpec()
+    return DynamicsSpec(enabled=True, beta_max=block.beta_max, velocity_max=block.velocity_max)
+
+
 def _plan(model: torch.nn.Module, dims: ModelDims, entries: dict[str, _Entry],
           uri: str) -> list[_Read]:
     """What this rank reads: the shard of each parameter, checked against the files."""
@@ -240,19 +251,24 @@ def load_pretrained(model: torch.nn.Module, uri: str, storage: StorageSpec | Non
     """Copy the weights of the Hugging Face Llama folder at `uri` into `model`, in place.
 
     `model` is a kubetrain `Transformer` built with the folder's dimensions
-    (`pretrained_dims`), plain, wrapped in DDP, or already sharded with FSDP2 (DTensor
-    parameters; activation checkpointing and compile wrappers are fine). Every rank
+    (`pretrained_dims`) and INL dynamics (`job_spec(spec).model.dynamics`), plain,
+    wrapped in DDP, or already sharded with FSDP2 (DTensor parameters; activation
+    checkpointing and compile wrappers are fine). Every rank
     calls it, but it is not a collective: each reads only its own shards' rows with
     ranged reads, on S3 as on local disk (see the module docstring); nothing is
     downloaded whole. Every tensor the model needs must be there with its shape, and
     no unknown one may be; PretrainedError says which otherwise.
     """
     config = read_config(uri, storage)
-    built = _model_of(model).dims
-    if built != config.dims:
-        raise PretrainedError(f"model.init: the model was built with {built}, but "
+    transformer = _model_of(model)
+    if transformer.dims != config.dims:
+        raise PretrainedError(f"model.init: the model was built with {transformer.dims}, but "
                               f"{config.where} describes {config.dims}: build it with "
                               "pretrained_dims()")
+    if (dynamics := _dynamics_of(transformer)) != config.dynamics:
+        raise PretrainedError(f"model.init: the model was built with dynamics {dynamics!r}, "
+                              f"but {config.where} describes {config.dynamics!r}: build it "
+                              "with job_spec(spec).model.dynamics")
     store = open_storage(uri, storage)
     plan = _plan(model, config.dims, _tensor_entries(store), store.uri)
     with torch.no_grad(), ThreadPoolExecutor(READ_CONCURRENCY) as pool:

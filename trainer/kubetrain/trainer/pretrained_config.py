@@ -5,7 +5,11 @@ attention or MLP bias, rotary embeddings without scaling, no quantisation) and
 which dimensions a config.json gives: anything else is refused naming the key,
 never approximated. A `kubetrain` object in config.json marks features of
 kubetrain's own exports (extra layers); a marker this version does not know is
-refused too, rather than loading the model without those layers' weights.
+refused too, rather than loading the model without those layers' weights. The
+one it knows is `dynamics` (INL dynamics, `model.dynamics`), whose format -
+model_type, architectures and marker, which export.py writes with
+`dynamics_config` - lives here so that reader and writer share it. A model.init
+job's `model.dynamics` is its folder's (`job_spec`).
 Torch-free, so `kubetrain estimate` sizes a model.init job from it; the weights
 themselves are pretrained.py's.
 """
@@ -19,12 +23,24 @@ from typing import Any
 
 from pydantic.alias_generators import to_camel
 
-from kubetrain.api.trainingjob import ModelDims, ModelSpec, StorageSpec, TrainingJobSpec
+from kubetrain.api.trainingjob import (
+    DynamicsSpec,
+    ModelDims,
+    ModelSpec,
+    StorageSpec,
+    TrainingJobSpec,
+)
+from kubetrain.trainer.sizing import CONTROLLER_WIDTH
 from kubetrain.trainer.storage import open_storage
 
 CONFIG_NAME = "config.json"
+LLAMA_MODEL_TYPE, LLAMA_ARCHITECTURE = "llama", "LlamaForCausalLM"
+# A model with INL dynamics: a model_type transformers does not know, so it refuses the
+# folder instead of loading the Llama part and dropping the dynamics' tensors.
+DYNAMICS_MODEL_TYPE, DYNAMICS_ARCHITECTURE = "kubetrain_dynamics", "KubetrainDynamicsForCausalLM"
 # Keys of config.json's "kubetrain" object that this version builds the layers of.
-KNOWN_MARKERS: frozenset[str] = frozenset()
+KNOWN_MARKERS: frozenset[str] = frozenset({"dynamics"})
+DYNAMICS_MARKER_KEYS = ("betaMax", "velocityMax", "controllerWidth")
 
 # ModelSpec field -> the config.json key it corresponds to.
 CONFIG_KEYS = {
@@ -41,12 +57,14 @@ class PretrainedError(ValueError):
 
 @dataclass(frozen=True)
 class PretrainedConfig:
-    """What config.json says: the dimensions, the longest trained context, kubetrain markers."""
+    """What config.json says: the dimensions, the longest trained context, kubetrain markers
+    and the INL dynamics they describe (disabled without the marker)."""
 
     uri: str
     dims: ModelDims
     max_positions: int | None
     markers: dict[str, Any]
+    dynamics: DynamicsSpec
 
     @property
     def where(self) -> str:
@@ -80,14 +98,6 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
     def refuse(message: str) -> PretrainedError:
         return PretrainedError(f"model.init: {where} {message}")
 
-    model_type = config.get("model_type")
-    if model_type != "llama":
-        raise refuse(f"has model_type {model_type!r}: kubetrain builds Llama models "
-                     "(model_type llama, LlamaForCausalLM) only")
-    architectures = config.get("architectures") or ["LlamaForCausalLM"]
-    if "LlamaForCausalLM" not in architectures:
-        raise refuse(f"has architectures {architectures}: kubetrain needs a LlamaForCausalLM "
-                     "(a language-model head); a bare LlamaModel has none")
     markers = config.get("kubetrain") or {}
     if not isinstance(markers, dict):
         raise refuse(f"has a kubetrain entry that is not an object: {markers!r}")
@@ -97,6 +107,26 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
         raise refuse(f"marks the model with {names}: it was exported by a kubetrain with a "
                      "feature this version does not build, and loading it would drop those "
                      "layers' weights; start the job with a kubetrain version that has it")
+    dynamics = _dynamics(markers.get("dynamics"), refuse)
+    model_type = config.get("model_type")
+    if dynamics.enabled and model_type != DYNAMICS_MODEL_TYPE:
+        raise refuse(f"marks kubetrain.dynamics but has model_type {model_type!r}: kubetrain "
+                     f"exports a model with INL dynamics as model_type {DYNAMICS_MODEL_TYPE}, "
+                     "so that transformers does not load it as a Llama; restore that "
+                     "model_type, or the folder is not such an export")
+    if model_type == DYNAMICS_MODEL_TYPE and not dynamics.enabled:
+        raise refuse(f"has model_type {DYNAMICS_MODEL_TYPE} but no kubetrain.dynamics entry "
+                     "(betaMax, velocityMax, controllerWidth): the dynamics' bounds are "
+                     "unknown; re-export the model with kubetrain")
+    if model_type not in (LLAMA_MODEL_TYPE, DYNAMICS_MODEL_TYPE):
+        raise refuse(f"has model_type {model_type!r}: kubetrain builds Llama models "
+                     "(model_type llama, LlamaForCausalLM) only, and its own exports with "
+                     f"INL dynamics ({DYNAMICS_MODEL_TYPE})")
+    architecture = DYNAMICS_ARCHITECTURE if dynamics.enabled else LLAMA_ARCHITECTURE
+    architectures = config.get("architectures") or [architecture]
+    if architecture not in architectures:
+        raise refuse(f"has architectures {architectures}: kubetrain needs a {architecture} "
+                     "(a language-model head); a bare LlamaModel has none")
     if config.get("quantization_config"):
         raise refuse("describes a quantised model (quantization_config): kubetrain trains "
                      "from float weights; use the unquantised checkpoint")
@@ -135,7 +165,43 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_theta=rope_theta, norm_eps=float(norm_eps))
     return PretrainedConfig(uri, dims, max_positions if isinstance(max_positions, int) else None,
-                            dict(markers))
+                            dict(markers), dynamics)
+
+
+def dynamics_config(dynamics: DynamicsSpec) -> dict[str, Any]:
+    """The config.json entries that mark a model with INL dynamics (export.py writes them)."""
+    return {"architectures": [DYNAMICS_ARCHITECTURE], "model_type": DYNAMICS_MODEL_TYPE,
+            "kubetrain": {"dynamics": {"betaMax": dynamics.beta_max,
+                                       "velocityMax": dynamics.velocity_max,
+                                       "controllerWidth": CONTROLLER_WIDTH}}}
+
+
+def _dynamics(marker: object, refuse: Callable[[str], PretrainedError]) -> DynamicsSpec:
+    """The INL dynamics config.json's kubetrain.dynamics marker describes (None: none)."""
+    if marker is None:
+        return DynamicsSpec()
+    if not isinstance(marker, dict):
+        raise refuse(f"has a kubetrain.dynamics entry that is not an object: {marker!r}")
+    unknown = sorted(set(marker) - set(DYNAMICS_MARKER_KEYS))
+    missing = [key for key in DYNAMICS_MARKER_KEYS if key not in marker]
+    if unknown or missing:
+        raise refuse(f"has a kubetrain.dynamics entry with keys {sorted(marker)}: kubetrain "
+                     f"reads exactly {', '.join(DYNAMICS_MARKER_KEYS)}; re-export the model "
+                     "with this kubetrain version")
+    width = marker["controllerWidth"]
+    if isinstance(width, bool) or width != CONTROLLER_WIDTH:
+        raise refuse(f"has kubetrain.dynamics.controllerWidth {width!r}, but this kubetrain "
+                     f"builds the dynamics controller {CONTROLLER_WIDTH} wide: start the job "
+                     "with the kubetrain version that exported the model")
+    bounds = {}
+    for key in ("betaMax", "velocityMax"):
+        value = marker[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise refuse(f"needs kubetrain.dynamics.{key} as a positive number, found "
+                         f"{value!r}")
+        bounds[key] = float(value)
+    return DynamicsSpec(enabled=True, beta_max=bounds["betaMax"],
+                        velocity_max=bounds["velocityMax"])
 
 
 def _rope_theta(config: dict[str, Any], refuse: Callable[[str], PretrainedError]) -> float:
@@ -159,13 +225,16 @@ def _rope_theta(config: dict[str, Any], refuse: Callable[[str], PretrainedError]
 
 
 def check_model_spec(model: ModelSpec, config: PretrainedConfig) -> None:
-    """Refuse a spec.model dimension that disagrees with config.json, naming both values.
+    """Refuse a spec.model dimension or dynamics setting that disagrees with config.json,
+    naming both values.
 
-    normEps is compared only when it is not the default (1e-5): a manifest that leaves it
-    out cannot be told from one that writes the default, and the API server fills it in.
+    normEps and each field of model.dynamics are compared only when they are not the
+    default (normEps 1e-5; dynamics enabled false, betaMax 2, velocityMax 10): a manifest
+    that leaves them out cannot be told from one that writes the default, and the API
+    server fills it in. Left at the default, they are the folder's.
     """
     default_eps = ModelSpec.model_fields["norm_eps"].default
-    conflicts = []
+    conflicts = _dynamics_conflicts(model.dynamics, config)
     for field, key in CONFIG_KEYS.items():
         value = getattr(model, field)
         if value is None or (field == "norm_eps" and value == default_eps):
@@ -180,8 +249,46 @@ def check_model_spec(model: ModelSpec, config: PretrainedConfig) -> None:
                               "from config.json)")
 
 
+def _dynamics_conflicts(asked: DynamicsSpec, config: PretrainedConfig) -> list[str]:
+    """spec.model.dynamics fields, set to other than their defaults, that the folder's differ
+    from: whether it has dynamics at all, then (when it has) their bounds."""
+    default, found = DynamicsSpec(), config.dynamics
+    if asked.enabled and not found.enabled:
+        return [f"spec.model.dynamics.enabled is true but {config.where} has no "
+                "kubetrain.dynamics (a model without INL dynamics): remove model.dynamics "
+                "or set enabled to false"]
+    conflicts = []
+    for field in ("beta_max", "velocity_max"):
+        value = getattr(asked, field)
+        if found.enabled and value != getattr(default, field) and value != getattr(found, field):
+            name = f"model.dynamics.{to_camel(field)}"
+            conflicts.append(f"spec.{name} is {value} but {config.where} says "
+                             f"kubetrain.dynamics.{to_camel(field)} {getattr(found, field)}: "
+                             f"remove {name} or set it to {getattr(found, field)}")
+    return conflicts
+
+
 def _show(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def job_spec(spec: TrainingJobSpec) -> TrainingJobSpec:
+    """The spec the trainer trains: with model.init, `model.dynamics` is config.json's.
+
+    Whether the model has INL dynamics, and their bounds, are part of the folder's
+    architecture like its dimensions, so everything that reads spec.model.dynamics -
+    the model, its FLOPs and metrics, the spec checkpoints record (which `kubetrain
+    generate` builds from) and the export's marker - sees the folder's. Refuses what
+    check_model_spec refuses.
+    """
+    if spec.model.init is None:
+        return spec
+    config = read_config(spec.model.init, spec.storage)
+    check_model_spec(spec.model, config)
+    if spec.model.dynamics == config.dynamics:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(
+        update={"dynamics": config.dynamics})})
 
 
 def job_dims(spec: TrainingJobSpec) -> ModelDims:
