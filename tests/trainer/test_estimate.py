@@ -127,3 +127,27 @@ def test_a_model_init_job_is_sized_from_its_config_json_without_torch(tmp_path: 
         else:
             assert "spec.model.dim is 1024 but config.json at" in done.stderr
             assert "says hidden_size 2048" in done.stderr
+
+
+def test_a_model_init_job_of_a_dynamics_export_counts_the_controllers(tmp_path: Path) -> None:
+    import json
+
+    from kubetrain.api.presets import PRESETS
+    from kubetrain.api.trainingjob import DynamicsSpec
+    from kubetrain.trainer.export import llama_config
+
+    dims = PRESETS["llama-1b"].dims
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    config = llama_config(dims, 4096, 0, DynamicsSpec(enabled=True, beta_max=1.5))
+    (folder / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest(model={"init": str(folder)})))
+    program = ("import sys; sys.modules['torch'] = None; from kubetrain.cli import main; "
+               f"sys.exit(main(['estimate', {str(path)!r}, '--gpu-memory', '200']))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert parameter_count(dims, True) > parameter_count(dims)
+    assert (f"model.init {folder} with INL dynamics: {parameter_count(dims, True) / 1e9:.2f}B "
+            "parameters" in done.stdout)

@@ -173,14 +173,16 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
     return None
 
 
-def model_dims(spec: TrainingJobSpec) -> ModelDims:
-    """The model's dimensions: the spec's, or a model.init job's config.json's (read through
-    the storage layer, so sizing such a job needs the trainer extra)."""
+def trained_model(spec: TrainingJobSpec) -> tuple[TrainingJobSpec, ModelDims]:
+    """The job as the trainer builds it: its spec, and the model's dimensions. A model.init
+    job's come from config.json (read through the storage layer, so sizing such a job
+    needs the trainer extra), its INL dynamics too."""
     if spec.model.init is None:
-        return spec.model.resolve()
-    from kubetrain.trainer.pretrained_config import job_dims
+        return spec, spec.model.resolve()
+    from kubetrain.trainer.pretrained_config import job_dims, job_spec
 
-    return job_dims(spec)
+    spec = job_spec(spec)
+    return spec, job_dims(spec)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,15 +199,14 @@ def run(args: argparse.Namespace) -> int:
     except InvalidManifest as error:
         print(f"kubetrain estimate: {error}", file=sys.stderr)
         return 2
-    spec = job.spec
-    world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
-    gpu_bytes = int(args.gpu_memory * GIB)
-    plan = job_plan(spec, world_size)
     try:
-        dims = model_dims(spec)
+        spec, dims = trained_model(job.spec)
     except (ValueError, OSError) as error:  # model.init's config.json: unreadable or refused
         print(f"kubetrain estimate: {error}", file=sys.stderr)
         return 2
+    world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
+    gpu_bytes = int(args.gpu_memory * GIB)
+    plan = job_plan(spec, world_size)
     estimate = estimate_memory(spec, world_size, plan, dims=dims)
     print(_describe(spec, world_size, plan, dims))
     print(_table(spec, world_size, estimate))
