@@ -268,7 +268,8 @@ class DynamicsSpec(ApiModel):
         "v' = alpha*v - beta*(h - mu), h' = h + g*v', with alpha, beta and g computed from h "
         "by a small learned controller. Off (the default) builds exactly the plain model. "
         "Exports of such a model are marked in config.json and do not load in Hugging Face "
-        "transformers; `kubetrain generate` loads them.",
+        "transformers; `kubetrain generate` and model.init load them (a model.init job "
+        "takes these settings from the folder's config.json).",
     )
     beta_max: float = Field(
         default=2.0, gt=0,
@@ -294,7 +295,8 @@ class ModelSpec(ApiModel):
         "below unset (one set to a different value is refused, naming both); the preset "
         "then only supplies the training defaults (set optimization.learningRate to "
         "fine-tune). Only plain Llama models load: no rope scaling, no attention or MLP "
-        "bias, SiLU activation. A checkpoint always wins: the weights are read only when "
+        "bias, SiLU activation; and kubetrain's own exports with INL dynamics, which then "
+        "set model.dynamics. A checkpoint always wins: the weights are read only when "
         "the job starts with no checkpoint of its own and none in checkpoint.resumeFrom.",
     )
     preset: PresetName | Literal["custom"] = Field(
