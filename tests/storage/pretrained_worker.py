@@ -2,7 +2,8 @@
 
     pretrained_worker.py FOLDER OUT
 
-Builds the Transformer that FOLDER's config.json describes, shards it with the
+Builds the Transformer that FOLDER's config.json describes (INL dynamics included,
+when it marks them), shards it with the
 trainer's own `parallelize` (FSDP2, fp32), loads FOLDER with `load_pretrained`,
 and writes OUT/reads-<rank>.json: every ranged read this rank made, as the
 pretrained module logs them (tensor name, first and last row, bytes). Rank 0
@@ -24,7 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from kubetrain.api.trainingjob import ParallelismSpec
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import parallelize
-from kubetrain.trainer.pretrained import load_pretrained, pretrained_dims
+from kubetrain.trainer.pretrained import load_pretrained
+from kubetrain.trainer.pretrained_config import read_config
 
 
 class _Reads(logging.Handler):
@@ -47,8 +49,8 @@ def main(folder: str, out: str) -> None:
     logger.setLevel(logging.DEBUG)
     logger.addHandler(reads)
 
-    dims = pretrained_dims(folder, None)
-    model = Transformer(dims, max_seq_len=64)
+    config = read_config(folder, None)
+    model = Transformer(config.dims, max_seq_len=64, dynamics=config.dynamics)
     parallel = parallelize(model, ParallelismSpec(strategy="fsdp", precision="fp32"), mesh,
                            torch.device("cpu"))
     load_pretrained(parallel.module, folder, None)

@@ -35,6 +35,7 @@ from kubetrain.trainer.pretrained_config import (
     dynamics_config,
     job_dims,
     job_spec,
+    read_config,
 )
 from kubetrain.trainer.storage import open_storage
 
@@ -76,7 +77,8 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _imported(folder: Path | str, storage: StorageSpec | None = None) -> Transformer:
-    model = Transformer(pretrained_dims(str(folder), storage), max_seq_len=128)
+    config = read_config(str(folder), storage)
+    model = Transformer(config.dims, max_seq_len=128, dynamics=config.dynamics)
     load_pretrained(model, str(folder), storage)
     return model
 
@@ -287,10 +289,36 @@ def test_an_unknown_tensor_is_refused_rather_than_dropped(
         load_pretrained(model, str(folder), None)
 
 
+@pytest.fixture(scope="module")
+def sharded_dynamics_model(hf_models: dict[str, Path],
+                           tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "sharded" folder as a kubetrain dynamics export would have it: marked in
+    config.json, with random dynamics tensors in every block, in a shard of their own."""
+    folder = _copy(hf_models["sharded"], tmp_path_factory.mktemp("dynamics") / "model")
+    _edit_config(folder, **dynamics_config(DynamicsSpec(enabled=True)))
+    config = read_config(str(folder), None)
+    shapes = {"equilibrium": [config.dims.dim],
+              "controller_in.weight": [64, config.dims.dim], "controller_in.bias": [64],
+              "controller_out.weight": [3 * config.dims.dim, 64],
+              "controller_out.bias": [3 * config.dims.dim]}
+    generator = torch.Generator().manual_seed(2)
+    save_file({f"model.layers.{i}.dynamics.{name}": torch.randn(shape, generator=generator)
+               for i in range(config.dims.n_layers) for name, shape in shapes.items()},
+              folder / "model-dynamics.safetensors", metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({f"model.layers.{i}.dynamics.{name}": "model-dynamics.safetensors"
+                                for i in range(config.dims.n_layers) for name in shapes})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("dynamics", [False, True], ids=["llama", "dynamics"])
 def test_two_fsdp_ranks_each_read_only_their_shards_and_equal_one_process(
-        tmp_path: Path, hf_models: dict[str, Path]) -> None:
-    folder = hf_models["sharded"]
+        tmp_path: Path, hf_models: dict[str, Path], dynamics: bool,
+        request: pytest.FixtureRequest) -> None:
+    folder = (request.getfixturevalue("sharded_dynamics_model") if dynamics
+              else hf_models["sharded"])
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(WORKER), str(folder), str(tmp_path)],
@@ -299,6 +327,7 @@ def test_two_fsdp_ranks_each_read_only_their_shards_and_equal_one_process(
 
     # The gathered state of the two ranks is the one-process import's.
     single = _imported(folder)
+    assert single.has_dynamics == dynamics
     sharded = torch.load(tmp_path / "state.pt")
     expected = single.state_dict()
     assert sharded.keys() == expected.keys()
