@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import DynamicsSpec, StorageSpec, TrainingJobSpec
 from kubetrain.trainer.export import _interleaved_to_halves, export_model
+from kubetrain.trainer.goodput import ATTEMPT_STARTED_ENV
 from kubetrain.trainer.loop import Trainer
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import PreparedDataset
@@ -319,11 +321,12 @@ def test_two_fsdp_ranks_each_read_only_their_shards_and_equal_one_process(
         request: pytest.FixtureRequest) -> None:
     folder = (request.getfixturevalue("sharded_dynamics_model") if dynamics
               else hf_models["sharded"])
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(WORKER), str(folder), str(tmp_path)],
-        check=True, timeout=120, capture_output=True,
+        timeout=120, capture_output=True, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"the workers failed:\n{done.stdout}\n{done.stderr}"
 
     # The gathered state of the two ranks is the one-process import's.
     single = _imported(folder)
@@ -382,6 +385,14 @@ def test_an_s3_folder_loads_the_same_weights_as_the_local_one(
         assert torch.equal(theirs, ours), name
 
 
+@pytest.fixture
+def attempt_starts_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process Trainer books its startup since the attempt began (by default, since
+    the process did) into the process-wide wall-time counter, which later tests in the
+    same session read exactly: begin the attempt now, so that it books seconds only."""
+    monkeypatch.setenv(ATTEMPT_STARTED_ENV, str(time.time()))
+
+
 def _events(log: Path, kind: str) -> list[dict[str, Any]]:
     events = [json.loads(line) for line in log.read_text().splitlines()]
     return [event for event in events if event["event"] == kind]
@@ -391,7 +402,7 @@ def _evaluations(log: Path) -> list[dict[str, Any]]:
     return _events(log, "eval")
 
 
-@pytest.mark.usefixtures("process_group")
+@pytest.mark.usefixtures("process_group", "attempt_starts_now")
 def test_a_job_started_from_another_jobs_export_starts_at_its_validation_loss(
         tmp_path: Path, prepared_corpus: PreparedDataset) -> None:
     first = _job(prepared_corpus, tmp_path / "first",
@@ -539,7 +550,7 @@ def test_dynamics_left_at_their_defaults_or_matching_are_the_folders(
     assert job_spec(spec).model.dynamics == folder_dynamics
 
 
-@pytest.mark.usefixtures("process_group")
+@pytest.mark.usefixtures("process_group", "attempt_starts_now")
 def test_a_job_started_from_a_dynamics_export_trains_checkpoints_and_exports_with_them(
         tmp_path: Path, prepared_corpus: PreparedDataset) -> None:
     _, exported = _dynamics_export(prepared_corpus, tmp_path / "first")
