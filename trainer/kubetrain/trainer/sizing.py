@@ -18,6 +18,12 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     return max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
 
 
+def distillation_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the distillation loss (loss.py): each token has two rows of logits
+    (student and teacher), so half the tokens of a cross-entropy chunk hold the same bytes."""
+    return max(1, CHUNK_LOGITS_BYTES // (8 * vocab_size))
+
+
 def block_parameter_count(dims: ModelDims) -> int:
     """Parameters of one transformer block: attention, SwiGLU feed-forward and two RMSNorms."""
     head_dim = dims.dim // dims.n_heads
