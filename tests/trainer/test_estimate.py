@@ -100,3 +100,25 @@ def test_the_chunked_loss_frees_the_logits_memory_and_the_recommendation_uses_it
     assert (order.index(with_chunks.activation_checkpointing),
             -with_chunks.micro_batch_size) < (order.index(with_full.activation_checkpointing),
                                               -with_full.micro_batch_size)
+
+
+def test_a_distillation_teacher_adds_its_sharded_weights_and_chunk_but_no_gradients_or_state(
+        ) -> None:
+    """llama-1b distilled from llama-8b on 8 processes in bf16: the teacher's weights cost 2
+    bytes per parameter over 8 shards, and nothing of the student's training state changes."""
+    teacher = parse_job(manifest()).spec.model.resolve()  # llama-8b
+    spec = job_spec(model={"preset": "llama-1b"},
+                    distillation={"teacher": "s3://models/llama-8b"})
+    plan = job_plan(spec, 8)
+    alone = estimate_memory(spec, 8, plan)
+    distilled = estimate_memory(spec, 8, plan, teacher=teacher)
+    for part in ("parameters", "gradients", "optimizer", "fsdp_working_set", "activations"):
+        assert getattr(distilled, part) == getattr(alone, part), part
+    weights = 2 * parameter_count(teacher) // 8
+    output_weight = 2 * teacher.vocab_size * teacher.dim  # gathered whole for the loss
+    assert weights + output_weight < distilled.teacher < weights + output_weight + 2 * GIB
+    assert alone.teacher == 0 and distilled.total > alone.total + weights
+    # Unsharded (ddp), each rank holds the whole teacher, still without fp32 master weights.
+    ddp = job_spec(model={"preset": "llama-1b"}, parallelism={"strategy": "ddp"},
+                   distillation={"teacher": "s3://models/llama-8b"})
+    assert estimate_memory(ddp, 8, plan, teacher=teacher).teacher > 2 * parameter_count(teacher)

@@ -25,6 +25,17 @@ checkpointing, strategy and world size it adds up, per training process:
   output weight cast to the compute dtype without FSDP; `liger` (CUDA, when
   installed) its fp32 weight-gradient accumulator vocab·d·4, the input gradient
   tokens·d·b and one chunk of its own size;
+- with `distillation`, the frozen teacher (distill.py), whose dimensions come from
+  its config.json: its weights in the compute dtype (sharded under FSDP, whole
+  otherwise) with no gradients or optimizer state, FSDP's two gathered teacher
+  blocks, its final hidden states of the micro-batch (tokens·d_teacher·b) and its
+  whole output weight (vocab·d_teacher·b, gathered once per micro-batch under FSDP),
+  which both live until the student's backward, and per loss chunk (of
+  `sizing.distillation_chunk_tokens`, half a cross-entropy chunk) the teacher's
+  logits with their fp32 copy and log-softmax, tokens·vocab·(b + 8); the student's
+  loss is then the chunked distillation loss whatever `output_loss` says, counted
+  as the chunked loss over those shorter chunks plus its extra log-softmax and its
+  gradient, tokens·vocab·8;
 - 1 GiB for the CUDA context and allocator fragmentation.
 
 fp8 is counted as bf16, an upper bound: float8 linears keep smaller copies.
@@ -44,8 +55,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kubetrain.api.manifest import InvalidManifest, load_job
-from kubetrain.api.trainingjob import TrainingJobSpec
-from kubetrain.trainer.sizing import block_parameter_count, loss_chunk_tokens, parameter_count
+from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
+from kubetrain.trainer.sizing import (
+    block_parameter_count,
+    distillation_chunk_tokens,
+    loss_chunk_tokens,
+    parameter_count,
+)
 
 GIB = 1024**3
 CONTEXT_BYTES = 1 * GIB
@@ -75,12 +91,14 @@ class MemoryEstimate:
     weight_copies: int
     activations: int
     logits: int
+    teacher: int = 0  # distillation: everything the frozen teacher adds
     context: int = CONTEXT_BYTES
 
     @property
     def total(self) -> int:
         return (self.parameters + self.gradients + self.optimizer + self.fsdp_working_set
-                + self.weight_copies + self.activations + self.logits + self.context)
+                + self.weight_copies + self.activations + self.logits + self.teacher
+                + self.context)
 
 
 def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
@@ -90,9 +108,11 @@ def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
 
 
 def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
-                    output_loss: OutputLossName = "chunked") -> MemoryEstimate:
+                    output_loss: OutputLossName = "chunked",
+                    teacher: ModelDims | None = None) -> MemoryEstimate:
     """Memory per process for `spec` trained by `world_size` processes with `plan`,
-    the loss computed by `output_loss` (loss.py)."""
+    the loss computed by `output_loss` (loss.py), distilling from a teacher of
+    dimensions `teacher` (its config.json's; see `teacher_dims`) when given."""
     dims = spec.model.resolve()
     n_params = parameter_count(dims)
     sharded = spec.parallelism.strategy == "fsdp" and world_size > 1
@@ -111,6 +131,13 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
 
     # Without FSDP the weights stay fp32 and autocast computes with cached casts of them.
     casts = not sharded and compute < 4
+    logits = _loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts)
+    teacher_bytes = 0
+    if teacher is not None:
+        chunk = min(tokens, distillation_chunk_tokens(dims.vocab_size))
+        weight_cast = dims.vocab_size * dims.dim * compute if casts else 0
+        logits = chunk * dims.vocab_size * (compute + 8 + 8) + weight_cast
+        teacher_bytes = _teacher_bytes(teacher, tokens, chunk, compute, sharded, shards)
     return MemoryEstimate(
         parameters=4 * n_params // shards,
         gradients=4 * n_params // shards,
@@ -118,8 +145,29 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         fsdp_working_set=2 * block_parameter_count(dims) * (compute + 4) if sharded else 0,
         weight_copies=compute * dims.n_layers * block_parameter_count(dims) if casts else 0,
         activations=activations,
-        logits=_loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts),
+        logits=logits,
+        teacher=teacher_bytes,
     )
+
+
+def _teacher_bytes(teacher: ModelDims, tokens: int, chunk: int, compute: int, sharded: bool,
+                   shards: int) -> int:
+    """What a frozen distillation teacher holds (see the module docstring)."""
+    weights = compute * parameter_count(teacher) // shards
+    gathered_blocks = 2 * block_parameter_count(teacher) * compute if sharded else 0
+    hidden = tokens * teacher.dim * compute
+    output_weight = teacher.vocab_size * teacher.dim * compute if sharded else 0
+    chunk_logits = chunk * teacher.vocab_size * (compute + 8)
+    return weights + gathered_blocks + hidden + output_weight + chunk_logits
+
+
+def teacher_dims(spec: TrainingJobSpec) -> ModelDims | None:
+    """The dimensions of the job's distillation teacher, from its config.json; None without."""
+    if spec.distillation is None:
+        return None
+    from kubetrain.trainer.pretrained import pretrained_dims
+
+    return pretrained_dims(spec.distillation.teacher, spec.storage)
 
 
 def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, compute: int,
@@ -137,7 +185,8 @@ def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, 
 
 
 def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
-              output_loss: OutputLossName = "chunked") -> Plan | None:
+              output_loss: OutputLossName = "chunked",
+              teacher: ModelDims | None = None) -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
     The global batch stays what the job asks for: gradient accumulation grows as
@@ -151,7 +200,8 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
         micro = asked.micro_batch_size
         while micro >= 1:
             plan = Plan(micro, math.ceil(global_sequences / micro), checkpointing)
-            if estimate_memory(spec, world_size, plan, output_loss).total <= gpu_bytes:
+            if estimate_memory(spec, world_size, plan, output_loss,
+                               teacher).total <= gpu_bytes:
                 return plan
             micro //= 2
     return None
@@ -175,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
     gpu_bytes = int(args.gpu_memory * GIB)
     plan = job_plan(spec, world_size)
-    estimate = estimate_memory(spec, world_size, plan)
+    teacher = teacher_dims(spec)
+    estimate = estimate_memory(spec, world_size, plan, teacher=teacher)
     print(_describe(spec, world_size, plan))
     print(_table(spec, world_size, estimate))
     fits = estimate.total <= gpu_bytes
@@ -183,13 +234,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
     if fits:
         return 0
-    better = recommend(spec, world_size, gpu_bytes)
+    better = recommend(spec, world_size, gpu_bytes, teacher=teacher)
     if better is None:
         print(f"\nNothing fits {args.gpu_memory:g} GiB with {world_size} processes: use more "
               "processes (workers.replicas or procsPerWorker) with strategy fsdp, or a smaller "
               "model.")
         return 1
-    total = estimate_memory(spec, world_size, better).total
+    total = estimate_memory(spec, world_size, better, teacher=teacher).total
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
           f"  optimization.microBatchSize: {better.micro_batch_size}\n"
           f"  optimization.gradientAccumulationSteps: {better.gradient_accumulation}\n"
@@ -218,6 +269,8 @@ def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> 
         ("autocast weight copies", estimate.weight_copies),
         ("activations", estimate.activations),
         ("output projection and loss (chunked)", estimate.logits),
+        *([(f"distillation teacher ({spec.parallelism.precision}{share})", estimate.teacher)]
+          if spec.distillation is not None else []),
         ("CUDA context and slack", estimate.context),
     ]
     lines = [f"  {'per GPU':<40}{'GiB':>8}"]
