@@ -261,6 +261,19 @@ class Workers(ApiModel):
 class ModelSpec(ApiModel):
     """The model: a preset, optionally with dimensions overridden, or fully custom dims."""
 
+    init: str | None = Field(
+        default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
+        description="Start from pretrained weights: the URI of a Hugging Face Llama-format "
+        "model folder (config.json with model.safetensors, or sharded safetensors with "
+        "model.safetensors.index.json), such as another job's export "
+        "(<checkpoint.uri>/export): s3://bucket/prefix, file:///path or a path, read with "
+        "spec.storage. The architecture comes from its config.json: leave the dimensions "
+        "below unset (one set to a different value is refused, naming both); the preset "
+        "then only supplies the training defaults (set optimization.learningRate to "
+        "fine-tune). Only plain Llama models load: no rope scaling, no attention or MLP "
+        "bias, SiLU activation. A checkpoint always wins: the weights are read only when "
+        "the job starts with no checkpoint of its own and none in checkpoint.resumeFrom.",
+    )
     preset: PresetName | Literal["custom"] = Field(
         default="llama-125m",
         description="Architecture preset: " + ", ".join(PRESET_NAMES) + ". Dimensions set "
@@ -293,8 +306,18 @@ class ModelSpec(ApiModel):
         "would. Evaluation and exported models run without it.",
     )
 
+    @field_validator("init")
+    @classmethod
+    def _uri_scheme(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_uri(value)
+        return value
+
     @model_validator(mode="after")
     def _dimensions_resolve(self) -> ModelSpec:
+        if self.init is not None:
+            # The dimensions are config.json's, read by the trainer; it checks any set here.
+            return self
         if self.preset == "custom":
             missing = [n for n in ("dim", "n_layers", "n_heads") if getattr(self, n) is None]
             if missing:
@@ -312,7 +335,11 @@ class ModelSpec(ApiModel):
         return self
 
     def resolve(self) -> ModelDims:
-        """The final dimensions: the preset's, overridden by any dimension set here."""
+        """The final dimensions: the preset's, overridden by any dimension set here.
+
+        Not for a model with `init`: its dimensions are its config.json's, which only the
+        trainer reads (`kubetrain.trainer.pretrained.job_dims`).
+        """
         overrides = {name: getattr(self, name) for name in ModelDims.model_fields
                      if getattr(self, name) is not None}
         if (preset := self.preset_defaults) is not None:

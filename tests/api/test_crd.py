@@ -224,3 +224,16 @@ def test_every_field_has_kubectl_explain_text() -> None:
                if path.count(".") and "[" not in path.rsplit(".", 1)[-1]
                and "description" not in node]
     assert missing == []
+
+
+@pytest.mark.parametrize("init", [
+    "s3://models/llama", "file:///models/llama", "models/llama", "gs://models/llama",
+    "https://huggingface.co/meta-llama/Llama-3.2-1B",
+])
+def test_cel_model_init_scheme_rule_agrees_with_the_models(
+        minimal_manifest: dict[str, Any], init: str) -> None:
+    # preset custom without dimensions: with init, config.json supplies them.
+    document = _with(minimal_manifest, "model", {"init": init, "preset": "custom"})
+    accepted = _models_accept(document)
+    assert (not cel_violations(document)) == accepted
+    assert accepted == (init.startswith(("s3://", "file://")) or "://" not in init)

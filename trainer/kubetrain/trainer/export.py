@@ -61,29 +61,39 @@ def _interleaved_to_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(rows, columns))
 
 
+def hf_name(name: str, dims: ModelDims) -> str | None:
+    """The LlamaForCausalLM name of a kubetrain parameter (wrappers' prefixes ignored).
+
+    None for the output projection of a tied model: transformers has no tensor for it.
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    if name == "tok_embeddings.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return None if dims.tie_embeddings else "lm_head.weight"
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{index}.{_LAYER_NAMES[rest]}"
+    raise ValueError(f"no Hugging Face name for the model weight {name!r}")
+
+
 def hf_state_dict(state: dict[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
     """kubetrain Transformer weights under LlamaForCausalLM's names and layout."""
     converted: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
+        target = hf_name(name, dims)
+        if target is None:
+            continue
         tensor = tensor.detach().to(torch.float32).contiguous()
-        if name == "tok_embeddings.weight":
-            converted["model.embed_tokens.weight"] = tensor
-        elif name == "norm.weight":
-            converted["model.norm.weight"] = tensor
-        elif name == "output.weight":
-            if not dims.tie_embeddings:
-                converted["lm_head.weight"] = tensor
-        elif name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
-            if rest == "attention.wq.weight":
-                tensor = _interleaved_to_halves(tensor, dims.n_heads)
-            elif rest == "attention.wk.weight":
-                tensor = _interleaved_to_halves(tensor, dims.n_kv_heads)
-            converted[f"model.layers.{index}.{_LAYER_NAMES[rest]}"] = tensor.contiguous()
-        else:
-            raise ValueError(f"no Hugging Face name for the model weight {name!r}")
+        if target.endswith("self_attn.q_proj.weight"):
+            tensor = _interleaved_to_halves(tensor, dims.n_heads)
+        elif target.endswith("self_attn.k_proj.weight"):
+            tensor = _interleaved_to_halves(tensor, dims.n_kv_heads)
+        converted[target] = tensor.contiguous()
     return converted
 
 
