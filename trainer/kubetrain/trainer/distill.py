@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -90,7 +89,7 @@ def check_tokenizer(uri: str, teacher_vocab: int, teacher_sha256: str | None, *,
 class Teacher:
     """The frozen teacher of one job, and the student loss that distils it."""
 
-    def __init__(self, module: nn.Module, spec: DistillationSpec) -> None:
+    def __init__(self, module: Transformer, spec: DistillationSpec) -> None:
         self.module = module
         self.spec = spec
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -134,12 +133,15 @@ class Teacher:
 def load_teacher(spec: TrainingJobSpec, student_dims: ModelDims, data: DatasetIndex,
                  mesh: DeviceMesh, device: torch.device) -> Teacher:
     """Check, build, shard and load the teacher `spec.distillation` names (collective)."""
-    from kubetrain.trainer.pretrained import load_pretrained, pretrained_dims
+    from kubetrain.trainer.pretrained import PretrainedError, load_pretrained, pretrained_dims
 
     distillation = spec.distillation
     assert distillation is not None, "load_teacher needs spec.distillation"
     uri = distillation.teacher
-    dims = pretrained_dims(uri, spec.storage)
+    try:
+        dims = pretrained_dims(uri, spec.storage)
+    except PretrainedError as error:  # its messages name model.init, the other reader
+        raise PretrainedError(str(error).replace("model.init:", f"{FIELD}:", 1)) from None
     source = ("spec.model.vocabSize" if spec.model.vocab_size is not None
               else "the data's tokenizer")
     check_tokenizer(uri, dims.vocab_size, teacher_tokenizer_sha256(uri, spec.storage),

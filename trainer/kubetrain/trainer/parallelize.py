@@ -118,7 +118,7 @@ def parallelize(
 
 
 def parallelize_frozen(model: Transformer, spec: ParallelismSpec, mesh: DeviceMesh,
-                       device: torch.device) -> nn.Module:
+                       device: torch.device) -> Transformer:
     """Place a frozen model (a distillation teacher) the way `parallelize` places the trained one.
 
     Its parameters stop requiring gradients and are stored in the job's compute dtype:
