@@ -71,10 +71,16 @@ class Workspace:
         return str(self.root / uri)
 
     def localize(self, job: TrainingJob) -> TrainingJob:
-        """The job with every relative data and checkpoint path resolved under the run folder."""
+        """The job with every relative data, checkpoint and teacher path resolved under the
+        run folder."""
         data, checkpoint = job.spec.data, job.spec.checkpoint
         optional = self._resolve_optional
+        distillation = job.spec.distillation
+        if distillation is not None:
+            distillation = distillation.model_copy(
+                update={"teacher": self.resolve(distillation.teacher)})
         spec = job.spec.model_copy(update={
+            "distillation": distillation,
             "data": data.model_copy(update={
                 "train": self.resolve(data.train),
                 "validation": optional(data.validation),

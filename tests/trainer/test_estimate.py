@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,25 @@ def test_a_distillation_teacher_adds_its_sharded_weights_and_chunk_but_no_gradie
     ddp = job_spec(model={"preset": "llama-1b"}, parallelism={"strategy": "ddp"},
                    distillation={"teacher": "s3://models/llama-8b"})
     assert estimate_memory(ddp, 8, plan, teacher=teacher).teacher > 2 * parameter_count(teacher)
+
+
+def test_the_command_reads_the_teachers_config_and_prints_its_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kubetrain.cli import main
+    from kubetrain.trainer.export import llama_config
+
+    teacher = parse_job(manifest()).spec.model.resolve()  # llama-8b's dimensions
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "config.json").write_text(
+        json.dumps(llama_config(teacher, 4096, eos_token_id=0)))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest(model={"preset": "llama-1b"},
+                                            workers={"procsPerWorker": 8},
+                                            distillation={"teacher": str(tmp_path / "teacher")})))
+    main(["estimate", str(path), "--gpu-memory", "200"])
+    out = capsys.readouterr().out
+    assert f"distilled from a {parameter_count(teacher) / 1e9:.2f}B-parameter teacher" in out
+    (row,) = [line for line in out.splitlines() if "distillation teacher (bf16, 1/8 each)" in line]
+    spec = parse_job(yaml.safe_load(path.read_text())).spec
+    expected = estimate_memory(spec, 8, job_plan(spec, 8), teacher=teacher).teacher
+    assert float(row.split()[-1]) == pytest.approx(expected / GIB, abs=0.006)

@@ -162,7 +162,10 @@ def _teacher_bytes(teacher: ModelDims, tokens: int, chunk: int, compute: int, sh
 
 
 def teacher_dims(spec: TrainingJobSpec) -> ModelDims | None:
-    """The dimensions of the job's distillation teacher, from its config.json; None without."""
+    """The dimensions of the job's distillation teacher, from its config.json; None without.
+
+    Read through pretrained.py, which imports torch: only a distillation job's estimate
+    needs it."""
     if spec.distillation is None:
         return None
     from kubetrain.trainer.pretrained import pretrained_dims
@@ -227,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     plan = job_plan(spec, world_size)
     teacher = teacher_dims(spec)
     estimate = estimate_memory(spec, world_size, plan, teacher=teacher)
-    print(_describe(spec, world_size, plan))
+    print(_describe(spec, world_size, plan, teacher))
     print(_table(spec, world_size, estimate))
     fits = estimate.total <= gpu_bytes
     verdict = "fits" if fits else "does NOT fit"
@@ -248,14 +251,19 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan) -> str:
+def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan,
+              teacher: ModelDims | None = None) -> str:
     dims = spec.model.resolve()
     name = "custom model" if spec.model.preset == "custom" else spec.model.preset
+    distilling = ""
+    if teacher is not None and spec.distillation is not None:
+        distilling = (f"distilled from a {parameter_count(teacher) / 1e9:.2f}B-parameter "
+                      f"teacher ({spec.distillation.teacher})\n")
     return (f"{name}: {parameter_count(dims) / 1e9:.2f}B parameters, {world_size} processes, "
             f"{spec.parallelism.strategy}, {spec.parallelism.precision}, activation "
             f"checkpointing {plan.activation_checkpointing}\n"
             f"micro-batch {plan.micro_batch_size} x {spec.data.seq_len} tokens, "
-            f"{plan.gradient_accumulation} accumulation steps\n")
+            f"{plan.gradient_accumulation} accumulation steps\n{distilling}")
 
 
 def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> str:
