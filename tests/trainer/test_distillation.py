@@ -350,3 +350,28 @@ def test_a_teacher_whose_tokenizer_or_vocabulary_is_not_the_datas_is_refused(
     teacher = load_teacher(spec, spec.model.resolve().model_copy(update={"vocab_size": 2048}),
                            index, mesh, torch.device("cpu"))
     assert all(not p.requires_grad for p in teacher.module.parameters())
+
+
+def test_the_two_terms_reach_prometheus_the_metrics_log_and_the_progress_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kubetrain.trainer.metrics import REGISTRY, Reporter, StepReport
+
+    spec = parse_job({"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                      "metadata": {"name": "reported"},
+                      "spec": {"image": "x", "data": {"train": "s3://d/train"},
+                               "checkpoint": {"uri": str(tmp_path / "checkpoints")},
+                               "distillation": {"teacher": "s3://models/teacher"}}}).spec
+    reporter = Reporter(spec, enabled=True, metrics_log=tmp_path / "log.jsonl",
+                        job_name="reported", serve=False)
+    try:
+        reporter.logged(StepReport(step=3, epoch=0.1, loss=4.25, learning_rate=1e-3,
+                                   grad_norm=0.5, tokens_per_second=100.0, mfu=0.0,
+                                   step_time=0.1, data_wait_ratio=0.0, ce_loss=6.5,
+                                   kd_loss=2.0), torch.device("cpu"))
+    finally:
+        reporter.close()
+    assert REGISTRY.get_sample_value("kubetrain_ce_loss") == 6.5
+    assert REGISTRY.get_sample_value("kubetrain_kd_loss") == 2.0
+    (event,) = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert (event["loss"], event["ce_loss"], event["kd_loss"]) == (4.25, 6.5, 2.0)
+    assert "loss 4.2500 | ce 6.5000 | kd 2.0000 | lr" in capsys.readouterr().out
