@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +262,18 @@ def _fit(spec: TrainingJobSpec, folder: Path) -> tuple[float, list[dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def trained_teacher(prepared_corpus: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+def one_thread() -> Iterator[None]:
+    """In-process training on one CPU thread, as the launched trainers run: on a busy
+    machine, OpenMP threads waiting on each other cost several times the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained_teacher(prepared_corpus: Any, tmp_path_factory: pytest.TempPathFactory,
+                    one_thread: None) -> str:
     """The export (an HF Llama folder) of the tiny preset trained on the corpus."""
     folder = tmp_path_factory.mktemp("teacher")
     spec = _spec(prepared_corpus, folder, {"preset": "tiny"}, TEACHER_STEPS,
