@@ -915,6 +915,13 @@ class Progress(ApiModel):
         default=None, description="Passes over the training data so far, with the fraction "
         "of the current one (1.5: halfway through the second epoch).")
     loss: float | None = Field(default=None, description="Training loss at that step.")
+    ce_loss: float | None = Field(
+        default=None, description="Knowledge distillation (spec.distillation): the "
+        "cross-entropy on the labels at that step; loss is (1 - alpha) x ceLoss + alpha x "
+        "kdLoss.")
+    kd_loss: float | None = Field(
+        default=None, description="Knowledge distillation: T^2 x KL(teacher || student) at "
+        "that step.")
     tokens_per_second: float | None = Field(default=None, description="Throughput of the group.")
     updated_at: datetime | None = Field(default=None, description="When the step last advanced.")
     eta_seconds: int | None = Field(
