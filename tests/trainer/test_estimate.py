@@ -145,3 +145,30 @@ def test_the_command_reads_the_teachers_config_and_prints_its_row(
     spec = parse_job(yaml.safe_load(path.read_text())).spec
     expected = estimate_memory(spec, 8, job_plan(spec, 8), teacher=teacher).teacher
     assert float(row.split()[-1]) == pytest.approx(expected / GIB, abs=0.006)
+
+
+def test_a_model_init_job_is_sized_from_its_config_json_without_torch(tmp_path: Path) -> None:
+    import json
+
+    from kubetrain.api.presets import PRESETS
+    from kubetrain.trainer.export import llama_config
+
+    dims = PRESETS["llama-1b"].dims
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(llama_config(dims, 4096, 0)))
+    for model, code in (({"init": str(folder), "preset": "custom"}, 0),
+                        ({"init": str(folder), "dim": 1024}, 2)):
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(manifest(model=model)))
+        program = ("import sys; sys.modules['torch'] = None; from kubetrain.cli import main; "
+                   f"sys.exit(main(['estimate', {str(path)!r}, '--gpu-memory', '200']))")
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == code, done.stderr
+        if code == 0:
+            assert (f"model.init {folder}: {parameter_count(dims) / 1e9:.2f}B parameters"
+                    in done.stdout)
+        else:
+            assert "spec.model.dim is 1024 but config.json at" in done.stderr
+            assert "says hidden_size 2048" in done.stderr

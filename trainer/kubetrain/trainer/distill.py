@@ -42,13 +42,15 @@ from kubetrain.trainer.loss import DistillationLosses, OutputLoss, distillation_
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import parallelize_frozen
 from kubetrain.trainer.prepare import TOKENIZER_NAME, DatasetIndex
+from kubetrain.trainer.pretrained_config import PretrainedError
 from kubetrain.trainer.storage import open_storage
 
 FIELD = "spec.distillation.teacher"
 
 
-class TokenizerMismatch(ValueError):
-    """The teacher predicts over other tokens than the data's."""
+class TokenizerMismatch(PretrainedError):
+    """The teacher predicts over other tokens than the data's (a configuration error: the
+    trainer exits 2 and the job is not retried)."""
 
 
 def teacher_tokenizer_sha256(uri: str, storage: StorageSpec | None) -> str | None:
@@ -133,7 +135,7 @@ class Teacher:
 def load_teacher(spec: TrainingJobSpec, student_dims: ModelDims, data: DatasetIndex,
                  mesh: DeviceMesh, device: torch.device) -> Teacher:
     """Check, build, shard and load the teacher `spec.distillation` names (collective)."""
-    from kubetrain.trainer.pretrained import PretrainedError, load_pretrained, pretrained_dims
+    from kubetrain.trainer.pretrained import load_pretrained, pretrained_dims
 
     distillation = spec.distillation
     assert distillation is not None, "load_teacher needs spec.distillation"

@@ -109,11 +109,14 @@ def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
 
 def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
                     output_loss: OutputLossName = "chunked",
+                    dims: ModelDims | None = None,
                     teacher: ModelDims | None = None) -> MemoryEstimate:
     """Memory per process for `spec` trained by `world_size` processes with `plan`,
-    the loss computed by `output_loss` (loss.py), distilling from a teacher of
-    dimensions `teacher` (its config.json's; see `teacher_dims`) when given."""
-    dims = spec.model.resolve()
+    the loss computed by `output_loss` (loss.py); `dims` (default: the spec's) are the
+    model's dimensions, which a model.init job takes from its config.json; `teacher`
+    the dimensions of a distillation teacher (its config.json's; see `teacher_dims`).
+    """
+    dims = dims or spec.model.resolve()
     n_params = parameter_count(dims)
     sharded = spec.parallelism.strategy == "fsdp" and world_size > 1
     shards = world_size if sharded else 1
@@ -162,15 +165,17 @@ def _teacher_bytes(teacher: ModelDims, tokens: int, chunk: int, compute: int, sh
 
 
 def teacher_dims(spec: TrainingJobSpec) -> ModelDims | None:
-    """The dimensions of the job's distillation teacher, from its config.json; None without.
-
-    Read through pretrained.py, which imports torch: only a distillation job's estimate
-    needs it."""
+    """The dimensions of the job's distillation teacher, from its config.json (read through
+    the storage layer, like model.init's); None without a teacher."""
     if spec.distillation is None:
         return None
-    from kubetrain.trainer.pretrained import pretrained_dims
+    from kubetrain.trainer.pretrained_config import PretrainedError, read_config
 
-    return pretrained_dims(spec.distillation.teacher, spec.storage)
+    try:
+        return read_config(spec.distillation.teacher, spec.storage).dims
+    except PretrainedError as error:  # its messages name model.init, the other reader
+        raise PretrainedError(str(error).replace(
+            "model.init:", "spec.distillation.teacher:", 1)) from None
 
 
 def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, compute: int,
@@ -189,6 +194,7 @@ def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, 
 
 def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
               output_loss: OutputLossName = "chunked",
+              dims: ModelDims | None = None,
               teacher: ModelDims | None = None) -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
@@ -203,11 +209,21 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
         micro = asked.micro_batch_size
         while micro >= 1:
             plan = Plan(micro, math.ceil(global_sequences / micro), checkpointing)
-            if estimate_memory(spec, world_size, plan, output_loss,
+            if estimate_memory(spec, world_size, plan, output_loss, dims,
                                teacher).total <= gpu_bytes:
                 return plan
             micro //= 2
     return None
+
+
+def model_dims(spec: TrainingJobSpec) -> ModelDims:
+    """The model's dimensions: the spec's, or a model.init job's config.json's (read through
+    the storage layer, so sizing such a job needs the trainer extra)."""
+    if spec.model.init is None:
+        return spec.model.resolve()
+    from kubetrain.trainer.pretrained_config import job_dims
+
+    return job_dims(spec)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,22 +244,27 @@ def run(args: argparse.Namespace) -> int:
     world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
     gpu_bytes = int(args.gpu_memory * GIB)
     plan = job_plan(spec, world_size)
-    teacher = teacher_dims(spec)
-    estimate = estimate_memory(spec, world_size, plan, teacher=teacher)
-    print(_describe(spec, world_size, plan, teacher))
+    try:
+        dims = model_dims(spec)
+        teacher = teacher_dims(spec)
+    except (ValueError, OSError) as error:  # a config.json: unreadable or refused
+        print(f"kubetrain estimate: {error}", file=sys.stderr)
+        return 2
+    estimate = estimate_memory(spec, world_size, plan, dims=dims, teacher=teacher)
+    print(_describe(spec, world_size, plan, dims, teacher))
     print(_table(spec, world_size, estimate))
     fits = estimate.total <= gpu_bytes
     verdict = "fits" if fits else "does NOT fit"
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
     if fits:
         return 0
-    better = recommend(spec, world_size, gpu_bytes, teacher=teacher)
+    better = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher)
     if better is None:
         print(f"\nNothing fits {args.gpu_memory:g} GiB with {world_size} processes: use more "
               "processes (workers.replicas or procsPerWorker) with strategy fsdp, or a smaller "
               "model.")
         return 1
-    total = estimate_memory(spec, world_size, better, teacher=teacher).total
+    total = estimate_memory(spec, world_size, better, dims=dims, teacher=teacher).total
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
           f"  optimization.microBatchSize: {better.micro_batch_size}\n"
           f"  optimization.gradientAccumulationSteps: {better.gradient_accumulation}\n"
@@ -251,10 +272,10 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan,
+def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims,
               teacher: ModelDims | None = None) -> str:
-    dims = spec.model.resolve()
-    name = "custom model" if spec.model.preset == "custom" else spec.model.preset
+    name = (f"model.init {spec.model.init}" if spec.model.init
+            else "custom model" if spec.model.preset == "custom" else spec.model.preset)
     distilling = ""
     if teacher is not None and spec.distillation is not None:
         distilling = (f"distilled from a {parameter_count(teacher) / 1e9:.2f}B-parameter "

@@ -21,6 +21,7 @@ The one non-trivial mapping: kubetrain's rotary embedding rotates interleaved
 channel pairs (Meta's original Llama layout) while transformers rotates the two
 halves of each head, so the rows of the query and key projections are permuted
 per head - the same permutation as transformers' own Llama conversion script.
+`model.init` reads such a folder back (pretrained.py), inverting it exactly.
 """
 
 from __future__ import annotations

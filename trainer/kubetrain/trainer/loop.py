@@ -82,6 +82,8 @@ from kubetrain.trainer.metrics import Reporter, StepReport, peak_flops
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
+from kubetrain.trainer.pretrained import load_pretrained
+from kubetrain.trainer.pretrained_config import check_vocabulary, job_dims
 from kubetrain.trainer.sizing import flops_per_token
 from kubetrain.trainer.storage import open_storage
 
@@ -202,8 +204,11 @@ class Trainer:
         spec, opt = self.spec, self.spec.optimization
         train_data, validation_data = build_datasets(
             spec, rank=world.rank, world_size=world.world_size)
-        dims = spec.model.resolve()
-        if spec.model.vocab_size is None:
+        # With model.init the dimensions are its config.json's (checked against the spec).
+        dims = job_dims(spec)
+        if spec.model.init is not None:
+            check_vocabulary(dims, train_data.index.vocab_size, spec.model.init)
+        elif spec.model.vocab_size is None:
             # The model's vocabulary is the tokenizer's unless the spec sets one.
             dims = dims.model_copy(update={"vocab_size": train_data.index.vocab_size})
         # The teacher first, so the student's weights and dropout masks are drawn as they
@@ -264,7 +269,12 @@ class Trainer:
 
         goodput = run.goodput
         goodput.charge(STARTUP)
-        step = run.checkpointer.load_latest(run.app_state) or 0
+        loaded = run.checkpointer.load_latest(run.app_state)
+        if loaded is None and spec.model.init is not None:
+            # Pretrained weights only start a job: any checkpoint to resume from wins.
+            load_pretrained(model, spec.model.init, spec.storage)
+            reporter.initialised(spec.model.init)
+        step = loaded or 0
         goodput.charge(CHECKPOINT_LOAD)
         # A checkpoint of another job (resumeFrom) does not carry this job's time.
         goodput.resume(self._last_heartbeat(run),

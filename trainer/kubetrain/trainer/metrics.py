@@ -184,6 +184,10 @@ class Reporter:
         self._event("resumed", step=step, uri=uri, world_size=world_size)
         self._print(f"resumed from {uri} at step {step} with {world_size} processes")
 
+    def initialised(self, uri: str) -> None:
+        self._event("initialised", uri=uri)
+        self._print(f"initialised from the pretrained weights at {uri}")
+
     def stepped(self, step: int, tokens: int, step_time: float) -> None:
         """Every step: the cheap, always-current figures (step, time, tokens)."""
         if not self.enabled:
