@@ -334,7 +334,8 @@ def _copy_folder(source: str, target: Path) -> Path:
 
 
 def test_a_teacher_whose_tokenizer_or_vocabulary_is_not_the_datas_is_refused(
-        prepared_corpus: Any, trained_teacher: str, tmp_path: Path) -> None:
+        prepared_corpus: Any, trained_teacher: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """Through the trainer's own loader: a re-serialised tokenizer.json (same tokens, other
     bytes) and a config.json with another vocabulary size are both refused before loading."""
     from kubetrain.trainer.distill import load_teacher
@@ -356,6 +357,17 @@ def test_a_teacher_whose_tokenizer_or_vocabulary_is_not_the_datas_is_refused(
             load_teacher(spec, spec.model.resolve().model_copy(update={"vocab_size": 2048}),
                          index, mesh, torch.device("cpu"))
         assert str(refused.value).startswith("spec.distillation.teacher: ")
+    # The trainer refuses it as a configuration error: exit 2, which is not retried.
+    from kubetrain.trainer.__main__ import EXIT_INVALID_MANIFEST, main
+
+    job = tmp_path / "job.yaml"
+    spec = _spec(prepared_corpus, tmp_path / "student", STUDENT, 20,
+                 distillation={"teacher": str(other_tokenizer)})
+    job.write_text(json.dumps({"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                               "metadata": {"name": "student"}, "spec": spec.wire()}))
+    assert main([str(job), "--metrics-log", str(tmp_path / "log.jsonl")]) == (
+        EXIT_INVALID_MANIFEST)
+    assert "spec.distillation.teacher: the teacher's tokenizer" in capsys.readouterr().err
     # The export itself matches: the same tokenizer bytes the data was prepared with.
     spec = _spec(prepared_corpus, tmp_path / "student", STUDENT, 20,
                  distillation={"teacher": trained_teacher})
