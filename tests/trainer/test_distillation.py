@@ -29,6 +29,7 @@ from kubetrain.trainer.loss import chunked_cross_entropy, distillation_loss
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import parallelize_frozen
 from kubetrain.trainer.prepare import DatasetIndex
+from kubetrain.trainer.pretrained_config import PretrainedError
 from kubetrain.trainer.storage import open_storage
 
 VOCAB = 300
@@ -337,7 +338,8 @@ def test_a_teacher_whose_tokenizer_or_vocabulary_is_not_the_datas_is_refused(
         prepared_corpus: Any, trained_teacher: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     """Through the trainer's own loader: a re-serialised tokenizer.json (same tokens, other
-    bytes) and a config.json with another vocabulary size are both refused before loading."""
+    bytes), a config.json with another vocabulary size and a teacher trained on shorter
+    sequences than the data's are refused before loading."""
     from kubetrain.trainer.distill import load_teacher
 
     mesh: DeviceMesh = _MeshOfOne()  # type: ignore[assignment]
@@ -347,13 +349,18 @@ def test_a_teacher_whose_tokenizer_or_vocabulary_is_not_the_datas_is_refused(
     other_vocab = _copy_folder(trained_teacher, tmp_path / "other-vocab")
     config = json.loads((other_vocab / "config.json").read_text())
     (other_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 4096}))
+    short_context = _copy_folder(trained_teacher, tmp_path / "short-context")
+    (short_context / "config.json").write_text(
+        json.dumps({**config, "max_position_embeddings": 32}))
 
     index = DatasetIndex.load(open_storage(prepared_corpus.train_uri))
     for folder, expected in ((other_tokenizer, "is not the one the data was prepared with"),
-                             (other_vocab, "4096 tokens")):
+                             (other_vocab, "4096 tokens"),
+                             (short_context, r"seqLen \(64\) is longer than the teacher's "
+                                             r"max_position_embeddings \(32\)")):
         spec = _spec(prepared_corpus, tmp_path / "student", STUDENT, 20,
                      distillation={"teacher": str(folder)})
-        with pytest.raises(TokenizerMismatch, match=expected) as refused:
+        with pytest.raises(PretrainedError, match=expected) as refused:
             load_teacher(spec, spec.model.resolve().model_copy(update={"vocab_size": 2048}),
                          index, mesh, torch.device("cpu"))
         assert str(refused.value).startswith("spec.distillation.teacher: ")

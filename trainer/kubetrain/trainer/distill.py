@@ -42,7 +42,7 @@ from kubetrain.trainer.loss import DistillationLosses, OutputLoss, distillation_
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import parallelize_frozen
 from kubetrain.trainer.prepare import TOKENIZER_NAME, DatasetIndex
-from kubetrain.trainer.pretrained_config import PretrainedError
+from kubetrain.trainer.pretrained_config import PretrainedError, read_config
 from kubetrain.trainer.storage import open_storage
 
 FIELD = "spec.distillation.teacher"
@@ -135,15 +135,22 @@ class Teacher:
 def load_teacher(spec: TrainingJobSpec, student_dims: ModelDims, data: DatasetIndex,
                  mesh: DeviceMesh, device: torch.device) -> Teacher:
     """Check, build, shard and load the teacher `spec.distillation` names (collective)."""
-    from kubetrain.trainer.pretrained import load_pretrained, pretrained_dims
+    from kubetrain.trainer.pretrained import load_pretrained
 
     distillation = spec.distillation
     assert distillation is not None, "load_teacher needs spec.distillation"
     uri = distillation.teacher
     try:
-        dims = pretrained_dims(uri, spec.storage)
+        config = read_config(uri, spec.storage)
     except PretrainedError as error:  # its messages name model.init, the other reader
         raise PretrainedError(str(error).replace("model.init:", f"{FIELD}:", 1)) from None
+    if config.max_positions is not None and spec.data.seq_len > config.max_positions:
+        raise PretrainedError(
+            f"{FIELD}: spec.data.seqLen ({spec.data.seq_len}) is longer than the teacher's "
+            f"max_position_embeddings ({config.max_positions}) in {config.where}: it was not "
+            "trained on positions that far, so its predictions there teach noise; lower "
+            "data.seqLen or use a teacher trained on longer sequences")
+    dims = config.dims
     source = ("spec.model.vocabSize" if spec.model.vocab_size is not None
               else "the data's tokenizer")
     check_tokenizer(uri, dims.vocab_size, teacher_tokenizer_sha256(uri, spec.storage),
