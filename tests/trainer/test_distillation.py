@@ -123,6 +123,30 @@ def test_chunked_equals_unchunked_loss_and_gradients_in_fp32(chunk: int) -> None
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_chunked_loss_never_keeps_either_models_logits_for_backward() -> None:
+    """What autograd saves, by size: unchunked, [tokens, vocab] logits of both models;
+    in chunks of 8 tokens, nothing larger than one chunk's [8, vocab] or a weight."""
+    hidden, weight, targets, teacher_hidden, teacher_weight = _inputs(tokens=64)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+
+    def largest_saved(chunk: int) -> int:
+        sizes = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            sizes.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = distillation_loss(hidden, weight, targets, teacher_hidden, teacher_weight,
+                                     temperature=2.0, alpha=0.5, chunk=chunk).loss
+        loss.backward()
+        return max(sizes)
+
+    assert largest_saved(64) >= 64 * VOCAB
+    assert largest_saved(8) <= max(8 * VOCAB, weight.numel(), teacher_weight.numel())
+
+
 # --- the teacher and its checks ---------------------------------------------------------
 
 TEACHER_DIMS = ModelDims(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
