@@ -358,6 +358,7 @@ def _copy_folder(source: str, target: Path) -> Path:
     return target
 
 
+@pytest.mark.slow  # its teacher is trained (the module's fixture)
 def test_a_teacher_whose_tokenizer_or_vocabulary_is_not_the_datas_is_refused(
         prepared_corpus: Any, trained_teacher: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
