@@ -559,6 +559,35 @@ class OptimizationSpec(ApiModel):
         return max(1, math.ceil(self.epochs * tokens_per_epoch / tokens_per_step))
 
 
+class DistillationSpec(ApiModel):
+    """Knowledge distillation: the student learns from a frozen teacher's soft predictions."""
+
+    teacher: str = Field(
+        min_length=1, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
+        description="URI of the teacher: a Hugging Face Llama folder (config.json and "
+        "safetensors), such as another job's export (<checkpoint uri>/export): s3://bucket/"
+        "prefix, file:///path or a path. Its vocabulary must be the student's, and its "
+        "tokenizer.json, when the folder has one, the one the data was prepared with.",
+    )
+    temperature: float = Field(
+        default=2.0, gt=0, le=1000,
+        description="Softmax temperature T of both models' logits in the distillation term; "
+        "above 1 it softens the teacher's distribution. The term is scaled by T squared so its "
+        "gradients keep their size as T changes.",
+    )
+    alpha: float = Field(
+        default=0.5, ge=0, le=1,
+        description="Weight of the distillation term: loss = (1 - alpha) x cross-entropy on "
+        "the labels + alpha x T^2 x KL(teacher || student); 0 trains on the labels alone.",
+    )
+
+    @field_validator("teacher")
+    @classmethod
+    def _uri_scheme(cls, value: str) -> str:
+        _check_uri(value)
+        return value
+
+
 class EarlyStopping(ApiModel):
     patience: int = Field(
         default=0, ge=0,
@@ -817,6 +846,10 @@ class TrainingJobSpec(ApiModel):
         default_factory=StorageSpec, description="Object storage endpoint and credentials."
     )
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metrics and logs.")
+    distillation: DistillationSpec | None = Field(
+        default=None, description="Train from a frozen teacher's predictions as well as the "
+        "labels (knowledge distillation); omit to train on the labels alone.",
+    )
     run_policy: RunPolicy = Field(
         default_factory=RunPolicy, description="Restarts, deadlines, suspend and cleanup."
     )
@@ -912,6 +945,13 @@ class Progress(ApiModel):
         default=None, description="Passes over the training data so far, with the fraction "
         "of the current one (1.5: halfway through the second epoch).")
     loss: float | None = Field(default=None, description="Training loss at that step.")
+    ce_loss: float | None = Field(
+        default=None, description="Knowledge distillation (spec.distillation): the "
+        "cross-entropy on the labels at that step; loss is (1 - alpha) x ceLoss + alpha x "
+        "kdLoss.")
+    kd_loss: float | None = Field(
+        default=None, description="Knowledge distillation: T^2 x KL(teacher || student) at "
+        "that step.")
     tokens_per_second: float | None = Field(default=None, description="Throughput of the group.")
     updated_at: datetime | None = Field(default=None, description="When the step last advanced.")
     eta_seconds: int | None = Field(

@@ -74,12 +74,17 @@ class Workspace:
         return str(self.root / uri)
 
     def localize(self, job: TrainingJob) -> TrainingJob:
-        """The job with every relative model, data and checkpoint path resolved under the run
-        folder."""
+        """The job with every relative model, data, checkpoint and teacher path resolved
+        under the run folder."""
         model, data, checkpoint = job.spec.model, job.spec.data, job.spec.checkpoint
         optional = self._resolve_optional
+        distillation = job.spec.distillation
+        if distillation is not None:
+            distillation = distillation.model_copy(
+                update={"teacher": self.resolve(distillation.teacher)})
         spec = job.spec.model_copy(update={
             "model": model.model_copy(update={"init": optional(model.init)}),
+            "distillation": distillation,
             "data": data.model_copy(update={
                 "train": self.resolve(data.train),
                 "validation": optional(data.validation),

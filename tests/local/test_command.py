@@ -72,6 +72,15 @@ def test_relative_paths_live_under_the_run_folder(job_file: Path) -> None:
     assert local.spec.model.init == str(Path("runs/demo/../first/checkpoints/export"))
 
 
+def test_a_relative_distillation_teacher_lives_under_the_run_folder(job_file: Path) -> None:
+    manifest = yaml.safe_load(job_file.read_text())
+    manifest["spec"]["distillation"] = {"teacher": "teacher/export", "alpha": 0.3}
+    job = parse_job(manifest)
+    local = Workspace.of(job).localize(job).spec.distillation
+    assert local is not None and local.alpha == 0.3
+    assert local.teacher == str(Path("runs/demo/teacher/export"))
+
+
 def test_invalid_manifest_is_reported_with_its_field(
         job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     manifest = yaml.safe_load(job_file.read_text())

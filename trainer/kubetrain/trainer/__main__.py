@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return Trainer(job, metrics_log=args.metrics_log).fit().exit_code
-    except PretrainedError as error:  # model.init names a model this job cannot start from
+    except PretrainedError as error:  # model.init or a distillation teacher this job cannot use
         print(f"invalid TrainingJob: {error}", file=sys.stderr)
         return EXIT_INVALID_MANIFEST
 

@@ -30,6 +30,17 @@ checkpointing, strategy and world size it adds up, per training process:
   output weight cast to the compute dtype without FSDP; `liger` (CUDA, when
   installed) its fp32 weight-gradient accumulator vocab·d·4, the input gradient
   tokens·d·b and one chunk of its own size;
+- with `distillation`, the frozen teacher (distill.py), whose dimensions come from
+  its config.json: its weights in the compute dtype (sharded under FSDP, whole
+  otherwise) with no gradients or optimizer state, FSDP's two gathered teacher
+  blocks, its final hidden states of the micro-batch (tokens·d_teacher·b) and its
+  whole output weight (vocab·d_teacher·b, gathered once per micro-batch under FSDP),
+  which both live until the student's backward, and per loss chunk (of
+  `sizing.distillation_chunk_tokens`, half a cross-entropy chunk) the teacher's
+  logits with their fp32 copy and log-softmax, tokens·vocab·(b + 8); the student's
+  loss is then the chunked distillation loss whatever `output_loss` says, counted
+  as the chunked loss over those shorter chunks plus its extra log-softmax and its
+  gradient, tokens·vocab·8;
 - 1 GiB for the CUDA context and allocator fragmentation.
 
 fp8 is counted as bf16, an upper bound: float8 linears keep smaller copies.
@@ -53,6 +64,7 @@ from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
 from kubetrain.trainer.sizing import (
     CONTROLLER_WIDTH,
     block_parameter_count,
+    distillation_chunk_tokens,
     loss_chunk_tokens,
     parameter_count,
 )
@@ -85,12 +97,14 @@ class MemoryEstimate:
     weight_copies: int
     activations: int
     logits: int
+    teacher: int = 0  # distillation: everything the frozen teacher adds
     context: int = CONTEXT_BYTES
 
     @property
     def total(self) -> int:
         return (self.parameters + self.gradients + self.optimizer + self.fsdp_working_set
-                + self.weight_copies + self.activations + self.logits + self.context)
+                + self.weight_copies + self.activations + self.logits + self.teacher
+                + self.context)
 
 
 def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
@@ -101,10 +115,13 @@ def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
 
 def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
                     output_loss: OutputLossName = "chunked",
-                    dims: ModelDims | None = None) -> MemoryEstimate:
+                    dims: ModelDims | None = None,
+                    teacher: ModelDims | None = None) -> MemoryEstimate:
     """Memory per process for `spec` trained by `world_size` processes with `plan`,
     the loss computed by `output_loss` (loss.py); `dims` (default: the spec's) are the
-    model's dimensions, which a model.init job takes from its config.json."""
+    model's dimensions, which a model.init job takes from its config.json; `teacher`
+    the dimensions of a distillation teacher (its config.json's; see `teacher_dims`).
+    """
     dims = dims or spec.model.resolve()
     dynamics = spec.model.dynamics.enabled
     n_params = parameter_count(dims, dynamics)
@@ -126,6 +143,13 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
 
     # Without FSDP the weights stay fp32 and autocast computes with cached casts of them.
     casts = not sharded and compute < 4
+    logits = _loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts)
+    teacher_bytes = 0
+    if teacher is not None:
+        chunk = min(tokens, distillation_chunk_tokens(dims.vocab_size))
+        weight_cast = dims.vocab_size * dims.dim * compute if casts else 0
+        logits = chunk * dims.vocab_size * (compute + 8 + 8) + weight_cast
+        teacher_bytes = _teacher_bytes(teacher, tokens, chunk, compute, sharded, shards)
     return MemoryEstimate(
         parameters=4 * n_params // shards,
         gradients=4 * n_params // shards,
@@ -133,8 +157,34 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         fsdp_working_set=2 * block_params * (compute + 4) if sharded else 0,
         weight_copies=compute * dims.n_layers * block_params if casts else 0,
         activations=activations,
-        logits=_loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts),
+        logits=logits,
+        teacher=teacher_bytes,
     )
+
+
+def _teacher_bytes(teacher: ModelDims, tokens: int, chunk: int, compute: int, sharded: bool,
+                   shards: int) -> int:
+    """What a frozen distillation teacher holds (see the module docstring)."""
+    weights = compute * parameter_count(teacher) // shards
+    gathered_blocks = 2 * block_parameter_count(teacher) * compute if sharded else 0
+    hidden = tokens * teacher.dim * compute
+    output_weight = teacher.vocab_size * teacher.dim * compute if sharded else 0
+    chunk_logits = chunk * teacher.vocab_size * (compute + 8)
+    return weights + gathered_blocks + hidden + output_weight + chunk_logits
+
+
+def teacher_dims(spec: TrainingJobSpec) -> ModelDims | None:
+    """The dimensions of the job's distillation teacher, from its config.json (read through
+    the storage layer, like model.init's); None without a teacher."""
+    if spec.distillation is None:
+        return None
+    from kubetrain.trainer.pretrained_config import PretrainedError, read_config
+
+    try:
+        return read_config(spec.distillation.teacher, spec.storage).dims
+    except PretrainedError as error:  # its messages name model.init, the other reader
+        raise PretrainedError(str(error).replace(
+            "model.init:", "spec.distillation.teacher:", 1)) from None
 
 
 def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, compute: int,
@@ -153,7 +203,8 @@ def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, 
 
 def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
               output_loss: OutputLossName = "chunked",
-              dims: ModelDims | None = None) -> Plan | None:
+              dims: ModelDims | None = None,
+              teacher: ModelDims | None = None) -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
     The global batch stays what the job asks for: gradient accumulation grows as
@@ -167,7 +218,8 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
         micro = asked.micro_batch_size
         while micro >= 1:
             plan = Plan(micro, math.ceil(global_sequences / micro), checkpointing)
-            if estimate_memory(spec, world_size, plan, output_loss, dims).total <= gpu_bytes:
+            if estimate_memory(spec, world_size, plan, output_loss, dims,
+                               teacher).total <= gpu_bytes:
                 return plan
             micro //= 2
     return None
@@ -201,27 +253,28 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         spec, dims = trained_model(job.spec)
-    except (ValueError, OSError) as error:  # model.init's config.json: unreadable or refused
+        teacher = teacher_dims(spec)
+    except (ValueError, OSError) as error:  # a config.json: unreadable or refused
         print(f"kubetrain estimate: {error}", file=sys.stderr)
         return 2
     world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
     gpu_bytes = int(args.gpu_memory * GIB)
     plan = job_plan(spec, world_size)
-    estimate = estimate_memory(spec, world_size, plan, dims=dims)
-    print(_describe(spec, world_size, plan, dims))
+    estimate = estimate_memory(spec, world_size, plan, dims=dims, teacher=teacher)
+    print(_describe(spec, world_size, plan, dims, teacher))
     print(_table(spec, world_size, estimate))
     fits = estimate.total <= gpu_bytes
     verdict = "fits" if fits else "does NOT fit"
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
     if fits:
         return 0
-    better = recommend(spec, world_size, gpu_bytes, dims=dims)
+    better = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher)
     if better is None:
         print(f"\nNothing fits {args.gpu_memory:g} GiB with {world_size} processes: use more "
               "processes (workers.replicas or procsPerWorker) with strategy fsdp, or a smaller "
               "model.")
         return 1
-    total = estimate_memory(spec, world_size, better, dims=dims).total
+    total = estimate_memory(spec, world_size, better, dims=dims, teacher=teacher).total
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
           f"  optimization.microBatchSize: {better.micro_batch_size}\n"
           f"  optimization.gradientAccumulationSteps: {better.gradient_accumulation}\n"
@@ -229,16 +282,21 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims) -> str:
+def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims,
+              teacher: ModelDims | None = None) -> str:
     name = (f"model.init {spec.model.init}" if spec.model.init
             else "custom model" if spec.model.preset == "custom" else spec.model.preset)
     dynamics = " with INL dynamics" if spec.model.dynamics.enabled else ""
+    distilling = ""
+    if teacher is not None and spec.distillation is not None:
+        distilling = (f"distilled from a {parameter_count(teacher) / 1e9:.2f}B-parameter "
+                      f"teacher ({spec.distillation.teacher})\n")
     return (f"{name}{dynamics}: {parameter_count(dims, spec.model.dynamics.enabled) / 1e9:.2f}B "
             f"parameters, {world_size} processes, "
             f"{spec.parallelism.strategy}, {spec.parallelism.precision}, activation "
             f"checkpointing {plan.activation_checkpointing}\n"
             f"micro-batch {plan.micro_batch_size} x {spec.data.seq_len} tokens, "
-            f"{plan.gradient_accumulation} accumulation steps\n")
+            f"{plan.gradient_accumulation} accumulation steps\n{distilling}")
 
 
 def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> str:
@@ -252,6 +310,8 @@ def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> 
         ("autocast weight copies", estimate.weight_copies),
         ("activations", estimate.activations),
         ("output projection and loss (chunked)", estimate.logits),
+        *([(f"distillation teacher ({spec.parallelism.precision}{share})", estimate.teacher)]
+          if spec.distillation is not None else []),
         ("CUDA context and slack", estimate.context),
     ]
     lines = [f"  {'per GPU':<40}{'GiB':>8}"]

@@ -55,6 +55,12 @@ EPOCH = Gauge("kubetrain_epoch", "Passes over the training data at the last logg
               "the fraction of the current one.", registry=REGISTRY)
 LOSS = Gauge("kubetrain_loss", "Training loss (mean over the group's tokens) at the last "
              "logged step.", registry=REGISTRY)
+CE_LOSS = Gauge("kubetrain_ce_loss", "Knowledge distillation (spec.distillation): the "
+                "cross-entropy on the labels at the last logged step (0 for a job without a "
+                "teacher, whose kubetrain_loss is that cross-entropy).", registry=REGISTRY)
+KD_LOSS = Gauge("kubetrain_kd_loss", "Knowledge distillation: T^2 x KL(teacher || student) at "
+                "the last logged step; kubetrain_loss is (1 - alpha) x ce + alpha x kd (0 for a "
+                "job without a teacher).", registry=REGISTRY)
 VALIDATION_LOSS = Gauge("kubetrain_validation_loss", "Validation loss of the last evaluation.",
                         registry=REGISTRY)
 LEARNING_RATE = Gauge("kubetrain_learning_rate", "Learning rate of the last step.",
@@ -177,6 +183,9 @@ class StepReport:
     step_time: float
     data_wait_ratio: float
     dynamics: DynamicsReport | None = None  # jobs with model.dynamics only
+    # Knowledge distillation only: the loss's two terms (loss = (1 - alpha) ce + alpha kd).
+    ce_loss: float | None = None
+    kd_loss: float | None = None
 
 
 class Reporter:
@@ -251,6 +260,11 @@ class Reporter:
         MFU.set(report.mfu)
         DATA_WAIT.set(report.data_wait_ratio)
         STEP_TIME.set(report.step_time)
+        distillation: dict[str, float] = {}
+        if report.ce_loss is not None and report.kd_loss is not None:
+            distillation = {"ce_loss": report.ce_loss, "kd_loss": report.kd_loss}
+            CE_LOSS.set(report.ce_loss)
+            KD_LOSS.set(report.kd_loss)
         if device.type == "cuda":
             MEMORY_ALLOCATED.set(torch.cuda.max_memory_allocated(device))
             MEMORY_RESERVED.set(torch.cuda.max_memory_reserved(device))
@@ -261,7 +275,7 @@ class Reporter:
                         "dynamics_beta_mean": report.dynamics.beta_mean,
                         "dynamics_velocity_rms": report.dynamics.velocity_rms}
         self._event("step", step=report.step, max_steps=self.max_steps,
-                    epoch=round(report.epoch, 4), loss=report.loss,
+                    epoch=round(report.epoch, 4), loss=report.loss, **distillation,
                     lr=report.learning_rate, grad_norm=report.grad_norm,
                     tokens_per_second=report.tokens_per_second, mfu=report.mfu,
                     step_time=report.step_time, data_wait_ratio=report.data_wait_ratio,
@@ -269,7 +283,9 @@ class Reporter:
         self._print(
             f"step {report.step}/{self.max_steps} | epoch {report.epoch:.2f} | "
             f"loss {report.loss:.4f} | "
-            f"lr {report.learning_rate:.2e} | grad {report.grad_norm:.3f} | "
+            + "".join(f"{name.removesuffix('_loss')} {value:.4f} | "
+                      for name, value in distillation.items())
+            + f"lr {report.learning_rate:.2e} | grad {report.grad_norm:.3f} | "
             f"{report.tokens_per_second:,.0f} tok/s | mfu {report.mfu:.1%} | "
             f"{report.step_time * 1000:.0f} ms/step | data wait {report.data_wait_ratio:.1%}"
             + (f" | mu {report.dynamics.equilibrium_mean:.3g} beta "
@@ -277,7 +293,8 @@ class Reporter:
                if report.dynamics is not None else "")
         )
         for tracker in self._trackers:
-            tracker.log(report.step, {"loss": report.loss, "lr": report.learning_rate,
+            tracker.log(report.step, {"loss": report.loss, **distillation,
+                                      "lr": report.learning_rate,
                                       "grad_norm": report.grad_norm,
                                       "tokens_per_second": report.tokens_per_second,
                                       "mfu": report.mfu, **dynamics})

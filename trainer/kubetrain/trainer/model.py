@@ -236,7 +236,11 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm | Dynamics):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                final_hidden: bool = False) -> torch.Tensor:
+        """Logits, or given `targets` the summed loss; with `final_hidden` the normalised last
+        hidden states [batch, seq, dim] (a distillation teacher's: the student's loss applies
+        its output projection chunk by chunk)."""
         seq = tokens.shape[1]
         if seq > self.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the model's "
@@ -248,6 +252,8 @@ class Transformer(nn.Module):
         for block in self.layers:
             x, velocity = block(x, velocity, cos, sin)
         hidden = self.norm(x)
+        if final_hidden:
+            return hidden
         if targets is None:
             return self.output(hidden)
         return self.output_loss(hidden.flatten(0, 1), self.output.weight, targets.flatten())

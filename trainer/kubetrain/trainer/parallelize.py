@@ -6,7 +6,8 @@ float8 conversion (fp8 only) → activation checkpointing → torch.compile → 
 that tells the loop the three things that differ between strategies: how to
 compute in the job's precision,
 how to skip gradient synchronisation on non-final micro-steps, and which
-gradient scaler (fp16 only) to use.
+gradient scaler (fp16 only) to use. `parallelize_frozen` places a model that is
+never trained (a distillation teacher) the same way, minus what only training needs.
 
 Precision: with FSDP2 the `MixedPrecisionPolicy` casts parameters to bf16/fp16
 for compute and reduces gradients in fp32, keeping fp32 master weights; with DDP
@@ -115,6 +116,35 @@ def parallelize(
         scaler=GradScaler(device.type) if spec.precision == "fp16" else None,
         _skip_sync=skip_sync,
     )
+
+
+def parallelize_frozen(model: Transformer, spec: ParallelismSpec, mesh: DeviceMesh,
+                       device: torch.device) -> Transformer:
+    """Place a frozen model (a distillation teacher) the way `parallelize` places the trained one.
+
+    Its parameters stop requiring gradients and are stored in the job's compute dtype:
+    nothing updates them, so there are no fp32 master weights to keep (fp8 jobs' teachers
+    run in bf16, without float8 conversion). Under strategy fsdp with several processes
+    FSDP2 shards every block and then the root, as for the student; otherwise (ddp, or one
+    process) each rank holds the whole model: DDP only synchronises gradients, which a
+    frozen model has none of. No activation checkpointing (nothing runs backward through
+    it); torch.compile per block when the job compiles. Returned in eval mode.
+    """
+    dtype = COMPUTE_DTYPES[spec.precision]
+    model.requires_grad_(False)
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(dtype)  # the rotary tables (buffers) stay fp32
+    model.to(device)
+    model.eval()
+    if spec.compile:
+        for block in model.layers:
+            block.compile()
+    if spec.strategy == "fsdp" and mesh.size() > 1:
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
 
 
 def float8_unsupported(device: torch.device) -> str | None:

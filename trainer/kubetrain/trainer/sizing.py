@@ -21,6 +21,12 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     return max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
 
 
+def distillation_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the distillation loss (loss.py): each token has two rows of logits
+    (student and teacher), so half the tokens of a cross-entropy chunk hold the same bytes."""
+    return max(1, CHUNK_LOGITS_BYTES // (8 * vocab_size))
+
+
 def dynamics_parameter_count(dim: int) -> int:
     """Parameters of one block's INL dynamics: mu and the two-layer controller (with biases)."""
     return dim + (dim * CONTROLLER_WIDTH + CONTROLLER_WIDTH) + (CONTROLLER_WIDTH * 3 * dim
