@@ -408,6 +408,57 @@ def test_a_teacher_whose_tokenizer_or_vocabulary_is_not_the_datas_is_refused(
     assert all(not p.requires_grad for p in teacher.module.parameters())
 
 
+def test_a_kubetrain_export_with_inl_dynamics_teaches_with_its_dynamics(
+        prepared_corpus: Any, tmp_path: Path) -> None:
+    """A teacher exported with model.dynamics (not the default bounds, every controller
+    tensor non-trivial) is built with the folder's dynamics, so load_pretrained accepts it;
+    it predicts what the exported model predicts, and the student's loss distils those
+    predictions."""
+    from kubetrain.trainer.distill import load_teacher
+    from kubetrain.trainer.export import export_model
+
+    dynamics = {"enabled": True, "betaMax": 3.0, "velocityMax": 5.0}
+    source = _spec(prepared_corpus, tmp_path / "teacher", {**STUDENT, "nLayers": 2,
+                   "tieEmbeddings": False, "vocabSize": 2048, "dynamics": dynamics}, 20)
+    torch.manual_seed(0)
+    exported = Transformer(source.model.resolve(), max_seq_len=64,
+                           dynamics=source.model.dynamics)
+    with torch.no_grad():  # mu and the controller's biases start as constants
+        for name, parameter in exported.named_parameters():
+            if ".dynamics." in name:
+                parameter.uniform_(-0.5, 0.5)
+    uri = export_model(exported, exported.dims, source, rank=0)
+
+    spec = _spec(prepared_corpus, tmp_path / "student", STUDENT, 20,
+                 distillation={"teacher": uri, "temperature": 2.0, "alpha": 0.5})
+    index = DatasetIndex.load(open_storage(prepared_corpus.train_uri))
+    mesh: DeviceMesh = _MeshOfOne()  # type: ignore[assignment]
+    student_dims = spec.model.resolve().model_copy(update={"vocab_size": 2048})
+    teacher = load_teacher(spec, student_dims, index, mesh, torch.device("cpu"))
+    assert teacher.module.has_dynamics
+    block = teacher.module.layers[0].dynamics
+    assert block is not None and (block.beta_max, block.velocity_max) == (3.0, 5.0)
+
+    torch.manual_seed(1)
+    student = Transformer(student_dims, max_seq_len=64)
+    tokens = torch.randint(0, 2048, (2, 65))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        teacher_logits = exported.eval()(inputs).flatten(0, 1)
+        torch.testing.assert_close(teacher.module(inputs).flatten(0, 1), teacher_logits)
+        student_logits = student(inputs).flatten(0, 1)
+        student.output_loss = teacher.student_loss(student.output_loss)
+        teacher.teach(inputs)
+        loss = student(inputs, targets)
+        ce, kd = teacher.terms()
+    expected_kd = 4.0 * F.kl_div(F.log_softmax(student_logits / 2, dim=-1),
+                                 F.log_softmax(teacher_logits / 2, dim=-1),
+                                 reduction="sum", log_target=True)
+    torch.testing.assert_close(kd, expected_kd, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(loss, 0.5 * ce + 0.5 * kd)
+    assert float(kd) > 0
+
+
 def test_the_two_terms_reach_prometheus_the_metrics_log_and_the_progress_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kubetrain.trainer.metrics import REGISTRY, Reporter, StepReport

@@ -9,7 +9,8 @@ Use (what the trainer does when the spec has `distillation`):
     loss = model(inputs, targets)          # (1 - alpha) CE + alpha T^2 KL, chunked (loss.py)
     ce, kd = teacher.terms()               # the two summed terms of that loss, detached
 
-The teacher is a Hugging Face Llama folder (a kubetrain export is one), read by
+The teacher is a Hugging Face Llama folder or a kubetrain export, with INL dynamics
+or without (its config.json says: `pretrained_config.teacher_config`), read by
 pretrained.py into a kubetrain `Transformer` and placed by `parallelize_frozen`:
 no gradients, eval mode, weights in the job's compute dtype, FSDP2-sharded like the
 student under strategy fsdp, no optimizer state (it is not in the checkpoint either:
@@ -42,10 +43,13 @@ from kubetrain.trainer.loss import DistillationLosses, OutputLoss, distillation_
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import parallelize_frozen
 from kubetrain.trainer.prepare import TOKENIZER_NAME, DatasetIndex
-from kubetrain.trainer.pretrained_config import PretrainedError, read_config
+from kubetrain.trainer.pretrained_config import (
+    TEACHER_FIELD,
+    PretrainedError,
+    teacher_config,
+    teacher_error,
+)
 from kubetrain.trainer.storage import open_storage
-
-FIELD = "spec.distillation.teacher"
 
 
 class TokenizerMismatch(PretrainedError):
@@ -73,14 +77,14 @@ def check_tokenizer(uri: str, teacher_vocab: int, teacher_sha256: str | None, *,
     """
     if teacher_vocab != student_vocab:
         raise TokenizerMismatch(
-            f"{FIELD}: the teacher's vocabulary ({teacher_vocab} tokens, vocab_size in "
+            f"{TEACHER_FIELD}: the teacher's vocabulary ({teacher_vocab} tokens, vocab_size in "
             f"{uri}/config.json) is not the student's ({student_vocab} tokens, from "
             f"{vocab_source}): distillation compares the two models' predictions token by "
             "token, so both need the same tokenizer; use a teacher trained on data prepared "
             "with this tokenizer")
     if teacher_sha256 is not None and teacher_sha256 != data.tokenizer_sha256:
         raise TokenizerMismatch(
-            f"{FIELD}: the teacher's tokenizer ({uri}/{TOKENIZER_NAME}, sha256 "
+            f"{TEACHER_FIELD}: the teacher's tokenizer ({uri}/{TOKENIZER_NAME}, sha256 "
             f"{teacher_sha256[:16]}...) is not the one the data was prepared with ({data_uri}, "
             f"sha256 {data.tokenizer_sha256[:16]}...), although both have {teacher_vocab} "
             "tokens: the same ids would mean different text. Prepare the data with the "
@@ -140,23 +144,18 @@ def load_teacher(spec: TrainingJobSpec, student_dims: ModelDims, data: DatasetIn
     distillation = spec.distillation
     assert distillation is not None, "load_teacher needs spec.distillation"
     uri = distillation.teacher
-    try:
-        config = read_config(uri, spec.storage)
-    except PretrainedError as error:  # its messages name model.init, the other reader
-        raise PretrainedError(str(error).replace("model.init:", f"{FIELD}:", 1)) from None
-    if config.max_positions is not None and spec.data.seq_len > config.max_positions:
-        raise PretrainedError(
-            f"{FIELD}: spec.data.seqLen ({spec.data.seq_len}) is longer than the teacher's "
-            f"max_position_embeddings ({config.max_positions}) in {config.where}: it was not "
-            "trained on positions that far, so its predictions there teach noise; lower "
-            "data.seqLen or use a teacher trained on longer sequences")
+    config = teacher_config(spec)
     dims = config.dims
     source = ("spec.model.vocabSize" if spec.model.vocab_size is not None
               else "the data's tokenizer")
     check_tokenizer(uri, dims.vocab_size, teacher_tokenizer_sha256(uri, spec.storage),
                     student_vocab=student_dims.vocab_size, vocab_source=source, data=data,
                     data_uri=spec.data.train)
-    model = Transformer(dims, max_seq_len=spec.data.seq_len)
+    # A kubetrain export with INL dynamics is built with its folder's, as model.init's is.
+    model = Transformer(dims, max_seq_len=spec.data.seq_len, dynamics=config.dynamics)
     module = parallelize_frozen(model, spec.parallelism, mesh, device)
-    load_pretrained(module, uri, spec.storage)
+    try:
+        load_pretrained(module, uri, spec.storage)
+    except PretrainedError as error:
+        raise teacher_error(error) from None
     return Teacher(module, distillation)

@@ -9,7 +9,8 @@ refused too, rather than loading the model without those layers' weights. The
 one it knows is `dynamics` (INL dynamics, `model.dynamics`), whose format -
 model_type, architectures and marker, which export.py writes with
 `dynamics_config` - lives here so that reader and writer share it. A model.init
-job's `model.dynamics` is its folder's (`job_spec`).
+job's `model.dynamics` is its folder's (`job_spec`); so are a distillation
+teacher's (`teacher_config`).
 Torch-free, so `kubetrain estimate` sizes a model.init job from it; the weights
 themselves are pretrained.py's.
 """
@@ -34,6 +35,7 @@ from kubetrain.trainer.sizing import CONTROLLER_WIDTH
 from kubetrain.trainer.storage import open_storage
 
 CONFIG_NAME = "config.json"
+TEACHER_FIELD = "spec.distillation.teacher"
 LLAMA_MODEL_TYPE, LLAMA_ARCHITECTURE = "llama", "LlamaForCausalLM"
 # A model with INL dynamics: a model_type transformers does not know, so it refuses the
 # folder instead of loading the Llama part and dropping the dynamics' tensors.
@@ -308,6 +310,34 @@ def job_dims(spec: TrainingJobSpec) -> ModelDims:
             f"({config.max_positions}) in {config.where}: the model was not trained on "
             "positions that far; lower data.seqLen")
     return config.dims
+
+
+def teacher_config(spec: TrainingJobSpec) -> PretrainedConfig:
+    """The config.json of the job's distillation teacher (spec.distillation.teacher).
+
+    The teacher is built from it as model.init's model is: its dimensions and its INL
+    dynamics, so a kubetrain export with dynamics teaches with them. Refuses what
+    model.init refuses, and a data.seqLen longer than its max_position_embeddings;
+    every message names spec.distillation.teacher.
+    """
+    assert spec.distillation is not None, "teacher_config needs spec.distillation"
+    try:
+        config = read_config(spec.distillation.teacher, spec.storage)
+    except PretrainedError as error:
+        raise teacher_error(error) from None
+    if config.max_positions is not None and spec.data.seq_len > config.max_positions:
+        raise PretrainedError(
+            f"{TEACHER_FIELD}: spec.data.seqLen ({spec.data.seq_len}) is longer than the "
+            f"teacher's max_position_embeddings ({config.max_positions}) in {config.where}: "
+            "it was not trained on positions that far, so its predictions there teach noise; "
+            "lower data.seqLen or use a teacher trained on longer sequences")
+    return config
+
+
+def teacher_error(error: PretrainedError) -> PretrainedError:
+    """An error of the model.init reader (this module's or pretrained.py's) about the
+    teacher's folder, naming spec.distillation.teacher instead."""
+    return type(error)(str(error).replace("model.init:", f"{TEACHER_FIELD}:", 1))
 
 
 def check_vocabulary(dims: ModelDims, data_vocab_size: int, uri: str) -> None:
