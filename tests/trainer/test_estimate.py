@@ -125,26 +125,38 @@ def test_a_distillation_teacher_adds_its_sharded_weights_and_chunk_but_no_gradie
     assert estimate_memory(ddp, 8, plan, teacher=teacher).teacher > 2 * parameter_count(teacher)
 
 
+@pytest.mark.parametrize("dynamics", [False, True], ids=["llama", "dynamics"])
 def test_the_command_reads_the_teachers_config_and_prints_its_row(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], dynamics: bool) -> None:
+    """A kubetrain export with INL dynamics teaches with its controllers: the row counts
+    their parameters too, 2 bytes each over the 8 shards."""
+    from kubetrain.api.trainingjob import DynamicsSpec
     from kubetrain.cli import main
     from kubetrain.trainer.export import llama_config
+    from kubetrain.trainer.sizing import dynamics_parameter_count
 
     teacher = parse_job(manifest()).spec.model.resolve()  # llama-8b's dimensions
     (tmp_path / "teacher").mkdir()
-    (tmp_path / "teacher" / "config.json").write_text(
-        json.dumps(llama_config(teacher, 4096, eos_token_id=0)))
+    (tmp_path / "teacher" / "config.json").write_text(json.dumps(llama_config(
+        teacher, 4096, eos_token_id=0, dynamics=DynamicsSpec(enabled=dynamics))))
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest(model={"preset": "llama-1b"},
                                             workers={"procsPerWorker": 8},
                                             distillation={"teacher": str(tmp_path / "teacher")})))
     main(["estimate", str(path), "--gpu-memory", "200"])
     out = capsys.readouterr().out
-    assert f"distilled from a {parameter_count(teacher) / 1e9:.2f}B-parameter teacher" in out
+    described = (f"distilled from a {parameter_count(teacher, dynamics) / 1e9:.2f}B-parameter "
+                 f"teacher{' with INL dynamics' if dynamics else ''} (")
+    assert described in out
     (row,) = [line for line in out.splitlines() if "distillation teacher (bf16, 1/8 each)" in line]
     spec = parse_job(yaml.safe_load(path.read_text())).spec
-    expected = estimate_memory(spec, 8, job_plan(spec, 8), teacher=teacher).teacher
+    expected = estimate_memory(spec, 8, job_plan(spec, 8), teacher=teacher,
+                               teacher_dynamics=dynamics).teacher
     assert float(row.split()[-1]) == pytest.approx(expected / GIB, abs=0.006)
+    plain = estimate_memory(spec, 8, job_plan(spec, 8), teacher=teacher).teacher
+    controllers = teacher.n_layers * dynamics_parameter_count(teacher.dim)
+    gathered = 2 * 2 * dynamics_parameter_count(teacher.dim)  # two gathered blocks' worth
+    assert expected - plain == (2 * controllers // 8 + gathered if dynamics else 0)
 
 
 def test_a_model_init_job_is_sized_from_its_config_json_without_torch(tmp_path: Path) -> None:

@@ -30,9 +30,10 @@ checkpointing, strategy and world size it adds up, per training process:
   output weight cast to the compute dtype without FSDP; `liger` (CUDA, when
   installed) its fp32 weight-gradient accumulator vocab·d·4, the input gradient
   tokens·d·b and one chunk of its own size;
-- with `distillation`, the frozen teacher (distill.py), whose dimensions come from
-  its config.json: its weights in the compute dtype (sharded under FSDP, whole
-  otherwise) with no gradients or optimizer state, FSDP's two gathered teacher
+- with `distillation`, the frozen teacher (distill.py), whose dimensions and INL
+  dynamics come from its config.json: its weights in the compute dtype, the
+  dynamics controllers' included (sharded under FSDP, whole otherwise), with no
+  gradients or optimizer state, FSDP's two gathered teacher
   blocks, its final hidden states of the micro-batch (tokens·d_teacher·b) and its
   whole output weight (vocab·d_teacher·b, gathered once per micro-batch under FSDP),
   which both live until the student's backward, and per loss chunk (of
@@ -116,11 +117,13 @@ def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
 def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
                     output_loss: OutputLossName = "chunked",
                     dims: ModelDims | None = None,
-                    teacher: ModelDims | None = None) -> MemoryEstimate:
+                    teacher: ModelDims | None = None,
+                    teacher_dynamics: bool = False) -> MemoryEstimate:
     """Memory per process for `spec` trained by `world_size` processes with `plan`,
     the loss computed by `output_loss` (loss.py); `dims` (default: the spec's) are the
     model's dimensions, which a model.init job takes from its config.json; `teacher`
-    the dimensions of a distillation teacher (its config.json's; see `teacher_dims`).
+    the dimensions of a distillation teacher and `teacher_dynamics` whether it has INL
+    dynamics (its config.json's; see `teacher_model`).
     """
     dims = dims or spec.model.resolve()
     dynamics = spec.model.dynamics.enabled
@@ -149,7 +152,8 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         chunk = min(tokens, distillation_chunk_tokens(dims.vocab_size))
         weight_cast = dims.vocab_size * dims.dim * compute if casts else 0
         logits = chunk * dims.vocab_size * (compute + 8 + 8) + weight_cast
-        teacher_bytes = _teacher_bytes(teacher, tokens, chunk, compute, sharded, shards)
+        teacher_bytes = _teacher_bytes(teacher, teacher_dynamics, tokens, chunk, compute,
+                                       sharded, shards)
     return MemoryEstimate(
         parameters=4 * n_params // shards,
         gradients=4 * n_params // shards,
@@ -162,29 +166,27 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
     )
 
 
-def _teacher_bytes(teacher: ModelDims, tokens: int, chunk: int, compute: int, sharded: bool,
-                   shards: int) -> int:
+def _teacher_bytes(teacher: ModelDims, dynamics: bool, tokens: int, chunk: int, compute: int,
+                   sharded: bool, shards: int) -> int:
     """What a frozen distillation teacher holds (see the module docstring)."""
-    weights = compute * parameter_count(teacher) // shards
-    gathered_blocks = 2 * block_parameter_count(teacher) * compute if sharded else 0
+    weights = compute * parameter_count(teacher, dynamics) // shards
+    gathered_blocks = 2 * block_parameter_count(teacher, dynamics) * compute if sharded else 0
     hidden = tokens * teacher.dim * compute
     output_weight = teacher.vocab_size * teacher.dim * compute if sharded else 0
     chunk_logits = chunk * teacher.vocab_size * (compute + 8)
     return weights + gathered_blocks + hidden + output_weight + chunk_logits
 
 
-def teacher_dims(spec: TrainingJobSpec) -> ModelDims | None:
-    """The dimensions of the job's distillation teacher, from its config.json (read through
-    the storage layer, like model.init's); None without a teacher."""
+def teacher_model(spec: TrainingJobSpec) -> tuple[ModelDims | None, bool]:
+    """The job's distillation teacher as the trainer builds it: its dimensions and whether
+    it has INL dynamics, from its config.json (read through the storage layer, like
+    model.init's); (None, False) without a teacher."""
     if spec.distillation is None:
-        return None
-    from kubetrain.trainer.pretrained_config import PretrainedError, read_config
+        return None, False
+    from kubetrain.trainer.pretrained_config import teacher_config
 
-    try:
-        return read_config(spec.distillation.teacher, spec.storage).dims
-    except PretrainedError as error:  # its messages name model.init, the other reader
-        raise PretrainedError(str(error).replace(
-            "model.init:", "spec.distillation.teacher:", 1)) from None
+    config = teacher_config(spec)
+    return config.dims, config.dynamics.enabled
 
 
 def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, compute: int,
@@ -204,7 +206,8 @@ def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, 
 def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
               output_loss: OutputLossName = "chunked",
               dims: ModelDims | None = None,
-              teacher: ModelDims | None = None) -> Plan | None:
+              teacher: ModelDims | None = None,
+              teacher_dynamics: bool = False) -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
     The global batch stays what the job asks for: gradient accumulation grows as
@@ -218,8 +221,8 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
         micro = asked.micro_batch_size
         while micro >= 1:
             plan = Plan(micro, math.ceil(global_sequences / micro), checkpointing)
-            if estimate_memory(spec, world_size, plan, output_loss, dims,
-                               teacher).total <= gpu_bytes:
+            if estimate_memory(spec, world_size, plan, output_loss, dims, teacher,
+                               teacher_dynamics).total <= gpu_bytes:
                 return plan
             micro //= 2
     return None
@@ -253,28 +256,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         spec, dims = trained_model(job.spec)
-        teacher = teacher_dims(spec)
+        teacher, teacher_dynamics = teacher_model(spec)
     except (ValueError, OSError) as error:  # a config.json: unreadable or refused
         print(f"kubetrain estimate: {error}", file=sys.stderr)
         return 2
     world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
     gpu_bytes = int(args.gpu_memory * GIB)
     plan = job_plan(spec, world_size)
-    estimate = estimate_memory(spec, world_size, plan, dims=dims, teacher=teacher)
-    print(_describe(spec, world_size, plan, dims, teacher))
+    estimate = estimate_memory(spec, world_size, plan, dims=dims, teacher=teacher,
+                               teacher_dynamics=teacher_dynamics)
+    print(_describe(spec, world_size, plan, dims, teacher, teacher_dynamics))
     print(_table(spec, world_size, estimate))
     fits = estimate.total <= gpu_bytes
     verdict = "fits" if fits else "does NOT fit"
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
     if fits:
         return 0
-    better = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher)
+    better = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
+                       teacher_dynamics=teacher_dynamics)
     if better is None:
         print(f"\nNothing fits {args.gpu_memory:g} GiB with {world_size} processes: use more "
               "processes (workers.replicas or procsPerWorker) with strategy fsdp, or a smaller "
               "model.")
         return 1
-    total = estimate_memory(spec, world_size, better, dims=dims, teacher=teacher).total
+    total = estimate_memory(spec, world_size, better, dims=dims, teacher=teacher,
+                            teacher_dynamics=teacher_dynamics).total
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
           f"  optimization.microBatchSize: {better.micro_batch_size}\n"
           f"  optimization.gradientAccumulationSteps: {better.gradient_accumulation}\n"
@@ -283,14 +289,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims,
-              teacher: ModelDims | None = None) -> str:
+              teacher: ModelDims | None = None, teacher_dynamics: bool = False) -> str:
     name = (f"model.init {spec.model.init}" if spec.model.init
             else "custom model" if spec.model.preset == "custom" else spec.model.preset)
     dynamics = " with INL dynamics" if spec.model.dynamics.enabled else ""
     distilling = ""
     if teacher is not None and spec.distillation is not None:
-        distilling = (f"distilled from a {parameter_count(teacher) / 1e9:.2f}B-parameter "
-                      f"teacher ({spec.distillation.teacher})\n")
+        with_dynamics = " with INL dynamics" if teacher_dynamics else ""
+        distilling = (f"distilled from a {parameter_count(teacher, teacher_dynamics) / 1e9:.2f}"
+                      f"B-parameter teacher{with_dynamics} ({spec.distillation.teacher})\n")
     return (f"{name}{dynamics}: {parameter_count(dims, spec.model.dynamics.enabled) / 1e9:.2f}B "
             f"parameters, {world_size} processes, "
             f"{spec.parallelism.strategy}, {spec.parallelism.precision}, activation "
