@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from kubetrain.api.trainingjob import (
 )
 from kubetrain.trainer import Trainer
 from kubetrain.trainer.distill import Teacher, TokenizerMismatch, check_tokenizer
+from kubetrain.trainer.goodput import ATTEMPT_STARTED_ENV
+from kubetrain.trainer.loop import FitResult
 from kubetrain.trainer.loss import chunked_cross_entropy, distillation_loss
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import parallelize_frozen
@@ -278,10 +281,20 @@ def _spec(corpus: Any, folder: Path, model: dict[str, Any], steps: int,
                       "metadata": {"name": folder.name}, "spec": spec}).spec
 
 
+def _fit_now(spec: TrainingJobSpec, log: Path) -> FitResult:
+    """Train in this process (a group of one), its attempt beginning now: an in-process
+    Trainer books its startup since the attempt began (by default, since the process did)
+    into the process-wide wall-time counter, which later tests in the session read
+    exactly."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ATTEMPT_STARTED_ENV, str(time.time()))
+        return Trainer(spec, metrics_log=log, serve_metrics=False).fit()
+
+
 def _fit(spec: TrainingJobSpec, folder: Path) -> tuple[float, list[dict[str, Any]]]:
-    """Train in this process (a group of one); the final validation loss and the log."""
+    """Train in this process; the final validation loss and the log."""
     log = folder / "metrics.jsonl"
-    result = Trainer(spec, metrics_log=log, serve_metrics=False).fit()
+    result = _fit_now(spec, log)
     assert result.exit_code == 0 and result.best_val_loss is not None
     return result.best_val_loss, [json.loads(line) for line in log.read_text().splitlines()]
 
@@ -303,7 +316,7 @@ def trained_teacher(prepared_corpus: Any, tmp_path_factory: pytest.TempPathFacto
     folder = tmp_path_factory.mktemp("teacher")
     spec = _spec(prepared_corpus, folder, {"preset": "tiny"}, TEACHER_STEPS,
                  checkpoint={"uri": str(folder / "checkpoints"), "everySteps": 100_000})
-    result = Trainer(spec, metrics_log=folder / "metrics.jsonl", serve_metrics=False).fit()
+    result = _fit_now(spec, folder / "metrics.jsonl")
     assert result.export_uri is not None
     print(f"teacher: validation loss {result.best_val_loss:.4f} after {TEACHER_STEPS} steps")
     return result.export_uri
