@@ -60,6 +60,10 @@ def main(folder: str, out: str) -> None:
         parallel.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(state, Path(out, "state.pt"))
+    # Both ranks leave the group together: a gloo rank that tears it down while the other
+    # is still writing state.pt now and then aborts ("terminate called without an active
+    # exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
