@@ -258,9 +258,47 @@ class Workers(ApiModel):
 # --- model, data, optimisation -----------------------------------------------------
 
 
+class DynamicsSpec(ApiModel):
+    """INL dynamics: a learned second-order controller on each block's hidden state."""
+
+    enabled: bool = Field(
+        default=False,
+        description="After attention in every block, move the hidden state h towards a learned "
+        "per-channel equilibrium mu through a velocity v carried from block to block: "
+        "v' = alpha*v - beta*(h - mu), h' = h + g*v', with alpha, beta and g computed from h "
+        "by a small learned controller. Off (the default) builds exactly the plain model. "
+        "Exports of such a model are marked in config.json and do not load in Hugging Face "
+        "transformers; `kubetrain generate` and model.init load them (a model.init job "
+        "takes these settings from the folder's config.json).",
+    )
+    beta_max: float = Field(
+        default=2.0, gt=0,
+        description="Upper bound of the restoring gain beta (beta = betaMax * sigmoid(...)), "
+        "so the controller can never push harder than this.",
+    )
+    velocity_max: float = Field(
+        default=10.0, gt=0,
+        description="The velocity is clamped to [-velocityMax, velocityMax] in every block.",
+    )
+
+
 class ModelSpec(ApiModel):
     """The model: a preset, optionally with dimensions overridden, or fully custom dims."""
 
+    init: str | None = Field(
+        default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
+        description="Start from pretrained weights: the URI of a Hugging Face Llama-format "
+        "model folder (config.json with model.safetensors, or sharded safetensors with "
+        "model.safetensors.index.json), such as another job's export "
+        "(<checkpoint.uri>/export): s3://bucket/prefix, file:///path or a path, read with "
+        "spec.storage. The architecture comes from its config.json: leave the dimensions "
+        "below unset (one set to a different value is refused, naming both); the preset "
+        "then only supplies the training defaults (set optimization.learningRate to "
+        "fine-tune). Only plain Llama models load: no rope scaling, no attention or MLP "
+        "bias, SiLU activation; and kubetrain's own exports with INL dynamics, which then "
+        "set model.dynamics. A checkpoint always wins: the weights are read only when "
+        "the job starts with no checkpoint of its own and none in checkpoint.resumeFrom.",
+    )
     preset: PresetName | Literal["custom"] = Field(
         default="llama-125m",
         description="Architecture preset: " + ", ".join(PRESET_NAMES) + ". Dimensions set "
@@ -292,9 +330,24 @@ class ModelSpec(ApiModel):
         "save and resumes restore, so a resumed run draws the masks an uninterrupted run "
         "would. Evaluation and exported models run without it.",
     )
+    dynamics: DynamicsSpec = Field(
+        default_factory=DynamicsSpec,
+        description="INL dynamics, a stability layer after attention in every block (off by "
+        "default).",
+    )
+
+    @field_validator("init")
+    @classmethod
+    def _uri_scheme(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_uri(value)
+        return value
 
     @model_validator(mode="after")
     def _dimensions_resolve(self) -> ModelSpec:
+        if self.init is not None:
+            # The dimensions are config.json's, read by the trainer; it checks any set here.
+            return self
         if self.preset == "custom":
             missing = [n for n in ("dim", "n_layers", "n_heads") if getattr(self, n) is None]
             if missing:
@@ -312,7 +365,11 @@ class ModelSpec(ApiModel):
         return self
 
     def resolve(self) -> ModelDims:
-        """The final dimensions: the preset's, overridden by any dimension set here."""
+        """The final dimensions: the preset's, overridden by any dimension set here.
+
+        Not for a model with `init`: its dimensions are its config.json's, which only the
+        trainer reads (`kubetrain.trainer.pretrained_config.job_dims`).
+        """
         overrides = {name: getattr(self, name) for name in ModelDims.model_fields
                      if getattr(self, name) is not None}
         if (preset := self.preset_defaults) is not None:
@@ -500,6 +557,36 @@ class OptimizationSpec(ApiModel):
             self.micro_batch_size * seq_len * (self.gradient_accumulation_steps or 1)
             * world_size)
         return max(1, math.ceil(self.epochs * tokens_per_epoch / tokens_per_step))
+
+
+class DistillationSpec(ApiModel):
+    """Knowledge distillation: the student learns from a frozen teacher's soft predictions."""
+
+    teacher: str = Field(
+        min_length=1, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
+        description="URI of the teacher: a Hugging Face Llama folder (config.json and "
+        "safetensors) or another job's export (<checkpoint uri>/export), whose INL dynamics, "
+        "if it has them, the teacher is built with: s3://bucket/prefix, file:///path or a "
+        "path. Its vocabulary must be the student's, and its tokenizer.json, when the folder "
+        "has one, the one the data was prepared with.",
+    )
+    temperature: float = Field(
+        default=2.0, gt=0, le=1000,
+        description="Softmax temperature T of both models' logits in the distillation term; "
+        "above 1 it softens the teacher's distribution. The term is scaled by T squared so its "
+        "gradients keep their size as T changes.",
+    )
+    alpha: float = Field(
+        default=0.5, ge=0, le=1,
+        description="Weight of the distillation term: loss = (1 - alpha) x cross-entropy on "
+        "the labels + alpha x T^2 x KL(teacher || student); 0 trains on the labels alone.",
+    )
+
+    @field_validator("teacher")
+    @classmethod
+    def _uri_scheme(cls, value: str) -> str:
+        _check_uri(value)
+        return value
 
 
 class EarlyStopping(ApiModel):
@@ -760,6 +847,10 @@ class TrainingJobSpec(ApiModel):
         default_factory=StorageSpec, description="Object storage endpoint and credentials."
     )
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metrics and logs.")
+    distillation: DistillationSpec | None = Field(
+        default=None, description="Train from a frozen teacher's predictions as well as the "
+        "labels (knowledge distillation); omit to train on the labels alone.",
+    )
     run_policy: RunPolicy = Field(
         default_factory=RunPolicy, description="Restarts, deadlines, suspend and cleanup."
     )
@@ -855,6 +946,13 @@ class Progress(ApiModel):
         default=None, description="Passes over the training data so far, with the fraction "
         "of the current one (1.5: halfway through the second epoch).")
     loss: float | None = Field(default=None, description="Training loss at that step.")
+    ce_loss: float | None = Field(
+        default=None, description="Knowledge distillation (spec.distillation): the "
+        "cross-entropy on the labels at that step; loss is (1 - alpha) x ceLoss + alpha x "
+        "kdLoss.")
+    kd_loss: float | None = Field(
+        default=None, description="Knowledge distillation: T^2 x KL(teacher || student) at "
+        "that step.")
     tokens_per_second: float | None = Field(default=None, description="Throughput of the group.")
     updated_at: datetime | None = Field(default=None, description="When the step last advanced.")
     eta_seconds: int | None = Field(

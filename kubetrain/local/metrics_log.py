@@ -82,6 +82,9 @@ class RunHistory:
     """Passes over the training data at the last logged step."""
     first_loss: float | None = None
     loss: float | None = None
+    ce_loss: float | None = None
+    kd_loss: float | None = None
+    """Knowledge distillation: the two terms of the loss at the last logged step."""
     tokens_per_second: float | None = None
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
@@ -106,6 +109,8 @@ class RunHistory:
         if kind == "step":
             self.epoch = _number(event.get("epoch"))
             self.loss = _number(event.get("loss"))
+            self.ce_loss = _number(event.get("ce_loss"))
+            self.kd_loss = _number(event.get("kd_loss"))
             if self.first_loss is None:
                 self.first_loss = self.loss
             self.tokens_per_second = _number(event.get("tokens_per_second"))

@@ -86,6 +86,9 @@ class ProgressDisplay:
             postfix["epoch"] = f"{history.epoch:.2f}"
         if history.loss is not None:
             postfix["loss"] = f"{history.loss:.4f}"
+        if history.ce_loss is not None and history.kd_loss is not None:
+            postfix["ce"] = f"{history.ce_loss:.4f}"
+            postfix["kd"] = f"{history.kd_loss:.4f}"
         if history.tokens_per_second is not None:
             postfix["tok/s"] = f"{history.tokens_per_second:,.0f}"
         self.bar.set_postfix(postfix, refresh=True)
@@ -119,6 +122,9 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri
         row("training loss", f"{first}{history.loss:.4f} at step {history.step} "
             f"of {history.max_steps or '?'}"
             + (f" (epoch {history.epoch:.2f})" if history.epoch is not None else ""))
+    if history.ce_loss is not None and history.kd_loss is not None:
+        row("distillation", f"cross-entropy {history.ce_loss:.4f}, KD term "
+            f"{history.kd_loss:.4f} at step {history.step}")
     if history.val_losses:
         first_val, final_val = history.val_losses[0][1], history.val_losses[-1][1]
         best = history.best_val_loss

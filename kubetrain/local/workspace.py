@@ -8,16 +8,18 @@ Everything a `kubetrain run` of job NAME writes locally lives in `runs/NAME/`
     runs/NAME/logs/worker-I.log the output of simulated node I, all attempts appended
     runs/NAME/corpus/           the demo corpus, when the job prepares one (below)
 
-Relative paths in the manifest's URIs (`spec.data.*`, `spec.checkpoint.uri`,
-`spec.checkpoint.resumeFrom`) are resolved under `runs/NAME/` too, so a local job
-keeps its data and checkpoints beside its logs; absolute paths, `file://` and
-`s3://` URIs are used unchanged (S3 with `spec.storage` and credentials from the
-environment, as on Kubernetes).
+Relative paths in the manifest's URIs (`spec.model.init`, `spec.data.*`,
+`spec.checkpoint.uri`, `spec.checkpoint.resumeFrom`) are resolved under `runs/NAME/`
+too, so a local job keeps its data and checkpoints beside its logs; absolute paths,
+`file://` and `s3://` URIs are used unchanged (S3 with `spec.storage` and credentials
+from the environment, as on Kubernetes).
 
 The annotation `kubetrain.io/prepare-from` names a corpus to prepare when
 `spec.data.train` holds no prepared data yet: a path or URI given to `kubetrain
 prepare`, or `python-stdlib` for the Python standard library's own source files,
-a real corpus present on every machine. The quickstart uses it.
+a real corpus present on every machine. The quickstart uses it. A job with
+`spec.model.init` is prepared with the tokenizer.json of that model's folder (an
+export has one), so the token ids are the ones its embedding learned.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJob
 
@@ -71,10 +74,17 @@ class Workspace:
         return str(self.root / uri)
 
     def localize(self, job: TrainingJob) -> TrainingJob:
-        """The job with every relative data and checkpoint path resolved under the run folder."""
-        data, checkpoint = job.spec.data, job.spec.checkpoint
+        """The job with every relative model, data, checkpoint and teacher path resolved
+        under the run folder."""
+        model, data, checkpoint = job.spec.model, job.spec.data, job.spec.checkpoint
         optional = self._resolve_optional
+        distillation = job.spec.distillation
+        if distillation is not None:
+            distillation = distillation.model_copy(
+                update={"teacher": self.resolve(distillation.teacher)})
         spec = job.spec.model_copy(update={
+            "model": model.model_copy(update={"init": optional(model.init)}),
+            "distillation": distillation,
             "data": data.model_copy(update={
                 "train": self.resolve(data.train),
                 "validation": optional(data.validation),
@@ -139,7 +149,7 @@ def ensure_data(job: TrainingJob, workspace: Workspace) -> str | None:
     every restart the run policy allows. `job` must be localized
     (`Workspace.localize`).
     """
-    from kubetrain.trainer.prepare import INDEX_NAME, prepare
+    from kubetrain.trainer.prepare import INDEX_NAME, TOKENIZER_NAME, prepare
     from kubetrain.trainer.storage import open_storage
 
     source = job.metadata.annotations.get(PREPARE_FROM_ANNOTATION)
@@ -156,7 +166,12 @@ def ensure_data(job: TrainingJob, workspace: Workspace) -> str | None:
         raise ValueError(f"spec.data.train ({train}) must end in /train to be prepared from "
                          f"the {PREPARE_FROM_ANNOTATION} annotation: `kubetrain prepare` writes "
                          "OUTPUT/train and OUTPUT/validation")
-    prepare(corpus_inputs(source, workspace), output,
-            vocab_size=job.spec.model.resolve().vocab_size, shard_tokens=DEMO_SHARD_TOKENS,
-            validation_fraction=DEMO_VALIDATION_FRACTION, storage=job.spec.storage)
+    init = job.spec.model.init
+    # A pretrained model reads token ids of its own tokenizer: the one its folder holds.
+    tokenizer: dict[str, Any] = (
+        {"tokenizer": f"{init.rstrip('/')}/{TOKENIZER_NAME}"} if init is not None
+        else {"vocab_size": job.spec.model.resolve().vocab_size})
+    prepare(corpus_inputs(source, workspace), output, **tokenizer,
+            shard_tokens=DEMO_SHARD_TOKENS, validation_fraction=DEMO_VALIDATION_FRACTION,
+            storage=job.spec.storage)
     return source

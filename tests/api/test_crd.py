@@ -224,3 +224,44 @@ def test_every_field_has_kubectl_explain_text() -> None:
                if path.count(".") and "[" not in path.rsplit(".", 1)[-1]
                and "description" not in node]
     assert missing == []
+
+
+@pytest.mark.parametrize("init", [
+    "s3://models/llama", "file:///models/llama", "models/llama", "gs://models/llama",
+    "https://huggingface.co/meta-llama/Llama-3.2-1B",
+])
+def test_cel_model_init_scheme_rule_agrees_with_the_models(
+        minimal_manifest: dict[str, Any], init: str) -> None:
+    # preset custom without dimensions: with init, config.json supplies them.
+    document = _with(minimal_manifest, "model", {"init": init, "preset": "custom"})
+    accepted = _models_accept(document)
+    assert (not cel_violations(document)) == accepted
+    assert accepted == (init.startswith(("s3://", "file://")) or "://" not in init)
+
+
+@pytest.mark.parametrize(("distillation", "field"), [
+    ({"teacher": "s3://models/teacher"}, None),
+    ({"teacher": "file:///models/teacher", "temperature": 0.5, "alpha": 0}, None),
+    ({"teacher": "/models/teacher", "temperature": 4, "alpha": 1}, None),
+    ({"teacher": "https://huggingface.co/x"}, "teacher"),
+    ({"teacher": "gs://models/teacher"}, "teacher"),
+    ({"teacher": ""}, "teacher"),
+    ({"teacher": "s3://m/t", "temperature": 0}, "temperature"),
+    ({"teacher": "s3://m/t", "temperature": -1.0}, "temperature"),
+    ({"teacher": "s3://m/t", "alpha": 1.5}, "alpha"),
+    ({"teacher": "s3://m/t", "alpha": -0.1}, "alpha"),
+    ({"temperature": 2.0}, "teacher"),
+])
+def test_distillation_rules_agree_between_the_server_and_the_models(
+        minimal_manifest: dict[str, Any], distillation: dict[str, Any], field: str | None) -> None:
+    """temperature > 0, 0 <= alpha <= 1, a teacher URI of a supported scheme: refused alike by
+    the CRD (schema bounds and CEL) and by the models, which name the field."""
+    from kubetrain.validate import schema_problems
+
+    document = _with(minimal_manifest, "distillation", distillation)
+    server_accepts = not cel_violations(document) and not list(schema_problems(document))
+    assert server_accepts == _models_accept(document) == (field is None)
+    if field is not None:
+        with pytest.raises(InvalidManifest) as refused:
+            parse_job(document)
+        assert any(f"spec.distillation.{field}" in str(p) for p in refused.value.problems)

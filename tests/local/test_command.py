@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import sys
 import time
@@ -15,7 +16,8 @@ from kubetrain.api.manifest import parse_job
 from kubetrain.cli import main
 from kubetrain.local.launch import AgentLaunch, free_port
 from kubetrain.local.node import Node, descendants
-from kubetrain.local.workspace import Workspace
+from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace, ensure_data
+from kubetrain.trainer.prepare import TOKENIZER_NAME
 
 
 @pytest.fixture
@@ -61,10 +63,22 @@ def test_dry_run_never_prints_credentials(
 
 
 def test_relative_paths_live_under_the_run_folder(job_file: Path) -> None:
-    job = parse_job(yaml.safe_load(job_file.read_text()))
+    manifest = yaml.safe_load(job_file.read_text())
+    manifest["spec"]["model"]["init"] = "../first/checkpoints/export"
+    job = parse_job(manifest)
     local = Workspace.of(job).localize(job)
     assert local.spec.data.train == str(Path("runs/demo/data/train"))
     assert local.spec.checkpoint.uri == "s3://checkpoints/demo"
+    assert local.spec.model.init == str(Path("runs/demo/../first/checkpoints/export"))
+
+
+def test_a_relative_distillation_teacher_lives_under_the_run_folder(job_file: Path) -> None:
+    manifest = yaml.safe_load(job_file.read_text())
+    manifest["spec"]["distillation"] = {"teacher": "teacher/export", "alpha": 0.3}
+    job = parse_job(manifest)
+    local = Workspace.of(job).localize(job).spec.distillation
+    assert local is not None and local.alpha == 0.3
+    assert local.teacher == str(Path("runs/demo/teacher/export"))
 
 
 def test_invalid_manifest_is_reported_with_its_field(
@@ -140,3 +154,22 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_a_model_init_job_is_prepared_with_the_models_own_tokenizer(
+        tmp_path: Path, minimal_manifest: dict[str, Any], prepared_corpus: Any) -> None:
+    model = tmp_path / "model"  # a pretrained folder: its tokenizer is what matters here
+    model.mkdir()
+    shutil.copyfile(prepared_corpus.tokenizer_uri.removeprefix("file://"),
+                    model / TOKENIZER_NAME)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def add(a, b):\n    return a + b\n" * 50)
+    manifest = minimal_manifest
+    manifest["metadata"]["annotations"] = {PREPARE_FROM_ANNOTATION: str(corpus)}
+    manifest["spec"]["model"] = {"preset": "custom", "init": str(model)}
+    manifest["spec"]["data"] = {"train": str(tmp_path / "data" / "train")}
+    job = parse_job(manifest)
+    assert ensure_data(job, Workspace(tmp_path / "run")) == str(corpus)
+    assert (tmp_path / "data" / TOKENIZER_NAME).read_bytes() == (
+        model / TOKENIZER_NAME).read_bytes()

@@ -140,3 +140,17 @@ def test_summary_breaks_the_wall_time_down_by_cause_from_the_latest_goodput_even
     text = summary("x", history, outcome, "runs/x/checkpoints", "runs/x/logs/")
     assert ("goodput          80.0% of 1m 40s productive; badput: downtime 9.0s, "
             "startup 6.0s, lost progress 4.5s, data wait 0.5s") in text
+
+
+def test_a_distillation_runs_terms_show_in_the_bar_and_the_summary() -> None:
+    out = io.StringIO()
+    display = ProgressDisplay(max_steps=100, stream=out)
+    history = RunHistory()
+    for event in parse_lines(line(event="step", step=10, max_steps=100, loss=4.25, ce_loss=6.5,
+                                  kd_loss=2.0, tokens_per_second=5000.0, time=1.0)):
+        history.apply(event)
+        display.show(event, history)
+    display.close()
+    assert "loss=4.2500, ce=6.5000, kd=2.0000" in out.getvalue()
+    text = summary("x", history, Outcome(True, "max_steps", 5.0, [], 0), "c", "l")
+    assert "distillation     cross-entropy 6.5000, KD term 2.0000 at step 10" in text

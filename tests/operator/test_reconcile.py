@@ -609,3 +609,25 @@ def test_status_takes_the_last_step_and_checkpoint_from_rank_0s_termination_mess
     assert out.status["progress"]["epoch"] == 2.0
     assert out.status["latestCheckpoint"]["step"] == 24
     assert final_metrics((pod(0), pod(1))) is None  # running: its /metrics is the source
+
+
+def test_a_distillation_jobs_progress_carries_both_terms_of_its_loss(
+        minimal_manifest: dict) -> None:
+    from kubetrain.operator.observed import metrics_sample
+
+    exposition = ("kubetrain_step 7\nkubetrain_loss 4.25\nkubetrain_ce_loss 6.5\n"
+                  "kubetrain_kd_loss 2.0\n")
+    distilled = {**minimal_manifest, "spec": {**minimal_manifest["spec"],
+                                               "distillation": {"teacher": "s3://m/t"}}}
+    out = run(make_job(distilled, status=running_status()), pod(0), pod(1),
+              metrics=metrics_sample(exposition))
+    assert out.status is not None
+    progress = out.status["progress"]
+    assert (progress["loss"], progress["ceLoss"], progress["kdLoss"]) == (4.25, 6.5, 2.0)
+    # A job without a teacher: its gauges read 0, which status does not repeat.
+    plain = ("kubetrain_step 7\nkubetrain_loss 4.25\nkubetrain_ce_loss 0\n"
+             "kubetrain_kd_loss 0\n")
+    out = run(make_job(minimal_manifest, status=running_status()), pod(0), pod(1),
+              metrics=metrics_sample(plain))
+    assert out.status is not None
+    assert "ceLoss" not in out.status["progress"] and "kdLoss" not in out.status["progress"]

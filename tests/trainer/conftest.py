@@ -99,6 +99,6 @@ class Launcher:
         return [event for event in found if kind is None or event["event"] == kind]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # stateless: module-scoped fixtures may train with it too
 def launcher() -> Launcher:
     return Launcher()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,110 @@ def test_the_chunked_loss_frees_the_logits_memory_and_the_recommendation_uses_it
     assert (order.index(with_chunks.activation_checkpointing),
             -with_chunks.micro_batch_size) < (order.index(with_full.activation_checkpointing),
                                               -with_full.micro_batch_size)
+
+
+def test_a_distillation_teacher_adds_its_sharded_weights_and_chunk_but_no_gradients_or_state(
+        ) -> None:
+    """llama-1b distilled from llama-8b on 8 processes in bf16: the teacher's weights cost 2
+    bytes per parameter over 8 shards, and nothing of the student's training state changes."""
+    teacher = parse_job(manifest()).spec.model.resolve()  # llama-8b
+    spec = job_spec(model={"preset": "llama-1b"},
+                    distillation={"teacher": "s3://models/llama-8b"})
+    plan = job_plan(spec, 8)
+    alone = estimate_memory(spec, 8, plan)
+    distilled = estimate_memory(spec, 8, plan, teacher=teacher)
+    for part in ("parameters", "gradients", "optimizer", "fsdp_working_set", "activations"):
+        assert getattr(distilled, part) == getattr(alone, part), part
+    weights = 2 * parameter_count(teacher) // 8
+    output_weight = 2 * teacher.vocab_size * teacher.dim  # gathered whole for the loss
+    assert weights + output_weight < distilled.teacher < weights + output_weight + 2 * GIB
+    assert alone.teacher == 0 and distilled.total > alone.total + weights
+    # Unsharded (ddp), each rank holds the whole teacher, still without fp32 master weights.
+    ddp = job_spec(model={"preset": "llama-1b"}, parallelism={"strategy": "ddp"},
+                   distillation={"teacher": "s3://models/llama-8b"})
+    assert estimate_memory(ddp, 8, plan, teacher=teacher).teacher > 2 * parameter_count(teacher)
+
+
+@pytest.mark.parametrize("dynamics", [False, True], ids=["llama", "dynamics"])
+def test_the_command_reads_the_teachers_config_and_prints_its_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], dynamics: bool) -> None:
+    """A kubetrain export with INL dynamics teaches with its controllers: the row counts
+    their parameters too, 2 bytes each over the 8 shards."""
+    from kubetrain.api.trainingjob import DynamicsSpec
+    from kubetrain.cli import main
+    from kubetrain.trainer.export import llama_config
+    from kubetrain.trainer.sizing import dynamics_parameter_count
+
+    teacher = parse_job(manifest()).spec.model.resolve()  # llama-8b's dimensions
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "config.json").write_text(json.dumps(llama_config(
+        teacher, 4096, eos_token_id=0, dynamics=DynamicsSpec(enabled=dynamics))))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest(model={"preset": "llama-1b"},
+                                            workers={"procsPerWorker": 8},
+                                            distillation={"teacher": str(tmp_path / "teacher")})))
+    main(["estimate", str(path), "--gpu-memory", "200"])
+    out = capsys.readouterr().out
+    described = (f"distilled from a {parameter_count(teacher, dynamics) / 1e9:.2f}B-parameter "
+                 f"teacher{' with INL dynamics' if dynamics else ''} (")
+    assert described in out
+    (row,) = [line for line in out.splitlines() if "distillation teacher (bf16, 1/8 each)" in line]
+    spec = parse_job(yaml.safe_load(path.read_text())).spec
+    expected = estimate_memory(spec, 8, job_plan(spec, 8), teacher=teacher,
+                               teacher_dynamics=dynamics).teacher
+    assert float(row.split()[-1]) == pytest.approx(expected / GIB, abs=0.006)
+    plain = estimate_memory(spec, 8, job_plan(spec, 8), teacher=teacher).teacher
+    controllers = teacher.n_layers * dynamics_parameter_count(teacher.dim)
+    gathered = 2 * 2 * dynamics_parameter_count(teacher.dim)  # two gathered blocks' worth
+    assert expected - plain == (2 * controllers // 8 + gathered if dynamics else 0)
+
+
+def test_a_model_init_job_is_sized_from_its_config_json_without_torch(tmp_path: Path) -> None:
+    import json
+
+    from kubetrain.api.presets import PRESETS
+    from kubetrain.trainer.export import llama_config
+
+    dims = PRESETS["llama-1b"].dims
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(llama_config(dims, 4096, 0)))
+    for model, code in (({"init": str(folder), "preset": "custom"}, 0),
+                        ({"init": str(folder), "dim": 1024}, 2)):
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(manifest(model=model)))
+        program = ("import sys; sys.modules['torch'] = None; from kubetrain.cli import main; "
+                   f"sys.exit(main(['estimate', {str(path)!r}, '--gpu-memory', '200']))")
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == code, done.stderr
+        if code == 0:
+            assert (f"model.init {folder}: {parameter_count(dims) / 1e9:.2f}B parameters"
+                    in done.stdout)
+        else:
+            assert "spec.model.dim is 1024 but config.json at" in done.stderr
+            assert "says hidden_size 2048" in done.stderr
+
+
+def test_a_model_init_job_of_a_dynamics_export_counts_the_controllers(tmp_path: Path) -> None:
+    import json
+
+    from kubetrain.api.presets import PRESETS
+    from kubetrain.api.trainingjob import DynamicsSpec
+    from kubetrain.trainer.export import llama_config
+
+    dims = PRESETS["llama-1b"].dims
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    config = llama_config(dims, 4096, 0, DynamicsSpec(enabled=True, beta_max=1.5))
+    (folder / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest(model={"init": str(folder)})))
+    program = ("import sys; sys.modules['torch'] = None; from kubetrain.cli import main; "
+               f"sys.exit(main(['estimate', {str(path)!r}, '--gpu-memory', '200']))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert parameter_count(dims, True) > parameter_count(dims)
+    assert (f"model.init {folder} with INL dynamics: {parameter_count(dims, True) / 1e9:.2f}B "
+            "parameters" in done.stdout)

@@ -56,6 +56,9 @@ class MetricsSample:
     max_steps: int | None = None
     epoch: float | None = None
     loss: float | None = None
+    # The two terms of a distillation job's loss (0 in the gauges of other jobs).
+    ce_loss: float | None = None
+    kd_loss: float | None = None
     tokens_per_second: float | None = None
     last_step_time: datetime | None = None
     checkpoint_step: int | None = None
@@ -178,6 +181,8 @@ def metrics_sample(exposition: str) -> MetricsSample:
         max_steps=whole("kubetrain_max_steps"),
         epoch=values.get("kubetrain_epoch"),
         loss=values.get("kubetrain_loss"),
+        ce_loss=values.get("kubetrain_ce_loss"),
+        kd_loss=values.get("kubetrain_kd_loss"),
         tokens_per_second=values.get("kubetrain_tokens_per_second"),
         last_step_time=_seconds(values.get("kubetrain_last_step_timestamp_seconds")),
         checkpoint_step=whole("kubetrain_latest_checkpoint_step"),

@@ -3,8 +3,8 @@
 Exit codes, read by the operator and the local runner: 0 training complete
 (maxSteps or early stopping); 143 stopped by SIGTERM/SIGINT after saving a
 checkpoint; 75 another rank was signalled, the checkpoint is saved and this
-rank exits so torchrun re-forms the group; 2 an invalid manifest (permanent);
-anything else a failure.
+rank exits so torchrun re-forms the group; 2 an invalid manifest, or a
+model.init that does not fit it (permanent); anything else a failure.
 """
 
 from __future__ import annotations
@@ -38,8 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID_MANIFEST
 
     from kubetrain.trainer.loop import Trainer  # torch loads only once the manifest is valid
+    from kubetrain.trainer.pretrained_config import PretrainedError
 
-    return Trainer(job, metrics_log=args.metrics_log).fit().exit_code
+    try:
+        return Trainer(job, metrics_log=args.metrics_log).fit().exit_code
+    except PretrainedError as error:  # model.init or a distillation teacher this job cannot use
+        print(f"invalid TrainingJob: {error}", file=sys.stderr)
+        return EXIT_INVALID_MANIFEST
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ checkpointing, strategy and world size it adds up, per training process:
   fp32 intermediates), q, k, v, rotated q/k, attention output, residual, the
   four SwiGLU tensors; fused attention keeps no seq-by-seq matrix - and b·d for a
   checkpointed block, which also recomputes one block's worth during backward;
+  INL dynamics (`model.dynamics`) add b·(8d + 2w) per token and block (w = the
+  controller's width: its two hidden tensors; the three sigmoids, beta, the
+  error, the velocity before and after its clamp, the new hidden state; counted
+  with saved-tensor hooks) and a checkpointed block keeps its velocity too, 2·b·d,
+  besides the controller's parameters in every parameter figure;
 - without FSDP, under autocast (bf16/fp16/fp8): the compute-dtype copies of the
   blocks' weights that autocast caches during forward and backward keeps: b·(block
   parameters);
@@ -25,6 +30,18 @@ checkpointing, strategy and world size it adds up, per training process:
   output weight cast to the compute dtype without FSDP; `liger` (CUDA, when
   installed) its fp32 weight-gradient accumulator vocab·d·4, the input gradient
   tokens·d·b and one chunk of its own size;
+- with `distillation`, the frozen teacher (distill.py), whose dimensions and INL
+  dynamics come from its config.json: its weights in the compute dtype, the
+  dynamics controllers' included (sharded under FSDP, whole otherwise), with no
+  gradients or optimizer state, FSDP's two gathered teacher
+  blocks, its final hidden states of the micro-batch (tokens·d_teacher·b) and its
+  whole output weight (vocab·d_teacher·b, gathered once per micro-batch under FSDP),
+  which both live until the student's backward, and per loss chunk (of
+  `sizing.distillation_chunk_tokens`, half a cross-entropy chunk) the teacher's
+  logits with their fp32 copy and log-softmax, tokens·vocab·(b + 8); the student's
+  loss is then the chunked distillation loss whatever `output_loss` says, counted
+  as the chunked loss over those shorter chunks plus its extra log-softmax and its
+  gradient, tokens·vocab·8;
 - 1 GiB for the CUDA context and allocator fragmentation.
 
 fp8 is counted as bf16, an upper bound: float8 linears keep smaller copies.
@@ -44,8 +61,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kubetrain.api.manifest import InvalidManifest, load_job
-from kubetrain.api.trainingjob import TrainingJobSpec
-from kubetrain.trainer.sizing import block_parameter_count, loss_chunk_tokens, parameter_count
+from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
+from kubetrain.trainer.sizing import (
+    CONTROLLER_WIDTH,
+    block_parameter_count,
+    distillation_chunk_tokens,
+    loss_chunk_tokens,
+    parameter_count,
+)
 
 GIB = 1024**3
 CONTEXT_BYTES = 1 * GIB
@@ -75,12 +98,14 @@ class MemoryEstimate:
     weight_copies: int
     activations: int
     logits: int
+    teacher: int = 0  # distillation: everything the frozen teacher adds
     context: int = CONTEXT_BYTES
 
     @property
     def total(self) -> int:
         return (self.parameters + self.gradients + self.optimizer + self.fsdp_working_set
-                + self.weight_copies + self.activations + self.logits + self.context)
+                + self.weight_copies + self.activations + self.logits + self.teacher
+                + self.context)
 
 
 def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
@@ -90,19 +115,29 @@ def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
 
 
 def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
-                    output_loss: OutputLossName = "chunked") -> MemoryEstimate:
+                    output_loss: OutputLossName = "chunked",
+                    dims: ModelDims | None = None,
+                    teacher: ModelDims | None = None,
+                    teacher_dynamics: bool = False) -> MemoryEstimate:
     """Memory per process for `spec` trained by `world_size` processes with `plan`,
-    the loss computed by `output_loss` (loss.py)."""
-    dims = spec.model.resolve()
-    n_params = parameter_count(dims)
+    the loss computed by `output_loss` (loss.py); `dims` (default: the spec's) are the
+    model's dimensions, which a model.init job takes from its config.json; `teacher`
+    the dimensions of a distillation teacher and `teacher_dynamics` whether it has INL
+    dynamics (its config.json's; see `teacher_model`).
+    """
+    dims = dims or spec.model.resolve()
+    dynamics = spec.model.dynamics.enabled
+    n_params = parameter_count(dims, dynamics)
+    block_params = block_parameter_count(dims, dynamics)
     sharded = spec.parallelism.strategy == "fsdp" and world_size > 1
     shards = world_size if sharded else 1
     compute = COMPUTE_BYTES[spec.parallelism.precision]
 
     tokens = plan.micro_batch_size * spec.data.seq_len
     kv_dim = dims.n_kv_heads * (dims.dim // dims.n_heads)
-    full_block = compute * (11 * dims.dim + 3 * kv_dim + 4 * dims.ffn_dim) * tokens
-    block_input = compute * dims.dim * tokens
+    controller = 8 * dims.dim + 2 * CONTROLLER_WIDTH if dynamics else 0
+    full_block = compute * (11 * dims.dim + 3 * kv_dim + 4 * dims.ffn_dim + controller) * tokens
+    block_input = compute * dims.dim * tokens * (2 if dynamics else 1)  # and the velocity
     checkpointed = {"none": 0, "selective": (dims.n_layers + 1) // 2,
                     "full": dims.n_layers}[plan.activation_checkpointing]
     activations = (dims.n_layers - checkpointed) * full_block + checkpointed * block_input
@@ -111,15 +146,47 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
 
     # Without FSDP the weights stay fp32 and autocast computes with cached casts of them.
     casts = not sharded and compute < 4
+    logits = _loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts)
+    teacher_bytes = 0
+    if teacher is not None:
+        chunk = min(tokens, distillation_chunk_tokens(dims.vocab_size))
+        weight_cast = dims.vocab_size * dims.dim * compute if casts else 0
+        logits = chunk * dims.vocab_size * (compute + 8 + 8) + weight_cast
+        teacher_bytes = _teacher_bytes(teacher, teacher_dynamics, tokens, chunk, compute,
+                                       sharded, shards)
     return MemoryEstimate(
         parameters=4 * n_params // shards,
         gradients=4 * n_params // shards,
         optimizer=4 * OPTIMIZER_STATES[spec.optimization.optimizer] * n_params // shards,
-        fsdp_working_set=2 * block_parameter_count(dims) * (compute + 4) if sharded else 0,
-        weight_copies=compute * dims.n_layers * block_parameter_count(dims) if casts else 0,
+        fsdp_working_set=2 * block_params * (compute + 4) if sharded else 0,
+        weight_copies=compute * dims.n_layers * block_params if casts else 0,
         activations=activations,
-        logits=_loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts),
+        logits=logits,
+        teacher=teacher_bytes,
     )
+
+
+def _teacher_bytes(teacher: ModelDims, dynamics: bool, tokens: int, chunk: int, compute: int,
+                   sharded: bool, shards: int) -> int:
+    """What a frozen distillation teacher holds (see the module docstring)."""
+    weights = compute * parameter_count(teacher, dynamics) // shards
+    gathered_blocks = 2 * block_parameter_count(teacher, dynamics) * compute if sharded else 0
+    hidden = tokens * teacher.dim * compute
+    output_weight = teacher.vocab_size * teacher.dim * compute if sharded else 0
+    chunk_logits = chunk * teacher.vocab_size * (compute + 8)
+    return weights + gathered_blocks + hidden + output_weight + chunk_logits
+
+
+def teacher_model(spec: TrainingJobSpec) -> tuple[ModelDims | None, bool]:
+    """The job's distillation teacher as the trainer builds it: its dimensions and whether
+    it has INL dynamics, from its config.json (read through the storage layer, like
+    model.init's); (None, False) without a teacher."""
+    if spec.distillation is None:
+        return None, False
+    from kubetrain.trainer.pretrained_config import teacher_config
+
+    config = teacher_config(spec)
+    return config.dims, config.dynamics.enabled
 
 
 def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, compute: int,
@@ -137,7 +204,10 @@ def _loss_bytes(output_loss: OutputLossName, tokens: int, vocab: int, dim: int, 
 
 
 def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
-              output_loss: OutputLossName = "chunked") -> Plan | None:
+              output_loss: OutputLossName = "chunked",
+              dims: ModelDims | None = None,
+              teacher: ModelDims | None = None,
+              teacher_dynamics: bool = False) -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
     The global batch stays what the job asks for: gradient accumulation grows as
@@ -151,10 +221,23 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
         micro = asked.micro_batch_size
         while micro >= 1:
             plan = Plan(micro, math.ceil(global_sequences / micro), checkpointing)
-            if estimate_memory(spec, world_size, plan, output_loss).total <= gpu_bytes:
+            if estimate_memory(spec, world_size, plan, output_loss, dims, teacher,
+                               teacher_dynamics).total <= gpu_bytes:
                 return plan
             micro //= 2
     return None
+
+
+def trained_model(spec: TrainingJobSpec) -> tuple[TrainingJobSpec, ModelDims]:
+    """The job as the trainer builds it: its spec, and the model's dimensions. A model.init
+    job's come from config.json (read through the storage layer, so sizing such a job
+    needs the trainer extra), its INL dynamics too."""
+    if spec.model.init is None:
+        return spec, spec.model.resolve()
+    from kubetrain.trainer.pretrained_config import job_dims, job_spec
+
+    spec = job_spec(spec)
+    return spec, job_dims(spec)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,25 +254,33 @@ def run(args: argparse.Namespace) -> int:
     except InvalidManifest as error:
         print(f"kubetrain estimate: {error}", file=sys.stderr)
         return 2
-    spec = job.spec
+    try:
+        spec, dims = trained_model(job.spec)
+        teacher, teacher_dynamics = teacher_model(spec)
+    except (ValueError, OSError) as error:  # a config.json: unreadable or refused
+        print(f"kubetrain estimate: {error}", file=sys.stderr)
+        return 2
     world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
     gpu_bytes = int(args.gpu_memory * GIB)
     plan = job_plan(spec, world_size)
-    estimate = estimate_memory(spec, world_size, plan)
-    print(_describe(spec, world_size, plan))
+    estimate = estimate_memory(spec, world_size, plan, dims=dims, teacher=teacher,
+                               teacher_dynamics=teacher_dynamics)
+    print(_describe(spec, world_size, plan, dims, teacher, teacher_dynamics))
     print(_table(spec, world_size, estimate))
     fits = estimate.total <= gpu_bytes
     verdict = "fits" if fits else "does NOT fit"
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
     if fits:
         return 0
-    better = recommend(spec, world_size, gpu_bytes)
+    better = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
+                       teacher_dynamics=teacher_dynamics)
     if better is None:
         print(f"\nNothing fits {args.gpu_memory:g} GiB with {world_size} processes: use more "
               "processes (workers.replicas or procsPerWorker) with strategy fsdp, or a smaller "
               "model.")
         return 1
-    total = estimate_memory(spec, world_size, better).total
+    total = estimate_memory(spec, world_size, better, dims=dims, teacher=teacher,
+                            teacher_dynamics=teacher_dynamics).total
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
           f"  optimization.microBatchSize: {better.micro_batch_size}\n"
           f"  optimization.gradientAccumulationSteps: {better.gradient_accumulation}\n"
@@ -197,14 +288,22 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan) -> str:
-    dims = spec.model.resolve()
-    name = "custom model" if spec.model.preset == "custom" else spec.model.preset
-    return (f"{name}: {parameter_count(dims) / 1e9:.2f}B parameters, {world_size} processes, "
+def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims,
+              teacher: ModelDims | None = None, teacher_dynamics: bool = False) -> str:
+    name = (f"model.init {spec.model.init}" if spec.model.init
+            else "custom model" if spec.model.preset == "custom" else spec.model.preset)
+    dynamics = " with INL dynamics" if spec.model.dynamics.enabled else ""
+    distilling = ""
+    if teacher is not None and spec.distillation is not None:
+        with_dynamics = " with INL dynamics" if teacher_dynamics else ""
+        distilling = (f"distilled from a {parameter_count(teacher, teacher_dynamics) / 1e9:.2f}"
+                      f"B-parameter teacher{with_dynamics} ({spec.distillation.teacher})\n")
+    return (f"{name}{dynamics}: {parameter_count(dims, spec.model.dynamics.enabled) / 1e9:.2f}B "
+            f"parameters, {world_size} processes, "
             f"{spec.parallelism.strategy}, {spec.parallelism.precision}, activation "
             f"checkpointing {plan.activation_checkpointing}\n"
             f"micro-batch {plan.micro_batch_size} x {spec.data.seq_len} tokens, "
-            f"{plan.gradient_accumulation} accumulation steps\n")
+            f"{plan.gradient_accumulation} accumulation steps\n{distilling}")
 
 
 def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> str:
@@ -218,6 +317,8 @@ def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> 
         ("autocast weight copies", estimate.weight_copies),
         ("activations", estimate.activations),
         ("output projection and loss (chunked)", estimate.logits),
+        *([(f"distillation teacher ({spec.parallelism.precision}{share})", estimate.teacher)]
+          if spec.distillation is not None else []),
         ("CUDA context and slack", estimate.context),
     ]
     lines = [f"  {'per GPU':<40}{'GiB':>8}"]

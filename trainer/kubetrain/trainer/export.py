@@ -13,7 +13,8 @@ writes to `<spec.checkpoint.uri>/export`:
     tokenizer_config.json    so AutoTokenizer loads it as a PreTrainedTokenizerFast
 
 so that `AutoModelForCausalLM.from_pretrained(folder)` and
-`AutoTokenizer.from_pretrained(folder)` load it. The weights are gathered from
+`AutoTokenizer.from_pretrained(folder)` load it (except a model with INL
+dynamics: see the end of this docstring). The weights are gathered from
 FSDP2 / DDP shards with DCP's full state dict (on every rank), then rank 0 maps
 the names and writes the files.
 
@@ -21,6 +22,39 @@ The one non-trivial mapping: kubetrain's rotary embedding rotates interleaved
 channel pairs (Meta's original Llama layout) while transformers rotates the two
 halves of each head, so the rows of the query and key projections are permuted
 per head - the same permutation as transformers' own Llama conversion script.
+
+A model with INL dynamics (`model.dynamics.enabled`) is not a Llama, and
+transformers has no class for it, so its export says so instead of passing for
+one. Its config.json holds every LlamaConfig field above, except:
+
+    "architectures": ["KubetrainDynamicsForCausalLM"],
+    "model_type": "kubetrain_dynamics",
+    "kubetrain": {"dynamics": {"betaMax": 2.0, "velocityMax": 10.0, "controllerWidth": 64}}
+
+The unregistered model_type makes `AutoConfig`/`AutoModelForCausalLM.from_pretrained`
+refuse the folder with an error. (With model_type "llama" transformers would load
+the Llama weights, drop the dynamics tensors with only a warning, and compute
+something else.) model.safetensors holds the Llama tensors under the names above
+and, for each block i, the dynamics tensors (see model.Dynamics) under
+
+    model.layers.{i}.dynamics.equilibrium            [hidden_size]  mu
+    model.layers.{i}.dynamics.controller_in.weight   [controllerWidth, hidden_size]
+    model.layers.{i}.dynamics.controller_in.bias     [controllerWidth]
+    model.layers.{i}.dynamics.controller_out.weight  [3 * hidden_size, controllerWidth]
+    model.layers.{i}.dynamics.controller_out.bias    [3 * hidden_size]
+
+where controller_out's rows are alpha's, then beta's, then the gate's. The
+dynamics act on the hidden state in kubetrain's channel order, which the q/k row
+permutation does not touch. `kubetrain generate` samples from such a model's
+checkpoints; the export prints that transformers cannot load it. The marker's
+format is pretrained_config.py's (`dynamics_config`), shared with the reader.
+
+`model.init` reads these folders back (pretrained.py), inverting the export
+exactly, a model with dynamics included: it builds the model with
+`model.dynamics` = {enabled: true, betaMax, velocityMax} from the `kubetrain`
+block (a controllerWidth other than this version's is refused) and maps
+`model.layers.{i}.dynamics.*` back to `layers.{i}.dynamics.*` unchanged.
+`hf_name` is the one name mapping both directions use.
 """
 
 from __future__ import annotations
@@ -33,8 +67,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
+from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, TrainingJobSpec
 from kubetrain.trainer.prepare import END_OF_TEXT, TOKENIZER_NAME
+from kubetrain.trainer.pretrained_config import DYNAMICS_ARCHITECTURE, dynamics_config
 from kubetrain.trainer.storage import open_object, open_storage
 
 EXPORT_FOLDER = "export"
@@ -61,35 +96,50 @@ def _interleaved_to_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(rows, columns))
 
 
+def hf_name(name: str, dims: ModelDims) -> str | None:
+    """The LlamaForCausalLM name of a kubetrain parameter (wrappers' prefixes ignored);
+    the INL dynamics' keep their own names under `model.layers.{i}.`.
+
+    None for the output projection of a tied model: transformers has no tensor for it.
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    if name == "tok_embeddings.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return None if dims.tie_embeddings else "lm_head.weight"
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{index}.{_LAYER_NAMES[rest]}"
+        if rest.startswith("dynamics."):  # kubetrain's own; transformers has no name
+            return f"model.layers.{index}.{rest}"
+    raise ValueError(f"no Hugging Face name for the model weight {name!r}")
+
+
 def hf_state_dict(state: dict[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
     """kubetrain Transformer weights under LlamaForCausalLM's names and layout."""
     converted: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
+        target = hf_name(name, dims)
+        if target is None:
+            continue
         tensor = tensor.detach().to(torch.float32).contiguous()
-        if name == "tok_embeddings.weight":
-            converted["model.embed_tokens.weight"] = tensor
-        elif name == "norm.weight":
-            converted["model.norm.weight"] = tensor
-        elif name == "output.weight":
-            if not dims.tie_embeddings:
-                converted["lm_head.weight"] = tensor
-        elif name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
-            if rest == "attention.wq.weight":
-                tensor = _interleaved_to_halves(tensor, dims.n_heads)
-            elif rest == "attention.wk.weight":
-                tensor = _interleaved_to_halves(tensor, dims.n_kv_heads)
-            converted[f"model.layers.{index}.{_LAYER_NAMES[rest]}"] = tensor.contiguous()
-        else:
-            raise ValueError(f"no Hugging Face name for the model weight {name!r}")
+        if target.endswith("self_attn.q_proj.weight"):
+            tensor = _interleaved_to_halves(tensor, dims.n_heads)
+        elif target.endswith("self_attn.k_proj.weight"):
+            tensor = _interleaved_to_halves(tensor, dims.n_kv_heads)
+        converted[target] = tensor.contiguous()
     return converted
 
 
-def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int) -> dict[str, Any]:
-    """The LlamaConfig (config.json) describing a model of these dimensions."""
-    return {
+def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
+                 dynamics: DynamicsSpec | None = None) -> dict[str, Any]:
+    """The LlamaConfig (config.json) describing a model of these dimensions; with
+    dynamics, marked as kubetrain's own architecture (see the module docstring)."""
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": dims.vocab_size,
@@ -111,6 +161,9 @@ def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int) -> dict[s
         "eos_token_id": eos_token_id,
         "torch_dtype": "float32",
     }
+    if dynamics is not None and dynamics.enabled:
+        config.update(dynamics_config(dynamics))
+    return config
 
 
 def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec, *,
@@ -140,7 +193,7 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
         save_file(hf_state_dict(state, dims), str(weights), metadata={"format": "pt"})
         target.upload_file(weights, "model.safetensors")
     files = {
-        "config.json": llama_config(dims, spec.data.seq_len, eos_id),
+        "config.json": llama_config(dims, spec.data.seq_len, eos_id, spec.model.dynamics),
         "generation_config.json": {"bos_token_id": eos_id, "eos_token_id": eos_id},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
                                   "eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT,
@@ -149,4 +202,9 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
     for name, document in files.items():
         target.write_bytes(name, json.dumps(document, indent=1).encode())
     target.write_bytes(TOKENIZER_NAME, tokenizer_json)
+    if spec.model.dynamics.enabled:
+        print(f"exported a model with INL dynamics to {target.uri}: Hugging Face transformers "
+              f"cannot load it (config.json says architectures {DYNAMICS_ARCHITECTURE}); "
+              "model.init of another job loads it, and `kubetrain generate --checkpoint` "
+              "samples from its checkpoints", flush=True)
     return target.uri

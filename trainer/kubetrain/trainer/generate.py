@@ -4,9 +4,10 @@
 used) or one checkpoint folder (`.../step-00000600`), local or on S3. The
 checkpoint's manifest records the model's dimensions and the job spec that
 trained it, which names the tokenizer (`spec.data.tokenizer`, or the one
-recorded with the training shards). Only the model weights are read, through
-the same verified loading the trainer resumes with; the text is sampled token
-by token with a temperature and top-k, on the CPU or the first GPU.
+recorded with the training shards), and whether the model has INL dynamics.
+Only the model weights are read, through the same verified loading the trainer
+resumes with; the text is sampled token by token with a temperature and top-k,
+on the CPU or the first GPU.
 
 Torch-free at import: `kubetrain --help` imports this module.
 """
@@ -77,7 +78,7 @@ def load_model(uri: str, storage: StorageSpec | None = None,
     spec = trained.model_copy(update={"checkpoint": trained.checkpoint.model_copy(
         update={"uri": folder, "resume_from": None})})
     dims = ModelDims(**manifest["model"])
-    model = Transformer(dims, max_seq_len=spec.data.seq_len)
+    model = Transformer(dims, max_seq_len=spec.data.seq_len, dynamics=spec.model.dynamics)
     step = Checkpointer(spec, rank=0, world_size=1, model_dims=dims).load_latest(
         {"model": ModelWeights(model)})
     if step is None:

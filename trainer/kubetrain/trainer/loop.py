@@ -28,7 +28,10 @@ and checkpoint saves - so every second of the attempt lands in exactly one cause
 Loss normalisation: every micro-batch is full (the dataset packs sequences, no
 padding), so each rank divides its summed token losses by its tokens per step;
 gradient averaging over ranks then yields the mean over the global token count,
-independent of how the global batch is split into ranks and micro-steps.
+independent of how the global batch is split into ranks and micro-steps. With
+`spec.distillation` (distill.py) each micro-batch first goes through the frozen
+teacher, and the student's loss is (1 - alpha) CE + alpha T^2 KL, normalised the same
+way; its two terms are logged beside it. Evaluation is the student's cross-entropy.
 
 Stopping: SIGTERM/SIGINT only set a flag; at each step boundary the flag is
 all-reduced, every rank saves the same checkpoint and `fit` returns exit code
@@ -60,6 +63,7 @@ from kubetrain.trainer.checkpoint import (
     RandomState,
 )
 from kubetrain.trainer.data import TokenDataset, build_datasets
+from kubetrain.trainer.distill import Teacher, load_teacher
 from kubetrain.trainer.distributed import StopRequest, World, init_world, shutdown_world
 from kubetrain.trainer.export import export_model
 from kubetrain.trainer.goodput import (
@@ -74,10 +78,12 @@ from kubetrain.trainer.goodput import (
     attempt_started_at,
 )
 from kubetrain.trainer.loss import select_output_loss
-from kubetrain.trainer.metrics import Reporter, StepReport, peak_flops
-from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.metrics import DynamicsReport, Reporter, StepReport, peak_flops
+from kubetrain.trainer.model import Dynamics, Transformer
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
+from kubetrain.trainer.pretrained import load_pretrained
+from kubetrain.trainer.pretrained_config import check_vocabulary, job_dims, job_spec
 from kubetrain.trainer.sizing import flops_per_token
 from kubetrain.trainer.storage import open_storage
 
@@ -140,6 +146,7 @@ class _Run:
     output_loss: tuple[str, str]  # the implementation's name, and why it was chosen
     goodput: GoodputLedger
     heartbeat: Heartbeat | None  # rank 0 only
+    teacher: Teacher | None = None  # spec.distillation's frozen teacher
 
     def close(self) -> None:
         """Wait for a checkpoint in flight, stop prefetching, stop serving metrics."""
@@ -194,19 +201,36 @@ class Trainer:
 
     def _build(self, world: World) -> _Run:
         """Data, model, parallelism, optimizer, schedule, checkpointer and reporter."""
-        spec, opt = self.spec, self.spec.optimization
+        # A model.init folder decides the model's INL dynamics (config.json's marker): from
+        # here on the spec says so, for the model, its metrics, checkpoints and export.
+        spec = self.spec = job_spec(self.spec)
+        opt = spec.optimization
         train_data, validation_data = build_datasets(
             spec, rank=world.rank, world_size=world.world_size)
-        dims = spec.model.resolve()
-        if spec.model.vocab_size is None:
+        # With model.init the dimensions are its config.json's (checked against the spec).
+        dims = job_dims(spec)
+        if spec.model.init is not None:
+            check_vocabulary(dims, train_data.index.vocab_size, spec.model.init)
+        elif spec.model.vocab_size is None:
             # The model's vocabulary is the tokenizer's unless the spec sets one.
             dims = dims.model_copy(update={"vocab_size": train_data.index.vocab_size})
+        # The teacher first, so the student's weights and dropout masks are drawn as they
+        # would be without one.
+        teacher = (load_teacher(spec, dims, train_data.index, world.mesh, world.device)
+                   if spec.distillation is not None else None)
         # Every rank draws the same initial weights; FSDP2 then keeps each rank's shard.
         torch.manual_seed(opt.seed)
-        model = Transformer(dims, max_seq_len=spec.data.seq_len, dropout=spec.model.dropout)
+        model = Transformer(dims, max_seq_len=spec.data.seq_len, dropout=spec.model.dropout,
+                            dynamics=spec.model.dynamics)
         # Then each rank draws its own dropout masks; checkpoints carry the generators on.
         torch.manual_seed(opt.seed + world.rank)
         model.output_loss, why = select_output_loss(world.device)
+        if teacher is not None:
+            assert spec.distillation is not None
+            why = (f"from the teacher {spec.distillation.teacher}, temperature "
+                   f"{spec.distillation.temperature:g}, alpha {spec.distillation.alpha:g}; "
+                   f"evaluation: {model.output_loss.name} cross-entropy, {why}")
+            model.output_loss = teacher.student_loss(model.output_loss)
         parallel = parallelize(model, spec.parallelism, world.mesh, world.device)
         optimizer = build_optimizer(parallel.module, opt, spec.learning_rate, world.device)
         # Epochs become steps once, from the data and the global batch (see `epochs`).
@@ -239,7 +263,7 @@ class Trainer:
                      if world.is_main else None)
         return _Run(world, dims, max_steps, parallel, optimizer, schedule, train_data,
                     validation_data, progress, app_state, checkpointer, reporter,
-                    (model.output_loss.name, why), goodput, heartbeat)
+                    (model.output_loss.name, why), goodput, heartbeat, teacher)
 
     def _train(self, run: _Run, stop: StopRequest) -> FitResult:
         """The loop: one iteration per optimizer step."""
@@ -249,7 +273,12 @@ class Trainer:
 
         goodput = run.goodput
         goodput.charge(STARTUP)
-        step = run.checkpointer.load_latest(run.app_state) or 0
+        loaded = run.checkpointer.load_latest(run.app_state)
+        if loaded is None and spec.model.init is not None:
+            # Pretrained weights only start a job: any checkpoint to resume from wins.
+            load_pretrained(model, spec.model.init, spec.storage)
+            reporter.initialised(spec.model.init)
+        step = loaded or 0
         goodput.charge(CHECKPOINT_LOAD)
         # A checkpoint of another job (resumeFrom) does not carry this job's time.
         goodput.resume(self._last_heartbeat(run),
@@ -267,7 +296,8 @@ class Trainer:
         accumulation = spec.gradient_accumulation(world.world_size)
         local_tokens = accumulation * opt.micro_batch_size * spec.data.seq_len
         flops_per_second_peak = peak_flops(device) * world.world_size
-        model_flops = flops_per_token(run.dims, spec.data.seq_len)
+        model_flops = flops_per_token(run.dims, spec.data.seq_len,
+                                      dynamics=spec.model.dynamics.enabled)
         interval = _Interval(device)
 
         if step == 0 and spec.evaluation.every_steps:
@@ -290,13 +320,18 @@ class Trainer:
 
             # Forward/backward, synchronising gradients only on the last micro-step.
             loss_sum = torch.zeros((), device=device)
+            terms_sum = torch.zeros(2, device=device)  # distillation: cross-entropy, KD
             for index, (inputs, targets) in enumerate(batches):
+                inputs = inputs.to(device, non_blocking=True)
                 with parallel.gradient_sync(index == accumulation - 1), parallel.autocast():
+                    if run.teacher is not None:
+                        run.teacher.teach(inputs)  # soft targets for the student's loss
                     # The model returns the summed token loss without holding the logits.
-                    loss = model(inputs.to(device, non_blocking=True),
-                                 targets.to(device, non_blocking=True)) / local_tokens
+                    loss = model(inputs, targets.to(device, non_blocking=True)) / local_tokens
                 (parallel.scaler.scale(loss) if parallel.scaler else loss).backward()
                 loss_sum += loss.detach()
+                if run.teacher is not None:
+                    terms_sum += torch.stack(run.teacher.terms()) / local_tokens
 
             # Clip on the global norm (DTensor shards under FSDP2 reduce across ranks).
             if parallel.scaler is not None:
@@ -330,6 +365,9 @@ class Trainer:
             if step % spec.metrics.log_every_steps == 0 or step == run.max_steps:
                 seconds = interval.end()
                 tokens_per_second = interval.tokens / seconds
+                ce_loss = kd_loss = None
+                if run.teacher is not None:
+                    ce_loss, kd_loss = (_mean_over_ranks(term) for term in terms_sum)
                 reporter.logged(StepReport(
                     step=step, epoch=run.train_data.epochs_done,
                     loss=_mean_over_ranks(loss_sum), learning_rate=learning_rate,
@@ -338,6 +376,9 @@ class Trainer:
                          if flops_per_second_peak else 0.0),
                     step_time=seconds / interval.steps,
                     data_wait_ratio=interval.data_wait / seconds,
+                    dynamics=(_dynamics_over_ranks(model, device)
+                              if spec.model.dynamics.enabled else None),
+                    ce_loss=ce_loss, kd_loss=kd_loss,
                 ), device)
                 interval = interval.next()
                 goodput.charge(PRODUCTIVE)  # the step's device work, waited for by the log
@@ -434,6 +475,26 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     total = value.detach().clone()
     dist.all_reduce(total)  # SUM: gloo has no AVG
     return float(total) / dist.get_world_size()
+
+
+def _dynamics_over_ranks(model: torch.nn.Module, device: torch.device) -> DynamicsReport:
+    """Mean mu over every block's channels; mean beta and velocity RMS over every block and
+    rank, from each rank's last forward pass (`Dynamics.stats`). Collective: one all-reduce."""
+    blocks = [module for module in model.modules() if isinstance(module, Dynamics)]
+    world_size = dist.get_world_size()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # mu sum, beta, mean square
+    for dynamics in blocks:
+        mu = dynamics.equilibrium.detach()
+        # FSDP2 shards mu: the ranks' shards add up to the whole. Unsharded, each rank
+        # holds all of it, and the sum over ranks counts it world_size times.
+        totals[0] += mu.to_local().sum() if isinstance(mu, DTensor) else mu.sum() / world_size
+        totals[1:] += dynamics.stats
+    dist.all_reduce(totals)
+    channels = len(blocks) * blocks[0].equilibrium.shape[0]  # a DTensor's shape is global
+    samples = len(blocks) * world_size
+    return DynamicsReport(equilibrium_mean=float(totals[0]) / channels,
+                          beta_mean=float(totals[1]) / samples,
+                          velocity_rms=math.sqrt(float(totals[2]) / samples))
 
 
 class _Interval:

@@ -15,6 +15,19 @@ and returns the summed token loss in fp32; they differ only in what they hold:
   is installed): chunked too, with the gradients computed in forward and no
   recomputation.
 
+Knowledge distillation (`distillation_loss`) has the same shape with a second,
+frozen weight: (1 - alpha) * CE(student, labels) + alpha * T^2 * KL(softmax(teacher /
+T) || softmax(student / T)), summed over tokens. It is chunked and checkpointed the
+same way, the teacher's logits too: forward keeps, per chunk, only the two models'
+hidden states [chunk, dim] and the weights, and backward recomputes one chunk's
+student and teacher logits at a time (two extra output matmuls, one for each model).
+Its chunks are half as long (`sizing.distillation_chunk_tokens`), since each token has
+two rows of logits. What it holds beyond the plain loss: the teacher's final hidden
+states of the micro-batch ([tokens, dim], compute dtype) and the teacher's output
+weight, whole ([vocab, dim], compute dtype), from the teacher's forward until the
+student's backward; at the peak one chunk of teacher logits, their fp32 copy and the
+two log-softmaxes at temperature T.
+
 `select_output_loss` picks one: `liger` on CUDA when it imports, else `chunked`;
 `KUBETRAIN_OUTPUT_LOSS=full|chunked|liger` overrides the choice (for
 benchmarks and diagnosis). The matmul runs in the autocast dtype when autocast
@@ -33,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from kubetrain.trainer.sizing import loss_chunk_tokens
+from kubetrain.trainer.sizing import distillation_chunk_tokens, loss_chunk_tokens
 
 OUTPUT_LOSS_ENV = "KUBETRAIN_OUTPUT_LOSS"
 LIGER_MODULE = "liger_kernel.transformers.functional"
@@ -87,6 +100,42 @@ def liger_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     return torch.as_tensor(loss).float()
 
 
+@dataclass(frozen=True)
+class DistillationLosses:
+    """The distillation loss of some tokens, summed over them, and its two terms."""
+
+    loss: torch.Tensor  # (1 - alpha) * ce + alpha * kd; autograd flows through it
+    ce: torch.Tensor  # cross-entropy on the labels, detached
+    kd: torch.Tensor  # T^2 * KL(teacher || student) at temperature T, detached
+
+
+def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                      teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, *,
+                      temperature: float, alpha: float,
+                      chunk: int | None = None) -> DistillationLosses:
+    """Summed distillation loss of N tokens, one checkpointed chunk of `chunk` tokens at a time.
+
+    `hidden` [N, dim] and `weight` [vocab, dim] are the student's final hidden states
+    and output weight, `teacher_hidden` [N, teacher dim] and `teacher_weight` [vocab,
+    teacher dim] the teacher's (no gradient reaches them). Both models' logits are
+    computed in the student's compute dtype; the softmaxes and the loss are fp32.
+    """
+    dtype = _compute_dtype(hidden, weight)
+    hidden = hidden.to(dtype)
+    teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
+    chunk = chunk or distillation_chunk_tokens(weight.shape[0])
+    pieces = zip(hidden.split(chunk), targets.split(chunk), teacher_hidden.split(chunk),
+                 strict=True)
+    if not torch.is_grad_enabled() or hidden.shape[0] <= chunk:
+        terms = [_distillation_chunk(h, weight, t, th, teacher_weight, dtype, temperature)
+                 for h, t, th in pieces]
+    else:
+        terms = [checkpoint(_distillation_chunk, h, weight, t, th, teacher_weight, dtype,
+                            temperature, use_reentrant=False) for h, t, th in pieces]
+    ce, kd = torch.stack(terms).sum(0).unbind()
+    return DistillationLosses((1 - alpha) * ce + alpha * kd, ce.detach(), kd.detach())
+
+
 IMPLEMENTATIONS: dict[str, OutputLossFn] = {
     "full": full_cross_entropy, "chunked": chunked_cross_entropy, "liger": liger_cross_entropy,
 }
@@ -128,3 +177,18 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     with torch.autocast(hidden.device.type, enabled=False):
         logits = hidden @ weight.to(dtype).t()
     return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def _distillation_chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                        dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """[cross-entropy, T^2 * KL(teacher || student)] of one chunk, each summed over its tokens."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = (hidden @ weight.to(dtype).t()).float()
+        teacher_logits = (teacher_hidden.to(dtype) @ teacher_weight.to(dtype).t()).float()
+    ce = F.cross_entropy(logits, targets, reduction="sum")
+    # kl_div(log q, log p, log_target=True) sums p * (log p - log q): KL(p || q), p the teacher's.
+    kd = F.kl_div(F.log_softmax(logits / temperature, dim=-1),
+                  F.log_softmax(teacher_logits / temperature, dim=-1),
+                  reduction="sum", log_target=True)
+    return torch.stack((ce, kd * temperature**2))

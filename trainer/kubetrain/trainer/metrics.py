@@ -11,6 +11,12 @@ MFU is model FLOPs (`sizing.flops_per_token` times tokens per second) over the p
 dense bf16 FLOP/s of the group's devices, taken from `PEAK_BF16_FLOPS` by device
 name. CPUs and unknown accelerators have no meaningful peak: their MFU is
 reported as 0. Memory figures come from the CUDA caching allocator and are 0 on CPU.
+
+INL dynamics (`model.dynamics`) adds three gauges, exported only by jobs that have
+it: the mean equilibrium mu over every block's channels, and the mean beta and the
+velocity's RMS over every block, token and channel of each rank's last micro-batch
+of the logged step, averaged over ranks (the loop reduces them; see
+`loop._dynamics_over_ranks`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kubetrain.api.trainingjob import DEFAULT_MAX_STEPS, TrainingJobSpec
 
@@ -47,6 +55,12 @@ EPOCH = Gauge("kubetrain_epoch", "Passes over the training data at the last logg
               "the fraction of the current one.", registry=REGISTRY)
 LOSS = Gauge("kubetrain_loss", "Training loss (mean over the group's tokens) at the last "
              "logged step.", registry=REGISTRY)
+CE_LOSS = Gauge("kubetrain_ce_loss", "Knowledge distillation (spec.distillation): the "
+                "cross-entropy on the labels at the last logged step (0 for a job without a "
+                "teacher, whose kubetrain_loss is that cross-entropy).", registry=REGISTRY)
+KD_LOSS = Gauge("kubetrain_kd_loss", "Knowledge distillation: T^2 x KL(teacher || student) at "
+                "the last logged step; kubetrain_loss is (1 - alpha) x ce + alpha x kd (0 for a "
+                "job without a teacher).", registry=REGISTRY)
 VALIDATION_LOSS = Gauge("kubetrain_validation_loss", "Validation loss of the last evaluation.",
                         registry=REGISTRY)
 LEARNING_RATE = Gauge("kubetrain_learning_rate", "Learning rate of the last step.",
@@ -93,6 +107,47 @@ WALL_TIME = Counter("kubetrain_wall_time_seconds", "Wall time since the job firs
 GOODPUT = Gauge("kubetrain_goodput_ratio", "Productive step time over wall time since the job "
                 "first started (0..1), restarts included.", registry=REGISTRY)
 
+
+
+@dataclass(frozen=True)
+class DynamicsReport:
+    """The INL dynamics' state at a logged step, reduced over blocks and ranks."""
+
+    equilibrium_mean: float  # mean mu
+    beta_mean: float
+    velocity_rms: float
+
+
+class _DynamicsGauges(Collector):
+    """The dynamics gauges: no series at all until a dynamics job logs its first step."""
+
+    HELP = {
+        "kubetrain_dynamics_equilibrium_mean": "INL dynamics: mean of the learned equilibrium "
+        "mu over every block's channels.",
+        "kubetrain_dynamics_beta_mean": "INL dynamics: mean restoring gain beta over every "
+        "block, token and channel of the last logged step's last micro-batch (0..betaMax).",
+        "kubetrain_dynamics_velocity_rms": "INL dynamics: root mean square of the velocity "
+        "over every block, token and channel of the last logged step's last micro-batch.",
+    }
+
+    def __init__(self) -> None:
+        self.report: DynamicsReport | None = None
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        if self.report is None:
+            return []
+        values = (self.report.equilibrium_mean, self.report.beta_mean,
+                  self.report.velocity_rms)
+        return [GaugeMetricFamily(name, text, value=value)
+                for (name, text), value in zip(self.HELP.items(), values, strict=True)]
+
+
+DYNAMICS = _DynamicsGauges()
+REGISTRY.register(DYNAMICS)
+
 # Peak dense bf16 FLOP/s per device, matched against torch.cuda.get_device_name() in order.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
@@ -127,6 +182,10 @@ class StepReport:
     mfu: float
     step_time: float
     data_wait_ratio: float
+    dynamics: DynamicsReport | None = None  # jobs with model.dynamics only
+    # Knowledge distillation only: the loss's two terms (loss = (1 - alpha) ce + alpha kd).
+    ce_loss: float | None = None
+    kd_loss: float | None = None
 
 
 class Reporter:
@@ -155,6 +214,7 @@ class Reporter:
                 raise OSError(f"cannot serve /metrics on spec.metrics.port "
                               f"{spec.metrics.port}: {error.strerror}; pick a free port") from None
         MAX_STEPS.set(self.max_steps)
+        DYNAMICS.report = None  # a job without dynamics exports no dynamics series
         RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._trackers = _open_trackers(spec, job_name)
 
@@ -174,6 +234,10 @@ class Reporter:
     def resumed(self, step: int, uri: str, world_size: int) -> None:
         self._event("resumed", step=step, uri=uri, world_size=world_size)
         self._print(f"resumed from {uri} at step {step} with {world_size} processes")
+
+    def initialised(self, uri: str) -> None:
+        self._event("initialised", uri=uri)
+        self._print(f"initialised from the pretrained weights at {uri}")
 
     def stepped(self, step: int, tokens: int, step_time: float) -> None:
         """Every step: the cheap, always-current figures (step, time, tokens)."""
@@ -196,26 +260,44 @@ class Reporter:
         MFU.set(report.mfu)
         DATA_WAIT.set(report.data_wait_ratio)
         STEP_TIME.set(report.step_time)
+        distillation: dict[str, float] = {}
+        if report.ce_loss is not None and report.kd_loss is not None:
+            distillation = {"ce_loss": report.ce_loss, "kd_loss": report.kd_loss}
+            CE_LOSS.set(report.ce_loss)
+            KD_LOSS.set(report.kd_loss)
         if device.type == "cuda":
             MEMORY_ALLOCATED.set(torch.cuda.max_memory_allocated(device))
             MEMORY_RESERVED.set(torch.cuda.max_memory_reserved(device))
+        dynamics: dict[str, float] = {}
+        if report.dynamics is not None:
+            DYNAMICS.report = report.dynamics
+            dynamics = {"dynamics_mu_mean": report.dynamics.equilibrium_mean,
+                        "dynamics_beta_mean": report.dynamics.beta_mean,
+                        "dynamics_velocity_rms": report.dynamics.velocity_rms}
         self._event("step", step=report.step, max_steps=self.max_steps,
-                    epoch=round(report.epoch, 4), loss=report.loss,
+                    epoch=round(report.epoch, 4), loss=report.loss, **distillation,
                     lr=report.learning_rate, grad_norm=report.grad_norm,
                     tokens_per_second=report.tokens_per_second, mfu=report.mfu,
-                    step_time=report.step_time, data_wait_ratio=report.data_wait_ratio)
+                    step_time=report.step_time, data_wait_ratio=report.data_wait_ratio,
+                    **dynamics)
         self._print(
             f"step {report.step}/{self.max_steps} | epoch {report.epoch:.2f} | "
             f"loss {report.loss:.4f} | "
-            f"lr {report.learning_rate:.2e} | grad {report.grad_norm:.3f} | "
+            + "".join(f"{name.removesuffix('_loss')} {value:.4f} | "
+                      for name, value in distillation.items())
+            + f"lr {report.learning_rate:.2e} | grad {report.grad_norm:.3f} | "
             f"{report.tokens_per_second:,.0f} tok/s | mfu {report.mfu:.1%} | "
             f"{report.step_time * 1000:.0f} ms/step | data wait {report.data_wait_ratio:.1%}"
+            + (f" | mu {report.dynamics.equilibrium_mean:.3g} beta "
+               f"{report.dynamics.beta_mean:.3f} v rms {report.dynamics.velocity_rms:.3g}"
+               if report.dynamics is not None else "")
         )
         for tracker in self._trackers:
-            tracker.log(report.step, {"loss": report.loss, "lr": report.learning_rate,
+            tracker.log(report.step, {"loss": report.loss, **distillation,
+                                      "lr": report.learning_rate,
                                       "grad_norm": report.grad_norm,
                                       "tokens_per_second": report.tokens_per_second,
-                                      "mfu": report.mfu})
+                                      "mfu": report.mfu, **dynamics})
 
     def evaluated(self, step: int, val_loss: float) -> None:
         if not self.enabled:

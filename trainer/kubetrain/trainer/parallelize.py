@@ -6,7 +6,8 @@ float8 conversion (fp8 only) → activation checkpointing → torch.compile → 
 that tells the loop the three things that differ between strategies: how to
 compute in the job's precision,
 how to skip gradient synchronisation on non-final micro-steps, and which
-gradient scaler (fp16 only) to use.
+gradient scaler (fp16 only) to use. `parallelize_frozen` places a model that is
+never trained (a distillation teacher) the same way, minus what only training needs.
 
 Precision: with FSDP2 the `MixedPrecisionPolicy` casts parameters to bf16/fp16
 for compute and reduces gradients in fp32, keeping fp32 master weights; with DDP
@@ -15,8 +16,9 @@ job. fp32 runs unchanged. fp8 is bf16 with every transformer block's linear
 layers swapped for torchao's `Float8Linear` (dynamic tensorwise scaling; under
 FSDP2 their weights are all-gathered in float8). The output projection stays
 bf16: its loss (loss.py) reads its weight directly, and float8 would cost the
-most accuracy there. fp8 is refused, naming the field, on CPUs and on GPUs
-without float8 tensor cores, and when torchao is not installed.
+most accuracy there; so does the INL dynamics controller (model.Dynamics). fp8
+is refused, naming the field, on CPUs and on GPUs without float8 tensor cores,
+and when torchao is not installed.
 """
 
 from __future__ import annotations
@@ -116,6 +118,35 @@ def parallelize(
     )
 
 
+def parallelize_frozen(model: Transformer, spec: ParallelismSpec, mesh: DeviceMesh,
+                       device: torch.device) -> Transformer:
+    """Place a frozen model (a distillation teacher) the way `parallelize` places the trained one.
+
+    Its parameters stop requiring gradients and are stored in the job's compute dtype:
+    nothing updates them, so there are no fp32 master weights to keep (fp8 jobs' teachers
+    run in bf16, without float8 conversion). Under strategy fsdp with several processes
+    FSDP2 shards every block and then the root, as for the student; otherwise (ddp, or one
+    process) each rank holds the whole model: DDP only synchronises gradients, which a
+    frozen model has none of. No activation checkpointing (nothing runs backward through
+    it); torch.compile per block when the job compiles. Returned in eval mode.
+    """
+    dtype = COMPUTE_DTYPES[spec.precision]
+    model.requires_grad_(False)
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(dtype)  # the rotary tables (buffers) stay fp32
+    model.to(device)
+    model.eval()
+    if spec.compile:
+        for block in model.layers:
+            block.compile()
+    if spec.strategy == "fsdp" and mesh.size() > 1:
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
 def float8_unsupported(device: torch.device) -> str | None:
     """Why float8 training cannot run on `device`, or None when it can."""
     if device.type != "cuda":
@@ -149,8 +180,10 @@ def convert_to_float8(model: Transformer, device: torch.device,
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather_in_float8)
 
     def in_a_block(module: nn.Module, name: str) -> bool:
-        # float8 matmuls need both dimensions divisible by 16.
-        return (name.startswith("layers.") and isinstance(module, nn.Linear)
+        # float8 matmuls need both dimensions divisible by 16. The INL dynamics controller
+        # stays bf16: its matmuls are small, and its outputs are the control gains.
+        return (name.startswith("layers.") and ".dynamics." not in name
+                and isinstance(module, nn.Linear)
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
     float8.convert_to_float8_training(model, config=config, module_filter_fn=in_a_block)

@@ -1,0 +1,71 @@
+"""A torchrun worker for the sharded pretrained-load test: FSDP2 ranks each load their shards.
+
+    pretrained_worker.py FOLDER OUT
+
+Builds the Transformer that FOLDER's config.json describes (INL dynamics included,
+when it marks them), shards it with the
+trainer's own `parallelize` (FSDP2, fp32), loads FOLDER with `load_pretrained`,
+and writes OUT/reads-<rank>.json: every ranged read this rank made, as the
+pretrained module logs them (tensor name, first and last row, bytes). Rank 0
+then writes the full (unsharded) model state to OUT/state.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+
+from kubetrain.api.trainingjob import ParallelismSpec
+from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.parallelize import parallelize
+from kubetrain.trainer.pretrained import load_pretrained
+from kubetrain.trainer.pretrained_config import read_config
+
+
+class _Reads(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.reads: list[list[object]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("read "):
+            self.reads.append(list(record.args or ()))
+
+
+def main(folder: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    reads = _Reads()
+    logger = logging.getLogger("kubetrain.trainer.pretrained")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(reads)
+
+    config = read_config(folder, None)
+    model = Transformer(config.dims, max_seq_len=64, dynamics=config.dynamics)
+    parallel = parallelize(model, ParallelismSpec(strategy="fsdp", precision="fp32"), mesh,
+                           torch.device("cpu"))
+    load_pretrained(parallel.module, folder, None)
+
+    Path(out, f"reads-{rank}.json").write_text(json.dumps(reads.reads))
+    state = get_model_state_dict(
+        parallel.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(state, Path(out, "state.pt"))
+    # Both ranks leave the group together: a gloo rank that tears it down while the other
+    # is still writing state.pt now and then aborts ("terminate called without an active
+    # exception").
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,349 @@
+"""The config.json of a `model.init` folder: read, checked, and compared with the job.
+
+Which Llama configurations kubetrain can build (model_type llama, SiLU, no
+attention or MLP bias, rotary embeddings without scaling, no quantisation) and
+which dimensions a config.json gives: anything else is refused naming the key,
+never approximated. A `kubetrain` object in config.json marks features of
+kubetrain's own exports (extra layers); a marker this version does not know is
+refused too, rather than loading the model without those layers' weights. The
+one it knows is `dynamics` (INL dynamics, `model.dynamics`), whose format -
+model_type, architectures and marker, which export.py writes with
+`dynamics_config` - lives here so that reader and writer share it. A model.init
+job's `model.dynamics` is its folder's (`job_spec`); so are a distillation
+teacher's (`teacher_config`).
+Torch-free, so `kubetrain estimate` sizes a model.init job from it; the weights
+themselves are pretrained.py's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic.alias_generators import to_camel
+
+from kubetrain.api.trainingjob import (
+    DynamicsSpec,
+    ModelDims,
+    ModelSpec,
+    StorageSpec,
+    TrainingJobSpec,
+)
+from kubetrain.trainer.sizing import CONTROLLER_WIDTH
+from kubetrain.trainer.storage import open_storage
+
+CONFIG_NAME = "config.json"
+TEACHER_FIELD = "spec.distillation.teacher"
+LLAMA_MODEL_TYPE, LLAMA_ARCHITECTURE = "llama", "LlamaForCausalLM"
+# A model with INL dynamics: a model_type transformers does not know, so it refuses the
+# folder instead of loading the Llama part and dropping the dynamics' tensors.
+DYNAMICS_MODEL_TYPE, DYNAMICS_ARCHITECTURE = "kubetrain_dynamics", "KubetrainDynamicsForCausalLM"
+# Keys of config.json's "kubetrain" object that this version builds the layers of.
+KNOWN_MARKERS: frozenset[str] = frozenset({"dynamics"})
+DYNAMICS_MARKER_KEYS = ("betaMax", "velocityMax", "controllerWidth")
+
+# ModelSpec field -> the config.json key it corresponds to.
+CONFIG_KEYS = {
+    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size",
+    "ffn_dim": "intermediate_size", "tie_embeddings": "tie_word_embeddings",
+    "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
+}
+
+
+class PretrainedError(ValueError):
+    """The folder cannot initialise this job's model: what is wrong, where, and what to do."""
+
+
+@dataclass(frozen=True)
+class PretrainedConfig:
+    """What config.json says: the dimensions, the longest trained context, kubetrain markers
+    and the INL dynamics they describe (disabled without the marker)."""
+
+    uri: str
+    dims: ModelDims
+    max_positions: int | None
+    markers: dict[str, Any]
+    dynamics: DynamicsSpec
+
+    @property
+    def where(self) -> str:
+        return f"config.json at {self.uri}"
+
+
+def read_config(uri: str, storage: StorageSpec | None) -> PretrainedConfig:
+    """Read and check `<uri>/config.json`; PretrainedError when it is missing or unsupported."""
+    store = open_storage(uri, storage)
+    try:
+        raw = store.read_bytes(CONFIG_NAME)
+    except FileNotFoundError:
+        raise PretrainedError(
+            f"model.init: there is no {CONFIG_NAME} at {store.uri}: point model.init at a "
+            "Hugging Face model folder (config.json with safetensors weights), such as "
+            "another job's <checkpoint.uri>/export") from None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise PretrainedError(f"model.init: {CONFIG_NAME} at {store.uri} is not JSON: "
+                              f"{error}") from None
+    if not isinstance(config, dict):
+        raise PretrainedError(f"model.init: {CONFIG_NAME} at {store.uri} is not a JSON object")
+    return parse_config(config, store.uri)
+
+
+def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
+    """The checked contents of a config.json read from the folder `uri`."""
+    where = f"{CONFIG_NAME} at {uri}"
+
+    def refuse(message: str) -> PretrainedError:
+        return PretrainedError(f"model.init: {where} {message}")
+
+    markers = config.get("kubetrain") or {}
+    if not isinstance(markers, dict):
+        raise refuse(f"has a kubetrain entry that is not an object: {markers!r}")
+    unknown = sorted(set(markers) - KNOWN_MARKERS)
+    if unknown:
+        names = ", ".join(f"kubetrain.{name}" for name in unknown)
+        raise refuse(f"marks the model with {names}: it was exported by a kubetrain with a "
+                     "feature this version does not build, and loading it would drop those "
+                     "layers' weights; start the job with a kubetrain version that has it")
+    dynamics = _dynamics(markers.get("dynamics"), refuse)
+    model_type = config.get("model_type")
+    if dynamics.enabled and model_type != DYNAMICS_MODEL_TYPE:
+        raise refuse(f"marks kubetrain.dynamics but has model_type {model_type!r}: kubetrain "
+                     f"exports a model with INL dynamics as model_type {DYNAMICS_MODEL_TYPE}, "
+                     "so that transformers does not load it as a Llama; restore that "
+                     "model_type, or the folder is not such an export")
+    if model_type == DYNAMICS_MODEL_TYPE and not dynamics.enabled:
+        raise refuse(f"has model_type {DYNAMICS_MODEL_TYPE} but no kubetrain.dynamics entry "
+                     "(betaMax, velocityMax, controllerWidth): the dynamics' bounds are "
+                     "unknown; re-export the model with kubetrain")
+    if model_type not in (LLAMA_MODEL_TYPE, DYNAMICS_MODEL_TYPE):
+        raise refuse(f"has model_type {model_type!r}: kubetrain builds Llama models "
+                     "(model_type llama, LlamaForCausalLM) only, and its own exports with "
+                     f"INL dynamics ({DYNAMICS_MODEL_TYPE})")
+    architecture = DYNAMICS_ARCHITECTURE if dynamics.enabled else LLAMA_ARCHITECTURE
+    architectures = config.get("architectures") or [architecture]
+    if architecture not in architectures:
+        raise refuse(f"has architectures {architectures}: kubetrain needs a {architecture} "
+                     "(a language-model head); a bare LlamaModel has none")
+    if config.get("quantization_config"):
+        raise refuse("describes a quantised model (quantization_config): kubetrain trains "
+                     "from float weights; use the unquantised checkpoint")
+    if config.get("hidden_act", "silu") != "silu":
+        raise refuse(f"has hidden_act {config['hidden_act']!r}: kubetrain's feed-forward "
+                     "is SwiGLU (silu)")
+    for bias in ("attention_bias", "mlp_bias"):
+        if config.get(bias):
+            raise refuse(f"has {bias}: true: kubetrain's projections have no bias")
+    rope_theta = _rope_theta(config, refuse)
+
+    def integer(key: str, default: int | None = None) -> int:
+        value = config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise refuse(f"needs {key} as a positive integer, found {value!r}")
+        return value
+
+    dim, n_heads = integer("hidden_size"), integer("num_attention_heads")
+    n_kv_heads = integer("num_key_value_heads", n_heads)
+    if dim % n_heads or n_heads % n_kv_heads or (dim // n_heads) % 2:
+        raise refuse(f"has hidden_size {dim}, num_attention_heads {n_heads} and "
+                     f"num_key_value_heads {n_kv_heads}: kubetrain needs the heads to divide "
+                     "hidden_size into an even head size and the key/value heads to divide "
+                     "the heads")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim != dim // n_heads:
+        raise refuse(f"has head_dim {head_dim}, not hidden_size / num_attention_heads "
+                     f"({dim // n_heads}): kubetrain derives the head size from those")
+    norm_eps = config.get("rms_norm_eps", 1e-6)  # transformers' LlamaConfig default
+    if not isinstance(norm_eps, int | float) or norm_eps <= 0:
+        raise refuse(f"needs rms_norm_eps as a positive number, found {norm_eps!r}")
+    max_positions = config.get("max_position_embeddings")
+    dims = ModelDims(
+        dim=dim, n_layers=integer("num_hidden_layers"), n_heads=n_heads, n_kv_heads=n_kv_heads,
+        vocab_size=integer("vocab_size"), ffn_dim=integer("intermediate_size"),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_theta=rope_theta, norm_eps=float(norm_eps))
+    return PretrainedConfig(uri, dims, max_positions if isinstance(max_positions, int) else None,
+                            dict(markers), dynamics)
+
+
+def dynamics_config(dynamics: DynamicsSpec) -> dict[str, Any]:
+    """The config.json entries that mark a model with INL dynamics (export.py writes them)."""
+    return {"architectures": [DYNAMICS_ARCHITECTURE], "model_type": DYNAMICS_MODEL_TYPE,
+            "kubetrain": {"dynamics": {"betaMax": dynamics.beta_max,
+                                       "velocityMax": dynamics.velocity_max,
+                                       "controllerWidth": CONTROLLER_WIDTH}}}
+
+
+def _dynamics(marker: object, refuse: Callable[[str], PretrainedError]) -> DynamicsSpec:
+    """The INL dynamics config.json's kubetrain.dynamics marker describes (None: none)."""
+    if marker is None:
+        return DynamicsSpec()
+    if not isinstance(marker, dict):
+        raise refuse(f"has a kubetrain.dynamics entry that is not an object: {marker!r}")
+    unknown = sorted(set(marker) - set(DYNAMICS_MARKER_KEYS))
+    missing = [key for key in DYNAMICS_MARKER_KEYS if key not in marker]
+    if unknown or missing:
+        raise refuse(f"has a kubetrain.dynamics entry with keys {sorted(marker)}: kubetrain "
+                     f"reads exactly {', '.join(DYNAMICS_MARKER_KEYS)}; re-export the model "
+                     "with this kubetrain version")
+    width = marker["controllerWidth"]
+    if isinstance(width, bool) or width != CONTROLLER_WIDTH:
+        raise refuse(f"has kubetrain.dynamics.controllerWidth {width!r}, but this kubetrain "
+                     f"builds the dynamics controller {CONTROLLER_WIDTH} wide: start the job "
+                     "with the kubetrain version that exported the model")
+    bounds = {}
+    for key in ("betaMax", "velocityMax"):
+        value = marker[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise refuse(f"needs kubetrain.dynamics.{key} as a positive number, found "
+                         f"{value!r}")
+        bounds[key] = float(value)
+    return DynamicsSpec(enabled=True, beta_max=bounds["betaMax"],
+                        velocity_max=bounds["velocityMax"])
+
+
+def _rope_theta(config: dict[str, Any], refuse: Callable[[str], PretrainedError]) -> float:
+    """The rotary base, from rope_parameters (transformers 5) or rope_theta, refusing scaling."""
+    parameters = config.get("rope_parameters")
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise refuse(f"has {key} {value!r}: kubetrain supports only plain rotary "
+                         "embeddings (rope_type default)")
+        rope_type = value.get("rope_type", value.get("type", "default"))
+        if rope_type != "default":
+            raise refuse(f"has {key} with rope_type {rope_type!r}: kubetrain supports only "
+                         "plain rotary embeddings (rope_type default), without scaling")
+    theta = (parameters or {}).get("rope_theta", config.get("rope_theta", 10_000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise refuse(f"needs rope_theta as a positive number, found {theta!r}")
+    return float(theta)
+
+
+def check_model_spec(model: ModelSpec, config: PretrainedConfig) -> None:
+    """Refuse a spec.model dimension or dynamics setting that disagrees with config.json,
+    naming both values.
+
+    normEps and each field of model.dynamics are compared only when they are not the
+    default (normEps 1e-5; dynamics enabled false, betaMax 2, velocityMax 10): a manifest
+    that leaves them out cannot be told from one that writes the default, and the API
+    server fills it in. Left at the default, they are the folder's.
+    """
+    default_eps = ModelSpec.model_fields["norm_eps"].default
+    conflicts = _dynamics_conflicts(model.dynamics, config)
+    for field, key in CONFIG_KEYS.items():
+        value = getattr(model, field)
+        if value is None or (field == "norm_eps" and value == default_eps):
+            continue
+        found = getattr(config.dims, field)
+        if value != found:
+            name = f"model.{to_camel(field)}"
+            conflicts.append(f"spec.{name} is {_show(value)} but {config.where} says {key} "
+                             f"{_show(found)}: remove {name} or set it to {_show(found)}")
+    if conflicts:
+        raise PretrainedError("; ".join(conflicts) + " (model.init takes the architecture "
+                              "from config.json)")
+
+
+def _dynamics_conflicts(asked: DynamicsSpec, config: PretrainedConfig) -> list[str]:
+    """spec.model.dynamics fields, set to other than their defaults, that the folder's differ
+    from: whether it has dynamics at all, then (when it has) their bounds."""
+    default, found = DynamicsSpec(), config.dynamics
+    if asked.enabled and not found.enabled:
+        return [f"spec.model.dynamics.enabled is true but {config.where} has no "
+                "kubetrain.dynamics (a model without INL dynamics): remove model.dynamics "
+                "or set enabled to false"]
+    conflicts = []
+    for field in ("beta_max", "velocity_max"):
+        value = getattr(asked, field)
+        if found.enabled and value != getattr(default, field) and value != getattr(found, field):
+            name = f"model.dynamics.{to_camel(field)}"
+            conflicts.append(f"spec.{name} is {value} but {config.where} says "
+                             f"kubetrain.dynamics.{to_camel(field)} {getattr(found, field)}: "
+                             f"remove {name} or set it to {getattr(found, field)}")
+    return conflicts
+
+
+def _show(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def job_spec(spec: TrainingJobSpec) -> TrainingJobSpec:
+    """The spec the trainer trains: with model.init, `model.dynamics` is config.json's.
+
+    Whether the model has INL dynamics, and their bounds, are part of the folder's
+    architecture like its dimensions, so everything that reads spec.model.dynamics -
+    the model, its FLOPs and metrics, the spec checkpoints record (which `kubetrain
+    generate` builds from) and the export's marker - sees the folder's. Refuses what
+    check_model_spec refuses.
+    """
+    if spec.model.init is None:
+        return spec
+    config = read_config(spec.model.init, spec.storage)
+    check_model_spec(spec.model, config)
+    if spec.model.dynamics == config.dynamics:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(
+        update={"dynamics": config.dynamics})})
+
+
+def job_dims(spec: TrainingJobSpec) -> ModelDims:
+    """The dimensions of the job's model: config.json's with model.init, else the spec's.
+
+    With model.init, also refuses dimensions set in spec.model that disagree and a
+    data.seqLen longer than the model's max_position_embeddings. A spec without
+    vocabSize takes its vocabulary from the data (the caller's part).
+    """
+    if spec.model.init is None:
+        return spec.model.resolve()
+    config = read_config(spec.model.init, spec.storage)
+    check_model_spec(spec.model, config)
+    if config.max_positions is not None and spec.data.seq_len > config.max_positions:
+        raise PretrainedError(
+            f"spec.data.seqLen ({spec.data.seq_len}) is longer than max_position_embeddings "
+            f"({config.max_positions}) in {config.where}: the model was not trained on "
+            "positions that far; lower data.seqLen")
+    return config.dims
+
+
+def teacher_config(spec: TrainingJobSpec) -> PretrainedConfig:
+    """The config.json of the job's distillation teacher (spec.distillation.teacher).
+
+    The teacher is built from it as model.init's model is: its dimensions and its INL
+    dynamics, so a kubetrain export with dynamics teaches with them. Refuses what
+    model.init refuses, and a data.seqLen longer than its max_position_embeddings;
+    every message names spec.distillation.teacher.
+    """
+    assert spec.distillation is not None, "teacher_config needs spec.distillation"
+    try:
+        config = read_config(spec.distillation.teacher, spec.storage)
+    except PretrainedError as error:
+        raise teacher_error(error) from None
+    if config.max_positions is not None and spec.data.seq_len > config.max_positions:
+        raise PretrainedError(
+            f"{TEACHER_FIELD}: spec.data.seqLen ({spec.data.seq_len}) is longer than the "
+            f"teacher's max_position_embeddings ({config.max_positions}) in {config.where}: "
+            "it was not trained on positions that far, so its predictions there teach noise; "
+            "lower data.seqLen or use a teacher trained on longer sequences")
+    return config
+
+
+def teacher_error(error: PretrainedError) -> PretrainedError:
+    """An error of the model.init reader (this module's or pretrained.py's) about the
+    teacher's folder, naming spec.distillation.teacher instead."""
+    return type(error)(str(error).replace("model.init:", f"{TEACHER_FIELD}:", 1))
+
+
+def check_vocabulary(dims: ModelDims, data_vocab_size: int, uri: str) -> None:
+    """Refuse training data whose token ids the pretrained model has no embedding for."""
+    if data_vocab_size > dims.vocab_size:
+        raise PretrainedError(
+            f"the training data's tokenizer has {data_vocab_size} tokens but the model at "
+            f"model.init ({uri}) has vocab_size {dims.vocab_size}: prepare the data with the "
+            "model's own tokenizer (kubetrain prepare --tokenizer <model.init>/tokenizer.json)")
