@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -19,6 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# Allocations between collections of the youngest generation (Python's default: 700).
+GC_FIRST_GENERATION = 20_000
 
 # The namespace a pod's service account belongs to: where an in-cluster operator keeps its Lease.
 _POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -128,6 +132,7 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     # run through its machinery.
     for plural in ("pods", "services", "configmaps"):
         settings.watching.label_selectors["v1", plural] = children.JOB_LABEL
+    _tune_garbage_collector()
 
     metrics_server, metrics_thread = start_http_server(
         config.metrics_port, registry=controller.metrics.registry)
@@ -156,6 +161,21 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
         metrics_server.shutdown()
         metrics_thread.join()
         api.close()
+
+
+def _tune_garbage_collector() -> None:
+    """Keep Python's cycle collector from rescanning what only grows.
+
+    Everything imported so far (kopf, the Kubernetes client's thousands of model
+    classes, pydantic) lives as long as the process: frozen, no collection scans it
+    again. And the indexes hold every watched object, so each full collection walks
+    them all: at 500 jobs, a quarter of the operator's CPU went to collections, most
+    of it to ten full ones. A larger first generation means fewer collections of every
+    generation; the cycles kopf and asyncio leave behind are still collected.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_FIRST_GENERATION, *gc.get_threshold()[1:])
 
 
 def _no_diff_base() -> Any:
