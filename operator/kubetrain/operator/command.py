@@ -132,7 +132,6 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     # run through its machinery.
     for plural in ("pods", "services", "configmaps"):
         settings.watching.label_selectors["v1", plural] = children.JOB_LABEL
-    _tune_garbage_collector()
 
     metrics_server, metrics_thread = start_http_server(
         config.metrics_port, registry=controller.metrics.registry)
@@ -166,13 +165,20 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
 def _tune_garbage_collector() -> None:
     """Keep Python's cycle collector from rescanning what only grows.
 
-    Everything imported so far (kopf, the Kubernetes client's thousands of model
+    What the operator imports (kopf, the Kubernetes client's thousands of model
     classes, pydantic) lives as long as the process: frozen, no collection scans it
     again. And the indexes hold every watched object, so each full collection walks
     them all: at 500 jobs, a quarter of the operator's CPU went to collections, most
     of it to ten full ones. A larger first generation means fewer collections of every
     generation; the cycles kopf and asyncio leave behind are still collected.
+
+    The command does this for its own process; `serve` alone (tests run it in theirs)
+    leaves the collector as it was.
     """
+    import kopf  # noqa: F401  (imported here to be frozen with the rest)
+
+    from kubetrain.operator import handlers  # noqa: F401
+
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_FIRST_GENERATION, *gc.get_threshold()[1:])
@@ -216,5 +222,6 @@ def run(args: argparse.Namespace) -> int:
         # event, which at scale is most of the log and a measurable part of the CPU.
         # Its warnings and errors (a failing handler, a lost watch) stay.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    _tune_garbage_collector()
     serve(config_from(args))
     return 0

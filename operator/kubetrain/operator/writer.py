@@ -94,6 +94,9 @@ class ApiWriter:
             method, url, body=payload, headers={**headers, "Content-Type": content_type},
             preload_content=False)
         if not 200 <= response.status <= 299:
+            if response.status == 401:  # the token expired early: read it afresh next time
+                with self._lock:
+                    self._read_at = -CREDENTIALS_SECONDS
             answer = rest.RESTResponse(response)
             answer.read()  # the server's Status, for the error's body
             raise ApiException.from_response(http_resp=answer, body=None, data=None)
