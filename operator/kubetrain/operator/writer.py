@@ -8,15 +8,27 @@ jobs. `ApiWriter` sends the same requests (URL, content type, authentication,
 connection pool and user agent of the same `ApiClient`) with the body as it is,
 and reads no answer. Errors still raise `ApiException` with the answer's status.
 
+Even the client's own request path costs more than the request: each one walks the
+body to sanitise it (already plain JSON here), and asks the configuration for its
+credentials, which makes a kubeconfig-loaded client reload the kubeconfig and scan
+the whole environment for proxies, every time. So the credentials, host and default
+headers are read once per `CREDENTIALS_SECONDS` (short beside any token's lifetime:
+an exec plugin's or a projected ServiceAccount token's refresh is still followed)
+and the body is encoded once, straight onto the client's connection pool.
+
 Reads are not here: the operator observes through kopf's watches and indexes.
 """
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from kubernetes import client
+from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
 
 from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION
@@ -25,6 +37,8 @@ from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION
 _STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 _MERGE = "application/merge-patch+json"
 _JSON = "application/json"
+# How long the credentials, host and default headers read from the ApiClient are reused.
+CREDENTIALS_SECONDS = 10.0
 
 # The collection of each kind of child, under /api/v1/namespaces/<namespace>/.
 _COLLECTIONS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps",
@@ -46,6 +60,10 @@ class ApiWriter:
 
     def __init__(self, api: client.ApiClient) -> None:
         self.api = api
+        self._lock = threading.Lock()
+        self._host = ""
+        self._headers: dict[str, str] = {}
+        self._read_at = -CREDENTIALS_SECONDS
 
     def create(self, namespace: str, manifest: dict[str, Any]) -> None:
         """POST a Pod, Service, ConfigMap or Event into its namespace."""
@@ -69,15 +87,30 @@ class ApiWriter:
 
     def _send(self, method: str, path: str, body: dict[str, Any] | None = None,
               content_type: str = _JSON, query: list[tuple[str, Any]] | None = None) -> None:
-        # param_serialize adds the host, the query, the default headers (User-Agent) and
-        # the credentials, exactly as the generated methods have it do.
-        method, url, headers, payload, _ = self.api.param_serialize(
-            method, path, query_params=query or None,
-            header_params={"Content-Type": content_type, "Accept": _JSON},
-            body=body, auth_settings=["BearerToken"])
-        response = self.api.call_api(method, url, header_params=headers, body=payload)
+        host, headers = self._credentials()
+        url = host + path + (f"?{urlencode(query)}" if query else "")
+        payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        response = self.api.rest_client.pool_manager.request(
+            method, url, body=payload, headers={**headers, "Content-Type": content_type},
+            preload_content=False)
         if not 200 <= response.status <= 299:
-            response.read()
-            raise ApiException.from_response(http_resp=response, body=None, data=None)
-        response.response.drain_conn()
-        response.response.release_conn()
+            if response.status == 401:  # the token expired early: read it afresh next time
+                with self._lock:
+                    self._read_at = -CREDENTIALS_SECONDS
+            answer = rest.RESTResponse(response)
+            answer.read()  # the server's Status, for the error's body
+            raise ApiException.from_response(http_resp=answer, body=None, data=None)
+        response.drain_conn()
+        response.release_conn()
+
+    def _credentials(self) -> tuple[str, dict[str, str]]:
+        """The API server's URL and the headers every request carries (Authorization,
+        User-Agent), as the ApiClient gives them, re-read every CREDENTIALS_SECONDS."""
+        with self._lock:
+            if time.monotonic() - self._read_at >= CREDENTIALS_SECONDS:
+                headers: dict[str, str] = {"Accept": _JSON, **self.api.default_headers}
+                # The client's own step: fills in Authorization (refreshing the token).
+                self.api.update_params_for_auth(headers, [], ["BearerToken"], "", "", None)
+                self._host, self._headers = self.api.configuration.host, headers
+                self._read_at = time.monotonic()
+            return self._host, self._headers
