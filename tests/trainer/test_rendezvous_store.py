@@ -18,13 +18,17 @@ from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.operator.children import torchrun_env
 
 # One rank of a 2-rank group: join through the trainer's own init_world, then all-reduce.
+# It leaves the group as the trainer does: a process that exits with its gloo group still
+# alive can abort in the group's teardown ("terminate called without an active exception").
 _RANK = """
 import torch, torch.distributed as dist
-from kubetrain.trainer.distributed import init_world
+from kubetrain.trainer.distributed import init_world, shutdown_world
 init_world()
 total = torch.tensor([1.0])
 dist.all_reduce(total)
-print(int(total.item()))
+print(int(total.item()), flush=True)
+dist.barrier()
+shutdown_world()
 """
 
 
