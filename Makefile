@@ -32,5 +32,8 @@ lowest: $(VENV)/.installed
 tools:
 	bash tests/tools/install-test-tools.sh
 
-test: lint tools lowest
+# lint, the tools and the lowest-bounds run are independent, so they run side by side
+# (--output-sync keeps each one's output together); then the whole suite.
+test: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint tools lowest
 	$(BIN)/pytest

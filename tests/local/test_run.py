@@ -137,7 +137,7 @@ def exported_weights(s3_endpoint: str, export_uri: str) -> dict[str, Any]:
     return load(body)
 
 
-def test_run_recovers_from_a_lost_worker_and_matches_an_uninterrupted_run(
+def test_run_recovers_from_a_lost_worker_matches_an_uninterrupted_run_and_books_goodput(
         tmp_path: Path, corpus: Path, s3_endpoint: str, s3_bucket: str) -> None:
     import torch
 
@@ -145,11 +145,14 @@ def test_run_recovers_from_a_lost_worker_and_matches_an_uninterrupted_run(
     data = f"s3://{s3_bucket}/data"
     max_steps = 100
     results = {}
+    outputs = {}
     for name, extra in (("steady", ()), ("killed", ("--kill-worker-at-step", "50"))):
         manifest = tiny_job(name, corpus, data, f"s3://{s3_bucket}/{name}",
                             max_steps=max_steps, storage=storage)
-        code, output = finish(start_run(tmp_path / name, manifest, *extra))
-        assert code == 0, output
+        # A heartbeat per step, so the goodput accounting resolves the kill to the step.
+        manifest["spec"]["metrics"]["logEverySteps"] = 1
+        code, outputs[name] = finish(start_run(tmp_path / name, manifest, *extra))
+        assert code == 0, outputs[name]
         results[name] = events(tmp_path / name, name)
 
     killed = results["killed"]
@@ -167,6 +170,37 @@ def test_run_recovers_from_a_lost_worker_and_matches_an_uninterrupted_run(
     assert steady_weights.keys() == killed_weights.keys()
     for key, value in steady_weights.items():
         torch.testing.assert_close(killed_weights[key], value, rtol=0, atol=0, msg=key)
+
+    _assert_goodput_books_the_kill(tmp_path / "killed", "killed", killed, outputs["killed"])
+
+
+def _assert_goodput_books_the_kill(folder: Path, name: str, found: list[dict[str, Any]],
+                                   output: str) -> None:
+    """The lost worker's cost is booked as lost progress and downtime, and every second of
+    the run's wall time is in exactly one cause."""
+    (resumed,) = of_kind(found, "resumed")
+    before_resume = found[:found.index(resumed)]
+    redone = [event for event in of_kind(before_resume, "step")
+              if event["step"] > resumed["step"]]
+    assert redone
+    # Each step event's step_time is the wall time of its step; right after an evaluation
+    # or a checkpoint it holds those too, so the typical redone step is the median.
+    step_time = statistics.median(event["step_time"] for event in redone)
+    seconds = of_kind(found, "goodput")[-1]["seconds"]
+    print(f"redone {len(redone)} steps x {step_time * 1000:.1f} ms = "
+          f"{len(redone) * step_time:.3f}s; lost progress {seconds['lost_progress']:.3f}s")
+    assert seconds["lost_progress"] == pytest.approx(len(redone) * step_time, rel=0.2)
+
+    # The runner's own clock says when the job began (the first attempt's launch) and the
+    # trainer's finished event when it ended: every second between is in one cause.
+    header = (folder / "runs" / name / "logs" / "worker-0.log").read_text()
+    launched = float(re.findall(r"attempt 0, launched at ([0-9.]+)", header)[0])
+    wall = of_kind(found, "finished")[0]["time"] - launched
+    print(f"causes sum to {sum(seconds.values()):.3f}s of {wall:.3f}s wall: {seconds}")
+    assert sum(seconds.values()) == pytest.approx(wall, rel=0.02)
+    assert seconds["downtime"] > 0 and seconds["startup"] > 0
+    assert seconds["checkpoint_load"] > 0 and seconds["evaluation"] > 0
+    assert "goodput" in output and "lost progress" in output
 
 
 def test_interrupted_run_saves_a_checkpoint_and_the_same_command_resumes_it(
@@ -237,39 +271,3 @@ def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus:
     assert not of_kind(found, "finished")
     last_step = max(event["step"] for event in of_kind(found, "step"))
     assert max(event["step"] for event in of_kind(found, "checkpoint")) >= last_step
-
-
-def test_goodput_books_a_lost_worker_as_lost_progress_and_downtime_summing_to_wall_time(
-        tmp_path: Path, corpus: Path) -> None:
-    name = "goodput"
-    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=60)
-    # A heartbeat per step, so the accounting resolves the kill to the step.
-    manifest["spec"]["metrics"]["logEverySteps"] = 1
-    code, output = finish(start_run(tmp_path, manifest, "--kill-worker-at-step", "30"))
-    assert code == 0, output
-
-    found = events(tmp_path, name)
-    (resumed,) = of_kind(found, "resumed")
-    before_resume = found[:found.index(resumed)]
-    redone = [event for event in of_kind(before_resume, "step")
-              if event["step"] > resumed["step"]]
-    assert redone
-    # Each step event's step_time is the wall time of its step; right after an evaluation
-    # or a checkpoint it holds those too, so the typical redone step is the median.
-    step_time = statistics.median(event["step_time"] for event in redone)
-    seconds = of_kind(found, "goodput")[-1]["seconds"]
-    print(f"redone {len(redone)} steps x {step_time * 1000:.1f} ms = "
-          f"{len(redone) * step_time:.3f}s; lost progress {seconds['lost_progress']:.3f}s")
-    assert seconds["lost_progress"] == pytest.approx(len(redone) * step_time, rel=0.2)
-
-    # The runner's own clock says when the job began (the first attempt's launch) and the
-    # trainer's finished event when it ended: every second between is in one cause.
-    header = (tmp_path / "runs" / name / "logs" / "worker-0.log").read_text()
-    launched = float(re.findall(r"attempt 0, launched at ([0-9.]+)", header)[0])
-    wall = of_kind(found, "finished")[0]["time"] - launched
-    print(f"causes sum to {sum(seconds.values()):.3f}s of {wall:.3f}s wall: {seconds}")
-    assert sum(seconds.values()) == pytest.approx(wall, rel=0.02)
-    assert seconds["downtime"] > 0 and seconds["startup"] > 0
-    assert seconds["checkpoint_load"] > 0 and seconds["evaluation"] > 0
-    assert "goodput" in output and "lost progress" in output
-
