@@ -121,6 +121,16 @@ def test_halves_to_interleaved_inverts_the_exports_permutation() -> None:
     assert torch.equal(_halves_to_interleaved(halves, 6), weight)
 
 
+def _same_tensors(expected: Path, actual: Path) -> dict[str, torch.Tensor]:
+    """Assert both folders' model.safetensors hold the same tensors (names, dtypes,
+    values); returns them."""
+    first, second = (load_file(folder / "model.safetensors") for folder in (expected, actual))
+    assert first.keys() == second.keys()
+    for name, tensor in first.items():
+        assert tensor.dtype == second[name].dtype and torch.equal(tensor, second[name]), name
+    return first
+
+
 @pytest.mark.usefixtures("process_group")
 def test_export_of_the_import_is_the_exported_folder_bit_for_bit(
         tmp_path: Path, prepared_corpus: PreparedDataset) -> None:
@@ -139,12 +149,8 @@ def test_export_of_the_import_is_the_exported_folder_bit_for_bit(
     load_pretrained(again, str(exported), None)
     reexported = Path(export_model(again, again.dims, again_spec, rank=0).removeprefix("file://"))
 
-    first, second = load_file(exported / "model.safetensors"), load_file(
-        reexported / "model.safetensors")
-    assert first.keys() == second.keys()
-    for name in first:
-        assert first[name].dtype == second[name].dtype == torch.float32, name
-        assert torch.equal(first[name], second[name]), name
+    tensors = _same_tensors(exported, reexported)
+    assert all(tensor.dtype == torch.float32 for tensor in tensors.values())
     assert (exported / "model.safetensors").read_bytes() == (
         reexported / "model.safetensors").read_bytes()
     for name in ("config.json", "generation_config.json", "tokenizer_config.json",
@@ -160,11 +166,7 @@ def test_a_transformers_folder_exports_back_to_its_own_tensors(
     model = Transformer(job_dims(spec), max_seq_len=64)
     load_pretrained(model, str(folder), None)
     exported = Path(export_model(model, model.dims, spec, rank=0).removeprefix("file://"))
-    original, ours = load_file(folder / "model.safetensors"), load_file(
-        exported / "model.safetensors")
-    assert original.keys() == ours.keys()
-    for name in original:
-        assert torch.equal(original[name], ours[name]), name
+    _same_tensors(folder, exported)
     config = json.loads((folder / "config.json").read_text())
     config_out = json.loads((exported / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
