@@ -234,10 +234,9 @@ def trained_model(spec: TrainingJobSpec) -> tuple[TrainingJobSpec, ModelDims]:
     needs the trainer extra), its INL dynamics too."""
     if spec.model.init is None:
         return spec, spec.model.resolve()
-    from kubetrain.trainer.pretrained_config import job_dims, job_spec
+    from kubetrain.trainer.pretrained_config import trained_model as from_config
 
-    spec = job_spec(spec)
-    return spec, job_dims(spec)
+    return from_config(spec)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

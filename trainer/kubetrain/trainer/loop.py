@@ -83,7 +83,7 @@ from kubetrain.trainer.model import Dynamics, Transformer
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
 from kubetrain.trainer.pretrained import load_pretrained
-from kubetrain.trainer.pretrained_config import check_vocabulary, job_dims, job_spec
+from kubetrain.trainer.pretrained_config import check_vocabulary, trained_model
 from kubetrain.trainer.sizing import flops_per_token
 from kubetrain.trainer.storage import open_storage
 
@@ -201,14 +201,14 @@ class Trainer:
 
     def _build(self, world: World) -> _Run:
         """Data, model, parallelism, optimizer, schedule, checkpointer and reporter."""
-        # A model.init folder decides the model's INL dynamics (config.json's marker): from
-        # here on the spec says so, for the model, its metrics, checkpoints and export.
-        spec = self.spec = job_spec(self.spec)
+        # A model.init folder decides the model's dimensions and INL dynamics (config.json,
+        # checked against the spec): from here on the spec says so, for the model, its
+        # metrics, checkpoints and export.
+        spec, dims = trained_model(self.spec)
+        self.spec = spec
         opt = spec.optimization
         train_data, validation_data = build_datasets(
             spec, rank=world.rank, world_size=world.world_size)
-        # With model.init the dimensions are its config.json's (checked against the spec).
-        dims = job_dims(spec)
         if spec.model.init is not None:
             check_vocabulary(dims, train_data.index.vocab_size, spec.model.init)
         elif spec.model.vocab_size is None:

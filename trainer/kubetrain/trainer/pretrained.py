@@ -3,8 +3,7 @@
 The inverse of export.py. Use (every rank, after `parallelize`, when there is no
 checkpoint to resume from):
 
-    spec = job_spec(spec)                                   # model.dynamics: config.json's
-    dims = job_dims(spec)                                   # config.json's, checked
+    spec, dims = trained_model(spec)     # config.json's dimensions and dynamics, checked
     model = Transformer(dims, max_seq_len=spec.data.seq_len, dynamics=spec.model.dynamics)
     parallel = parallelize(model, spec.parallelism, mesh, device)
     load_pretrained(parallel.module, spec.model.init, spec.storage)

@@ -274,6 +274,16 @@ def _show(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def trained_model(spec: TrainingJobSpec) -> tuple[TrainingJobSpec, ModelDims]:
+    """The job as the trainer builds it: `job_spec(spec)` and `job_dims` of that, with
+    model.init's config.json read (and checked against the spec) once."""
+    if spec.model.init is None:
+        return spec, spec.model.resolve()
+    config = read_config(spec.model.init, spec.storage)
+    check_model_spec(spec.model, config)
+    return _with_folder_dynamics(spec, config), _checked_dims(spec, config)
+
+
 def job_spec(spec: TrainingJobSpec) -> TrainingJobSpec:
     """The spec the trainer trains: with model.init, `model.dynamics` is config.json's.
 
@@ -287,10 +297,7 @@ def job_spec(spec: TrainingJobSpec) -> TrainingJobSpec:
         return spec
     config = read_config(spec.model.init, spec.storage)
     check_model_spec(spec.model, config)
-    if spec.model.dynamics == config.dynamics:
-        return spec
-    return spec.model_copy(update={"model": spec.model.model_copy(
-        update={"dynamics": config.dynamics})})
+    return _with_folder_dynamics(spec, config)
 
 
 def job_dims(spec: TrainingJobSpec) -> ModelDims:
@@ -304,6 +311,17 @@ def job_dims(spec: TrainingJobSpec) -> ModelDims:
         return spec.model.resolve()
     config = read_config(spec.model.init, spec.storage)
     check_model_spec(spec.model, config)
+    return _checked_dims(spec, config)
+
+
+def _with_folder_dynamics(spec: TrainingJobSpec, config: PretrainedConfig) -> TrainingJobSpec:
+    if spec.model.dynamics == config.dynamics:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(
+        update={"dynamics": config.dynamics})})
+
+
+def _checked_dims(spec: TrainingJobSpec, config: PretrainedConfig) -> ModelDims:
     if config.max_positions is not None and spec.data.seq_len > config.max_positions:
         raise PretrainedError(
             f"spec.data.seqLen ({spec.data.seq_len}) is longer than max_position_embeddings "
