@@ -41,6 +41,7 @@ import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,14 +80,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     dtype = _compute_dtype(hidden, weight)
     hidden = hidden.to(dtype)
     chunk = chunk or loss_chunk_tokens(weight.shape[0])
-    if not torch.is_grad_enabled() or hidden.shape[0] <= chunk:
-        # Nothing to recompute (evaluation), or a single chunk: no checkpoint needed.
-        losses = [_chunk_loss(h, weight, t, dtype)
-                  for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)]
-    else:
-        losses = [checkpoint(_chunk_loss, h, weight, t, dtype, use_reentrant=False)
-                  for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)]
-    return torch.stack(losses).sum()
+    return _per_chunk(_chunk_loss, [
+        (h, weight, t, dtype)
+        for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)]).sum()
 
 
 def liger_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
@@ -126,13 +122,9 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     chunk = chunk or distillation_chunk_tokens(weight.shape[0])
     pieces = zip(hidden.split(chunk), targets.split(chunk), teacher_hidden.split(chunk),
                  strict=True)
-    if not torch.is_grad_enabled() or hidden.shape[0] <= chunk:
-        terms = [_distillation_chunk(h, weight, t, th, teacher_weight, dtype, temperature)
-                 for h, t, th in pieces]
-    else:
-        terms = [checkpoint(_distillation_chunk, h, weight, t, th, teacher_weight, dtype,
-                            temperature, use_reentrant=False) for h, t, th in pieces]
-    ce, kd = torch.stack(terms).sum(0).unbind()
+    ce, kd = _per_chunk(_distillation_chunk, [
+        (h, weight, t, th, teacher_weight, dtype, temperature)
+        for h, t, th in pieces]).sum(0).unbind()
     return DistillationLosses((1 - alpha) * ce + alpha * kd, ce.detach(), kd.detach())
 
 
@@ -167,6 +159,15 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _per_chunk(fn: Callable[..., torch.Tensor], calls: list[tuple[Any, ...]]) -> torch.Tensor:
+    """`fn(*args)` for each chunk's arguments, stacked. Under autograd with several chunks
+    each call is checkpointed, so backward recomputes its logits instead of keeping them;
+    with no backward (evaluation) or a single chunk there is nothing to gain by it."""
+    if not torch.is_grad_enabled() or len(calls) == 1:
+        return torch.stack([fn(*args) for args in calls])
+    return torch.stack([checkpoint(fn, *args, use_reentrant=False) for args in calls])
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
