@@ -495,3 +495,10 @@ def test_the_two_terms_reach_prometheus_the_metrics_log_and_the_progress_line(
     (event,) = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert (event["loss"], event["ce_loss"], event["kd_loss"]) == (4.25, 6.5, 2.0)
     assert "loss 4.2500 | ce 6.5000 | kd 2.0000 | lr" in capsys.readouterr().out
+
+    # The next job, without a teacher, exports neither term: no 0, no stale value.
+    plain = spec.model_copy(update={"distillation": None})
+    Reporter(plain, enabled=True, metrics_log=tmp_path / "plain.jsonl", job_name="plain",
+             serve=False).close()
+    assert REGISTRY.get_sample_value("kubetrain_ce_loss") is None
+    assert REGISTRY.get_sample_value("kubetrain_kd_loss") is None

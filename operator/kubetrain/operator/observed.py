@@ -56,7 +56,7 @@ class MetricsSample:
     max_steps: int | None = None
     epoch: float | None = None
     loss: float | None = None
-    # The two terms of a distillation job's loss (0 in the gauges of other jobs).
+    # The two terms of a distillation job's loss (other jobs have no such gauges).
     ce_loss: float | None = None
     kd_loss: float | None = None
     tokens_per_second: float | None = None

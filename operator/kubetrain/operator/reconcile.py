@@ -297,11 +297,10 @@ class _Decision:
             progress.epoch = round(sample.epoch, 4)
         if sample.loss is not None:
             progress.loss = round(sample.loss, 6)
-        if self.job.spec.distillation is not None:  # other jobs' gauges read 0
-            if sample.ce_loss is not None:
-                progress.ce_loss = round(sample.ce_loss, 6)
-            if sample.kd_loss is not None:
-                progress.kd_loss = round(sample.kd_loss, 6)
+        if sample.ce_loss is not None:  # only a distillation job exports the two terms
+            progress.ce_loss = round(sample.ce_loss, 6)
+        if sample.kd_loss is not None:
+            progress.kd_loss = round(sample.kd_loss, 6)
         if sample.tokens_per_second is not None:
             progress.tokens_per_second = round(sample.tokens_per_second, 3)
         if sample.step_time is not None and progress.max_steps is not None:

@@ -12,9 +12,10 @@ dense bf16 FLOP/s of the group's devices, taken from `PEAK_BF16_FLOPS` by device
 name. CPUs and unknown accelerators have no meaningful peak: their MFU is
 reported as 0. Memory figures come from the CUDA caching allocator and are 0 on CPU.
 
-INL dynamics (`model.dynamics`) adds three gauges, exported only by jobs that have
-it: the mean equilibrium mu over every block's channels, and the mean beta and the
-velocity's RMS over every block, token and channel of each rank's last micro-batch
+INL dynamics (`model.dynamics`) adds three gauges and distillation (`distillation`)
+two (its loss's cross-entropy and KD terms), exported only by jobs that have them. The
+dynamics': the mean equilibrium mu over every block's channels, and the mean beta and
+the velocity's RMS over every block, token and channel of each rank's last micro-batch
 of the logged step, averaged over ranks (the loop reduces them; see
 `loop._dynamics_over_ranks`).
 """
@@ -55,12 +56,6 @@ EPOCH = Gauge("kubetrain_epoch", "Passes over the training data at the last logg
               "the fraction of the current one.", registry=REGISTRY)
 LOSS = Gauge("kubetrain_loss", "Training loss (mean over the group's tokens) at the last "
              "logged step.", registry=REGISTRY)
-CE_LOSS = Gauge("kubetrain_ce_loss", "Knowledge distillation (spec.distillation): the "
-                "cross-entropy on the labels at the last logged step (0 for a job without a "
-                "teacher, whose kubetrain_loss is that cross-entropy).", registry=REGISTRY)
-KD_LOSS = Gauge("kubetrain_kd_loss", "Knowledge distillation: T^2 x KL(teacher || student) at "
-                "the last logged step; kubetrain_loss is (1 - alpha) x ce + alpha x kd (0 for a "
-                "job without a teacher).", registry=REGISTRY)
 VALIDATION_LOSS = Gauge("kubetrain_validation_loss", "Validation loss of the last evaluation.",
                         registry=REGISTRY)
 LEARNING_RATE = Gauge("kubetrain_learning_rate", "Learning rate of the last step.",
@@ -118,35 +113,40 @@ class DynamicsReport:
     velocity_rms: float
 
 
-class _DynamicsGauges(Collector):
-    """The dynamics gauges: no series at all until a dynamics job logs its first step."""
+class _JobGauges(Collector):
+    """Gauges that only some jobs have: no series at all until such a job logs a step, so
+    other jobs' /metrics carry neither a misleading 0 nor a stale value."""
 
-    HELP = {
-        "kubetrain_dynamics_equilibrium_mean": "INL dynamics: mean of the learned equilibrium "
-        "mu over every block's channels.",
-        "kubetrain_dynamics_beta_mean": "INL dynamics: mean restoring gain beta over every "
-        "block, token and channel of the last logged step's last micro-batch (0..betaMax).",
-        "kubetrain_dynamics_velocity_rms": "INL dynamics: root mean square of the velocity "
-        "over every block, token and channel of the last logged step's last micro-batch.",
-    }
-
-    def __init__(self) -> None:
-        self.report: DynamicsReport | None = None
+    def __init__(self, help: dict[str, str]) -> None:
+        self.help = help
+        self.values: tuple[float, ...] | None = None  # one per gauge, in help's order
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []
 
     def collect(self) -> list[GaugeMetricFamily]:
-        if self.report is None:
+        if self.values is None:
             return []
-        values = (self.report.equilibrium_mean, self.report.beta_mean,
-                  self.report.velocity_rms)
         return [GaugeMetricFamily(name, text, value=value)
-                for (name, text), value in zip(self.HELP.items(), values, strict=True)]
+                for (name, text), value in zip(self.help.items(), self.values, strict=True)]
 
 
-DYNAMICS = _DynamicsGauges()
+DYNAMICS = _JobGauges({
+    "kubetrain_dynamics_equilibrium_mean": "INL dynamics: mean of the learned equilibrium "
+    "mu over every block's channels.",
+    "kubetrain_dynamics_beta_mean": "INL dynamics: mean restoring gain beta over every "
+    "block, token and channel of the last logged step's last micro-batch (0..betaMax).",
+    "kubetrain_dynamics_velocity_rms": "INL dynamics: root mean square of the velocity "
+    "over every block, token and channel of the last logged step's last micro-batch.",
+})
+DISTILLATION = _JobGauges({
+    "kubetrain_ce_loss": "Knowledge distillation (spec.distillation): the cross-entropy on "
+    "the labels at the last logged step.",
+    "kubetrain_kd_loss": "Knowledge distillation: T^2 x KL(teacher || student) at the last "
+    "logged step; kubetrain_loss is (1 - alpha) x ce + alpha x kd.",
+})
 REGISTRY.register(DYNAMICS)
+REGISTRY.register(DISTILLATION)
 
 # Peak dense bf16 FLOP/s per device, matched against torch.cuda.get_device_name() in order.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
@@ -214,7 +214,8 @@ class Reporter:
                 raise OSError(f"cannot serve /metrics on spec.metrics.port "
                               f"{spec.metrics.port}: {error.strerror}; pick a free port") from None
         MAX_STEPS.set(self.max_steps)
-        DYNAMICS.report = None  # a job without dynamics exports no dynamics series
+        # A job without dynamics or a teacher exports no such series.
+        DYNAMICS.values = DISTILLATION.values = None
         RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._trackers = _open_trackers(spec, job_name)
 
@@ -263,14 +264,14 @@ class Reporter:
         distillation: dict[str, float] = {}
         if report.ce_loss is not None and report.kd_loss is not None:
             distillation = {"ce_loss": report.ce_loss, "kd_loss": report.kd_loss}
-            CE_LOSS.set(report.ce_loss)
-            KD_LOSS.set(report.kd_loss)
+            DISTILLATION.values = (report.ce_loss, report.kd_loss)
         if device.type == "cuda":
             MEMORY_ALLOCATED.set(torch.cuda.max_memory_allocated(device))
             MEMORY_RESERVED.set(torch.cuda.max_memory_reserved(device))
         dynamics: dict[str, float] = {}
         if report.dynamics is not None:
-            DYNAMICS.report = report.dynamics
+            DYNAMICS.values = (report.dynamics.equilibrium_mean, report.dynamics.beta_mean,
+                               report.dynamics.velocity_rms)
             dynamics = {"dynamics_mu_mean": report.dynamics.equilibrium_mean,
                         "dynamics_beta_mean": report.dynamics.beta_mean,
                         "dynamics_velocity_rms": report.dynamics.velocity_rms}
