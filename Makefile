@@ -33,7 +33,8 @@ tools:
 	bash tests/tools/install-test-tools.sh
 
 # lint, the tools and the lowest-bounds run are independent, so they run side by side
-# (--output-sync keeps each one's output together); then the whole suite.
+# (--output-sync keeps each one's output together); then the whole suite, on two
+# pytest-xdist workers (tests/conftest.py says how the tests are shared between them).
 test: $(VENV)/.installed
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint tools lowest
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2

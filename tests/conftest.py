@@ -129,3 +129,35 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             "control_plane" in getattr(item, "fixturenames", ()):
         report.sections.append(("control plane logs", _control_plane.log_tails(lines=15)))
     return report
+
+
+# `make test` shares the tests between two pytest-xdist workers. A module's tests stay
+# together and in file order, so its module-scoped fixtures (a trained teacher, a running
+# cluster) are built once and a test may print what an earlier one measured. Every module
+# under tests/e2e runs on the control plane: they all go to one worker, so a run starts
+# one control plane, and they start first, being the longest part. (xdist's `--dist
+# loadgroup` would say this with marks, but under pytest 9.2 it silently stops grouping:
+# pytest-dev/pytest-xdist#1386.)
+
+def _scope(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return "tests/e2e" if module.startswith("tests/e2e/") else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "load":  # `-n N` alone; an explicit --dist is obeyed
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    config.option.loadscopereorder = False  # the workers' order: tests/e2e first
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the e2e modules first
+        items.sort(key=lambda item: _scope(item.nodeid) != "tests/e2e")
