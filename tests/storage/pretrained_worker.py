@@ -70,10 +70,10 @@ def main(folder: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    # Everything the test reads is written. Leave without the interpreter's teardown: under
-    # load (two test workers side by side) a gloo thread still holding tensors now and then
-    # aborts there even after destroy_process_group (pytorch/pytorch#179291 describes it),
-    # and that teardown is torch's, not what this test checks.
+    # Everything the test reads is written. Leave without the process's exit-time teardown:
+    # under load (a second test worker beside this one) torch's C++ teardown now and then
+    # aborts there ("terminate called without an active exception"), after the work is done
+    # and the group left; that teardown is torch's, not what this test checks.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

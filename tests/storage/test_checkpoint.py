@@ -269,6 +269,27 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_differences(
         Checkpointer(other, rank=0, world_size=1).load_latest(_app(spec, seed=1))
 
 
+@pytest.mark.parametrize("saved_with", [True, False], ids=["dynamics-on", "dynamics-off"])
+def test_a_checkpoint_with_the_dynamics_switched_is_refused_naming_the_field(
+        tmp_path: Any, prepared_corpus: PreparedDataset, saved_with: bool) -> None:
+    def switched(spec: TrainingJobSpec, on: bool) -> TrainingJobSpec:
+        model = spec.model.model_copy(update={
+            "dynamics": spec.model.dynamics.model_copy(update={"enabled": on})})
+        return spec.model_copy(update={"model": model})
+
+    spec = _spec(str(tmp_path / "ckpt"), None, prepared_corpus.train_uri)
+    saving, loading = switched(spec, saved_with), switched(spec, not saved_with)
+    Checkpointer(saving, rank=0, world_size=1).save(1, _app(spec, seed=1))
+    with pytest.raises(IncompatibleCheckpoint) as refused:
+        Checkpointer(loading, rank=0, world_size=1).load_latest(_app(spec, seed=1))
+    state = "on" if saved_with else "off"
+    assert f"INL dynamics {state} (spec.model.dynamics.enabled)" in str(refused.value)
+    assert f"spec.model.dynamics.enabled: {str(saved_with).lower()} to resume" \
+        in str(refused.value)
+    # The same switch as the checkpoint's loads it.
+    assert Checkpointer(saving, rank=0, world_size=1).load_latest(_app(spec, seed=1)) == 1
+
+
 def test_resume_from_starts_a_new_job_from_another_jobs_checkpoint(
         s3_bucket: str, s3_spec: StorageSpec, prepared_corpus: PreparedDataset) -> None:
     first = _spec(f"s3://{s3_bucket}/first", s3_spec, prepared_corpus.train_uri)

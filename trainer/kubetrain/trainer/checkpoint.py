@@ -794,6 +794,19 @@ class Checkpointer:
                 "spec.model must match the checkpoint's model to resume from it; use a new "
                 "spec.checkpoint.uri to train this model from scratch"
             )
+        # INL dynamics add parameters without changing a dimension: said apart here, before
+        # the state dict's missing or unexpected keys would say it less plainly.
+        saved_on = bool(manifest.get("config", {}).get("model", {})
+                        .get("dynamics", {}).get("enabled", False))
+        if saved_on != self.spec.model.dynamics.enabled:
+            state = {True: "on", False: "off"}
+            raise IncompatibleCheckpoint(
+                f"the checkpoint {uri} was made by a model with INL dynamics "
+                f"{state[saved_on]} (spec.model.dynamics.enabled), here they are "
+                f"{state[not saved_on]}: set spec.model.dynamics.enabled: "
+                f"{str(saved_on).lower()} to resume from it, or use a new "
+                "spec.checkpoint.uri to train this model from scratch"
+            )
 
 
 def _check_sizes(store: Storage, manifest: dict[str, Any]) -> None:
