@@ -11,6 +11,7 @@ what was injected, `served` the bytes of the GET answers it forwarded.
 
 from __future__ import annotations
 
+import gc
 import http.client
 import random
 import socket
@@ -192,3 +193,7 @@ def process_group() -> Iterator[None]:
     yield
     if owned:
         dist.destroy_process_group()
+        # Collect the dead groups now, with their threads alive: left as garbage, a group is
+        # destroyed wherever the next collection runs, and in a process forked later (a
+        # DataLoader worker) its destructor waits forever for threads the child lacks.
+        gc.collect()
