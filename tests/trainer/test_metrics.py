@@ -3,7 +3,9 @@ documented events, and `Trainer` runs in-process as a notebook would call it."""
 
 from __future__ import annotations
 
+import gc
 import json
+import multiprocessing
 import shutil
 import subprocess
 import urllib.request
@@ -111,6 +113,7 @@ def test_trainer_fits_in_process_as_a_group_of_one(tiny_job, tmp_path: Path) -> 
                     evaluation={"everySteps": 3, "batches": 2},
                     checkpoint={"export": True})
     spec = load_job(path).spec
+    gc.collect()  # what earlier tests in this process left is not this fit's to answer for
     result = Trainer(spec, metrics_log=tmp_path / "log.jsonl", serve_metrics=False).fit()
 
     assert (result.step, result.reason, result.exit_code) == (6, "max_steps", 0)
@@ -125,3 +128,14 @@ def test_trainer_fits_in_process_as_a_group_of_one(tiny_job, tmp_path: Path) -> 
     assert final["seconds"]["evaluation"] > 0 and final["seconds"]["checkpoint_save"] > 0
     assert final["seconds"]["lost_progress"] == final["seconds"]["downtime"] == 0
     assert 0 < final["ratio"] < 1
+
+    # Then the notebook forks (a DataLoader's workers, Linux's default start method), and the
+    # child collects garbage: no dead gloo group of the fit may be among it, whose destructor
+    # would wait forever in the child for the parent's threads.
+    child = multiprocessing.get_context("fork").Process(target=gc.collect)
+    child.start()
+    child.join(timeout=30)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    assert not hung and child.exitcode == 0, "a process forked after fit() hung collecting it"
