@@ -368,7 +368,7 @@ class ModelSpec(ApiModel):
         """The final dimensions: the preset's, overridden by any dimension set here.
 
         Not for a model with `init`: its dimensions are its config.json's, which only the
-        trainer reads (`kubetrain.trainer.pretrained_config.job_dims`).
+        trainer reads (`kubetrain.trainer.pretrained_config.trained_model`).
         """
         overrides = {name: getattr(self, name) for name in ModelDims.model_fields
                      if getattr(self, name) is not None}

@@ -35,9 +35,8 @@ from kubetrain.trainer.pretrained import _halves_to_interleaved, load_pretrained
 from kubetrain.trainer.pretrained_config import (
     PretrainedError,
     dynamics_config,
-    job_dims,
-    job_spec,
     read_config,
+    trained_model,
 )
 from kubetrain.trainer.storage import open_storage
 
@@ -145,7 +144,7 @@ def test_export_of_the_import_is_the_exported_folder_bit_for_bit(
     exported = Path(export_model(model, dims, spec, rank=0).removeprefix("file://"))
 
     again_spec = _job(prepared_corpus, tmp_path / "second", model={"init": str(exported)})
-    again = Transformer(job_dims(again_spec), max_seq_len=64)
+    again = Transformer(trained_model(again_spec)[1], max_seq_len=64)
     load_pretrained(again, str(exported), None)
     reexported = Path(export_model(again, again.dims, again_spec, rank=0).removeprefix("file://"))
 
@@ -163,7 +162,7 @@ def test_a_transformers_folder_exports_back_to_its_own_tensors(
         tmp_path: Path, prepared_corpus: PreparedDataset, hf_models: dict[str, Path]) -> None:
     folder = hf_models["single"]
     spec = _job(prepared_corpus, tmp_path / "ckpt", model={"init": str(folder)})
-    model = Transformer(job_dims(spec), max_seq_len=64)
+    model = Transformer(trained_model(spec)[1], max_seq_len=64)
     load_pretrained(model, str(folder), None)
     exported = Path(export_model(model, model.dims, spec, rank=0).removeprefix("file://"))
     _same_tensors(folder, exported)
@@ -189,7 +188,7 @@ def test_dimensions_that_disagree_with_config_json_are_refused_naming_both(
     folder = hf_models["single"]
     spec = _job(prepared_corpus, tmp_path, model={"init": str(folder), **model})
     with pytest.raises(PretrainedError) as refused:
-        job_dims(spec)
+        trained_model(spec)
     for text in [*named, f"config.json at file://{folder}"]:
         assert text in str(refused.value), (text, str(refused.value))
 
@@ -198,7 +197,7 @@ def test_matching_dimensions_and_the_default_norm_eps_are_accepted(
         tmp_path: Path, prepared_corpus: PreparedDataset, hf_models: dict[str, Path]) -> None:
     spec = _job(prepared_corpus, tmp_path, model={
         "init": str(hf_models["single"]), "dim": 64, "nKvHeads": 2, "normEps": 1e-5})
-    dims = job_dims(spec)
+    dims = trained_model(spec)[1]
     assert (dims.dim, dims.n_kv_heads, dims.norm_eps) == (64, 2, 1e-6)
 
 
@@ -208,7 +207,7 @@ def test_a_sequence_longer_than_the_models_positions_is_refused(
                 data={"seqLen": 256})
     with pytest.raises(PretrainedError, match=r"spec.data.seqLen \(256\) is longer than "
                        r"max_position_embeddings \(128\)"):
-        job_dims(spec)
+        trained_model(spec)
 
 
 def _copy(folder: Path, to: Path) -> Path:
@@ -479,9 +478,10 @@ def test_a_dynamics_export_imports_with_its_dynamics_and_exports_back_bit_for_bi
     original, exported = _dynamics_export(prepared_corpus, tmp_path / "first")
 
     # The spec leaves model.dynamics unset: enabled, betaMax and velocityMax are the folder's.
-    spec = job_spec(_job(prepared_corpus, tmp_path / "second", model={"init": str(exported)}))
+    spec, dims = trained_model(
+        _job(prepared_corpus, tmp_path / "second", model={"init": str(exported)}))
     assert spec.model.dynamics == EXPORTED_DYNAMICS
-    again = Transformer(job_dims(spec), max_seq_len=64, dynamics=spec.model.dynamics)
+    again = Transformer(dims, max_seq_len=64, dynamics=spec.model.dynamics)
     load_pretrained(again, str(exported), None)
     assert again.has_dynamics
 
@@ -532,11 +532,10 @@ def test_dynamics_that_disagree_with_config_json_are_refused_naming_both(
     folder = (hf_models["single"] if folder_dynamics is None
               else _dynamics_folder(hf_models, tmp_path / "model", folder_dynamics))
     spec = _job(prepared_corpus, tmp_path, model={"init": str(folder), "dynamics": asked})
-    for resolve in (job_spec, job_dims):
-        with pytest.raises(PretrainedError) as refused:
-            resolve(spec)
-        for text in named:
-            assert text in str(refused.value), (text, str(refused.value))
+    with pytest.raises(PretrainedError) as refused:
+        trained_model(spec)
+    for text in named:
+        assert text in str(refused.value), (text, str(refused.value))
 
 
 @pytest.mark.parametrize("asked", [{}, {"enabled": False}, {"enabled": True},
@@ -549,7 +548,7 @@ def test_dynamics_left_at_their_defaults_or_matching_are_the_folders(
     folder_dynamics = DynamicsSpec(enabled=True, beta_max=2.5)
     folder = _dynamics_folder(hf_models, tmp_path / "model", folder_dynamics)
     spec = _job(prepared_corpus, tmp_path, model={"init": str(folder), "dynamics": asked})
-    assert job_spec(spec).model.dynamics == folder_dynamics
+    assert trained_model(spec)[0].model.dynamics == folder_dynamics
 
 
 @pytest.mark.usefixtures("process_group", "attempt_starts_now")

@@ -250,7 +250,7 @@ def load_pretrained(model: torch.nn.Module, uri: str, storage: StorageSpec | Non
     """Copy the weights of the Hugging Face Llama folder at `uri` into `model`, in place.
 
     `model` is a kubetrain `Transformer` built with the folder's dimensions
-    (`pretrained_dims`) and INL dynamics (`job_spec(spec).model.dynamics`), plain,
+    and INL dynamics (`trained_model(spec)`, or `pretrained_dims`), plain,
     wrapped in DDP, or already sharded with FSDP2 (DTensor parameters; activation
     checkpointing and compile wrappers are fine). Every rank
     calls it, but it is not a collective: each reads only its own shards' rows with
@@ -267,7 +267,7 @@ def load_pretrained(model: torch.nn.Module, uri: str, storage: StorageSpec | Non
     if (dynamics := _dynamics_of(transformer)) != config.dynamics:
         raise PretrainedError(f"model.init: the model was built with dynamics {dynamics!r}, "
                               f"but {config.where} describes {config.dynamics!r}: build it "
-                              "with job_spec(spec).model.dynamics")
+                              "with trained_model(spec)[0].model.dynamics")
     store = open_storage(uri, storage)
     plan = _plan(model, config.dims, _tensor_entries(store), store.uri)
     with torch.no_grad(), ThreadPoolExecutor(READ_CONCURRENCY) as pool:

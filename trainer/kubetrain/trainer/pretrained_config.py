@@ -9,7 +9,7 @@ refused too, rather than loading the model without those layers' weights. The
 one it knows is `dynamics` (INL dynamics, `model.dynamics`), whose format -
 model_type, architectures and marker, which export.py writes with
 `dynamics_config` - lives here so that reader and writer share it. A model.init
-job's `model.dynamics` is its folder's (`job_spec`); so are a distillation
+job's `model.dynamics` is its folder's (`trained_model`); so are a distillation
 teacher's (`teacher_config`).
 Torch-free, so `kubetrain estimate` sizes a model.init job from it; the weights
 themselves are pretrained.py's.
@@ -275,43 +275,23 @@ def _show(value: object) -> str:
 
 
 def trained_model(spec: TrainingJobSpec) -> tuple[TrainingJobSpec, ModelDims]:
-    """The job as the trainer builds it: `job_spec(spec)` and `job_dims` of that, with
-    model.init's config.json read (and checked against the spec) once."""
+    """The job as the trainer builds it: its spec and its model's dimensions.
+
+    Without model.init, the spec as it is and its resolved dimensions. With model.init,
+    config.json is read once and checked against the spec (check_model_spec): the
+    dimensions are config.json's, and so are `model.dynamics` - whether the model has INL
+    dynamics, and their bounds, are part of the folder's architecture like its
+    dimensions, so everything that reads spec.model.dynamics (the model, its FLOPs and
+    metrics, the spec checkpoints record, which `kubetrain generate` builds from, and
+    the export's marker) sees the folder's. Also refuses dimensions set in spec.model
+    that disagree and a data.seqLen longer than the model's max_position_embeddings. A
+    spec without vocabSize takes its vocabulary from the data (the caller's part).
+    """
     if spec.model.init is None:
         return spec, spec.model.resolve()
     config = read_config(spec.model.init, spec.storage)
     check_model_spec(spec.model, config)
     return _with_folder_dynamics(spec, config), _checked_dims(spec, config)
-
-
-def job_spec(spec: TrainingJobSpec) -> TrainingJobSpec:
-    """The spec the trainer trains: with model.init, `model.dynamics` is config.json's.
-
-    Whether the model has INL dynamics, and their bounds, are part of the folder's
-    architecture like its dimensions, so everything that reads spec.model.dynamics -
-    the model, its FLOPs and metrics, the spec checkpoints record (which `kubetrain
-    generate` builds from) and the export's marker - sees the folder's. Refuses what
-    check_model_spec refuses.
-    """
-    if spec.model.init is None:
-        return spec
-    config = read_config(spec.model.init, spec.storage)
-    check_model_spec(spec.model, config)
-    return _with_folder_dynamics(spec, config)
-
-
-def job_dims(spec: TrainingJobSpec) -> ModelDims:
-    """The dimensions of the job's model: config.json's with model.init, else the spec's.
-
-    With model.init, also refuses dimensions set in spec.model that disagree and a
-    data.seqLen longer than the model's max_position_embeddings. A spec without
-    vocabSize takes its vocabulary from the data (the caller's part).
-    """
-    if spec.model.init is None:
-        return spec.model.resolve()
-    config = read_config(spec.model.init, spec.storage)
-    check_model_spec(spec.model, config)
-    return _checked_dims(spec, config)
 
 
 def _with_folder_dynamics(spec: TrainingJobSpec, config: PretrainedConfig) -> TrainingJobSpec:
