@@ -1,9 +1,9 @@
 """Whole-loop recovery: seconds from a fault until training advances, steps redone, goodput.
 
-Runs the whole loop of tests/e2e/test_whole_loop.py on this machine (real etcd,
-kube-apiserver, kube-controller-manager and kube-scheduler; the operator as a process
-with the chart's RBAC; the node agent running the pods; moto's S3 over HTTP) and, for
-the same 2-worker `tiny` job (60 steps, a checkpoint every 4):
+Runs the whole loop of tests/e2e/test_whole_loop.py on this machine (kmock's emulator
+with the stand-in scheduler and node lifecycle controller of tests/cluster; the operator
+as a process; the node agent running the pods; moto's S3 over HTTP) and, for the same
+2-worker `tiny` job (60 steps, a checkpoint every 4):
 
 - none: an uninterrupted run, the baseline;
 - b: kill -9 of worker 1's trainer at step 6 (torchrun restarts it in place);
@@ -38,16 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "tests" / "e2e")]
 
 import test_whole_loop as loop  # noqa: E402
-from control_plane import ControlPlane  # noqa: E402
+from controllers import NodeLifecycle, Scheduler  # noqa: E402
+from emulator import EmulatedCluster  # noqa: E402
 
 STEPS = 60
 FAULT_AT = 6
-
-
-def _install_crd(plane: ControlPlane) -> None:
-    plane.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "trainingjob.yaml"))
-    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                  "crd/trainingjobs.kubetrain.io")
 
 
 def _kill_trainer(cluster: loop.Cluster, name: str) -> None:
@@ -105,16 +100,13 @@ def run(cluster: loop.Cluster, name: str,
 
 def main() -> None:
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
-    with tempfile.TemporaryDirectory(prefix="kubetrain-recovery-") as folder:
-        plane = ControlPlane(Path(folder) / "control-plane")
-        plane.start(before_controllers=_install_crd)
-        try:
-            with loop.whole_loop(plane, Path(folder) / "loop") as cluster:
-                results = {label: run(cluster, f"bench-{label}", fault) for label, fault in
-                           (("none", None), ("b", _kill_trainer), ("b-pod", _kill_container),
-                                ("f", _lose_node))}
-        finally:
-            plane.stop()
+    with tempfile.TemporaryDirectory(prefix="kubetrain-recovery-") as folder, \
+            EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
+            NodeLifecycle(api=api.api_client()), \
+            loop.whole_loop(api, Path(folder) / "loop") as cluster:
+        results = {label: run(cluster, f"bench-{label}", fault) for label, fault in
+                   (("none", None), ("b", _kill_trainer), ("b-pod", _kill_container),
+                    ("f", _lose_node))}
     base = results["none"]["goodput"]
     print(f"whole loop, 2 workers x 1 process, tiny preset, {STEPS} steps, checkpoint every "
           f"{loop.EVERY}; fault at step {FAULT_AT}")

@@ -13,12 +13,12 @@ authenticate with static bearer tokens; ServiceAccounts with tokens the API serv
 issues through the TokenRequest API, as in a cluster). Node-lifecycle grace periods
 are seconds instead of minutes, so a lost node is noticed within a test.
 
-Binaries are looked up as controller-runtime's envtest does: `$KUBEBUILDER_ASSETS`
-first (a folder with etcd and kube-apiserver, as `setup-envtest` makes it, plus
-kube-controller-manager and kube-scheduler of the same release: the garbage collector,
-node lifecycle and scheduling are part of what the tests show), else the project's
-shared build (`../shared/k8s-control-plane/install` beside the checkout).
-`find_binaries()` says which, or why none were found.
+Binaries are looked up as controller-runtime's envtest does, in `$KUBEBUILDER_ASSETS`:
+a folder with etcd and kube-apiserver, as `setup-envtest` makes it, plus
+kube-controller-manager and kube-scheduler of the same release (the garbage collector,
+node lifecycle and scheduling are part of what the tests show). No package registry
+these machines reach ships them, so without that variable the real-server tier
+(tests/real_server) skips; `find_binaries()` says why, and how to get them.
 """
 
 from __future__ import annotations
@@ -42,14 +42,12 @@ from typing import IO, Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_INSTALL = REPO.parent / "shared" / "k8s-control-plane" / "install"
 SERVER_BINARIES = ("etcd", "kube-apiserver")
 CONTROLLER_BINARIES = ("kube-controller-manager", "kube-scheduler")
 HOW_TO_GET_BINARIES = (
     "set KUBEBUILDER_ASSETS to a folder with etcd, kube-apiserver, kube-controller-manager and "
-    "kube-scheduler (e.g. `setup-envtest use -p path` from controller-runtime, plus the "
-    "controller-manager and scheduler of the same release), or check out the project's shared/ "
-    "folder beside this repository (shared/k8s-control-plane/install)")
+    "kube-scheduler of one Kubernetes release (`setup-envtest use -p path` from "
+    "controller-runtime gives the first two; see docs/contributing.md, 'The real-server tier')")
 
 # Node lifecycle in seconds rather than the defaults' minutes: a node that stops its
 # heartbeats is NotReady after NODE_GRACE and its pods are evicted TOLERATION later.
@@ -72,12 +70,6 @@ def find_binaries() -> Path:
             raise ControlPlaneUnavailable(
                 f"KUBEBUILDER_ASSETS={assets} has no {', '.join(missing)}; {HOW_TO_GET_BINARIES}")
         return folder
-    if SHARED_INSTALL.is_file():
-        result = subprocess.run([str(SHARED_INSTALL)], capture_output=True, text=True,
-                                check=False, timeout=600)
-        if result.returncode == 0:
-            return Path(result.stdout.strip())
-        raise ControlPlaneUnavailable(f"{SHARED_INSTALL} failed: {result.stderr.strip()}")
     raise ControlPlaneUnavailable(f"no Kubernetes control-plane binaries: {HOW_TO_GET_BINARIES}")
 
 

@@ -147,7 +147,7 @@ class NodeAgent:
     workdir: Path
     nodes: list[Node] = field(default_factory=lambda: [Node("node-a"), Node("node-b")])
     image_env: dict[str, str] = field(default_factory=dict)
-    # Only pods of these namespaces run (None: all). The control plane is shared by the
+    # Only pods of these namespaces run (None: all). The API server may be shared by the
     # whole test session, and other tests leave pods that no kubelet is meant to run.
     namespaces: set[str] | None = None
     network: PodNetwork = field(default_factory=lambda: PodNetwork(uuid.uuid4().hex[:4]))

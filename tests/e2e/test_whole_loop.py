@@ -1,19 +1,20 @@
-"""The whole loop on one machine: `kubectl apply` → operator → pods → torchrun → trainer → S3.
+"""The whole loop on one machine: a TrainingJob → operator → pods → torchrun → trainer → S3.
 
-Every part is the real one except the kubelet: the `control_plane` fixture's etcd,
-kube-apiserver, kube-controller-manager and kube-scheduler; `kubetrain operator` in
-its own process with the chart's ServiceAccount and RBAC; moto's S3 server over
-HTTP, bound on the pod network's gateway so the pods reach it; data prepared with
-`kubetrain prepare` into it; and the node agent (tests/cluster/node_agent.py),
-which runs the pods the scheduler binds to its two nodes as processes of this
-machine: torchrun and the trainer from the project's own environment, each pod in
-its own network namespace with its own IP.
+The API server is kmock's emulator (tests/cluster/emulator.py) with the stand-in
+scheduler and node lifecycle controller (tests/cluster/controllers.py); everything
+else is the real part: `kubetrain operator` in its own process, as the chart runs it;
+moto's S3 server over HTTP, bound on the pod network's gateway so the pods reach it;
+data prepared with `kubetrain prepare` into it; and the node agent
+(tests/cluster/node_agent.py), which runs the pods bound to its two nodes as processes
+of this machine: torchrun and the trainer from the project's own environment, each pod
+in its own network namespace with its own IP.
 
-Each scenario reads as a user's story: apply a TrainingJob, watch `kubectl get tj`,
-break something, watch it recover, check the outcome in S3. The training is tiny
-(the `tiny` preset, 64-token sequences, tens of steps, one process per worker and
-one CPU thread each) so that the scenarios fit CI's 2 cores: the seven take about
-4-5 minutes together. The node agent needs root (network and mount namespaces).
+Each scenario reads as a user's story: apply a TrainingJob, watch its `kubectl get tj`
+columns (computed from the CRD's printer columns, as the API server prints them),
+break something, watch it recover, check the outcome in S3. The training is tiny (the
+`tiny` preset, 64-token sequences, tens of steps, one process per worker and one CPU
+thread each) so that the scenarios fit CI's 2 cores. The node agent needs root
+(network and mount namespaces).
 
 Scenario b kills worker 1 twice in one run. First its trainer alone (kill -9): the
 design's first line of recovery, torchrun (PET_MAX_RESTARTS) restarts both pods'
@@ -25,6 +26,7 @@ past progressDeadlineSeconds) show the other ways a pod is replaced.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -37,26 +39,31 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from emulator import EmulatedCluster
+from kubernetes import client
 from node_agent import NodeAgent
-from operator_process import OperatorProcess, install_operator_identity
+from operator_process import OperatorProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "whole-loop"
 MAX_STEPS = 24
 EVERY = 4
 CORPUS = "s3://datasets/corpus"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "whole-loop", "AWS_SECRET_ACCESS_KEY": "whole-loop-secret"}
+GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
 
 
 @dataclass
 class Row:
-    """One line of `kubectl get tj NAME`, when it was printed."""
+    """One line of `kubectl get tj NAME`, when it was read."""
 
     at: float
     phase: str
@@ -65,47 +72,76 @@ class Row:
     workers: str
 
 
+@cache
+def _printer_columns() -> dict[str, str]:
+    """The CRD's printer columns, name → jsonPath: what `kubectl get tj` shows."""
+    crd = yaml.safe_load((REPO / "crds" / "trainingjob.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == VERSION)
+    return {column["name"]: column["jsonPath"] for column in version["additionalPrinterColumns"]}
+
+
+def _cell(obj: dict[str, Any], json_path: str) -> Any:
+    """A printer column's simple JSONPath (`.a.b.c`) read from an object, None if absent."""
+    assert re.fullmatch(r"(\.[A-Za-z]+)+", json_path), f"not a simple path: {json_path}"
+    value: Any = obj
+    for key in json_path.split(".")[1:]:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 @dataclass
 class Cluster:
     """The running whole loop, and what a scenario does with it."""
 
-    plane: Any
+    api: EmulatedCluster
     agent: NodeAgent
     operator: OperatorProcess
     s3: str
     folder: Path
     rows: dict[str, list[Row]] = field(default_factory=dict)
 
-    # ---- kubectl, as a user types it --------------------------------------------------
+    def __post_init__(self) -> None:
+        api = self.api.api_client()
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
 
-    def kubectl(self, *args: str, input: str | None = None,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self.plane.kubectl("-n", NAMESPACE, *args, input=input, check=check)
+    # ---- what a user does, through the API -------------------------------------------
 
     def apply(self, manifest: dict[str, Any]) -> None:
-        self.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, manifest)
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name,
+                                                   {"spec": spec})
+
+    def scale(self, name: str, replicas: int) -> None:
+        """`kubectl scale tj/NAME --replicas=N`: through the scale subresource."""
+        self.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL,
+                                                         name, {"spec": {"replicas": replicas}})
 
     def job(self, name: str) -> dict[str, Any]:
-        return json.loads(self.kubectl("get", "tj", name, "-o", "json").stdout)
+        return dict(self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL,
+                                                             name))
 
     def pods(self, name: str) -> list[dict[str, Any]]:
-        listed = self.kubectl("get", "pods", "-l", f"kubetrain.io/job-name={name}",
-                              "-o", "json").stdout
-        return sorted(json.loads(listed)["items"], key=lambda pod: pod["metadata"]["name"])
+        listed = self.core.list_namespaced_pod(NAMESPACE,
+                                               label_selector=f"kubetrain.io/job-name={name}")
+        pods = [client.ApiClient().sanitize_for_serialization(pod) for pod in listed.items]
+        return sorted(pods, key=lambda pod: pod["metadata"]["name"])
+
+    def events(self, name: str) -> str:
+        """The job's events as JSON text (reason, message), oldest first."""
+        events = [event for event in self.core.list_namespaced_event(NAMESPACE).items
+                  if event.involved_object.name == name]
+        return json.dumps([{"reason": e.reason, "message": e.message} for e in events])
 
     def get_tj(self, name: str) -> Row:
-        """`kubectl get tj NAME`: its printer columns Phase, Step, Loss, Workers."""
-        header, line = self.kubectl("get", "tj", name).stdout.splitlines()[:2]
-        # Cells are cut at the header's column starts: an empty cell prints as blanks.
-        starts = [match.start() for match in re.finditer(r"\S+", header)]
-        cells = {header[a:b].strip(): line[a:b].strip()
-                 for a, b in zip(starts, [*starts[1:], None], strict=True)}
-        phase, step, loss, workers = (cells[c] for c in ("PHASE", "STEP", "LOSS", "WORKERS"))
-
-        def number(text: str, kind: type) -> Any:
-            return kind(text) if text and text != "<none>" else None
-
-        row = Row(time.time(), phase, number(step, int), number(loss, float), workers)
+        """`kubectl get tj NAME`'s Phase, Step, Loss and Workers columns."""
+        job, columns = self.job(name), _printer_columns()
+        cells = {column: _cell(job, path) for column, path in columns.items()}
+        workers = cells["Workers"]
+        row = Row(time.time(), cells["Phase"] or "", cells["Step"], cells["Loss"],
+                  "" if workers is None else str(workers))
         self.rows.setdefault(name, []).append(row)
         return row
 
@@ -141,11 +177,17 @@ class Cluster:
         return self.wait_for(f"{name} in phase {phase}", reached, timeout)
 
     def report(self) -> str:
-        shown = self.kubectl("get", "tj,pods", "-o", "wide", check=False).stdout
-        events = self.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False).stdout
-        return (f"---- kubectl get tj,pods\n{shown}\n---- events\n{events[-3000:]}\n"
-                f"---- operator log\n{self.operator.log_tail(40)}\n"
-                f"---- pod logs\n{self.agent.logs(15)}")
+        jobs = self.custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)
+        shown = [f"tj/{job['metadata']['name']}: {job.get('status', {}).get('phase')} "
+                 f"{job.get('status', {}).get('workers')}" for job in jobs["items"]]
+        shown += [f"pod/{pod.metadata.name}: {pod.status.phase if pod.status else None} on "
+                  f"{pod.spec.node_name} deleting={pod.metadata.deletion_timestamp}"
+                  for pod in self.core.list_namespaced_pod(NAMESPACE).items]
+        events = [f"{e.involved_object.name} {e.reason}: {e.message}"
+                  for e in self.core.list_namespaced_event(NAMESPACE).items]
+        return ("---- jobs and pods\n" + "\n".join(shown) + "\n---- events\n"
+                + "\n".join(events[-40:]) + f"\n---- operator log\n{self.operator.log_tail(40)}"
+                f"\n---- pod logs\n{self.agent.logs(15)}")
 
     # ---- what happened inside the pods ------------------------------------------------
 
@@ -172,7 +214,8 @@ class Cluster:
 
     def delete(self, name: str) -> None:
         """Delete the job and wait for its pods to go (garbage collection, then the agent)."""
-        self.kubectl("delete", "tj", name, "--wait=true", check=False)
+        with contextlib.suppress(client.ApiException):
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
         self.wait_for(f"the pods of {name} to be deleted", lambda: not self.pods(name), 120)
 
 
@@ -201,15 +244,15 @@ def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def whole_loop(plane: Any, folder: Path) -> Iterator[Cluster]:
+def whole_loop(api: EmulatedCluster, folder: Path) -> Iterator[Cluster]:
     """Nodes, S3 with the prepared corpus, the operator: everything a user's job needs.
 
-    On `plane`, a started control plane with the CRD installed; files under `folder`.
+    On `api`, a running emulated cluster with its stand-in controllers; files under `folder`.
     """
     import boto3
     from moto.server import ThreadedMotoServer
 
-    agent = NodeAgent(plane.api_client(), folder / "agent", namespaces={NAMESPACE},
+    agent = NodeAgent(api.api_client(), folder / "agent", namespaces={NAMESPACE},
                       image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                                  "TOKENIZERS_PARALLELISM": "false",
                                  # The "image" is this test run's environment, sources included.
@@ -223,14 +266,14 @@ def whole_loop(plane: Any, folder: Path) -> Iterator[Cluster]:
             host, port = server.get_host_and_port()
             s3 = f"http://{host}:{port}"
             _prepare_corpus(s3, folder, boto3)
-            plane.kubectl("create", "namespace", NAMESPACE)
-            plane.kubectl("-n", NAMESPACE, "create", "secret", "generic", "s3-credentials",
-                          *(f"--from-literal={k}={v}" for k, v in CREDENTIALS.items()))
-            kubeconfig = install_operator_identity(plane, {}, folder)
-            with OperatorProcess(kubeconfig, folder / "operator.log",
+            core = client.CoreV1Api(api.api_client())
+            core.create_namespaced_secret(NAMESPACE, {
+                "metadata": {"name": "s3-credentials"}, "type": "Opaque",
+                "data": {key: base64.b64encode(value.encode()).decode()
+                         for key, value in CREDENTIALS.items()}})
+            with OperatorProcess(api.kubeconfig, folder / "operator.log",
                                  namespaces=(NAMESPACE,)) as operator:
-                yield Cluster(plane, agent, operator, s3, folder)
-            plane.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+                yield Cluster(api, agent, operator, s3, folder)
         finally:
             server.stop()
 
@@ -244,14 +287,15 @@ def _missing_host_support() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def cluster(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(emulated_cluster: EmulatedCluster,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """The whole loop for this module's scenarios; skipped (failed under CI) without root."""
     reason = _missing_host_support()
     if reason is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI needs the whole loop: {reason}", pytrace=False)
         pytest.skip(reason)
-    with whole_loop(control_plane, tmp_path_factory.mktemp("whole-loop")) as running:
+    with whole_loop(emulated_cluster, tmp_path_factory.mktemp("whole-loop")) as running:
         yield running
 
 
@@ -422,8 +466,7 @@ def test_killed_worker_resumes_from_latest_checkpoint_and_ends_as_uninterrupted_
     now = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)}
     assert now[worker] != pods[worker], "the failed pod was not replaced"
     assert now[f"{name}-worker-0"] == pods[f"{name}-worker-0"], "only the failed pod is replaced"
-    failed = cluster.kubectl("get", "events", "--field-selector",
-                             f"involvedObject.name={name}", "-o", "json").stdout
+    failed = cluster.events(name)
     cluster.wait_for_phase(name, "Succeeded", timeout=300)
 
     resumes = _resumes(cluster.trainer_lines(name))
@@ -477,10 +520,6 @@ def test_operator_killed_and_restarted_mid_run_recreates_no_pod_and_status_conve
     cluster.delete(name)
 
 
-def _patch_spec(cluster: Cluster, name: str, spec: dict[str, Any]) -> None:
-    cluster.kubectl("patch", "tj", name, "--type=merge", "-p", json.dumps({"spec": spec}))
-
-
 def test_suspend_checkpoints_and_removes_the_pods_and_resume_continues_from_that_step(
         cluster: Cluster) -> None:
     name = "suspended"
@@ -488,14 +527,14 @@ def test_suspend_checkpoints_and_removes_the_pods_and_resume_continues_from_that
     cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": steps},
                                checkpoint={"everySteps": 1000}))
     _wait_for_printed_step(cluster, name, 10)
-    _patch_spec(cluster, name, {"runPolicy": {"suspend": True}})
+    cluster.patch_spec(name, {"runPolicy": {"suspend": True}})
     cluster.wait_for_phase(name, "Suspended", timeout=120)
     cluster.wait_for("the suspended job's pods to be gone", lambda: not cluster.pods(name), 120)
     before = cluster.trainer_lines(name)
     last = max(_steps_printed(before))
     assert last < steps, "the job finished before it was suspended: lengthen it"
 
-    _patch_spec(cluster, name, {"runPolicy": {"suspend": False}})
+    cluster.patch_spec(name, {"runPolicy": {"suspend": False}})
     cluster.wait_for_phase(name, "Succeeded", timeout=300)
     lines = cluster.trainer_lines(name)[len(before):]
     resumed = next(line for line in lines if line.startswith("resumed from "))
@@ -529,11 +568,11 @@ def test_scale_down_and_up_checkpoint_on_sigterm_and_redo_no_step(cluster: Clust
                                         "template": {"env": [last_call]}},
                                checkpoint={"everySteps": 1000}))
     _wait_for_printed_step(cluster, name, 10)
-    cluster.kubectl("scale", f"tj/{name}", "--replicas=1")
+    cluster.scale(name, 1)
     _wait_for_workers(cluster, name, 1, after=0)
     cluster.wait_for("one worker pod", lambda: len(cluster.pods(name)) == 1, 60)
     mark = len(cluster.trainer_lines(name))
-    cluster.kubectl("scale", f"tj/{name}", "--replicas=2")
+    cluster.scale(name, 2)
     _wait_for_workers(cluster, name, 2, after=mark)
     cluster.wait_for_phase(name, "Succeeded", timeout=300)
 
@@ -562,8 +601,7 @@ def test_a_hung_rank_makes_the_progress_deadline_restart_the_group(cluster: Clus
     cluster.wait_for_phase(name, "Succeeded", timeout=300)
 
     job = cluster.job(name)
-    reasons = cluster.kubectl("get", "events", "--field-selector",
-                              f"involvedObject.name={name}", "-o", "json").stdout
+    reasons = cluster.events(name)
     assert "ProgressDeadlineExceeded" in reasons
     assert job["status"]["restarts"] >= 1
     assert not before & {pod["metadata"]["uid"] for pod in cluster.pods(name)}
@@ -586,8 +624,7 @@ def test_node_loss_replaces_its_pods_on_the_other_node_and_the_job_succeeds(
         lost = time.monotonic()
         cluster.wait_for(
             f"{node} to be marked not ready",
-            lambda: json.loads(cluster.plane.kubectl("get", "node", node, "-o", "json").stdout)
-            ["spec"].get("taints"), 60)
+            lambda: (cluster.core.read_node(node).spec or client.V1NodeSpec()).taints, 60)
         cluster.wait_for("training to advance again",
                          lambda: _advanced_after_resume(cluster.trainer_lines(name)), 240,
                          every=0.5)
@@ -600,8 +637,7 @@ def test_node_loss_replaces_its_pods_on_the_other_node_and_the_job_succeeds(
     # The whole group was recreated, on the node left.
     assert len(replaced) == 2 and not before & {pod["metadata"]["uid"] for pod in replaced}
     assert all(pod["spec"]["nodeName"] != node for pod in replaced)
-    events = cluster.kubectl("get", "events", "--field-selector",
-                             f"involvedObject.name={name}", "-o", "json").stdout
+    events = cluster.events(name)
     assert "NodeLost" in events, events
     step, redone = _resume_and_redone(cluster.trainer_lines(name))
     assert 0 <= redone <= EVERY, (step, redone)

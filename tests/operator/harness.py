@@ -1,14 +1,9 @@
-"""A Kubernetes API (kmock's emulator, extended) and the real operator, for integration tests.
-
-`EmulatedCluster` serves kmock's `KubernetesEmulator` over HTTP on a random loopback
-port, in a thread, and writes a kubeconfig for it. The emulator is extended here
-where the operator relies on API-server behaviour kmock leaves out: uid,
-creationTimestamp, resourceVersion and generation on objects; optimistic concurrency
-(a patch carrying a stale resourceVersion is refused with 409 Conflict); the status and scale
-subresources of TrainingJobs; Leases; and owner-reference garbage collection.
+"""The real operator against kmock's emulator (tests/cluster/emulator.py), for integration tests.
 
 `running_operator` runs `kubetrain operator` itself (`kubetrain.operator.command.serve`)
-in a thread against it.
+in a thread against an `EmulatedCluster`; `Kube` is the test's own client; the
+`scenario_*` functions are the operator's stories, run here and, in
+tests/real_server, against a real kube-apiserver.
 
 RBAC check for the chart: `run_operator_scenarios()` runs every integration
 scenario of tests/operator against a fresh cluster, with leader election on, and
@@ -20,312 +15,22 @@ returns the set of (verb, resource) pairs the operator called, e.g. ("create", "
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
-import itertools
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import kmock
-import yaml
+from emulator import EmulatedCluster, free_port
 from kubernetes import client
-from kubernetes import config as kube_config
 
 from kubetrain.operator.command import OperatorConfig, serve
-from kubetrain.operator.handlers import USER_AGENT
 
 T = TypeVar("T")
 
-JOBS = "kubetrain.io/v1alpha1/trainingjobs"
 NAMESPACE = "default"
-
-
-class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus the API-server behaviour the operator depends on."""
-
-    _versions = itertools.count(1)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._same_resource: dict[tuple[Any, Any], bool] = {}
-        self.served: list[kmock.Request] = []  # routed requests, oldest first
-
-    def requests(self) -> list[kmock.Request]:
-        """Every request so far: the routed ones, then those not routed yet."""
-        return [*self.served, *self._requests]
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if isinstance(request.data, dict) and request.resource is not None:
-            self._server_side_fields(request)
-        elif isinstance(request.data, list) and request.action == kmock.action.UPDATE:
-            self._json_patch_concurrency(request)
-        try:
-            response = await super()._handle(request)
-        finally:
-            self._retire(request)
-        if request.action in (kmock.action.DELETE, kmock.action.UPDATE) and request.name:
-            stored = self._stored(request)
-            if stored is None or stored.deleted:
-                await self._collect_garbage()
-        return response
-
-    def _retire(self, request: kmock.Request) -> None:
-        """Move a routed request out of kmock's history into `served` (once).
-
-        kmock routes each request by filtering its whole history of requests, which makes
-        every request slower than the one before; only requests not yet routed need to be
-        there, so each one leaves as soon as it reaches the handler that serves it.
-        """
-        for position in range(len(self._requests) - 1, -1, -1):
-            if self._requests[position] is request:
-                del self._requests[position]
-                self.served.append(request)
-                return
-
-    async def _serve_list(self, request: kmock.Request) -> Any:
-        self._retire(request)
-        return await super()._serve_list(request)
-
-    async def _serve_watch(self, request: kmock.Request) -> Any:
-        self._retire(request)
-        async for event in super()._serve_watch(request):
-            yield event
-
-    async def _serve_fetch(self, request: kmock.Request) -> Any:
-        self._retire(request)
-        return await super()._serve_fetch(request)
-
-    async def _serve_create(self, request: kmock.Request) -> Any:
-        self._retire(request)
-        return await super()._serve_create(request)
-
-    async def _serve_update(self, request: kmock.Request) -> Any:
-        self._retire(request)
-        return await super()._serve_update(request)
-
-    async def _serve_delete(self, request: kmock.Request) -> Any:
-        self._retire(request)
-        return await super()._serve_delete(request)
-
-    # kmock finds an object by scanning all of them and comparing resources with regular
-    # expressions: quadratic in the object count, hours for the 500-job benchmark. These two
-    # overrides of its private lookups keep its semantics: a dict lookup for one object,
-    # and resource comparisons remembered.
-    def _KubernetesEmulator__get_objs(self, request: kmock.Request,
-                                      strict: bool) -> list[Any]:
-        if strict and request.name is not None:
-            key = (request.resource, request.namespace, request.name)
-            return [self._objects[key]] if key in self._objects else []
-        return [obj for (resource, namespace, name), obj in self._objects.items()
-                if self._KubernetesEmulator__check(request, resource, namespace, name, strict)]
-
-    def _KubernetesEmulator__check(self, request: kmock.Request, resource: Any,
-                                   namespace: str | None, name: str, strict: bool) -> bool:
-        namespace_ok = (namespace == request.namespace if strict else
-                        request.namespace is None or namespace == request.namespace)
-        if not namespace_ok or (request.name is not None and name != request.name):
-            return False
-        same = self._same_resource.get((resource, request.resource))
-        if same is None:
-            same = self._same_resource[resource, request.resource] = bool(
-                resource == request.resource)
-        return same
-
-    def _json_patch_concurrency(self, request: kmock.Request) -> None:
-        """A JSON patch's resourceVersion test fails with 422, as the API server answers."""
-        stored = self._stored(request)
-        current = stored.get("metadata", {}).get("resourceVersion") if stored else None
-        for op in request.data:
-            if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" \
-                    and op.get("value") != current:
-                raise kmock.KubernetesError(status=422, reason="Invalid",
-                                            message="the object has been modified")
-        request.data.append({"op": "replace", "path": "/metadata/resourceVersion",
-                             "value": str(next(self._versions))})
-
-    def _stored(self, request: kmock.Request) -> Any:
-        key = (request.resource, request.namespace, request.name)
-        return self.objects[key] if key in self.objects else None  # noqa: SIM401 (no .get)
-
-    def _server_side_fields(self, request: kmock.Request) -> None:
-        data = request.data
-        meta = data.setdefault("metadata", {})
-        if request.action == kmock.action.UPDATE and meta.get("resourceVersion"):
-            stored = self._stored(request)
-            current = stored.get("metadata", {}).get("resourceVersion") if stored else None
-            if meta["resourceVersion"] != current:
-                raise kmock.KubernetesError(status=409, reason="Conflict",
-                                            message="the object has been modified")
-        meta["resourceVersion"] = str(next(self._versions))
-        if request.action == kmock.action.CREATE:
-            if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-            meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("creationTimestamp",
-                            datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-            meta.setdefault("generation", 1)
-            data.pop("status", None) if request.resource == JOBS else None
-            return
-        if request.action != kmock.action.UPDATE or request.resource != JOBS:
-            return
-        stored = self._stored(request)
-        if request.subresource == "scale":
-            # The CRD's scale subresource maps Scale.spec.replicas to .spec.workers.replicas.
-            replicas = data.get("spec", {}).get("replicas")
-            data.clear()
-            data.update({"metadata": meta, "spec": {"workers": {"replicas": replicas}}})
-        elif request.subresource == "status":
-            for key in list(data):
-                if key not in ("status", "metadata"):
-                    del data[key]
-            return
-        else:
-            data.pop("status", None)  # the main resource ignores status, as with a real CRD
-        # metadata.generation counts changes of the spec: a re-apply of the same spec is none.
-        old_spec = stored.raw.get("spec", {}) if stored is not None else {}
-        if "spec" in data and stored is not None and _merged(old_spec, data["spec"]) != old_spec:
-            meta["generation"] = int(stored.get("metadata", {}).get("generation", 1)) + 1
-
-    async def _collect_garbage(self) -> None:
-        """Delete objects whose owner is gone, as the garbage collector does (background)."""
-        while True:
-            async with self._lock:
-                live = {obj.get("metadata", {}).get("uid") for obj in self._objects.values()
-                        if not obj.deleted}
-                orphans = [(key, obj) for key, obj in self._objects.items()
-                           if not obj.deleted and any(
-                               ref.get("uid") not in live
-                               for ref in obj.get("metadata", {}).get("ownerReferences", []))]
-                for (resource, _, _), obj in orphans:
-                    raw = obj.raw
-                    obj.delete()
-                    await self._buses[resource].put({"type": "DELETED", "object": raw})
-            if not orphans:
-                return
-
-
-def _merged(target: Any, patch: Any) -> Any:
-    """RFC 7386: `target` with the JSON merge patch `patch` applied (as kmock applies it)."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = _merged(result.get(key), value)
-    return result
-
-
-def _declare_resources(emulator: Emulator) -> None:
-    info = kmock.ResourceInfo
-    verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
-    emulator.resources[JOBS] = info(kind="TrainingJob", singular="trainingjob",
-                                    namespaced=True, verbs=verbs, shortnames={"tj"},
-                                    subresources={"status", "scale"})
-    for plural, kind, namespaced in [("pods", "Pod", True), ("services", "Service", True),
-                                     ("configmaps", "ConfigMap", True),
-                                     ("events", "Event", True), ("nodes", "Node", False),
-                                     ("namespaces", "Namespace", False)]:
-        emulator.resources[f"v1/{plural}"] = info(kind=kind, singular=kind.lower(),
-                                                  namespaced=namespaced, verbs=verbs,
-                                                  subresources={"status"} if kind == "Pod"
-                                                  else set())
-    emulator.resources["coordination.k8s.io/v1/leases"] = info(
-        kind="Lease", singular="lease", namespaced=True, verbs=verbs)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class EmulatedCluster:
-    """The emulator on a loopback port, in its own thread and event loop."""
-
-    def __init__(self, directory: Path) -> None:
-        self.kubeconfig = directory / "kubeconfig"
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.emulator = Emulator()
-        _declare_resources(self.emulator)
-        self.server = kmock.Server(self.emulator)
-
-    def __enter__(self) -> EmulatedCluster:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
-        url = f"http://127.0.0.1:{self.server.port}"
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-            "clusters": [{"name": "emulator", "cluster": {"server": url}}],
-            "users": [{"name": "tests", "user": {"token": "emulator"}}],
-            "contexts": [{"name": "emulator",
-                          "context": {"cluster": "emulator", "user": "tests"}}],
-        }))
-        return self
-
-    async def _start(self) -> None:
-        await self.emulator.__aenter__()
-        await self.server.__aenter__()
-
-    async def _stop(self) -> None:
-        await self.server.__aexit__(None, None, None)
-        await self.emulator.__aexit__(None, None, None)
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-    def api_client(self) -> client.ApiClient:
-        configuration = client.Configuration()
-        kube_config.load_kube_config(str(self.kubeconfig), client_configuration=configuration)
-        return client.ApiClient(configuration)
-
-    def operator_calls(self) -> set[tuple[str, str]]:
-        """(verb, resource) of every request the operator (kopf or its client) made."""
-        calls = set()
-        for request in self.emulator.requests():
-            agent = request.headers.get("User-Agent", "")
-            if request.resource is None or not request.resource.plural:
-                continue  # discovery: allowed to every authenticated user
-            if not agent.startswith(("kopf", USER_AGENT)):
-                continue
-            resource = request.resource.plural or ""
-            if request.subresource:
-                resource += "/" + request.subresource
-            calls.add((_rbac_verb(request), resource))
-        return calls
-
-    def operator_requests(self, resource: str, action: kmock.action, identity: str = "") -> int:
-        """How many `action` requests on `resource` the operator (of `identity`, if given) made."""
-        agent = f"{USER_AGENT}/{identity}"
-        return sum(1 for request in self.emulator.requests()
-                   if request.resource is not None and request.resource.plural == resource
-                   and request.action == action
-                   and request.headers.get("User-Agent", "").startswith(agent))
-
-
-def _rbac_verb(request: kmock.Request) -> str:
-    if request.action == kmock.action.WATCH:
-        return "watch"
-    if request.action == kmock.action.LIST:
-        return "list"
-    if request.action == kmock.action.FETCH:
-        return "get"
-    if request.action == kmock.action.CREATE:
-        return "create"
-    if request.action == kmock.action.DELETE:
-        return "delete"
-    return "update" if request.method == kmock.method.PUT else "patch"
 
 
 @contextlib.contextmanager
@@ -391,7 +96,7 @@ def job_manifest(name: str, replicas: int = 2, **run_policy: Any) -> dict[str, A
 
 
 class Cluster(Protocol):
-    """A cluster the tests talk to: the emulator here, or tests/cluster's real control plane."""
+    """A cluster the tests talk to: the emulator, or a real control plane (tests/real_server)."""
 
     def api_client(self) -> client.ApiClient: ...
 

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import EmulatedCluster, Kube, eventually, job_manifest, kmock, running_operator
+import kmock
+from harness import EmulatedCluster, Kube, eventually, job_manifest, running_operator
 
 # Short leases so that a test takes seconds; the protocol is the same at 15 s.
 FAST = {"standalone": False, "lease_seconds": 2.0, "lease_retry_seconds": 0.2}

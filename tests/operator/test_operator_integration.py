@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 import harness
+import kmock
 from harness import EmulatedCluster, Kube, eventually, job_manifest, running_operator
 
 
@@ -109,5 +110,5 @@ def test_restarted_operator_neither_duplicates_nor_orphans_pods(tmp_path: Path) 
                        .get("labels", {}).get("kubetrain.io/restart-attempt") == "1")
             time.sleep(1.0)  # a few resyncs: nothing more may happen
         assert set(kube.pods("again")) == {f"again-worker-{i}" for i in range(3)}
-        assert cluster.operator_requests("pods", harness.kmock.action.CREATE) == 4
+        assert cluster.operator_requests("pods", kmock.action.CREATE) == 4
         assert (kube.job("again") or {})["status"]["restarts"] == 1

@@ -30,7 +30,7 @@ from kubetrain.validate import check_document
 sys.path.insert(0, str(Path(__file__).parents[1] / "api"))
 from test_manifest_validation import SECTION_PROBLEMS, _delete, _set, mutations
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.real_server
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
@@ -105,7 +105,7 @@ def test_the_server_refuses_every_invalid_manifest_the_models_refuse(
         assert named in message, f"the server's message does not name {named}: {message}"
 
 
-def test_agreement_figures(capsys: pytest.CaptureFixture[str]) -> None:
+def test_agreement_figures(control_plane: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Prints what the previous test measured (it runs first: tests run in file order)."""
     total = sum(agreement.values())
     with capsys.disabled():

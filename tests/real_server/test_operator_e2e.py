@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from operator_process import OperatorProcess, install_operator_identity
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.real_server
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
 import harness  # noqa: E402

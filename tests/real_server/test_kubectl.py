@@ -20,7 +20,7 @@ from operator_process import OperatorProcess, install_operator_identity
 
 from kubetrain.api.trainingjob import Workers
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.real_server
 
 REPO = Path(__file__).resolve().parents[2]
 TEAM = "team-a"
