@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint lowest tools
+.PHONY: demo test lint lowest tools images
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ lowest: $(VENV)/.installed
 # Debian's promtool and chromium, which some tests run (best effort: never fails here).
 tools:
 	bash tests/tools/install-test-tools.sh
+
+# The operator and trainer images without Docker: Debian's buildah from offline stand-in
+# bases, as OCI archives in ~/.cache/kubetrain/images, cached by content hash
+# (docs/images.md). Needs root; installs its Debian packages when missing.
+images:
+	$(PYTHON) images/offline/build_images.py
 
 # lint, the tools and the lowest-bounds run are independent, so they run side by side
 # (--output-sync keeps each one's output together); then the whole suite, on two
