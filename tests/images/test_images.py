@@ -1,0 +1,279 @@
+"""The operator and trainer images, built offline as `make images` builds them, run in a
+real containerd (tests/cluster/containerd.py) the way a node runs a pod's containers.
+
+The images come from images/offline/build_images.py: built on first use (a few minutes),
+then from the content-hashed cache, so an unchanged tree builds nothing. Needs root (the
+build's mmdebstrap and buildah, the runtime's mounts and cgroups); the build installs the
+Debian packages it needs. Nothing here skips on a root machine: a missing tool or a
+failing runtime fails with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from build_images import BuiltImage, build_images
+from containerd import ContainerSpec, Mount, Runtime
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="building images (mmdebstrap, buildah) and running containerd need root")
+
+MACHINE_STATE = Path(__file__).resolve().parents[1] / "cluster" / "machine_state.sh"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, BuiltImage]:
+    """The operator and trainer archives (and the stand-in bases), built if not cached."""
+    return build_images(log=lambda line: print(line, flush=True))
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime]:
+    runtime = Runtime.start(tmp_path_factory.mktemp("containerd"))
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
+
+
+@pytest.fixture(scope="module")
+def operator_image(runtime: Runtime, images: dict[str, BuiltImage]) -> str:
+    return runtime.import_image(images["operator"].archive)
+
+
+@pytest.fixture(scope="module")
+def trainer_image(runtime: Runtime, images: dict[str, BuiltImage]) -> str:
+    return runtime.import_image(images["trainer"].archive)
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def test_operator_image_runs_its_help_as_65532_on_a_read_only_root(
+        runtime: Runtime, operator_image: str) -> None:
+    # the chart's securityContext: runAsUser 65532, readOnlyRootFilesystem
+    helped = runtime.run(ContainerSpec(name=_name("op-help"), image=operator_image,
+                                       args=["--help"], user=(65532, 65532),
+                                       read_only_rootfs=True))
+    assert helped.wait(timeout=60) == 0, helped.stderr
+    assert "usage:" in helped.stdout.lower() and "operator" in helped.stdout
+
+    # the image's own USER, and a root filesystem nothing can write to, not even /tmp
+    probe = ("import errno, os\n"
+             "print('uid', os.getuid(), os.getgid())\n"
+             "try:\n    open('/tmp/probe', 'w')\nexcept OSError as e:\n"
+             "    print('write', errno.errorcode[e.errno])\n")
+    probed = runtime.run(ContainerSpec(name=_name("op-probe"), image=operator_image,
+                                       command=["python", "-c", probe], read_only_rootfs=True))
+    assert probed.wait(timeout=60) == 0, probed.stderr
+    assert "uid 65532 65532" in probed.stdout
+    assert "write EROFS" in probed.stdout
+
+
+def test_operator_image_has_no_torch(runtime: Runtime, operator_image: str) -> None:
+    c = runtime.run(ContainerSpec(name=_name("op-torch"), image=operator_image,
+                                  command=["python", "-c", "import torch"]))
+    assert c.wait(timeout=60) == 1
+    assert "No module named 'torch'" in c.stderr
+
+
+def test_trainer_image_imports_torch_and_the_trainer_as_1000(
+        runtime: Runtime, trainer_image: str) -> None:
+    code = ("import os, torch, kubetrain.trainer\n"
+            "print('uid', os.getuid(), os.getgid(), 'cwd', os.getcwd())\n"
+            "print('torch', torch.__version__, torch.ones(2).add(1).sum().item())\n")
+    c = runtime.run(ContainerSpec(name=_name("trainer"), image=trainer_image,
+                                  command=["python", "-c", code], user=(1000, 1000)))
+    assert c.wait(timeout=120) == 0, c.stderr
+    assert "uid 1000 1000 cwd /home/kubetrain" in c.stdout
+    assert re.search(r"torch 2\.\d+\.\d+\S* 4\.0", c.stdout), c.stdout
+
+
+def test_a_container_over_its_memory_limit_is_oom_killed(
+        runtime: Runtime, operator_image: str) -> None:
+    hog = "b = []\nwhile True:\n    b.append(bytearray(1 << 20))\n"
+    c = runtime.run(ContainerSpec(name=_name("oom"), image=operator_image,
+                                  command=["python", "-c", hog], memory_limit=64 * MiB))
+    assert c.wait(timeout=60) == 137
+    assert c.oom_killed
+
+
+def test_the_process_is_pid_1_and_exits_cleanly_on_sigterm(
+        runtime: Runtime, operator_image: str) -> None:
+    code = ("import os, signal, sys, time\n"
+            "def stop(*_):\n    print('SIGTERM as pid', os.getpid(), flush=True)\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)\nsys.exit(3)\n")
+    c = runtime.run(ContainerSpec(name=_name("term"), image=operator_image,
+                                  command=["python", "-c", code]))
+    c.wait_for_output("ready", timeout=30)
+    c.signal(signal.SIGTERM)
+    assert c.wait(timeout=30) == 0, c.stderr
+    assert "SIGTERM as pid 1" in c.stdout
+    assert not c.oom_killed
+
+
+def test_sigkill_ends_a_container_that_ignores_sigterm(
+        runtime: Runtime, operator_image: str) -> None:
+    code = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\ntime.sleep(120)\n")
+    c = runtime.run(ContainerSpec(name=_name("stubborn"), image=operator_image,
+                                  command=["python", "-c", code]))
+    c.wait_for_output("ready", timeout=30)
+    c.signal(signal.SIGTERM)
+    with pytest.raises(TimeoutError):
+        c.wait(timeout=1)
+    c.signal(signal.SIGKILL)
+    assert c.wait(timeout=30) == 137
+    assert not c.oom_killed
+
+
+def test_bind_and_tmpfs_mounts_env_working_dir_and_shm_size(
+        runtime: Runtime, operator_image: str, tmp_path: Path) -> None:
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "job.yaml").write_text("steps: 3\n")
+    (tmp_path / "out").mkdir()
+    script = ("cat /etc/kubetrain/job.yaml; echo $JOB_NAME; pwd; "
+              "df -k /dev/shm | tail -1; df -k /scratch | tail -1; echo done > /out/result; "
+              "touch /etc/kubetrain/x 2>/dev/null || echo config read-only")
+    c = runtime.run(ContainerSpec(
+        name=_name("mounts"), image=operator_image, command=["sh", "-c", script],
+        env={"JOB_NAME": "demo"}, working_dir="/out", user=(0, 0), shm_size=16 * MiB,
+        mounts=[Mount.bind(tmp_path / "config", "/etc/kubetrain", read_only=True),
+                Mount.bind(tmp_path / "out", "/out"), Mount.tmpfs("/scratch", 8 * MiB)]))
+    assert c.wait(timeout=60) == 0, c.stderr
+    lines = c.stdout.splitlines()
+    assert lines[:3] == ["steps: 3", "demo", "/out"]
+    assert lines[3].split()[1] == str(16 * 1024)  # /dev/shm's size in KiB
+    assert lines[4].split()[:2] == ["tmpfs", str(8 * 1024)]
+    assert lines[5] == "config read-only"
+    assert (tmp_path / "out" / "result").read_text() == "done\n"
+
+
+def test_a_container_joins_an_existing_network_namespace(
+        runtime: Runtime, operator_image: str) -> None:
+    netns = f"ktimg-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    try:
+        # a veth pair with both ends inside: it goes away with the namespace
+        subprocess.run(["ip", "-n", netns, "link", "add", "ktprobe0", "type", "veth",
+                        "peer", "name", "ktprobe1"], check=True)
+        c = runtime.run(ContainerSpec(name=_name("netns"), image=operator_image,
+                                      command=["cat", "/proc/net/dev"],
+                                      network_namespace=f"/run/netns/{netns}"))
+        assert c.wait(timeout=60) == 0, c.stderr
+        assert "ktprobe0" in c.stdout, c.stdout
+        alone = runtime.run(ContainerSpec(name=_name("own-netns"), image=operator_image,
+                                          command=["cat", "/proc/net/dev"]))
+        assert alone.wait(timeout=60) == 0, alone.stderr
+        assert "ktprobe0" not in alone.stdout and "lo:" in alone.stdout, alone.stdout
+    finally:
+        subprocess.run(["ip", "netns", "delete", netns], check=False)
+
+
+# Lines of machine_state.sh that other tests running at the same time change (`make test`
+# runs two pytest workers, and the e2e tests run pods in runtimes of their own), by
+# section: network namespaces and the pod networks' bridges and veths (ktbr*, kv*, veth*,
+# cni*) with their addresses and routes; mounts of other tests' temporary folders and of
+# a concurrent image build; other runtimes' cgroup parents (kt-<tag>) and shim sockets
+# (/run/containerd/s/<hash>), and /run/containerd itself while another runtime has one
+# there; buildah's blob cache; the process counts of other containerds. This runtime's
+# own lines are never ignored (its folder, its cgroup parent, its shims' sockets), and its
+# processes are checked directly; every other line must be the same before and after.
+OTHERS = {
+    "netns": r"",
+    "links": r"^(ktbr|kv|veth|cni)",
+    "addresses": r"^(ktbr|kv|veth|cni)",
+    "routes": r" dev (ktbr|kv|veth|cni)\S* ",
+    "mounts": r"^/run/netns/|^/tmp/|/kubetrain/images/work-",
+    "cgroups": r"/kt-[0-9a-f]{8}$",
+    "fixed folders": r"^/run/netns|^/var/lib/containers|^/run/containerd/s/[0-9a-f]{64}$",
+    "/run": r"^netns$",
+    "processes": r"^\s*\d+ (containerd|containerd-shim\S*|runc)$",
+}
+SHARED_RUN = {"fixed folders: /run/containerd", "fixed folders: /run/containerd/s",
+              "/run: containerd"}
+
+
+def _machine_state() -> list[str]:
+    """machine_state.sh's lines, each as "SECTION: LINE"."""
+    # (its exit status is grep's last count: 1 when no DNS helper runs)
+    out = subprocess.run(["bash", str(MACHINE_STATE)], capture_output=True, text=True,
+                         check=False).stdout
+    assert "## processes" in out, f"{MACHINE_STATE} did not run to its end:\n{out[-2000:]}"
+    section, lines = "", []
+    for line in out.splitlines():
+        if line.startswith("## "):
+            section = line[3:].split(" (")[0]
+        else:
+            lines.append(f"{section}: {line}")
+    return lines
+
+
+def _left_behind(before: list[str], after: list[str], mine: list[str]) -> list[str]:
+    """The lines that changed, less those other tests explain (OTHERS), unless they name
+    something in MINE."""
+    changed = [f"- {line}" for line in before if line not in after]
+    changed += [f"+ {line}" for line in after if line not in before]
+    other_shims = any(line.startswith("fixed folders: /run/containerd/s/")
+                      and not any(m in line for m in mine) for line in before + after)
+
+    def explained(line: str) -> bool:
+        if any(m in line for m in mine):
+            return False
+        if line in SHARED_RUN:
+            return other_shims
+        section, _, rest = line.partition(": ")
+        return section in OTHERS and re.search(OTHERS[section], rest) is not None
+
+    return [line for line in changed if not explained(line[2:])]
+
+
+def _shim_socket(runtime: Runtime, container: str) -> Path:
+    """Where containerd 1.6 puts a task's shim socket (runtime/v2/shim.SocketAddress)."""
+    key = os.path.join(str(runtime.socket), "k8s.io", container)
+    return Path("/run/containerd/s", hashlib.sha256(key.encode()).hexdigest())
+
+
+def test_the_runtime_leaves_the_machine_as_it_found_it(
+        tmp_path: Path, images: dict[str, BuiltImage]) -> None:
+    before = _machine_state()
+    runtime = Runtime.start(tmp_path / "node")
+    try:
+        ref = runtime.import_image(images["python"].archive)
+        running = runtime.run(ContainerSpec(name="left-running", image=ref,
+                                            args=["sleep", "600"], memory_limit=64 * MiB))
+        done = runtime.run(ContainerSpec(name="done", image=ref, args=["true"]))
+        assert done.wait(timeout=30) == 0
+        assert running.running and runtime.running
+        shim = _shim_socket(runtime, "left-running")
+        assert shim.exists(), f"no shim socket at {shim}: the check below would prove nothing"
+        tag = runtime.cgroup_parent
+    finally:
+        runtime.stop()
+    after = _machine_state()
+
+    mine = [str(tmp_path), str(runtime.run_dir), tag, shim.name]
+    left = _left_behind(before, after, mine)
+    assert not left, "the runtime left this behind:\n" + "\n".join(left)
+    # this runtime's own processes (the count lines above may change with other tests)
+    assert not runtime.running, "containerd still runs"
+    shims = subprocess.run(["pgrep", "-f", str(runtime.socket)], capture_output=True,
+                           text=True).stdout.split()
+    assert not shims, f"processes of this runtime still run: {shims}"
+    assert not shim.exists(), f"its shim socket {shim} is left"
+    cgroups = [*Path("/sys/fs/cgroup").glob(f"*/{tag}"), *Path("/sys/fs/cgroup").glob(tag)]
+    assert not cgroups, f"its cgroups are left: {cgroups}"
