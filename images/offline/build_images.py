@@ -405,6 +405,8 @@ def build_images(names: Sequence[str] = IMAGES, log: Log = print) -> dict[str, B
     if os.geteuid() == 0:  # cached images are of no use without the runtime to run them
         ensure_packages(log)
     cache = cache_dir()
+    # util-linux's mount (mmdebstrap's) makes /run/mount, libmount's utab folder
+    had_run_mount = os.path.exists("/run/mount")
     with _locked(cache):
         work = Path(tempfile.mkdtemp(prefix="work-", dir=cache))
         try:
@@ -424,6 +426,9 @@ def build_images(names: Sequence[str] = IMAGES, log: Log = print) -> dict[str, B
         finally:
             _unmount_under(work)
             shutil.rmtree(work, ignore_errors=True)
+            if not had_run_mount:
+                with suppress(OSError):
+                    os.rmdir("/run/mount")
     _report(result, time.monotonic() - start, log)
     return result
 

@@ -41,6 +41,7 @@ the Debian packages containerd and runc (`make images` installs them).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -488,8 +489,7 @@ class Runtime:
         mounts = json.loads(self._ctr("snapshots", "--snapshotter", SNAPSHOTTER, "prepare",
                                       "--mounts", snapshot, image.chain_id).stdout)
         for m in mounts:
-            subprocess.run(["mount", "-t", m["Type"], m["Source"], str(rootfs),
-                            "-o", ",".join(m["Options"])], check=True, capture_output=True)
+            _mount(m["Type"], m["Source"], rootfs, m["Options"])
         oci = self._oci_spec(spec, image, rootfs)
         (folder / "config.json").write_text(json.dumps(oci, indent=1))
         cmd = [*self._ctr_base(), "run", "--config", str(folder / "config.json"),
@@ -631,16 +631,33 @@ def _mount_points() -> list[str]:
         return [line.split()[4] for line in f]
 
 
+# mount(2) and umount2(2) themselves: util-linux's mount would create /run/mount (libmount's
+# utab folder) on a machine that has none, and leave it behind.
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2
+
+
+def _mount(fstype: str, source: str, target: Path, options: Sequence[str]) -> None:
+    data = ",".join(options).encode()
+    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), 0, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount -t {fstype} {source} {target}: {os.strerror(err)}")
+
+
+def _umount(path: str, detach: bool = False) -> bool:
+    return int(_libc.umount2(path.encode(), _MNT_DETACH if detach else 0)) == 0
+
+
 def _unmount(path: Path) -> None:
     while str(path) in _mount_points():
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        if not _umount(str(path)) and not _umount(str(path), detach=True):
+            break
 
 
 def _unmount_under(folder: Path) -> None:
     prefix = str(folder) + "/"
     for p in sorted((p for p in _mount_points() if p.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", p], capture_output=True)
+        _umount(p, detach=True)
 
 
 def _rmdir(path: Path) -> None:
