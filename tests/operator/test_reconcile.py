@@ -274,6 +274,15 @@ def test_restarts_beyond_max_restarts_fail_the_job(minimal_manifest: dict) -> No
     assert out.restarts == []
 
 
+def test_the_failure_that_exhausts_max_restarts_is_the_last_failure(
+        minimal_manifest: dict) -> None:
+    status = running_status(lastFailure="demo-worker-0 exited with code 1")
+    out = run(make_job(minimal_manifest, status=status, maxRestarts=0), pod(0),
+              pod(1, "Failed", exit_code=137, reason="OOMKilled"))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert out.status["lastFailure"] == "demo-worker-1 exited with code 137 (OOMKilled)"
+
+
 def test_pod_on_a_lost_node_is_force_deleted_and_replaced(minimal_manifest: dict) -> None:
     out = run(make_job(minimal_manifest, status=running_status()), pod(0),
               pod(1, "Running", node_lost=True))

@@ -248,6 +248,7 @@ class _Decision:
                 whole_group: bool) -> None:
         """Count a restart and delete the pods to replace (all of them for a whole-group one)."""
         policy = self.job.spec.run_policy
+        self.status.last_failure = message  # also the failure that ends the job
         if self.status.restarts >= policy.max_restarts:
             self.finish("Failed", "MaxRestartsExceeded",
                         f"{message}; the job already restarted {self.status.restarts} times "
@@ -256,7 +257,6 @@ class _Decision:
         self.status.restarts += 1
         self.status.restart_attempt += 1
         self.status.last_restart_time = self.now
-        self.status.last_failure = message
         self.status.phase = "Restarting"
         scope = "the whole group" if whole_group else ", ".join(pod.name for pod in broken)
         delay = backoff_seconds(self.job, self.status.restarts)
