@@ -39,7 +39,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import attrs
+import aiohttp.web
 import kmock
 import yaml
 from kubernetes import client
@@ -69,9 +69,10 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> Any:
         if request.action == kmock.action.DELETE and request.resource == PODS and request.name:
-            graceful = await self._delete_pod_gracefully(request)
-            if graceful is not None:
-                request = graceful
+            marked = await self._delete_pod_gracefully(request)
+            if marked is not None:
+                self._retire(request)
+                return aiohttp.web.json_response(marked)
         if isinstance(request.data, dict) and request.resource is not None:
             self._server_side_fields(request)
         elif isinstance(request.data, list) and request.action == kmock.action.UPDATE:
@@ -86,14 +87,14 @@ class Emulator(kmock.KubernetesEmulator):
                 await self._collect_garbage()
         return response
 
-    async def _delete_pod_gracefully(self, request: kmock.Request) -> kmock.Request | None:
-        """A pod's DELETE as the API server treats it; a read of the pod if it stays.
+    async def _delete_pod_gracefully(self, request: kmock.Request) -> dict[str, Any] | None:
+        """A pod's DELETE as the API server treats it; the marked pod if it stays.
 
         A pod bound to a node and not finished is only marked (deletionTimestamp = now +
         grace, deletionGracePeriodSeconds = grace): its kubelet stops the containers and
         deletes it with grace 0. A DELETE whose uid precondition names another
         incarnation of the pod is refused with 409. Returns None where the pod goes at
-        once (kmock's own DELETE), else the request to answer with, a read of the pod.
+        once (kmock's own DELETE), else the pod as it stays, the DELETE's answer.
         """
         options = request.data if isinstance(request.data, dict) else {}
         key = (request.resource, request.namespace, request.name)
@@ -125,9 +126,7 @@ class Emulator(kmock.KubernetesEmulator):
                     "resourceVersion": str(next(self._versions))}})
                 await self._buses[request.resource].put({"type": "MODIFIED",
                                                          "object": stored.raw})
-        self._retire(request)
-        return attrs.evolve(request, method=kmock.method.GET, action=kmock.action.FETCH,
-                            data=None, body=b"", text="")
+            return dict(stored.raw)
 
     def _retire(self, request: kmock.Request) -> None:
         """Move a routed request out of kmock's history into `served` (once).
@@ -223,6 +222,8 @@ class Emulator(kmock.KubernetesEmulator):
                                             message="the object has been modified")
         meta["resourceVersion"] = str(next(self._versions))
         if request.action == kmock.action.CREATE:
+            if request.namespace:  # as the API server: the URL's namespace is the object's
+                meta["namespace"] = request.namespace
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             meta.setdefault("uid", str(uuid.uuid4()))
@@ -356,26 +357,28 @@ class EmulatedCluster:
         self.emulator = Emulator()
         _declare_resources(self.emulator)
         self.server = kmock.Server(self.emulator)
+        self._more_servers: list[kmock.Server] = []
 
     def __enter__(self) -> EmulatedCluster:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
-        url = f"http://127.0.0.1:{self.server.port}"
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-            "clusters": [{"name": "emulator", "cluster": {"server": url}}],
-            "users": [{"name": "tests", "user": {"token": "emulator"}}],
-            "contexts": [{"name": "emulator",
-                          "context": {"cluster": "emulator", "user": "tests"}}],
-        }))
+        write_kubeconfig(self.kubeconfig, f"http://127.0.0.1:{self.server.port}")
         return self
+
+    def serve_on(self, address: str) -> str:
+        """Serve the same API on `address` too (e.g. a pod network's gateway); its URL."""
+        server = kmock.Server(self.emulator, host=address)
+        asyncio.run_coroutine_threadsafe(server.__aenter__(), self.loop).result(timeout=30)
+        self._more_servers.append(server)
+        return f"http://{address}:{server.port}"
 
     async def _start(self) -> None:
         await self.emulator.__aenter__()
         await self.server.__aenter__()
 
     async def _stop(self) -> None:
-        await self.server.__aexit__(None, None, None)
+        for server in [*self._more_servers, self.server]:
+            await server.__aexit__(None, None, None)
         await self.emulator.__aexit__(None, None, None)
 
     def __exit__(self, *exc: object) -> None:
@@ -410,6 +413,17 @@ class EmulatedCluster:
                    if request.resource is not None and request.resource.plural == resource
                    and request.action == action
                    and request.headers.get("User-Agent", "").startswith(agent))
+
+
+def write_kubeconfig(path: Path, url: str) -> Path:
+    """A kubeconfig for the emulator at `url` (any token is accepted)."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+        "users": [{"name": "tests", "user": {"token": "emulator"}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tests"}}],
+    }))
+    return path
 
 
 def _rbac_verb(request: kmock.Request) -> str:

@@ -1,0 +1,118 @@
+"""What the e2e tests rely on from tests/cluster: the emulator's API-server behaviour and the
+stand-in scheduler and node lifecycle controller (each shown here, never the real ones)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from controllers import UNREACHABLE_TAINT, NodeLifecycle, Scheduler
+from emulator import EmulatedCluster
+from kubernetes import client
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import eventually
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[client.CoreV1Api]:
+    with EmulatedCluster(tmp_path) as cluster:
+        yield client.CoreV1Api(cluster.api_client())
+
+
+def _pod(name: str, node: str | None = None, labels: dict[str, str] | None = None) -> dict:
+    spec: dict = {"containers": [{"name": "c", "image": "i"}]}
+    if node:
+        spec["nodeName"] = node
+    return {"metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+
+
+def test_a_new_pod_is_pending_in_the_namespace_of_its_url(core: client.CoreV1Api) -> None:
+    created = core.create_namespaced_pod("team", {**_pod("p"), "status": {"phase": "Running"}})
+    assert created.metadata.namespace == "team" and created.status.phase == "Pending"
+
+
+def test_a_bound_pod_is_deleted_gracefully_and_only_its_own_uid_removes_it(
+        core: client.CoreV1Api) -> None:
+    uid = core.create_namespaced_pod("ns", _pod("bound", node="n")).metadata.uid
+    marked = core.delete_namespaced_pod("bound", "ns", grace_period_seconds=7)
+    assert marked.metadata.deletion_grace_period_seconds == 7
+    assert core.read_namespaced_pod("bound", "ns").metadata.deletion_timestamp is not None
+    with pytest.raises(client.ApiException) as refused:
+        core.delete_namespaced_pod("bound", "ns", body=client.V1DeleteOptions(
+            grace_period_seconds=0, preconditions=client.V1Preconditions(uid="another")))
+    assert refused.value.status == 409
+    core.delete_namespaced_pod("bound", "ns", body=client.V1DeleteOptions(
+        grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)))
+    assert not core.list_namespaced_pod("ns").items
+
+
+def test_an_unbound_pod_goes_at_once(core: client.CoreV1Api) -> None:
+    core.create_namespaced_pod("ns", _pod("unbound"))
+    core.delete_namespaced_pod("unbound", "ns")
+    assert not core.list_namespaced_pod("ns").items
+
+
+def test_lists_select_by_equality_labels(core: client.CoreV1Api) -> None:
+    for name, labels in (("a", {"job": "x", "index": "0"}), ("b", {"job": "x"}),
+                         ("c", {"job": "y"})):
+        core.create_namespaced_pod("ns", _pod(name, labels=labels))
+
+    def names(selector: str) -> list[str]:
+        listed = core.list_namespaced_pod("ns", label_selector=selector).items
+        return sorted(pod.metadata.name for pod in listed)
+
+    assert names("job=x") == ["a", "b"] and names("job!=x") == ["c"]
+    assert names("job=x,index") == ["a"] and names("!index") == ["b", "c"]
+    with pytest.raises(client.ApiException) as refused:
+        names("job in (x, y)")
+    assert refused.value.status == 400
+
+
+def _node(core: client.CoreV1Api, name: str, renewed: datetime) -> None:
+    core.create_node({"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}})
+    core.patch_node_status(name, {"status": {"conditions": [
+        {"type": "Ready", "status": "True", "reason": "KubeletReady"}]}})
+    client.CoordinationV1Api(core.api_client).create_namespaced_lease("kube-node-lease", {
+        "metadata": {"name": name},
+        "spec": {"holderIdentity": name, "renewTime": renewed.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}})
+
+
+def test_the_stand_in_scheduler_spreads_pods_over_schedulable_nodes(
+        core: client.CoreV1Api) -> None:
+    now = datetime.now(UTC)
+    for name in ("node-a", "node-b", "node-c"):
+        _node(core, name, now)
+    core.patch_node("node-c", {"spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]}})
+    for index in range(4):
+        core.create_namespaced_pod("ns", _pod(f"w{index}"))
+    with Scheduler(api=core.api_client, period=0.05):
+        bound = eventually(lambda: all(p.spec.node_name for p in
+                                       core.list_namespaced_pod("ns").items)
+                           and core.list_namespaced_pod("ns").items, what="every pod bound")
+    nodes = sorted(pod.spec.node_name for pod in bound)
+    assert nodes == ["node-a", "node-a", "node-b", "node-b"]
+
+
+def test_the_stand_in_node_lifecycle_taints_a_silent_node_and_untaints_it_when_it_beats(
+        core: client.CoreV1Api) -> None:
+    now = datetime.now(UTC)
+    _node(core, "alive", now)
+    _node(core, "silent", now - timedelta(seconds=60))
+    leases = client.CoordinationV1Api(core.api_client)
+
+    def taints(name: str) -> list[str]:
+        spec = core.read_node(name).spec
+        return [taint.key for taint in (spec.taints or [])] if spec else []
+
+    with NodeLifecycle(api=core.api_client, period=0.05, grace_seconds=5):
+        eventually(lambda: taints("silent") == [UNREACHABLE_TAINT], what="the taint")
+        ready = {c.type: c.status for c in core.read_node("silent").status.conditions}
+        assert ready["Ready"] == "Unknown" and taints("alive") == []
+        renewed = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        leases.patch_namespaced_lease("silent", "kube-node-lease",
+                                      {"spec": {"renewTime": renewed}})
+        eventually(lambda: taints("silent") == [], what="the taint to go")
