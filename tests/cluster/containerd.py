@@ -131,6 +131,9 @@ class ContainerSpec:
     mounts: Sequence[Mount] = ()
     network_namespace: str | None = None
     hostname: str | None = None
+    # Both streams interleaved into this file, as the kubelet's container log; None: the
+    # files stdout and stderr in the container's folder.
+    log_path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -217,13 +220,25 @@ class Container:
 
     @property
     def stdout(self) -> str:
-        """What the container wrote to stdout so far."""
-        return (self.folder / "stdout").read_text(errors="replace")
+        """What the container wrote to stdout so far (both streams, with a `log_path`)."""
+        return (self.spec.log_path or self.folder / "stdout").read_text(errors="replace")
 
     @property
     def stderr(self) -> str:
         """What the container wrote to stderr so far, and ctr's own errors."""
-        return (self.folder / "stderr").read_text(errors="replace")
+        return (self.spec.log_path or self.folder / "stderr").read_text(errors="replace")
+
+    def pids(self) -> list[int]:
+        """The host pids of the container's processes, its main process first."""
+        found: list[int] = []
+        below = Path(self.runtime.cgroup_parent, self.id, "cgroup.procs")
+        # cgroup v1 (and hybrid): in each controller's hierarchy; v2: at the top
+        for procs in [*sorted(CGROUP_ROOT.glob(f"*/{below}")), CGROUP_ROOT / below]:
+            with contextlib.suppress(OSError):
+                found = [int(pid) for pid in procs.read_text().split()]
+            if found:
+                break
+        return sorted(found, key=_started_at)
 
     @property
     def running(self) -> bool:
@@ -495,8 +510,13 @@ class Runtime:
         cmd = [*self._ctr_base(), "run", "--config", str(folder / "config.json"),
                "--fifo-dir", str(self.run_dir / "fifo"), "--runc-root", str(self.run_dir / "runc"),
                spec.name]
-        with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        if spec.log_path is not None:
+            with open(spec.log_path, "ab") as log:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT)
+        else:
+            with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
         container = Container(self, spec, folder, rootfs, snapshot, proc)
         self.containers[spec.name] = container
         if not self._events.wait_for("start", spec.name, timeout=30):
@@ -677,3 +697,12 @@ def _pids_with_arg(arg: str) -> list[int]:
         if arg.encode() in argv:
             pids.append(int(entry.name))
     return pids
+
+
+def _started_at(pid: int) -> int:
+    """A process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 1 << 62
+    return int(stat.rsplit(")", 1)[1].split()[19])

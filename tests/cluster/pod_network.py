@@ -1,34 +1,45 @@
-"""The pod network of the node agent: a Linux bridge and one network namespace per pod.
+"""The pod network of the node agent: a CNI bridge and one network namespace per pod.
 
 What it does as a cluster's network does: every pod gets its own IP on one flat
 private network (a /24 of 10.244.0.0/16, used only inside this machine), its own
 loopback and its own ports, so every worker listens on the same rendezvous and
 metrics ports; the host (the operator, the S3 server) and every pod reach every pod
-at its IP, and pods reach the host at the bridge's address (the "gateway").
+at its IP, and pods reach the host at the bridge's address (the "gateway"). Each pod's
+interface is made by Debian's CNI plugins (containernetworking-plugins: `bridge` with
+`host-local` IPAM, and `loopback`), called as a container runtime calls them (ADD on
+start, DEL on teardown, the network configuration on stdin).
 
-What it does not: no CNI plugin, no kube-proxy, no Service IPs, no DNS server (the
-agent writes the pods' names into an /etc/hosts of its own, see node_agent), no
-NetworkPolicy, no traffic leaving the machine (no NAT, no forwarding to other
-interfaces). All nodes of one agent share the bridge: a flat pod network, as
-CNIs without overlay give.
+The bridge has `isGateway: false` and the pods get no default route: the bridge and
+its address are made here beforehand, so the plugin never switches on
+net.ipv4.ip_forward, and a pod can reach nothing but the bridge's subnet: nothing in a
+pod reaches beyond this machine.
+
+What it does not: no kube-proxy, no Service IPs, no NetworkPolicy, no NAT. All nodes
+of one agent share the bridge: a flat pod network, as CNIs without overlay give.
 
 Why namespaces on a bridge and not, say, one loopback address per pod: torchrun
 binds its rendezvous store and each trainer its metrics port on all addresses, so
 two pods in one network namespace would collide on the ports; a namespace and a
 veth pair cost a few milliseconds and no CPU while idle, which suits 2 cores.
-Needs root (CAP_NET_ADMIN) and iproute2.
+Needs root (CAP_NET_ADMIN), iproute2 and containernetworking-plugins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import json
 import os
 import re
+import shutil
 import subprocess
-import threading
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 NETNS_DIR = "/run/netns"
+CNI_PATH = "/usr/lib/cni"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -43,19 +54,19 @@ def _used_subnets() -> set[str]:
 
 @dataclass
 class PodNetwork:
-    """One bridge with a /24 of its own; hands out pod IPs and builds pod namespaces.
+    """One bridge with a /24 of its own; builds pod namespaces and their CNI interfaces.
 
-    `tag` (a few characters) makes the bridge, namespace and veth names unique, so
-    several agents on one machine (other test sessions) do not collide.
+    `tag` (a few characters) makes the bridge and namespace names unique, so several
+    agents on one machine (other test sessions) do not collide. `state` is the folder
+    of the IPAM plugin's leases.
     """
 
     tag: str
+    state: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kt-cni-")))
     bridge: str = ""
     subnet: ipaddress.IPv4Network = field(
         default_factory=lambda: ipaddress.IPv4Network("10.244.0.0/24"))
-    _free: list[str] = field(default_factory=list)
     _namespaces: set[str] = field(default_factory=set)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def gateway(self) -> str:
@@ -64,6 +75,11 @@ class PodNetwork:
 
     def create(self) -> None:
         """Create the bridge with the gateway address; pick a /24 no interface uses."""
+        missing = [plugin for plugin in ("bridge", "host-local", "loopback")
+                   if not os.access(os.path.join(CNI_PATH, plugin), os.X_OK)]
+        if missing:
+            raise RuntimeError(f"no CNI plugin {', '.join(missing)} in {CNI_PATH}: "
+                               "apt-get install containernetworking-plugins")
         used = _used_subnets()
         number = next(n for n in range(10, 250) if f"10.244.{n}.0/24" not in used)
         self.subnet = ipaddress.IPv4Network(f"10.244.{number}.0/24")
@@ -71,44 +87,54 @@ class PodNetwork:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        self._free = [str(host) for host in list(self.subnet.hosts())[1:]]
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "cniVersion": "0.4.0", "name": f"kt-{self.tag}", "type": "bridge",
+            "bridge": self.bridge, "isGateway": False, "ipMasq": False, "hairpinMode": True,
+            "ipam": {"type": "host-local", "dataDir": str(self.state / "ipam"),
+                     "ranges": [[{"subnet": str(self.subnet), "gateway": self.gateway}]],
+                     "routes": []},
+        }
+
+    def _cni(self, plugin: str, command: str, namespace: str, config: dict[str, Any],
+             interface: str) -> dict[str, Any]:
+        env = {"CNI_COMMAND": command, "CNI_CONTAINERID": namespace,
+               "CNI_NETNS": self.namespace_path(namespace), "CNI_IFNAME": interface,
+               "CNI_PATH": CNI_PATH, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        result = subprocess.run([os.path.join(CNI_PATH, plugin)], input=json.dumps(config),
+                                env=env, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"CNI {plugin} {command} for {namespace} failed: "
+                               f"{result.stdout}{result.stderr}")
+        return json.loads(result.stdout) if result.stdout.strip() else {}
 
     def add_pod(self, key: str) -> tuple[str, str]:
-        """A namespace `kt<tag>-<key>` with a veth on the bridge; returns (namespace, IP)."""
-        with self._lock:
-            address = self._free.pop(0)
-        index = address.rsplit(".", 1)[1]
+        """A namespace `kt<tag>-<key>` with eth0 on the bridge; returns (namespace, IP)."""
         namespace = f"kt{self.tag}-{key}"
-        host_end, pod_end = f"kv{self.tag}{index}h"[:15], f"kv{self.tag}{index}p"[:15]
         _ip("netns", "add", namespace)
         self._namespaces.add(namespace)
-        _ip("link", "add", host_end, "type", "veth", "peer", "name", pod_end)
-        _ip("link", "set", host_end, "master", self.bridge)
-        _ip("link", "set", host_end, "up")
-        _ip("link", "set", pod_end, "netns", namespace)
-        inside = ["-n", namespace]
-        _ip(*inside, "link", "set", "lo", "up")
-        _ip(*inside, "link", "set", pod_end, "name", "eth0")
-        _ip(*inside, "addr", "add", f"{address}/24", "dev", "eth0")
-        _ip(*inside, "link", "set", "eth0", "up")
-        _ip(*inside, "route", "add", "default", "via", self.gateway)
+        self._cni("loopback", "ADD", namespace,
+                  {"cniVersion": "0.4.0", "name": "lo", "type": "loopback"}, "lo")
+        added = self._cni("bridge", "ADD", namespace, self._config(), "eth0")
+        address = added["ips"][0]["address"].split("/")[0]
         return namespace, address
 
-    def remove_pod(self, namespace: str, address: str) -> None:
-        """Delete the namespace (its veth pair goes with it) and free the IP."""
+    def remove_pod(self, namespace: str, address: str = "") -> None:
+        """CNI DEL (the IP goes back to the pool), then delete the namespace."""
         if namespace in self._namespaces:
+            with contextlib.suppress(RuntimeError):
+                self._cni("bridge", "DEL", namespace, self._config(), "eth0")
             _ip("netns", "delete", namespace, check=False)
             self._namespaces.discard(namespace)
-            with self._lock:
-                self._free.append(address)
 
     def destroy(self) -> None:
-        """Delete every namespace this network made, then the bridge."""
+        """Remove every pod this network made, then the bridge and the IPAM state."""
         for namespace in list(self._namespaces):
-            _ip("netns", "delete", namespace, check=False)
-        self._namespaces.clear()
+            self.remove_pod(namespace)
         if self.bridge:
             _ip("link", "delete", self.bridge, check=False)
+        shutil.rmtree(self.state, ignore_errors=True)
 
     @staticmethod
     def namespace_path(namespace: str) -> str:
