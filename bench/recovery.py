@@ -1,8 +1,9 @@
 """Whole-loop recovery: seconds from a fault until training advances, steps redone, goodput.
 
 Runs the whole loop of tests/e2e/test_whole_loop.py on this machine (kmock's emulator
-with the stand-in scheduler and node lifecycle controller of tests/cluster; the operator
-as a process; the node agent running the pods; moto's S3 over HTTP) and, for the same
+with the stand-in scheduler and node lifecycle controller of tests/cluster; the operator's
+pod and the workers' pods as containers of the images built by images/offline, run by
+the node agent in containerd; moto's S3 over HTTP) and, for the same
 2-worker `tiny` job (60 steps, a checkpoint every 4):
 
 - none: an uninterrupted run, the baseline;
@@ -15,10 +16,14 @@ For each it prints the seconds from the fault until rank 0 prints a step after
 resuming (goal for b: ≤ 60 s), the steps redone, and the goodput: the time of the
 steps kept (each step's own duration, as rank 0 printed it, last run of each step)
 over the wall time from `kubectl apply` to Succeeded; also the ratio of that goodput
-to the uninterrupted run's, and the operator's own status.goodput.ratio.
+to the uninterrupted run's, and the operator's own status.goodput.ratio. The container
+kill is also broken down (goal: ≤ 15 s from the kill to the next step): the node agent
+reports the pod Failed, the operator deletes it, the pod is gone, its replacement is
+created, its container started, rank 0 resumed (rendezvous and checkpoint load done),
+and the first step after it.
 
-Run: `.venv/bin/python bench/recovery.py` (as root: the node agent makes network
-namespaces; about 4 minutes on 2 cores).
+Run: `.venv/bin/python bench/recovery.py` (as root: containers and network namespaces;
+builds the images first if they are not cached; about 5 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "tests" / "e2e")]
+sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "tests" / "e2e"),
+                str(REPO / "images" / "offline")]
 
 import test_whole_loop as loop  # noqa: E402
+from build_images import build_images  # noqa: E402
 from controllers import NodeLifecycle, Scheduler  # noqa: E402
 from emulator import EmulatedCluster  # noqa: E402
 
@@ -60,6 +67,41 @@ def _lose_node(cluster: loop.Cluster, name: str) -> None:
     cluster.agent.lose_node(worker["spec"]["nodeName"])
 
 
+# The container-kill path, stage by stage: each is the first moment its check holds.
+STAGES = ("failure seen", "pod deleting", "pod deleted", "pod created", "container started",
+          "resumed", "first step")
+
+
+def _container_kill_stages(cluster: loop.Cluster, name: str, old_uid: str,
+                           faulted: float) -> dict[str, float]:
+    """Seconds from the fault to each of STAGES, polling the API and rank 0's log."""
+    worker = f"{name}-worker-1"
+    seen: dict[str, float] = {}
+    deadline = faulted + 300
+    while "first step" not in seen and time.monotonic() < deadline:
+        pods = {pod["metadata"]["name"]: pod for pod in cluster.pods(name)}
+        pod = pods.get(worker)
+        uid = pod["metadata"]["uid"] if pod else None
+        phase = (pod or {}).get("status", {}).get("phase")
+        lines = cluster.trainer_lines(name)
+        resumed = [i for i, line in enumerate(lines) if line.startswith("resumed from ")]
+        checks = {
+            "failure seen": uid != old_uid or phase == "Failed",
+            "pod deleting": uid != old_uid or bool(pod["metadata"].get("deletionTimestamp")),
+            "pod deleted": uid != old_uid,
+            "pod created": uid not in (None, old_uid),
+            "container started": uid not in (None, old_uid) and phase == "Running",
+            "resumed": bool(resumed),
+            "first step": bool(resumed) and bool(loop._steps_printed(lines[resumed[-1]:])),
+        }
+        now = time.monotonic() - faulted
+        for stage in STAGES:
+            if checks[stage] and stage not in seen:
+                seen[stage] = now
+        time.sleep(0.05)
+    return seen
+
+
 def _kept_step_seconds(lines: list[str]) -> float:
     """The duration of each step as rank 0 printed it, the last time it ran."""
     kept: dict[int, float] = {}
@@ -69,16 +111,23 @@ def _kept_step_seconds(lines: list[str]) -> float:
     return sum(kept.values())
 
 
-def run(cluster: loop.Cluster, name: str,
-        fault: Callable[[loop.Cluster, str], None] | None) -> dict[str, float]:
-    """One job, with `fault` at step FAULT_AT; its recovery figures."""
+def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], None] | None,
+        stages: dict[str, float] | None = None) -> dict[str, float]:
+    """One job, with `fault` at step FAULT_AT; its recovery figures.
+
+    With `stages`, the fault is a container kill and its path is timed into it.
+    """
     started = time.monotonic()
     cluster.apply(loop.training_job(name, cluster.s3, optimization={"maxSteps": STEPS}))
     recovery = redone = 0.0
     if fault is not None:
         loop._wait_for_printed_step(cluster, name, FAULT_AT)
+        old_uid = next(pod["metadata"]["uid"] for pod in cluster.pods(name)
+                       if pod["metadata"]["name"].endswith("-1"))
         fault(cluster, name)
         faulted = time.monotonic()
+        if stages is not None:
+            stages.update(_container_kill_stages(cluster, name, old_uid, faulted))
         cluster.wait_for("training to advance again",
                          lambda: loop._advanced_after_resume(cluster.trainer_lines(name)), 300,
                          every=0.1)
@@ -103,8 +152,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kubetrain-recovery-") as folder, \
             EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
             NodeLifecycle(api=api.api_client()), \
-            loop.whole_loop(api, Path(folder) / "loop") as cluster:
-        results = {label: run(cluster, f"bench-{label}", fault) for label, fault in
+            loop.whole_loop(api, Path(folder) / "loop", build_images()) as cluster:
+        stages: dict[str, float] = {}
+        results = {label: run(cluster, f"bench-{label}", fault,
+                              stages if label == "b-pod" else None) for label, fault in
                    (("none", None), ("b", _kill_trainer), ("b-pod", _kill_container),
                     ("f", _lose_node))}
     base = results["none"]["goodput"]
@@ -119,6 +170,16 @@ def main() -> None:
         print(f"{names[label]:<38}{figures['recovery']:>15.1f}s{figures['redone']:>8.0f}"
               f"{figures['wall']:>7.0f}s{figures['goodput']:>9.2f}"
               f"{figures['goodput'] / base:>7.2f}{figures['operator_goodput']:>10.2f}")
+
+    print("\nthe container kill, stage by stage (seconds after the kill; each stage's time "
+          "since the one before):")
+    previous = 0.0
+    for stage in STAGES:
+        if stage in stages:
+            print(f"  {stage:<20}{stages[stage]:>7.2f}s{stages[stage] - previous:>+8.2f}s")
+            previous = stages[stage]
+        else:
+            print(f"  {stage:<20}{'not seen':>8}")
 
 
 if __name__ == "__main__":

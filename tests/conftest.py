@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The harnesses that stand in for parts of a cluster (tests/cluster/) import as top-level
-# modules, as tests/operator/harness.py does.
-sys.path.insert(0, str(REPO / "tests" / "cluster"))
+# The harnesses that stand in for parts of a cluster (tests/cluster/) and the offline image
+# build (images/offline/) import as top-level modules, as tests/operator/harness.py does.
+sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "images" / "offline")]
 
 # Tests never reach real AWS: fake credentials, and no metadata-service lookups.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")

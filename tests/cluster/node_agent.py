@@ -1,44 +1,45 @@
-"""A node agent for tests: registers Nodes and runs the pods bound to them as local processes.
+"""A node agent for tests: registers Nodes and runs the pods bound to them.
 
 What it does as a kubelet does:
 - registers each of its Nodes (capacity and allocatable cpu/memory/pods, an
   InternalIP, the Ready condition) and heartbeats through a Lease in
-  `kube-node-lease` every 2 s, so kube-controller-manager's node lifecycle
-  controller sees the node alive, and marks it NotReady when the heartbeats stop;
-- runs each pod that the real kube-scheduler binds to one of its nodes
-  (spec.nodeName): the first container's command and args in its workingDir,
-  with its env (literal values, secretKeyRef / configMapKeyRef read from the
-  API, fieldRef of the downward API) and its ConfigMap, Secret and emptyDir
-  volumes at their mount paths (emptyDir medium Memory is a tmpfs);
-- gives each pod its own network namespace and IP (see `pod_network`), its hostname
-  in a UTS namespace, and an /etc/hosts that names every running pod of the
-  agent as `<hostname>.<subdomain>.<namespace>.svc.cluster.local`,
-  `<hostname>.<subdomain>` and `<hostname>` (what cluster DNS answers for pods
-  behind a headless Service);
+  `kube-node-lease` every 2 s, so the node lifecycle controller sees the node alive,
+  and marks it unreachable when the heartbeats stop;
+- runs each pod bound to one of its nodes (spec.nodeName): the first container's
+  command and args in its workingDir, with its env (literal values, secretKeyRef /
+  configMapKeyRef read from the API, fieldRef of the downward API) and its ConfigMap,
+  Secret and emptyDir volumes at their mount paths (emptyDir medium Memory is a tmpfs;
+  the pod's fsGroup owns the others);
+- with a container runtime (`runtime`, tests/cluster/containerd.py: Debian's containerd
+  and runc), the container runs from the project's own image, imported beforehand
+  (`images`; never pulled): PID 1 of its own PID namespace, as the securityContext's
+  runAsUser/runAsGroup, with a read-only root if asked, its memory limit as a cgroup
+  limit (an OOM kill is reported as reason OOMKilled, exit code 137), the
+  kubelet's /etc/hosts, /etc/resolv.conf and termination log bind-mounted, and names
+  from cluster DNS (tests/cluster/cluster_dns.py) on the pod network's gateway;
+  without one, as a process of this machine from the project's own environment (PATH
+  starts with the running interpreter's bin/), as root, without cgroups;
+- gives each pod its own network namespace and IP on a CNI bridge (see `pod_network`)
+  and its hostname;
 - writes pod status as the kubelet does: Pending (ContainerCreating) → Running
   with podIP, hostIP, conditions and a running container state → Succeeded or
   Failed with the container's exit code (128 + signal when killed) and reason
-  (Completed, Error); restartPolicy Never is the only policy it runs;
+  (Completed, Error, OOMKilled) and the termination log's text as its message;
+  restartPolicy Never is the only policy it runs;
 - on graceful deletion sends SIGTERM to the container's main process, SIGKILL to
   all its processes at deletionTimestamp (the grace period), writes the final
   status, then deletes the pod with grace 0 (uid precondition) to free its name.
 
-What it does not: no image is pulled and no container runtime is used: the
-command runs from the project's own environment (PATH starts with the running
-interpreter's bin/, i.e. the virtualenv, which is what the trainer image
-contains), as root (securityContext is not enforced), without cgroups (resource
-requests and limits are recorded, not enforced). Only the first container runs;
-no init containers, probes, hostPath/PVC volumes, no projected
-(service-account token) volume, ConfigMap updates
-after start, `kubectl logs`/`exec` (the output is in `<workdir>/pods/<uid>/log`),
-no CNI, no kube-proxy, no DNS server (/etc/resolv.conf points at a loopback
-nothing answers, so names outside /etc/hosts fail at once).
+What it does not: only the first container runs; no init containers, probes,
+hostPath/PVC volumes, no projected (service-account token) volume, no ConfigMap
+updates after start, no `kubectl logs`/`exec` (the output is in
+`<workdir>/pods/<uid>/log`), no kube-proxy, no CPU limits.
 
-Each pod's files: its own mount namespace (`unshare --mount`) puts overlays on /etc
-and /dev whose upper layers are in the pod's folder, so `/etc/kubetrain/job.yaml`,
-`/etc/hosts` and the termination log `/dev/termination-log` (its text goes into the
-terminated container state, as the kubelet does) exist only inside the pod: nothing
-is written into the host's /etc or /dev.
+Without a runtime, each pod's files: its own mount namespace (`unshare --mount`)
+puts overlays on /etc and /dev whose upper layers are in the pod's folder, so
+`/etc/kubetrain/job.yaml`, `/etc/hosts` (naming every running pod) and the
+termination log exist only inside the pod: nothing is written into the host's /etc
+or /dev.
 
 Pods are found by listing every 0.5 s rather than by a watch: one small list per
 tick costs little on 2 cores and needs no resume logic.
@@ -55,6 +56,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,8 +64,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from cluster_dns import ClusterDNS
+from containerd import Container, ContainerdError, ContainerSpec, Mount, Runtime
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from kubernetes.utils import parse_quantity
 from pod_network import PodNetwork
 
 log = logging.getLogger("node-agent")
@@ -93,7 +98,7 @@ class PodConfigError(Exception):
 
 @dataclass
 class RunningPod:
-    """One pod this agent started: its process, network namespace and folder."""
+    """One pod this agent started: its container (or process), network namespace and folder."""
 
     uid: str
     namespace: str
@@ -103,8 +108,9 @@ class RunningPod:
     netns: str
     ip: str
     hostnames: list[str]
-    process: subprocess.Popen[bytes]
     started_at: str
+    process: subprocess.Popen[bytes] | None = None  # without a runtime
+    container: Container | None = None  # with one
     term_sent: bool = False
     exit_code: int | None = None
     finished_at: str | None = None
@@ -112,10 +118,14 @@ class RunningPod:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        """The host pid of the container's main process."""
+        return self.processes()[0]
 
     def processes(self) -> list[int]:
-        """The pids of the container: the main process and every descendant."""
+        """The host pids of the container: the main process and every descendant."""
+        if self.container is not None:
+            return self.container.pids()
+        assert self.process is not None
         found = [self.process.pid]
         index = 0
         while index < len(found):
@@ -124,6 +134,18 @@ class RunningPod:
                 found += [int(pid) for pid in children.read_text().split()]
             index += 1
         return found
+
+    def poll(self) -> int | None:
+        """The exit status (128 + N when killed by signal N) once the container has ended."""
+        if self.container is not None:
+            return None if self.container.running else self.container.wait(timeout=10)
+        assert self.process is not None
+        code = self.process.poll()
+        return None if code is None else _exit_code(code)
+
+    @property
+    def oom_killed(self) -> bool:
+        return self.container is not None and self.container.oom_killed
 
 
 @dataclass
@@ -151,6 +173,11 @@ class NodeAgent:
     # whole test session, and other tests leave pods that no kubelet is meant to run.
     namespaces: set[str] | None = None
     network: PodNetwork = field(default_factory=lambda: PodNetwork(uuid.uuid4().hex[:4]))
+    # With a container runtime, pods run as containers of the images in `images` (a pod's
+    # image name → the runtime's imported reference); without one, as processes.
+    runtime: Runtime | None = None
+    images: Mapping[str, str] = field(default_factory=dict)
+    dns: ClusterDNS | None = None
     running: dict[str, RunningPod] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -170,6 +197,8 @@ class NodeAgent:
         # pod's loopback) instead of waiting on the host's resolver it cannot reach.
         self.resolv_file = self.workdir / "resolv.conf"
         self.resolv_file.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        if self.runtime is not None:
+            self.dns = ClusterDNS(self.network.gateway, self._dns_records).start()
         for node in self.nodes:
             self._register(node)
         for target in (self._heartbeat_loop, self._pod_loop):
@@ -189,6 +218,8 @@ class NodeAgent:
                 self._kill(pod)
                 self._teardown(pod)
             self.running.clear()
+        if self.dns is not None:
+            self.dns.stop()
         self.network.destroy()
         for node in self.nodes:
             with contextlib.suppress(ApiException):
@@ -276,7 +307,8 @@ class NodeAgent:
             "addresses": [{"type": "InternalIP", "address": self.network.gateway},
                           {"type": "Hostname", "address": node.name}],
             "nodeInfo": {"kubeletVersion": "v1.36.2-node-agent", "operatingSystem": "linux",
-                         "architecture": "amd64", "containerRuntimeVersion": "process://",
+                         "architecture": "amd64", "containerRuntimeVersion":
+                         "containerd://1.6" if self.runtime is not None else "process://",
                          "kernelVersion": os.uname().release, "osImage": "node-agent",
                          "kubeProxyVersion": "", "machineID": "", "systemUUID": "",
                          "bootID": ""}}})
@@ -345,9 +377,9 @@ class NodeAgent:
 
     def _check(self, running: RunningPod, pod: Any) -> None:
         """Advance one started pod: notice its exit, signal it when deleted, finish deletion."""
-        code = running.process.poll()
+        code = running.poll()
         if code is not None and running.exit_code is None:
-            running.exit_code = _exit_code(code)
+            running.exit_code = code
             running.finished_at = _now()
             self._kill(running)  # stray children die with the container
         deleting = pod.metadata.deletion_timestamp
@@ -403,14 +435,16 @@ class NodeAgent:
         hostnames = self._hostnames(pod)
         running = RunningPod(uid=meta.uid, namespace=meta.namespace, name=meta.name,
                              node=spec.node_name, folder=folder, netns=netns, ip=ip,
-                             hostnames=hostnames, process=None,  # type: ignore[arg-type]
-                             started_at=_now())
+                             hostnames=hostnames, started_at=_now())
         self._write_status(pod, phase="Pending", ip=ip, container_state={
             "waiting": {"reason": "ContainerCreating"}}, ready=False)
         env.setdefault("HOSTNAME", hostnames[-1])
         try:
-            running.process = self._spawn(pod, container, folder, netns, hostnames[-1], env,
-                                          volumes)
+            if self.runtime is not None:
+                running.container = self._run_container(pod, container, running, env, volumes)
+            else:
+                running.process = self._spawn(pod, container, folder, netns, hostnames[-1],
+                                              env, volumes)
         except PodConfigError as error:
             self.network.remove_pod(netns, ip)
             self._write_waiting(pod, "CreateContainerError", str(error))
@@ -442,8 +476,10 @@ class NodeAgent:
 
     def _env(self, pod: Any, container: Any) -> dict[str, str]:
         """The container's environment: the image's, then the pod's own entries in order."""
-        env = {"PATH": f"{IMAGE_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-               **self.image_env}
+        # With a runtime the image defines PATH; a process gets this environment's.
+        env = {} if self.runtime is not None else {
+            "PATH": f"{IMAGE_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+        env.update(self.image_env)
         for entry in container.env or []:
             if entry.value_from is None:
                 env[entry.name] = _expand(entry.value or "", env)
@@ -524,6 +560,10 @@ class NodeAgent:
                     target.write_text(data[key])
             elif volume.empty_dir is not None:
                 tmpfs = volume.empty_dir.medium == "Memory"
+                group = pod.spec.security_context.fs_group if pod.spec.security_context else None
+                if group is not None:  # as the kubelet: the pod's fsGroup owns and may write it
+                    os.chown(source, 0, group)
+                    source.chmod(0o2775)
             elif volume.projected is not None:
                 # The service-account token volume: pods of this agent do not call the API.
                 log.info("pod %s: projected volume %s not mounted", pod.metadata.name, mount.name)
@@ -580,29 +620,90 @@ class NodeAgent:
         finally:
             log_file.close()
 
+    def _run_container(self, pod: Any, container: Any, running: RunningPod,
+                       env: dict[str, str], volumes: list[tuple[str, str, bool]]) -> Container:
+        """Start the pod's container with the runtime, from the image the pod names."""
+        assert self.runtime is not None and self.dns is not None
+        image = self.images.get(container.image or "")
+        if image is None:
+            raise PodConfigError(f"image {container.image!r} is not on this node and is never "
+                                 f"pulled (ErrImageNeverPull); it has {sorted(self.images)}")
+        folder = running.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        # The files the kubelet writes for each pod: hosts, resolv.conf, the termination log.
+        hostname = running.hostnames[-1]
+        hosts = folder / "hosts"
+        hosts.write_text("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                         f"{running.ip}\t{' '.join(running.hostnames)}\n")
+        resolv = folder / "resolv.conf"
+        resolv.write_text(self.dns.resolv_conf(running.namespace))
+        termination_log = folder / "termination-log"
+        termination_log.touch()
+        termination_log.chmod(0o666)  # the container's user writes it, whoever that is
+        mounts = [Mount.bind(hosts, "/etc/hosts", read_only=True),
+                  Mount.bind(resolv, "/etc/resolv.conf", read_only=True),
+                  Mount.bind(termination_log, container.termination_message_path
+                             or "/dev/termination-log")]
+        for source, target, tmpfs in volumes:
+            mounts.append(Mount.tmpfs(target) if tmpfs else Mount.bind(source, target))
+        security = _security(pod, container)
+        limits = (container.resources.limits or {}) if container.resources else {}
+        (folder / "name").write_text(f"{pod.metadata.namespace}/{pod.metadata.name}")
+        argv = [_expand(arg, env) for arg in [*(container.command or []),
+                                               *(container.args or [])]]
+        (folder / "command").write_text(shlex.join(argv) + "\n")
+        spec = ContainerSpec(
+            name=f"{pod.metadata.name}-{pod.metadata.uid[:8]}", image=image,
+            command=[_expand(arg, env) for arg in container.command or []] or None,
+            args=[_expand(arg, env) for arg in container.args or []] or None,
+            env=env, working_dir=container.working_dir,
+            user=security.get("user"), read_only_rootfs=security.get("read_only", False),
+            memory_limit=int(parse_quantity(limits["memory"])) if "memory" in limits else None,
+            mounts=mounts, network_namespace=PodNetwork.namespace_path(running.netns),
+            hostname=hostname, log_path=folder / "log")
+        try:
+            return self.runtime.run(spec)
+        except ContainerdError as error:
+            raise PodConfigError(str(error)) from error
+
+    def _dns_records(self) -> dict[str, str]:
+        """Cluster DNS's A records: each running pod's fully qualified name → its IP."""
+        with self._lock:
+            return {name: pod.ip for pod in self.running.values() if pod.exit_code is None
+                    for name in pod.hostnames if name.endswith(CLUSTER_DOMAIN)}
+
     # ---- stopping a pod ----------------------------------------------------------------
 
     def _signal_main(self, pod: RunningPod, sig: signal.Signals) -> None:
         """As a runtime signals PID 1 of the container: the main process only."""
+        if pod.container is not None:
+            with contextlib.suppress(ContainerdError):
+                pod.container.signal(sig)
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pod.pid, sig)
 
     def _kill(self, pod: RunningPod) -> None:
         """SIGKILL every process of the container (its session), as tearing down a cgroup."""
-        for pid in pod.processes():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pod.pid, signal.SIGKILL)
-        try:
-            code = pod.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            return
-        if pod.exit_code is None:
-            pod.exit_code = _exit_code(code)
+        if pod.container is not None:
+            pod.container.kill()
+        else:
+            assert pod.process is not None
+            for pid in pod.processes():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pod.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (code := pod.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pod.exit_code is None and code is not None:
+            pod.exit_code = code
             pod.finished_at = _now()
 
     def _teardown(self, pod: RunningPod) -> None:
+        if pod.container is not None:
+            pod.container.remove()
         self.network.remove_pod(pod.netns, pod.ip)
         self._write_hosts()
 
@@ -616,7 +717,8 @@ class NodeAgent:
 
     def _write_terminated(self, running: RunningPod, pod: Any) -> None:
         code = running.exit_code or 0
-        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+        reason = "Completed" if code == 0 else "OOMKilled" if running.oom_killed else "Error"
+        terminated = {"exitCode": code, "reason": reason,
                       "startedAt": running.started_at,
                       "finishedAt": running.finished_at or _now()}
         # As the kubelet: the termination log's first 4 KiB, else (FallbackToLogsOnError,
@@ -665,6 +767,20 @@ class NodeAgent:
         except ApiException as error:
             if error.status != 404:
                 raise
+
+
+def _security(pod: Any, container: Any) -> dict[str, Any]:
+    """The user (uid, gid) and read-only root of a container: its securityContext over the pod's."""
+    pod_context, own = pod.spec.security_context, container.security_context
+    uid = (own.run_as_user if own and own.run_as_user is not None
+           else pod_context.run_as_user if pod_context else None)
+    gid = (own.run_as_group if own and own.run_as_group is not None
+           else pod_context.run_as_group if pod_context else None)
+    found: dict[str, Any] = {"read_only": bool(own and own.read_only_root_filesystem)}
+    if uid is not None:
+        # As Kubernetes: without runAsGroup the primary group is root's.
+        found["user"] = (uid, gid if gid is not None else 0)
+    return found
 
 
 def _head(path: Path, limit: int | None) -> str:

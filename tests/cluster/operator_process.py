@@ -174,3 +174,120 @@ class OperatorProcess:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return [line for line in text.splitlines()
                 if "forbidden: User" in line and "cannot" in line]
+
+
+class OperatorPod:
+    """The operator as the chart deploys it: a Pod of the chart's Deployment, run from its image.
+
+    The node agent (with a container runtime) runs it from the operator image built by
+    images/offline: the chart's args, resources (a real memory limit), securityContext
+    (uid 65532, read-only root) and /tmp volume. The test plays the Deployment's
+    ReplicaSet controller: `start()` creates a pod from the rendered template (a new
+    name each time) and waits for its /healthz; `kill()` kills its container with
+    SIGKILL, as an OOM kill or a crash would, and removes the failed pod, so the next
+    `start()` is its replacement.
+
+    The one departure from the chart's pod is how it reaches the API: the node agent
+    projects no service-account token and the emulator serves no TLS, so a Secret with
+    a kubeconfig for the emulator, as the pod network reaches it, is mounted and named
+    by KUBECONFIG.
+    """
+
+    def __init__(self, api: Any, agent: Any, server_url: str, folder: Path,
+                 values: dict[str, Any] | None = None) -> None:
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api)
+        self.agent, self.server_url, self.folder = agent, server_url, folder
+        deployment = next(o for o in render_chart(values or {}) if o["kind"] == "Deployment")
+        self.template: dict[str, Any] = deployment["spec"]["template"]
+        self.image: str = self.template["spec"]["containers"][0]["image"]
+        self.starts = 0
+        self.name = ""
+
+    def __enter__(self) -> OperatorPod:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 90) -> None:
+        """Create the operator's pod and wait until it runs and answers /healthz."""
+        import base64
+        import copy
+
+        self.starts += 1
+        self.name = f"{RELEASE}-operator-{self.starts}"
+        if self.starts == 1:
+            from emulator import write_kubeconfig
+
+            kubeconfig = write_kubeconfig(self.folder / "operator.kubeconfig", self.server_url)
+            self.core.create_namespaced_secret(RELEASE_NAMESPACE, {
+                "metadata": {"name": "operator-kubeconfig"},
+                "data": {"kubeconfig": base64.b64encode(kubeconfig.read_bytes()).decode()}})
+        spec = copy.deepcopy(self.template["spec"])
+        container = spec["containers"][0]
+        container.setdefault("env", []).append(
+            {"name": "KUBECONFIG", "value": "/var/run/kubetrain/kubeconfig"})
+        container.setdefault("volumeMounts", []).append(
+            {"name": "kubeconfig", "mountPath": "/var/run/kubetrain", "readOnly": True})
+        spec.setdefault("volumes", []).append(
+            {"name": "kubeconfig", "secret": {"secretName": "operator-kubeconfig"}})
+        self.core.create_namespaced_pod(RELEASE_NAMESPACE, {
+            "metadata": {"name": self.name, "labels": self.template["metadata"]["labels"]},
+            "spec": spec})
+        self._wait_healthy(timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import urllib.request
+
+        port = next(p["containerPort"] for p in self.template["spec"]["containers"][0]["ports"]
+                    if p["name"] == "health")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pod = self.core.read_namespaced_pod(self.name, RELEASE_NAMESPACE)
+            if pod.status and pod.status.phase in ("Succeeded", "Failed"):
+                raise AssertionError(f"the operator's pod ended {pod.status.phase}:\n"
+                                     f"{self.log_tail()}")
+            if pod.status and pod.status.pod_ip:
+                try:
+                    with urllib.request.urlopen(
+                            f"http://{pod.status.pod_ip}:{port}/healthz", timeout=2):
+                        return
+                except OSError:
+                    pass
+            time.sleep(0.3)
+        raise AssertionError(f"the operator's pod did not answer /healthz in {timeout:.0f}s:\n"
+                             f"{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL of the operator's container; the failed pod is removed (the ReplicaSet)."""
+        running = self.agent.pod(self.name, RELEASE_NAMESPACE)
+        running.container.kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pod = self.core.read_namespaced_pod(self.name, RELEASE_NAMESPACE)
+            if pod.status and pod.status.phase == "Failed":
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the operator's killed pod was not reported Failed")
+        self.core.delete_namespaced_pod(self.name, RELEASE_NAMESPACE, grace_period_seconds=0)
+
+    def stop(self) -> None:
+        """Delete the pod gracefully (SIGTERM, as a rollout or scale-down does)."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.core.delete_namespaced_pod(self.name, RELEASE_NAMESPACE)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last lines the current operator pod printed."""
+        logs = [log for log in (self.agent.workdir / "pods").glob("*/log")
+                if (log.parent / "name").read_text() == f"{RELEASE_NAMESPACE}/{self.name}"]
+        text = logs[0].read_text(errors="replace") if logs else ""
+        return "\n".join(text.splitlines()[-lines:])

@@ -2,19 +2,21 @@
 
 The API server is kmock's emulator (tests/cluster/emulator.py) with the stand-in
 scheduler and node lifecycle controller (tests/cluster/controllers.py); everything
-else is the real part: `kubetrain operator` in its own process, as the chart runs it;
+else is the real part: the operator's pod, made from the chart's Deployment and run from
+the operator image (tests/cluster/operator_process.py: OperatorPod);
 moto's S3 server over HTTP, bound on the pod network's gateway so the pods reach it;
 data prepared with `kubetrain prepare` into it; and the node agent
-(tests/cluster/node_agent.py), which runs the pods bound to its two nodes as processes
-of this machine: torchrun and the trainer from the project's own environment, each pod
-in its own network namespace with its own IP.
+(tests/cluster/node_agent.py), which runs the pods bound to its two nodes as containers
+of the images the project builds (images/offline), in Debian's containerd and runc:
+torchrun as PID 1, the trainer as uid 1000, memory limits as cgroup limits, each pod on
+a CNI bridge with its own IP, names from cluster DNS.
 
 Each scenario reads as a user's story: apply a TrainingJob, watch its `kubectl get tj`
 columns (computed from the CRD's printer columns, as the API server prints them),
 break something, watch it recover, check the outcome in S3. The training is tiny (the
 `tiny` preset, 64-token sequences, tens of steps, one process per worker and one CPU
 thread each) so that the scenarios fit CI's 2 cores. The node agent needs root
-(network and mount namespaces).
+(containers, network namespaces).
 
 Scenario b kills worker 1 twice in one run. First its trainer alone (kill -9): the
 design's first line of recovery, torchrun (PET_MAX_RESTARTS) restarts both pods'
@@ -36,7 +38,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
@@ -45,10 +47,13 @@ from typing import Any
 
 import pytest
 import yaml
+from build_images import BuiltImage, build_images
+from containerd import Runtime
 from emulator import EmulatedCluster
 from kubernetes import client
+from machine_state import left_behind, snapshot
 from node_agent import NodeAgent
-from operator_process import OperatorProcess
+from operator_process import RELEASE_NAMESPACE, OperatorPod
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -59,6 +64,9 @@ EVERY = 4
 CORPUS = "s3://datasets/corpus"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "whole-loop", "AWS_SECRET_ACCESS_KEY": "whole-loop-secret"}
 GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
+# What the jobs name as their image: the node has the trainer image built from this tree
+# under that name (it is never pulled).
+TRAINER_IMAGE = "ghcr.io/kubetrain/trainer:dev"
 
 
 @dataclass
@@ -95,7 +103,7 @@ class Cluster:
 
     api: EmulatedCluster
     agent: NodeAgent
-    operator: OperatorProcess
+    operator: OperatorPod
     s3: str
     folder: Path
     rows: dict[str, list[Row]] = field(default_factory=dict)
@@ -222,7 +230,7 @@ class Cluster:
 def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
     """A 2-worker `tiny` job on the prepared corpus: 24 steps, a checkpoint every 4."""
     spec: dict[str, Any] = {
-        "image": "ghcr.io/kubetrain/trainer:dev",
+        "image": TRAINER_IMAGE,
         "workers": {"replicas": 2},
         "model": {"preset": "tiny"},
         "data": {"train": f"{CORPUS}/train", "seqLen": 64},
@@ -244,46 +252,60 @@ def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def whole_loop(api: EmulatedCluster, folder: Path) -> Iterator[Cluster]:
+def whole_loop(api: EmulatedCluster, folder: Path,
+               images: Mapping[str, BuiltImage]) -> Iterator[Cluster]:
     """Nodes, S3 with the prepared corpus, the operator: everything a user's job needs.
 
-    On `api`, a running emulated cluster with its stand-in controllers; files under `folder`.
+    On `api`, a running emulated cluster with its stand-in controllers; the pods run as
+    containers of `images` (built by images/offline) in a containerd of their own; files
+    under `folder`.
     """
     import boto3
     from moto.server import ThreadedMotoServer
 
-    agent = NodeAgent(api.api_client(), folder / "agent", namespaces={NAMESPACE},
-                      image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                                 "TOKENIZERS_PARALLELISM": "false",
-                                 # The "image" is this test run's environment, sources included.
-                                 **{key: os.environ[key] for key in ("PYTHONPATH",)
-                                    if key in os.environ}})
-    with agent:
-        # Bound on the pod network's gateway: the pods reach it there, and so does the host.
-        server = ThreadedMotoServer(ip_address=agent.network.gateway, port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            s3 = f"http://{host}:{port}"
-            _prepare_corpus(s3, folder, boto3)
-            core = client.CoreV1Api(api.api_client())
-            core.create_namespaced_secret(NAMESPACE, {
-                "metadata": {"name": "s3-credentials"}, "type": "Opaque",
-                "data": {key: base64.b64encode(value.encode()).decode()
-                         for key, value in CREDENTIALS.items()}})
-            with OperatorProcess(api.kubeconfig, folder / "operator.log",
-                                 namespaces=(NAMESPACE,)) as operator:
-                yield Cluster(api, agent, operator, s3, folder)
-        finally:
-            server.stop()
+    runtime = Runtime.start(folder / "containerd")
+    try:
+        trainer = runtime.import_image(images["trainer"].archive)
+        operator_image = runtime.import_image(images["operator"].archive)
+        agent = NodeAgent(api.api_client(), folder / "agent",
+                          namespaces={NAMESPACE, RELEASE_NAMESPACE}, runtime=runtime,
+                          images={TRAINER_IMAGE: trainer},
+                          # Several trainers share 2 cores: one thread each.
+                          image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                     "TOKENIZERS_PARALLELISM": "false"})
+        with agent:
+            # Bound on the pod network's gateway: the pods reach it there, and so does the host.
+            server = ThreadedMotoServer(ip_address=agent.network.gateway, port=0, verbose=False)
+            server.start()
+            try:
+                host, port = server.get_host_and_port()
+                s3 = f"http://{host}:{port}"
+                _prepare_corpus(s3, folder, boto3)
+                core = client.CoreV1Api(api.api_client())
+                core.create_namespaced_secret(NAMESPACE, {
+                    "metadata": {"name": "s3-credentials"}, "type": "Opaque",
+                    "data": {key: base64.b64encode(value.encode()).decode()
+                             for key, value in CREDENTIALS.items()}})
+                # The operator's pod reaches the API on the pod network's gateway.
+                url = api.serve_on(agent.network.gateway)
+                operator = OperatorPod(api.api_client(), agent, url, folder,
+                                       values={"resyncSeconds": 1})
+                agent.images = {**agent.images, operator.image: operator_image}
+                with operator:
+                    yield Cluster(api, agent, operator, s3, folder)
+            finally:
+                server.stop()
+    finally:
+        runtime.stop()
 
 
 def _missing_host_support() -> str | None:
     """Why this machine cannot run the node agent's pods, or None."""
     if os.geteuid() != 0:
-        return "the node agent needs root (network and mount namespaces)"
-    missing = [tool for tool in ("ip", "unshare", "nsenter", "mount") if not shutil.which(tool)]
-    return f"the node agent needs {', '.join(missing)} (iproute2, util-linux)" if missing else None
+        return "the node agent needs root (containers, network namespaces)"
+    missing = [tool for tool in ("ip", "containerd", "runc") if not shutil.which(tool)]
+    return (f"the node agent needs {', '.join(missing)}: `make images` installs them"
+            if missing else None)
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +317,17 @@ def cluster(emulated_cluster: EmulatedCluster,
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI needs the whole loop: {reason}", pytrace=False)
         pytest.skip(reason)
-    with whole_loop(emulated_cluster, tmp_path_factory.mktemp("whole-loop")) as running:
+    images = build_images(("operator", "trainer"), log=lambda line: print(line, flush=True))
+    folder = tmp_path_factory.mktemp("whole-loop")
+    before = snapshot()
+    with whole_loop(emulated_cluster, folder, images) as running:
+        mine = [str(folder), running.agent.network.bridge, f"kt{running.agent.network.tag}-",
+                running.agent.runtime.cgroup_parent if running.agent.runtime else folder.name]
         yield running
+    # Everything the node agent, its containers and the pod network changed is undone,
+    # whatever the scenarios did (this runs after a failed one too).
+    left = left_behind(before, snapshot(), mine)
+    assert not left, "the whole loop left this on the machine:\n" + "\n".join(left)
 
 
 def _prepare_corpus(s3: str, folder: Path, boto3: Any) -> None:
@@ -516,7 +547,6 @@ def test_operator_killed_and_restarted_mid_run_recreates_no_pod_and_status_conve
     assert job["status"].get("restarts", 0) == 0
     assert not any(line.startswith("resumed from ") for line in cluster.trainer_lines(name))
     assert f"finished at step {steps}: max_steps" in cluster.trainer_lines(name)
-    assert not cluster.operator.denied_requests(), cluster.operator.denied_requests()
     cluster.delete(name)
 
 
@@ -642,3 +672,85 @@ def test_node_loss_replaces_its_pods_on_the_other_node_and_the_job_succeeds(
     step, redone = _resume_and_redone(cluster.trainer_lines(name))
     assert 0 <= redone <= EVERY, (step, redone)
     cluster.delete(name)
+
+
+def test_a_worker_over_its_memory_limit_ends_oom_killed_and_status_and_events_say_so(
+        cluster: Cluster) -> None:
+    name = "oom"
+    # 160 MiB: less than torchrun needs once it has imported torch, so the kernel's OOM
+    # killer ends the container's main process.
+    cluster.apply(training_job(name, cluster.s3,
+                               workers={"replicas": 1, "minReplicas": 1, "maxReplicas": 1,
+                                        "resources": {"limits": {"memory": "160Mi"}}},
+                               runPolicy={"maxRestarts": 0}))
+    cluster.wait_for_phase(name, "Failed", timeout=120)
+
+    job = cluster.job(name)
+    events = cluster.events(name)
+    print(f"status.lastFailure: {job['status'].get('lastFailure')}")
+    assert "oom-worker-0 exited with code 137 (OOMKilled)" in job["status"]["lastFailure"]
+    # With no restart left, the failure is the MaxRestartsExceeded event's.
+    assert "oom-worker-0 exited with code 137 (OOMKilled)" in events, events
+    assert "MaxRestartsExceeded" in events, events
+    cluster.delete(name)
+
+
+# A DataLoader whose two workers each hand over 96 MiB tensors: they pass through shared
+# memory, more than the 64 MiB a container's /dev/shm has by default. A worker that
+# cannot write its batch there fails in a background thread, so the loader waits at most
+# 30 s for it and then raises.
+BIG_BATCHES = """
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class Big(Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, index):
+        return torch.full((24 << 20,), float(index))
+
+for batch in DataLoader(Big(), batch_size=None, num_workers=2, timeout=30):
+    assert batch.numel() == 24 << 20
+print("all batches arrived")
+"""
+
+
+def test_dataloader_workers_share_more_than_64_mib_through_our_dev_shm_and_fail_without_it(
+        cluster: Cluster) -> None:
+    name = "shm"
+    cluster.apply(training_job(name, cluster.s3))
+    pods = cluster.wait_for("the operator's worker pods", lambda: cluster.pods(name), 60)
+    # The operator's worker pod, as it made it, running the loader instead of torchrun;
+    # and the same without the operator's /dev/shm volume, as a hand-written pod has it.
+    spec = pods[0]["spec"]
+    for key in ("nodeName", "hostname", "subdomain"):
+        spec.pop(key, None)
+    container = spec["containers"][0]
+    container["command"], container["args"] = ["python", "-c", BIG_BATCHES], []
+    without = json.loads(json.dumps(spec))
+    without["containers"][0]["volumeMounts"] = [
+        mount for mount in container["volumeMounts"] if mount["mountPath"] != "/dev/shm"]
+    for pod, pod_spec in ((f"{name}-ours", spec), (f"{name}-default", without)):
+        cluster.core.create_namespaced_pod(NAMESPACE, {"metadata": {"name": pod},
+                                                       "spec": pod_spec})
+
+    def finished(pod: str) -> dict[str, Any] | None:
+        status = cluster.core.read_namespaced_pod(pod, NAMESPACE).status
+        if status is None or status.phase not in ("Succeeded", "Failed"):
+            return None
+        return dict(client.ApiClient().sanitize_for_serialization(status))
+
+    ours = cluster.wait_for("the pod with our /dev/shm to end",
+                            lambda: finished(f"{name}-ours"), 180)
+    default = cluster.wait_for("the pod with the runtime's /dev/shm to end",
+                               lambda: finished(f"{name}-default"), 180)
+    log = cluster.agent.logs(30)
+    for pod in (f"{name}-ours", f"{name}-default"):
+        cluster.core.delete_namespaced_pod(pod, NAMESPACE)
+    cluster.delete(name)  # its ConfigMap, mounted by both pods, stays until then
+    print(f"with the operator's /dev/shm: {ours['phase']}; with the runtime's 64 MiB: "
+          f"{default['phase']}")
+    assert ours["phase"] == "Succeeded", ours
+    assert default["phase"] == "Failed", default
+    assert "all batches arrived" in log
+    assert "unable to allocate shared memory" in log, log

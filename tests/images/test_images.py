@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 from build_images import BuiltImage, build_images
 from containerd import ContainerSpec, Mount, Runtime
+from machine_state import left_behind, snapshot
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0,
     reason="building images (mmdebstrap, buildah) and running containerd need root")
 
-MACHINE_STATE = Path(__file__).resolve().parents[1] / "cluster" / "machine_state.sh"
 MiB = 1 << 20
 
 
@@ -184,64 +184,6 @@ def test_a_container_joins_an_existing_network_namespace(
         subprocess.run(["ip", "netns", "delete", netns], check=False)
 
 
-# Lines of machine_state.sh that other tests running at the same time change (`make test`
-# runs two pytest workers, and the e2e tests run pods in runtimes of their own), by
-# section: network namespaces and the pod networks' bridges and veths (ktbr*, kv*, veth*,
-# cni*) with their addresses and routes; mounts of other tests' temporary folders and of
-# a concurrent image build; other runtimes' cgroup parents (kt-<tag>) and shim sockets
-# (/run/containerd/s/<hash>), and /run/containerd itself while another runtime has one
-# there; buildah's blob cache; the process counts of other containerds. This runtime's
-# own lines are never ignored (its folder, its cgroup parent, its shims' sockets), and its
-# processes are checked directly; every other line must be the same before and after.
-OTHERS = {
-    "netns": r"",
-    "links": r"^(ktbr|kv|veth|cni)",
-    "addresses": r"^(ktbr|kv|veth|cni)",
-    "routes": r" dev (ktbr|kv|veth|cni)\S* ",
-    "mounts": r"^/run/netns/|^/tmp/|/kubetrain/images/work-",
-    "cgroups": r"/kt-[0-9a-f]{8}$",
-    "fixed folders": r"^/run/netns|^/var/lib/containers|^/run/containerd/s/[0-9a-f]{64}$",
-    "/run": r"^netns$",
-    "processes": r"^\s*\d+ (containerd|containerd-shim\S*|runc)$",
-}
-SHARED_RUN = {"fixed folders: /run/containerd", "fixed folders: /run/containerd/s",
-              "/run: containerd"}
-
-
-def _machine_state() -> list[str]:
-    """machine_state.sh's lines, each as "SECTION: LINE"."""
-    # (its exit status is grep's last count: 1 when no DNS helper runs)
-    out = subprocess.run(["bash", str(MACHINE_STATE)], capture_output=True, text=True,
-                         check=False).stdout
-    assert "## processes" in out, f"{MACHINE_STATE} did not run to its end:\n{out[-2000:]}"
-    section, lines = "", []
-    for line in out.splitlines():
-        if line.startswith("## "):
-            section = line[3:].split(" (")[0]
-        else:
-            lines.append(f"{section}: {line}")
-    return lines
-
-
-def _left_behind(before: list[str], after: list[str], mine: list[str]) -> list[str]:
-    """The lines that changed, less those other tests explain (OTHERS), unless they name
-    something in MINE."""
-    changed = [f"- {line}" for line in before if line not in after]
-    changed += [f"+ {line}" for line in after if line not in before]
-    other_shims = any(line.startswith("fixed folders: /run/containerd/s/")
-                      and not any(m in line for m in mine) for line in before + after)
-
-    def explained(line: str) -> bool:
-        if any(m in line for m in mine):
-            return False
-        if line in SHARED_RUN:
-            return other_shims
-        section, _, rest = line.partition(": ")
-        return section in OTHERS and re.search(OTHERS[section], rest) is not None
-
-    return [line for line in changed if not explained(line[2:])]
-
-
 def _shim_socket(runtime: Runtime, container: str) -> Path:
     """Where containerd 1.6 puts a task's shim socket (runtime/v2/shim.SocketAddress)."""
     key = os.path.join(str(runtime.socket), "k8s.io", container)
@@ -250,7 +192,7 @@ def _shim_socket(runtime: Runtime, container: str) -> Path:
 
 def test_the_runtime_leaves_the_machine_as_it_found_it(
         tmp_path: Path, images: dict[str, BuiltImage]) -> None:
-    before = _machine_state()
+    before = snapshot()
     runtime = Runtime.start(tmp_path / "node")
     try:
         ref = runtime.import_image(images["python"].archive)
@@ -264,10 +206,10 @@ def test_the_runtime_leaves_the_machine_as_it_found_it(
         tag = runtime.cgroup_parent
     finally:
         runtime.stop()
-    after = _machine_state()
+    after = snapshot()
 
     mine = [str(tmp_path), str(runtime.run_dir), tag, shim.name]
-    left = _left_behind(before, after, mine)
+    left = left_behind(before, after, mine)
     assert not left, "the runtime left this behind:\n" + "\n".join(left)
     # this runtime's own processes (the count lines above may change with other tests)
     assert not runtime.running, "containerd still runs"
