@@ -38,9 +38,10 @@ tools:
 images:
 	$(PYTHON) images/offline/build_images.py
 
-# lint, the tools and the lowest-bounds run are independent, so they run side by side
-# (--output-sync keeps each one's output together); then the whole suite, on two
-# pytest-xdist workers (tests/conftest.py says how the tests are shared between them).
+# lint, the tools, the lowest-bounds run and the images are independent, so they run side
+# by side (--output-sync keeps each one's output together); then the whole suite, on two
+# pytest-xdist workers (tests/conftest.py says how the tests are shared between them),
+# whose whole-loop and image tests run the images just built.
 test: $(VENV)/.installed
-	$(MAKE) --no-print-directory -j3 --output-sync=target lint tools lowest
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint tools lowest images
 	$(BIN)/pytest -n 2
