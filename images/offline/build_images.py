@@ -70,8 +70,9 @@ PYTHON_BASE = "docker.io/kubetrain/python:3.11-bookworm"
 PAUSE_IMAGE = "docker.io/kubetrain/pause:catatonit"
 TORCH_BASE = f"docker.io/kubetrain/pytorch:{TORCH_VERSION}-cpu"
 IMAGES = ("operator", "trainer")
-# build: mmdebstrap, buildah; run: containerd, runc (tests/cluster/containerd.py)
-APT_PACKAGES = ("mmdebstrap", "buildah", "containerd", "runc")
+# build: mmdebstrap, buildah; run: containerd, runc (tests/cluster/containerd.py) and the
+# CNI plugins of the tests' pod network (tests/cluster/pod_network.py)
+APT_PACKAGES = ("mmdebstrap", "buildah", "containerd", "runc", "containernetworking-plugins")
 VENV_PATH = "PATH=/usr/local/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # apt's network settings passed on to mmdebstrap (proxy, CA, validity of snapshot mirrors)
 APT_OPTION_PREFIXES = ("Acquire::Check-Valid-Until", "Acquire::Check-Date",
