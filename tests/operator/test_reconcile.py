@@ -283,6 +283,16 @@ def test_the_failure_that_exhausts_max_restarts_is_the_last_failure(
     assert out.status["lastFailure"] == "demo-worker-1 exited with code 137 (OOMKilled)"
 
 
+def test_losing_worker_0_with_its_node_restarts_the_group_without_waiting_on_a_checkpoint(
+        minimal_manifest: dict) -> None:
+    # Worker 1 waits on its lost peer in a collective: it cannot take part in a checkpoint,
+    # so it gets the short grace, not the template's, and the group restarts soon.
+    out = run(make_job(minimal_manifest, status=running_status()),
+              pod(0, "Running", node_lost=True), pod(1))
+    assert out.deleted == [DeletePod("demo-worker-0", "NodeLost", 0),
+                           DeletePod("demo-worker-1", "NodeLost", HUNG_GROUP_GRACE_SECONDS)]
+
+
 def test_pod_on_a_lost_node_is_force_deleted_and_replaced(minimal_manifest: dict) -> None:
     out = run(make_job(minimal_manifest, status=running_status()), pod(0),
               pod(1, "Running", node_lost=True))

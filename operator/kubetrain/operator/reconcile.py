@@ -221,12 +221,13 @@ class _Decision:
         return None
 
     def delete(self, pod: WorkerPod, reason: str) -> None:
-        # A pod on a lost node can never confirm; a hung group cannot agree on a checkpoint
-        # (the stop flag's all-reduce waits on the hung rank), so the pod template's long
-        # grace for that checkpoint would only delay the restart.
+        # A pod on a lost node can never confirm. A hung group, or one that lost a rank
+        # with its node (a silent peer, no connection reset), cannot agree on a checkpoint
+        # (the stop flag's all-reduce waits on the missing rank), so the pod template's
+        # long grace for that checkpoint would only delay the restart.
         if pod.node_lost:
             grace: int | None = 0
-        elif reason == "ProgressDeadlineExceeded":
+        elif reason in ("ProgressDeadlineExceeded", "NodeLost"):
             grace = HUNG_GROUP_GRACE_SECONDS
         else:
             grace = None
