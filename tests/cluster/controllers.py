@@ -5,11 +5,12 @@ of the test process. They are stand-ins: no test here shows how the real control
 behave. That is the real-server tier's job (tests/real_server, with `KUBEBUILDER_ASSETS`).
 
 - `Scheduler` (kube-scheduler): binds each pending pod without a node to a Ready node
-  with no NoSchedule/NoExecute taint, that the pod's required node affinity (`NotIn`
-  on `kubernetes.io/hostname`) does not exclude, choosing the one running the fewest
-  pods, as least-allocated scoring spreads equal pods. It binds by patching
-  `spec.nodeName`; a real API server takes only the `pods/binding` subresource.
-  No resources, ports, pod affinity, priorities or preemption.
+  whose labels match the pod's nodeSelector, whose NoSchedule/NoExecute taints the pod
+  tolerates, and that the pod's required node affinity (`In`/`NotIn` on
+  `kubernetes.io/hostname`) does not exclude, choosing the one running the fewest pods,
+  as least-allocated scoring spreads equal pods. It binds by patching `spec.nodeName`;
+  a real API server takes only the `pods/binding` subresource. No resources, ports, pod
+  affinity, priorities or preemption.
 - `NodeLifecycle` (kube-controller-manager's node lifecycle controller): a node whose
   Lease in `kube-node-lease` has not been renewed for `grace_seconds` gets its Ready
   condition set to Unknown (reason NodeStatusUnknown) and the
@@ -107,16 +108,32 @@ class Scheduler(_Loop):
 
 
 def schedulable(node: Any) -> bool:
-    """Ready, and no taint that keeps new pods off it."""
+    """Whether its kubelet reports it Ready."""
     conditions = {c.type: c.status for c in (node.status.conditions or [])} \
         if node.status else {}
-    taints = node.spec.taints or [] if node.spec else []
-    return conditions.get("Ready") == "True" and not any(
-        taint.effect in ("NoSchedule", "NoExecute") for taint in taints)
+    return conditions.get("Ready") == "True"
+
+
+def _tolerates(pod: Any, taint: Any) -> bool:
+    for toleration in pod.spec.tolerations or []:
+        if toleration.effect not in (None, "", taint.effect):
+            continue
+        if toleration.operator == "Exists" and toleration.key in (None, "", taint.key):
+            return True
+        if toleration.key == taint.key and (toleration.value or "") == (taint.value or ""):
+            return True
+    return False
 
 
 def _allowed(pod: Any, node: Any) -> bool:
-    """Whether the pod's required node affinity on the hostname label lets it onto `node`."""
+    """Whether the pod's nodeSelector, tolerations and node affinity let it onto `node`."""
+    labels = node.metadata.labels or {}
+    if any(labels.get(key) != value for key, value in (pod.spec.node_selector or {}).items()):
+        return False
+    taints = (node.spec.taints or []) if node.spec else []
+    if any(taint.effect in ("NoSchedule", "NoExecute") and not _tolerates(pod, taint)
+           for taint in taints):
+        return False
     affinity = pod.spec.affinity.node_affinity if pod.spec.affinity else None
     required = affinity.required_during_scheduling_ignored_during_execution if affinity else None
     if required is None:

@@ -10,15 +10,13 @@ What it does as a kubelet does:
   configMapKeyRef read from the API, fieldRef of the downward API) and its ConfigMap,
   Secret and emptyDir volumes at their mount paths (emptyDir medium Memory is a tmpfs;
   the pod's fsGroup owns the others);
-- with a container runtime (`runtime`, tests/cluster/containerd.py: Debian's containerd
-  and runc), the container runs from the project's own image, imported beforehand
-  (`images`; never pulled): PID 1 of its own PID namespace, as the securityContext's
+- runs the container with the node's runtime (tests/cluster/containerd.py: Debian's
+  containerd and runc) from the project's own image, imported beforehand (`images`;
+  never pulled): PID 1 of its own PID namespace, as the securityContext's
   runAsUser/runAsGroup, with a read-only root if asked, its memory limit as a cgroup
-  limit (an OOM kill is reported as reason OOMKilled, exit code 137), the
-  kubelet's /etc/hosts, /etc/resolv.conf and termination log bind-mounted, and names
-  from cluster DNS (tests/cluster/cluster_dns.py) on the pod network's gateway;
-  without one, as a process of this machine from the project's own environment (PATH
-  starts with the running interpreter's bin/), as root, without cgroups;
+  limit (an OOM kill is reported as reason OOMKilled), the kubelet's /etc/hosts,
+  /etc/resolv.conf and termination log bind-mounted, and names from cluster DNS
+  (tests/cluster/cluster_dns.py) on the pod network's gateway;
 - gives each pod its own network namespace and IP on a CNI bridge (see `pod_network`)
   and its hostname;
 - writes pod status as the kubelet does: Pending (ContainerCreating) → Running
@@ -35,12 +33,6 @@ hostPath/PVC volumes, no projected (service-account token) volume, no ConfigMap
 updates after start, no `kubectl logs`/`exec` (the output is in
 `<workdir>/pods/<uid>/log`), no kube-proxy, no CPU limits.
 
-Without a runtime, each pod's files: its own mount namespace (`unshare --mount`)
-puts overlays on /etc and /dev whose upper layers are in the pod's folder, so
-`/etc/kubetrain/job.yaml`, `/etc/hosts` (naming every running pod) and the
-termination log exist only inside the pod: nothing is written into the host's /etc
-or /dev.
-
 Pods are found by listing every 0.5 s rather than by a watch: one small list per
 tick costs little on 2 cores and needs no resume logic.
 """
@@ -53,8 +45,6 @@ import logging
 import os
 import shlex
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -79,17 +69,10 @@ HEARTBEAT_SECONDS = 2.0
 POLL_SECONDS = 0.5
 CLUSTER_DOMAIN = "svc.cluster.local"
 
-# What the trainer image provides besides the pod's env: the virtualenv first on PATH.
-IMAGE_BIN = str(Path(sys.executable).parent)
 
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _exit_code(returncode: int) -> int:
-    """Popen's -N (killed by signal N) as a container runtime reports it: 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 class PodConfigError(Exception):
@@ -98,7 +81,7 @@ class PodConfigError(Exception):
 
 @dataclass
 class RunningPod:
-    """One pod this agent started: its container (or process), network namespace and folder."""
+    """One pod this agent started: its container, network namespace and folder."""
 
     uid: str
     namespace: str
@@ -109,8 +92,7 @@ class RunningPod:
     ip: str
     hostnames: list[str]
     started_at: str
-    process: subprocess.Popen[bytes] | None = None  # without a runtime
-    container: Container | None = None  # with one
+    container: Container | None = None  # None until the runtime started it
     term_sent: bool = False
     exit_code: int | None = None
     finished_at: str | None = None
@@ -122,26 +104,13 @@ class RunningPod:
         return self.processes()[0]
 
     def processes(self) -> list[int]:
-        """The host pids of the container: the main process and every descendant."""
-        if self.container is not None:
-            return self.container.pids()
-        assert self.process is not None
-        found = [self.process.pid]
-        index = 0
-        while index < len(found):
-            children = Path(f"/proc/{found[index]}/task/{found[index]}/children")
-            with contextlib.suppress(OSError):
-                found += [int(pid) for pid in children.read_text().split()]
-            index += 1
-        return found
+        """The host pids of the container's processes, its main process first."""
+        return self.container.pids() if self.container is not None else []
 
     def poll(self) -> int | None:
         """The exit status (128 + N when killed by signal N) once the container has ended."""
-        if self.container is not None:
-            return None if self.container.running else self.container.wait(timeout=10)
-        assert self.process is not None
-        code = self.process.poll()
-        return None if code is None else _exit_code(code)
+        assert self.container is not None
+        return None if self.container.running else self.container.wait(timeout=10)
 
     @property
     def oom_killed(self) -> bool:
@@ -154,6 +123,8 @@ class Node:
     cpu: str = "16"
     memory: str = "64Gi"
     pods: str = "110"
+    # Taints it registers with (as `kubelet --register-with-taints`), e.g. a system node's.
+    taints: list[dict[str, str]] = field(default_factory=list)
     lost: bool = False
 
 
@@ -161,21 +132,22 @@ class Node:
 class NodeAgent:
     """The kubelets of `nodes`, in one thread of the test process.
 
-    `image_env` is the environment the "image" defines (added under the pod's own
-    env), e.g. OMP_NUM_THREADS=1 so that several trainers share 2 cores.
+    `image_env` is added to every container's environment, under the pod's own
+    env (the image's comes first), e.g. OMP_NUM_THREADS=1 so that several trainers share
+    2 cores.
     """
 
     api: client.ApiClient
     workdir: Path
+    runtime: Runtime  # the node's container runtime
     nodes: list[Node] = field(default_factory=lambda: [Node("node-a"), Node("node-b")])
     image_env: dict[str, str] = field(default_factory=dict)
     # Only pods of these namespaces run (None: all). The API server may be shared by the
     # whole test session, and other tests leave pods that no kubelet is meant to run.
     namespaces: set[str] | None = None
     network: PodNetwork = field(default_factory=lambda: PodNetwork(uuid.uuid4().hex[:4]))
-    # With a container runtime, pods run as containers of the images in `images` (a pod's
-    # image name → the runtime's imported reference); without one, as processes.
-    runtime: Runtime | None = None
+    # The images the node has: a pod's image name → the runtime's imported reference
+    # (nothing is ever pulled).
     images: Mapping[str, str] = field(default_factory=dict)
     dns: ClusterDNS | None = None
     running: dict[str, RunningPod] = field(default_factory=dict)
@@ -190,15 +162,8 @@ class NodeAgent:
         self.core = client.CoreV1Api(self.api)
         self.leases = client.CoordinationV1Api(self.api)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.hosts_file = self.workdir / "hosts"
         self.network.create()
-        self._write_hosts()
-        # No DNS server: a name not in /etc/hosts fails at once (port 53 refused on the
-        # pod's loopback) instead of waiting on the host's resolver it cannot reach.
-        self.resolv_file = self.workdir / "resolv.conf"
-        self.resolv_file.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        if self.runtime is not None:
-            self.dns = ClusterDNS(self.network.gateway, self._dns_records).start()
+        self.dns = ClusterDNS(self.network.gateway, self._dns_records).start()
         for node in self.nodes:
             self._register(node)
         for target in (self._heartbeat_loop, self._pod_loop):
@@ -234,15 +199,19 @@ class NodeAgent:
     # ---- what tests do to nodes and pods ---------------------------------------------------
 
     def lose_node(self, name: str) -> list[str]:
-        """The node powers off: its processes die (SIGKILL), its heartbeats and status stop.
+        """The node powers off: its network goes silent, its processes die, its heartbeats
+        and status stop.
 
-        Its pods stay in the API as the kubelet last wrote them, as when a real node
-        dies; returns their names.
+        The pods' interfaces go down before their processes are killed, so no peer gets
+        a FIN or RST from them, as from a machine that lost power. Its pods stay in the
+        API as the kubelet last wrote them, as when a real node dies; returns their names.
         """
         with self._lock:
             node = next(node for node in self.nodes if node.name == name)
             node.lost = True
             lost = [pod for pod in self.running.values() if pod.node == name]
+            for pod in lost:
+                self.network.disconnect(pod.netns)
             for pod in lost:
                 self._kill(pod)
             return [pod.name for pod in lost]
@@ -280,6 +249,7 @@ class NodeAgent:
             "metadata": {"name": node.name, "labels": {
                 "kubernetes.io/hostname": node.name, "kubernetes.io/os": "linux",
                 "kubernetes.io/arch": "amd64"}},
+            "spec": {"taints": node.taints} if node.taints else {},
         }
         try:
             self.core.create_node(body)
@@ -307,8 +277,7 @@ class NodeAgent:
             "addresses": [{"type": "InternalIP", "address": self.network.gateway},
                           {"type": "Hostname", "address": node.name}],
             "nodeInfo": {"kubeletVersion": "v1.36.2-node-agent", "operatingSystem": "linux",
-                         "architecture": "amd64", "containerRuntimeVersion":
-                         "containerd://1.6" if self.runtime is not None else "process://",
+                         "architecture": "amd64", "containerRuntimeVersion": "containerd://1.6",
                          "kernelVersion": os.uname().release, "osImage": "node-agent",
                          "kubeProxyVersion": "", "machineID": "", "systemUUID": "",
                          "bootID": ""}}})
@@ -422,9 +391,10 @@ class NodeAgent:
         meta, spec = pod.metadata, pod.spec
         container = spec.containers[0]
         folder = self.workdir / "pods" / meta.uid
-        if (spec.restart_policy or "Always") != "Never":
+        policy = spec.restart_policy or "Always"  # the API server's default
+        if policy != "Never":
             log.warning("pod %s/%s: restartPolicy %s run as Never", meta.namespace, meta.name,
-                        spec.restart_policy)
+                        policy)
         try:
             env = self._env(pod, container)
             volumes = self._volumes(pod, folder)
@@ -440,17 +410,12 @@ class NodeAgent:
             "waiting": {"reason": "ContainerCreating"}}, ready=False)
         env.setdefault("HOSTNAME", hostnames[-1])
         try:
-            if self.runtime is not None:
-                running.container = self._run_container(pod, container, running, env, volumes)
-            else:
-                running.process = self._spawn(pod, container, folder, netns, hostnames[-1],
-                                              env, volumes)
+            running.container = self._run_container(pod, container, running, env, volumes)
         except PodConfigError as error:
             self.network.remove_pod(netns, ip)
             self._write_waiting(pod, "CreateContainerError", str(error))
             return
         self.running[meta.uid] = running
-        self._write_hosts()
         self._write_status(pod, phase="Running", ip=ip, container_state={
             "running": {"startedAt": running.started_at}}, ready=True)
         log.info("pod %s/%s started on %s at %s (pid %d)", meta.namespace, meta.name,
@@ -465,21 +430,9 @@ class NodeAgent:
                       f"{hostname}.{pod.spec.subdomain}"]
         return [*names, hostname]
 
-    def _write_hosts(self) -> None:
-        """Every running pod's names, replaced atomically (pods see it through a symlink)."""
-        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
-        lines += [f"{pod.ip}\t{' '.join(pod.hostnames)}" for pod in self.running.values()
-                  if pod.exit_code is None]
-        staged = self.hosts_file.with_suffix(".new")
-        staged.write_text("\n".join(lines) + "\n")
-        staged.replace(self.hosts_file)
-
     def _env(self, pod: Any, container: Any) -> dict[str, str]:
         """The container's environment: the image's, then the pod's own entries in order."""
-        # With a runtime the image defines PATH; a process gets this environment's.
-        env = {} if self.runtime is not None else {
-            "PATH": f"{IMAGE_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-        env.update(self.image_env)
+        env = dict(self.image_env)  # the image's own env comes first, from the runtime
         for entry in container.env or []:
             if entry.value_from is None:
                 env[entry.name] = _expand(entry.value or "", env)
@@ -574,56 +527,10 @@ class NodeAgent:
             mounts.append((str(source), mount.mount_path, tmpfs))
         return mounts
 
-    def _spawn(self, pod: Any, container: Any, folder: Path, netns: str, hostname: str,
-               env: dict[str, str],
-               volumes: list[tuple[str, str, bool]]) -> subprocess.Popen[bytes]:
-        """Start the container's command inside the pod's network, UTS and mount namespaces."""
-        for layer in ("etc-upper", "etc-work", "dev-upper", "dev-work"):
-            (folder / layer).mkdir(parents=True, exist_ok=True)
-        termination_log = folder / "termination-log"
-        termination_log.touch()
-        termination_path = shlex.quote(container.termination_message_path
-                                       or "/dev/termination-log")
-        script = [
-            "set -e",
-            *(f"mount -t overlay overlay -o lowerdir=/{top},upperdir={folder}/{top}-upper,"
-              f"workdir={folder}/{top}-work /{top}" for top in ("etc", "dev")),
-            f'mkdir -p "$(dirname {termination_path})" && touch {termination_path}',
-            f"mount --bind {termination_log} {termination_path}",
-            f"ln -sfn {shlex.quote(str(self.hosts_file))} /etc/hosts",
-            f"ln -sfn {shlex.quote(str(self.resolv_file))} /etc/resolv.conf",
-            f"hostname {shlex.quote(hostname)}",
-        ]
-        for source, target, tmpfs in volumes:
-            script.append(f"mkdir -p {shlex.quote(target)}")
-            script.append(f"mount -t tmpfs tmpfs {shlex.quote(target)}" if tmpfs else
-                          f"mount --bind {shlex.quote(source)} {shlex.quote(target)}")
-        workdir = container.working_dir or str(folder / "workdir")
-        Path(folder / "workdir").mkdir(parents=True, exist_ok=True)
-        script.append(f"cd {shlex.quote(workdir)}")
-        script.append('exec "$@"')
-        argv = [*(container.command or []), *(container.args or [])]
-        if not argv:
-            raise PodConfigError("the container has no command: the node agent has no image "
-                                 "entrypoint to fall back to")
-        argv = [_expand(arg, env) for arg in argv]
-        (folder / "name").write_text(f"{pod.metadata.namespace}/{pod.metadata.name}")
-        (folder / "command").write_text(shlex.join(argv) + "\n")
-        log_file = open(folder / "log", "ab")  # noqa: SIM115 - owned by the child
-        try:
-            return subprocess.Popen(
-                ["nsenter", f"--net={PodNetwork.namespace_path(netns)}", "--",
-                 "unshare", "--mount", "--uts", "--propagation", "private", "--",
-                 "/bin/sh", "-c", "\n".join(script), "pod", *argv],
-                env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        finally:
-            log_file.close()
-
     def _run_container(self, pod: Any, container: Any, running: RunningPod,
                        env: dict[str, str], volumes: list[tuple[str, str, bool]]) -> Container:
         """Start the pod's container with the runtime, from the image the pod names."""
-        assert self.runtime is not None and self.dns is not None
+        assert self.dns is not None  # started with the agent
         image = self.images.get(container.image or "")
         if image is None:
             raise PodConfigError(f"image {container.image!r} is not on this node and is never "
@@ -679,21 +586,12 @@ class NodeAgent:
         if pod.container is not None:
             with contextlib.suppress(ContainerdError):
                 pod.container.signal(sig)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pod.pid, sig)
 
     def _kill(self, pod: RunningPod) -> None:
-        """SIGKILL every process of the container (its session), as tearing down a cgroup."""
-        if pod.container is not None:
-            pod.container.kill()
-        else:
-            assert pod.process is not None
-            for pid in pod.processes():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pod.process.pid, signal.SIGKILL)
+        """SIGKILL every process of the container, as tearing down its cgroup."""
+        if pod.container is None:
+            return
+        pod.container.kill()
         deadline = time.monotonic() + 10
         while (code := pod.poll()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -705,7 +603,6 @@ class NodeAgent:
         if pod.container is not None:
             pod.container.remove()
         self.network.remove_pod(pod.netns, pod.ip)
-        self._write_hosts()
 
     # ---- status ------------------------------------------------------------------------
 

@@ -120,6 +120,10 @@ class PodNetwork:
         address = added["ips"][0]["address"].split("/")[0]
         return namespace, address
 
+    def disconnect(self, namespace: str) -> None:
+        """Take the pod's interface down: nothing leaves it or reaches it any more."""
+        _ip("-n", namespace, "link", "set", "eth0", "down")
+
     def remove_pod(self, namespace: str, address: str = "") -> None:
         """CNI DEL (the IP goes back to the pool), then delete the namespace."""
         if namespace in self._namespaces:

@@ -52,7 +52,7 @@ from containerd import Runtime
 from emulator import EmulatedCluster
 from kubernetes import client
 from machine_state import left_behind, snapshot
-from node_agent import NodeAgent
+from node_agent import Node, NodeAgent
 from operator_process import RELEASE_NAMESPACE, OperatorPod
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -67,6 +67,7 @@ GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
 # What the jobs name as their image: the node has the trainer image built from this tree
 # under that name (it is never pulled).
 TRAINER_IMAGE = "ghcr.io/kubetrain/trainer:dev"
+SYSTEM_TAINT = {"key": "node-role.kubernetes.io/system", "value": "true", "effect": "NoSchedule"}
 
 
 @dataclass
@@ -267,8 +268,12 @@ def whole_loop(api: EmulatedCluster, folder: Path,
     try:
         trainer = runtime.import_image(images["trainer"].archive)
         operator_image = runtime.import_image(images["operator"].archive)
+        # Two nodes for the workers, and a tainted system node for the operator: a node
+        # lost in a scenario never takes the operator with it.
         agent = NodeAgent(api.api_client(), folder / "agent",
                           namespaces={NAMESPACE, RELEASE_NAMESPACE}, runtime=runtime,
+                          nodes=[Node("node-a"), Node("node-b"),
+                                 Node("system", taints=[SYSTEM_TAINT])],
                           images={TRAINER_IMAGE: trainer},
                           # Several trainers share 2 cores: one thread each.
                           image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -288,8 +293,9 @@ def whole_loop(api: EmulatedCluster, folder: Path,
                              for key, value in CREDENTIALS.items()}})
                 # The operator's pod reaches the API on the pod network's gateway.
                 url = api.serve_on(agent.network.gateway)
-                operator = OperatorPod(api.api_client(), agent, url, folder,
-                                       values={"resyncSeconds": 1})
+                operator = OperatorPod(api.api_client(), agent, url, folder, values={
+                    "resyncSeconds": 1, "nodeSelector": {"kubernetes.io/hostname": "system"},
+                    "tolerations": [{**SYSTEM_TAINT, "operator": "Equal"}]})
                 agent.images = {**agent.images, operator.image: operator_image}
                 with operator:
                     yield Cluster(api, agent, operator, s3, folder)

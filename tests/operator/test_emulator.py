@@ -81,7 +81,7 @@ def _node(core: client.CoreV1Api, name: str, renewed: datetime) -> None:
         "spec": {"holderIdentity": name, "renewTime": renewed.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}})
 
 
-def test_the_stand_in_scheduler_spreads_pods_over_schedulable_nodes(
+def test_the_stand_in_scheduler_spreads_pods_and_honours_selectors_and_taints(
         core: client.CoreV1Api) -> None:
     now = datetime.now(UTC)
     for name in ("node-a", "node-b", "node-c"):
@@ -89,12 +89,17 @@ def test_the_stand_in_scheduler_spreads_pods_over_schedulable_nodes(
     core.patch_node("node-c", {"spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]}})
     for index in range(4):
         core.create_namespaced_pod("ns", _pod(f"w{index}"))
+    system = _pod("system")
+    system["spec"].update(nodeSelector={"kubernetes.io/hostname": "node-c"},
+                          tolerations=[{"key": "k", "operator": "Exists"}])
+    core.create_namespaced_pod("ns", system)
     with Scheduler(api=core.api_client, period=0.05):
         bound = eventually(lambda: all(p.spec.node_name for p in
                                        core.list_namespaced_pod("ns").items)
                            and core.list_namespaced_pod("ns").items, what="every pod bound")
-    nodes = sorted(pod.spec.node_name for pod in bound)
-    assert nodes == ["node-a", "node-a", "node-b", "node-b"]
+    nodes = {pod.metadata.name: pod.spec.node_name for pod in bound}
+    assert nodes.pop("system") == "node-c"
+    assert sorted(nodes.values()) == ["node-a", "node-a", "node-b", "node-b"]
 
 
 def test_the_stand_in_node_lifecycle_taints_a_silent_node_and_untaints_it_when_it_beats(
