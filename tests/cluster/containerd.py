@@ -14,12 +14,13 @@ task, as kubelet's SIGTERM-then-SIGKILL does); a new empty network namespace, or
 existing one given by path (a pod's, made by whoever runs the pod network).
 
 What it does not: no CRI (no pod sandbox, no pause container; a caller that wants pods
-shares one network namespace between a pod's containers itself), no image pulls ever
-(an image not imported is an error; containerd's proxy points at a closed port so a pull
-could not reach anything), no CNI, no seccomp or AppArmor profiles, no CPU limits, no
-user namespaces, no log rotation (stdout and stderr go to two files per container), no
-restart policy (a caller restarts containers itself). Supplementary groups come from the
-image's /etc/group only when the user is given by name.
+shares one network namespace between a pod's containers itself), no image pulls ever (an
+image not imported is an error; containerd's proxy points at a closed port so a pull
+could not reach anything), no CNI, no seccomp or AppArmor profiles, no CPU shares (a CPU
+limit is a CFS quota, as the kubelet sets it), no user namespaces, no log rotation
+(stdout and stderr go to two files per container, or one `log_path`), no restart policy
+(a caller restarts containers itself). Supplementary groups come from the image's
+/etc/group only when the user is given by name.
 
 Everything lives under one folder of the caller's (containerd's root, state, sockets, the
 runc root, ctr's FIFOs, the containers' root filesystems and logs), and the containers'
@@ -58,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 NAMESPACE = "k8s.io"
+CPU_PERIOD_US = 100_000  # the CFS period the kubelet uses
 SNAPSHOTTER = "overlayfs"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SHIM_SOCKETS = Path("/run/containerd/s")  # fixed in containerd 1.6 (runtime/v2/shim)
@@ -127,6 +129,7 @@ class ContainerSpec:
     user: tuple[int, int] | None = None
     read_only_rootfs: bool = False
     memory_limit: int | None = None  # bytes
+    cpu_limit: float | None = None  # cores: a CFS quota over a 100 ms period
     shm_size: int | None = None  # bytes
     mounts: Sequence[Mount] = ()
     network_namespace: str | None = None
@@ -555,6 +558,10 @@ class Runtime:
         linux["cgroupsPath"] = f"/{self.cgroup_parent}/{spec.name}"
         if spec.memory_limit is not None:
             linux.setdefault("resources", {})["memory"] = {"limit": spec.memory_limit}
+        if spec.cpu_limit is not None:  # as the kubelet turns limits.cpu into a CFS quota
+            linux.setdefault("resources", {})["cpu"] = {
+                "quota": max(1000, round(spec.cpu_limit * CPU_PERIOD_US)),
+                "period": CPU_PERIOD_US}
         if spec.network_namespace is not None:
             for ns in linux["namespaces"]:
                 if ns["type"] == "network":

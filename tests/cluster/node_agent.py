@@ -13,8 +13,8 @@ What it does as a kubelet does:
 - runs the container with the node's runtime (tests/cluster/containerd.py: Debian's
   containerd and runc) from the project's own image, imported beforehand (`images`;
   never pulled): PID 1 of its own PID namespace, as the securityContext's
-  runAsUser/runAsGroup, with a read-only root if asked, its memory limit as a cgroup
-  limit (an OOM kill is reported as reason OOMKilled), the kubelet's /etc/hosts,
+  runAsUser/runAsGroup, with a read-only root if asked, its memory and CPU limits as
+  cgroup limits (an OOM kill is reported as reason OOMKilled), the kubelet's /etc/hosts,
   /etc/resolv.conf and termination log bind-mounted, and names from cluster DNS
   (tests/cluster/cluster_dns.py) on the pod network's gateway;
 - gives each pod its own network namespace and IP on a CNI bridge (see `pod_network`)
@@ -31,7 +31,7 @@ What it does as a kubelet does:
 What it does not: only the first container runs; no init containers, probes,
 hostPath/PVC volumes, no projected (service-account token) volume, no ConfigMap
 updates after start, no `kubectl logs`/`exec` (the output is in
-`<workdir>/pods/<uid>/log`), no kube-proxy, no CPU limits.
+`<workdir>/pods/<uid>/log`), no kube-proxy, no CPU shares from requests.
 
 Pods are found by listing every 0.5 s rather than by a watch: one small list per
 tick costs little on 2 cores and needs no resume logic.
@@ -566,6 +566,7 @@ class NodeAgent:
             env=env, working_dir=container.working_dir,
             user=security.get("user"), read_only_rootfs=security.get("read_only", False),
             memory_limit=int(parse_quantity(limits["memory"])) if "memory" in limits else None,
+            cpu_limit=float(parse_quantity(limits["cpu"])) if "cpu" in limits else None,
             mounts=mounts, network_namespace=PodNetwork.namespace_path(running.netns),
             hostname=hostname, log_path=folder / "log")
         try:

@@ -109,6 +109,21 @@ def test_a_container_over_its_memory_limit_is_oom_killed(
     assert c.oom_killed
 
 
+def test_a_cpu_limit_is_the_container_cgroup_cfs_quota(
+        runtime: Runtime, operator_image: str) -> None:
+    c = runtime.run(ContainerSpec(name=_name("cpu"), image=operator_image,
+                                  args=["sleep", "30"], cpu_limit=0.5))
+    try:
+        quota = [*Path("/sys/fs/cgroup").glob(f"cpu*/{runtime.cgroup_parent}/{c.id}/"
+                                               "cpu.cfs_quota_us"),
+                 *Path("/sys/fs/cgroup").glob(f"{runtime.cgroup_parent}/{c.id}/cpu.max")]
+        assert quota, "no CPU controller file for the container's cgroup"
+        assert quota[0].read_text().split()[0] == "50000"
+    finally:
+        c.kill()
+        c.wait(timeout=30)
+
+
 def test_the_process_is_pid_1_and_exits_cleanly_on_sigterm(
         runtime: Runtime, operator_image: str) -> None:
     code = ("import os, signal, sys, time\n"
