@@ -418,8 +418,8 @@ class NodeAgent:
         self.running[meta.uid] = running
         self._write_status(pod, phase="Running", ip=ip, container_state={
             "running": {"startedAt": running.started_at}}, ready=True)
-        log.info("pod %s/%s started on %s at %s (pid %d)", meta.namespace, meta.name,
-                 spec.node_name, ip, running.pid)
+        log.info("pod %s/%s started on %s at %s (container %s)", meta.namespace, meta.name,
+                 spec.node_name, ip, running.container.id)
 
     def _hostnames(self, pod: Any) -> list[str]:
         """The names cluster DNS gives this pod, most qualified first, bare hostname last."""
@@ -556,13 +556,12 @@ class NodeAgent:
         security = _security(pod, container)
         limits = (container.resources.limits or {}) if container.resources else {}
         (folder / "name").write_text(f"{pod.metadata.namespace}/{pod.metadata.name}")
-        argv = [_expand(arg, env) for arg in [*(container.command or []),
-                                               *(container.args or [])]]
-        (folder / "command").write_text(shlex.join(argv) + "\n")
+        command = [_expand(arg, env) for arg in container.command or []]
+        args = [_expand(arg, env) for arg in container.args or []]
+        (folder / "command").write_text(shlex.join([*command, *args]) + "\n")
         spec = ContainerSpec(
             name=f"{pod.metadata.name}-{pod.metadata.uid[:8]}", image=image,
-            command=[_expand(arg, env) for arg in container.command or []] or None,
-            args=[_expand(arg, env) for arg in container.args or []] or None,
+            command=command or None, args=args or None,
             env=env, working_dir=container.working_dir,
             user=security.get("user"), read_only_rootfs=security.get("read_only", False),
             memory_limit=int(parse_quantity(limits["memory"])) if "memory" in limits else None,

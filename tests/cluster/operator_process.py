@@ -14,16 +14,22 @@ started again, as a node crash or an OOM kill would.
 
 from __future__ import annotations
 
+import base64
+import copy
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
 import yaml
 from control_plane import REPO, ControlPlane, free_port
+from emulator import write_kubeconfig
+from kubernetes import client
+from kubernetes.client.rest import ApiException
 
 RELEASE = "kubetrain"
 RELEASE_NAMESPACE = "kubetrain-system"
@@ -100,8 +106,6 @@ class OperatorProcess:
         self._wait_healthy()
 
     def _wait_healthy(self, timeout: float = 60) -> None:
-        import urllib.request
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process is not None
@@ -150,8 +154,6 @@ class OperatorProcess:
 
     def metric(self, name: str) -> float:
         """The value of one unlabelled sample on the operator's /metrics."""
-        import urllib.request
-
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
@@ -195,8 +197,6 @@ class OperatorPod:
 
     def __init__(self, api: Any, agent: Any, server_url: str, folder: Path,
                  values: dict[str, Any] | None = None) -> None:
-        from kubernetes import client
-
         self.core = client.CoreV1Api(api)
         self.agent, self.server_url, self.folder = agent, server_url, folder
         deployment = next(o for o in render_chart(values or {}) if o["kind"] == "Deployment")
@@ -214,14 +214,9 @@ class OperatorPod:
 
     def start(self, timeout: float = 90) -> None:
         """Create the operator's pod and wait until it runs and answers /healthz."""
-        import base64
-        import copy
-
         self.starts += 1
         self.name = f"{RELEASE}-operator-{self.starts}"
         if self.starts == 1:
-            from emulator import write_kubeconfig
-
             kubeconfig = write_kubeconfig(self.folder / "operator.kubeconfig", self.server_url)
             self.core.create_namespaced_secret(RELEASE_NAMESPACE, {
                 "metadata": {"name": "operator-kubeconfig"},
@@ -240,8 +235,6 @@ class OperatorPod:
         self._wait_healthy(timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
-        import urllib.request
-
         port = next(p["containerPort"] for p in self.template["spec"]["containers"][0]["ports"]
                     if p["name"] == "health")
         deadline = time.monotonic() + timeout
@@ -277,8 +270,6 @@ class OperatorPod:
 
     def stop(self) -> None:
         """Delete the pod gracefully (SIGTERM, as a rollout or scale-down does)."""
-        from kubernetes.client.rest import ApiException
-
         try:
             self.core.delete_namespaced_pod(self.name, RELEASE_NAMESPACE)
         except ApiException as error:
