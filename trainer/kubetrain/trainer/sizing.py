@@ -9,6 +9,8 @@ dynamics (`model.dynamics.enabled`), which are not part of ModelDims.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kubetrain.api.trainingjob import ModelDims
 
 CONTROLLER_WIDTH = 64  # hidden width of the INL dynamics controller (model.Dynamics)
@@ -67,3 +69,81 @@ def flops_per_token(dims: ModelDims, seq_len: int, dynamics: bool = False) -> in
     head_dim = dims.dim // dims.n_heads
     attention = 12 * dims.n_layers * dims.n_heads * head_dim * seq_len
     return 6 * matmul_parameters + attention
+
+
+# The state-space student (ssm.py, `model.architecture: ssm`). Its shape comes from the
+# same ModelDims as a transformer's: the mixer's heads are the attention heads' size
+# (dim / nHeads) and B/C are shared by groups of heads as key/value heads are (nKvHeads
+# groups); these four are fixed by this version and written into its exports.
+SSM_EXPAND = 2  # the mixer's inner width is SSM_EXPAND x dim, as Mamba's
+SSM_STATE_SIZE = 64  # N: state entries per head channel
+SSM_CONV_WIDTH = 4  # the short causal depthwise convolution before the scan
+SSM_CHUNK_SIZE = 64  # tokens per chunk of the parallel scan (a compute choice, not a weight)
+
+
+@dataclass(frozen=True)
+class SSMShape:
+    """The mixer's widths for one ModelDims (see ssm.py)."""
+
+    inner: int  # SSM_EXPAND x dim
+    heads: int  # inner / head_dim
+    head_dim: int  # dim / nHeads, the attention heads' size
+    groups: int  # nKvHeads: heads share B and C within a group
+    state: int  # SSM_STATE_SIZE
+
+    @property
+    def conv_channels(self) -> int:
+        """x, B and C go through the convolution together."""
+        return self.inner + 2 * self.groups * self.state
+
+    @property
+    def in_features(self) -> int:
+        """The input projection's outputs: the gate z, x, B, C and one dt per head."""
+        return 2 * self.inner + 2 * self.groups * self.state + self.heads
+
+
+def ssm_shape(dims: ModelDims) -> SSMShape:
+    """The SSM mixer of a model of these dimensions."""
+    head_dim = dims.dim // dims.n_heads
+    inner = SSM_EXPAND * dims.dim
+    return SSMShape(inner=inner, heads=inner // head_dim, head_dim=head_dim,
+                    groups=dims.n_kv_heads, state=SSM_STATE_SIZE)
+
+
+def ssm_block_parameter_count(dims: ModelDims) -> int:
+    """Parameters of one SSM block: the mixer (input projection, convolution with bias, dt
+    bias, A, D, gated norm, output projection), the SwiGLU feed-forward and two RMSNorms."""
+    shape = ssm_shape(dims)
+    mixer = (dims.dim * shape.in_features + shape.conv_channels * (SSM_CONV_WIDTH + 1)
+             + 3 * shape.heads + shape.inner + shape.inner * dims.dim)
+    return mixer + 3 * dims.dim * dims.ffn_dim + 2 * dims.dim
+
+
+def ssm_parameter_count(dims: ModelDims) -> int:
+    """All parameters of the SSM, a tied embedding counted once."""
+    output = 0 if dims.tie_embeddings else dims.vocab_size * dims.dim
+    return (dims.vocab_size * dims.dim + dims.n_layers * ssm_block_parameter_count(dims)
+            + dims.dim + output)
+
+
+def ssm_state_elements(dims: ModelDims) -> int:
+    """Numbers in one sequence's recurrent state over all layers (generation): each head's
+    head_dim x N state and the convolution's last SSM_CONV_WIDTH - 1 inputs. It does not
+    grow with the context."""
+    shape = ssm_shape(dims)
+    per_layer = shape.heads * shape.head_dim * shape.state + shape.conv_channels * (
+        SSM_CONV_WIDTH - 1)
+    return dims.n_layers * per_layer
+
+
+def ssm_flops_per_token(dims: ModelDims) -> int:
+    """Training FLOPs per token of the SSM: 6 per matmul parameter (the input embedding of
+    an untied model is a lookup) plus the chunked scan, 3 x its forward, which per token,
+    layer and chunk of Q tokens is 2·Q·(G·N + H·P) within the chunk (C·B scores, then
+    their weighted sum of x) and 4·H·P·N to and from the chunk states."""
+    shape = ssm_shape(dims)
+    matmul = ssm_parameter_count(dims) - (0 if dims.tie_embeddings
+                                          else dims.vocab_size * dims.dim)
+    q, h, p, n, g = SSM_CHUNK_SIZE, shape.heads, shape.head_dim, shape.state, shape.groups
+    scan = 2 * q * (g * n + h * p) + 4 * h * p * n
+    return 6 * matmul + 3 * dims.n_layers * scan
