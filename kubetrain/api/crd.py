@@ -216,6 +216,13 @@ def custom_resource_definition() -> dict[str, Any]:
                      "description": "Productive step time over wall time (0..1)"},
                     {"name": "ETA", "type": "integer", "jsonPath": ".status.progress.etaSeconds",
                      "description": "Seconds until maxSteps at the recent step time"},
+                    # -o wide only (priority 1): what an out-of-memory restart changed.
+                    {"name": "Micro-batch", "type": "integer", "priority": 1,
+                     "jsonPath": ".status.effective.microBatchSize",
+                     "description": "Micro-batch the workers use (status.effective)"},
+                    {"name": "Last-failure", "type": "string", "priority": 1,
+                     "jsonPath": ".status.lastFailure.class",
+                     "description": "Class of the last worker failure"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],
             }],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -763,6 +763,25 @@ class MetricsSpec(ApiModel):
     )
 
 
+class OutOfMemoryPolicy(ApiModel):
+    """What follows a worker running out of memory (OOMKilled or a CUDA out-of-memory error)."""
+
+    action: Literal["Halve", "Fail"] = Field(
+        default="Halve",
+        description="Halve (the default): restart the group from its latest checkpoint with "
+        "the micro-batch halved and gradient accumulation doubled, so the global batch, the "
+        "data order and the loss curve stay the same; the spec is not changed (the values "
+        "used are in status.effective). Such restarts do not count against maxRestarts; "
+        "they are limited to log2(optimization.microBatchSize). Fail: the job fails at the "
+        "first out-of-memory failure.",
+    )
+    min_micro_batch: int = Field(
+        default=1, ge=1,
+        description="Smallest micro-batch Halve may go to: a job that ran out of memory at "
+        "it, or would have to go below it, fails with reason OutOfMemory.",
+    )
+
+
 class RunPolicy(ApiModel):
     """How the job is restarted, bounded and cleaned up."""
 
@@ -809,6 +828,11 @@ class RunPolicy(ApiModel):
         default="Running",
         description="Pods deleted when the job finishes: None, Running (keep failed pods "
         "for their logs) or All.",
+    )
+    out_of_memory: OutOfMemoryPolicy = Field(
+        default_factory=OutOfMemoryPolicy,
+        description="After a worker runs out of memory: Halve the micro-batch (default) or "
+        "Fail.",
     )
 
 
@@ -901,13 +925,41 @@ class TrainingJobSpec(ApiModel):
         default = preset.warmup_steps if preset else 100
         return min(default, max_steps // 10)
 
-    def gradient_accumulation(self, world_size: int) -> int:
-        """Micro-batches per optimizer step for `world_size` training processes."""
+    def gradient_accumulation(self, world_size: int, micro_batch_size: int | None = None) -> int:
+        """Micro-batches per optimizer step for `world_size` training processes.
+
+        With `micro_batch_size` (an out-of-memory restart's, a divisor of the spec's, see
+        `halved_micro_batch`) the accumulation grows by exactly the factor the micro-batch
+        shrank: the global batch is the spec's to the sequence, not re-rounded from
+        globalBatchTokens.
+        """
         opt = self.optimization
         if opt.global_batch_tokens is None:
-            return opt.gradient_accumulation_steps or 1
-        per_micro_step = opt.micro_batch_size * self.data.seq_len * world_size
-        return max(1, round(opt.global_batch_tokens / per_micro_step))
+            steps = opt.gradient_accumulation_steps or 1
+        else:
+            per_micro_step = opt.micro_batch_size * self.data.seq_len * world_size
+            steps = max(1, round(opt.global_batch_tokens / per_micro_step))
+        if micro_batch_size is None:
+            return steps
+        return steps * (opt.micro_batch_size // micro_batch_size)
+
+    def halved_micro_batch(self, current: int) -> int | None:
+        """The micro-batch an out-of-memory restart moves to from `current`; None: none left.
+
+        The largest divisor of the spec's microBatchSize that is at most half of `current`
+        and at least runPolicy.outOfMemory.minMicroBatch: a divisor, so that the global
+        batch splits into whole micro-batches (8 -> 4 -> 2 -> 1; 6 -> 3 -> 1).
+        """
+        floor = self.run_policy.out_of_memory.min_micro_batch
+        spec = self.optimization.micro_batch_size
+        for size in range(current // 2, floor - 1, -1):
+            if size >= 1 and spec % size == 0:
+                return size
+        return None
+
+    def out_of_memory_restart_limit(self) -> int:
+        """Out-of-memory restarts allowed: log2 of the spec's micro-batch, rounded down."""
+        return self.optimization.micro_batch_size.bit_length() - 1
 
 
 # --- status --------------------------------------------------------------------------
@@ -1007,6 +1059,47 @@ class BestCheckpointStatus(ApiModel):
                      "`kubetrain generate --checkpoint`.")
 
 
+FailureClass = Literal["OOMKilled", "CUDAOutOfMemory", "Evicted", "Preempted", "NodeLost",
+                       "CollectiveTimeout", "UserError", "Unknown"]
+FAILURE_CLASSES: tuple[str, ...] = get_args(FailureClass)
+OUT_OF_MEMORY_CLASSES = frozenset({"OOMKilled", "CUDAOutOfMemory"})
+
+
+class WorkerFailure(ApiModel):
+    """One worker pod's end, classified (status.lastFailure)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    class_: FailureClass = Field(
+        alias="class",
+        description="OOMKilled, CUDAOutOfMemory, Evicted, Preempted, NodeLost, "
+        "CollectiveTimeout, UserError (runPolicy.permanentExitCodes) or Unknown.",
+    )
+    pod: str = Field(default="", description="The worker pod.")
+    node: str | None = Field(default=None, description="The node it ran on.")
+    exit_code: int | None = Field(default=None, description="Its trainer container's exit code.")
+    message: str = Field(default="", description="What happened, from the pod's status and the "
+                         "trainer's termination message (never environment or credentials).")
+    time: datetime | None = Field(default=None, description="When the operator saw it.")
+
+
+class EffectiveBatch(ApiModel):
+    """The batch split the workers use, when the operator changed it from the spec's."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    micro_batch_size: int = Field(description="Sequences per process per forward/backward "
+                                  "pass: the spec's, or less after out-of-memory restarts.")
+    gradient_accumulation_steps: int = Field(
+        description="Micro-batches per optimizer step at the job's replicas: grows as the "
+        "micro-batch shrinks, so the global batch is the spec's.")
+    out_of_memory_restarts: int = Field(
+        default=0, description="Restarts for running out of memory so far (each halved the "
+        "micro-batch; not counted in restarts).")
+    reason: str | None = Field(default=None, description="Why the values last changed.")
+    time: datetime | None = Field(default=None, description="When they last changed.")
+
+
 class FailureStreak(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -1035,7 +1128,15 @@ class TrainingJobStatus(ApiModel):
     last_restart_time: datetime | None = Field(
         default=None, description="When the group last restarted."
     )
-    last_failure: str | None = Field(default=None, description="Why the group last failed.")
+    last_failure: WorkerFailure | None = Field(
+        default=None, description="The last worker failure, classified: class, pod, node, "
+        "exit code, message and time.")
+    failures: dict[str, int] = Field(
+        default_factory=dict, description="Worker failures so far by class (see "
+        "lastFailure.class).")
+    effective: EffectiveBatch | None = Field(
+        default=None, description="The micro-batch and gradient accumulation the workers "
+        "use: the spec's until an out-of-memory restart halves the micro-batch.")
     progress: Progress = Field(default_factory=Progress, description="Training progress.")
     latest_checkpoint: CheckpointStatus | None = Field(
         default=None, description="Newest committed checkpoint."
@@ -1058,6 +1159,14 @@ class TrainingJobStatus(ApiModel):
         default_factory=dict,
         description="Handler progress of the kopf framework, kept here instead of annotations.",
     )
+
+    @field_validator("last_failure", mode="before")
+    @classmethod
+    def _failure_from_text(cls, value: Any) -> Any:
+        # Operators before failure classes wrote the failure as a sentence.
+        if isinstance(value, str):
+            return {"class": "Unknown", "message": value}
+        return value
 
 
 # --- the resource ----------------------------------------------------------------------
@@ -1097,3 +1206,11 @@ class TrainingJob(ApiModel):
     metadata: ObjectMeta
     spec: TrainingJobSpec
     status: TrainingJobStatus | None = None
+
+    @property
+    def micro_batch_size(self) -> int:
+        """The micro-batch the workers use: status.effective's after an out-of-memory
+        restart (the operator's ConfigMap and `kubetrain run` pass it on), else the spec's."""
+        if self.status is not None and self.status.effective is not None:
+            return self.status.effective.micro_batch_size
+        return self.spec.optimization.micro_batch_size

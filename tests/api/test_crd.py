@@ -67,7 +67,13 @@ def test_scale_subresource_and_printer_columns() -> None:
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.workers.replicas"
     assert "status" in version["subresources"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Step", "Loss", "Workers", "Goodput", "ETA", "Age"]
+    assert columns == ["Phase", "Step", "Loss", "Workers", "Goodput", "ETA", "Micro-batch",
+                       "Last-failure", "Age"]
+    # What an out-of-memory restart changed shows with `kubectl get tj -o wide` only.
+    wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]
+            if c.get("priority") == 1}
+    assert wide == {"Micro-batch": ".status.effective.microBatchSize",
+                    "Last-failure": ".status.lastFailure.class"}
 
 
 # --- CEL rules: the API server's checks must agree with the models' ------------------------

@@ -210,13 +210,15 @@ def scenario_failures_restart_then_rank_zero_completes(kube: Kube) -> None:
     eventually(lambda: len(kube.pods("lifecycle")) == 2)
     kube.run_all("lifecycle")
     eventually(lambda: kube.phase("lifecycle") == "Running")
-    kube.set_pod_status("lifecycle-worker-1", "Failed", exit_code=137, reason="OOMKilled")
+    # Killed from outside (an OOM kill would halve the micro-batch instead: scenario below).
+    kube.set_pod_status("lifecycle-worker-1", "Failed", exit_code=137, reason="Error")
     replaced = eventually(lambda: (kube.pods("lifecycle").get("lifecycle-worker-1", {})
                                    .get("metadata", {}).get("labels", {})
                                    .get("kubetrain.io/restart-attempt") == "1"))
     assert replaced
     status = (kube.job("lifecycle") or {})["status"]
-    assert status["restarts"] == 1 and status["lastFailure"].startswith("lifecycle-worker-1")
+    assert status["restarts"] == 1 and status["lastFailure"]["pod"] == "lifecycle-worker-1"
+    assert status["failures"] == {"Unknown": 1}
     kube.run_all("lifecycle")
     eventually(lambda: kube.phase("lifecycle") == "Running")
     kube.set_pod_status("lifecycle-worker-0", "Succeeded", exit_code=0)
@@ -225,6 +227,34 @@ def scenario_failures_restart_then_rank_zero_completes(kube: Kube) -> None:
     reasons = eventually(lambda: "Completed" in kube.event_reasons("lifecycle")
                          and kube.event_reasons("lifecycle"))
     assert {"Created", "Running", "WorkerFailed", "Completed"} <= set(reasons)
+
+
+def scenario_oom_killed_worker_restarts_the_group_with_half_the_micro_batch(kube: Kube) -> None:
+    import yaml
+
+    manifest = job_manifest("oom")
+    manifest["spec"]["optimization"] = {"microBatchSize": 8, "gradientAccumulationSteps": 2}
+    kube.create_job(manifest)
+    eventually(lambda: len(kube.pods("oom")) == 2)
+    kube.run_all("oom")
+    eventually(lambda: kube.phase("oom") == "Running")
+    kube.set_pod_status("oom-worker-1", "Failed", exit_code=137, reason="OOMKilled")
+    eventually(lambda: {pod["metadata"]["labels"]["kubetrain.io/restart-attempt"]
+                        for pod in kube.pods("oom").values()} == {"1"}
+               and len(kube.pods("oom")) == 2, what="both workers replaced")
+    status = (kube.job("oom") or {})["status"]
+    assert status["lastFailure"]["class"] == "OOMKilled"
+    assert status["failures"] == {"OOMKilled": 1} and status.get("restarts", 0) == 0
+    assert (status["effective"]["microBatchSize"],
+            status["effective"]["gradientAccumulationSteps"]) == (4, 4)
+    # The spec is as applied; the trainer's snapshot carries the halved micro-batch.
+    assert (kube.job("oom") or {})["spec"]["optimization"]["microBatchSize"] == 8
+    config = kube.core.read_namespaced_config_map("oom-config", NAMESPACE)
+    snapshot = yaml.safe_load(config.data["job.yaml"])
+    assert snapshot["status"]["effective"]["microBatchSize"] == 4
+    reasons = kube.event_reasons("oom")
+    assert "WorkerFailure" in reasons and "MicroBatchHalved" in reasons, reasons
+    kube.delete_job("oom")
 
 
 def scenario_permanent_exit_code_fails_the_job(kube: Kube) -> None:
@@ -321,6 +351,7 @@ def scenario_invalid_spec_is_reported_not_crashed_on(kube: Kube) -> None:
 SCENARIOS = [
     scenario_job_creates_valid_children,
     scenario_failures_restart_then_rank_zero_completes,
+    scenario_oom_killed_worker_restarts_the_group_with_half_the_micro_batch,
     scenario_permanent_exit_code_fails_the_job,
     scenario_scale_subresource_adds_and_removes_workers,
     scenario_suspend_and_resume,

@@ -47,6 +47,10 @@ def test_operator_serves_metrics_and_liveness(cluster: EmulatedCluster,
     assert created >= harness.Kube(cluster).core.list_namespaced_pod("default").items.__len__()
     assert "kubetrain_operator_reconcile_duration_seconds" in families
     phases = {s.labels["phase"]: s.value for s in families["kubetrain_operator_jobs"].samples}
+    # The scenarios before this test failed workers: each failure was counted by class.
+    failures = {s.labels["class"]: s.value for s in families["kubetrain_worker_failures"].samples
+                if s.name == "kubetrain_worker_failures_total"}
+    assert failures.get("OOMKilled", 0) >= 1 and failures.get("Unknown", 0) >= 1, failures
     assert set(phases) == {"Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"}
 
 

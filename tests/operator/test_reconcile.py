@@ -12,9 +12,11 @@ import yaml
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.operator.observed import MetricsSample, Observed, WorkerPod
+from kubetrain.operator.failures import classify
+from kubetrain.operator.observed import MetricsSample, Observed, WorkerPod, worker_pod
 from kubetrain.operator.reconcile import (
     HUNG_GROUP_GRACE_SECONDS,
+    CountFailure,
     CountRestart,
     CreateObject,
     DeleteJob,
@@ -192,14 +194,15 @@ def test_failure_classes(facts: dict, expected: str) -> None:
 
 def test_failed_worker_is_replaced_alone_after_backoff(minimal_manifest: dict) -> None:
     job = make_job(minimal_manifest, status=running_status())
-    out = run(job, pod(0), pod(1, "Failed", exit_code=137, reason="OOMKilled"))
+    # Killed from outside (SIGKILL, not the OOM killer): a retry, not a smaller micro-batch.
+    out = run(job, pod(0), pod(1, "Failed", exit_code=137, reason="Error"))
     assert out.deleted_names == ["demo-worker-1"]
     assert out.created == []
     assert out.status is not None
     assert (out.status["phase"], out.status["restarts"], out.status["restartAttempt"]) == (
         "Restarting", 1, 1)
     assert out.condition("Restarting")["reason"] == "WorkerFailed"
-    assert out.events == [("Warning", "WorkerFailed")]
+    assert out.events == [("Warning", "WorkerFailure"), ("Warning", "WorkerFailed")]
     assert [r.reason for r in out.restarts] == ["WorkerFailed"]
 
     # Once the old pod is gone: nothing during the backoff, the replacement after it.
@@ -276,11 +279,14 @@ def test_restarts_beyond_max_restarts_fail_the_job(minimal_manifest: dict) -> No
 
 def test_the_failure_that_exhausts_max_restarts_is_the_last_failure(
         minimal_manifest: dict) -> None:
+    # An operator before failure classes wrote lastFailure as a sentence: still read.
     status = running_status(lastFailure="demo-worker-0 exited with code 1")
     out = run(make_job(minimal_manifest, status=status, maxRestarts=0), pod(0),
-              pod(1, "Failed", exit_code=137, reason="OOMKilled"))
+              pod(1, "Failed", exit_code=137, reason="Error", node="node-b"))
     assert out.status is not None and out.status["phase"] == "Failed"
-    assert out.status["lastFailure"] == "demo-worker-1 exited with code 137 (OOMKilled)"
+    assert out.status["lastFailure"] == {
+        "class": "Unknown", "pod": "demo-worker-1", "node": "node-b", "exitCode": 137,
+        "message": "demo-worker-1 exited with code 137", "time": "2025-01-01T12:00:00Z"}
 
 
 def test_losing_worker_0_with_its_node_restarts_the_group_without_waiting_on_a_checkpoint(
@@ -649,3 +655,218 @@ def test_a_distillation_jobs_progress_carries_both_terms_of_its_loss(
               metrics=metrics_sample(plain))
     assert out.status is not None
     assert "ceLoss" not in out.status["progress"] and "kdLoss" not in out.status["progress"]
+
+
+# --- failure classes from real pod-status shapes -----------------------------------------
+
+
+def _failed_pod(container: dict[str, Any] | None = None, *, node: str = "node-a",
+                **status: Any) -> dict[str, Any]:
+    """A worker pod manifest as the API server returns it once its trainer container ended."""
+    terminated = {"terminated": {"finishedAt": "2025-01-01T11:59:00Z", **(container or {})}}
+    return {
+        "metadata": {"name": "demo-worker-1", "labels": {
+            "kubetrain.io/worker-index": "1", "kubetrain.io/restart-attempt": "0"},
+            "creationTimestamp": "2025-01-01T11:00:00Z"},
+        "spec": {"nodeName": node},
+        "status": {"phase": "Failed", **status,
+                   "containerStatuses": [{"name": "trainer", "state": terminated}]},
+    }
+
+
+def _trainer_said(failure_class: str, message: str) -> str:
+    """A termination message as kubetrain.trainer.metrics writes it for a failed trainer."""
+    return (f'kubetrain_worker_failure_info{{class="{failure_class}",message="{message}",'
+            f'micro_batch_size="8"}} 1.0\nkubetrain_step 12.0\n')
+
+
+DISRUPTION = "DisruptionTarget"
+FAILURE_SHAPES = [
+    ("OOMKilled", _failed_pod({"exitCode": 137, "reason": "OOMKilled"})),
+    # Exit 137 with the OOM in the pod's own reason (the container's says only Error).
+    ("OOMKilled", _failed_pod({"exitCode": 137, "reason": "Error"}, reason="OOMKilled",
+                              message="container trainer was OOM-killed")),
+    ("CUDAOutOfMemory", _failed_pod({"exitCode": 1, "reason": "Error", "message": _trainer_said(
+        "CUDAOutOfMemory", "CUDA out of memory. Tried to allocate 2.00 GiB")})),
+    ("Evicted", _failed_pod({"exitCode": 137, "reason": "Error"}, reason="Evicted",
+                            message="The node was low on resource: memory.")),
+    ("Evicted", _failed_pod({"exitCode": 143, "reason": "Error"}, conditions=[
+        {"type": DISRUPTION, "status": "True", "reason": "EvictionByEvictionAPI"}])),
+    ("Preempted", _failed_pod({"exitCode": 143, "reason": "Error"}, conditions=[
+        {"type": DISRUPTION, "status": "True", "reason": "PreemptionByScheduler"}])),
+    ("Preempted", _failed_pod({"exitCode": 143, "reason": "Error"}, reason="Terminated",
+                              message="Pod was terminated in response to imminent node "
+                              "shutdown.")),
+    ("NodeLost", _failed_pod({"exitCode": 137, "reason": "Error"}, conditions=[
+        {"type": DISRUPTION, "status": "True", "reason": "DeletionByTaintManager"}])),
+    ("NodeLost", _failed_pod({"exitCode": 0}, node="gone")),  # its node left the cluster
+    ("CollectiveTimeout", _failed_pod({"exitCode": 1, "reason": "Error", "message": _trainer_said(
+        "CollectiveTimeout", "gloo: Timed out waiting 1800000ms for recv operation")})),
+    ("UserError", _failed_pod({"exitCode": 2, "reason": "Error"})),
+    ("Unknown", _failed_pod({"exitCode": 1, "reason": "Error"})),
+    ("Unknown", _failed_pod({"exitCode": 137, "reason": "Error"})),  # a kill from outside
+]
+
+
+@pytest.mark.parametrize(("expected", "manifest"), FAILURE_SHAPES,
+                         ids=[f"{c}-{i}" for i, (c, _) in enumerate(FAILURE_SHAPES)])
+def test_every_failure_class_from_a_real_pod_status(expected: str, manifest: dict) -> None:
+    observed = worker_pod(manifest, nodes={"node-a"})
+    assert classify(observed, [2, 126, 127]) == expected
+
+
+def test_a_failure_is_recorded_in_status_an_event_and_the_metric(minimal_manifest: dict) -> None:
+    job = make_job(minimal_manifest, status=running_status(failures={"NodeLost": 2}))
+    failed = worker_pod(FAILURE_SHAPES[9][1], nodes={"node-a"})  # CollectiveTimeout
+    out = run(job, pod(0, node="node-b"), replace(failed, created_at=EARLIER))
+    assert out.status is not None
+    assert out.status["lastFailure"] == {
+        "class": "CollectiveTimeout", "pod": "demo-worker-1", "node": "node-a", "exitCode": 1,
+        "message": "demo-worker-1 exited with code 1: gloo: Timed out waiting 1800000ms for "
+                   "recv operation", "time": "2025-01-01T12:00:00Z"}
+    assert out.status["failures"] == {"NodeLost": 2, "CollectiveTimeout": 1}
+    event = next(a for a in out.actions if isinstance(a, RecordEvent)
+                 and a.reason == "WorkerFailure")
+    assert event.message.startswith("demo-worker-1 on node-a: CollectiveTimeout: ")
+    assert [a.failure_class for a in out.actions if isinstance(a, CountFailure)] == [
+        "CollectiveTimeout"]
+    # Once recorded, the pod being replaced is not counted again.
+    again = run(make_job(minimal_manifest, status=out.status), pod(0),
+                replace(failed, deleting=True))
+    assert again.status is None or again.status["failures"] == out.status["failures"]
+
+
+def test_the_specific_failure_is_the_last_failure_not_its_peers_consequence(
+        minimal_manifest: dict) -> None:
+    oom = worker_pod(FAILURE_SHAPES[0][1], nodes={"node-a"})
+    peer = pod(0, "Failed", exit_code=1, reason="Error", node="node-b")
+    out = run(make_job(minimal_manifest, status=running_status()), peer,
+              replace(oom, created_at=EARLIER))
+    assert out.status is not None
+    assert out.status["lastFailure"]["class"] == "OOMKilled"
+    assert out.status["failures"] == {"OOMKilled": 1, "Unknown": 1}
+
+
+# --- out of memory: halve the micro-batch, keep the global batch ------------------------
+
+
+def _oom_job(minimal_manifest: dict, status: dict, micro: int = 8, accumulation: int = 2,
+             **out_of_memory: Any) -> TrainingJob:
+    manifest = copy.deepcopy(minimal_manifest)
+    manifest["spec"]["optimization"] = {"microBatchSize": micro,
+                                        "gradientAccumulationSteps": accumulation}
+    return make_job(manifest, status=status, outOfMemory=out_of_memory)
+
+
+def _config_snapshot(out: Outcome) -> dict[str, Any]:
+    update = next(a for a in out.actions if isinstance(a, UpdateConfigMap))
+    assert update.manifest["metadata"]["annotations"]["kubetrain.io/micro-batch-size"] == str(
+        update_micro(update))
+    return dict(yaml.safe_load(update.manifest["data"]["job.yaml"]))
+
+
+def update_micro(update: UpdateConfigMap) -> int:
+    snapshot = yaml.safe_load(update.manifest["data"]["job.yaml"])
+    return int(snapshot["status"]["effective"]["microBatchSize"])
+
+
+def test_an_oom_killed_worker_restarts_the_group_with_half_the_micro_batch(
+        minimal_manifest: dict) -> None:
+    job = _oom_job(minimal_manifest, running_status(restarts=1, restartAttempt=1))
+    oom = replace(worker_pod(FAILURE_SHAPES[0][1], nodes={"node-a"}), restart_attempt=1)
+    out = run(job, pod(0, attempt=1), oom)
+    assert out.status is not None
+    assert out.status["phase"] == "Restarting"
+    assert out.status["effective"] == {
+        "microBatchSize": 4, "gradientAccumulationSteps": 4, "outOfMemoryRestarts": 1,
+        "reason": "demo-worker-1 OOMKilled at micro-batch 8", "time": "2025-01-01T12:00:00Z"}
+    # Not counted in maxRestarts; a new restart attempt for every pod; no backoff.
+    assert (out.status["restarts"], out.status["restartAttempt"]) == (1, 2)
+    assert out.deleted_names == ["demo-worker-0", "demo-worker-1"]
+    assert ("Normal", "MicroBatchHalved") in out.events
+    assert out.condition("Restarting")["reason"] == "OutOfMemory"
+    # The spec is never written: the trainer reads the halved values from the ConfigMap.
+    snapshot = _config_snapshot(out)
+    assert snapshot["spec"]["optimization"]["microBatchSize"] == 8
+    assert snapshot["status"]["effective"]["microBatchSize"] == 4
+    assert parse_job(snapshot).micro_batch_size == 4
+    # The status write comes before the ConfigMap's, both before any pod exists again.
+    kinds = [type(a).__name__ for a in out.actions]
+    assert kinds.index("WriteStatus") < kinds.index("UpdateConfigMap")
+    after = run(make_job(minimal_manifest | {"spec": job.spec.wire()}, status=out.status),
+                now=NOW)
+    assert [c[1] for c in after.created] == ["demo-worker-0", "demo-worker-1"]
+
+
+def test_the_global_batch_is_kept_with_global_batch_tokens_too(minimal_manifest: dict) -> None:
+    manifest = copy.deepcopy(minimal_manifest)
+    # 2 workers x 6 sequences x 1024 tokens x 3 micro-steps: 36864 tokens a step.
+    manifest["spec"]["optimization"] = {"microBatchSize": 6, "globalBatchTokens": 36864}
+    job = make_job(manifest, status=running_status())
+    oom = worker_pod(FAILURE_SHAPES[2][1], nodes={"node-a"})  # CUDAOutOfMemory
+    out = run(job, pod(0), replace(oom, created_at=EARLIER))
+    assert out.status is not None
+    effective = out.status["effective"]
+    assert (effective["microBatchSize"], effective["gradientAccumulationSteps"]) == (3, 6)
+    assert 2 * 3 * 1024 * 6 == 36864
+
+
+def test_oom_at_the_smallest_micro_batch_fails_the_job_with_estimates_advice(
+        minimal_manifest: dict) -> None:
+    effective = {"microBatchSize": 2, "gradientAccumulationSteps": 8, "outOfMemoryRestarts": 2}
+    job = _oom_job(minimal_manifest, running_status(effective=effective), minMicroBatch=2)
+    out = run(job, pod(0), replace(worker_pod(FAILURE_SHAPES[0][1], nodes={"node-a"}),
+                                   created_at=EARLIER))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    failed = out.condition("Failed")
+    assert failed["reason"] == "OutOfMemory"
+    assert "no smaller micro-batch is left (runPolicy.outOfMemory.minMicroBatch: 2" in (
+        failed["message"])
+    assert "kubetrain estimate" in failed["message"]
+    assert ("Warning", "OutOfMemory") in out.events
+
+
+def test_oom_restarts_have_their_own_limit_of_log2_of_the_micro_batch(
+        minimal_manifest: dict) -> None:
+    status = running_status()
+    seen = []
+    for _ in range(5):
+        job = _oom_job(minimal_manifest, status)
+        oom = replace(worker_pod(FAILURE_SHAPES[0][1], nodes={"node-a"}), created_at=EARLIER,
+                      restart_attempt=status.get("restartAttempt", 0))
+        out = run(job, pod(0, attempt=status.get("restartAttempt", 0)), oom)
+        assert out.status is not None
+        status = out.status
+        seen.append(status["effective"]["microBatchSize"])
+        if status["phase"] == "Failed":
+            break
+    assert seen == [4, 2, 1, 1]  # log2(8) = 3 halvings, then the job fails
+    assert status["restarts"] == 0
+    assert out.condition("Failed")["reason"] == "OutOfMemory"
+
+
+def test_action_fail_ends_the_job_at_the_first_oom(minimal_manifest: dict) -> None:
+    job = _oom_job(minimal_manifest, running_status(), action="Fail")
+    out = run(job, pod(0), replace(worker_pod(FAILURE_SHAPES[0][1], nodes={"node-a"}),
+                                   created_at=EARLIER))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert "runPolicy.outOfMemory.action is Fail" in out.condition("Failed")["message"]
+
+
+def test_a_config_map_left_at_the_old_micro_batch_is_rewritten(minimal_manifest: dict) -> None:
+    effective = {"microBatchSize": 4, "gradientAccumulationSteps": 4, "outOfMemoryRestarts": 1}
+    job = _oom_job(minimal_manifest, running_status(effective=effective))
+    observed = Observed(pods=(pod(0), pod(1)), service=True, config_generation=1,
+                        config_micro_batch=8)
+    updates = [a for a in reconcile(job, observed, NOW) if isinstance(a, UpdateConfigMap)]
+    assert [update_micro(u) for u in updates] == [4]
+    current = Observed(pods=(pod(0), pod(1)), service=True, config_generation=1,
+                       config_micro_batch=4)
+    assert not [a for a in reconcile(job, current, NOW) if isinstance(a, UpdateConfigMap)]
+
+
+def test_status_effective_shows_the_spec_batch_before_any_oom(minimal_manifest: dict) -> None:
+    out = run(_oom_job(minimal_manifest, running_status()), pod(0), pod(1))
+    assert out.status is not None
+    assert out.status["effective"] == {"microBatchSize": 8, "gradientAccumulationSteps": 2,
+                                       "outOfMemoryRestarts": 0}

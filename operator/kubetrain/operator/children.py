@@ -19,6 +19,8 @@ INDEX_LABEL = "kubetrain.io/worker-index"
 ATTEMPT_LABEL = "kubetrain.io/restart-attempt"
 # On the ConfigMap: the job's metadata.generation its snapshot was taken from.
 GENERATION_ANNOTATION = "kubetrain.io/job-generation"
+# On the ConfigMap: the micro-batch its snapshot tells the trainer to use (status.effective).
+MICRO_BATCH_ANNOTATION = "kubetrain.io/micro-batch-size"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetrain"}
 
 TRAINER_CONTAINER = "trainer"
@@ -107,12 +109,15 @@ def service(job: TrainingJob) -> dict[str, Any]:
 
 
 def job_snapshot(job: TrainingJob) -> str:
-    """The manifest the trainer reads at /etc/kubetrain/job.yaml: the spec, without status."""
+    """The manifest the trainer reads at /etc/kubetrain/job.yaml: the spec, and of the status
+    only `effective` (the micro-batch an out-of-memory restart chose), never the spec changed."""
     meta: dict[str, Any] = {"name": job.metadata.name}
     if job.metadata.namespace:
         meta["namespace"] = job.metadata.namespace
-    document = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
-                "spec": job.spec.wire()}
+    document: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
+                                "spec": job.spec.wire()}
+    if job.status is not None and job.status.effective is not None:
+        document["status"] = {"effective": job.status.effective.wire()}
     # libyaml's emitter: the pure-Python one costs milliseconds per job at every create.
     return yaml.dump(document, Dumper=yaml.CSafeDumper, sort_keys=False)
 
@@ -120,11 +125,13 @@ def job_snapshot(job: TrainingJob) -> str:
 def config_map(job: TrainingJob) -> dict[str, Any]:
     """The ConfigMap `<job>-config` holding the trainer's config snapshot.
 
-    Annotated with the spec generation it holds, so the operator can tell a stale one
-    (the spec changed) without comparing snapshots.
+    Annotated with the spec generation and the micro-batch it holds, so the operator can
+    tell a stale one (the spec changed, or an out-of-memory restart halved the micro-batch)
+    without comparing snapshots.
     """
     metadata = _metadata(job, config_map_name(job.metadata.name), {})
-    metadata["annotations"] = {GENERATION_ANNOTATION: str(job.metadata.generation or 0)}
+    metadata["annotations"] = {GENERATION_ANNOTATION: str(job.metadata.generation or 0),
+                               MICRO_BATCH_ANNOTATION: str(job.micro_batch_size)}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

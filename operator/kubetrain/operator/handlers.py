@@ -52,6 +52,7 @@ from kubetrain.operator.observed import (
 )
 from kubetrain.operator.reconcile import (
     Action,
+    CountFailure,
     CountRestart,
     CreateObject,
     DeleteJob,
@@ -80,7 +81,7 @@ class Indexes:
     jobs: kopf.Index  # (namespace, name) -> [job]
     pods: kopf.Index  # (namespace, job name) -> [pod]
     services: kopf.Index  # (namespace, job name) -> ["Service"]
-    config_maps: kopf.Index  # (namespace, job name) -> [generation of the snapshot held]
+    config_maps: kopf.Index  # (namespace, job name) -> [(generation, micro-batch) held]
     nodes: kopf.Index  # node name -> [True]
 
 
@@ -99,8 +100,9 @@ class JobMemory:
     status: dict[str, Any] | None = None
     created: dict[str, tuple[WorkerPod, float]] = field(default_factory=dict)
     deleted: dict[str, float] = field(default_factory=dict)
-    # Service and ConfigMap written: kind -> (generation written, when)
-    children: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Service and ConfigMap written: kind -> (version written, when); a ConfigMap's version
+    # is (generation, micro-batch), the Service's 0.
+    children: dict[str, tuple[Any, float]] = field(default_factory=dict)
     # The API server's last refusal of a child, already reported as a FailedCreate event.
     refused: str = ""
 
@@ -136,10 +138,19 @@ def _keys(index: kopf.Index) -> list[Any]:
             continue
 
 
-def _held_generation(manifest: Mapping[str, Any]) -> int:
-    """The job generation a child was built from (0 for the Service, which has none)."""
+def _annotated(annotations: Mapping[str, str], key: str) -> int | None:
+    value = annotations.get(key, "")
+    return int(value) if value.isdigit() else None
+
+
+def _held_version(manifest: Mapping[str, Any]) -> Any:
+    """What a child was built from: (job generation, micro-batch) for the ConfigMap, 0 for
+    the Service."""
+    if manifest["kind"] != "ConfigMap":
+        return 0
     annotations = manifest["metadata"].get("annotations") or {}
-    return int(annotations.get(children.GENERATION_ANNOTATION, 0))
+    return (_annotated(annotations, children.GENERATION_ANNOTATION) or 0,
+            _annotated(annotations, children.MICRO_BATCH_ANNOTATION))
 
 
 def _now() -> datetime:
@@ -214,10 +225,11 @@ class TrainingJobController:
 
     @staticmethod
     async def index_config_map(namespace: str, labels: kopf.Labels,
-                               annotations: kopf.Annotations, **_: Any) -> dict[JobKey, int]:
-        generation = annotations.get(children.GENERATION_ANNOTATION, "0")
-        return {(namespace, labels[children.JOB_LABEL]): int(generation) if generation.isdigit()
-                else 0}
+                               annotations: kopf.Annotations,
+                               **_: Any) -> dict[JobKey, tuple[int, int | None]]:
+        return {(namespace, labels[children.JOB_LABEL]): (
+            _annotated(annotations, children.GENERATION_ANNOTATION) or 0,
+            _annotated(annotations, children.MICRO_BATCH_ANNOTATION))}
 
     @staticmethod
     async def index_node(name: str, **_: Any) -> dict[str, bool]:
@@ -387,16 +399,18 @@ class TrainingJobController:
                 seen[name] = replace(pod, created_at=now)
             else:
                 del memory.created[name]
-        indexed: dict[str, int | None] = {
+        indexed: dict[str, Any] = {
             "Service": 0 if _snapshot(indexes.services, key) else None,
             "ConfigMap": next(iter(_snapshot(indexes.config_maps, key)), None)}
-        for kind, (generation, since) in list(memory.children.items()):
-            if indexed[kind] == generation or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
+        for kind, (version, since) in list(memory.children.items()):
+            if indexed[kind] == version or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
                 del memory.children[kind]
             else:
-                indexed[kind] = generation
+                indexed[kind] = version
+        config = indexed["ConfigMap"]
         return Observed(pods=tuple(seen.values()), service=indexed["Service"] is not None,
-                        config_generation=indexed["ConfigMap"])
+                        config_generation=config[0] if config is not None else None,
+                        config_micro_batch=config[1] if config is not None else None)
 
     def scrape(self, pods: Iterable[WorkerPod], port: int) -> Any:
         """Rank 0's training metrics, or None when it is not up or not answering."""
@@ -463,7 +477,7 @@ class TrainingJobController:
             meta = action.manifest["metadata"]
             self.writer.patch_config_map(namespace, meta["name"], {
                 "metadata": {"annotations": meta["annotations"]}, "data": action.manifest["data"]})
-            memory.children["ConfigMap"] = (_held_generation(action.manifest), time.monotonic())
+            memory.children["ConfigMap"] = (_held_version(action.manifest), time.monotonic())
         elif isinstance(action, DeletePod):
             try:
                 self.writer.delete_pod(namespace, action.name, action.grace_period_seconds)
@@ -480,6 +494,8 @@ class TrainingJobController:
             self.metrics.group_restarts.labels(action.reason).inc()
             if action.hang:
                 self.metrics.hang_restarts.inc()
+        elif isinstance(action, CountFailure):
+            self.metrics.worker_failures.labels(action.failure_class).inc()
 
     def _event(self, job: Mapping[str, Any], action: RecordEvent) -> dict[str, Any]:
         """A core/v1 Event about the job (what `kubectl describe tj` lists)."""
@@ -511,4 +527,4 @@ class TrainingJobController:
             pod = worker_pod(manifest)
             memory.created[pod.name] = (pod, time.monotonic())
         else:
-            memory.children[kind] = (_held_generation(manifest), time.monotonic())
+            memory.children[kind] = (_held_version(manifest), time.monotonic())

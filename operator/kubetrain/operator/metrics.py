@@ -34,6 +34,10 @@ class OperatorMetrics:
         self.hang_restarts = Counter(
             "kubetrain_operator_hang_restarts",
             "Restarts because the training step stopped advancing.", registry=self.registry)
+        # Named for the workers, not the operator: what dashboards and alerts ask about.
+        self.worker_failures = Counter(
+            "kubetrain_worker_failures", "Worker pod failures by failure class "
+            "(status.lastFailure.class).", ["class"], registry=self.registry)
         self.api_errors = Counter("kubetrain_operator_api_errors",
                                   "Kubernetes API calls that failed.", registry=self.registry)
 

@@ -24,6 +24,19 @@ DISRUPTION_REASONS = frozenset({
 })
 
 
+# The trainer's termination-message line that says why it failed (kubetrain.trainer.metrics).
+FAILURE_INFO = "kubetrain_worker_failure_info"
+
+
+@dataclass(frozen=True)
+class TrainerFailure:
+    """What a trainer that failed said about it in its termination message."""
+
+    failure_class: str
+    message: str = ""
+    micro_batch_size: int | None = None
+
+
 @dataclass(frozen=True)
 class WorkerPod:
     """One observed worker pod."""
@@ -41,6 +54,14 @@ class WorkerPod:
     ip: str | None = None
     # What the trainer left in its termination log, once the container ended.
     termination_message: str | None = None
+    node: str | None = None
+    # The DisruptionTarget condition's reason (preemption, eviction, taint manager), if any.
+    disruption: str | None = None
+    # The pod's own status reason and message (the kubelet's words about an eviction or an
+    # OOM kill), which the container's reason may hide.
+    pod_reason: str | None = None
+    pod_message: str | None = None
+    trainer_failure: TrainerFailure | None = None
 
     @property
     def active(self) -> bool:
@@ -79,6 +100,8 @@ class Observed:
     service: bool = False
     # The job generation the ConfigMap's snapshot was taken from (0: unknown); None: absent.
     config_generation: int | None = None
+    # The micro-batch its snapshot tells the trainer to use; None: not annotated (the spec's).
+    config_micro_batch: int | None = None
     metrics: MetricsSample | None = None
 
 
@@ -121,8 +144,10 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
     terminated = _terminated(status)
     phase = status.get("phase") or "Pending"
     reason = terminated.get("reason") or status.get("reason")
+    disruption = None
     if _condition(status, "DisruptionTarget").get("status") == "True":
-        reason = _condition(status, "DisruptionTarget").get("reason") or "DisruptionTarget"
+        reason = disruption = (_condition(status, "DisruptionTarget").get("reason")
+                               or "DisruptionTarget")
     node = (pod.get("spec") or {}).get("nodeName")
     return WorkerPod(
         name=meta.get("name", ""),
@@ -137,7 +162,29 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
         node_lost=bool(node) and nodes is not None and node not in nodes,
         ip=status.get("podIP"),
         termination_message=terminated.get("message"),
+        node=node or None,
+        disruption=disruption,
+        pod_reason=status.get("reason"),
+        pod_message=status.get("message"),
+        trainer_failure=trainer_failure(terminated.get("message")),
     )
+
+
+def trainer_failure(termination_message: str | None) -> TrainerFailure | None:
+    """The failure line of a trainer's termination message, if it wrote one."""
+    if not termination_message or FAILURE_INFO not in termination_message:
+        return None
+    try:
+        families = list(text_string_to_metric_families(termination_message))
+    except ValueError:
+        return None
+    for family in families:
+        for sample in family.samples:
+            if sample.name == FAILURE_INFO and "class" in sample.labels:
+                micro = sample.labels.get("micro_batch_size", "")
+                return TrainerFailure(sample.labels["class"], sample.labels.get("message", ""),
+                                      int(micro) if micro.isdigit() else None)
+    return None
 
 
 def final_metrics(pods: Iterable[WorkerPod]) -> MetricsSample | None:

@@ -10,9 +10,16 @@ Recovery policy, in the order it is checked:
 - a finished job only cleans up (cleanPodPolicy) and expires (ttlSecondsAfterFinished);
 - activeDeadlineSeconds fails the job; rank 0 exiting 0 completes it;
 - suspend deletes the pods and keeps the job;
+- every failed pod gets a failure class (kubetrain.operator.failures), recorded in
+  status.lastFailure and status.failures, an event and a metric;
 - a failed pod is classed by its exit code: permanent codes fail the job, the same
   non-signal code repeated without progress fails it, anything else is retried;
   pods on lost nodes and pods Pending past their deadline are retried too;
+- a worker out of memory (OOMKilled, CUDAOutOfMemory) restarts the whole group with the
+  micro-batch halved and the accumulation doubled (runPolicy.outOfMemory: Halve), written
+  to status.effective and the ConfigMap, never to the spec; such restarts do not count
+  against maxRestarts and need no backoff (the cause is fixed, not waited out); with
+  nothing smaller left, or action Fail, the job fails with reason OutOfMemory;
 - a retry replaces the broken pods under their names with the next restart-attempt
   label; when worker 0 (the rendezvous host) is among them, the whole group is
   recreated, because the survivors cannot re-form without it;
@@ -31,17 +38,21 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from kubetrain.api.trainingjob import (
+    OUT_OF_MEMORY_CLASSES,
     BadputSeconds,
     BestCheckpointStatus,
     CheckpointStatus,
     Condition,
+    EffectiveBatch,
     FailureStreak,
     GoodputStatus,
     TrainingJob,
     TrainingJobStatus,
+    WorkerFailure,
     step_folder,
 )
 from kubetrain.operator import children
+from kubetrain.operator.failures import classify, describe
 from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
 
 FINISHED = ("Succeeded", "Failed")
@@ -51,6 +62,14 @@ HUNG_GROUP_GRACE_SECONDS = 5
 
 # The trainer's exit code for "another rank was signalled; restart me into the new group".
 RESTART_ME_EXIT_CODE = 75
+# status.lastFailure.message is cut here: a termination message may hold 4 KiB.
+FAILURE_MESSAGE_LIMIT = 1024
+# Restarts that re-form the whole group: a hang, and a new micro-batch every rank must use.
+WHOLE_GROUP_REASONS = ("ProgressDeadlineExceeded", "OutOfMemory")
+ESTIMATE_ADVICE = (
+    "run `kubetrain estimate` on the job for a configuration that fits: activation "
+    "checkpointing (parallelism.activationCheckpointing), more workers with strategy fsdp, "
+    "or more memory per worker (spec.workers.resources.limits.memory)")
 
 
 # --- actions ------------------------------------------------------------------------
@@ -114,8 +133,15 @@ class CountRestart:
     hang: bool = False
 
 
+@dataclass(frozen=True)
+class CountFailure:
+    """Bookkeeping for the metric kubetrain_worker_failures_total: a worker failed thus."""
+
+    failure_class: str
+
+
 Action = (CreateObject | UpdateConfigMap | DeletePod | DeleteJob | WriteStatus | RecordEvent
-          | CountRestart)
+          | CountRestart | CountFailure)
 
 
 # --- the decision -------------------------------------------------------------------
@@ -153,15 +179,6 @@ def goodput_status(wall_seconds: Mapping[str, float]) -> GoodputStatus:
     return GoodputStatus(ratio=round(productive / wall, 4) if wall > 0 else 1.0,
                          productive_seconds=round(productive), wall_seconds=round(wall),
                          badput_seconds=BadputSeconds(**badput))
-
-
-def _describe(pod: WorkerPod) -> str:
-    if pod.node_lost:
-        return f"{pod.name} lost its node"
-    if pod.exit_code is None:
-        return f"{pod.name} failed ({pod.reason or 'no exit code'})"
-    why = f" ({pod.reason})" if pod.reason and pod.reason != "Error" else ""
-    return f"{pod.name} exited with code {pod.exit_code}{why}"
 
 
 @dataclass
@@ -246,23 +263,29 @@ class _Decision:
         self.event(reason, message, warning=phase == "Failed")
 
     def restart(self, reason: str, message: str, broken: list[WorkerPod], *,
-                whole_group: bool) -> None:
-        """Count a restart and delete the pods to replace (all of them for a whole-group one)."""
+                whole_group: bool, counted: bool = True) -> None:
+        """Count a restart and delete the pods to replace (all of them for a whole-group one).
+
+        An uncounted restart (out of memory: its own limit) spends no maxRestarts and waits
+        no backoff.
+        """
         policy = self.job.spec.run_policy
-        self.status.last_failure = message  # also the failure that ends the job
-        if self.status.restarts >= policy.max_restarts:
+        if counted and self.status.restarts >= policy.max_restarts:
             self.finish("Failed", "MaxRestartsExceeded",
                         f"{message}; the job already restarted {self.status.restarts} times "
                         f"(runPolicy.maxRestarts: {policy.max_restarts})")
             return
-        self.status.restarts += 1
+        if counted:
+            self.status.restarts += 1
         self.status.restart_attempt += 1
         self.status.last_restart_time = self.now
         self.status.phase = "Restarting"
         scope = "the whole group" if whole_group else ", ".join(pod.name for pod in broken)
-        delay = backoff_seconds(self.job, self.status.restarts)
-        text = (f"{message}: restarting {scope} (restart {self.status.restarts} of "
-                f"{policy.max_restarts}, in {delay:g}s); workers resume from the latest checkpoint")
+        delay = backoff_seconds(self.job, self.status.restarts) if counted else 0.0
+        which = (f"restart {self.status.restarts} of {policy.max_restarts}" if counted
+                 else "not counted in runPolicy.maxRestarts")
+        text = (f"{message}: restarting {scope} ({which}, in {delay:g}s); workers resume "
+                "from the latest checkpoint")
         self.condition("Restarting", True, reason, text)
         self.condition("Running", False, reason)
         self.event(reason, text, warning=True)
@@ -279,7 +302,28 @@ class _Decision:
         status.workers.selector = children.worker_selector(self.name)
         status.workers.ready = sum(
             1 for pod in self.live_pods() if pod.ready and pod.index < self.replicas)
+        self.observe_effective()
         self.observe_progress()
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.job.spec.workers.procs_per_worker
+
+    def observe_effective(self) -> None:
+        """status.effective: the micro-batch in use (the spec's until an OOM restart) and
+        the accumulation that keeps the global batch at the job's replicas."""
+        spec = self.job.spec
+        effective = self.status.effective
+        micro = effective.micro_batch_size if effective else spec.optimization.micro_batch_size
+        if micro > spec.optimization.micro_batch_size or spec.optimization.micro_batch_size % micro:
+            # Not a divisor of the spec's any more (only a new job of the same name does that).
+            effective, micro = None, spec.optimization.micro_batch_size
+        accumulation = spec.gradient_accumulation(self.world_size, micro)
+        if effective is None:
+            self.status.effective = EffectiveBatch(micro_batch_size=micro,
+                                                   gradient_accumulation_steps=accumulation)
+        else:
+            effective.gradient_accumulation_steps = accumulation
 
     def observe_progress(self) -> None:
         sample = self.observed.metrics
@@ -350,16 +394,25 @@ class _Decision:
             self.status.completion_time = None
             self.condition("Failed", False, "SpecCorrected", "the spec is valid now")
 
+    def job_as_run(self) -> TrainingJob:
+        """The job with the status being decided: what the ConfigMap's snapshot carries."""
+        return self.job.model_copy(update={"status": self.status})
+
     def ensure_service_and_config(self) -> None:
         if not self.observed.service:
             self.actions.append(CreateObject(children.service(self.job)))
         generation = self.job.metadata.generation
         held = self.observed.config_generation
+        micro = self.job_as_run().micro_batch_size
+        held_micro = self.observed.config_micro_batch or self.job.spec.optimization.micro_batch_size
         if held is None:
-            self.actions.append(CreateObject(children.config_map(self.job)))
+            self.actions.append(CreateObject(children.config_map(self.job_as_run())))
+        elif held_micro != micro:
+            # An out-of-memory restart's new micro-batch, not yet written (the write failed).
+            self.actions.append(UpdateConfigMap(children.config_map(self.job_as_run())))
         elif generation is not None and held != generation:
             # Running workers keep the config they started with; restarts read the new one.
-            self.actions.append(UpdateConfigMap(children.config_map(self.job)))
+            self.actions.append(UpdateConfigMap(children.config_map(self.job_as_run())))
             self.event("ConfigUpdated",
                        f"{children.config_map_name(self.name)} holds the spec of generation "
                        f"{generation} now; workers read it when they next start")
@@ -421,7 +474,7 @@ class _Decision:
         covered = [pod for pod in failed if failure_class(pod, codes) != "permanent"] + stuck
         restarting = next((c for c in status.conditions if c.type == "Restarting"), None)
         reason = (restarting.reason if restarting is not None else None) or "Restarting"
-        whole_group = (reason == "ProgressDeadlineExceeded"
+        whole_group = (reason in WHOLE_GROUP_REASONS
                        or any(pod.index == 0 for pod in covered))
         for pod in older if whole_group else covered:
             self.delete(pod, reason)
@@ -434,28 +487,95 @@ class _Decision:
         if not failed and not stuck:
             return
 
+        kinds = {pod.name: classify(pod, policy.permanent_exit_codes) for pod in failed}
+        self.record_failures(failed, kinds)
         classes = {pod.name: failure_class(pod, policy.permanent_exit_codes) for pod in failed}
         permanent = [pod for pod in failed if classes[pod.name] == "permanent"]
         if permanent:
             self.finish("Failed", "PermanentError",
-                        f"{_describe(permanent[0])}, listed in runPolicy.permanentExitCodes: "
-                        "fix the configuration or code and create the job again")
+                        f"{describe(permanent[0], kinds[permanent[0].name])}, listed in "
+                        "runPolicy.permanentExitCodes: fix the configuration or code and "
+                        "create the job again")
+            return
+        broken = failed + stuck
+        out_of_memory = [pod for pod in failed if kinds[pod.name] in OUT_OF_MEMORY_CLASSES]
+        if out_of_memory:
+            self.heal_out_of_memory(out_of_memory[0], kinds[out_of_memory[0].name], broken)
             return
         coded = [pod for pod in failed if classes[pod.name] == "code"]
-        if coded and self.repeated_failure(coded[0]):
+        if coded and self.repeated_failure(coded[0], kinds[coded[0].name]):
             return
 
-        broken = failed + stuck
         if failed:
             reason = "NodeLost" if all(pod.node_lost for pod in failed) else "WorkerFailed"
-            message = "; ".join(_describe(pod) for pod in failed)
+            message = "; ".join(describe(pod, kinds[pod.name]) for pod in failed)
         else:
             reason = "PendingTimeout"
             message = "; ".join(f"{pod.name} was Pending for over "
                                 f"{policy.pending_deadline_seconds}s" for pod in stuck)
         self.restart(reason, message, broken, whole_group=any(pod.index == 0 for pod in broken))
 
-    def repeated_failure(self, pod: WorkerPod) -> bool:
+    def record_failures(self, failed: list[WorkerPod], kinds: dict[str, str]) -> None:
+        """status.lastFailure and the counts by class, an event and a metric per failed pod.
+
+        Runs once per failure: the same pass restarts the pods (or ends the job), and a
+        restart in progress covers any pod that fails before it is replaced.
+        """
+        # The most telling failure is the last one: the others are often its consequence
+        # (a rank out of memory breaks its peers' collectives, which end Unknown).
+        ranked = sorted(failed, key=lambda pod: kinds[pod.name] != "Unknown")
+        for pod in ranked:
+            kind = kinds[pod.name]
+            text = describe(pod, kind)
+            node = pod.node or "an unknown node"
+            self.status.failures[kind] = self.status.failures.get(kind, 0) + 1
+            self.status.last_failure = WorkerFailure(
+                class_=kind, pod=pod.name, node=pod.node, exit_code=pod.exit_code,
+                message=text[:FAILURE_MESSAGE_LIMIT], time=self.now)
+            self.event("WorkerFailure", f"{pod.name} on {node}: {kind}: {text}", warning=True)
+            self.actions.append(CountFailure(kind))
+
+    def heal_out_of_memory(self, pod: WorkerPod, kind: str, broken: list[WorkerPod]) -> None:
+        """Restart the group with half the micro-batch, or fail with reason OutOfMemory."""
+        spec = self.job.spec
+        policy = spec.run_policy.out_of_memory
+        effective = self.status.effective
+        assert effective is not None  # observe_effective set it
+        current = effective.micro_batch_size
+        what = f"{describe(pod, kind)}: out of memory at micro-batch {current}"
+        advice = ESTIMATE_ADVICE
+        if pod.trainer_failure is not None and "kubetrain estimate" in pod.trainer_failure.message:
+            advice = "see kubetrain estimate's advice above"
+        smaller = spec.halved_micro_batch(current)
+        limit = spec.out_of_memory_restart_limit()
+        if policy.action == "Fail":
+            why = "runPolicy.outOfMemory.action is Fail"
+        elif smaller is None:
+            why = (f"no smaller micro-batch is left (runPolicy.outOfMemory.minMicroBatch: "
+                   f"{policy.min_micro_batch}; a smaller one must divide "
+                   f"optimization.microBatchSize, {spec.optimization.micro_batch_size})")
+        elif effective.out_of_memory_restarts >= limit:
+            why = (f"{effective.out_of_memory_restarts} out-of-memory restarts already, the "
+                   f"most log2(optimization.microBatchSize) allows")
+        else:
+            accumulation = spec.gradient_accumulation(self.world_size, smaller)
+            self.status.effective = EffectiveBatch(
+                micro_batch_size=smaller, gradient_accumulation_steps=accumulation,
+                out_of_memory_restarts=effective.out_of_memory_restarts + 1,
+                reason=f"{pod.name} {kind} at micro-batch {current}", time=self.now)
+            self.event("MicroBatchHalved",
+                       f"{pod.name} ran out of memory ({kind}) at micro-batch {current}: the "
+                       f"group restarts with micro-batch {smaller} and gradient accumulation "
+                       f"{accumulation} (global batch unchanged; the spec is not changed, "
+                       f"status.effective holds the values; out-of-memory restart "
+                       f"{effective.out_of_memory_restarts + 1} of at most {limit})")
+            self.restart("OutOfMemory", what, broken, whole_group=True, counted=False)
+            # Before any replacement exists: the new pods read the new micro-batch.
+            self.actions.append(UpdateConfigMap(children.config_map(self.job_as_run())))
+            return
+        self.finish("Failed", "OutOfMemory", f"{what}, and {why}: {advice}")
+
+    def repeated_failure(self, pod: WorkerPod, kind: str) -> bool:
         """Track the streak of one exit code; True when it failed the job."""
         assert pod.exit_code is not None  # "code" failures always have one
         step = self.status.progress.step
@@ -469,7 +589,7 @@ class _Decision:
         if streak.count < limit:
             return False
         self.finish("Failed", "RepeatedFailure",
-                    f"{_describe(pod)} in {streak.count} attempts in a row with no progress "
+                    f"{describe(pod, kind)} in {streak.count} attempts in a row with no progress "
                     f"past step {step} (runPolicy.repeatedFailureLimit: {limit}): check the "
                     "trainer's logs (kubectl logs)")
         return True
@@ -498,7 +618,9 @@ class _Decision:
 
     def create_missing(self) -> None:
         if self.status.phase == "Restarting" and self.status.last_restart_time is not None:
-            delay = backoff_seconds(self.job, self.status.restarts)
+            restarting = next((c for c in self.status.conditions if c.type == "Restarting"), None)
+            uncounted = restarting is not None and restarting.reason == "OutOfMemory"
+            delay = 0.0 if uncounted else backoff_seconds(self.job, self.status.restarts)
             if self.now < self.status.last_restart_time + timedelta(seconds=delay):
                 return
         # A pod still being deleted keeps its name: its replacement waits until it is gone.

@@ -1,0 +1,70 @@
+"""Why a worker pod ended: its failure class, from what the API and the trainer report.
+
+Pure: a `WorkerPod` (the facts `kubetrain.operator.observed` read from the pod's
+status, the node it was bound to and its trainer's termination message) becomes a
+class, the one a user reads in status.lastFailure.class, the events and the metric
+`kubetrain_worker_failures_total{class}`. What the operator does about a class is
+`kubetrain.operator.reconcile`'s: only the two out-of-memory classes change its
+course (the micro-batch is halved); the rest keep the restart policy they had.
+
+The classes, in the order they are decided:
+- NodeLost: the pod's node is gone or unreachable, or the taint manager deleted it;
+- Preempted: the scheduler preempted it, or its node shut down under it (a spot
+  reclaim, graceful node shutdown);
+- Evicted: the kubelet evicted it (node pressure) or the Eviction API did (a drain);
+- OOMKilled: the container's reason, or exit 137 with an out-of-memory reason or
+  message on the pod (some runtimes leave the container reason Error);
+- CUDAOutOfMemory, CollectiveTimeout: what the trainer wrote into its termination
+  message before exiting (`kubetrain_worker_failure_info{class=...}`), since neither
+  shows in the pod's status: torchrun exits 1 whatever its worker died of;
+- UserError: an exit code in runPolicy.permanentExitCodes;
+- Unknown: anything else (a Python exception, a signal from outside).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from kubetrain.operator.observed import WorkerPod
+
+# DisruptionTarget condition reasons (Kubernetes 1.26+) and pod reasons, by class.
+_PREEMPTED = frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler", "Preempting",
+                        "Shutdown", "NodeShutdown", "Terminated"})
+_EVICTED = frozenset({"Evicted", "EvictionByEvictionAPI", "TerminationByKubelet"})
+_NODE_LOST = frozenset({"NodeLost", "DeletionByTaintManager", "DeletionByPodGC"})
+OOM_EXIT_CODE = 137  # 128 + SIGKILL, what the kernel's OOM killer leaves
+TRAINER_CLASSES = frozenset({"CUDAOutOfMemory", "CollectiveTimeout"})
+
+
+def classify(pod: WorkerPod, permanent_exit_codes: Collection[int]) -> str:
+    """The failure class of a pod that failed or lost its node (see the module docstring)."""
+    reasons = {pod.reason, pod.disruption, pod.pod_reason}
+    if pod.node_lost or reasons & _NODE_LOST:
+        return "NodeLost"
+    if reasons & _PREEMPTED:
+        return "Preempted"
+    if reasons & _EVICTED:
+        return "Evicted"
+    if "OOMKilled" in reasons or (
+            pod.exit_code == OOM_EXIT_CODE and "oom" in (pod.pod_message or "").lower()):
+        return "OOMKilled"
+    if pod.trainer_failure is not None and pod.trainer_failure.failure_class in TRAINER_CLASSES:
+        return pod.trainer_failure.failure_class
+    if pod.exit_code is not None and pod.exit_code in permanent_exit_codes:
+        return "UserError"
+    return "Unknown"
+
+
+def describe(pod: WorkerPod, failure_class: str) -> str:
+    """One line about the failure: what the pod's status says, then what the trainer said."""
+    if pod.node_lost:
+        what = f"{pod.name} lost its node"
+    elif pod.exit_code is None:
+        what = f"{pod.name} failed ({pod.disruption or pod.reason or 'no exit code'})"
+    else:
+        why = f" ({pod.reason})" if pod.reason and pod.reason != "Error" else ""
+        what = f"{pod.name} exited with code {pod.exit_code}{why}"
+    trainer = pod.trainer_failure
+    if trainer is not None and trainer.failure_class == failure_class and trainer.message:
+        what += f": {trainer.message}"
+    return what
