@@ -299,6 +299,22 @@ class ModelSpec(ApiModel):
         "set model.dynamics. A checkpoint always wins: the weights are read only when "
         "the job starts with no checkpoint of its own and none in checkpoint.resumeFrom.",
     )
+    architecture: Literal["transformer", "ssm"] = Field(
+        default="transformer",
+        description="transformer: the Llama-style decoder. ssm: a state-space model "
+        "(Mamba-2 style gated, selective SSM mixer in place of attention, the same SwiGLU "
+        "feed-forward), whose generation costs the same per token at any context length; "
+        "usually a distillation student (see fromTeacher). Its exports are marked "
+        "model_type kubetrain_ssm, which Hugging Face transformers does not load; "
+        "`kubetrain generate` and model.init do.",
+    )
+    from_teacher: bool = Field(
+        default=False,
+        description="Size the model from distillation.teacher's config.json: its width, "
+        "depth, heads, feed-forward width and vocabulary, and start from the teacher's "
+        "token embeddings (and output projection). Needs spec.distillation. Dimensions set "
+        "here must agree with the teacher's (one that differs is refused, naming both).",
+    )
     preset: PresetName | Literal["custom"] = Field(
         default="llama-125m",
         description="Architecture preset: " + ", ".join(PRESET_NAMES) + ". Dimensions set "
@@ -345,8 +361,16 @@ class ModelSpec(ApiModel):
 
     @model_validator(mode="after")
     def _dimensions_resolve(self) -> ModelSpec:
-        if self.init is not None:
-            # The dimensions are config.json's, read by the trainer; it checks any set here.
+        if self.architecture == "ssm" and self.dynamics.enabled:
+            raise problem("dynamics.enabled", "INL dynamics act after attention, and "
+                          "architecture ssm has none: set dynamics.enabled false or "
+                          "architecture transformer")
+        if self.from_teacher and self.init is not None:
+            raise problem("fromTeacher", "and model.init both say where the weights start: "
+                          "remove one (fromTeacher takes the teacher's embeddings, model.init "
+                          "a whole model)")
+        if self.init is not None or self.from_teacher:
+            # The dimensions are a config.json's, read by the trainer; it checks any set here.
             return self
         if self.preset == "custom":
             missing = [n for n in ("dim", "n_layers", "n_heads") if getattr(self, n) is None]
@@ -878,6 +902,14 @@ class TrainingJobSpec(ApiModel):
     run_policy: RunPolicy = Field(
         default_factory=RunPolicy, description="Restarts, deadlines, suspend and cleanup."
     )
+
+    @model_validator(mode="after")
+    def _from_teacher_needs_a_teacher(self) -> TrainingJobSpec:
+        if self.model.from_teacher and self.distillation is None:
+            raise problem("model.fromTeacher", "needs a teacher to size the model from: set "
+                          "distillation.teacher, or remove fromTeacher and give the "
+                          "dimensions")
+        return self
 
     @model_validator(mode="after")
     def _best_needs_evaluation(self) -> TrainingJobSpec:

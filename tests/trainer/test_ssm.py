@@ -4,10 +4,23 @@ build it are checked."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+import yaml
 
+from kubetrain.api.manifest import InvalidManifest, parse_job
 from kubetrain.api.presets import PRESETS
+from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.trainer.export import export_model
+from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.pretrained import load_embeddings
+from kubetrain.trainer.pretrained_config import PretrainedError, read_config, trained_model
 from kubetrain.trainer.sizing import ssm_parameter_count, ssm_state_elements
 from kubetrain.trainer.ssm import StateSpaceModel
 
@@ -105,3 +118,203 @@ def test_gradients_reach_every_parameter() -> None:
     missing = [name for name, p in model.named_parameters()
                if p.grad is None or not bool(p.grad.abs().sum() > 0)]
     assert not missing
+
+
+# --- the job fields --------------------------------------------------------------------
+
+
+def _job_spec(model: dict[str, Any], **sections: Any) -> TrainingJobSpec:
+    spec = {"image": "kubetrain/trainer:test", "model": model,
+            "data": {"train": "file:///data/train", "seqLen": 64},
+            "checkpoint": {"uri": "file:///checkpoints"}, **sections}
+    return parse_job({"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                      "metadata": {"name": "student"}, "spec": spec}).spec
+
+
+@pytest.mark.parametrize(("model", "sections", "expected"), [
+    ({"preset": "tiny", "architecture": "ssm", "dynamics": {"enabled": True}}, {},
+     r"spec\.model\.dynamics\.enabled: INL dynamics act after attention"),
+    ({"architecture": "ssm", "fromTeacher": True}, {},
+     r"spec\.model\.fromTeacher: needs a teacher to size the model from: set "
+     r"distillation\.teacher"),
+    ({"architecture": "ssm", "fromTeacher": True, "init": "file:///models/a"},
+     {"distillation": {"teacher": "file:///models/t"}},
+     r"spec\.model\.fromTeacher: and model\.init both say where the weights start"),
+])
+def test_contradictory_model_fields_are_refused_naming_the_field(
+        model: dict[str, Any], sections: dict[str, Any], expected: str) -> None:
+    with pytest.raises(InvalidManifest, match=expected):
+        _job_spec(model, **sections)
+
+
+@pytest.fixture
+def teacher_export(tmp_path: Path, prepared_corpus: Any) -> str:
+    """An untied three-layer transformer (random weights) exported as a teacher folder."""
+    spec = _job_spec({"preset": "tiny", "tieEmbeddings": False, "nLayers": 3},
+                     data={"train": prepared_corpus.train_uri, "seqLen": 64},
+                     checkpoint={"uri": str(tmp_path / "teacher")})
+    torch.manual_seed(3)
+    teacher = Transformer(spec.model.resolve(), max_seq_len=64)
+    return export_model(teacher, teacher.dims, spec, rank=0)
+
+
+def test_from_teacher_takes_the_teachers_dimensions_and_starts_from_its_embeddings(
+        teacher_export: str) -> None:
+    from safetensors.torch import load_file
+
+    spec = _job_spec({"architecture": "ssm", "fromTeacher": True, "nLayers": 3},
+                     distillation={"teacher": teacher_export})
+    same, dims = trained_model(spec)
+    teacher_dims = read_config(teacher_export, None).dims
+    assert same.model.architecture == "ssm" and dims == teacher_dims
+    assert (dims.n_layers, dims.tie_embeddings) == (3, False)
+
+    torch.manual_seed(0)
+    student = StateSpaceModel(dims, max_seq_len=64)
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    load_embeddings(student, teacher_export, None)
+    weights = load_file(teacher_export.removeprefix("file://") + "/model.safetensors")
+    assert torch.equal(student.tok_embeddings.weight, weights["model.embed_tokens.weight"])
+    assert torch.equal(student.output.weight, weights["lm_head.weight"])
+    unchanged = [name for name, p in student.named_parameters() if torch.equal(p, before[name])]
+    assert len(unchanged) == len(before) - 2  # everything but the two embeddings
+
+
+def test_from_teacher_refuses_a_dimension_that_contradicts_the_teacher_naming_both(
+        teacher_export: str) -> None:
+    spec = _job_spec({"architecture": "ssm", "fromTeacher": True, "dim": 128, "nLayers": 3},
+                     distillation={"teacher": teacher_export})
+    with pytest.raises(PretrainedError) as refused:
+        trained_model(spec)
+    message = str(refused.value)
+    assert "spec.model.dim is 128 but config.json at " in message
+    assert "says hidden_size 64: remove model.dim or set it to 64" in message
+    assert "model.fromTeacher takes the dimensions from the teacher's config.json" in message
+    assert "nLayers" not in message  # 3 agrees with the teacher
+
+
+# --- training, resuming, exporting and generating ----------------------------------------
+
+STEPS, HALF = 8, 4
+
+
+@pytest.fixture(scope="module")
+def trained(prepared_corpus: Any, launcher: Any,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny SSM job trained three ways, 8 sequences per step throughout: on one process
+    for 8 steps; and on 2 torchrun ranks (FSDP2 per block, full activation checkpointing)
+    for 4 steps, then resumed from that checkpoint on one process (rescaled 2 → 1) for
+    4 more, and exported. Constant learning rate after warmup, so a run of 4 steps
+    follows the same schedule as the first half of one of 8."""
+    folder = tmp_path_factory.mktemp("ssm-jobs")
+
+    def job(name: str, steps: int, micro: int, **spec: Any) -> Path:
+        manifest = {
+            "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+            "metadata": {"name": name},
+            "spec": {
+                "image": "kubetrain/trainer:test",
+                "model": {"preset": "tiny", "architecture": "ssm"},
+                "data": {"train": prepared_corpus.train_uri, "seqLen": 64},
+                "optimization": {"maxSteps": steps, "microBatchSize": micro,
+                                 "gradientAccumulationSteps": 2, "warmupSteps": 2,
+                                 "schedule": "constant"},
+                "evaluation": {"everySteps": 0},
+                "parallelism": {"strategy": "fsdp", "precision": "fp32"},
+                "checkpoint": {"uri": str(folder / name / "checkpoints"),
+                               "everySteps": 1000, "export": False},
+                "metrics": {"port": launcher.free_port(), "logEverySteps": 1},
+                **spec,
+            },
+        }
+        path = folder / name / "job.yaml"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(yaml.safe_dump(manifest))
+        return path
+
+    one = launcher.train(job("one", STEPS, micro=4), ranks=1)
+    rescaled = job("rescaled", HALF, micro=2,
+                   parallelism={"strategy": "fsdp", "precision": "fp32",
+                                "activationCheckpointing": "full"})
+    launcher.train(rescaled, ranks=2)
+    job("rescaled", STEPS, micro=4, checkpoint={
+        "uri": str(folder / "rescaled" / "checkpoints"), "everySteps": 1000, "export": True})
+    return {"one": one, "rescaled": launcher.train(rescaled, ranks=1),
+            "checkpoints": folder / "rescaled" / "checkpoints",
+            "export": folder / "rescaled" / "checkpoints" / "export",
+            "corpus": prepared_corpus}
+
+
+def _steps(events: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """Each step's loss and gradient norm; a step logged again after a resume, its last."""
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in events if e["event"] == "step"}
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_then_one_resumed_rank_log_the_losses_of_one_uninterrupted_rank(
+        trained: dict[str, Any]) -> None:
+    one, rescaled = _steps(trained["one"]), _steps(trained["rescaled"])
+    assert sorted(one) == sorted(rescaled) == list(range(1, STEPS + 1))
+    (resumed,) = [e for e in trained["rescaled"] if e["event"] == "resumed"]
+    assert resumed["step"] == HALF and resumed["world_size"] == 1
+    for step in one:
+        assert rescaled[step] == pytest.approx(one[step], rel=1e-4), f"step {step}"
+    assert one[STEPS][0] < one[1][0] - 0.5  # it learned: equal curves are not flat ones
+
+
+@pytest.mark.slow
+def test_the_export_is_marked_ssm_and_transformers_refuses_it(trained: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    config = json.loads((trained["export"] / "config.json").read_text())
+    assert config["architectures"] == ["KubetrainSSMForCausalLM"]
+    assert config["model_type"] == "kubetrain_ssm"
+    assert config["kubetrain"] == {"ssm": {"expand": 2, "stateSize": 64, "convWidth": 4}}
+    names = set(load_file(str(trained["export"] / "model.safetensors")))
+    assert {f"model.layers.{i}.mixer.{p}" for i in range(DIMS.n_layers)
+            for p in ("in_proj.weight", "conv.weight", "a_log", "dt_bias", "skip")} <= names
+    import transformers
+
+    with pytest.raises(ValueError, match="kubetrain_ssm"):
+        transformers.AutoConfig.from_pretrained(str(trained["export"]))
+
+
+@pytest.mark.slow
+def test_generate_samples_recurrently_what_the_parallel_model_predicts_and_model_init_loads_it(
+        trained: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """`kubetrain generate` on the SSM's checkpoints samples in recurrent mode; greedily, it
+    picks the tokens a full parallel forward over the growing context picks. model.init of
+    another job from the export builds an SSM (the folder's architecture) with the same
+    weights, so the same logits."""
+    from kubetrain.trainer.generate import add_arguments, load_model, run, sample
+    from kubetrain.trainer.pretrained import load_pretrained
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    loaded = load_model(str(trained["checkpoints"]))
+    model = loaded.model
+    assert isinstance(model, StateSpaceModel) and loaded.step == STEPS
+    prompt = loaded.tokenizer.encode("def main(", add_special_tokens=False).ids
+    produced = sample(model, prompt, max_tokens=12, temperature=0, top_k=None)
+    context = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            context.append(int(model(torch.tensor([context]))[0, -1].argmax()))
+    assert produced == context[len(prompt):]
+
+    spec = _job_spec({"init": str(trained["export"])},
+                     data={"train": trained["corpus"].train_uri, "seqLen": 64})
+    spec, dims = trained_model(spec)
+    assert spec.model.architecture == "ssm" and dims == model.dims
+    initialised = StateSpaceModel(dims, max_seq_len=64)
+    load_pretrained(initialised, str(trained["export"]), None)
+    tokens = torch.tensor([context])
+    with torch.no_grad():
+        torch.testing.assert_close(initialised.eval()(tokens), model(tokens))
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--checkpoint", str(trained["checkpoints"]), "--prompt",
+                              "def main(", "--max-tokens", "12", "--temperature", "0"])
+    assert run(args) == 0
+    assert capsys.readouterr().out.strip() == loaded.tokenizer.decode(
+        context, skip_special_tokens=True).strip()

@@ -39,8 +39,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from kubetrain.api.trainingjob import DistillationSpec, ModelDims, StorageSpec, TrainingJobSpec
+from kubetrain.trainer.architecture import LanguageModel, build_model
 from kubetrain.trainer.loss import DistillationLosses, OutputLoss, distillation_loss
-from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import parallelize_frozen
 from kubetrain.trainer.prepare import TOKENIZER_NAME, DatasetIndex
 from kubetrain.trainer.pretrained_config import (
@@ -95,7 +95,7 @@ def check_tokenizer(uri: str, teacher_vocab: int, teacher_sha256: str | None, *,
 class Teacher:
     """The frozen teacher of one job, and the student loss that distils it."""
 
-    def __init__(self, module: Transformer, spec: DistillationSpec) -> None:
+    def __init__(self, module: LanguageModel, spec: DistillationSpec) -> None:
         self.module = module
         self.spec = spec
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -151,8 +151,10 @@ def load_teacher(spec: TrainingJobSpec, student_dims: ModelDims, data: DatasetIn
     check_tokenizer(uri, dims.vocab_size, teacher_tokenizer_sha256(uri, spec.storage),
                     student_vocab=student_dims.vocab_size, vocab_source=source, data=data,
                     data_uri=spec.data.train)
-    # A kubetrain export with INL dynamics is built with its folder's, as model.init's is.
-    model = Transformer(dims, max_seq_len=spec.data.seq_len, dynamics=config.dynamics)
+    # A kubetrain export with INL dynamics (or an SSM) is built as its folder says, as
+    # model.init's is.
+    model = build_model(config.architecture, dims, max_seq_len=spec.data.seq_len,
+                        dynamics=config.dynamics)
     module = parallelize_frozen(model, spec.parallelism, mesh, device)
     try:
         load_pretrained(module, uri, spec.storage)

@@ -55,6 +55,27 @@ exactly, a model with dynamics included: it builds the model with
 block (a controllerWidth other than this version's is refused) and maps
 `model.layers.{i}.dynamics.*` back to `layers.{i}.dynamics.*` unchanged.
 `hf_name` is the one name mapping both directions use.
+
+A state-space model (`model.architecture: ssm`, ssm.py) is not a Llama either, and is
+marked the same way (`pretrained_config.ssm_config`):
+
+    "architectures": ["KubetrainSSMForCausalLM"],
+    "model_type": "kubetrain_ssm",
+    "kubetrain": {"ssm": {"expand": 2, "stateSize": 64, "convWidth": 4}}
+
+beside the LlamaConfig fields that give its dimensions (hidden_size, layers, heads -
+whose size is the SSM heads' - key/value heads - the groups sharing B and C -,
+intermediate_size, vocabulary; rope_theta is kept only so the dimensions read back
+exactly). Its embeddings, final norm, output projection and feed-forward tensors have
+the Llama names above; each block's mixer and its norm keep kubetrain's own names:
+
+    model.layers.{i}.mixer_norm.weight    [hidden_size]
+    model.layers.{i}.mixer.in_proj.weight [2·inner + 2·groups·stateSize + heads, hidden_size]
+    model.layers.{i}.mixer.conv.weight    [inner + 2·groups·stateSize, 1, convWidth]
+    model.layers.{i}.mixer.conv.bias, .dt_bias, .a_log (A = -exp(a_log)), .skip (D),
+    model.layers.{i}.mixer.norm.weight, model.layers.{i}.mixer.out_proj.weight
+
+(inner = expand x hidden_size). model.init and `kubetrain generate` load it.
 """
 
 from __future__ import annotations
@@ -69,7 +90,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, TrainingJobSpec
 from kubetrain.trainer.prepare import END_OF_TEXT, TOKENIZER_NAME
-from kubetrain.trainer.pretrained_config import DYNAMICS_ARCHITECTURE, dynamics_config
+from kubetrain.trainer.pretrained_config import (
+    DYNAMICS_ARCHITECTURE,
+    SSM_ARCHITECTURE,
+    dynamics_config,
+    ssm_config,
+)
 from kubetrain.trainer.storage import open_object, open_storage
 
 EXPORT_FOLDER = "export"
@@ -114,8 +140,8 @@ def hf_name(name: str, dims: ModelDims) -> str | None:
         _, index, rest = name.split(".", 2)
         if rest in _LAYER_NAMES:
             return f"model.layers.{index}.{_LAYER_NAMES[rest]}"
-        if rest.startswith("dynamics."):  # kubetrain's own; transformers has no name
-            return f"model.layers.{index}.{rest}"
+        if rest.startswith(("dynamics.", "mixer.", "mixer_norm.")):
+            return f"model.layers.{index}.{rest}"  # kubetrain's own; transformers has none
     raise ValueError(f"no Hugging Face name for the model weight {name!r}")
 
 
@@ -136,9 +162,11 @@ def hf_state_dict(state: dict[str, torch.Tensor], dims: ModelDims) -> dict[str, 
 
 
 def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
-                 dynamics: DynamicsSpec | None = None) -> dict[str, Any]:
+                 dynamics: DynamicsSpec | None = None,
+                 architecture: str = "transformer") -> dict[str, Any]:
     """The LlamaConfig (config.json) describing a model of these dimensions; with
-    dynamics, marked as kubetrain's own architecture (see the module docstring)."""
+    dynamics, or as an SSM (`architecture` ssm), marked as kubetrain's own architecture
+    (see the module docstring)."""
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -163,6 +191,8 @@ def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
     }
     if dynamics is not None and dynamics.enabled:
         config.update(dynamics_config(dynamics))
+    if architecture == "ssm":
+        config.update(ssm_config())
     return config
 
 
@@ -193,7 +223,8 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
         save_file(hf_state_dict(state, dims), str(weights), metadata={"format": "pt"})
         target.upload_file(weights, "model.safetensors")
     files = {
-        "config.json": llama_config(dims, spec.data.seq_len, eos_id, spec.model.dynamics),
+        "config.json": llama_config(dims, spec.data.seq_len, eos_id, spec.model.dynamics,
+                                    spec.model.architecture),
         "generation_config.json": {"bos_token_id": eos_id, "eos_token_id": eos_id},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
                                   "eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT,
@@ -205,6 +236,11 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
     if spec.model.dynamics.enabled:
         print(f"exported a model with INL dynamics to {target.uri}: Hugging Face transformers "
               f"cannot load it (config.json says architectures {DYNAMICS_ARCHITECTURE}); "
+              "model.init of another job loads it, and `kubetrain generate --checkpoint` "
+              "samples from its checkpoints", flush=True)
+    if spec.model.architecture == "ssm":
+        print(f"exported a state-space model to {target.uri}: Hugging Face transformers "
+              f"cannot load it (config.json says architectures {SSM_ARCHITECTURE}); "
               "model.init of another job loads it, and `kubetrain generate --checkpoint` "
               "samples from its checkpoints", flush=True)
     return target.uri

@@ -9,6 +9,12 @@ Only the model weights are read, through the same verified loading the trainer
 resumes with; the text is sampled token by token with a temperature and top-k,
 on the CPU or the first GPU.
 
+A transformer recomputes its whole context (up to max_seq_len tokens) for every token it
+samples. A state-space model (`model.architecture: ssm`) samples in recurrent mode: the
+prompt goes through the parallel scan once (`prefill`), then each token is one
+`step` from a fixed-size state, so a token costs the same however long the context is
+(bench/generate.py measures both).
+
 Torch-free at import: `kubetrain --help` imports this module.
 """
 
@@ -24,14 +30,14 @@ if TYPE_CHECKING:
     import torch
 
     from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
-    from kubetrain.trainer.model import Transformer
+    from kubetrain.trainer.architecture import LanguageModel
 
 
 @dataclass
 class LoadedModel:
     """A model ready to sample from, with its tokenizer and where it came from."""
 
-    model: Transformer
+    model: LanguageModel
     tokenizer: Any
     step: int
     uri: str
@@ -67,8 +73,8 @@ def load_model(uri: str, storage: StorageSpec | None = None,
     from tokenizers import Tokenizer
 
     from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
+    from kubetrain.trainer.architecture import build_model
     from kubetrain.trainer.checkpoint import Checkpointer, ModelWeights
-    from kubetrain.trainer.model import Transformer
     from kubetrain.trainer.storage import open_object
 
     folder, manifest = _checkpoint_manifest(uri, storage)
@@ -78,7 +84,8 @@ def load_model(uri: str, storage: StorageSpec | None = None,
     spec = trained.model_copy(update={"checkpoint": trained.checkpoint.model_copy(
         update={"uri": folder, "resume_from": None})})
     dims = ModelDims(**manifest["model"])
-    model = Transformer(dims, max_seq_len=spec.data.seq_len, dynamics=spec.model.dynamics)
+    model = build_model(spec.model.architecture, dims, max_seq_len=spec.data.seq_len,
+                        dynamics=spec.model.dynamics)
     step = Checkpointer(spec, rank=0, world_size=1, model_dims=dims).load_latest(
         {"model": ModelWeights(model)})
     if step is None:
@@ -88,19 +95,29 @@ def load_model(uri: str, storage: StorageSpec | None = None,
     return LoadedModel(model.to(device).eval(), tokenizer, step, folder)
 
 
-def sample(model: Transformer, prompt: list[int], *, max_tokens: int, temperature: float,
+def sample(model: LanguageModel, prompt: list[int], *, max_tokens: int, temperature: float,
            top_k: int | None, generator: torch.Generator | None = None,
            stop_token: int | None = None) -> list[int]:
-    """Continue `prompt` by up to `max_tokens` tokens; temperature 0 picks the likeliest token."""
+    """Continue `prompt` by up to `max_tokens` tokens; temperature 0 picks the likeliest token.
+    A state-space model samples in recurrent mode (see the module docstring)."""
     import torch
+
+    from kubetrain.trainer.ssm import LayerState, StateSpaceModel
 
     device = next(model.parameters()).device
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
     produced: list[int] = []
+    states: list[LayerState] = []
     with torch.no_grad():
         for _ in range(max_tokens):
-            context = tokens[:, -model.max_seq_len:]
-            logits = model(context)[0, -1].float()
+            if not isinstance(model, StateSpaceModel):
+                logits = model(tokens[:, -model.max_seq_len:])[0, -1].float()
+            elif not states:
+                prefilled, states = model.prefill(tokens)
+                logits = prefilled[0, -1].float()
+            else:
+                stepped, states = model.step(tokens[:, -1], states)
+                logits = stepped[0].float()
             if temperature == 0:
                 choice = int(torch.argmax(logits))
             else:

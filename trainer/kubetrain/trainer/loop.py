@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from kubetrain.api.manifest import load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJob, TrainingJobSpec
+from kubetrain.trainer.architecture import build_model
 from kubetrain.trainer.checkpoint import (
     Checkpointer,
     CheckpointInfo,
@@ -79,12 +80,17 @@ from kubetrain.trainer.goodput import (
 )
 from kubetrain.trainer.loss import select_output_loss
 from kubetrain.trainer.metrics import DynamicsReport, Reporter, StepReport, peak_flops
-from kubetrain.trainer.model import Dynamics, Transformer
+from kubetrain.trainer.model import Dynamics
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
-from kubetrain.trainer.pretrained import load_pretrained
-from kubetrain.trainer.pretrained_config import check_vocabulary, trained_model
-from kubetrain.trainer.sizing import flops_per_token
+from kubetrain.trainer.pretrained import load_embeddings, load_pretrained
+from kubetrain.trainer.pretrained_config import (
+    PretrainedError,
+    check_vocabulary,
+    teacher_error,
+    trained_model,
+)
+from kubetrain.trainer.sizing import flops_per_token, ssm_flops_per_token
 from kubetrain.trainer.storage import open_storage
 
 EXIT_COMPLETE = 0
@@ -211,6 +217,10 @@ class Trainer:
             spec, rank=world.rank, world_size=world.world_size)
         if spec.model.init is not None:
             check_vocabulary(dims, train_data.index.vocab_size, spec.model.init)
+        elif spec.model.from_teacher:
+            assert spec.distillation is not None
+            check_vocabulary(dims, train_data.index.vocab_size, spec.distillation.teacher,
+                             field="distillation.teacher")
         elif spec.model.vocab_size is None:
             # The model's vocabulary is the tokenizer's unless the spec sets one.
             dims = dims.model_copy(update={"vocab_size": train_data.index.vocab_size})
@@ -220,8 +230,8 @@ class Trainer:
                    if spec.distillation is not None else None)
         # Every rank draws the same initial weights; FSDP2 then keeps each rank's shard.
         torch.manual_seed(opt.seed)
-        model = Transformer(dims, max_seq_len=spec.data.seq_len, dropout=spec.model.dropout,
-                            dynamics=spec.model.dynamics)
+        model = build_model(spec.model.architecture, dims, max_seq_len=spec.data.seq_len,
+                            dropout=spec.model.dropout, dynamics=spec.model.dynamics)
         # Then each rank draws its own dropout masks; checkpoints carry the generators on.
         torch.manual_seed(opt.seed + world.rank)
         model.output_loss, why = select_output_loss(world.device)
@@ -278,6 +288,13 @@ class Trainer:
             # Pretrained weights only start a job: any checkpoint to resume from wins.
             load_pretrained(model, spec.model.init, spec.storage)
             reporter.initialised(spec.model.init)
+        elif loaded is None and spec.model.from_teacher:
+            # A student sized from its teacher starts from the teacher's embeddings.
+            assert spec.distillation is not None
+            try:
+                load_embeddings(model, spec.distillation.teacher, spec.storage)
+            except PretrainedError as error:
+                raise teacher_error(error) from None
         step = loaded or 0
         goodput.charge(CHECKPOINT_LOAD)
         # A checkpoint of another job (resumeFrom) does not carry this job's time.
@@ -296,8 +313,9 @@ class Trainer:
         accumulation = spec.gradient_accumulation(world.world_size)
         local_tokens = accumulation * opt.micro_batch_size * spec.data.seq_len
         flops_per_second_peak = peak_flops(device) * world.world_size
-        model_flops = flops_per_token(run.dims, spec.data.seq_len,
-                                      dynamics=spec.model.dynamics.enabled)
+        model_flops = (ssm_flops_per_token(run.dims) if spec.model.architecture == "ssm"
+                       else flops_per_token(run.dims, spec.data.seq_len,
+                                            dynamics=spec.model.dynamics.enabled))
         interval = _Interval(device)
 
         if step == 0 and spec.evaluation.every_steps:

@@ -39,7 +39,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
 from kubetrain.api.trainingjob import ParallelismSpec
-from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.architecture import LanguageModel
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                   "fp8": torch.bfloat16}  # fp8: float8 matmuls inside a bf16 model
@@ -71,7 +71,7 @@ class ParallelModel:
 
 
 def parallelize(
-    model: Transformer, spec: ParallelismSpec, mesh: DeviceMesh, device: torch.device
+    model: LanguageModel, spec: ParallelismSpec, mesh: DeviceMesh, device: torch.device
 ) -> ParallelModel:
     """Apply float8, activation checkpointing, compile and FSDP2/DDP to `model` on `device`."""
     world_size = mesh.size()
@@ -118,8 +118,8 @@ def parallelize(
     )
 
 
-def parallelize_frozen(model: Transformer, spec: ParallelismSpec, mesh: DeviceMesh,
-                       device: torch.device) -> Transformer:
+def parallelize_frozen(model: LanguageModel, spec: ParallelismSpec, mesh: DeviceMesh,
+                       device: torch.device) -> LanguageModel:
     """Place a frozen model (a distillation teacher) the way `parallelize` places the trained one.
 
     Its parameters stop requiring gradients and are stored in the job's compute dtype:
@@ -160,7 +160,7 @@ def float8_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def convert_to_float8(model: Transformer, device: torch.device,
+def convert_to_float8(model: LanguageModel, device: torch.device,
                       all_gather_in_float8: bool) -> None:
     """Swap the transformer blocks' linear layers for torchao's Float8Linear, in place.
 

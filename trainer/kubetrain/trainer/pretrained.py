@@ -29,6 +29,11 @@ rotary embedding rotates interleaved channel pairs, transformers' the two halves
 of each head (`_halves_to_interleaved`, the inverse of export's permutation). An
 unsharded model (one process, or DDP) reads every tensor whole. Weights stored in
 bf16 or fp16 are cast to the parameters' dtype (fp32 master weights).
+
+A kubetrain state-space model's export (model_type kubetrain_ssm, ssm.py) loads the same
+way into a `StateSpaceModel`: its mixer tensors keep kubetrain's names. `load_embeddings`
+reads only the token embeddings and output projection of a folder, the same way: how a
+`model.fromTeacher` student starts from its teacher's.
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn.parallel import DistributedDataParallel
 
 from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, StorageSpec
+from kubetrain.trainer.architecture import LanguageModel, architecture_of
 from kubetrain.trainer.export import hf_name
 from kubetrain.trainer.model import Dynamics, Transformer
 from kubetrain.trainer.pretrained_config import PretrainedError, read_config
+from kubetrain.trainer.ssm import StateSpaceModel
 from kubetrain.trainer.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -162,15 +169,15 @@ class _Read:
     target: torch.Tensor  # the local tensor the result is copied into
 
 
-def _model_of(model: torch.nn.Module) -> Transformer:
+def _model_of(model: torch.nn.Module) -> LanguageModel:
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    if not isinstance(inner, Transformer):
-        raise TypeError(f"load_pretrained loads into a kubetrain Transformer, not "
-                        f"{type(inner).__name__}")
+    if not isinstance(inner, Transformer | StateSpaceModel):
+        raise TypeError(f"load_pretrained loads into a kubetrain Transformer or "
+                        f"StateSpaceModel, not {type(inner).__name__}")
     return inner
 
 
-def _dynamics_of(model: Transformer) -> DynamicsSpec:
+def _dynamics_of(model: LanguageModel) -> DynamicsSpec:
     """The INL dynamics `model` was built with (disabled when its blocks have none)."""
     block = next((module for module in model.modules() if isinstance(module, Dynamics)), None)
     if block is None:
@@ -179,13 +186,16 @@ def _dynamics_of(model: Transformer) -> DynamicsSpec:
 
 
 def _plan(model: torch.nn.Module, dims: ModelDims, entries: dict[str, _Entry],
-          uri: str) -> list[_Read]:
-    """What this rank reads: the shard of each parameter, checked against the files."""
+          uri: str, only: frozenset[str] | None = None) -> list[_Read]:
+    """What this rank reads: the shard of each parameter (of those named `only`, when
+    given), checked against the files."""
     plan, expected = [], set()
     head_dim = dims.dim // dims.n_heads
     for name, parameter in model.named_parameters():
         target = hf_name(name, dims)
         if target is None:  # a tied output projection: the embedding, loaded once
+            continue
+        if only is not None and target not in only:
             continue
         expected.add(target)
         entry = entries.get(target)
@@ -221,7 +231,7 @@ def _plan(model: torch.nn.Module, dims: ModelDims, entries: dict[str, _Entry],
                               f"config.json describes needs: {shown}")
     ignorable = {"lm_head.weight"} if dims.tie_embeddings else set()  # transformers ties it too
     unknown = sorted(name for name in entries.keys() - expected - ignorable
-                     if not name.endswith(_DERIVED_SUFFIXES))
+                     if not name.endswith(_DERIVED_SUFFIXES) and only is None)
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5
                                           else "")
@@ -268,8 +278,32 @@ def load_pretrained(model: torch.nn.Module, uri: str, storage: StorageSpec | Non
         raise PretrainedError(f"model.init: the model was built with dynamics {dynamics!r}, "
                               f"but {config.where} describes {config.dynamics!r}: build it "
                               "with trained_model(spec)[0].model.dynamics")
+    if (architecture := architecture_of(transformer)) != config.architecture:
+        raise PretrainedError(f"model.init: the model was built as a {architecture}, but "
+                              f"{config.where} describes a {config.architecture}: build it "
+                              "with trained_model(spec)[0].model.architecture")
+    _load(model, uri, storage, config.dims)
+
+
+EMBEDDING_NAMES = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
+
+
+def load_embeddings(model: torch.nn.Module, uri: str, storage: StorageSpec | None) -> None:
+    """Copy only the token embeddings and (untied) output projection of the folder at `uri`
+    into `model`, of any architecture but with the folder's dimensions: a `model.fromTeacher`
+    student starting from its teacher's (spec.distillation.teacher). Read like
+    `load_pretrained`: each rank its own shard's rows."""
+    config = read_config(uri, storage)
+    if _model_of(model).dims != config.dims:
+        raise PretrainedError(f"model.init: the model was built with {_model_of(model).dims}, "
+                              f"but {config.where} describes {config.dims}")
+    _load(model, uri, storage, config.dims, EMBEDDING_NAMES)
+
+
+def _load(model: torch.nn.Module, uri: str, storage: StorageSpec | None, dims: ModelDims,
+          only: frozenset[str] | None = None) -> None:
     store = open_storage(uri, storage)
-    plan = _plan(model, config.dims, _tensor_entries(store), store.uri)
+    plan = _plan(model, dims, _tensor_entries(store), store.uri, only)
     with torch.no_grad(), ThreadPoolExecutor(READ_CONCURRENCY) as pool:
         # A bounded window of reads in flight, copied in order: memory stays a few slices.
         pending: deque[tuple[_Read, Future[torch.Tensor]]] = deque()

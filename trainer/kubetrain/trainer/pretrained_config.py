@@ -10,7 +10,11 @@ one it knows is `dynamics` (INL dynamics, `model.dynamics`), whose format -
 model_type, architectures and marker, which export.py writes with
 `dynamics_config` - lives here so that reader and writer share it. A model.init
 job's `model.dynamics` is its folder's (`trained_model`); so are a distillation
-teacher's (`teacher_config`).
+teacher's (`teacher_config`). The other is `ssm`: a state-space model (ssm.py,
+`model.architecture: ssm`), model_type kubetrain_ssm, whose marker records the mixer's
+constants (`ssm_config`); a model.init job's architecture is its folder's too. A
+`model.fromTeacher` job takes its dimensions from the teacher's config.json
+(`trained_model`), checked against the spec as model.init's are.
 Torch-free, so `kubetrain estimate` sizes a model.init job from it; the weights
 themselves are pretrained.py's.
 """
@@ -31,7 +35,12 @@ from kubetrain.api.trainingjob import (
     StorageSpec,
     TrainingJobSpec,
 )
-from kubetrain.trainer.sizing import CONTROLLER_WIDTH
+from kubetrain.trainer.sizing import (
+    CONTROLLER_WIDTH,
+    SSM_CONV_WIDTH,
+    SSM_EXPAND,
+    SSM_STATE_SIZE,
+)
 from kubetrain.trainer.storage import open_storage
 
 CONFIG_NAME = "config.json"
@@ -41,8 +50,11 @@ LLAMA_MODEL_TYPE, LLAMA_ARCHITECTURE = "llama", "LlamaForCausalLM"
 # folder instead of loading the Llama part and dropping the dynamics' tensors.
 DYNAMICS_MODEL_TYPE, DYNAMICS_ARCHITECTURE = "kubetrain_dynamics", "KubetrainDynamicsForCausalLM"
 # Keys of config.json's "kubetrain" object that this version builds the layers of.
-KNOWN_MARKERS: frozenset[str] = frozenset({"dynamics"})
+KNOWN_MARKERS: frozenset[str] = frozenset({"dynamics", "ssm"})
 DYNAMICS_MARKER_KEYS = ("betaMax", "velocityMax", "controllerWidth")
+# A state-space model (ssm.py): likewise unknown to transformers, and its mixer's constants.
+SSM_MODEL_TYPE, SSM_ARCHITECTURE = "kubetrain_ssm", "KubetrainSSMForCausalLM"
+SSM_MARKER = {"expand": SSM_EXPAND, "stateSize": SSM_STATE_SIZE, "convWidth": SSM_CONV_WIDTH}
 
 # ModelSpec field -> the config.json key it corresponds to.
 CONFIG_KEYS = {
@@ -67,6 +79,7 @@ class PretrainedConfig:
     max_positions: int | None
     markers: dict[str, Any]
     dynamics: DynamicsSpec
+    architecture: str = "transformer"  # ModelSpec.architecture: "ssm" for a kubetrain_ssm
 
     @property
     def where(self) -> str:
@@ -111,6 +124,7 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
                      "layers' weights; start the job with a kubetrain version that has it")
     dynamics = _dynamics(markers.get("dynamics"), refuse)
     model_type = config.get("model_type")
+    ssm = _ssm(markers.get("ssm"), model_type, refuse)
     if dynamics.enabled and model_type != DYNAMICS_MODEL_TYPE:
         raise refuse(f"marks kubetrain.dynamics but has model_type {model_type!r}: kubetrain "
                      f"exports a model with INL dynamics as model_type {DYNAMICS_MODEL_TYPE}, "
@@ -120,11 +134,13 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
         raise refuse(f"has model_type {DYNAMICS_MODEL_TYPE} but no kubetrain.dynamics entry "
                      "(betaMax, velocityMax, controllerWidth): the dynamics' bounds are "
                      "unknown; re-export the model with kubetrain")
-    if model_type not in (LLAMA_MODEL_TYPE, DYNAMICS_MODEL_TYPE):
+    if model_type not in (LLAMA_MODEL_TYPE, DYNAMICS_MODEL_TYPE, SSM_MODEL_TYPE):
         raise refuse(f"has model_type {model_type!r}: kubetrain builds Llama models "
                      "(model_type llama, LlamaForCausalLM) only, and its own exports with "
-                     f"INL dynamics ({DYNAMICS_MODEL_TYPE})")
-    architecture = DYNAMICS_ARCHITECTURE if dynamics.enabled else LLAMA_ARCHITECTURE
+                     f"INL dynamics ({DYNAMICS_MODEL_TYPE}) or state-space models "
+                     f"({SSM_MODEL_TYPE})")
+    architecture = (SSM_ARCHITECTURE if ssm else DYNAMICS_ARCHITECTURE if dynamics.enabled
+                    else LLAMA_ARCHITECTURE)
     architectures = config.get("architectures") or [architecture]
     if architecture not in architectures:
         raise refuse(f"has architectures {architectures}: kubetrain needs a {architecture} "
@@ -167,7 +183,33 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_theta=rope_theta, norm_eps=float(norm_eps))
     return PretrainedConfig(uri, dims, max_positions if isinstance(max_positions, int) else None,
-                            dict(markers), dynamics)
+                            dict(markers), dynamics, "ssm" if ssm else "transformer")
+
+
+def ssm_config() -> dict[str, Any]:
+    """The config.json entries that mark a state-space model (export.py writes them)."""
+    return {"architectures": [SSM_ARCHITECTURE], "model_type": SSM_MODEL_TYPE,
+            "kubetrain": {"ssm": dict(SSM_MARKER)}}
+
+
+def _ssm(marker: object, model_type: object, refuse: Callable[[str], PretrainedError]) -> bool:
+    """Whether config.json describes a kubetrain state-space model; refuses a marker and
+    model_type that disagree, or mixer constants this version does not build."""
+    if marker is None and model_type != SSM_MODEL_TYPE:
+        return False
+    if marker is None:
+        raise refuse(f"has model_type {SSM_MODEL_TYPE} but no kubetrain.ssm entry "
+                     f"({', '.join(SSM_MARKER)}): re-export the model with kubetrain")
+    if model_type != SSM_MODEL_TYPE:
+        raise refuse(f"marks kubetrain.ssm but has model_type {model_type!r}: kubetrain "
+                     f"exports a state-space model as model_type {SSM_MODEL_TYPE}, so that "
+                     "transformers does not load it as a Llama; restore that model_type, or "
+                     "the folder is not such an export")
+    if marker != SSM_MARKER:
+        raise refuse(f"has kubetrain.ssm {marker!r}, but this kubetrain builds the SSM mixer "
+                     f"with {SSM_MARKER}: start the job with the kubetrain version that "
+                     "exported the model")
+    return True
 
 
 def dynamics_config(dynamics: DynamicsSpec) -> dict[str, Any]:
@@ -235,8 +277,22 @@ def check_model_spec(model: ModelSpec, config: PretrainedConfig) -> None:
     that leaves them out cannot be told from one that writes the default, and the API
     server fills it in. Left at the default, they are the folder's.
     """
-    default_eps = ModelSpec.model_fields["norm_eps"].default
     conflicts = _dynamics_conflicts(model.dynamics, config)
+    if model.architecture == "ssm" and config.architecture != "ssm":
+        conflicts.append(f"spec.model.architecture is ssm but {config.where} describes a "
+                         f"transformer (model_type {LLAMA_MODEL_TYPE} or "
+                         f"{DYNAMICS_MODEL_TYPE}): remove model.architecture, or distil an "
+                         "SSM from it with model.fromTeacher instead")
+    conflicts += _dimension_conflicts(model, config)
+    if conflicts:
+        raise PretrainedError("; ".join(conflicts) + " (model.init takes the architecture "
+                              "from config.json)")
+
+
+def _dimension_conflicts(model: ModelSpec, config: PretrainedConfig) -> list[str]:
+    """The spec.model dimensions, set, that config.json's differ from, naming both."""
+    default_eps = ModelSpec.model_fields["norm_eps"].default
+    conflicts = []
     for field, key in CONFIG_KEYS.items():
         value = getattr(model, field)
         if value is None or (field == "norm_eps" and value == default_eps):
@@ -246,9 +302,7 @@ def check_model_spec(model: ModelSpec, config: PretrainedConfig) -> None:
             name = f"model.{to_camel(field)}"
             conflicts.append(f"spec.{name} is {_show(value)} but {config.where} says {key} "
                              f"{_show(found)}: remove {name} or set it to {_show(found)}")
-    if conflicts:
-        raise PretrainedError("; ".join(conflicts) + " (model.init takes the architecture "
-                              "from config.json)")
+    return conflicts
 
 
 def _dynamics_conflicts(asked: DynamicsSpec, config: PretrainedConfig) -> list[str]:
@@ -285,20 +339,38 @@ def trained_model(spec: TrainingJobSpec) -> tuple[TrainingJobSpec, ModelDims]:
     metrics, the spec checkpoints record, which `kubetrain generate` builds from, and
     the export's marker) sees the folder's. Also refuses dimensions set in spec.model
     that disagree and a data.seqLen longer than the model's max_position_embeddings. A
-    spec without vocabSize takes its vocabulary from the data (the caller's part).
+    folder's `model.architecture` (ssm for a kubetrain_ssm export) is taken the same way.
+    With model.fromTeacher, the dimensions are the teacher's config.json's (`teacher_dims`).
+    A spec without vocabSize takes its vocabulary from the data (the caller's part).
     """
+    if spec.model.from_teacher:
+        return spec, teacher_dims(spec)
     if spec.model.init is None:
         return spec, spec.model.resolve()
     config = read_config(spec.model.init, spec.storage)
     check_model_spec(spec.model, config)
-    return _with_folder_dynamics(spec, config), _checked_dims(spec, config)
+    return _with_folder_architecture(spec, config), _checked_dims(spec, config)
 
 
-def _with_folder_dynamics(spec: TrainingJobSpec, config: PretrainedConfig) -> TrainingJobSpec:
-    if spec.model.dynamics == config.dynamics:
+def teacher_dims(spec: TrainingJobSpec) -> ModelDims:
+    """A `model.fromTeacher` student's dimensions: the teacher's (width, depth, heads,
+    feed-forward width, vocabulary, norms), refusing any set in spec.model that differ.
+    The student keeps its own architecture (spec.model.architecture) and no dynamics."""
+    config = teacher_config(spec)
+    conflicts = _dimension_conflicts(spec.model, config)
+    if conflicts:
+        raise PretrainedError("; ".join(conflicts) + " (model.fromTeacher takes the "
+                              "dimensions from the teacher's config.json)")
+    return config.dims
+
+
+def _with_folder_architecture(spec: TrainingJobSpec,
+                              config: PretrainedConfig) -> TrainingJobSpec:
+    if (spec.model.dynamics, spec.model.architecture) == (config.dynamics,
+                                                          config.architecture):
         return spec
     return spec.model_copy(update={"model": spec.model.model_copy(
-        update={"dynamics": config.dynamics})})
+        update={"dynamics": config.dynamics, "architecture": config.architecture})})
 
 
 def _checked_dims(spec: TrainingJobSpec, config: PretrainedConfig) -> ModelDims:
@@ -338,10 +410,13 @@ def teacher_error(error: PretrainedError) -> PretrainedError:
     return type(error)(str(error).replace("model.init:", f"{TEACHER_FIELD}:", 1))
 
 
-def check_vocabulary(dims: ModelDims, data_vocab_size: int, uri: str) -> None:
-    """Refuse training data whose token ids the pretrained model has no embedding for."""
+def check_vocabulary(dims: ModelDims, data_vocab_size: int, uri: str,
+                     field: str = "model.init") -> None:
+    """Refuse training data whose token ids the pretrained model (or, `field`
+    distillation.teacher, the teacher a fromTeacher model is sized from) has no embedding
+    for."""
     if data_vocab_size > dims.vocab_size:
         raise PretrainedError(
             f"the training data's tokenizer has {data_vocab_size} tokens but the model at "
-            f"model.init ({uri}) has vocab_size {dims.vocab_size}: prepare the data with the "
-            "model's own tokenizer (kubetrain prepare --tokenizer <model.init>/tokenizer.json)")
+            f"{field} ({uri}) has vocab_size {dims.vocab_size}: prepare the data with the "
+            f"model's own tokenizer (kubetrain prepare --tokenizer <{field}>/tokenizer.json)")
