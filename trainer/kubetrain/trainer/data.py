@@ -317,16 +317,19 @@ class TokenDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def build_datasets(
-    spec: TrainingJobSpec, *, rank: int, world_size: int
+    spec: TrainingJobSpec, *, rank: int, world_size: int, micro_batch_size: int | None = None
 ) -> tuple[TokenDataset, TokenDataset | None]:
     """The training dataset of this rank and, if there is one, the validation dataset.
 
     Validation comes from `spec.data.validation`, else from the `validation` split
     that `kubetrain prepare` wrote beside the training split; it is not shuffled.
+    `micro_batch_size` overrides the spec's (an out-of-memory restart's smaller one): the
+    position counts samples, so a step covers the same global samples at any split.
     """
     data, opt = spec.data, spec.optimization
+    micro = micro_batch_size or opt.micro_batch_size
     train = TokenDataset(
-        data.train, seq_len=data.seq_len, micro_batch_size=opt.micro_batch_size, rank=rank,
+        data.train, seq_len=data.seq_len, micro_batch_size=micro, rank=rank,
         world_size=world_size, seed=opt.seed, shuffle=data.shuffle,
         prefetch_shards=data.prefetch_shards, storage=spec.storage,
     )
@@ -334,7 +337,7 @@ def build_datasets(
     if validation_uri is None:
         return train, None
     validation = TokenDataset(
-        validation_uri, seq_len=data.seq_len, micro_batch_size=opt.micro_batch_size, rank=rank,
+        validation_uri, seq_len=data.seq_len, micro_batch_size=micro, rank=rank,
         world_size=world_size, seed=opt.seed, shuffle=False, prefetch_shards=1,
         storage=spec.storage,
     )

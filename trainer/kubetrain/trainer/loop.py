@@ -37,12 +37,22 @@ Stopping: SIGTERM/SIGINT only set a flag; at each step boundary the flag is
 all-reduced, every rank saves the same checkpoint and `fit` returns exit code
 143 on the signalled ranks and 75 ("restart me into the new membership") on the
 others. A finished run (maxSteps or early stopping) saves, exports and returns 0.
+
+Failing: a device out of memory (torch.OutOfMemoryError) or a collective that timed
+out is written into the termination message with its class, the micro-batch and
+(out of memory on CUDA) `kubetrain estimate`'s advice, and `fit` returns 87 or 88
+at once, without the collective goodbyes its peers may never answer. The operator
+(or `kubetrain run`) reads the class and, for out of memory, restarts the group with
+half the micro-batch: the micro-batch the trainer uses is the job's
+`micro_batch_size` (status.effective's, from the ConfigMap), with the accumulation
+grown to keep the spec's global batch.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +89,13 @@ from kubetrain.trainer.goodput import (
     attempt_started_at,
 )
 from kubetrain.trainer.loss import select_output_loss
-from kubetrain.trainer.metrics import DynamicsReport, Reporter, StepReport, peak_flops
+from kubetrain.trainer.metrics import (
+    DynamicsReport,
+    Reporter,
+    StepReport,
+    peak_flops,
+    record_failure,
+)
 from kubetrain.trainer.model import Dynamics
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
@@ -96,6 +112,8 @@ from kubetrain.trainer.storage import open_storage
 EXIT_COMPLETE = 0
 EXIT_SIGNALLED = 143  # 128 + SIGTERM, what a process killed by SIGTERM reports
 EXIT_RESTART = 75  # EX_TEMPFAIL: another rank was signalled; rejoin the new membership
+EXIT_OUT_OF_MEMORY = 87  # the device ran out of memory at this micro-batch
+EXIT_COLLECTIVE_TIMEOUT = 88  # a collective timed out (a peer hung or vanished)
 
 
 @dataclass(frozen=True)
@@ -182,8 +200,11 @@ class Trainer:
             job = load_job(job)
         if isinstance(job, TrainingJob):
             self.spec, self.name = job.spec, job.metadata.name
+            # An out-of-memory restart's smaller micro-batch (status.effective), if any.
+            self.micro_batch_size = job.micro_batch_size
         else:
             self.spec, self.name = job, "kubetrain"
+            self.micro_batch_size = job.optimization.micro_batch_size
         self.metrics_log = Path(
             metrics_log or os.environ.get("KUBETRAIN_METRICS_LOG", "metrics.jsonl"))
         self.serve_metrics = serve_metrics
@@ -192,18 +213,41 @@ class Trainer:
         """Train until maxSteps, early stopping or a stop signal; see the module docstring."""
         created_group = not dist.is_initialized()
         world = init_world()
+        failed = False
         try:
-            run = self._build(world)
-            stop = StopRequest()
-            stop.install()
             try:
-                return self._train(run, stop)
-            finally:
-                stop.uninstall()
-                run.close()
+                run = self._build(world)
+                stop = StopRequest()
+                stop.install()
+                try:
+                    return self._train(run, stop)
+                finally:
+                    stop.uninstall()
+                    run.close()
+            except torch.OutOfMemoryError as error:
+                failed = True
+                self._record_failure("CUDAOutOfMemory", error, world)
+                return FitResult(0, "out_of_memory", EXIT_OUT_OF_MEMORY, None, None)
+            except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors
+                if not is_collective_timeout(error):
+                    raise
+                failed = True
+                self._record_failure("CollectiveTimeout", error, world)
+                return FitResult(0, "collective_timeout", EXIT_COLLECTIVE_TIMEOUT, None, None)
         finally:
-            if created_group:  # a group the caller made is the caller's to end
+            # A failed rank leaves the group by exiting: its peers may be blocked in a
+            # collective that will never complete, and leaving politely would wait on them.
+            if created_group and not failed:  # a group the caller made is the caller's to end
                 shutdown_world()
+
+    def _record_failure(self, failure_class: str, error: BaseException, world: World) -> None:
+        """The failure's class and words, for the termination message and the log."""
+        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        if failure_class == "CUDAOutOfMemory":
+            message += _estimate_advice(self.spec, self.micro_batch_size, world)
+        print(f"rank {world.rank}: {failure_class} at micro-batch {self.micro_batch_size}: "
+              f"{message}", file=sys.stderr, flush=True)
+        record_failure(failure_class, message, self.micro_batch_size)
 
     def _build(self, world: World) -> _Run:
         """Data, model, parallelism, optimizer, schedule, checkpointer and reporter."""
@@ -214,7 +258,8 @@ class Trainer:
         self.spec = spec
         opt = spec.optimization
         train_data, validation_data = build_datasets(
-            spec, rank=world.rank, world_size=world.world_size)
+            spec, rank=world.rank, world_size=world.world_size,
+            micro_batch_size=self.micro_batch_size)
         if spec.model.init is not None:
             check_vocabulary(dims, train_data.index.vocab_size, spec.model.init)
         elif spec.model.from_teacher:
@@ -310,8 +355,9 @@ class Trainer:
         goodput.charge(STARTUP)
         reporter.accounted(step, goodput.seconds)
 
-        accumulation = spec.gradient_accumulation(world.world_size)
-        local_tokens = accumulation * opt.micro_batch_size * spec.data.seq_len
+        # The spec's global batch in micro-batches of the size in use (see `fit`).
+        accumulation = spec.gradient_accumulation(world.world_size, self.micro_batch_size)
+        local_tokens = accumulation * self.micro_batch_size * spec.data.seq_len
         flops_per_second_peak = peak_flops(device) * world.world_size
         model_flops = (ssm_flops_per_token(run.dims) if spec.model.architecture == "ssm"
                        else flops_per_token(run.dims, spec.data.seq_len,
@@ -447,7 +493,10 @@ class Trainer:
             return None
         _synchronize(run.world.device)  # the step's device work is productive, not evaluation
         run.goodput.charge(PRODUCTIVE)
-        val_loss = evaluate(run.parallel, run.validation_data, self.spec.evaluation.batches,
+        # The same validation samples at any micro-batch: more, smaller batches after an OOM.
+        batches = self.spec.evaluation.batches * (
+            self.spec.optimization.micro_batch_size // self.micro_batch_size)
+        val_loss = evaluate(run.parallel, run.validation_data, batches,
                             run.world.device)
         run.goodput.charge(EVALUATION)
         run.progress.record(val_loss, self.spec.evaluation.early_stopping.min_delta)
@@ -470,6 +519,39 @@ class Trainer:
         run.reporter.accounted(step, snapshot["seconds"])
         if run.heartbeat is not None:
             run.heartbeat.write(snapshot, wait=final)
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether a RuntimeError is a gloo or NCCL collective (or its store) timing out."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _estimate_advice(spec: TrainingJobSpec, micro_batch_size: int, world: World) -> str:
+    """`kubetrain estimate`'s recommendation for this device, as a sentence ('' if none)."""
+    if world.device.type != "cuda":
+        return ""
+    try:
+        from kubetrain.trainer.estimate import GIB, recommend
+
+        gpu_bytes = torch.cuda.get_device_properties(world.device).total_memory
+        asked = spec.optimization.model_copy(update={
+            "micro_batch_size": micro_batch_size,
+            "gradient_accumulation_steps": spec.gradient_accumulation(
+                world.world_size, micro_batch_size),
+            "global_batch_tokens": None})
+        plan = recommend(spec.model_copy(update={"optimization": asked}), world.world_size,
+                         gpu_bytes)
+    except Exception as error:  # the advice must never hide the failure itself
+        return f" (kubetrain estimate gave no advice: {error})"
+    if plan is None:
+        return (f"; kubetrain estimate: nothing fits {gpu_bytes / GIB:.0f} GiB with "
+                f"{world.world_size} processes: use more processes with strategy fsdp, or a "
+                "smaller model")
+    return (f"; kubetrain estimate recommends for {gpu_bytes / GIB:.0f} GiB: "
+            f"optimization.microBatchSize {plan.micro_batch_size}, "
+            f"gradientAccumulationSteps {plan.gradient_accumulation}, "
+            f"parallelism.activationCheckpointing {plan.activation_checkpointing}")
 
 
 def evaluate(parallel: ParallelModel, data: TokenDataset, batches: int,

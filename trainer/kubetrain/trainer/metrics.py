@@ -384,6 +384,48 @@ def termination_log() -> Path:
     return Path(os.environ.get("KUBETRAIN_TERMINATION_LOG", "/dev/termination-log"))
 
 
+# The line a failed trainer puts first in its termination message (any rank, not only 0):
+# the operator reads its class (kubetrain.operator.observed.trainer_failure).
+FAILURE_INFO = "kubetrain_worker_failure_info"
+TERMINATION_MESSAGE_LIMIT = 4096  # bytes the kubelet keeps
+_failure_line: str | None = None
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped (backslash, quote, newline)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def record_failure(failure_class: str, message: str, micro_batch_size: int) -> None:
+    """Put why this process failed first in the termination message (any rank).
+
+    Kept in the process too, so that rank 0's gauges, written when its reporter closes,
+    keep the line ahead of them. Written only where the termination log exists (a pod,
+    or a `kubetrain run` node).
+    """
+    global _failure_line
+    _failure_line = (f'{FAILURE_INFO}{{class="{_label(failure_class)}",'
+                     f'message="{_label(message[:1500])}",'
+                     f'micro_batch_size="{micro_batch_size}"}} 1')
+    path = termination_log()
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line and not line.startswith(FAILURE_INFO)]
+    _write_lines(path, [_failure_line, *kept])
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    """Whole lines, in order, up to the kubelet's 4 KiB."""
+    chosen, size = [], 0
+    for line in lines:
+        size += len(line.encode()) + 1
+        if size > TERMINATION_MESSAGE_LIMIT:
+            break
+        chosen.append(line)
+    path.write_text("\n".join(chosen) + "\n")
+
+
 def write_termination_message() -> None:
     """Rank 0's last gauges, as /metrics lines, where the kubelet copies them into the pod.
 
@@ -398,16 +440,13 @@ def write_termination_message() -> None:
         return
     from prometheus_client import generate_latest
 
-    lines, size = [], 0
+    lines = [_failure_line] if _failure_line else []
     for line in generate_latest(REGISTRY).decode().splitlines():
         # Gauges and counters only: a histogram's buckets would not fit.
         if line.startswith("kubetrain_") and not line.split("{")[0].split()[0].endswith(
                 ("_bucket", "_sum", "_count", "_created")):
-            size += len(line) + 1
-            if size > 4096:
-                break
             lines.append(line)
-    path.write_text("\n".join(lines) + "\n")
+    _write_lines(path, lines)
 
 
 class _Tracker(Protocol):

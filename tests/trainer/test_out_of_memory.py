@@ -1,0 +1,90 @@
+"""The trainer out of memory: its handler, its termination message, and the halved micro-batch.
+
+A micro-batch that does not fit makes the trainer write its failure class, the
+micro-batch and the error into the termination message and exit 87; the operator
+reads the class from there (tests/operator covers what it then decides). Restarted
+with status.effective's smaller micro-batch, the trainer keeps the global batch, so
+its loss curve is the spec's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kubetrain.operator.failures import classify
+from kubetrain.operator.observed import WorkerPod, trainer_failure
+from kubetrain.trainer.loop import EXIT_OUT_OF_MEMORY
+
+WORKER = Path(__file__).with_name("oom_worker.py")
+# Losses of the same global batch split into micro-batches of 8 or of 4 x 2 differ only by
+# the order of float32 additions; over 12 Adam steps that stays far below this.
+CURVE_TOLERANCE = 1e-4
+
+
+def _with_effective(job: Path, micro: int) -> Path:
+    """The job as the operator's ConfigMap gives it after an OOM restart: status.effective."""
+    manifest = yaml.safe_load(job.read_text())
+    manifest["status"] = {"effective": {"microBatchSize": micro, "gradientAccumulationSteps": 0}}
+    healed = job.with_name("healed.yaml")
+    healed.write_text(yaml.safe_dump(manifest))
+    return healed
+
+
+def _run_worker(job: Path, log: Path, limit: int, termination_log: Path,
+                launcher: Any) -> subprocess.CompletedProcess[str]:
+    termination_log.touch()  # the kubelet creates it in the container
+    env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log)}
+    return subprocess.run([sys.executable, str(WORKER), str(job), str(log), str(limit)],
+                          env=env, capture_output=True, text=True, timeout=180)
+
+
+def _losses(events: list[dict[str, Any]]) -> dict[int, float]:
+    return {int(e["step"]): float(e["loss"]) for e in events if e["event"] == "step"}
+
+
+def test_an_out_of_memory_step_is_classified_in_the_termination_message(
+        tiny_job: Any, launcher: Any, tmp_path: Path) -> None:
+    job = tiny_job("oom", optimization={"maxSteps": 4, "microBatchSize": 8, "warmupSteps": 1})
+    termination_log = tmp_path / "termination-log"
+    done = _run_worker(job, tmp_path / "oom.jsonl", 4, termination_log, launcher)
+    assert done.returncode == EXIT_OUT_OF_MEMORY, done.stderr[-3000:]
+    assert "CUDAOutOfMemory at micro-batch 8" in done.stderr
+
+    message = termination_log.read_text()
+    assert len(message.encode()) <= 4096
+    failure = trainer_failure(message)
+    assert failure is not None
+    assert (failure.failure_class, failure.micro_batch_size) == ("CUDAOutOfMemory", 8)
+    assert "CUDA out of memory. Tried to allocate" in failure.message
+    # The pod this container ends in: torchrun exits 1, the message tells the class.
+    pod = WorkerPod(name="oom-worker-0", index=0, restart_attempt=0, phase="Failed",
+                    exit_code=1, reason="Error", termination_message=message,
+                    trainer_failure=failure)
+    assert classify(pod, [2, 126, 127]) == "CUDAOutOfMemory"
+
+
+def test_the_halved_micro_batch_trains_the_same_curve_as_the_spec(
+        tiny_job: Any, launcher: Any, tmp_path: Path) -> None:
+    optimization = {"maxSteps": 12, "microBatchSize": 8, "gradientAccumulationSteps": 1,
+                    "warmupSteps": 2}
+    spec_run = tiny_job("spec", optimization=optimization)
+    full = _losses(launcher.train(spec_run, ranks=1))
+
+    healed = _with_effective(tiny_job("healed", optimization=optimization), micro=4)
+    # The device that cannot hold 8 sequences trains at 4, twice per step.
+    done = _run_worker(healed, tmp_path / "healed.jsonl", 4, tmp_path / "termination-log",
+                       launcher)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (tmp_path / "healed.jsonl").read_text().splitlines()
+    halved = _losses([json.loads(line) for line in log if line.strip()])
+
+    assert sorted(halved) == sorted(full) == list(range(1, 13))
+    difference = max(abs(halved[step] - full[step]) for step in full)
+    print(f"largest loss difference, micro-batch 8x1 vs 4x2: {difference:.2e}")
+    assert difference < CURVE_TOLERANCE
