@@ -318,3 +318,73 @@ def test_generate_samples_recurrently_what_the_parallel_model_predicts_and_model
     assert run(args) == 0
     assert capsys.readouterr().out.strip() == loaded.tokenizer.decode(
         context, skip_special_tokens=True).strip()
+
+
+# --- kubetrain estimate ------------------------------------------------------------------
+
+
+def _bytes_saved_for_backward(model: StateSpaceModel, tokens: torch.Tensor,
+                              dtype: torch.dtype | None) -> int:
+    """Bytes of the tensors autograd keeps from the blocks' forward, parameters and (under
+    autocast) their cached casts aside: the planner counts those in other rows."""
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = model.tok_embeddings(tokens)
+    autocast = torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        for block in model.layers:
+            x = block(x)
+    casts = 0 if dtype is None else dtype.itemsize * sum(
+        p.numel() for p in model.layers.parameters() if p.dim() >= 2)
+    return sum(size for pointer, size in kept.items() if pointer not in own) - casts
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", None), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("seq_len", [64, 100])
+def test_estimate_counts_the_ssm_parameters_and_the_activations_autograd_keeps(
+        precision: str, dtype: torch.dtype | None, seq_len: int) -> None:
+    from kubetrain.trainer.estimate import Plan, estimate_memory
+
+    spec = _job_spec({"preset": "tiny", "architecture": "ssm"},
+                     data={"train": "file:///data/train", "seqLen": seq_len},
+                     parallelism={"precision": precision})
+    plan = Plan(micro_batch_size=2, gradient_accumulation=1, activation_checkpointing="none")
+    estimate = estimate_memory(spec, 1, plan)
+    assert estimate.parameters == 4 * ssm_parameter_count(DIMS)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, DIMS.vocab_size, (2, seq_len))
+    measured = _bytes_saved_for_backward(StateSpaceModel(DIMS, seq_len), tokens, dtype)
+    print(f"{precision}, {seq_len} tokens: estimated {estimate.activations} bytes of "
+          f"activations, autograd keeps {measured}")
+    assert estimate.activations == pytest.approx(measured, rel=0.05)
+    checkpointed = estimate_memory(spec, 1, Plan(2, 1, "full"))
+    assert checkpointed.activations < estimate.activations
+
+
+def test_the_command_sizes_a_from_teacher_student_and_prints_its_generation_state(
+        teacher_export: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kubetrain.trainer.estimate import add_arguments, run
+
+    manifest = {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                "metadata": {"name": "student"},
+                "spec": {"image": "x", "model": {"architecture": "ssm", "fromTeacher": True},
+                         "data": {"train": "file:///data/train", "seqLen": 64},
+                         "distillation": {"teacher": teacher_export},
+                         "checkpoint": {"uri": "file:///checkpoints"}}}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(manifest))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args([str(job), "--gpu-memory", "80"])) == 0
+    out = capsys.readouterr().out
+    teacher = read_config(teacher_export, None).dims
+    state_mib = 4 * ssm_state_elements(teacher) / 1024**2
+    assert out.startswith(f"state-space model, sized from the teacher {teacher_export}: "
+                          f"{ssm_parameter_count(teacher) / 1e9:.2f}B parameters")
+    assert f"generation state {state_mib:.2f} MiB per sequence (fp32)" in out
+    assert "distillation teacher" in out

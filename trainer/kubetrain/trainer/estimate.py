@@ -44,6 +44,14 @@ checkpointing, strategy and world size it adds up, per training process:
   gradient, tokens·vocab·8;
 - 1 GiB for the CUDA context and allocator fragmentation.
 
+A state-space model (`model.architecture: ssm`, ssm.py) is counted with its own
+parameters (sizing.ssm_parameter_count) and, per block and token, the activations its
+chunked scan keeps (`sizing.ssm_block_activation_bytes`: the compute-dtype tensors, the
+fp32 scan's inputs, decays, within-chunk scores and chunk states; within 3 % of the
+saved-tensor count on CPU); a checkpointed block keeps its input, b·d. The description
+also gives its recurrent state for generation (`sizing.ssm_state_elements`, fp32), which
+does not grow with the context.
+
 fp8 is counted as bf16, an upper bound: float8 linears keep smaller copies.
 
 The figures are planning estimates, not guarantees. Measured (bench/memory.py,
@@ -68,6 +76,10 @@ from kubetrain.trainer.sizing import (
     distillation_chunk_tokens,
     loss_chunk_tokens,
     parameter_count,
+    ssm_block_activation_bytes,
+    ssm_block_parameter_count,
+    ssm_parameter_count,
+    ssm_state_elements,
 )
 
 GIB = 1024**3
@@ -138,6 +150,10 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
     controller = 8 * dims.dim + 2 * CONTROLLER_WIDTH if dynamics else 0
     full_block = compute * (11 * dims.dim + 3 * kv_dim + 4 * dims.ffn_dim + controller) * tokens
     block_input = compute * dims.dim * tokens * (2 if dynamics else 1)  # and the velocity
+    if spec.model.architecture == "ssm":  # no attention, no dynamics: the SSM's own terms
+        n_params, block_params = ssm_parameter_count(dims), ssm_block_parameter_count(dims)
+        full_block = plan.micro_batch_size * ssm_block_activation_bytes(
+            dims, spec.data.seq_len, compute)
     checkpointed = {"none": 0, "selective": (dims.n_layers + 1) // 2,
                     "full": dims.n_layers}[plan.activation_checkpointing]
     activations = (dims.n_layers - checkpointed) * full_block + checkpointed * block_input
@@ -232,7 +248,7 @@ def trained_model(spec: TrainingJobSpec) -> tuple[TrainingJobSpec, ModelDims]:
     """The job as the trainer builds it: its spec, and the model's dimensions. A model.init
     job's come from config.json (read through the storage layer, so sizing such a job
     needs the trainer extra), its INL dynamics too."""
-    if spec.model.init is None:
+    if spec.model.init is None and not spec.model.from_teacher:
         return spec, spec.model.resolve()
     from kubetrain.trainer.pretrained_config import trained_model as from_config
 
@@ -292,6 +308,8 @@ def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDim
     name = (f"model.init {spec.model.init}" if spec.model.init
             else "custom model" if spec.model.preset == "custom" else spec.model.preset)
     dynamics = " with INL dynamics" if spec.model.dynamics.enabled else ""
+    if spec.model.architecture == "ssm":
+        return _describe_ssm(spec, world_size, plan, dims, name, teacher)
     distilling = ""
     if teacher is not None and spec.distillation is not None:
         with_dynamics = " with INL dynamics" if teacher_dynamics else ""
@@ -324,3 +342,23 @@ def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> 
     lines += [f"  {label:<40}{size / GIB:>8.2f}" for label, size in rows]
     lines.append(f"  {'total':<40}{estimate.total / GIB:>8.2f}")
     return "\n".join(lines)
+
+
+def _describe_ssm(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims,
+                  name: str, teacher: ModelDims | None) -> str:
+    """`_describe` for a state-space model: its parameters and its generation state."""
+    if spec.model.from_teacher and spec.distillation is not None:
+        name = f"sized from the teacher {spec.distillation.teacher}"
+    distilling = ""
+    if teacher is not None and spec.distillation is not None:
+        distilling = (f"distilled from a {parameter_count(teacher) / 1e9:.2f}B-parameter "
+                      f"teacher ({spec.distillation.teacher})\n")
+    state = 4 * ssm_state_elements(dims)
+    return (f"state-space model, {name}: {ssm_parameter_count(dims) / 1e9:.2f}B parameters, "
+            f"{world_size} processes, {spec.parallelism.strategy}, "
+            f"{spec.parallelism.precision}, activation checkpointing "
+            f"{plan.activation_checkpointing}\n"
+            f"micro-batch {plan.micro_batch_size} x {spec.data.seq_len} tokens, "
+            f"{plan.gradient_accumulation} accumulation steps\n"
+            f"generation state {state / 1024**2:.2f} MiB per sequence (fp32), at any "
+            f"context length\n{distilling}")

@@ -147,3 +147,29 @@ def ssm_flops_per_token(dims: ModelDims) -> int:
     q, h, p, n, g = SSM_CHUNK_SIZE, shape.heads, shape.head_dim, shape.state, shape.groups
     scan = 2 * q * (g * n + h * p) + 4 * h * p * n
     return 6 * matmul + 3 * dims.n_layers * scan
+
+
+def ssm_block_activation_bytes(dims: ModelDims, seq_len: int, compute_bytes: int) -> int:
+    """Bytes one SSM block keeps for backward per sequence of `seq_len` tokens, counted with
+    saved-tensor hooks (tests/trainer/test_ssm.py checks it against them).
+
+    Per token, in the compute dtype (b bytes): the block's input and norms' outputs (3·d),
+    the SwiGLU's four tensors (4·f), the input projection's output, the convolution's
+    output, and four inner-width tensors of the gated output. Always in fp32 (the scan
+    runs in fp32, `ssm.Mixer.forward`): the norms' fp32 intermediates and the scan's inputs
+    and outputs (4·d + 7·inner under bf16/fp16; in an fp32 run the same tensors are
+    fewer, 3·d + conv + 4·inner, being the ones above), and over the chunk-padded sequence
+    of c chunks of Q tokens, per token: 4·H step sizes and decays, 5·H·N for B and C
+    repeated to the heads, 3·H·Q for the within-chunk decays and scores, 2·H·P·N/Q for the
+    chunk states; and H·(c + 1)² per sequence for the decays between chunks.
+    """
+    shape = ssm_shape(dims)
+    d, f, inner, conv = dims.dim, dims.ffn_dim, shape.inner, shape.conv_channels
+    h, p, n = shape.heads, shape.head_dim, shape.state
+    q = SSM_CHUNK_SIZE
+    chunks = -(-seq_len // q)
+    padded = chunks * q
+    in_compute = compute_bytes * (3 * d + 4 * f + shape.in_features + conv + 4 * inner) * seq_len
+    fp32_copies = (4 * d + 7 * inner) if compute_bytes < 4 else (3 * d + conv + 4 * inner)
+    scan = (4 * h + 5 * h * n + 3 * h * q + 2 * h * p * n // q) * padded + h * (chunks + 1) ** 2
+    return in_compute + 4 * (fp32_copies * seq_len + scan)

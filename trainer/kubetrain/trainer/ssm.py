@@ -186,9 +186,10 @@ class Mixer(nn.Module):
         z, xbc_in, dt = self._split(self.in_proj(hidden))
         xbc = F.silu(self.conv(xbc_in.transpose(1, 2))[..., :seq].transpose(1, 2))
         x, dt, log_decay, b, c = self._heads(xbc, dt)
-        # The scan in fp32: products of many decays underflow in bf16.
-        y, final = chunked_scan((x.float() * dt.unsqueeze(-1)), log_decay, b.float(),
-                                c.float(), self.chunk_size)
+        # The scan in fp32, autocast or not: products of many decays underflow in bf16.
+        with torch.autocast(hidden.device.type, enabled=False):
+            y, final = chunked_scan((x.float() * dt.unsqueeze(-1)), log_decay, b.float(),
+                                    c.float(), self.chunk_size)
         out = self._out(y, x.float(), z)
         if not with_state:
             return out, None
