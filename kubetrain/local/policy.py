@@ -4,8 +4,11 @@ Pure decisions over `spec.runPolicy` and what happened so far, mirroring what th
 operator does on Kubernetes: a failed, lost or hung group is restarted as a whole
 after an exponentially growing delay, until `maxRestarts` is spent; a permanent
 exit code, or the same crash repeating with no training progress in between,
-fails the job at once. `kubetrain.local.runner` acts on these decisions; nothing
-here touches a process or a clock.
+fails the job at once. A worker out of memory (OOMKilled, CUDAOutOfMemory) restarts
+the group at once with half the micro-batch and twice the accumulation
+(`after_out_of_memory`, spec.runPolicy.outOfMemory), outside maxRestarts, as the
+operator does. `kubetrain.local.runner` acts on these decisions; nothing here
+touches a process or a clock.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kubetrain.api.trainingjob import RunPolicy
+from kubetrain.api.trainingjob import RunPolicy, TrainingJobSpec
 
 # Exit statuses that mean "killed by a signal" (a lost node, an OOM kill): Popen
 # reports them negative, shells and containers as 128 + the signal number.
@@ -30,6 +33,8 @@ class GroupFailure:
     """Exit status of the first worker that failed; None for a hang."""
     progressed: bool
     """Whether the training step advanced during the attempt."""
+    failure_class: str = "Unknown"
+    """The class the operator would give the pod (kubetrain.operator.failures)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class Decision:
     restart: bool
     delay: float
     reason: str
+    micro_batch_size: int | None = None
+    """An out-of-memory restart's smaller micro-batch."""
 
 
 def restart_delay(policy: RunPolicy, restarts_done: int) -> float:
@@ -75,6 +82,37 @@ def after_failure(policy: RunPolicy, failures: Sequence[GroupFailure]) -> Decisi
         return Decision(False, 0.0, f"{last.reason}; all {policy.max_restarts} restarts "
                         "allowed by spec.runPolicy.maxRestarts are spent")
     return Decision(True, restart_delay(policy, restarts_done), last.reason)
+
+
+def after_out_of_memory(spec: TrainingJobSpec, failure: GroupFailure, micro_batch_size: int,
+                        out_of_memory_restarts: int, world_size: int) -> Decision:
+    """Restart with half the micro-batch (runPolicy.outOfMemory: Halve), or fail.
+
+    The same rule as the operator's: the largest divisor of the spec's micro-batch at
+    most half the current one and at least minMicroBatch, at most log2(microBatchSize)
+    times; no backoff (the cause is fixed, not waited out).
+    """
+    policy = spec.run_policy.out_of_memory
+    what = f"{failure.reason}: out of memory ({failure.failure_class}) at micro-batch " \
+           f"{micro_batch_size}"
+    smaller = spec.halved_micro_batch(micro_batch_size)
+    limit = spec.out_of_memory_restart_limit()
+    if policy.action == "Fail":
+        why = "spec.runPolicy.outOfMemory.action is Fail"
+    elif smaller is None:
+        why = (f"no smaller micro-batch is left (spec.runPolicy.outOfMemory.minMicroBatch: "
+               f"{policy.min_micro_batch}; a smaller one must divide "
+               f"optimization.microBatchSize, {spec.optimization.micro_batch_size})")
+    elif out_of_memory_restarts >= limit:
+        why = (f"{out_of_memory_restarts} out-of-memory restarts already, the most "
+               "log2(optimization.microBatchSize) allows")
+    else:
+        accumulation = spec.gradient_accumulation(world_size, smaller)
+        return Decision(True, 0.0, f"{what}: micro-batch {smaller}, gradient accumulation "
+                        f"{accumulation} (global batch unchanged)", micro_batch_size=smaller)
+    return Decision(False, 0.0, f"{what}, and {why}: run `kubetrain estimate` on the job for "
+                    "a configuration that fits (parallelism.activationCheckpointing, more "
+                    "workers with strategy fsdp, or more memory)")
 
 
 @dataclass

@@ -10,7 +10,7 @@ bar.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -105,6 +105,10 @@ class Outcome:
     """Why each group restart of this run happened, in order."""
     checkpoints_before: int
     """Checkpoints the metrics log already recorded when this run started."""
+    micro_batches: list[int] = field(default_factory=list)
+    """The micro-batch of the first attempt and of each out-of-memory restart."""
+    oom_recovery_seconds: list[float] = field(default_factory=list)
+    """From each out-of-memory failure to the next training step."""
 
 
 def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri: str,
@@ -134,6 +138,12 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri
         row("resumed from", ", ".join(f"step {step}" for step in history.resumed_from))
     if outcome.restarts:
         row("restarts", f"{len(outcome.restarts)}: " + "; ".join(outcome.restarts))
+    if len(outcome.micro_batches) > 1:
+        recovered = ", ".join(f"{seconds:.1f}s" for seconds in outcome.oom_recovery_seconds)
+        again = f"; training again {recovered} after running out of memory" if recovered else ""
+        row("micro-batch", " -> ".join(map(str, outcome.micro_batches))
+            + " (halved after running out of memory; global batch unchanged; the manifest "
+            "is not changed)" + again)
     written = len(history.checkpoints) - outcome.checkpoints_before
     latest = history.latest_checkpoint
     if latest is not None:

@@ -9,6 +9,13 @@ group down and starts it again on a fresh rendezvous after the backoff that
 checkpoint. `activeDeadlineSeconds` and Ctrl-C (SIGINT or SIGTERM) stop the
 group the way a planned change does on Kubernetes: SIGTERM to every agent, the
 trainer saves a checkpoint and exits, and running the same job again resumes.
+
+A failed node gets the operator's failure class: from the trainer's termination
+message (each node has its own termination log, as each pod does), the kernel's
+OOM-kill count in the run's memory cgroup (`kubetrain.local.memory`), or its exit
+code. Out of memory, the group restarts at once with half the micro-batch: the
+manifest the trainer reads carries it in status.effective, as the operator's
+ConfigMap does, and the summary says what changed and why.
 """
 
 from __future__ import annotations
@@ -22,11 +29,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.api.trainingjob import (
+    OUT_OF_MEMORY_CLASSES,
+    EffectiveBatch,
+    TrainingJob,
+    TrainingJobStatus,
+)
 from kubetrain.local.launch import Rendezvous, agent_launch, free_port
+from kubetrain.local.memory import oom_kills
 from kubetrain.local.metrics_log import MetricsLogReader, RunHistory
 from kubetrain.local.node import Node
-from kubetrain.local.policy import GroupFailure, ProgressClock, after_failure
+from kubetrain.local.policy import (
+    GroupFailure,
+    ProgressClock,
+    after_failure,
+    after_out_of_memory,
+)
 from kubetrain.local.progress import Outcome, ProgressDisplay, summary
 from kubetrain.local.report import write_after_run
 from kubetrain.local.workspace import Workspace
@@ -44,6 +62,8 @@ POLL_SECONDS = 0.2
 # When the runner launched the attempt (unix seconds): the trainer's goodput ledger counts
 # startup from here, torchrun's own start included (kubetrain.trainer.goodput reads it).
 ATTEMPT_STARTED_ENV = "KUBETRAIN_ATTEMPT_STARTED_AT"
+# Where each node's trainer leaves its termination message (kubetrain.trainer.metrics).
+TERMINATION_LOG_ENV = "KUBETRAIN_TERMINATION_LOG"
 LOG_TAIL_LINES = 20
 
 
@@ -90,8 +110,13 @@ class LocalRun:
                                        if self.job.spec.optimization.epochs is None else None)
         self.pending_kills = sorted(set(self.options.kill_at_steps))
         self.restarts: list[str] = []
+        # The micro-batch of each attempt that changed it (out of memory), the spec's first.
+        self.micro_batches = [self.job.micro_batch_size]
+        self.out_of_memory_at: float | None = None  # unix time of the last OOM, until a step
+        self.oom_recovery_seconds: list[float] = []  # from each OOM to the next training step
         self.signals: list[int] = []  # SIGINT / SIGTERM received, in order
         self.started = time.monotonic()
+        self.oom_kills_before: int | None = None  # in the run's cgroup, when the attempt began
 
     def run(self) -> int:
         """Run the group until the job finishes, fails or is stopped; print the summary."""
@@ -106,6 +131,12 @@ class LocalRun:
                 if result.stop is not None:
                     return self._finish(False, result.stop.reason, result.stop.exit_code)
                 assert result.failure is not None
+                if result.failure.failure_class in OUT_OF_MEMORY_CLASSES:
+                    if not self._halve_micro_batch(result.failure):
+                        return self._finish(False, self.restarts.pop(), EXIT_FAILED)
+                    manifest = self.workspace.write_manifest(self.job)
+                    attempt += 1
+                    continue
                 failures.append(result.failure)
                 decision = after_failure(self.job.spec.run_policy, failures)
                 if not decision.restart:
@@ -120,11 +151,36 @@ class LocalRun:
                                         EXIT_INTERRUPTED)
                 attempt += 1
 
+    def _halve_micro_batch(self, failure: GroupFailure) -> bool:
+        """Take the out-of-memory decision into self.job (status.effective); False: fail."""
+        spec = self.job.spec
+        world_size = spec.workers.replicas * spec.workers.procs_per_worker
+        decision = after_out_of_memory(spec, failure, self.job.micro_batch_size,
+                                       len(self.micro_batches) - 1, world_size)
+        self.restarts.append(decision.reason)
+        if not decision.restart or decision.micro_batch_size is None:
+            return False
+        # From the first of a chain of OOMs (16 -> 8 -> 4) to the step that ends it.
+        self.out_of_memory_at = self.out_of_memory_at or time.time()
+        micro = decision.micro_batch_size
+        self.micro_batches.append(micro)
+        effective = EffectiveBatch(
+            micro_batch_size=micro,
+            gradient_accumulation_steps=spec.gradient_accumulation(world_size, micro),
+            out_of_memory_restarts=len(self.micro_batches) - 1, reason=decision.reason)
+        status = (self.job.status or TrainingJobStatus()).model_copy(
+            update={"effective": effective})
+        self.job = self.job.model_copy(update={"status": status})
+        self.display.say(f"{decision.reason}: restarting the group now (not counted in "
+                         "spec.runPolicy.maxRestarts)")
+        return True
+
     # --- one attempt of the group ----------------------------------------------------
 
     def _run_group(self, manifest: Path, attempt: int) -> _Attempt:
         rendezvous = Rendezvous(free_port(), f"{self.job.metadata.name}-{os.getpid()}-{attempt}")
         launched_at = f"{time.time():.3f}"
+        self.oom_kills_before = oom_kills()
         with ExitStack() as logs:
             nodes = []
             for index in range(self.job.spec.workers.replicas):
@@ -135,6 +191,9 @@ class LocalRun:
                 launch = agent_launch(self.job, manifest, self.workspace.metrics_log, index,
                                       rendezvous)
                 launch.env[ATTEMPT_STARTED_ENV] = launched_at
+                termination_log = self.workspace.logs / f"worker-{index}.termination-log"
+                termination_log.write_text("")  # fresh each attempt, as a new container's
+                launch.env[TERMINATION_LOG_ENV] = str(termination_log)
                 nodes.append(Node(launch, cwd=Path.cwd(), log=log))
             try:
                 result = self._watch(nodes)
@@ -193,6 +252,10 @@ class LocalRun:
                 clock.observe(self.history.step, time.monotonic())
             if event["event"] == "step":
                 trained = True
+                if self.out_of_memory_at is not None:
+                    self.oom_recovery_seconds.append(
+                        float(event.get("time", time.time())) - self.out_of_memory_at)
+                    self.out_of_memory_at = None
                 if nodes:
                     self._inject_kills(nodes)
         return trained
@@ -208,14 +271,34 @@ class LocalRun:
             victim.lose()
 
     def _node_failure(self, node: Node, code: int, trained: bool) -> GroupFailure:
+        kind = self._failure_class(node, code)
         if code < 0:
             what = f"worker {node.index} was lost (killed by {signal.Signals(-code).name})"
         else:
             what = f"worker {node.index} failed with exit code {code}"
+            if kind != "Unknown":
+                what += f" ({kind})"
             self.display.say(f"{what}; the end of {self.workspace.worker_log(node.index)}:")
             for line in self._log_tail(node.index):
                 self.display.say(f"  | {line}")
-        return GroupFailure(f"{what} at step {self.history.step}", code, trained)
+        return GroupFailure(f"{what} at step {self.history.step}", code, trained, kind)
+
+    def _failure_class(self, node: Node, code: int) -> str:
+        """The class the operator would give this node's pod (kubetrain.operator.failures)."""
+        from kubetrain.operator.failures import TRAINER_CLASSES
+        from kubetrain.operator.observed import trainer_failure
+
+        log = self.workspace.logs / f"worker-{node.index}.termination-log"
+        said = trainer_failure(log.read_text() if log.exists() else None)
+        if said is not None and said.failure_class in TRAINER_CLASSES:
+            return said.failure_class
+        after = oom_kills()
+        if after is not None and self.oom_kills_before is not None and (
+                after > self.oom_kills_before):
+            return "OOMKilled"
+        if code in self.job.spec.run_policy.permanent_exit_codes:
+            return "UserError"
+        return "NodeLost" if code < 0 else "Unknown"
 
     def _log_tail(self, index: int) -> list[str]:
         text = self.workspace.worker_log(index).read_text(errors="replace")
@@ -264,7 +347,8 @@ class LocalRun:
     def _finish(self, succeeded: bool, reason: str, exit_code: int) -> int:
         self.display.close()
         outcome = Outcome(succeeded, reason, time.monotonic() - self.started, self.restarts,
-                          self.checkpoints_before)
+                          self.checkpoints_before, self.micro_batches,
+                          self.oom_recovery_seconds)
         logs = f"{self.workspace.logs}/, {self.workspace.metrics_log}"
         print(summary(self.job.metadata.name, self.history, outcome, self.job.spec.checkpoint.uri,
                       logs), flush=True)

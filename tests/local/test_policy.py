@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kubetrain.api.trainingjob import RunPolicy
+from kubetrain.api.trainingjob import RunPolicy, TrainingJobSpec
+from kubetrain.local.memory import memory_cgroup
 from kubetrain.local.policy import (
     GroupFailure,
     ProgressClock,
     after_failure,
+    after_out_of_memory,
     is_signal_exit,
     restart_delay,
 )
@@ -105,3 +107,51 @@ def test_progress_clock_counts_startup_against_the_deadline() -> None:
 def test_hang_detection_can_be_disabled() -> None:
     clock = ProgressClock(step=-1, since=0.0)
     assert not clock.is_hung(RunPolicy(progress_deadline_seconds=None), 1e9)
+
+
+# --- out of memory: the operator's rule, locally -------------------------------------------
+
+
+def _spec(micro: int, **out_of_memory: object) -> TrainingJobSpec:
+    return TrainingJobSpec.model_validate({
+        "image": "x", "data": {"train": "data/train"}, "checkpoint": {"uri": "checkpoints"},
+        "optimization": {"microBatchSize": micro, "gradientAccumulationSteps": 2},
+        "runPolicy": {"outOfMemory": out_of_memory}})
+
+
+OOM = GroupFailure("worker 0 failed with exit code 1 (OOMKilled) at step 0", 1, False,
+                   "OOMKilled")
+
+
+def test_out_of_memory_halves_the_micro_batch_and_doubles_the_accumulation() -> None:
+    decision = after_out_of_memory(_spec(8), OOM, 8, 0, world_size=1)
+    assert (decision.restart, decision.delay, decision.micro_batch_size) == (True, 0.0, 4)
+    assert "gradient accumulation 4 (global batch unchanged)" in decision.reason
+
+
+def test_a_micro_batch_that_is_not_a_power_of_two_halves_to_a_divisor() -> None:
+    assert after_out_of_memory(_spec(6), OOM, 6, 0, world_size=1).micro_batch_size == 3
+    assert after_out_of_memory(_spec(6), OOM, 3, 1, world_size=1).micro_batch_size == 1
+
+
+@pytest.mark.parametrize(("spec", "current", "done", "why"), [
+    (_spec(8, minMicroBatch=4), 4, 1, "no smaller micro-batch is left"),
+    (_spec(8), 1, 3, "no smaller micro-batch is left"),
+    (_spec(8, action="Fail"), 8, 0, "outOfMemory.action is Fail"),
+    (_spec(8), 2, 3, "3 out-of-memory restarts already"),
+])
+def test_out_of_memory_fails_when_nothing_smaller_may_be_tried(
+        spec: TrainingJobSpec, current: int, done: int, why: str) -> None:
+    decision = after_out_of_memory(spec, OOM, current, done, world_size=1)
+    assert not decision.restart
+    assert why in decision.reason and "kubetrain estimate" in decision.reason
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4:memory:/process_api/abc\n0::/\n", "/sys/fs/cgroup/memory/process_api/abc"),
+    ("0::/user.slice/session-1.scope\n", None),  # v2, but no memory.events there
+    ("1:cpu:/\n", None),
+])
+def test_the_run_finds_its_memory_cgroup(text: str, expected: str | None) -> None:
+    found = memory_cgroup(text)
+    assert (str(found) if found else None) == expected

@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -30,19 +28,7 @@ from kubetrain.local.metrics_log import parse_lines
 
 pytestmark = pytest.mark.slow
 
-# A few hundred KB of real Python: enough text for a tiny model's loss to fall clearly.
-CORPUS_FILES = 40
 RUN_TIMEOUT = 240
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small text corpus: the first standard-library modules, one document per file."""
-    folder = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.glob("*.py"))[:CORPUS_FILES]:
-        shutil.copyfile(path, folder / path.name)
-    return folder
 
 
 def tiny_job(name: str, corpus: Path, data: str, checkpoints: str, *, max_steps: int,
