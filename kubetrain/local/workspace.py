@@ -167,6 +167,8 @@ def ensure_data(job: TrainingJob, workspace: Workspace) -> str | None:
                          f"the {PREPARE_FROM_ANNOTATION} annotation: `kubetrain prepare` writes "
                          "OUTPUT/train and OUTPUT/validation")
     init = job.spec.model.init
+    if job.spec.model.from_teacher and job.spec.distillation is not None:
+        init = job.spec.distillation.teacher  # a student sized from it shares its vocabulary
     # A pretrained model reads token ids of its own tokenizer: the one its folder holds.
     tokenizer: dict[str, Any] = (
         {"tokenizer": f"{init.rstrip('/')}/{TOKENIZER_NAME}"} if init is not None

@@ -156,8 +156,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.parametrize("model_fields", ["init", "fromTeacher"])
 def test_a_model_init_job_is_prepared_with_the_models_own_tokenizer(
-        tmp_path: Path, minimal_manifest: dict[str, Any], prepared_corpus: Any) -> None:
+        tmp_path: Path, minimal_manifest: dict[str, Any], prepared_corpus: Any,
+        model_fields: str) -> None:
+    """And a student sized from its teacher (model.fromTeacher), with the teacher's."""
     model = tmp_path / "model"  # a pretrained folder: its tokenizer is what matters here
     model.mkdir()
     shutil.copyfile(prepared_corpus.tokenizer_uri.removeprefix("file://"),
@@ -167,7 +170,11 @@ def test_a_model_init_job_is_prepared_with_the_models_own_tokenizer(
     (corpus / "a.py").write_text("def add(a, b):\n    return a + b\n" * 50)
     manifest = minimal_manifest
     manifest["metadata"]["annotations"] = {PREPARE_FROM_ANNOTATION: str(corpus)}
-    manifest["spec"]["model"] = {"preset": "custom", "init": str(model)}
+    if model_fields == "init":
+        manifest["spec"]["model"] = {"preset": "custom", "init": str(model)}
+    else:
+        manifest["spec"]["model"] = {"architecture": "ssm", "fromTeacher": True}
+        manifest["spec"]["distillation"] = {"teacher": str(model)}
     manifest["spec"]["data"] = {"train": str(tmp_path / "data" / "train")}
     job = parse_job(manifest)
     assert ensure_data(job, Workspace(tmp_path / "run")) == str(corpus)
