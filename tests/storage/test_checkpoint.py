@@ -269,6 +269,25 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_differences(
         Checkpointer(other, rank=0, world_size=1).load_latest(_app(spec, seed=1))
 
 
+@pytest.mark.parametrize(("saved_with", "loaded_with"), [("transformer", "ssm"),
+                                                         ("ssm", "transformer")])
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_field(
+        tmp_path: Any, prepared_corpus: PreparedDataset, saved_with: str,
+        loaded_with: str) -> None:
+    """The same dimensions, another model: refused before DCP's missing keys would say so."""
+    def built_as(spec: TrainingJobSpec, architecture: str) -> TrainingJobSpec:
+        model = spec.model.model_copy(update={"architecture": architecture})
+        return spec.model_copy(update={"model": model})
+
+    spec = _spec(str(tmp_path / "ckpt"), None, prepared_corpus.train_uri)
+    Checkpointer(built_as(spec, saved_with), rank=0, world_size=1).save(1, _app(spec, seed=1))
+    with pytest.raises(IncompatibleCheckpoint) as refused:
+        Checkpointer(built_as(spec, loaded_with), rank=0, world_size=1).load_latest(
+            _app(spec, seed=1))
+    assert (f"architecture {saved_with} (spec.model.architecture), here it is {loaded_with}: "
+            f"set spec.model.architecture: {saved_with} to resume") in str(refused.value)
+
+
 @pytest.mark.parametrize("saved_with", [True, False], ids=["dynamics-on", "dynamics-off"])
 def test_a_checkpoint_with_the_dynamics_switched_is_refused_naming_the_field(
         tmp_path: Any, prepared_corpus: PreparedDataset, saved_with: bool) -> None:

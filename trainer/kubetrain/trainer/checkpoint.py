@@ -794,10 +794,21 @@ class Checkpointer:
                 "spec.model must match the checkpoint's model to resume from it; use a new "
                 "spec.checkpoint.uri to train this model from scratch"
             )
-        # INL dynamics add parameters without changing a dimension: said apart here, before
-        # the state dict's missing or unexpected keys would say it less plainly.
-        saved_on = bool(manifest.get("config", {}).get("model", {})
-                        .get("dynamics", {}).get("enabled", False))
+        # The architecture (and INL dynamics) change the parameters without changing a
+        # dimension: said apart here, before the state dict's missing or unexpected keys
+        # would say it less plainly. Checkpoints from before model.architecture are
+        # transformers'.
+        saved_model = manifest.get("config", {}).get("model", {})
+        saved_architecture = saved_model.get("architecture", "transformer")
+        if saved_architecture != self.spec.model.architecture:
+            raise IncompatibleCheckpoint(
+                f"the checkpoint {uri} was made by a model with architecture "
+                f"{saved_architecture} (spec.model.architecture), here it is "
+                f"{self.spec.model.architecture}: set spec.model.architecture: "
+                f"{saved_architecture} to resume from it, or use a new spec.checkpoint.uri "
+                "to train this model from scratch"
+            )
+        saved_on = bool(saved_model.get("dynamics", {}).get("enabled", False))
         if saved_on != self.spec.model.dynamics.enabled:
             state = {True: "on", False: "off"}
             raise IncompatibleCheckpoint(
