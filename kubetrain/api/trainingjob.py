@@ -1058,6 +1058,8 @@ class BadputSeconds(ApiModel):
                                  "a restart made the job redo.")
     downtime: float = Field(default=0.0, description="Between the last step of one attempt and "
                             "the start of the next: replacement, scheduling, backoff.")
+    oom: float = Field(default=0.0, description="Lost progress and downtime of attempts that "
+                       "ran out of memory (runPolicy.outOfMemory's restarts).")
 
 
 class GoodputStatus(ApiModel):

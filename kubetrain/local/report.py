@@ -3,8 +3,9 @@
 RUN_DIR is the folder `kubetrain run` keeps a job in (./runs/JOB, holding
 metrics.jsonl), or the metrics log itself. The page shows the training and
 validation loss, the learning rate, tokens per second, the goodput ratio over
-time and where the wall time went (seconds by cause, from the trainer's goodput
-accounting). Each attempt of the worker group is its own line, so a restart
+time, where the wall time went (seconds by cause, from the trainer's goodput
+accounting) and the worker failures by class (the `failure` events `kubetrain run`
+adds to the log). Each attempt of the worker group is its own line, so a restart
 that went back to a checkpoint shows as a second line over the redone steps.
 
 The charts are drawn with plotly (`pip install 'kubetrain[report]'`); its
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import html
 import sys
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,7 +28,7 @@ REPORT_NAME = "report.html"
 INSTALL_HINT = "pip install 'kubetrain[report]'"
 # The causes in the order they stack, productive (goodput) first.
 CAUSES = ("productive", "data_wait", "checkpoint_save", "checkpoint_load", "startup",
-          "evaluation", "lost_progress", "downtime")
+          "evaluation", "lost_progress", "downtime", "oom")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,10 +77,10 @@ def report_html(events: list[Event], *, title: str) -> str:
     from plotly.subplots import make_subplots  # type: ignore[import-untyped]
 
     figure = make_subplots(
-        rows=3, cols=2, vertical_spacing=0.1, horizontal_spacing=0.08,
+        rows=4, cols=2, vertical_spacing=0.08, horizontal_spacing=0.08,
         subplot_titles=("Loss", "Learning rate", "Tokens per second", "Goodput over time",
-                        "Where the wall time went", ""),
-        specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None]],
+                        "Where the wall time went", "Worker failures by class"),
+        specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None], [{"colspan": 2}, None]],
     )
     attempts = _attempts(events)
     for number, attempt in enumerate(attempts, start=1):
@@ -104,17 +106,24 @@ def report_html(events: list[Event], *, title: str) -> str:
                                     name="goodput ratio"), 2, 2)
         final = goodput[-1]["seconds"]
         wall = sum(float(value) for value in final.values()) or 1.0
-        for cause in (*CAUSES, *sorted(set(final) - set(CAUSES))):
+        for cause in (*(c for c in CAUSES if c in final), *sorted(set(final) - set(CAUSES))):
             seconds = float(final.get(cause, 0.0))
             figure.add_trace(go.Bar(
                 x=[seconds], y=["wall time"], orientation="h", name=cause.replace("_", " "),
                 text=[f"{cause.replace('_', ' ')} {seconds:.1f}s ({seconds / wall:.1%})"],
                 textposition="inside", hovertemplate="%{text}<extra></extra>"), 3, 1)
-    figure.update_layout(barmode="stack", height=1100, title_text=f"kubetrain run: {title}",
+    failures = Counter(str(e.get("class", "Unknown")) for e in events
+                       if e["event"] == "failure")
+    if failures:
+        classes = sorted(failures)
+        figure.add_trace(go.Bar(x=classes, y=[failures[c] for c in classes],
+                                name="worker failures", showlegend=False), 4, 1)
+    figure.update_layout(barmode="stack", height=1400, title_text=f"kubetrain run: {title}",
                          legend={"orientation": "v"})
     figure.update_xaxes(title_text="step", row=1)
     figure.update_xaxes(title_text="step", row=2, col=1)
     figure.update_xaxes(title_text="seconds", row=3, col=1)
+    figure.update_yaxes(title_text="failures", row=4, col=1)
     figure.update_yaxes(type="log", row=1, col=2)
     figure.update_yaxes(range=[0, 1], tickformat=".0%", row=2, col=2)
     page = figure.to_html(include_plotlyjs=True, full_html=True,

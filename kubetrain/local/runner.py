@@ -20,6 +20,7 @@ ConfigMap does, and the summary says what changed and why.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -131,6 +132,7 @@ class LocalRun:
                 if result.stop is not None:
                     return self._finish(False, result.stop.reason, result.stop.exit_code)
                 assert result.failure is not None
+                self._log_failure(result.failure)
                 if result.failure.failure_class in OUT_OF_MEMORY_CLASSES:
                     if not self._halve_micro_batch(result.failure):
                         return self._finish(False, self.restarts.pop(), EXIT_FAILED)
@@ -150,6 +152,17 @@ class LocalRun:
                     return self._finish(False, "interrupted while waiting to restart",
                                         EXIT_INTERRUPTED)
                 attempt += 1
+
+    def _log_failure(self, failure: GroupFailure) -> None:
+        """Add the failure, with its class, to the metrics log: the run report counts them.
+
+        The group is stopped by now, so no trainer writes the log meanwhile.
+        """
+        event = {"event": "failure", "class": failure.failure_class, "reason": failure.reason,
+                 "exit_code": failure.exit_code, "micro_batch_size": self.job.micro_batch_size,
+                 "time": time.time()}
+        with self.workspace.metrics_log.open("a") as log:
+            log.write(json.dumps(event) + "\n")
 
     def _halve_micro_batch(self, failure: GroupFailure) -> bool:
         """Take the out-of-memory decision into self.job (status.effective); False: fail."""

@@ -16,6 +16,7 @@ from kubetrain.trainer.goodput import (
     EVALUATION,
     HEARTBEAT_NAME,
     LOST_PROGRESS,
+    OUT_OF_MEMORY,
     PRODUCTIVE,
     STARTUP,
     GoodputLedger,
@@ -112,6 +113,27 @@ def test_a_restart_turns_redone_steps_into_lost_progress_and_the_gap_into_downti
     assert seconds[CHECKPOINT_LOAD] == pytest.approx(0.5)
     assert ledger.wall_seconds == pytest.approx(clock.now)
     assert killed_at == pytest.approx(42.5)
+
+
+def test_an_out_of_memory_restart_books_its_redone_steps_and_gap_as_oom() -> None:
+    clock = FakeClock(0.0)
+    checkpoint, heartbeat = first_attempt(clock)  # both booked no OOM restart yet
+    clock.advance(4.0)  # OOM-killed; the group restarts with half the micro-batch
+    ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
+    ledger.load_state_dict(checkpoint)
+    ledger.resume(heartbeat, out_of_memory_restarts=1)
+    train(ledger, clock, range(11, 13))
+    assert ledger.seconds[OUT_OF_MEMORY] == pytest.approx(5 * 2.0 + 4.0)
+    assert ledger.seconds[LOST_PROGRESS] == ledger.seconds[DOWNTIME] == 0.0
+    assert ledger.wall_seconds == pytest.approx(clock.now)
+    # The next restart, not for memory, books as any other: the count was booked.
+    later = ledger.snapshot()
+    clock.advance(3.0)
+    again = GoodputLedger(attempt_started=clock.now, clock=clock)
+    again.load_state_dict(later)
+    again.resume(later, out_of_memory_restarts=1)
+    assert again.seconds[DOWNTIME] == pytest.approx(3.0)
+    assert again.seconds[OUT_OF_MEMORY] == pytest.approx(5 * 2.0 + 4.0)
 
 
 def test_without_a_heartbeat_everything_after_the_checkpoint_is_downtime() -> None:

@@ -14,6 +14,9 @@ defines it; the rest ("badput") is split by cause:
     lost_progress     step time once spent on steps that a restart made the job redo
     downtime          the last heartbeat of one attempt to the start of the next:
                       pod replacement, scheduling, backoff; seen only from outside
+    oom               lost progress and downtime of an attempt that ran out of memory:
+                      the restart with half the micro-batch is counted apart, so a job
+                      that keeps running out of memory shows it
 
 The ledger charges contiguous stretches: each `charge(cause)` books the time
 since the previous one, so the causes always sum to the wall time since the
@@ -27,7 +30,10 @@ stretch from the checkpoint to the last heartbeat keeps its causes, except that
 its productive time becomes lost progress (those steps are done again); the
 stretch from the last heartbeat to this attempt's start is downtime. The
 resolution is therefore the log interval: steps after the last heartbeat count
-as downtime, not lost progress.
+as downtime, not lost progress. Whether the attempt being resumed ran out of
+memory the ledger tells from the job's count of out-of-memory restarts
+(status.effective, in the trainer's snapshot): one more than it has booked means
+this resume follows one.
 """
 
 from __future__ import annotations
@@ -55,8 +61,9 @@ STARTUP = "startup"
 EVALUATION = "evaluation"
 LOST_PROGRESS = "lost_progress"
 DOWNTIME = "downtime"
+OUT_OF_MEMORY = "oom"
 CAUSES = (PRODUCTIVE, DATA_WAIT, CHECKPOINT_SAVE, CHECKPOINT_LOAD, STARTUP, EVALUATION,
-          LOST_PROGRESS, DOWNTIME)
+          LOST_PROGRESS, DOWNTIME, OUT_OF_MEMORY)
 
 HEARTBEAT_NAME = "goodput.json"
 # Set by `kubetrain run` to when it launched the attempt (unix seconds), so startup
@@ -108,6 +115,7 @@ class GoodputLedger(Stateful):
         self._attempt = _zero()  # this attempt, from attempt_started to _mark
         self._mark = attempt_started
         self._restored: dict[str, Any] | None = None
+        self.out_of_memory_restarts = 0  # the job's OOM restarts this ledger has booked
 
     # --- charging -------------------------------------------------------------------
 
@@ -144,7 +152,7 @@ class GoodputLedger(Stateful):
     def snapshot(self) -> dict[str, Any]:
         """The totals as of the last charge: what the checkpoint and the heartbeat keep."""
         return {"origin": self.origin, "time": self._mark, "step": self.step,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "oom_restarts": self.out_of_memory_restarts}
 
     # --- restarts -------------------------------------------------------------------
 
@@ -157,18 +165,25 @@ class GoodputLedger(Stateful):
                           "time": float(state_dict["time"]),
                           "step": int(state_dict["step"]),
                           "seconds": {cause: float(state_dict["seconds"].get(cause, 0.0))
-                                      for cause in CAUSES}}
+                                      for cause in CAUSES},
+                          "oom_restarts": int(state_dict.get("oom_restarts", 0))}
 
     def resume(self, heartbeat: Mapping[str, Any] | None, *,
-               from_this_job: bool = True) -> None:
+               from_this_job: bool = True, out_of_memory_restarts: int = 0) -> None:
         """Carry the earlier attempts' time into this one.
 
         Call once, after the checkpoint was loaded (or none was). `heartbeat` is
         the last one written (or None); `from_this_job` is False when the
         checkpoint came from another job (`resumeFrom`): then neither it nor the
         heartbeat's totals are this job's time, and accounting starts afresh.
+        `out_of_memory_restarts` is the job's count so far: above the one booked, the
+        attempt being resumed ran out of memory and its lost time is charged to `oom`.
         """
         restored, self._restored = self._restored, None
+        booked = max(int((restored or {}).get("oom_restarts", 0)),
+                     int((heartbeat or {}).get("oom_restarts", 0)))
+        after_oom = out_of_memory_restarts > booked
+        self.out_of_memory_restarts = out_of_memory_restarts
         if not from_this_job:
             return
         if heartbeat is not None and restored is not None \
@@ -186,10 +201,12 @@ class GoodputLedger(Stateful):
         if heartbeat is not None and float(heartbeat["time"]) > gap_started:
             for cause in CAUSES:
                 spent = float(heartbeat["seconds"].get(cause, 0.0)) - restored["seconds"][cause]
-                before[LOST_PROGRESS if cause == PRODUCTIVE else cause] += spent
+                lost = OUT_OF_MEMORY if after_oom else LOST_PROGRESS
+                before[lost if cause == PRODUCTIVE else cause] += spent
             gap_started = float(heartbeat["time"])
         # Clocks of different machines may disagree a little; downtime is never negative.
-        before[DOWNTIME] += max(0.0, self.attempt_started - gap_started)
+        before[OUT_OF_MEMORY if after_oom else DOWNTIME] += max(
+            0.0, self.attempt_started - gap_started)
         self._before = before
 
 

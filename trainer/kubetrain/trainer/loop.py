@@ -202,9 +202,12 @@ class Trainer:
             self.spec, self.name = job.spec, job.metadata.name
             # An out-of-memory restart's smaller micro-batch (status.effective), if any.
             self.micro_batch_size = job.micro_batch_size
+            effective = job.status.effective if job.status is not None else None
+            self.out_of_memory_restarts = effective.out_of_memory_restarts if effective else 0
         else:
             self.spec, self.name = job, "kubetrain"
             self.micro_batch_size = job.optimization.micro_batch_size
+            self.out_of_memory_restarts = 0
         self.metrics_log = Path(
             metrics_log or os.environ.get("KUBETRAIN_METRICS_LOG", "metrics.jsonl"))
         self.serve_metrics = serve_metrics
@@ -344,7 +347,8 @@ class Trainer:
         goodput.charge(CHECKPOINT_LOAD)
         # A checkpoint of another job (resumeFrom) does not carry this job's time.
         goodput.resume(self._last_heartbeat(run),
-                       from_this_job=not step or run.checkpointer.latest is not None)
+                       from_this_job=not step or run.checkpointer.latest is not None,
+                       out_of_memory_restarts=self.out_of_memory_restarts)
         if step:
             resumed_from = run.checkpointer.latest.uri if run.checkpointer.latest else str(
                 spec.checkpoint.resume_from)
