@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -318,6 +319,37 @@ def test_generate_samples_recurrently_what_the_parallel_model_predicts_and_model
     assert run(args) == 0
     assert capsys.readouterr().out.strip() == loaded.tokenizer.decode(
         context, skip_special_tokens=True).strip()
+
+
+@pytest.mark.slow
+def test_a_model_init_job_from_the_export_builds_the_ssm_and_starts_from_its_weights(
+        trained: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the Trainer: a job whose model.init is the SSM's export (architecture left
+    at its default) trains an SSM from those weights. One step at a learning rate of 1e-9
+    leaves them as they were, so its export is the source export."""
+    from safetensors.torch import load_file
+
+    from kubetrain.trainer import Trainer
+    from kubetrain.trainer.goodput import ATTEMPT_STARTED_ENV
+
+    spec = _job_spec({"init": str(trained["export"])},
+                     data={"train": trained["corpus"].train_uri, "seqLen": 64},
+                     optimization={"maxSteps": 1, "microBatchSize": 2, "warmupSteps": 0,
+                                   "learningRate": 1e-9},
+                     evaluation={"everySteps": 0}, parallelism={"precision": "fp32"},
+                     checkpoint={"uri": str(tmp_path / "checkpoints"), "export": True})
+    assert spec.model.architecture == "transformer"  # the folder says ssm
+    # An in-process attempt begins now (its startup is booked from when it began).
+    monkeypatch.setenv(ATTEMPT_STARTED_ENV, str(time.time()))
+    result = Trainer(spec, metrics_log=tmp_path / "metrics.jsonl", serve_metrics=False).fit()
+    assert result.exit_code == 0 and result.export_uri is not None
+    folder = Path(result.export_uri.removeprefix("file://"))
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "kubetrain_ssm"
+    source = load_file(str(trained["export"] / "model.safetensors"))
+    exported = load_file(str(folder / "model.safetensors"))
+    assert exported.keys() == source.keys()
+    for name, tensor in source.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 # --- kubetrain estimate ------------------------------------------------------------------
