@@ -133,6 +133,11 @@ def test_a_run_out_of_memory_heals_to_a_micro_batch_that_fits_and_keeps_the_curv
     assert "OOMKilled" in output
     assert "training again" in summary, summary  # the time from the OOM to the next step
 
+    # Each failure is in the metrics log with its class: the run report counts them.
+    logged = parse_lines((tmp_path / "healed" / "runs" / "oom" / "metrics.jsonl").read_text())
+    failures = [(e["class"], e["micro_batch_size"]) for e in logged if e["event"] == "failure"]
+    assert failures == [("OOMKilled", size) for size in history[:-1]]
+
     healed, reference = _losses(tmp_path / "healed", "oom"), _losses(
         tmp_path / "reference", "ref")
     assert sorted(healed) == sorted(reference) == list(range(1, STEPS + 1))

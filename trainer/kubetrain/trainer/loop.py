@@ -54,6 +54,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,7 @@ class Trainer:
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         if failure_class == "CUDAOutOfMemory":
             message += _estimate_advice(self.spec, self.micro_batch_size, world)
+        traceback.print_exception(error, file=sys.stderr)  # where it happened, for the logs
         print(f"rank {world.rank}: {failure_class} at micro-batch {self.micro_batch_size}: "
               f"{message}", file=sys.stderr, flush=True)
         record_failure(failure_class, message, self.micro_batch_size)
