@@ -6,8 +6,8 @@ stand-in garbage collector are what this test leans on). Twenty jobs are created
 scaled, suspended and resumed, have worker pods fail and are deleted, while the
 operator is killed with SIGKILL twenty times at random moments and started again.
 Afterwards every job's pods are exactly the ones its spec asks for, each pod failure
-was counted as one restart (never zero, never twice), no child outlives its job, and
-every status caught up with its spec.
+was counted as one restart and recorded once in status.failures (never zero, never
+twice), no child outlives its job, and every status caught up with its spec.
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ class Churn:
                    and body.get("status", {}).get("phase") == "Pending"]
         if not current:
             return False
+        # Killed from outside: an OOM kill would halve the micro-batch, a restart not counted.
         self.kube.set_pod_status(self.rng.choice(current), "Failed", exit_code=137,
-                                 reason="OOMKilled")
+                                 reason="Error")
         self.failures[name] += 1
         return True
 
@@ -128,6 +129,11 @@ class Churn:
                 found.append(f"{name}: failed pods not replaced: {failed}")
             if status.get("restarts", 0) != self.failures[name]:
                 found.append(f"{name}: {status.get('restarts', 0)} restarts counted for "
+                             f"{self.failures[name]} failures")
+            # Each failure is recorded once by class too (the same status write).
+            recorded = status.get("failures", {}).get("Unknown", 0)
+            if recorded != self.failures[name]:
+                found.append(f"{name}: {recorded} failures recorded for "
                              f"{self.failures[name]} failures")
             if status.get("observedGeneration") != job["metadata"]["generation"]:
                 found.append(f"{name}: status observed generation "

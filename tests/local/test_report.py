@@ -31,6 +31,8 @@ def write_log(folder: Path) -> Path:
 
     for start, stop in ((0, 14), (10, 20)):
         if start:
+            # What `kubetrain run` logs about the failure that ended the first attempt.
+            add("failure", **{"class": "NodeLost"}, reason="worker 1 was lost", exit_code=-9)
             add("resumed", step=start, uri="checkpoints/step-10", world_size=2)
         add("start", step=start, world_size=2)
         for step in range(start + 1, stop + 1):
@@ -57,8 +59,9 @@ def test_report_writes_one_self_contained_page_with_every_chart(
     # plotly.js is inlined: no script is fetched from anywhere.
     assert not re.search(r"<script[^>]+src=", page)
     for title in ("Loss", "Learning rate", "Tokens per second", "Goodput over time",
-                  "Where the wall time went"):
+                  "Where the wall time went", "Worker failures by class"):
         assert f'"text":"{title}"' in page
+    assert '"name":"worker failures","showlegend":false,"x":["NodeLost"],"y":[1]' in page
     for name in ("loss (attempt 1)", "loss (attempt 2)", "validation loss (attempt 2)",
                  "lost progress", "downtime", "goodput ratio"):
         assert f'"name":"{name}"' in page
@@ -85,7 +88,8 @@ def test_the_page_draws_its_charts_in_headless_chromium(tmp_path: Path) -> None:
     dom = subprocess.run([*browser, "--dump-dom", output.as_uri()], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     assert len(re.findall(r'class="trace scatter', dom)) == 9  # loss, val, lr, tok/s x2 + ratio
-    assert len(re.findall(r'class="trace bars"', dom)) == len(SECONDS)
+    # One bar per cause of the wall time, and the worker failures by class.
+    assert len(re.findall(r'class="trace bars"', dom)) == len(SECONDS) + 1
     screenshot = tmp_path / "report.png"
     subprocess.run([*browser, "--hide-scrollbars", f"--screenshot={screenshot}",
                     output.as_uri()], capture_output=True, timeout=120, check=True)

@@ -39,7 +39,7 @@ def test_only_the_leader_acts_and_a_standby_takes_over_when_it_stops(tmp_path: P
 
         # The first replica stopped and handed the Lease back.
         eventually(lambda: kube.lease_holder() == second.identity, what="the standby to lead")
-        kube.set_pod_status("ha-worker-1", "Failed", exit_code=137, reason="OOMKilled")
+        kube.set_pod_status("ha-worker-1", "Failed", exit_code=137, reason="Error")
         eventually(lambda: _attempt(kube, "ha-worker-1") == "1", what="the standby to replace")
         assert set(kube.pods("ha")) == {"ha-worker-0", "ha-worker-1"}
         assert cluster.operator_requests("pods", kmock.action.CREATE, second.identity) == 1

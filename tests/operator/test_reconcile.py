@@ -450,7 +450,8 @@ def test_the_best_checkpoint_of_rank_0s_metrics_becomes_status(minimal_manifest:
 
 def test_metrics_become_goodput_and_an_eta_from_the_recent_step_time(
         minimal_manifest: dict) -> None:
-    seconds = {"productive": 900.4, "data_wait": 10.0, "startup": 40.2, "downtime": 49.4}
+    seconds = {"productive": 900.4, "data_wait": 10.0, "startup": 40.2, "downtime": 49.4,
+               "oom": 12.6}
     sample = MetricsSample(step=400, max_steps=1000, step_time=1.5,
                            last_step_time=NOW - timedelta(seconds=2), wall_seconds=seconds)
     out = run(make_job(minimal_manifest, status=running_status()), pod(0), pod(1),
@@ -463,7 +464,7 @@ def test_metrics_become_goodput_and_an_eta_from_the_recent_step_time(
     assert goodput["ratio"] == round(900.4 / sum(seconds.values()), 4)
     assert goodput["badputSeconds"] == {
         "dataWait": 10, "checkpointSave": 0, "checkpointLoad": 0, "startup": 40,
-        "evaluation": 0, "lostProgress": 0, "downtime": 49}
+        "evaluation": 0, "lostProgress": 0, "downtime": 49, "oom": 13}
 
 
 # --- admission ----------------------------------------------------------------------------
