@@ -27,10 +27,11 @@ WORKER = Path(__file__).with_name("oom_worker.py")
 CURVE_TOLERANCE = 1e-4
 
 
-def _with_effective(job: Path, micro: int) -> Path:
+def _with_effective(job: Path, micro: int, out_of_memory_restarts: int = 1) -> Path:
     """The job as the operator's ConfigMap gives it after an OOM restart: status.effective."""
     manifest = yaml.safe_load(job.read_text())
-    manifest["status"] = {"effective": {"microBatchSize": micro, "gradientAccumulationSteps": 0}}
+    manifest["status"] = {"effective": {"microBatchSize": micro, "gradientAccumulationSteps": 0,
+                                        "outOfMemoryRestarts": out_of_memory_restarts}}
     healed = job.with_name("healed.yaml")
     healed.write_text(yaml.safe_dump(manifest))
     return healed
@@ -88,3 +89,24 @@ def test_the_halved_micro_batch_trains_the_same_curve_as_the_spec(
     difference = max(abs(halved[step] - full[step]) for step in full)
     print(f"largest loss difference, micro-batch 8x1 vs 4x2: {difference:.2e}")
     assert difference < CURVE_TOLERANCE
+
+
+def test_the_restart_after_an_out_of_memory_books_the_lost_time_as_oom(
+        tiny_job: Any, launcher: Any, tmp_path: Path) -> None:
+    job = tiny_job("booked", optimization={"maxSteps": 4, "microBatchSize": 8,
+                                           "gradientAccumulationSteps": 1, "warmupSteps": 1})
+    failed = _run_worker(job, tmp_path / "first.jsonl", 4, tmp_path / "termination-log",
+                         launcher)
+    assert failed.returncode == EXIT_OUT_OF_MEMORY, failed.stderr[-3000:]
+
+    # Restarted as the operator restarts it: half the micro-batch, one OOM restart counted.
+    healed = _with_effective(job, micro=4, out_of_memory_restarts=1)
+    done = _run_worker(healed, tmp_path / "second.jsonl", 4, tmp_path / "termination-log",
+                       launcher)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (tmp_path / "second.jsonl").read_text().splitlines()
+    seconds = [json.loads(line) for line in log if '"goodput"' in line][-1]["seconds"]
+    print(f"goodput after the OOM restart: oom {seconds['oom']:.2f}s, "
+          f"downtime {seconds['downtime']:.2f}s, lost progress {seconds['lost_progress']:.2f}s")
+    assert seconds["oom"] > 0
+    assert seconds["downtime"] == seconds["lost_progress"] == 0.0

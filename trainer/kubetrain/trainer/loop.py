@@ -225,6 +225,12 @@ class Trainer:
                 stop.install()
                 try:
                     return self._train(run, stop)
+                except torch.OutOfMemoryError:
+                    # The ledger as of now in the heartbeat: the restart with half the
+                    # micro-batch books this attempt's time to goodput's `oom`.
+                    run.goodput.charge(PRODUCTIVE)
+                    self._account(run, run.goodput.step, final=True)
+                    raise
                 finally:
                     stop.uninstall()
                     run.close()
