@@ -83,7 +83,9 @@ def test_get_shows_phase_step_loss_workers_goodput_and_eta_from_status(
     control_plane.kubectl("apply", "-f", str(REPO / "examples" / "quickstart.yaml"))
     status = {"phase": "Running", "progress": {"step": 1234, "loss": 2.875, "etaSeconds": 5400},
               "workers": {"desired": 2, "ready": 2},
-              "goodput": {"ratio": 0.9312, "productiveSeconds": 930, "wallSeconds": 1000}}
+              "goodput": {"ratio": 0.9312, "productiveSeconds": 930, "wallSeconds": 1000},
+              "effective": {"microBatchSize": 4, "gradientAccumulationSteps": 4},
+              "lastFailure": {"class": "OOMKilled", "pod": "quickstart-worker-1"}}
     control_plane.kubectl("patch", "tj", "quickstart", "--subresource=status",
                           "--type=merge", "-p", json.dumps({"status": status}))
     table = control_plane.kubectl("get", "tj", "quickstart").stdout.splitlines()
@@ -93,6 +95,10 @@ def test_get_shows_phase_step_loss_workers_goodput_and_eta_from_status(
     assert (name, shown_phase, step, loss, workers, goodput, eta) == (
         "quickstart", "Running", "1234", "2.875", "2", "0.9312", "5400")
     assert age[-1] in "sm"
+    # -o wide adds what an out-of-memory restart changed, and the last failure's class.
+    wide = control_plane.kubectl("get", "tj", "quickstart", "-o", "wide").stdout.splitlines()
+    assert wide[0].split()[-3:] == ["MICRO-BATCH", "LAST-FAILURE", "AGE"]
+    assert wide[1].split()[-3:-1] == ["4", "OOMKilled"]
 
 
 def test_explain_prints_the_field_descriptions(control_plane: Any) -> None:
