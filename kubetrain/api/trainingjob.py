@@ -1130,6 +1130,9 @@ class EffectiveBatch(ApiModel):
     out_of_memory_restarts: int = Field(
         default=0, description="Restarts for running out of memory so far (each halved the "
         "micro-batch; not counted in restarts).")
+    spec_micro_batch_size: int | None = Field(
+        default=None, description="The spec's optimization.microBatchSize these values come "
+        "from: when the spec's changes, the workers start again from the new one.")
     reason: str | None = Field(default=None, description="Why the values last changed.")
     time: datetime | None = Field(default=None, description="When they last changed.")
 

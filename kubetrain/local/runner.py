@@ -180,7 +180,8 @@ class LocalRun:
         effective = EffectiveBatch(
             micro_batch_size=micro,
             gradient_accumulation_steps=spec.gradient_accumulation(world_size, micro),
-            out_of_memory_restarts=len(self.micro_batches) - 1, reason=decision.reason)
+            out_of_memory_restarts=len(self.micro_batches) - 1,
+            spec_micro_batch_size=spec.optimization.micro_batch_size, reason=decision.reason)
         status = (self.job.status or TrainingJobStatus()).model_copy(
             update={"effective": effective})
         self.job = self.job.model_copy(update={"status": status})

@@ -780,7 +780,8 @@ def test_an_oom_killed_worker_restarts_the_group_with_half_the_micro_batch(
     assert out.status["phase"] == "Restarting"
     assert out.status["effective"] == {
         "microBatchSize": 4, "gradientAccumulationSteps": 4, "outOfMemoryRestarts": 1,
-        "reason": "demo-worker-1 OOMKilled at micro-batch 8", "time": "2025-01-01T12:00:00Z"}
+        "specMicroBatchSize": 8, "reason": "demo-worker-1 OOMKilled at micro-batch 8",
+        "time": "2025-01-01T12:00:00Z"}
     # Not counted in maxRestarts; a new restart attempt for every pod; no backoff.
     assert (out.status["restarts"], out.status["restartAttempt"]) == (1, 2)
     assert out.deleted_names == ["demo-worker-0", "demo-worker-1"]
@@ -870,4 +871,16 @@ def test_status_effective_shows_the_spec_batch_before_any_oom(minimal_manifest: 
     out = run(_oom_job(minimal_manifest, running_status()), pod(0), pod(1))
     assert out.status is not None
     assert out.status["effective"] == {"microBatchSize": 8, "gradientAccumulationSteps": 2,
-                                       "outOfMemoryRestarts": 0}
+                                       "outOfMemoryRestarts": 0, "specMicroBatchSize": 8}
+
+
+def test_a_new_micro_batch_in_the_spec_replaces_the_healed_one(minimal_manifest: dict) -> None:
+    # Healed from 8 to 4; then the user writes 16 into the spec (in Git, say).
+    effective = {"microBatchSize": 4, "gradientAccumulationSteps": 4, "outOfMemoryRestarts": 1,
+                 "specMicroBatchSize": 8}
+    out = run(_oom_job(minimal_manifest, running_status(effective=effective), micro=16),
+              pod(0), pod(1))
+    assert out.status is not None
+    assert out.status["effective"] == {"microBatchSize": 16, "gradientAccumulationSteps": 2,
+                                       "outOfMemoryRestarts": 0, "specMicroBatchSize": 16}
+    assert ("Normal", "MicroBatchReset") in out.events

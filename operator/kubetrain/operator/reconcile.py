@@ -313,17 +313,25 @@ class _Decision:
         """status.effective: the micro-batch in use (the spec's until an OOM restart) and
         the accumulation that keeps the global batch at the job's replicas."""
         spec = self.job.spec
+        asked = spec.optimization.micro_batch_size
         effective = self.status.effective
-        micro = effective.micro_batch_size if effective else spec.optimization.micro_batch_size
-        if micro > spec.optimization.micro_batch_size or spec.optimization.micro_batch_size % micro:
-            # Not a divisor of the spec's any more (only a new job of the same name does that).
-            effective, micro = None, spec.optimization.micro_batch_size
+        if effective is not None and effective.spec_micro_batch_size not in (None, asked):
+            # The user changed the spec's micro-batch (after healing, say): theirs now.
+            self.event("MicroBatchReset", f"optimization.microBatchSize is {asked} now: the "
+                       f"workers use it from their next start (they used "
+                       f"{effective.micro_batch_size})")
+            effective = None
+        micro = effective.micro_batch_size if effective else asked
+        if micro > asked or asked % micro:
+            effective, micro = None, asked  # not a divisor of the spec's: the spec's
         accumulation = spec.gradient_accumulation(self.world_size, micro)
         if effective is None:
-            self.status.effective = EffectiveBatch(micro_batch_size=micro,
-                                                   gradient_accumulation_steps=accumulation)
+            self.status.effective = EffectiveBatch(
+                micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+                spec_micro_batch_size=asked)
         else:
             effective.gradient_accumulation_steps = accumulation
+            effective.spec_micro_batch_size = asked
 
     def observe_progress(self) -> None:
         sample = self.observed.metrics
@@ -562,6 +570,7 @@ class _Decision:
             self.status.effective = EffectiveBatch(
                 micro_batch_size=smaller, gradient_accumulation_steps=accumulation,
                 out_of_memory_restarts=effective.out_of_memory_restarts + 1,
+                spec_micro_batch_size=spec.optimization.micro_batch_size,
                 reason=f"{pod.name} {kind} at micro-batch {current}", time=self.now)
             self.event("MicroBatchHalved",
                        f"{pod.name} ran out of memory ({kind}) at micro-batch {current}: the "
