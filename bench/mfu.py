@@ -1,6 +1,11 @@
-"""Model FLOPs utilisation of kubetrain on a GPU: the 1B preset at sequence length 2048.
+"""Model FLOPs utilisation of kubetrain on a GPU, beside the trainers users would pick instead.
 
-    python bench/mfu.py [--steps 30] [--micro-batch 4] [--variants bf16-full,bf16,fp8]
+    python bench/mfu.py [--steps 30] [--micro-batch 16] [--variants bf16-full,bf16,fp8]
+    python bench/mfu.py --micro-batch 16 --peers default     # + HF/Liger and torchtitan
+    python bench/mfu.py --preset llama-8b --layers 8 --micro-batch 4 \
+        --variants bf16,fp8,fp8-rowwise                          # where float8 pays
+    python bench/mfu.py --steps 4 --micro-batches 4,8,16 --checkpointing none,full \
+        --compile on,off --variants bf16,fp8                     # peak / estimate sweep
     torchrun --nproc-per-node 8 bench/mfu.py [--variant bf16]       # FSDP2 over 8 GPUs
 
 Trains `llama-1b` (vocabulary 128256) with torch.compile and strategy fsdp through
@@ -11,12 +16,20 @@ compile warm-up. MFU is against the device's peak dense bf16 FLOP/s (989 TFLOP/s
 for H100/H200), for fp8 too, so the variants compare directly; the goal is >= 0.5
 on one H100 in bf16, and fp8 >= 1.3x bf16's tokens/s.
 
+Peers (`--peers`, bench/peers.py): the same model dimensions, batch and process layout
+in Hugging Face transformers (with Liger Kernel, torch.compile and gradient
+checkpointing in the combinations named) and in torchtitan (its Llama 3 and its own
+parallelize path), each in a fresh process; the table ends with kubetrain's bf16
+tokens/s over the best peer's (goal >= 1.0).
+
 Variants (one fresh process each, so each has its own compile and peak memory):
 - `bf16-full`: bf16, the loss through the full logits (KUBETRAIN_OUTPUT_LOSS=full,
   what the trainer did before loss.py);
 - `bf16-chunked`: bf16, the pure-PyTorch chunked loss;
 - `bf16`: bf16, the loss the trainer picks (Liger's fused one when installed);
-- `fp8`: parallelism.precision fp8 (torchao), the loss the trainer picks.
+- `fp8`: parallelism.precision fp8 (torchao), the trainer's default float8 recipe;
+- `fp8-tensorwise`, `fp8-rowwise`, `fp8-rowwise-gw-hp`: fp8 with that torchao recipe
+  (KUBETRAIN_FLOAT8_RECIPE).
 Each prints its peak GPU memory (the allocator's peak reservation plus what the
 process holds outside it: CUDA context, cuBLAS workspaces) next to `kubetrain
 estimate` for the same job (goal: within 10 %).
@@ -29,17 +42,21 @@ with FSDP2 and runs the one `--variant` given. Without CUDA it prints why and ex
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from peers import parse_variant  # bench/peers.py, beside this script
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
@@ -47,16 +64,24 @@ from kubetrain.local.workspace import copy_stdlib_sources
 from kubetrain.trainer import Trainer
 from kubetrain.trainer.estimate import GIB, estimate_memory, job_plan
 from kubetrain.trainer.loss import OUTPUT_LOSS_ENV
+from kubetrain.trainer.parallelize import FLOAT8_RECIPE_ENV
 from kubetrain.trainer.prepare import prepare
 
 LOG_EVERY = 5
 WARM_UP_INTERVALS = 2  # torch.compile and the allocator settle during the first steps
-VARIANTS = {  # name: (precision, KUBETRAIN_OUTPUT_LOSS)
-    "bf16-full": ("bf16", "full"),
-    "bf16-chunked": ("bf16", "chunked"),
-    "bf16": ("bf16", "auto"),
-    "fp8": ("fp8", "auto"),
+VARIANTS = {  # name: (precision, KUBETRAIN_OUTPUT_LOSS, KUBETRAIN_FLOAT8_RECIPE or None)
+    "bf16-full": ("bf16", "full", None),
+    "bf16-chunked": ("bf16", "chunked", None),
+    "bf16": ("bf16", "auto", None),
+    "fp8": ("fp8", "auto", None),
+    "fp8-tensorwise": ("fp8", "auto", "tensorwise"),
+    "fp8-rowwise": ("fp8", "auto", "rowwise"),
+    "fp8-rowwise-gw-hp": ("fp8", "auto", "rowwise_with_gw_hp"),
 }
+# The peers' fastest candidates at llama-1b, micro-batch 16 on 80 GB (bench/peers.py).
+DEFAULT_PEERS = ("hf+liger+compile", "hf+liger", "hf+liger+compile+ac-full", "hf+compile+ac-full",
+                 "torchtitan+compile+ac-selective", "torchtitan+compile+ac-full")
+CHILD_TIMEOUT = 300  # seconds for one variant's process: compile included
 
 
 def corpus(folder: Path) -> str:
@@ -66,19 +91,47 @@ def corpus(folder: Path) -> str:
                    validation_fraction=0.0, progress=False).train_uri
 
 
-def training_job(train_uri: str, folder: Path, precision: str, steps: int,
-                 micro_batch: int) -> TrainingJob:
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: a variant, the model and the memory-deciding settings."""
+
+    variant: str
+    preset: str
+    layers: int | None  # override of the preset's depth (wide matrices that fit one GPU)
+    micro_batch: int
+    checkpointing: str
+    compile: bool
+
+    def label(self) -> str:
+        model = self.preset + (f"/{self.layers}L" if self.layers else "")
+        return (f"{self.variant} {model} mb{self.micro_batch} ac-{self.checkpointing}"
+                f"{' compile' if self.compile else ' eager'}")
+
+    def arguments(self) -> list[str]:
+        return ["--variant", self.variant, "--preset", self.preset, "--micro-batch",
+                str(self.micro_batch), "--checkpointing", self.checkpointing,
+                "--compile", "on" if self.compile else "off",
+                *(["--layers", str(self.layers)] if self.layers else [])]
+
+
+def training_job(train_uri: str, folder: Path, config: Config, steps: int) -> TrainingJob:
+    precision = VARIANTS[config.variant][0]
+    model: dict[str, Any] = {"preset": config.preset, "vocabSize": 128_256}
+    if config.layers:
+        model["nLayers"] = config.layers
     return parse_job({
         "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
         "metadata": {"name": "mfu"},
         "spec": {
             "image": "bench",
-            "model": {"preset": "llama-1b", "vocabSize": 128_256},
+            "model": model,
             "data": {"train": train_uri, "seqLen": 2048},
-            "optimization": {"maxSteps": steps, "warmupSteps": 5,
-                             "microBatchSize": micro_batch},
+            "optimization": {"maxSteps": steps, "warmupSteps": min(5, steps - 1),
+                             "microBatchSize": config.micro_batch},
             "evaluation": {"everySteps": 0},
-            "parallelism": {"strategy": "fsdp", "precision": precision, "compile": True},
+            "parallelism": {"strategy": "fsdp", "precision": precision,
+                            "compile": config.compile,
+                            "activationCheckpointing": config.checkpointing},
             "checkpoint": {"uri": str(folder / "checkpoints"), "everySteps": 100_000,
                            "export": False},
             "metrics": {"logEverySteps": LOG_EVERY},
@@ -86,13 +139,15 @@ def training_job(train_uri: str, folder: Path, precision: str, steps: int,
     })
 
 
-def run_variant(variant: str, train_uri: str, steps: int, micro_batch: int) -> dict[str, Any]:
-    """Train one variant in this process; what rank 0 measured (empty on other ranks)."""
-    precision, output_loss = VARIANTS[variant]
+def run_variant(config: Config, train_uri: str, steps: int) -> dict[str, Any]:
+    """Train one configuration in this process; what rank 0 measured (empty on other ranks)."""
+    _, output_loss, recipe = VARIANTS[config.variant]
     os.environ[OUTPUT_LOSS_ENV] = output_loss
+    if recipe is not None:
+        os.environ[FLOAT8_RECIPE_ENV] = recipe
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        job = training_job(train_uri, folder, precision, steps, micro_batch)
+        job = training_job(train_uri, folder, config, steps)
         log = folder / "metrics.jsonl"
         torch.cuda.reset_peak_memory_stats()
         Trainer(job, metrics_log=log, serve_metrics=False).fit()
@@ -105,12 +160,17 @@ def run_variant(variant: str, train_uri: str, steps: int, micro_batch: int) -> d
     (start,) = [e for e in events if e["event"] == "start"]
     estimate = estimate_memory(job.spec, world, job_plan(job.spec, world),
                                start["output_loss"])
-    steps_logged = [e for e in events if e["event"] == "step"][WARM_UP_INTERVALS:]
+    # A memory sweep's few steps log none after the warm-up: its rates are NaN.
+    logged = [e for e in events if e["event"] == "step"][WARM_UP_INTERVALS:]
+
+    def median(key: str) -> float:
+        return statistics.median(e[key] for e in logged) if logged else math.nan
+
     return {
-        "variant": variant, "world": world, "output_loss": start["output_loss"],
-        "tokens_per_second": statistics.median(e["tokens_per_second"] for e in steps_logged),
-        "mfu": statistics.median(e["mfu"] for e in steps_logged),
-        "step_time": statistics.median(e["step_time"] for e in steps_logged),
+        "label": config.label(), "variant": config.variant, "world": world,
+        "output_loss": start["output_loss"],
+        "tokens_per_second": median("tokens_per_second"), "mfu": median("mfu"),
+        "step_time": median("step_time"),
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "peak": torch.cuda.max_memory_reserved() + outside_allocator,
         "estimate": estimate.total,
@@ -119,7 +179,7 @@ def run_variant(variant: str, train_uri: str, steps: int, micro_batch: int) -> d
 
 def report(result: dict[str, Any]) -> None:
     per_gpu = result["tokens_per_second"] / result["world"]
-    print(f"{result['variant']:<13} loss {result['output_loss']:<8} "
+    print(f"{result['label']:<40} loss {result['output_loss']:<8} "
           f"{result['tokens_per_second']:>9,.0f} tokens/s ({per_gpu:,.0f} per GPU), "
           f"{result['step_time'] * 1000:.0f} ms/step, MFU {result['mfu']:.1%}; "
           f"peak {result['peak'] / GIB:.1f} GiB (allocated {result['peak_allocated'] / GIB:.1f}),"
@@ -127,12 +187,69 @@ def report(result: dict[str, Any]) -> None:
           f"{result['peak'] / result['estimate']:.2f}", flush=True)
 
 
+def run_child(arguments: list[str], out: Path, label: str) -> dict[str, Any] | None:
+    """One configuration in a fresh process (its own compile and peak memory)."""
+    try:
+        done = subprocess.run([sys.executable, *arguments, "--result", str(out)],
+                              capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired as expired:
+        print(f"{label:<40} TIMED OUT after {CHILD_TIMEOUT} s:\n{str(expired.stderr)[-2000:]}",
+              flush=True)
+        return None
+    if done.returncode != 0 or not out.exists():
+        print(f"{label:<40} FAILED (exit {done.returncode}):\n"
+              f"{done.stdout[-2000:]}{done.stderr[-4000:]}", flush=True)
+        return None
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def run_peers(peers: list[str], micro_batch: int, steps: int, folder: Path,
+              kubetrain: dict[str, Any] | None) -> None:
+    """Each peer in its own process, then kubetrain's ratio to the best one that ran."""
+    peers_script = Path(__file__).with_name("peers.py")
+    best: dict[str, Any] | None = None
+    for name in peers:
+        options = parse_variant(name)
+        arguments = [str(peers_script), "--peer", options["peer"], "--micro-batch",
+                     str(micro_batch), "--steps", str(steps),
+                     "--checkpointing", options["checkpointing"],
+                     *(["--liger"] if options["liger"] else []),
+                     *(["--compile"] if options["compile_"] else [])]
+        result = run_child(arguments, folder / f"peer-{name}.json", name)
+        if result is None:
+            continue
+        if result["status"] != "ok":
+            print(f"{name:<40} {result['status']}: {result['reason']}", flush=True)
+            continue
+        print(f"{name:<40} {result['tokens_per_second']:>9,.0f} tokens/s, "
+              f"{result['step_time'] * 1000:.0f} ms/step, MFU {result['mfu']:.1%}; "
+              f"peak {result['peak'] / GIB:.1f} GiB", flush=True)
+        if best is None or result["tokens_per_second"] > best["tokens_per_second"]:
+            best = result
+    if best is not None and kubetrain is not None:
+        ratio = kubetrain["tokens_per_second"] / best["tokens_per_second"]
+        print(f"kubetrain {kubetrain['variant']} / best peer ({best['variant']}) tokens/s: "
+              f"{ratio:.2f}  (goal >= 1.0, aim 1.1)", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--micro-batch", default="16",
+                        help="micro-batch, or a comma-separated list to sweep")
+    parser.add_argument("--micro-batches", dest="micro_batch", help=argparse.SUPPRESS)
     parser.add_argument("--variants", default="bf16-full,bf16,fp8",
-                        help=f"comma-separated, of {', '.join(VARIANTS)} (one process)")
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (one process each)")
+    parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="override the preset's depth (wide matrices on one GPU)")
+    parser.add_argument("--checkpointing", default="none",
+                        help="activation checkpointing: none, selective, full, or a list")
+    parser.add_argument("--compile", default="on", help="on, off, or on,off to sweep")
+    parser.add_argument("--peers", default="none",
+                        help="'default', 'none' or comma-separated bench/peers.py variants")
+    parser.add_argument("--peer-steps", type=int, default=12)
     parser.add_argument("--variant", choices=VARIANTS, default=None,
                         help="run only this one, in this process (what torchrun ranks do)")
     parser.add_argument("--train", help=argparse.SUPPRESS)  # a prepared corpus, from the parent
@@ -142,15 +259,21 @@ def main() -> int:
         print("bench/mfu.py measures GPU utilisation and needs CUDA: no CUDA device here, "
               "skipped.")
         return 0
+    # Every combination of the listed values, in this order (a child process runs one).
+    configs = [Config(variant, args.preset, args.layers, int(micro), checkpointing,
+                      compile_ == "on")
+               for micro, checkpointing, compile_, variant in itertools.product(
+                   args.micro_batch.split(","), args.checkpointing.split(","),
+                   args.compile.split(","), (args.variant or args.variants).split(","))]
     print(f"device: {torch.cuda.get_device_name()} x {os.environ.get('WORLD_SIZE', '1')}; "
-          f"llama-1b, seq 2048, micro-batch {args.micro_batch}, compile", flush=True)
+          f"torch {torch.__version__}; seq 2048", flush=True)
 
     if args.variant is not None or "WORLD_SIZE" in os.environ:
-        # One variant in this process: under torchrun every rank runs it.
+        # One configuration in this process: under torchrun every rank runs it.
         with tempfile.TemporaryDirectory() as scratch:
             # Every rank prepares into its own folder; prepare is deterministic, so they agree.
             train = args.train or corpus(Path(scratch))
-            result = run_variant(args.variant or "bf16", train, args.steps, args.micro_batch)
+            result = run_variant(configs[0], train, args.steps)
         if result:
             report(result)
             if args.result:
@@ -160,26 +283,26 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         train = corpus(Path(scratch))
-        for variant in args.variants.split(","):
-            out = Path(scratch) / f"{variant}.json"
-            done = subprocess.run(
-                [sys.executable, __file__, "--variant", variant, "--train", train,
-                 "--steps", str(args.steps), "--micro-batch", str(args.micro_batch),
-                 "--result", str(out)], capture_output=True, text=True)
-            if done.returncode != 0 or not out.exists():
-                print(f"{variant:<13} FAILED (exit {done.returncode}):\n"
-                      f"{done.stdout[-2000:]}{done.stderr[-4000:]}", flush=True)
-                continue
-            results[variant] = json.loads(out.read_text())
-            report(results[variant])
-    if "bf16" in results:
-        bf16 = results["bf16"]
-        print(f"bf16 MFU {bf16['mfu']:.1%} (goal >= 50% on one H100)")
-        for variant in ("bf16-full", "bf16-chunked", "fp8"):
-            if variant in results:
-                ratio = results[variant]["tokens_per_second"] / bf16["tokens_per_second"]
-                print(f"{variant} / bf16 tokens/s: {ratio:.2f}"
-                      + ("  (goal >= 1.3)" if variant == "fp8" else ""))
+        for config in configs:
+            result = run_child([__file__, *config.arguments(), "--train", train,
+                                "--steps", str(args.steps)],
+                               Path(scratch) / f"{len(results)}.json", config.label())
+            if result is not None:
+                results[config.label()] = result
+                report(result)
+        by_variant = {r["variant"]: r for r in results.values()}
+        if "bf16" in by_variant:
+            bf16 = by_variant["bf16"]
+            print(f"bf16 MFU {bf16['mfu']:.1%} (goal >= 50% on one H100)")
+            for variant, result in by_variant.items():
+                if variant != "bf16":
+                    ratio = result["tokens_per_second"] / bf16["tokens_per_second"]
+                    print(f"{variant} / bf16 tokens/s: {ratio:.2f}"
+                          + ("  (goal >= 1.3)" if variant.startswith("fp8") else ""))
+        if args.peers != "none":
+            peers = list(DEFAULT_PEERS) if args.peers == "default" else args.peers.split(",")
+            run_peers(peers, configs[0].micro_batch, args.peer_steps, Path(scratch),
+                      by_variant.get("bf16"))
     return 0 if results else 1
 
 

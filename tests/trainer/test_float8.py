@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from kubetrain.api.trainingjob import ModelDims, ParallelismSpec
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import (
+    FLOAT8_RECIPE_ENV,
     PrecisionUnsupported,
     convert_to_float8,
     float8_unsupported,
@@ -62,6 +63,15 @@ def test_fp8_without_torchao_says_how_to_install_it(monkeypatch: pytest.MonkeyPa
     with pytest.raises(PrecisionUnsupported,
                        match=r"parallelism.precision: fp8 needs torchao.*"
                              r"pip install 'kubetrain\[gpu\]'"):
+        convert_to_float8(Transformer(DIMS, max_seq_len=8), torch.device("cuda", 0), False)
+
+
+def test_an_unknown_float8_recipe_is_refused_naming_the_variable_and_the_choices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    monkeypatch.setenv(FLOAT8_RECIPE_ENV, "blockwise")
+    with pytest.raises(ValueError, match=r"KUBETRAIN_FLOAT8_RECIPE='blockwise' is not one of "
+                                         r"tensorwise, rowwise, rowwise_with_gw_hp"):
         convert_to_float8(Transformer(DIMS, max_seq_len=8), torch.device("cuda", 0), False)
 
 

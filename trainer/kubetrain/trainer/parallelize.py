@@ -13,8 +13,10 @@ Precision: with FSDP2 the `MixedPrecisionPolicy` casts parameters to bf16/fp16
 for compute and reduces gradients in fp32, keeping fp32 master weights; with DDP
 (and a single process, which is left unwrapped) `torch.autocast` does the same
 job. fp32 runs unchanged. fp8 is bf16 with every transformer block's linear
-layers swapped for torchao's `Float8Linear` (dynamic tensorwise scaling; under
-FSDP2 their weights are all-gathered in float8). The output projection stays
+layers swapped for torchao's `Float8Linear`, with dynamic tensorwise scaling (under
+FSDP2 their weights are all-gathered in float8). `KUBETRAIN_FLOAT8_RECIPE=rowwise`
+(or `rowwise_with_gw_hp`) picks another of torchao's recipes, for benchmarks
+(bench/mfu.py) and diagnosis; rowwise weights are all-gathered in bf16. The output projection stays
 bf16: its loss (loss.py) reads its weight directly, and float8 would cost the
 most accuracy there; so does the INL dynamics controller (model.Dynamics). fp8
 is refused, naming the field, on CPUs and on GPUs without float8 tensor cores,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -45,6 +48,10 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
                   "fp8": torch.bfloat16}  # fp8: float8 matmuls inside a bf16 model
 FLOAT8_CAPABILITY = (8, 9)  # Ada and Hopper are the first with float8 tensor cores
 INSTALL_GPU_EXTRA = "pip install 'kubetrain[gpu]' (or pip install torchao)"
+FLOAT8_RECIPE_ENV = "KUBETRAIN_FLOAT8_RECIPE"
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's recipe names
+# bench/mfu.py on one H100: tensorwise 1.17x bf16's tokens/s at llama-1b widths, rowwise 1.00.
+DEFAULT_FLOAT8_RECIPE = "tensorwise"
 
 
 class PrecisionUnsupported(ValueError):
@@ -171,13 +178,20 @@ def convert_to_float8(model: LanguageModel, device: torch.device,
     if reason is not None:
         raise PrecisionUnsupported(
             f"parallelism.precision: fp8 is not supported here: {reason}. Use precision bf16.")
+    recipe = os.environ.get(FLOAT8_RECIPE_ENV, DEFAULT_FLOAT8_RECIPE)
+    if recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"{FLOAT8_RECIPE_ENV}={recipe!r} is not one of "
+                         f"{', '.join(FLOAT8_RECIPES)}")
     try:
         float8 = importlib.import_module("torchao.float8")  # optional dependency, untyped
     except ImportError as error:
         raise PrecisionUnsupported(
             f"parallelism.precision: fp8 needs torchao, which is not installed ({error}): "
             f"{INSTALL_GPU_EXTRA}") from error
-    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather_in_float8)
+    if recipe == "tensorwise":
+        config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather_in_float8)
+    else:  # torchao gathers rowwise-scaled weights in high precision
+        config = float8.Float8LinearConfig.from_recipe_name(recipe)
 
     def in_a_block(module: nn.Module, name: str) -> bool:
         # float8 matmuls need both dimensions divisible by 16. The INL dynamics controller
