@@ -1,7 +1,8 @@
 """Estimate a job's memory per GPU and recommend a configuration that fits.
 
 `kubetrain estimate FILE [--gpu-memory GiB] [--world-size N]` exits 0 when the
-job fits, 1 (after printing a recommendation) when it does not.
+job fits (and shows the largest micro-batch with the same global batch that would
+fit, when that is larger), 1 (after printing a recommendation) when it does not.
 
 For the job's model, micro-batch, sequence length, precision, activation
 checkpointing, strategy and world size it adds up, per training process:
@@ -20,10 +21,16 @@ checkpointing, strategy and world size it adds up, per training process:
   controller's width: its two hidden tensors; the three sigmoids, beta, the
   error, the velocity before and after its clamp, the new hidden state; counted
   with saved-tensor hooks) and a checkpointed block keeps its velocity too, 2·b·d,
-  besides the controller's parameters in every parameter figure;
+  besides the controller's parameters in every parameter figure. These counted
+  tensors are then scaled by what the GPU measured (bench/mfu.py, one H100): eager
+  blocks under autocast keep 1.12 times as much (the residual stream and the norms'
+  inputs are fp32 until the first cast), compiled blocks 0.75 times (inductor's fused
+  kernels keep no elementwise intermediates), and fp8 blocks 0.65 of that (float8
+  linears save their inputs in float8). The block recomputed under checkpointing is
+  counted as eager;
 - without FSDP, under autocast (bf16/fp16/fp8): the compute-dtype copies of the
   blocks' weights that autocast caches during forward and backward keeps: b·(block
-  parameters);
+  parameters), one byte each for fp8's float8 linears;
 - the output projection and loss (loss.py), by implementation: `full` holds the
   logits, their fp32 copy and gradient, tokens·vocab·(b + 8); `chunked` (the
   default) the same for one chunk of `sizing.loss_chunk_tokens` tokens, plus the
@@ -42,7 +49,9 @@ checkpointing, strategy and world size it adds up, per training process:
   loss is then the chunked distillation loss whatever `output_loss` says, counted
   as the chunked loss over those shorter chunks plus its extra log-softmax and its
   gradient, tokens·vocab·8;
-- 1 GiB for the CUDA context and allocator fragmentation.
+- 3 GiB and a byte per parameter of the process for the CUDA context, cuBLAS
+  workspaces and the caching allocator's reserved-but-free blocks (fitted on the
+  H100 with llama-1b and llama-8b widths).
 
 A state-space model (`model.architecture: ssm`, ssm.py) is counted with its own
 parameters (sizing.ssm_parameter_count) and, per block and token, the activations its
@@ -52,12 +61,13 @@ saved-tensor count on CPU); a checkpointed block keeps its input, b·d. The desc
 also gives its recurrent state for generation (`sizing.ssm_state_elements`, fp32), which
 does not grow with the context.
 
-fp8 is counted as bf16, an upper bound: float8 linears keep smaller copies.
-
-The figures are planning estimates, not guarantees. Measured (bench/memory.py,
-bench/mfu.py): within 7 % of the peak for llama-1b in bf16 on an H100 with each
-loss implementation and for two fp32 steps of a 128k-vocabulary model on CPU;
-fp8 measured 16 % below its estimate. Torch-free: it runs where torch is not installed.
+The figures are planning estimates, not guarantees. Measured peak / estimate on one
+H100 (bench/mfu.py; tests/trainer/test_estimate.py keeps the figures): 0.96 to 0.99
+for llama-1b at micro-batch 4 to 16, bf16 and fp8, eager and compiled, without and
+with selective checkpointing, and for llama-8b widths at micro-batch 4; not yet
+measured: compiled blocks under checkpointing, and FSDP over several GPUs. On CPU
+(bench/memory.py, without the context term): within 7 % for two fp32 steps of a
+128k-vocabulary model. Torch-free: it runs where torch is not installed.
 """
 
 from __future__ import annotations
@@ -83,7 +93,18 @@ from kubetrain.trainer.sizing import (
 )
 
 GIB = 1024**3
-CONTEXT_BYTES = 1 * GIB
+# Measured on one H100 (bench/mfu.py, llama-1b and llama-8b widths, bf16 and fp8, eager and
+# compiled, micro-batch 4 to 16): the CUDA context, cuBLAS workspaces and the caching
+# allocator's reserved-but-free blocks came to about 3 GiB plus a byte per parameter.
+CONTEXT_BYTES = 3 * GIB
+ALLOCATOR_BYTES_PER_PARAMETER = 1
+# What a block keeps for backward, measured against the tensors counted below (`full_block`):
+# eager under autocast keeps more (the residual stream and the norms' inputs stay fp32
+# before the first cast), inductor's fused kernels keep less (no elementwise intermediates
+# of RMSNorm, RoPE and SwiGLU), and float8 linears keep their inputs in float8.
+EAGER_AUTOCAST_ACTIVATIONS = 1.12
+COMPILED_ACTIVATIONS = 0.75
+FLOAT8_ACTIVATIONS = 0.65
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # fp8: a bf16 model, float8 matmuls
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 tensors per parameter
 Checkpointing = Literal["none", "selective", "full"]
@@ -111,7 +132,7 @@ class MemoryEstimate:
     activations: int
     logits: int
     teacher: int = 0  # distillation: everything the frozen teacher adds
-    context: int = CONTEXT_BYTES
+    context: int = CONTEXT_BYTES  # with the allocator's slack (estimate_memory adds it)
 
     @property
     def total(self) -> int:
@@ -154,14 +175,23 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         n_params, block_params = ssm_parameter_count(dims), ssm_block_parameter_count(dims)
         full_block = plan.micro_batch_size * ssm_block_activation_bytes(
             dims, spec.data.seq_len, compute)
+    # Without FSDP the weights stay fp32 and autocast computes with cached casts of them.
+    casts = not sharded and compute < 4
+    precision = spec.parallelism.precision
+    eager_block = full_block
+    if spec.model.architecture != "ssm":  # the SSM's counted terms are autograd's own
+        eager_block = round(full_block * (EAGER_AUTOCAST_ACTIVATIONS if casts else 1.0)
+                            * (FLOAT8_ACTIVATIONS if precision == "fp8" else 1.0))
+        full_block = (round(full_block * COMPILED_ACTIVATIONS
+                            * (FLOAT8_ACTIVATIONS if precision == "fp8" else 1.0))
+                      if spec.parallelism.compile else eager_block)
     checkpointed = {"none": 0, "selective": (dims.n_layers + 1) // 2,
                     "full": dims.n_layers}[plan.activation_checkpointing]
     activations = (dims.n_layers - checkpointed) * full_block + checkpointed * block_input
     if checkpointed:
-        activations += full_block  # the block being recomputed during backward
-
-    # Without FSDP the weights stay fp32 and autocast computes with cached casts of them.
-    casts = not sharded and compute < 4
+        # The block being recomputed during backward, counted as eager (not yet measured
+        # compiled).
+        activations += eager_block
     logits = _loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts)
     teacher_bytes = 0
     if teacher is not None:
@@ -175,10 +205,13 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         gradients=4 * n_params // shards,
         optimizer=4 * OPTIMIZER_STATES[spec.optimization.optimizer] * n_params // shards,
         fsdp_working_set=2 * block_params * (compute + 4) if sharded else 0,
-        weight_copies=compute * dims.n_layers * block_params if casts else 0,
+        # float8 linears keep 1-byte casts of their weights.
+        weight_copies=((1 if precision == "fp8" else compute) * dims.n_layers * block_params
+                       if casts else 0),
         activations=activations,
         logits=logits,
         teacher=teacher_bytes,
+        context=CONTEXT_BYTES + ALLOCATOR_BYTES_PER_PARAMETER * n_params // shards,
     )
 
 
@@ -223,24 +256,29 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
               output_loss: OutputLossName = "chunked",
               dims: ModelDims | None = None,
               teacher: ModelDims | None = None,
-              teacher_dynamics: bool = False) -> Plan | None:
+              teacher_dynamics: bool = False,
+              grow: bool = False) -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
-    The global batch stays what the job asks for: gradient accumulation grows as
-    the micro-batch shrinks. None when not even micro-batch 1 with full
-    checkpointing fits (more processes, or a smaller model, are needed).
+    The global batch stays exactly what the job asks for: the micro-batch is a divisor of
+    it, and gradient accumulation makes up the rest. With `grow` (a job that fits, using
+    the memory it leaves free) the micro-batch may exceed the job's, at the job's own
+    activation checkpointing; otherwise it never does. None when
+    not even micro-batch 1 with full checkpointing fits (more processes, or a smaller
+    model, are needed).
     """
     asked = job_plan(spec, world_size)
     global_sequences = asked.micro_batch_size * asked.gradient_accumulation
-    levels: tuple[Checkpointing, ...] = ("none", "selective", "full")
+    largest = global_sequences if grow else asked.micro_batch_size
+    micro_batches = [m for m in range(largest, 0, -1) if global_sequences % m == 0]
+    levels: tuple[Checkpointing, ...] = (
+        (asked.activation_checkpointing,) if grow else ("none", "selective", "full"))
     for checkpointing in levels:
-        micro = asked.micro_batch_size
-        while micro >= 1:
-            plan = Plan(micro, math.ceil(global_sequences / micro), checkpointing)
+        for micro in micro_batches:
+            plan = Plan(micro, global_sequences // micro, checkpointing)
             if estimate_memory(spec, world_size, plan, output_loss, dims, teacher,
                                teacher_dynamics).total <= gpu_bytes:
                 return plan
-            micro //= 2
     return None
 
 
@@ -286,6 +324,14 @@ def run(args: argparse.Namespace) -> int:
     verdict = "fits" if fits else "does NOT fit"
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
     if fits:
+        larger = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
+                           teacher_dynamics=teacher_dynamics, grow=True)
+        if larger is not None and larger.micro_batch_size > plan.micro_batch_size:
+            total = estimate_memory(spec, world_size, larger, dims=dims, teacher=teacher,
+                                    teacher_dynamics=teacher_dynamics).total
+            print(f"\nThe memory left over fits a larger micro-batch, the same global batch "
+                  f"({total / GIB:.1f} GiB per GPU; larger micro-batches run faster):\n"
+                  + _plan_lines(larger))
         return 0
     better = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
                        teacher_dynamics=teacher_dynamics)
@@ -297,10 +343,14 @@ def run(args: argparse.Namespace) -> int:
     total = estimate_memory(spec, world_size, better, dims=dims, teacher=teacher,
                             teacher_dynamics=teacher_dynamics).total
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
-          f"  optimization.microBatchSize: {better.micro_batch_size}\n"
-          f"  optimization.gradientAccumulationSteps: {better.gradient_accumulation}\n"
-          f"  parallelism.activationCheckpointing: {better.activation_checkpointing}")
+          + _plan_lines(better))
     return 1
+
+
+def _plan_lines(plan: Plan) -> str:
+    return (f"  optimization.microBatchSize: {plan.micro_batch_size}\n"
+            f"  optimization.gradientAccumulationSteps: {plan.gradient_accumulation}\n"
+            f"  parallelism.activationCheckpointing: {plan.activation_checkpointing}")
 
 
 def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims,
