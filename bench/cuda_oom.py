@@ -48,6 +48,12 @@ def main() -> int:
                               capture_output=True, text=True, timeout=1800)
         log = Path(folder) / "runs" / "cuda-oom" / "metrics.jsonl"
         events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        unexpected = [e for e in events if e["event"] == "failure"
+                      and e["class"] != "CUDAOutOfMemory"]
+        if unexpected:  # why the worker failed otherwise: the end of its logs
+            for worker_log in sorted((Path(folder) / "runs" / "cuda-oom" / "logs").glob("*")):
+                print(f"--- {worker_log.name}, last lines:")
+                print("\n".join(worker_log.read_text(errors="replace").splitlines()[-25:]))
     failures = [e for e in events if e["event"] == "failure"]
     for failure in failures:
         print(f"failure class {failure['class']} at micro-batch {failure['micro_batch_size']}: "
