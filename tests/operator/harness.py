@@ -26,7 +26,8 @@ from typing import Any, Protocol, TypeVar
 from emulator import EmulatedCluster, free_port
 from kubernetes import client
 
-from kubetrain.operator.command import OperatorConfig, serve
+from kubetrain.operator.command import serve
+from kubetrain.operator.config import OperatorConfig
 
 T = TypeVar("T")
 

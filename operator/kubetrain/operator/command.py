@@ -14,12 +14,11 @@ import asyncio
 import gc
 import logging
 import os
-import socket
 import threading
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kubetrain.operator.config import OperatorConfig
 
 # Allocations between collections of the youngest generation (Python's default: 700).
 GC_FIRST_GENERATION = 20_000
@@ -28,32 +27,11 @@ GC_FIRST_GENERATION = 20_000
 _POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-def _identity() -> str:
-    # The pod name (hostname) says who leads; the suffix keeps two processes on one host apart.
-    return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-
-
 def _default_lease_namespace() -> str:
     try:
         return _POD_NAMESPACE_FILE.read_text().strip()
     except OSError:
         return "default"
-
-
-@dataclass(frozen=True)
-class OperatorConfig:
-    """How one operator process runs."""
-
-    namespaces: tuple[str, ...] = ()
-    resync_seconds: float = 10.0
-    scrape_timeout_seconds: float = 2.0
-    standalone: bool = False
-    identity: str = field(default_factory=_identity)
-    lease_namespace: str = "default"
-    lease_seconds: float = 15.0
-    lease_retry_seconds: float = 2.0
-    metrics_port: int = 9090
-    health_port: int = 8080
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 from kubetrain.api.manifest import InvalidManifest, parse_job
 from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJobStatus
 from kubetrain.operator import children
-from kubetrain.operator.command import OperatorConfig
+from kubetrain.operator.config import OperatorConfig
 from kubetrain.operator.leader import LeaderElection
 from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.observed import (
