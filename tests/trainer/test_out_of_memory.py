@@ -38,10 +38,10 @@ def _with_effective(job: Path, micro: int, out_of_memory_restarts: int = 1) -> P
 
 
 def _run_worker(job: Path, log: Path, limit: int, termination_log: Path,
-                launcher: Any) -> subprocess.CompletedProcess[str]:
+                launcher: Any, *how: str) -> subprocess.CompletedProcess[str]:
     termination_log.touch()  # the kubelet creates it in the container
     env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log)}
-    return subprocess.run([sys.executable, str(WORKER), str(job), str(log), str(limit)],
+    return subprocess.run([sys.executable, str(WORKER), str(job), str(log), str(limit), *how],
                           env=env, capture_output=True, text=True, timeout=180)
 
 
@@ -68,6 +68,18 @@ def test_an_out_of_memory_step_is_classified_in_the_termination_message(
                     exit_code=1, reason="Error", termination_message=message,
                     trainer_failure=failure)
     assert classify(pod, [2, 126, 127]) == "CUDAOutOfMemory"
+
+
+def test_a_triton_kernel_out_of_memory_is_classified_too(
+        tiny_job: Any, launcher: Any, tmp_path: Path) -> None:
+    """Liger's fused loss is Triton: its failed allocation is a plain RuntimeError."""
+    job = tiny_job("oom", optimization={"maxSteps": 4, "microBatchSize": 8, "warmupSteps": 1})
+    termination_log = tmp_path / "termination-log"
+    done = _run_worker(job, tmp_path / "oom.jsonl", 4, termination_log, launcher, "triton")
+    assert done.returncode == EXIT_OUT_OF_MEMORY, done.stderr[-3000:]
+    failure = trainer_failure(termination_log.read_text())
+    assert failure is not None and failure.failure_class == "CUDAOutOfMemory"
+    assert "Triton Error [CUDA]: out of memory" in failure.message
 
 
 def test_the_halved_micro_batch_trains_the_same_curve_as_the_spec(

@@ -225,20 +225,21 @@ class Trainer:
                 stop.install()
                 try:
                     return self._train(run, stop)
-                except torch.OutOfMemoryError:
-                    # The ledger as of now in the heartbeat: the restart with half the
-                    # micro-batch books this attempt's time to goodput's `oom`.
-                    run.goodput.charge(PRODUCTIVE)
-                    self._account(run, run.goodput.step, final=True)
+                except RuntimeError as error:
+                    if is_out_of_memory(error):
+                        # The ledger as of now in the heartbeat: the restart with half the
+                        # micro-batch books this attempt's time to goodput's `oom`.
+                        run.goodput.charge(PRODUCTIVE)
+                        self._account(run, run.goodput.step, final=True)
                     raise
                 finally:
                     stop.uninstall()
                     run.close()
-            except torch.OutOfMemoryError as error:
-                failed = True
-                self._record_failure("CUDAOutOfMemory", error, world)
-                return FitResult(0, "out_of_memory", EXIT_OUT_OF_MEMORY, None, None)
-            except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors
+            except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
+                if is_out_of_memory(error):
+                    failed = True
+                    self._record_failure("CUDAOutOfMemory", error, world)
+                    return FitResult(0, "out_of_memory", EXIT_OUT_OF_MEMORY, None, None)
                 if not is_collective_timeout(error):
                     raise
                 failed = True
@@ -531,6 +532,19 @@ class Trainer:
         run.reporter.accounted(step, snapshot["seconds"])
         if run.heartbeat is not None:
             run.heartbeat.write(snapshot, wait=final)
+
+
+# How a device allocation failure reads when it does not arrive as torch.OutOfMemoryError:
+# Triton's kernels (Liger's fused loss) raise "Triton Error [CUDA]: out of memory", and
+# cuBLAS's workspace allocation fails as CUBLAS_STATUS_ALLOC_FAILED; both plain
+# RuntimeErrors.
+OUT_OF_MEMORY_WORDS = ("out of memory", "cublas_status_alloc_failed")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether an error is the device running out of memory, however it was raised."""
+    return isinstance(error, torch.OutOfMemoryError) or any(
+        words in str(error).lower() for words in OUT_OF_MEMORY_WORDS)
 
 
 def is_collective_timeout(error: BaseException) -> bool:
