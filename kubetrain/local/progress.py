@@ -157,7 +157,9 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri
     if export_uri:
         export_step = history.finished.get("export_step") if history.finished else None
         weights = f"weights of step {export_step}; " if isinstance(export_step, int) else ""
-        row("exported model", f"{shown(str(export_uri))} (Hugging Face Llama: {weights}"
+        # Runs from before the event named its format exported Hugging Face Llamas only.
+        exported = (history.finished or {}).get("export_format") or "Hugging Face Llama"
+        row("exported model", f"{shown(str(export_uri))} ({exported}: {weights}"
             "safetensors, config, tokenizer)")
     if outcome.succeeded and latest is not None:
         row("try it", f"kubetrain generate --checkpoint {checkpoint_uri} --prompt 'def '")

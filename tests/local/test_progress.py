@@ -127,6 +127,22 @@ def test_summary_names_the_best_checkpoint_and_the_step_the_export_holds() -> No
     assert "runs/x/checkpoints/export (Hugging Face Llama: weights of step 10;" in text
 
 
+SSM_FORMAT = "kubetrain SSM, model_type kubetrain_ssm, for model.init and kubetrain generate"
+
+
+def test_summary_names_what_reads_an_export_the_trainer_says_is_not_a_llama() -> None:
+    history = RunHistory()
+    for event in parse_lines(step(20, 4.0) + line(
+            event="finished", step=20, reason="max_steps", best_val_loss=None,
+            export_uri="runs/s/checkpoints/export", export_step=20,
+            export_format=SSM_FORMAT, time=5)):
+        history.apply(event)
+    text = summary("s", history, Outcome(True, "max_steps", 30.0, [], 0), "runs/s/checkpoints",
+                   "runs/s/logs/")
+    assert f"({SSM_FORMAT}: weights of step 20;" in text
+    assert "Hugging Face Llama" not in text
+
+
 def test_summary_breaks_the_wall_time_down_by_cause_from_the_latest_goodput_event() -> None:
     history = RunHistory()
     for event in parse_lines(

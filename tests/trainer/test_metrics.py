@@ -18,10 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubetrain.api.manifest import load_job
 from kubetrain.trainer import Trainer
 from kubetrain.trainer.metrics import Reporter, StepReport
+from kubetrain.trainer.rank_timing import RankTiming
 
 LOG_FIELDS = {
     "step": {"event", "step", "max_steps", "epoch", "loss", "lr", "grad_norm",
-             "tokens_per_second", "mfu", "step_time", "data_wait_ratio", "time"},
+             "tokens_per_second", "mfu", "step_time", "data_wait_ratio", "ranks", "time"},
     "eval": {"event", "step", "val_loss", "perplexity", "time"},
     "checkpoint": {"event", "step", "uri", "val_loss", "best", "time"},
     "resumed": {"event", "step", "uri", "world_size", "time"},
@@ -34,6 +35,9 @@ LOG_FIELDS = {
 GOODPUT_SECONDS = {"productive": 600.0, "data_wait": 12.0, "checkpoint_save": 20.0,
                    "checkpoint_load": 8.0, "startup": 45.0, "evaluation": 30.0,
                    "lost_progress": 50.0, "downtime": 35.0}
+# Rank 1 computes longer; rank 0 waits for it.
+RANKS = (RankTiming(0, "job-worker-0", "node-a", 0.15, 0.10),
+         RankTiming(1, "job-worker-1", "node-b", 0.24, 0.01))
 
 
 def _report_a_run(reporter: Reporter) -> None:
@@ -42,7 +46,7 @@ def _report_a_run(reporter: Reporter) -> None:
     reporter.stepped(41, 1024, 0.25)
     reporter.logged(StepReport(step=41, epoch=0.5, loss=3.5, learning_rate=1e-3, grad_norm=0.9,
                                tokens_per_second=4096.0, mfu=0.0, step_time=0.25,
-                               data_wait_ratio=0.01), torch.device("cpu"))
+                               data_wait_ratio=0.01, ranks=RANKS), torch.device("cpu"))
     reporter.evaluated(41, 3.75)
     reporter.checkpointed(41, "file:///ckpt/step-00000041", 1_700_000_000.0)
     reporter.accounted(41, GOODPUT_SECONDS)
@@ -67,7 +71,18 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
     assert families["kubetrain_validation_loss"].samples[0].value == 3.75
     assert families["kubetrain_latest_checkpoint_step"].samples[0].value == 41
     assert all(not sample.labels for f in families.values() for sample in f.samples
-               if f.type != "histogram" and f.name != "kubetrain_wall_time_seconds")
+               if f.type != "histogram" and f.name not in {
+                   "kubetrain_wall_time_seconds", "kubetrain_rank_compute_seconds",
+                   "kubetrain_rank_wait_seconds"})
+    per_rank = {(name, sample.labels["rank"], sample.labels["pod_name"], sample.labels["node"]):
+                sample.value for name in ("kubetrain_rank_compute_seconds",
+                                          "kubetrain_rank_wait_seconds")
+                for sample in families[name].samples}
+    assert per_rank == {
+        ("kubetrain_rank_compute_seconds", "0", "job-worker-0", "node-a"): 0.15,
+        ("kubetrain_rank_compute_seconds", "1", "job-worker-1", "node-b"): 0.24,
+        ("kubetrain_rank_wait_seconds", "0", "job-worker-0", "node-a"): 0.10,
+        ("kubetrain_rank_wait_seconds", "1", "job-worker-1", "node-b"): 0.01}
     by_cause = {sample.labels["cause"]: sample.value
                 for sample in families["kubetrain_wall_time_seconds"].samples}
     assert by_cause == GOODPUT_SECONDS

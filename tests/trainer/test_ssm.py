@@ -308,6 +308,9 @@ def test_the_export_is_marked_ssm_and_transformers_refuses_it(trained: dict[str,
 
     with pytest.raises(ValueError, match="kubetrain_ssm"):
         transformers.AutoConfig.from_pretrained(str(trained["export"]))
+    # The run's summary learns from the trainer what reads the export (not "Hugging Face").
+    finished = [e for e in trained["rescaled"] if e["event"] == "finished"][-1]  # the export's
+    assert finished["export_format"].startswith("kubetrain SSM, model_type kubetrain_ssm")
 
 
 @pytest.mark.slow

@@ -160,6 +160,15 @@ def torchrun_env(job: TrainingJob) -> list[dict[str, Any]]:
     ]
 
 
+def placement_env() -> list[dict[str, Any]]:
+    """The pod's and node's names (downward API): the trainer labels each rank's timing with
+    them, and the operator names the straggler's pod and node from that."""
+    return [
+        {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "KUBETRAIN_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    ]
+
+
 def credentials_env(job: TrainingJob) -> list[dict[str, Any]]:
     """S3 keys taken from the referenced Secret at run time; values never enter a manifest."""
     secret = job.spec.storage.credentials_secret
@@ -204,6 +213,7 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
         "command": ["torchrun", "-m", "kubetrain.trainer", f"{CONFIG_DIR}/{CONFIG_KEY}"],
         "env": [
             *torchrun_env(job),
+            *placement_env(),
             *credentials_env(job),
             *(env.wire() for env in template.env),
         ],

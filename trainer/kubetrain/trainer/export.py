@@ -196,6 +196,15 @@ def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
     return config
 
 
+def export_format(spec: TrainingJobSpec) -> str:
+    """What reads the job's export, in words for the run's summary."""
+    if spec.model.architecture == "ssm":
+        return "kubetrain SSM, model_type kubetrain_ssm, for model.init and kubetrain generate"
+    if spec.model.dynamics.enabled:
+        return "Llama with INL dynamics, for model.init and kubetrain generate"
+    return "Hugging Face Llama"
+
+
 def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec, *,
                  rank: int) -> str:
     """Write the model, its config and tokenizer to `<checkpoint uri>/export` (collective).

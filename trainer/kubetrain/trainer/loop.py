@@ -77,7 +77,7 @@ from kubetrain.trainer.checkpoint import (
 from kubetrain.trainer.data import TokenDataset, build_datasets
 from kubetrain.trainer.distill import Teacher, load_teacher
 from kubetrain.trainer.distributed import StopRequest, World, init_world, shutdown_world
-from kubetrain.trainer.export import export_model
+from kubetrain.trainer.export import export_format, export_model
 from kubetrain.trainer.goodput import (
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
@@ -107,6 +107,7 @@ from kubetrain.trainer.pretrained_config import (
     teacher_error,
     trained_model,
 )
+from kubetrain.trainer.rank_timing import WaitClock, gather_rank_timings, time_fsdp_collectives
 from kubetrain.trainer.sizing import flops_per_token, ssm_flops_per_token
 from kubetrain.trainer.storage import open_storage
 
@@ -376,18 +377,23 @@ class Trainer:
                        else flops_per_token(run.dims, spec.data.seq_len,
                                             dynamics=spec.model.dynamics.enabled))
         interval = _Interval(device)
+        # Each rank's time inside collectives, to tell its compute from its wait (rank_timing).
+        clock = WaitClock()
+        time_fsdp_collectives(model, clock)
 
         if step == 0 and spec.evaluation.every_steps:
             self._evaluate_and_record(run, step)  # the baseline the run improves on
         reason = "max_steps"
         val_loss: float | None = None  # of an evaluation at this step
         while step < run.max_steps:
-            stopping = stop.agreed(device)
+            interval.begin_step()
+            step_started, waited_before = time.perf_counter(), clock.seconds
+            with clock.waiting():
+                stopping = stop.agreed(device)
             goodput.charge(PRODUCTIVE)  # agreeing waits for the last step's device work
             if stopping:
                 reason = "signalled"
                 break
-            interval.begin_step()
             started = time.perf_counter()
 
             # Fetch every micro-batch of the step; the wait is what the data pipeline costs.
@@ -416,7 +422,8 @@ class Trainer:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads)
             if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
+                with clock.waiting():
+                    grad_norm = grad_norm.full_tensor()
             if opt.grad_clip_norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(model.parameters(), opt.grad_clip_norm,
                                                      grad_norm)
@@ -434,7 +441,9 @@ class Trainer:
 
             # Metrics: cheap ones every step, reduced ones every logEverySteps. The per-step
             # duration is host time (on a GPU, enqueue time); throughput is wall time.
-            interval.add(data_wait, local_tokens * world.world_size)
+            interval.add(data_wait, local_tokens * world.world_size,
+                         busy=time.perf_counter() - step_started,
+                         waited=clock.seconds - waited_before)
             reporter.stepped(step, local_tokens * world.world_size,
                              time.perf_counter() - started)
             goodput.charge(PRODUCTIVE)
@@ -445,6 +454,9 @@ class Trainer:
                 ce_loss = kd_loss = None
                 if run.teacher is not None:
                     ce_loss, kd_loss = (_mean_over_ranks(term) for term in terms_sum)
+                ranks = gather_rank_timings(
+                    (interval.busy - interval.waited) / interval.steps,
+                    interval.waited / interval.steps)
                 reporter.logged(StepReport(
                     step=step, epoch=run.train_data.epochs_done,
                     loss=_mean_over_ranks(loss_sum), learning_rate=learning_rate,
@@ -455,7 +467,7 @@ class Trainer:
                     data_wait_ratio=interval.data_wait / seconds,
                     dynamics=(_dynamics_over_ranks(model, device)
                               if spec.model.dynamics.enabled else None),
-                    ce_loss=ce_loss, kd_loss=kd_loss,
+                    ce_loss=ce_loss, kd_loss=kd_loss, ranks=tuple(ranks),
                 ), device)
                 interval = interval.next()
                 goodput.charge(PRODUCTIVE)  # the step's device work, waited for by the log
@@ -497,7 +509,8 @@ class Trainer:
             export_uri = export_model(model, run.dims, spec, rank=world.rank)
         goodput.charge(CHECKPOINT_SAVE)  # the export is the run's last save
         self._account(run, step, final=True)
-        reporter.finished(step, reason, best, export_uri, export_step=export_step)
+        reporter.finished(step, reason, best, export_uri, export_step=export_step,
+                          export_format=export_format(spec) if export_uri else None)
         return FitResult(step, reason, EXIT_COMPLETE, best, export_uri)
 
     def _evaluate_and_record(self, run: _Run, step: int) -> float | None:
@@ -626,6 +639,10 @@ def _dynamics_over_ranks(model: torch.nn.Module, device: torch.device) -> Dynami
 class _Interval:
     """Steps, data wait and tokens since the last logged step, and the wall time they took.
 
+    `busy` is the wall time of the steps themselves (from the stop agreement to the
+    optimizer's step), `waited` the part of it this rank spent inside collectives: the
+    rest is its compute (rank_timing).
+
     The first interval's clock starts at the first step (`begin_step`); each later
     one starts where the one before ended (`next`). `end` synchronises the device
     before reading the clock, so an interval covers the device's work, not just
@@ -637,6 +654,8 @@ class _Interval:
         self.steps = 0
         self.data_wait = 0.0
         self.tokens = 0
+        self.busy = 0.0
+        self.waited = 0.0
         self._started = started
         self._ended: float | None = None
 
@@ -645,10 +664,12 @@ class _Interval:
             _synchronize(self.device)
             self._started = time.perf_counter()
 
-    def add(self, data_wait: float, tokens: int) -> None:
+    def add(self, data_wait: float, tokens: int, *, busy: float, waited: float) -> None:
         self.steps += 1
         self.data_wait += data_wait
         self.tokens += tokens
+        self.busy += busy
+        self.waited += waited
 
     def end(self) -> float:
         """Wall seconds from the first step's start to now, once the device has caught up."""

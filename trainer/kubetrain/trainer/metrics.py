@@ -18,6 +18,11 @@ dynamics': the mean equilibrium mu over every block's channels, and the mean bet
 the velocity's RMS over every block, token and channel of each rank's last micro-batch
 of the logged step, averaged over ranks (the loop reduces them; see
 `loop._dynamics_over_ranks`).
+
+Per-rank timing (rank_timing.py) is the one exception to "the group's numbers": each
+rank's compute and collective wait per step, gathered to rank 0 at logged steps and
+exported labelled by rank, pod and node, so the operator can tell the rank the others
+wait for.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kubetrain.api.trainingjob import DEFAULT_MAX_STEPS, TrainingJobSpec
+from kubetrain.trainer.rank_timing import RankTiming
 
 REGISTRY = CollectorRegistry()
 
@@ -148,6 +154,44 @@ DISTILLATION = _JobGauges({
 REGISTRY.register(DYNAMICS)
 REGISTRY.register(DISTILLATION)
 
+RANK_COMPUTE = "kubetrain_rank_compute_seconds"
+RANK_WAIT = "kubetrain_rank_wait_seconds"
+
+
+class _RankTimings(Collector):
+    """Each rank's compute and wait per step over the last log interval, by rank, pod and node.
+
+    The whole set is replaced at each logged step: after a rescale, ranks that no longer
+    exist (or moved to another pod) leave /metrics instead of keeping a stale series.
+    """
+
+    def __init__(self) -> None:
+        self.ranks: tuple[RankTiming, ...] = ()
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        if not self.ranks:
+            return []
+        # Not `pod`: Prometheus' scrape puts its own `pod` label on every series.
+        labels = ["rank", "pod_name", "node"]
+        compute = GaugeMetricFamily(
+            RANK_COMPUTE, "Mean seconds per step each rank spent computing (not waiting in "
+            "collectives) over the last log interval.", labels=labels)
+        wait = GaugeMetricFamily(
+            RANK_WAIT, "Mean seconds per step each rank spent waiting in collectives (for "
+            "the other ranks) over the last log interval.", labels=labels)
+        for timing in self.ranks:
+            values = [str(timing.rank), timing.pod, timing.node]
+            compute.add_metric(values, timing.compute_seconds)
+            wait.add_metric(values, timing.wait_seconds)
+        return [compute, wait]
+
+
+RANK_TIMINGS = _RankTimings()
+REGISTRY.register(RANK_TIMINGS)
+
 # Peak dense bf16 FLOP/s per device, matched against torch.cuda.get_device_name() in order.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
@@ -186,6 +230,7 @@ class StepReport:
     # Knowledge distillation only: the loss's two terms (loss = (1 - alpha) ce + alpha kd).
     ce_loss: float | None = None
     kd_loss: float | None = None
+    ranks: tuple[RankTiming, ...] = ()  # every rank's compute and wait, by rank
 
 
 class Reporter:
@@ -216,6 +261,7 @@ class Reporter:
         MAX_STEPS.set(self.max_steps)
         # A job without dynamics or a teacher exports no such series.
         DYNAMICS.values = DISTILLATION.values = None
+        RANK_TIMINGS.ranks = ()  # this attempt's membership only
         RESTARTS.set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._trackers = _open_trackers(spec, job_name)
 
@@ -265,6 +311,8 @@ class Reporter:
         if report.ce_loss is not None and report.kd_loss is not None:
             distillation = {"ce_loss": report.ce_loss, "kd_loss": report.kd_loss}
             DISTILLATION.values = (report.ce_loss, report.kd_loss)
+        if report.ranks:
+            RANK_TIMINGS.ranks = report.ranks
         if device.type == "cuda":
             MEMORY_ALLOCATED.set(torch.cuda.max_memory_allocated(device))
             MEMORY_RESERVED.set(torch.cuda.max_memory_reserved(device))
@@ -280,7 +328,10 @@ class Reporter:
                     lr=report.learning_rate, grad_norm=report.grad_norm,
                     tokens_per_second=report.tokens_per_second, mfu=report.mfu,
                     step_time=report.step_time, data_wait_ratio=report.data_wait_ratio,
-                    **dynamics)
+                    **dynamics, ranks=[
+                        {"rank": timing.rank, "pod_name": timing.pod, "node": timing.node,
+                         "compute_seconds": timing.compute_seconds,
+                         "wait_seconds": timing.wait_seconds} for timing in report.ranks])
         self._print(
             f"step {report.step}/{self.max_steps} | epoch {report.epoch:.2f} | "
             f"loss {report.loss:.4f} | "
@@ -345,10 +396,13 @@ class Reporter:
         self._event("goodput", step=step, ratio=ratio, seconds=seconds)
 
     def finished(self, step: int, reason: str, best_val_loss: float | None,
-                 export_uri: str | None, export_step: int | None = None) -> None:
-        """The run ended; `export_step` is the step whose weights were exported."""
+                 export_uri: str | None, export_step: int | None = None,
+                 export_format: str | None = None) -> None:
+        """The run ended; `export_step` is the step whose weights were exported and
+        `export_format` what reads them (`export.export_format`)."""
         self._event("finished", step=step, reason=reason, best_val_loss=best_val_loss,
-                    export_uri=export_uri, export_step=export_step)
+                    export_uri=export_uri, export_step=export_step,
+                    export_format=export_format)
         self._print(f"finished at step {step}: {reason}")
 
     def close(self) -> None:

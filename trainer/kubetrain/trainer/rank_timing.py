@@ -1,0 +1,116 @@
+"""Per-rank timing: how long each rank computes, and how long it waits for the others.
+
+A synchronous job runs at the pace of its slowest rank: the others wait for it inside
+the collectives. So the rank the others wait for (a straggler: a slow GPU, a throttled
+CPU, a paused process) shows the largest compute time and the smallest wait, and the
+operator's slowness rule (`kubetrain.operator.stragglers`) compares compute times.
+
+What is measured, per step, on each rank's host clock:
+- wait: the time spent inside collectives. The loop's own (the stop agreement at each
+  step boundary, the gradient norm's all-reduce) and FSDP2's parameter all-gathers and
+  gradient reduce-scatters, which FSDP lets a caller replace (`set_custom_all_gather`,
+  `set_custom_reduce_scatter`): the replacements here are FSDP's defaults with a clock
+  around them.
+- compute: the rest of the step (data fetch, forward, backward, optimizer).
+On CPU (gloo) these collectives block the host, so the clock sees the wait. On a GPU,
+NCCL work runs on its own streams and the host does not wait in it: there the split
+says little yet, and with DDP the bucket all-reduces are waited for inside backward
+(in C++) and count as compute.
+
+Only rank 0 serves /metrics, so at each logged step every rank's figures are gathered
+to rank 0 (`gather_rank_timings`, a collective), which exports them labelled by rank,
+pod and node. A group of one waits for nobody: its wait is 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+
+
+class WaitClock:
+    """Seconds this process spent inside collectives since it started (a running total)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the block's wall time as waiting in a collective."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+class _TimedAllGather(DefaultAllGather):
+    def __init__(self, clock: WaitClock) -> None:
+        self.clock = clock
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        with self.clock.waiting():
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _TimedReduceScatter(DefaultReduceScatter):
+    def __init__(self, clock: WaitClock) -> None:
+        self.clock = clock
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+                 async_op: bool = False) -> dist.Work:
+        with self.clock.waiting():
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def time_fsdp_collectives(model: torch.nn.Module, clock: WaitClock) -> None:
+    """Put `clock` around every FSDP2 all-gather and reduce-scatter of `model` (if sharded)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(_TimedAllGather(clock))
+            module.set_custom_reduce_scatter(_TimedReduceScatter(clock))
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """One rank's mean seconds per step over a logged interval, and where it runs."""
+
+    rank: int
+    pod: str
+    node: str
+    compute_seconds: float
+    wait_seconds: float
+
+
+def where_am_i() -> tuple[str, str]:
+    """This process's pod and node: the downward API's (the operator sets both), else the host."""
+    host = socket.gethostname()
+    return (os.environ.get("KUBETRAIN_POD_NAME") or host,
+            os.environ.get("KUBETRAIN_NODE_NAME") or host)
+
+
+def gather_rank_timings(compute_seconds: float, wait_seconds: float) -> list[RankTiming]:
+    """Every rank's timing, ordered by rank, on every rank (a collective: call it on all)."""
+    pod, node = where_am_i()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        # Its "collectives" return at once: the time in them is its own work.
+        return [RankTiming(0, pod, node, compute_seconds + wait_seconds, 0.0)]
+    mine = RankTiming(dist.get_rank(), pod, node, compute_seconds, wait_seconds)
+    everyone: list[RankTiming | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted((timing for timing in everyone if timing is not None),
+                  key=lambda timing: timing.rank)
