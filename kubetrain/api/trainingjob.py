@@ -806,6 +806,29 @@ class OutOfMemoryPolicy(ApiModel):
     )
 
 
+class StragglerPolicy(ApiModel):
+    """When a rank counts as a straggler, and what follows (kubetrain.operator.stragglers)."""
+
+    threshold: float = Field(
+        default=1.3, gt=1,
+        description="A rank whose compute time per step is more than this many times the "
+        "median rank's is slow (a rank's slowness is its compute time over the median).",
+    )
+    window: int = Field(
+        default=3, ge=1,
+        description="Consecutive judged intervals a rank must be slow in before it is "
+        "reported as a straggler. An interval is metrics.logEverySteps steps; the operator "
+        "judges the latest one at each scrape, so intervals shorter than its resync are "
+        "sampled, not all seen.",
+    )
+    action: Literal["Report"] = Field(
+        default="Report",
+        description="Report: set the job's Straggler condition and post an event naming the "
+        "pod, node and slowness. (Replace, which recreates the straggler's pod off that node, "
+        "is planned.)",
+    )
+
+
 class RunPolicy(ApiModel):
     """How the job is restarted, bounded and cleaned up."""
 
@@ -857,6 +880,11 @@ class RunPolicy(ApiModel):
         default_factory=OutOfMemoryPolicy,
         description="After a worker runs out of memory: Halve the micro-batch (default) or "
         "Fail.",
+    )
+    stragglers: StragglerPolicy = Field(
+        default_factory=StragglerPolicy,
+        description="Slow-rank detection from each rank's compute time: threshold, window and "
+        "action.",
     )
 
 
@@ -1145,6 +1173,30 @@ class FailureStreak(ApiModel):
     step: int = Field(description="Training step when the streak began.")
 
 
+class RankSlowness(ApiModel):
+    """One rank's slowness at the last judged interval, and for how long it has been slow."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rank: int = Field(description="The rank (torch.distributed) in the current group.")
+    pod: str = Field(description="The worker pod the rank runs in.")
+    node: str = Field(description="The node that pod runs on.")
+    slowness: float = Field(description="The rank's compute time per step over the median "
+                            "rank's (1: as fast as the median).")
+    slow_intervals: int = Field(description="Consecutive judged intervals the rank has been "
+                                "above runPolicy.stragglers.threshold (a straggler from "
+                                "runPolicy.stragglers.window on).")
+
+
+class RanksStatus(ApiModel):
+    """Every rank's slowness, judged once per logged interval (kubetrain.operator.stragglers)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    step: int = Field(description="The logged step whose interval was judged last.")
+    ranks: list[RankSlowness] = Field(default_factory=list, description="By rank.")
+
+
 class TrainingJobStatus(ApiModel):
     """Observed state, written only by the operator."""
 
@@ -1191,6 +1243,10 @@ class TrainingJobStatus(ApiModel):
         default=None,
         description="The same non-signal exit code ending consecutive attempts "
         "(repeatedFailureLimit).",
+    )
+    ranks: RanksStatus | None = Field(
+        default=None, description="Each rank's slowness (compute time over the median "
+        "rank's), as the straggler rule judged it last (runPolicy.stragglers).",
     )
     kopf: dict[str, Any] = Field(
         default_factory=dict,

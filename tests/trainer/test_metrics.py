@@ -28,7 +28,7 @@ LOG_FIELDS = {
     "resumed": {"event", "step", "uri", "world_size", "time"},
     "start": {"event", "step", "max_steps", "world_size", "output_loss", "time"},
     "finished": {"event", "step", "reason", "best_val_loss", "export_uri", "export_step",
-                 "time"},
+                 "export_format", "time"},
     "goodput": {"event", "step", "ratio", "seconds", "time"},
 }
 # Seconds by cause, as the goodput ledger reports them (cumulative since the job began).
@@ -95,6 +95,10 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
 
     sample = metrics_sample(exposition)
     assert sample.wall_seconds == GOODPUT_SECONDS and sample.step_time == 0.25
+    # ... and every rank's compute time into the straggler rule, for the logged interval.
+    assert sample.ranks_step == 41
+    assert [(rank.rank, rank.pod, rank.node, rank.compute_seconds) for rank in sample.ranks] == [
+        (0, "job-worker-0", "node-a", 0.15), (1, "job-worker-1", "node-b", 0.24)]
     status = goodput_status(sample.wall_seconds).wire()
     assert status["productiveSeconds"] == 600 and status["wallSeconds"] == 800
     assert status["badputSeconds"]["lostProgress"] == 50

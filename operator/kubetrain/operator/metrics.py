@@ -7,10 +7,36 @@ peering) keep separate counts. Trainer metrics are the trainer's, not here.
 from __future__ import annotations
 
 from collections import Counter as Tally
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+
+
+class _RankSlowness(Collector):
+    """kubetrain_rank_slowness{namespace,job,rank}: each running job's ranks as status.ranks
+    says. Replaced per job at each status write, and gone with the job or its finish, so a
+    rank that left the group leaves no stale series."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[tuple[str, str], list[tuple[int, float]]] = {}
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kubetrain_rank_slowness", "Each rank's compute time per step over the median "
+            "rank's, at the last judged interval (runPolicy.stragglers).",
+            labels=["namespace", "job", "rank"])
+        for (namespace, job), ranks in sorted(self.jobs.items()):
+            for rank, slowness in ranks:
+                family.add_metric([namespace, job, str(rank)], slowness)
+        yield family
 
 
 class OperatorMetrics:
@@ -40,6 +66,17 @@ class OperatorMetrics:
             "(status.lastFailure.class).", ["class"], registry=self.registry)
         self.api_errors = Counter("kubetrain_operator_api_errors",
                                   "Kubernetes API calls that failed.", registry=self.registry)
+        self.rank_slowness = _RankSlowness()
+        self.registry.register(self.rank_slowness)
+
+    def show_ranks(self, namespace: str, job: str, status: Mapping[str, Any] | None) -> None:
+        """Set the job's kubetrain_rank_slowness from its status (none once it finished)."""
+        ranks = ((status or {}).get("ranks") or {}).get("ranks") or []
+        if not ranks or (status or {}).get("phase") in ("Succeeded", "Failed"):
+            self.rank_slowness.jobs.pop((namespace, job), None)
+            return
+        self.rank_slowness.jobs[(namespace, job)] = [
+            (int(rank["rank"]), float(rank["slowness"])) for rank in ranks]
 
     def count_phases(self, phases: dict[str, str]) -> None:
         """Set the jobs gauge from each job's current phase."""

@@ -70,6 +70,16 @@ class WorkerPod:
 
 
 @dataclass(frozen=True)
+class RankSample:
+    """One rank's mean seconds per step computing over a logged interval, and where it ran."""
+
+    rank: int
+    pod: str
+    node: str
+    compute_seconds: float
+
+
+@dataclass(frozen=True)
 class MetricsSample:
     """Rank 0's training metrics at one scrape; None where the trainer has not reported yet."""
 
@@ -90,6 +100,9 @@ class MetricsSample:
     step_time: float | None = None
     # Seconds of the job's wall time by cause (kubetrain_wall_time_seconds_total{cause}).
     wall_seconds: Mapping[str, float] | None = None
+    # Every rank's compute time over the interval ending at logged step `ranks_step`.
+    ranks: tuple[RankSample, ...] = ()
+    ranks_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +223,7 @@ def metrics_sample(exposition: str) -> MetricsSample:
     """Parse rank 0's /metrics text (the trainer's kubetrain_* gauges)."""
     values: dict[str, float] = {}
     wall_seconds: dict[str, float] = {}
+    ranks: list[RankSample] = []
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             # NaN (a diverged loss) has no JSON form; such a value is left unreported.
@@ -219,6 +233,11 @@ def metrics_sample(exposition: str) -> MetricsSample:
                 values[sample.name] = sample.value
             elif sample.name == "kubetrain_wall_time_seconds_total" and "cause" in sample.labels:
                 wall_seconds[sample.labels["cause"]] = sample.value
+            elif sample.name == "kubetrain_rank_compute_seconds" and sample.labels.get(
+                    "rank", "").isdigit():
+                ranks.append(RankSample(int(sample.labels["rank"]),
+                                        sample.labels.get("pod_name", ""),
+                                        sample.labels.get("node", ""), sample.value))
 
     def whole(name: str) -> int | None:
         return int(values[name]) if name in values else None
@@ -238,4 +257,6 @@ def metrics_sample(exposition: str) -> MetricsSample:
         best_checkpoint_val_loss=values.get("kubetrain_best_checkpoint_validation_loss"),
         step_time=values.get("kubetrain_step_time_seconds"),
         wall_seconds=wall_seconds or None,
+        ranks=tuple(sorted(ranks, key=lambda rank: rank.rank)),
+        ranks_step=whole("kubetrain_rank_timing_step"),
     )

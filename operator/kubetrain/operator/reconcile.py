@@ -28,6 +28,10 @@ Recovery policy, in the order it is checked:
   restart between recording a restart and deleting its pods);
 - a step that has not advanced for progressDeadlineSeconds restarts the group;
 - every restart counts against maxRestarts and waits an exponential backoff.
+
+Observed, never acted on yet: a rank slower than runPolicy.stragglers allows, for its
+window of intervals (kubetrain.operator.stragglers), sets the Straggler condition and
+posts an event naming its pod, node and slowness (action Report).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from kubetrain.api.trainingjob import (
     WorkerFailure,
     step_folder,
 )
-from kubetrain.operator import children
+from kubetrain.operator import children, stragglers
 from kubetrain.operator.failures import classify, describe
 from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
 
@@ -304,6 +308,7 @@ class _Decision:
             1 for pod in self.live_pods() if pod.ready and pod.index < self.replicas)
         self.observe_effective()
         self.observe_progress()
+        self.observe_ranks()
 
     @property
     def world_size(self) -> int:
@@ -376,6 +381,32 @@ class _Decision:
                 step=sample.best_checkpoint_step,
                 validation_loss=round(sample.best_checkpoint_val_loss, 6),
                 uri=f"{uri}/{step_folder(sample.best_checkpoint_step)}")
+
+    def observe_ranks(self) -> None:
+        """Judge each rank's slowness once per logged interval; name a straggler."""
+        sample = self.observed.metrics
+        if sample is None or not sample.ranks or sample.ranks_step is None:
+            return
+        policy = self.job.spec.run_policy.stragglers
+        previous = self.status.ranks
+        if previous is not None and previous.step == sample.ranks_step:
+            return  # the same interval, scraped again
+        judged = stragglers.judge(previous, sample.ranks_step, sample.ranks, policy.threshold)
+        self.status.ranks = judged
+        slow = stragglers.stragglers(judged, policy.window)
+        if not slow:
+            self.condition("Straggler", False, "NoSlowRank", "every rank's compute time is "
+                           f"within {policy.threshold:g}x the median rank's")
+            return
+        said = [f"rank {rank.rank} in pod {rank.pod} on node {rank.node} computes "
+                f"{rank.slowness:.2f}x the median rank's time per step, for "
+                f"{rank.slow_intervals} intervals" for rank in slow]
+        self.condition("Straggler", True, "SlowRank", "; ".join(said) + (
+            f" (runPolicy.stragglers: threshold {policy.threshold:g}, window {policy.window}, "
+            f"action {policy.action})"))
+        for rank, text in zip(slow, said, strict=True):
+            if rank.slow_intervals == policy.window:  # once, when it becomes a straggler
+                self.event("Straggler", text, warning=True)
 
     def clean_up(self) -> None:
         """Apply cleanPodPolicy to a finished job and expire it after its TTL."""

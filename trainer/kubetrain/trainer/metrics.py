@@ -156,6 +156,7 @@ REGISTRY.register(DISTILLATION)
 
 RANK_COMPUTE = "kubetrain_rank_compute_seconds"
 RANK_WAIT = "kubetrain_rank_wait_seconds"
+RANK_TIMING_STEP = "kubetrain_rank_timing_step"
 
 
 class _RankTimings(Collector):
@@ -167,6 +168,7 @@ class _RankTimings(Collector):
 
     def __init__(self) -> None:
         self.ranks: tuple[RankTiming, ...] = ()
+        self.step = 0  # the logged step whose interval they describe
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []
@@ -186,7 +188,10 @@ class _RankTimings(Collector):
             values = [str(timing.rank), timing.pod, timing.node]
             compute.add_metric(values, timing.compute_seconds)
             wait.add_metric(values, timing.wait_seconds)
-        return [compute, wait]
+        # Tells a reader (the operator's straggler rule) one interval from the next.
+        step = GaugeMetricFamily(RANK_TIMING_STEP, "The logged step whose interval the "
+                                 "per-rank timings describe.", value=self.step)
+        return [compute, wait, step]
 
 
 RANK_TIMINGS = _RankTimings()
@@ -312,7 +317,7 @@ class Reporter:
             distillation = {"ce_loss": report.ce_loss, "kd_loss": report.kd_loss}
             DISTILLATION.values = (report.ce_loss, report.kd_loss)
         if report.ranks:
-            RANK_TIMINGS.ranks = report.ranks
+            RANK_TIMINGS.ranks, RANK_TIMINGS.step = report.ranks, report.step
         if device.type == "cuda":
             MEMORY_ALLOCATED.set(torch.cuda.max_memory_allocated(device))
             MEMORY_RESERVED.set(torch.cuda.max_memory_reserved(device))
