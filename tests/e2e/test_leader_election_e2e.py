@@ -62,7 +62,9 @@ def test_only_the_leader_acts_and_a_standby_takes_over(
     leader.stop()
     harness.eventually(standby.leads, what="the standby to lead after a handover")
     created_before = standby.metric(CREATED)
-    kube.set_pod_status("ha-real-worker-1", "Failed", exit_code=137, reason="OOMKilled")
+    # Killed from outside (137, Error): a counted restart. An OOMKilled one would now halve
+    # the micro-batch instead, outside status.restarts.
+    kube.set_pod_status("ha-real-worker-1", "Failed", exit_code=137, reason="Error")
     harness.eventually(lambda: _attempt(kube, "ha-real", "ha-real-worker-1") == "1",
                        what="the new leader to replace worker 1")
     assert standby.metric(CREATED) >= created_before + 1
@@ -74,7 +76,7 @@ def test_only_the_leader_acts_and_a_standby_takes_over(
     standby.kill()
     harness.eventually(leader.leads, what="the other replica to take the expired Lease",
                        timeout=45)
-    kube.set_pod_status("ha-real-worker-1", "Failed", exit_code=137, reason="OOMKilled")
+    kube.set_pod_status("ha-real-worker-1", "Failed", exit_code=137, reason="Error")
     harness.eventually(lambda: _attempt(kube, "ha-real", "ha-real-worker-1") == "2",
                        what="the new leader to replace worker 1 again")
     status = (kube.job("ha-real") or {})["status"]
