@@ -1,11 +1,23 @@
 """Per-rank timing in a real 2-process torchrun (gloo, FSDP2): every rank's compute and
-collective wait reach rank 0's metrics log, labelled, and add up to the step time."""
+collective wait reach rank 0's metrics log, labelled, and add up to the step time; a rank
+slowed from outside (SIGSTOP/SIGCONT on a duty cycle) shows the largest compute and the
+smallest wait, and the operator's straggler rule names it."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
+import signal
 import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
 
 from kubetrain.api.manifest import load_job
+from kubetrain.operator.observed import RankSample
+from kubetrain.operator.stragglers import judge, stragglers
 
 
 def test_both_ranks_report_compute_and_wait_that_add_up_to_the_step_time(tiny_job,
@@ -40,3 +52,73 @@ def test_a_group_of_one_waits_for_nobody(tiny_job, launcher) -> None:
         [timing] = event["ranks"]
         assert timing["rank"] == 0 and timing["wait_seconds"] == 0
         assert 0.5 * event["step_time"] < timing["compute_seconds"] < 1.1 * event["step_time"]
+
+
+def _rank_process(agent: int, rank: int, deadline: float) -> int:
+    """The pid of torchrun `agent`'s worker for `rank` (its RANK variable), once it runs."""
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == agent and f"RANK={rank}".encode() in environ:
+                return int(entry.name)
+        time.sleep(0.1)
+    raise AssertionError(f"torchrun (pid {agent}) started no worker for rank {rank}")
+
+
+def test_a_rank_paused_on_a_duty_cycle_computes_longest_waits_least_and_is_named(
+        tiny_job, launcher) -> None:
+    # Micro-batches of 32: compute, not the collectives, takes most of a step, as in a real job.
+    job = tiny_job("paused", optimization={"maxSteps": 30, "microBatchSize": 32},
+                   metrics={"logEverySteps": 6})
+    agent = subprocess.Popen(launcher.command(job, 2), env=launcher.env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    slowed = _rank_process(agent.pid, 1, time.monotonic() + 60)
+    done = threading.Event()
+
+    def pause_and_resume() -> None:
+        # Stopped three quarters of the time: rank 1 runs at about a quarter of its speed, as
+        # on a throttled node.
+        # Random periods, so the pauses do not keep landing in the same part of each step.
+        draw = random.Random(0)
+        while not done.is_set():
+            try:
+                os.kill(slowed, signal.SIGSTOP)
+                time.sleep(draw.uniform(0.06, 0.18))
+                os.kill(slowed, signal.SIGCONT)
+            except ProcessLookupError:
+                return
+            time.sleep(draw.uniform(0.02, 0.06))
+
+    pauser = threading.Thread(target=pause_and_resume, daemon=True)
+    pauser.start()
+    try:
+        output, _ = agent.communicate(timeout=300)
+    finally:
+        done.set()
+        pauser.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(slowed, signal.SIGCONT)
+    assert agent.returncode == 0, output[-4000:]
+
+    logged = launcher.events(job, "step")
+    assert len(logged) == 5
+    intervals = logged[1:]  # the first holds the start-up skew
+
+    def total(rank: int, figure: str) -> float:
+        return sum(event["ranks"][rank][figure] for event in intervals)
+
+    figures = [event["ranks"] for event in intervals]
+    assert total(1, "compute_seconds") > 2 * total(0, "compute_seconds"), figures
+    assert total(1, "wait_seconds") < total(0, "wait_seconds"), figures
+    status = None
+    for event in intervals:
+        status = judge(status, event["step"], [
+            RankSample(timing["rank"], timing["pod_name"], timing["node"],
+                       timing["compute_seconds"]) for timing in event["ranks"]],
+            threshold=1.3)  # the default; with two ranks the median is their mean
+    assert status is not None
+    assert [rank.rank for rank in stragglers(status, window=3)] == [1], figures
