@@ -85,6 +85,10 @@ EXPORTED_METRICS = {
     "kubetrain_tokens",  # a counter: its sample is kubetrain_tokens_total
     "kubetrain_step_time_seconds", "kubetrain_goodput_ratio",
     "kubetrain_wall_time_seconds",  # a counter by cause: kubetrain_wall_time_seconds_total
+    # Every rank's compute and collective wait (rank 0 exports all of them), and the step
+    # of the interval they describe: what the operator's straggler rule reads.
+    "kubetrain_rank_compute_seconds", "kubetrain_rank_wait_seconds",
+    "kubetrain_rank_timing_step",
 }
 
 
@@ -132,6 +136,8 @@ def test_sigterm_saves_one_checkpoint_on_every_rank_and_training_resumes_from_it
         assert tokens["kubetrain_tokens_total"] >= 10 * 2 * 8 * 64  # steps x ranks x batch
         durations = {s.name: s.value for s in families["kubetrain_step_duration_seconds"].samples}
         assert durations["kubetrain_step_duration_seconds_count"] >= 10
+        compute = families["kubetrain_rank_compute_seconds"].samples
+        assert {sample.labels["rank"] for sample in compute} == {"0", "1"}
 
         ranks[1].send_signal(signal.SIGTERM)
         codes = [rank.wait(timeout=90) for rank in ranks]
