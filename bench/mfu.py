@@ -4,7 +4,7 @@
     python bench/mfu.py --micro-batch 16 --peers default     # + HF/Liger and torchtitan
     python bench/mfu.py --preset llama-8b --layers 8 --micro-batch 4 \
         --variants bf16,fp8,fp8-rowwise                          # where float8 pays
-    python bench/mfu.py --steps 4 --micro-batches 4,8,16 --checkpointing none,full \
+    python bench/mfu.py --steps 4 --micro-batch 4,8,16 --checkpointing none,full \
         --compile on,off --variants bf16,fp8                     # peak / estimate sweep
     torchrun --nproc-per-node 8 bench/mfu.py [--variant bf16]       # FSDP2 over 8 GPUs
 
@@ -238,7 +238,6 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--micro-batch", default="16",
                         help="micro-batch, or a comma-separated list to sweep")
-    parser.add_argument("--micro-batches", dest="micro_batch", help=argparse.SUPPRESS)
     parser.add_argument("--variants", default="bf16-full,bf16,fp8",
                         help=f"comma-separated, of {', '.join(VARIANTS)} (one process each)")
     parser.add_argument("--preset", default="llama-1b")

@@ -117,22 +117,13 @@ def hf_step(dims: ModelDims, seq_len: int, device: torch.device, liger: bool, co
         # in-place addmm with out_dtype) and would put the loss inside the graph besides.
         for layer in model.model.layers:
             layer.compile()
-    forward = model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE,
-                                  fused=device.type == "cuda")
 
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            # transformers shifts the labels itself: the first seq tokens are both.
-            inputs = tokens[:, :-1]
-            loss = forward(input_ids=inputs, labels=inputs).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    def loss_of(tokens: torch.Tensor) -> torch.Tensor:
+        # transformers shifts the labels itself: the first seq tokens are both.
+        inputs = tokens[:, :-1]
+        return model(input_ids=inputs, labels=inputs).loss
 
-    return step
+    return training_step(model, loss_of, device)
 
 
 def torchtitan_step(dims: ModelDims, seq_len: int, device: torch.device, compile_: bool,
@@ -175,13 +166,23 @@ def torchtitan_step(dims: ModelDims, seq_len: int, device: torch.device, compile
         model.output.weight = model.tok_embeddings.weight
     model.train()
     loss_fn = torch.compile(cross_entropy_loss) if compile_ else cross_entropy_loss
+
+    def loss_of(tokens: torch.Tensor) -> torch.Tensor:
+        return loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+
+    return training_step(model, loss_of, device)
+
+
+def training_step(model: torch.nn.Module, loss_of: Callable[[torch.Tensor], torch.Tensor],
+                  device: torch.device) -> Step:
+    """kubetrain's one-process recipe around a peer's loss: the loss under bf16 autocast
+    over fp32 weights, backward, clipping at CLIP_NORM, a fused AdamW step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE,
                                   fused=device.type == "cuda")
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-            loss = loss_fn(logits, tokens[:, 1:])
+            loss = loss_of(tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         optimizer.step()
