@@ -1021,6 +1021,23 @@ class TrainingJobSpec(ApiModel):
         """Out-of-memory restarts allowed: log2 of the spec's micro-batch, rounded down."""
         return self.optimization.micro_batch_size.bit_length() - 1
 
+    def after_out_of_memory(self, current: int, restarts: int) -> tuple[int | None, str]:
+        """The micro-batch to restart with after running out of memory at `current`, with
+        `restarts` such restarts behind; or None and why not, naming the field. The one
+        rule of the operator and of `kubetrain run`."""
+        policy = self.run_policy.out_of_memory
+        smaller = self.halved_micro_batch(current)
+        if policy.action == "Fail":
+            return None, "runPolicy.outOfMemory.action is Fail"
+        if smaller is None:
+            return None, (f"no smaller micro-batch is left (runPolicy.outOfMemory.minMicroBatch:"
+                          f" {policy.min_micro_batch}; a smaller one must divide "
+                          f"optimization.microBatchSize, {self.optimization.micro_batch_size})")
+        if restarts >= self.out_of_memory_restart_limit():
+            return None, (f"{restarts} out-of-memory restarts already, the most "
+                          "log2(optimization.microBatchSize) allows")
+        return smaller, ""
+
 
 # --- status --------------------------------------------------------------------------
 

@@ -88,25 +88,14 @@ def after_out_of_memory(spec: TrainingJobSpec, failure: GroupFailure, micro_batc
                         out_of_memory_restarts: int, world_size: int) -> Decision:
     """Restart with half the micro-batch (runPolicy.outOfMemory: Halve), or fail.
 
-    The same rule as the operator's: the largest divisor of the spec's micro-batch at
-    most half the current one and at least minMicroBatch, at most log2(microBatchSize)
-    times; no backoff (the cause is fixed, not waited out).
+    The operator's rule, `TrainingJobSpec.after_out_of_memory`: the largest divisor of the
+    spec's micro-batch at most half the current one and at least minMicroBatch, at most
+    log2(microBatchSize) times; no backoff (the cause is fixed, not waited out).
     """
-    policy = spec.run_policy.out_of_memory
     what = f"{failure.reason}: out of memory ({failure.failure_class}) at micro-batch " \
            f"{micro_batch_size}"
-    smaller = spec.halved_micro_batch(micro_batch_size)
-    limit = spec.out_of_memory_restart_limit()
-    if policy.action == "Fail":
-        why = "spec.runPolicy.outOfMemory.action is Fail"
-    elif smaller is None:
-        why = (f"no smaller micro-batch is left (spec.runPolicy.outOfMemory.minMicroBatch: "
-               f"{policy.min_micro_batch}; a smaller one must divide "
-               f"optimization.microBatchSize, {spec.optimization.micro_batch_size})")
-    elif out_of_memory_restarts >= limit:
-        why = (f"{out_of_memory_restarts} out-of-memory restarts already, the most "
-               "log2(optimization.microBatchSize) allows")
-    else:
+    smaller, why = spec.after_out_of_memory(micro_batch_size, out_of_memory_restarts)
+    if smaller is not None:
         accumulation = spec.gradient_accumulation(world_size, smaller)
         return Decision(True, 0.0, f"{what}: micro-batch {smaller}, gradient accumulation "
                         f"{accumulation} (global batch unchanged)", micro_batch_size=smaller)

@@ -577,7 +577,6 @@ class _Decision:
     def heal_out_of_memory(self, pod: WorkerPod, kind: str, broken: list[WorkerPod]) -> None:
         """Restart the group with half the micro-batch, or fail with reason OutOfMemory."""
         spec = self.job.spec
-        policy = spec.run_policy.out_of_memory
         effective = self.status.effective
         assert effective is not None  # observe_effective set it
         current = effective.micro_batch_size
@@ -585,18 +584,9 @@ class _Decision:
         advice = ESTIMATE_ADVICE
         if pod.trainer_failure is not None and "kubetrain estimate" in pod.trainer_failure.message:
             advice = "see kubetrain estimate's advice above"
-        smaller = spec.halved_micro_batch(current)
+        smaller, why = spec.after_out_of_memory(current, effective.out_of_memory_restarts)
         limit = spec.out_of_memory_restart_limit()
-        if policy.action == "Fail":
-            why = "runPolicy.outOfMemory.action is Fail"
-        elif smaller is None:
-            why = (f"no smaller micro-batch is left (runPolicy.outOfMemory.minMicroBatch: "
-                   f"{policy.min_micro_batch}; a smaller one must divide "
-                   f"optimization.microBatchSize, {spec.optimization.micro_batch_size})")
-        elif effective.out_of_memory_restarts >= limit:
-            why = (f"{effective.out_of_memory_restarts} out-of-memory restarts already, the "
-                   f"most log2(optimization.microBatchSize) allows")
-        else:
+        if smaller is not None:
             accumulation = spec.gradient_accumulation(self.world_size, smaller)
             self.status.effective = EffectiveBatch(
                 micro_batch_size=smaller, gradient_accumulation_steps=accumulation,
