@@ -183,6 +183,23 @@ class TransformerBlock(nn.Module):
         return x + self.residual_dropout(self.feed_forward(self.ffn_norm(x))), velocity
 
 
+def init_normal(model: nn.Module, n_layers: int, residual_outputs: tuple[str, ...],
+                reset: tuple[type[nn.Module], ...]) -> None:
+    """GPT-2/Llama's initialisation, in module order: Normal(0, 0.02) linear and embedding
+    weights, the residual branches' output projections (names ending in `residual_outputs`)
+    scaled by 1/sqrt(2·layers) so the residual stream's variance stays flat with depth;
+    modules of the `reset` types (norms, controllers, SSM mixers) reset themselves."""
+    residual_std = 0.02 / math.sqrt(2 * n_layers)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            std = residual_std if name.endswith(residual_outputs) else 0.02
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, reset):
+            module.reset_parameters()  # type: ignore[operator]
+
+
 class Transformer(nn.Module):
     """Token ids [batch, seq] → next-token logits [batch, seq, vocab], or with targets
     [batch, seq] the summed fp32 cross-entropy of the next tokens (a scalar)."""
@@ -226,15 +243,8 @@ class Transformer(nn.Module):
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
-        residual_std = 0.02 / math.sqrt(2 * self.dims.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual_output = name.endswith(("attention.wo", "feed_forward.w2"))
-                nn.init.normal_(module.weight, std=residual_std if is_residual_output else 0.02)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=0.02)
-            elif isinstance(module, RMSNorm | Dynamics):
-                module.reset_parameters()
+        init_normal(self, self.dims.n_layers, ("attention.wo", "feed_forward.w2"),
+                    reset=(RMSNorm, Dynamics))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                 final_hidden: bool = False) -> torch.Tensor:

@@ -52,7 +52,7 @@ from torch import nn
 
 from kubetrain.api.trainingjob import ModelDims
 from kubetrain.trainer.loss import OutputLoss, chunked_cross_entropy
-from kubetrain.trainer.model import FeedForward, RMSNorm
+from kubetrain.trainer.model import FeedForward, RMSNorm, init_normal
 from kubetrain.trainer.sizing import SSM_CHUNK_SIZE, SSM_CONV_WIDTH, ssm_shape
 
 # Mamba-2's initial step sizes: softplus(dt_bias) log-uniform in [DT_MIN, DT_MAX]; A_h
@@ -274,15 +274,8 @@ class StateSpaceModel(nn.Module):
         """Normal(0, 0.02) linear and embedding weights, the residual outputs (the mixer's
         and the feed-forward's) scaled by 1/sqrt(2·layers) as in the transformer; the
         SSM's own parameters as Mamba-2 draws them (`Mixer.reset_parameters`)."""
-        residual_std = 0.02 / math.sqrt(2 * self.dims.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual_output = name.endswith(("mixer.out_proj", "feed_forward.w2"))
-                nn.init.normal_(module.weight, std=residual_std if is_residual_output else 0.02)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=0.02)
-            elif isinstance(module, Mixer | RMSNorm):
-                module.reset_parameters()
+        init_normal(self, self.dims.n_layers, ("mixer.out_proj", "feed_forward.w2"),
+                    reset=(Mixer, RMSNorm))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                 final_hidden: bool = False) -> torch.Tensor:
