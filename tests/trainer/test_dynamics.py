@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import subprocess
+import sys
 import urllib.request
 import warnings
 from pathlib import Path
@@ -25,6 +26,9 @@ from pydantic import ValidationError
 from kubetrain.api.trainingjob import DynamicsSpec, ModelSpec
 from kubetrain.trainer.model import Dynamics, Transformer
 from kubetrain.trainer.sizing import parameter_count
+
+sys.path.insert(0, str(Path(__file__).parent))
+from saved_tensors import bytes_saved_for_backward
 
 REPO = Path(__file__).resolve().parents[2]
 # The last commit before model.dynamics existed: the model a job without dynamics must
@@ -170,20 +174,16 @@ def test_a_whole_model_with_huge_embeddings_stays_bounded_and_finite(
 
 def _bytes_saved_for_backward(model: Transformer, tokens: torch.Tensor) -> int:
     """Bytes of the tensors autograd keeps from the blocks' forward (parameters aside)."""
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = model.tok_embeddings(tokens)
-    velocity = torch.zeros_like(x) if model.has_dynamics else None
     seq = tokens.shape[1]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+
+    def blocks() -> None:
+        hidden, velocity = x, torch.zeros_like(x) if model.has_dynamics else None
         for block in model.layers:
-            x, velocity = block(x, velocity, model.rope_cos[:seq], model.rope_sin[:seq])
-    return sum(size for pointer, size in kept.items() if pointer not in own)
+            hidden, velocity = block(hidden, velocity, model.rope_cos[:seq],
+                                     model.rope_sin[:seq])
+
+    return bytes_saved_for_backward(model, blocks)
 
 
 def test_estimate_counts_the_controllers_parameters_and_activations() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -24,6 +25,9 @@ from kubetrain.trainer.pretrained import load_embeddings
 from kubetrain.trainer.pretrained_config import PretrainedError, read_config, trained_model
 from kubetrain.trainer.sizing import ssm_parameter_count, ssm_state_elements
 from kubetrain.trainer.ssm import StateSpaceModel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from saved_tensors import bytes_saved_for_backward
 
 DIMS = PRESETS["tiny"].dims
 # fp32: the scan sums the same products as the recurrence in another order (and through
@@ -392,21 +396,19 @@ def _bytes_saved_for_backward(model: StateSpaceModel, tokens: torch.Tensor,
                               dtype: torch.dtype | None) -> int:
     """Bytes of the tensors autograd keeps from the blocks' forward, parameters and (under
     autocast) their cached casts aside: the planner counts those in other rows."""
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = model.tok_embeddings(tokens)
-    autocast = torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        for block in model.layers:
-            x = block(x)
+
+    def blocks() -> None:
+        hidden = x
+        autocast = torch.autocast("cpu", dtype=dtype or torch.bfloat16,
+                                  enabled=dtype is not None)
+        with autocast:
+            for block in model.layers:
+                hidden = block(hidden)
+
     casts = 0 if dtype is None else dtype.itemsize * sum(
         p.numel() for p in model.layers.parameters() if p.dim() >= 2)
-    return sum(size for pointer, size in kept.items() if pointer not in own) - casts
+    return bytes_saved_for_backward(model, blocks) - casts
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("fp32", None), ("bf16", torch.bfloat16)])
