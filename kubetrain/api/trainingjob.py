@@ -821,11 +821,34 @@ class StragglerPolicy(ApiModel):
         "judges the latest one at each scrape, so intervals shorter than its resync are "
         "sampled, not all seen.",
     )
-    action: Literal["Report"] = Field(
+    action: Literal["Report", "Replace"] = Field(
         default="Report",
         description="Report: set the job's Straggler condition and post an event naming the "
-        "pod, node and slowness. (Replace, which recreates the straggler's pod off that node, "
-        "is planned.)",
+        "pod, node and slowness. Replace: that too, then avoid the straggler's node "
+        "(status.avoidedNodes, runPolicy.avoidNodesFor) and recreate its pod off it; the "
+        "group checkpoints on the pod's SIGTERM and resumes from that checkpoint.",
+    )
+
+
+class PreflightPolicy(ApiModel):
+    """The health check every rank runs before the first step of each attempt."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Before the first step, every rank multiplies matrices on its device "
+        "(checked against a reference) and all-reduces over the group (bandwidth measured): "
+        "a rank that fails or is too slow gets its node avoided and the group restarts "
+        "without it.",
+    )
+    timeout_seconds: int = Field(
+        default=60, ge=1, le=3600,
+        description="Deadline of the whole check: a rank that has not reported by then "
+        "failed it.",
+    )
+    min_bandwidth_fraction: float = Field(
+        default=0.5, gt=0, le=1,
+        description="A rank whose all-reduce bandwidth is under this fraction of the median "
+        "rank's fails the check.",
     )
 
 
@@ -886,6 +909,24 @@ class RunPolicy(ApiModel):
         description="Slow-rank detection from each rank's compute time: threshold, window and "
         "action.",
     )
+    preflight: PreflightPolicy = Field(
+        default_factory=PreflightPolicy,
+        description="The health check before each attempt's first step: enabled, "
+        "timeoutSeconds, minBandwidthFraction.",
+    )
+    avoid_nodes_for: str = Field(
+        default="1h", pattern=r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$", min_length=2,
+        description="How long a node stays avoided by this job's pods after a straggler, a "
+        "failed preflight or repeated failures on it (status.avoidedNodes), as 1h, 30m, "
+        "90s or 1h30m; 0s avoids no node. The operator never cordons or taints nodes.",
+    )
+
+    @property
+    def avoid_nodes_seconds(self) -> int:
+        """avoidNodesFor in seconds."""
+        units = {"h": 3600, "m": 60, "s": 1}
+        return sum(int(number) * units[unit]
+                   for number, unit in re.findall(r"([0-9]+)([hms])", self.avoid_nodes_for))
 
 
 class TrainingJobSpec(ApiModel):
@@ -1105,6 +1146,10 @@ class BadputSeconds(ApiModel):
                             "the start of the next: replacement, scheduling, backoff.")
     oom: float = Field(default=0.0, description="Lost progress and downtime of attempts that "
                        "ran out of memory (runPolicy.outOfMemory's restarts).")
+    straggler: float = Field(default=0.0, description="Step time lost waiting for the slowest "
+                             "rank: its compute time over the median rank's, per step.")
+    preflight: float = Field(default=0.0, description="The health check before each attempt's "
+                             "first step (runPolicy.preflight).")
 
 
 class GoodputStatus(ApiModel):
@@ -1139,7 +1184,8 @@ class BestCheckpointStatus(ApiModel):
 
 
 FailureClass = Literal["OOMKilled", "CUDAOutOfMemory", "Evicted", "Preempted", "NodeLost",
-                       "CollectiveTimeout", "UserError", "Unknown"]
+                       "CollectiveTimeout", "GPUError", "PreflightFailed", "UserError",
+                       "Unknown"]
 FAILURE_CLASSES: tuple[str, ...] = get_args(FailureClass)
 OUT_OF_MEMORY_CLASSES = frozenset({"OOMKilled", "CUDAOutOfMemory"})
 
@@ -1152,7 +1198,8 @@ class WorkerFailure(ApiModel):
     class_: FailureClass = Field(
         alias="class",
         description="OOMKilled, CUDAOutOfMemory, Evicted, Preempted, NodeLost, "
-        "CollectiveTimeout, UserError (runPolicy.permanentExitCodes) or Unknown.",
+        "CollectiveTimeout, GPUError, PreflightFailed, UserError "
+        "(runPolicy.permanentExitCodes) or Unknown.",
     )
     pod: str = Field(default="", description="The worker pod.")
     node: str | None = Field(default=None, description="The node it ran on.")
@@ -1214,6 +1261,21 @@ class RanksStatus(ApiModel):
     ranks: list[RankSlowness] = Field(default_factory=list, description="By rank.")
 
 
+class AvoidedNode(ApiModel):
+    """A node this job's pods keep off for a while (runPolicy.avoidNodesFor)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    node: str = Field(description="The node's name.")
+    reason: Literal["Straggler", "PreflightFailed", "RepeatedFailures"] = Field(
+        description="Straggler (runPolicy.stragglers.action Replace), PreflightFailed, or "
+        "RepeatedFailures (two Unknown, CollectiveTimeout or GPUError failures on it within "
+        "an hour).")
+    message: str = Field(default="", description="What was seen on it.")
+    time: datetime = Field(description="When the job began to avoid it.")
+    expires: datetime = Field(description="When its pods may run there again.")
+
+
 class TrainingJobStatus(ApiModel):
     """Observed state, written only by the operator."""
 
@@ -1264,6 +1326,10 @@ class TrainingJobStatus(ApiModel):
     ranks: RanksStatus | None = Field(
         default=None, description="Each rank's slowness (compute time over the median "
         "rank's), as the straggler rule judged it last (runPolicy.stragglers).",
+    )
+    avoided_nodes: list[AvoidedNode] = Field(
+        default_factory=list, description="Nodes this job's pods keep off until each one's "
+        "expiry: a required node anti-affinity on every pod created meanwhile.",
     )
     kopf: dict[str, Any] = Field(
         default_factory=dict,

@@ -464,7 +464,8 @@ def test_metrics_become_goodput_and_an_eta_from_the_recent_step_time(
     assert goodput["ratio"] == round(900.4 / sum(seconds.values()), 4)
     assert goodput["badputSeconds"] == {
         "dataWait": 10, "checkpointSave": 0, "checkpointLoad": 0, "startup": 40,
-        "evaluation": 0, "lostProgress": 0, "downtime": 49, "oom": 13}
+        "evaluation": 0, "lostProgress": 0, "downtime": 49, "oom": 13, "straggler": 0,
+        "preflight": 0}
 
 
 # --- admission ----------------------------------------------------------------------------
