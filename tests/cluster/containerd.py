@@ -296,6 +296,25 @@ class Container:
             self.runtime._ctr("tasks", "kill", "--all", "--signal", "SIGKILL", self.id,
                               check=False)
 
+    def set_cpu_limit(self, cores: float | None) -> None:
+        """Change the running container's CFS quota to `cores` CPUs (None: no limit), as
+        `runc update --cpu-quota` does, written straight into its cgroup: `cpu.cfs_quota_us`
+        in cgroup v1's cpu hierarchy (this hybrid machine), `cpu.max` in v2."""
+        quota = None if cores is None else max(1000, round(cores * CPU_PERIOD_US))
+        below = Path(self.runtime.cgroup_parent, self.id)
+        v1 = [path for path in CGROUP_ROOT.glob(f"cpu*/{below}/cpu.cfs_quota_us")
+              if path.exists()]
+        if v1:
+            for path in v1:
+                (path.parent / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                path.write_text(str(-1 if quota is None else quota))
+            return
+        cpu_max = CGROUP_ROOT / below / "cpu.max"
+        if not cpu_max.exists():
+            raise ContainerdError(f"container {self.id}: no CPU cgroup at {cpu_max} or in "
+                                  f"{CGROUP_ROOT}/cpu*/{below}")
+        cpu_max.write_text(f"{'max' if quota is None else quota} {CPU_PERIOD_US}")
+
     def remove(self) -> None:
         """Kill if running, then delete the task, the container, its rootfs and snapshot.
         Output files stay in the container's folder."""

@@ -1,23 +1,63 @@
-"""The cluster the e2e scenarios run on: kmock's emulator with the control-plane stand-ins.
+"""The clusters the e2e scenarios run on: kmock's emulator with the control-plane stand-ins.
 
 The API is tests/cluster/emulator.py over HTTP; the stand-in scheduler and node
 lifecycle controller (tests/cluster/controllers.py) run beside it, so pods bound to the
 node agent's nodes run, and a node whose heartbeats stop is marked unreachable.
+
+`emulated_cluster` is a fresh API for each module that asks for it (leader election and
+the crash-safety churn want one of their own). `cluster` is the whole loop
+(tests/cluster/whole_loop.py) on an API of its own, started once per session and shared
+by every module whose scenarios run jobs on it: each job has its own name.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+from build_images import build_images
 from controllers import NodeLifecycle, Scheduler
 from emulator import EmulatedCluster
+from machine_state import left_behind, snapshot
+from whole_loop import Cluster, missing_host_support, whole_loop
+
+
+@contextmanager
+def _emulated(folder: Path) -> Iterator[EmulatedCluster]:
+    """An emulated API server with the stand-in controllers running."""
+    with EmulatedCluster(folder) as cluster:
+        api = cluster.api_client()
+        with Scheduler(api=api), NodeLifecycle(api=api):
+            yield cluster
 
 
 @pytest.fixture(scope="module")
 def emulated_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
     """A fresh emulated API server for the module, with the stand-in controllers running."""
-    with EmulatedCluster(tmp_path_factory.mktemp("emulated-cluster")) as cluster:
-        api = cluster.api_client()
-        with Scheduler(api=api), NodeLifecycle(api=api):
-            yield cluster
+    with _emulated(tmp_path_factory.mktemp("emulated-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The whole loop for the session's scenarios; skipped (failed under CI) without root."""
+    reason = missing_host_support()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI needs the whole loop: {reason}", pytrace=False)
+        pytest.skip(reason)
+    images = build_images(("operator", "trainer"), log=lambda line: print(line, flush=True))
+    folder = tmp_path_factory.mktemp("whole-loop")
+    before = snapshot()
+    with _emulated(tmp_path_factory.mktemp("whole-loop-api")) as api, \
+            whole_loop(api, folder, images) as running:
+        mine = [str(folder), running.agent.network.bridge, f"kt{running.agent.network.tag}-",
+                running.agent.runtime.cgroup_parent if running.agent.runtime else folder.name]
+        yield running
+    # Everything the node agent, its containers and the pod network changed is undone,
+    # whatever the scenarios did (this runs after a failed one too).
+    left = left_behind(before, snapshot(), mine)
+    assert not left, "the whole loop left this on the machine:\n" + "\n".join(left)

@@ -1,8 +1,9 @@
 """The whole loop on one machine: a TrainingJob → operator → pods → torchrun → trainer → S3.
 
-The API server is kmock's emulator (tests/cluster/emulator.py) with the stand-in
-scheduler and node lifecycle controller (tests/cluster/controllers.py); everything
-else is the real part: the operator's pod, made from the chart's Deployment and run from
+The harness is tests/cluster/whole_loop.py; the `cluster` fixture (tests/e2e/conftest.py)
+starts it once per session. The API server is kmock's emulator (tests/cluster/emulator.py)
+with the stand-in scheduler and node lifecycle controller (tests/cluster/controllers.py);
+everything else is the real part: the operator's pod, made from the chart's Deployment and run from
 the operator image (tests/cluster/operator_process.py: OperatorPod);
 moto's S3 server over HTTP, bound on the pod network's gateway so the pods reach it;
 data prepared with `kubetrain prepare` into it; and the node agent
@@ -28,329 +29,42 @@ past progressDeadlineSeconds) show the other ways a pod is replaced.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import cache
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from build_images import BuiltImage, build_images
-from containerd import Runtime
-from emulator import EmulatedCluster
 from kubernetes import client
-from machine_state import left_behind, snapshot
-from node_agent import Node, NodeAgent
-from operator_process import RELEASE_NAMESPACE, OperatorPod
+from whole_loop import (
+    CORPUS,
+    CREDENTIALS,
+    EVERY,
+    MAX_STEPS,
+    NAMESPACE,
+    Cluster,
+    Row,
+    training_job,
+    whole_loop,  # noqa: F401  (bench/recovery.py reads it here)
+)
+
+# The harness's readers of rank 0's log under the names the scenarios (and
+# bench/recovery.py) use.
+from whole_loop import advanced_after_resume as _advanced_after_resume
+from whole_loop import cell as _cell
+from whole_loop import printer_columns as _printer_columns
+from whole_loop import resume_and_redone as _resume_and_redone
+from whole_loop import resumes as _resumes
+from whole_loop import steps_printed as _steps_printed
+
+_wait_for_printed_step = Cluster.wait_for_printed_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-REPO = Path(__file__).resolve().parents[2]
-NAMESPACE = "whole-loop"
-MAX_STEPS = 24
-EVERY = 4
-CORPUS = "s3://datasets/corpus"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "whole-loop", "AWS_SECRET_ACCESS_KEY": "whole-loop-secret"}
-GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
-# What the jobs name as their image: the node has the trainer image built from this tree
-# under that name (it is never pulled).
-TRAINER_IMAGE = "ghcr.io/kubetrain/trainer:dev"
-SYSTEM_TAINT = {"key": "node-role.kubernetes.io/system", "value": "true", "effect": "NoSchedule"}
-
-
-@dataclass
-class Row:
-    """One line of `kubectl get tj NAME`, when it was read."""
-
-    at: float
-    phase: str
-    step: int | None
-    loss: float | None
-    workers: str
-
-
-@cache
-def _printer_columns() -> dict[str, str]:
-    """The CRD's printer columns, name → jsonPath: what `kubectl get tj` shows."""
-    crd = yaml.safe_load((REPO / "crds" / "trainingjob.yaml").read_text())
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == VERSION)
-    return {column["name"]: column["jsonPath"] for column in version["additionalPrinterColumns"]}
-
-
-def _cell(obj: dict[str, Any], json_path: str) -> Any:
-    """A printer column's simple JSONPath (`.a.b.c`) read from an object, None if absent."""
-    assert re.fullmatch(r"(\.[A-Za-z]+)+", json_path), f"not a simple path: {json_path}"
-    value: Any = obj
-    for key in json_path.split(".")[1:]:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
-
-
-@dataclass
-class Cluster:
-    """The running whole loop, and what a scenario does with it."""
-
-    api: EmulatedCluster
-    agent: NodeAgent
-    operator: OperatorPod
-    s3: str
-    folder: Path
-    rows: dict[str, list[Row]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        api = self.api.api_client()
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-
-    # ---- what a user does, through the API -------------------------------------------
-
-    def apply(self, manifest: dict[str, Any]) -> None:
-        self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, manifest)
-
-    def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name,
-                                                   {"spec": spec})
-
-    def scale(self, name: str, replicas: int) -> None:
-        """`kubectl scale tj/NAME --replicas=N`: through the scale subresource."""
-        self.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL,
-                                                         name, {"spec": {"replicas": replicas}})
-
-    def job(self, name: str) -> dict[str, Any]:
-        return dict(self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL,
-                                                             name))
-
-    def pods(self, name: str) -> list[dict[str, Any]]:
-        listed = self.core.list_namespaced_pod(NAMESPACE,
-                                               label_selector=f"kubetrain.io/job-name={name}")
-        pods = [client.ApiClient().sanitize_for_serialization(pod) for pod in listed.items]
-        return sorted(pods, key=lambda pod: pod["metadata"]["name"])
-
-    def events(self, name: str) -> str:
-        """The job's events as JSON text (reason, message), oldest first."""
-        events = [event for event in self.core.list_namespaced_event(NAMESPACE).items
-                  if event.involved_object.name == name]
-        return json.dumps([{"reason": e.reason, "message": e.message} for e in events])
-
-    def get_tj(self, name: str) -> Row:
-        """`kubectl get tj NAME`'s Phase, Step, Loss and Workers columns."""
-        job, columns = self.job(name), _printer_columns()
-        cells = {column: _cell(job, path) for column, path in columns.items()}
-        workers = cells["Workers"]
-        row = Row(time.time(), cells["Phase"] or "", cells["Step"], cells["Loss"],
-                  "" if workers is None else str(workers))
-        self.rows.setdefault(name, []).append(row)
-        return row
-
-    # ---- waiting, with what was awaited and what the cluster showed -----------------------
-
-    def wait_for(self, what: str, check: Callable[[], Any], timeout: float,
-                 every: float = 1.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = check()
-            if found:
-                return found
-            time.sleep(every)
-        raise AssertionError(f"waited {timeout:.0f}s for {what}\n{self.report()}")
-
-    def wait_for_step(self, name: str, at_least: int, timeout: float = 180) -> Row:
-        """Until `kubectl get tj` shows step ≥ at_least (fails early if the job fails)."""
-
-        def reached() -> Row | None:
-            row = self.get_tj(name)
-            assert row.phase != "Failed", f"{name} failed\n{self.report()}"
-            return row if row.step is not None and row.step >= at_least else None
-
-        return self.wait_for(f"{name} at step {at_least}", reached, timeout)
-
-    def wait_for_phase(self, name: str, phase: str, timeout: float = 240) -> Row:
-        def reached() -> Row | None:
-            row = self.get_tj(name)
-            if phase != "Failed":
-                assert row.phase != "Failed", f"{name} failed\n{self.report()}"
-            return row if row.phase == phase else None
-
-        return self.wait_for(f"{name} in phase {phase}", reached, timeout)
-
-    def report(self) -> str:
-        jobs = self.custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)
-        shown = [f"tj/{job['metadata']['name']}: {job.get('status', {}).get('phase')} "
-                 f"{job.get('status', {}).get('workers')}" for job in jobs["items"]]
-        shown += [f"pod/{pod.metadata.name}: {pod.status.phase if pod.status else None} on "
-                  f"{pod.spec.node_name} deleting={pod.metadata.deletion_timestamp}"
-                  for pod in self.core.list_namespaced_pod(NAMESPACE).items]
-        events = [f"{e.involved_object.name} {e.reason}: {e.message}"
-                  for e in self.core.list_namespaced_event(NAMESPACE).items]
-        return ("---- jobs and pods\n" + "\n".join(shown) + "\n---- events\n"
-                + "\n".join(events[-40:]) + f"\n---- operator log\n{self.operator.log_tail(40)}"
-                f"\n---- pod logs\n{self.agent.logs(15)}")
-
-    # ---- what happened inside the pods ------------------------------------------------
-
-    def trainer_lines(self, name: str) -> list[str]:
-        """Every line rank 0 printed, over all incarnations of worker 0 (oldest first)."""
-        lines = []
-        for log in sorted((self.agent.workdir / "pods").glob("*/log"),
-                          key=lambda path: path.stat().st_ctime):
-            if (log.parent / "name").read_text() == f"{NAMESPACE}/{name}-worker-0":
-                lines += log.read_text(errors="replace").splitlines()
-        return lines
-
-    def trainer_pid(self, pod: str) -> int:
-        """The pid of the trainer process (torchrun's worker) of a running pod."""
-        running = self.agent.pod(pod, NAMESPACE)
-        for pid in running.processes():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"kubetrain.trainer" in cmdline and b"torchrun" not in b" ".join(cmdline[:2]):
-                return pid
-        raise AssertionError(f"no trainer process in {pod}: {running.processes()}")
-
-    def delete(self, name: str) -> None:
-        """Delete the job and wait for its pods to go (garbage collection, then the agent)."""
-        with contextlib.suppress(client.ApiException):
-            self.custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
-        self.wait_for(f"the pods of {name} to be deleted", lambda: not self.pods(name), 120)
-
-
-def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
-    """A 2-worker `tiny` job on the prepared corpus: 24 steps, a checkpoint every 4."""
-    spec: dict[str, Any] = {
-        "image": TRAINER_IMAGE,
-        "workers": {"replicas": 2},
-        "model": {"preset": "tiny"},
-        "data": {"train": f"{CORPUS}/train", "seqLen": 64},
-        # A global batch of 1024 tokens: 2 micro-batches of 4 sequences on each of 2 ranks.
-        "optimization": {"maxSteps": MAX_STEPS, "microBatchSize": 4, "globalBatchTokens": 1024,
-                         "warmupSteps": 3, "seed": 5},
-        "parallelism": {"strategy": "fsdp", "precision": "fp32"},
-        "evaluation": {"everySteps": 0},
-        "checkpoint": {"uri": f"s3://checkpoints/{name}", "everySteps": EVERY, "keepLast": 2},
-        "storage": {"endpoint": s3, "region": "us-east-1",
-                    "credentialsSecret": {"name": "s3-credentials"}},
-        "metrics": {"logEverySteps": 1},
-        "runPolicy": {"backoffSeconds": 1},
-    }
-    for key, value in overrides.items():
-        spec[key] = {**spec[key], **value} if isinstance(value, dict) else value
-    return {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
-            "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}
-
-
-@contextmanager
-def whole_loop(api: EmulatedCluster, folder: Path,
-               images: Mapping[str, BuiltImage]) -> Iterator[Cluster]:
-    """Nodes, S3 with the prepared corpus, the operator: everything a user's job needs.
-
-    On `api`, a running emulated cluster with its stand-in controllers; the pods run as
-    containers of `images` (built by images/offline) in a containerd of their own; files
-    under `folder`.
-    """
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    runtime = Runtime.start(folder / "containerd")
-    try:
-        trainer = runtime.import_image(images["trainer"].archive)
-        operator_image = runtime.import_image(images["operator"].archive)
-        # Two nodes for the workers, and a tainted system node for the operator: a node
-        # lost in a scenario never takes the operator with it.
-        agent = NodeAgent(api.api_client(), folder / "agent",
-                          namespaces={NAMESPACE, RELEASE_NAMESPACE}, runtime=runtime,
-                          nodes=[Node("node-a"), Node("node-b"),
-                                 Node("system", taints=[SYSTEM_TAINT])],
-                          images={TRAINER_IMAGE: trainer},
-                          # Several trainers share 2 cores: one thread each.
-                          image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                                     "TOKENIZERS_PARALLELISM": "false"})
-        with agent:
-            # Bound on the pod network's gateway: the pods reach it there, and so does the host.
-            server = ThreadedMotoServer(ip_address=agent.network.gateway, port=0, verbose=False)
-            server.start()
-            try:
-                host, port = server.get_host_and_port()
-                s3 = f"http://{host}:{port}"
-                _prepare_corpus(s3, folder, boto3)
-                core = client.CoreV1Api(api.api_client())
-                core.create_namespaced_secret(NAMESPACE, {
-                    "metadata": {"name": "s3-credentials"}, "type": "Opaque",
-                    "data": {key: base64.b64encode(value.encode()).decode()
-                             for key, value in CREDENTIALS.items()}})
-                # The operator's pod reaches the API on the pod network's gateway.
-                url = api.serve_on(agent.network.gateway)
-                operator = OperatorPod(api.api_client(), agent, url, folder, values={
-                    "resyncSeconds": 1, "nodeSelector": {"kubernetes.io/hostname": "system"},
-                    "tolerations": [{**SYSTEM_TAINT, "operator": "Equal"}]})
-                agent.images = {**agent.images, operator.image: operator_image}
-                with operator:
-                    yield Cluster(api, agent, operator, s3, folder)
-            finally:
-                server.stop()
-    finally:
-        runtime.stop()
-
-
-def _missing_host_support() -> str | None:
-    """Why this machine cannot run the node agent's pods, or None."""
-    if os.geteuid() != 0:
-        return "the node agent needs root (containers, network namespaces)"
-    missing = [tool for tool in ("ip", "containerd", "runc") if not shutil.which(tool)]
-    return (f"the node agent needs {', '.join(missing)}: `make images` installs them"
-            if missing else None)
-
-
-@pytest.fixture(scope="module")
-def cluster(emulated_cluster: EmulatedCluster,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """The whole loop for this module's scenarios; skipped (failed under CI) without root."""
-    reason = _missing_host_support()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI needs the whole loop: {reason}", pytrace=False)
-        pytest.skip(reason)
-    images = build_images(("operator", "trainer"), log=lambda line: print(line, flush=True))
-    folder = tmp_path_factory.mktemp("whole-loop")
-    before = snapshot()
-    with whole_loop(emulated_cluster, folder, images) as running:
-        mine = [str(folder), running.agent.network.bridge, f"kt{running.agent.network.tag}-",
-                running.agent.runtime.cgroup_parent if running.agent.runtime else folder.name]
-        yield running
-    # Everything the node agent, its containers and the pod network changed is undone,
-    # whatever the scenarios did (this runs after a failed one too).
-    left = left_behind(before, snapshot(), mine)
-    assert not left, "the whole loop left this on the machine:\n" + "\n".join(left)
-
-
-def _prepare_corpus(s3: str, folder: Path, boto3: Any) -> None:
-    """`kubetrain prepare` of ~300 KB of the standard library's sources into S3."""
-    from kubetrain.local.workspace import copy_stdlib_sources
-
-    client = boto3.client("s3", endpoint_url=s3, region_name="us-east-1", **{
-        key.lower(): value for key, value in CREDENTIALS.items()})
-    for bucket in ("datasets", "checkpoints"):
-        client.create_bucket(Bucket=bucket)
-    text = copy_stdlib_sources(folder / "corpus-text", max_bytes=300_000,
-                               max_file_bytes=20_000)
-    env = {**os.environ, **CREDENTIALS}
-    subprocess.run([sys.executable, "-m", "kubetrain", "prepare", str(text), "-o", CORPUS,
-                    "--endpoint", s3, "--region", "us-east-1", "--vocab-size", "2048",
-                    "--shard-tokens", str(16 * 1024), "--validation-fraction", "0.1", "--quiet"],
-                   env=env, check=True, capture_output=True, timeout=120)
 
 
 def _storage(cluster: Cluster) -> Any:
@@ -381,10 +95,6 @@ class Run:
     job: dict[str, Any]
     lines: list[str]
     export: Path
-
-
-def _steps_printed(lines: list[str]) -> list[int]:
-    return [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/\d+ \|", line))]
 
 
 @pytest.fixture(scope="module")
@@ -432,36 +142,6 @@ def test_two_workers_train_to_succeeded_with_progress_checkpoint_and_export(
         logits = model(tokens).logits
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
     cluster.delete(uninterrupted.name)
-
-
-def _wait_for_printed_step(cluster: Cluster, name: str, step: int, timeout: float = 180) -> None:
-    """Until rank 0 has printed `step`: read from its log, faster than the operator's scrape."""
-
-    def printed() -> bool:
-        return max(_steps_printed(cluster.trainer_lines(name)), default=-1) >= step
-
-    cluster.wait_for(f"rank 0 of {name} to print step {step}", printed, timeout, every=0.05)
-
-
-def _resumes(lines: list[str]) -> list[tuple[int, int]]:
-    """For each resume in rank 0's lines: (the step it resumed from, steps redone)."""
-    found = []
-    for index, line in enumerate(lines):
-        if line.startswith("resumed from "):
-            step = int(re.search(r"at step (\d+)", line).group(1))  # type: ignore[union-attr]
-            found.append((step, max(_steps_printed(lines[:index])) - step))
-    return found
-
-
-def _resume_and_redone(lines: list[str]) -> tuple[int, int]:
-    """(the step training resumed from, steps redone): from rank 0's lines around the resume."""
-    return _resumes(lines)[0]
-
-
-def _advanced_after_resume(lines: list[str], resumes: int = 1) -> bool:
-    """Whether rank 0 resumed `resumes` times and printed a step after the last of them."""
-    resumed = [i for i, line in enumerate(lines) if line.startswith("resumed from ")]
-    return len(resumed) >= resumes and bool(_steps_printed(lines[resumed[-1]:]))
 
 
 def _weights(export: Path) -> dict[str, Any]:
