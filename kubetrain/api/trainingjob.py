@@ -1276,6 +1276,18 @@ class AvoidedNode(ApiModel):
     expires: datetime = Field(description="When its pods may run there again.")
 
 
+class NodeFailure(ApiModel):
+    """A failure on a node that counts towards avoiding it (status.nodeFailures)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    node: str = Field(description="The node the failed pod ran on.")
+    class_: FailureClass = Field(alias="class", description="Unknown, CollectiveTimeout or "
+                                 "GPUError.")
+    pod: str = Field(default="", description="The worker pod that failed.")
+    time: datetime = Field(description="When the operator saw it.")
+
+
 class TrainingJobStatus(ApiModel):
     """Observed state, written only by the operator."""
 
@@ -1330,6 +1342,16 @@ class TrainingJobStatus(ApiModel):
     avoided_nodes: list[AvoidedNode] = Field(
         default_factory=list, description="Nodes this job's pods keep off until each one's "
         "expiry: a required node anti-affinity on every pod created meanwhile.",
+    )
+    node_failures: list[NodeFailure] = Field(
+        default_factory=list, description="The last hour's first failure of class Unknown, "
+        "CollectiveTimeout or GPUError on each node: a second one there within the hour "
+        "avoids the node (reason RepeatedFailures).",
+    )
+    straggler_replacements: int = Field(
+        default=0, description="Straggler pods recreated off their node so far "
+        "(runPolicy.stragglers.action Replace; at most runPolicy.maxRestarts, not counted in "
+        "restarts).",
     )
     kopf: dict[str, Any] = Field(
         default_factory=dict,

@@ -8,6 +8,8 @@ in `kubetrain.operator.reconcile`, not here.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -17,6 +19,9 @@ from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
 JOB_LABEL = "kubetrain.io/job-name"
 INDEX_LABEL = "kubetrain.io/worker-index"
 ATTEMPT_LABEL = "kubetrain.io/restart-attempt"
+# On a worker pod: the nodes its required anti-affinity keeps it off (status.avoidedNodes).
+AVOIDED_NODES_ANNOTATION = "kubetrain.io/avoided-nodes"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 # On the ConfigMap: the job's metadata.generation its snapshot was taken from.
 GENERATION_ANNOTATION = "kubetrain.io/job-generation"
 # On the ConfigMap: the micro-batch its snapshot tells the trainer to use (status.effective).
@@ -190,8 +195,30 @@ def _kueue_metadata(job: TrainingJob) -> tuple[dict[str, str], dict[str, str]]:
     return labels, annotations
 
 
+def avoiding_affinity(affinity: dict[str, Any] | None,
+                      nodes: Sequence[str]) -> dict[str, Any] | None:
+    """The user's pod affinity with the avoided nodes excluded: a required node affinity
+    `kubernetes.io/hostname NotIn nodes`, ANDed into each of the user's nodeSelectorTerms
+    (the terms are ORed, so the exclusion must hold in every one), or the only term."""
+    if not nodes:
+        return affinity
+    merged = copy.deepcopy(affinity) if affinity else {}
+    required = merged.setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {})
+    exclusion = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": list(nodes)}
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        term["matchExpressions"] = [*(term.get("matchExpressions") or []), exclusion]
+    required["nodeSelectorTerms"] = terms
+    return merged
+
+
 def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, Any]:
-    """Worker pod `index` of the group, in its `restart_attempt`-th incarnation."""
+    """Worker pod `index` of the group, in its `restart_attempt`-th incarnation.
+
+    Kept off the nodes in the job's status.avoidedNodes: reconcile passes the job with
+    the status it decided, expired entries already dropped.
+    """
     spec = job.spec
     template = spec.workers.template
     name = job.metadata.name
@@ -203,7 +230,10 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
         ATTEMPT_LABEL: str(restart_attempt),
     }
     metadata = _metadata(job, pod_name(name, index), labels)
+    avoided = [entry.node for entry in job.status.avoided_nodes] if job.status else []
     annotations = {**template.annotations, **kueue_annotations}
+    if avoided:
+        annotations[AVOIDED_NODES_ANNOTATION] = ",".join(avoided)
     if annotations:
         metadata["annotations"] = annotations
 
@@ -262,7 +292,7 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
     optional = {
         "nodeSelector": template.node_selector or None,
         "tolerations": template.tolerations or None,
-        "affinity": template.affinity,
+        "affinity": avoiding_affinity(template.affinity, avoided),
         "schedulerName": template.scheduler_name,
         "priorityClassName": template.priority_class_name,
         "serviceAccountName": template.service_account_name,

@@ -4,8 +4,10 @@ Pure: a `WorkerPod` (the facts `kubetrain.operator.observed` read from the pod's
 status, the node it was bound to and its trainer's termination message) becomes a
 class, the one a user reads in status.lastFailure.class, the events and the metric
 `kubetrain_worker_failures_total{class}`. What the operator does about a class is
-`kubetrain.operator.reconcile`'s: only the two out-of-memory classes change its
-course (the micro-batch is halved); the rest keep the restart policy they had.
+`kubetrain.operator.reconcile`'s: the two out-of-memory classes halve the micro-batch,
+PreflightFailed avoids the nodes it names and restarts the group, and Unknown,
+CollectiveTimeout and GPUError repeated on one node avoid that node
+(kubetrain.operator.avoidance); the rest keep the restart policy they had.
 
 The classes, in the order they are decided:
 - NodeLost: the pod's node is gone or unreachable, or the taint manager deleted it;
@@ -14,9 +16,9 @@ The classes, in the order they are decided:
 - Evicted: the kubelet evicted it (node pressure) or the Eviction API did (a drain);
 - OOMKilled: the container's reason, or exit 137 with an out-of-memory reason or
   message on the pod (some runtimes leave the container reason Error);
-- CUDAOutOfMemory, CollectiveTimeout: what the trainer wrote into its termination
-  message before exiting (`kubetrain_worker_failure_info{class=...}`), since neither
-  shows in the pod's status: torchrun exits 1 whatever its worker died of;
+- CUDAOutOfMemory, CollectiveTimeout, GPUError, PreflightFailed: what the trainer wrote
+  into its termination message before exiting (`kubetrain_worker_failure_info{class=...}`),
+  since none shows in the pod's status: torchrun exits 1 whatever its worker died of;
 - UserError: an exit code in runPolicy.permanentExitCodes;
 - Unknown: anything else (a Python exception, a signal from outside).
 """
@@ -33,7 +35,8 @@ _PREEMPTED = frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler", "P
 _EVICTED = frozenset({"Evicted", "EvictionByEvictionAPI", "TerminationByKubelet"})
 _NODE_LOST = frozenset({"NodeLost", "DeletionByTaintManager", "DeletionByPodGC"})
 OOM_EXIT_CODE = 137  # 128 + SIGKILL, what the kernel's OOM killer leaves
-TRAINER_CLASSES = frozenset({"CUDAOutOfMemory", "CollectiveTimeout"})
+TRAINER_CLASSES = frozenset({"CUDAOutOfMemory", "CollectiveTimeout", "GPUError",
+                             "PreflightFailed"})
 
 
 def classify(pod: WorkerPod, permanent_exit_codes: Collection[int]) -> str:

@@ -15,7 +15,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetrain.operator.children import ATTEMPT_LABEL, INDEX_LABEL, TRAINER_CONTAINER
+from kubetrain.operator.children import (
+    ATTEMPT_LABEL,
+    AVOIDED_NODES_ANNOTATION,
+    INDEX_LABEL,
+    TRAINER_CONTAINER,
+)
 
 # Pod or container reasons that mean the infrastructure, not the training code, ended a pod.
 DISRUPTION_REASONS = frozenset({
@@ -35,6 +40,8 @@ class TrainerFailure:
     failure_class: str
     message: str = ""
     micro_batch_size: int | None = None
+    # PreflightFailed: the nodes (Kubernetes node names) whose ranks failed the check.
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,12 @@ class WorkerPod:
     pod_reason: str | None = None
     pod_message: str | None = None
     trainer_failure: TrainerFailure | None = None
+    # Since when the scheduler finds no node for it (PodScheduled False, Unschedulable).
+    unschedulable_since: datetime | None = None
+    # The scheduler's words about why (e.g. "0/3 nodes are available: ...").
+    unschedulable_message: str | None = None
+    # The nodes its required anti-affinity keeps it off (status.avoidedNodes when created).
+    avoiding: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -162,6 +175,10 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
         reason = disruption = (_condition(status, "DisruptionTarget").get("reason")
                                or "DisruptionTarget")
     node = (pod.get("spec") or {}).get("nodeName")
+    scheduled = _condition(status, "PodScheduled")
+    unschedulable = scheduled.get("status") == "False" and scheduled.get(
+        "reason") == "Unschedulable"
+    avoiding = (meta.get("annotations") or {}).get(AVOIDED_NODES_ANNOTATION, "")
     return WorkerPod(
         name=meta.get("name", ""),
         index=int(labels.get(INDEX_LABEL, -1)),
@@ -180,6 +197,11 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
         pod_reason=status.get("reason"),
         pod_message=status.get("message"),
         trainer_failure=trainer_failure(terminated.get("message")),
+        # A pod never scheduled has no other clock: its creation stands in for a missing time.
+        unschedulable_since=(_time(scheduled.get("lastTransitionTime"))
+                             or _time(meta.get("creationTimestamp"))) if unschedulable else None,
+        unschedulable_message=scheduled.get("message") if unschedulable else None,
+        avoiding=tuple(node for node in avoiding.split(",") if node),
     )
 
 
@@ -195,8 +217,11 @@ def trainer_failure(termination_message: str | None) -> TrainerFailure | None:
         for sample in family.samples:
             if sample.name == FAILURE_INFO and "class" in sample.labels:
                 micro = sample.labels.get("micro_batch_size", "")
+                nodes = sample.labels.get("nodes", "")
                 return TrainerFailure(sample.labels["class"], sample.labels.get("message", ""),
-                                      int(micro) if micro.isdigit() else None)
+                                      int(micro) if micro.isdigit() else None,
+                                      tuple(node.strip() for node in nodes.split(",")
+                                            if node.strip()))
     return None
 
 

@@ -29,9 +29,19 @@ Recovery policy, in the order it is checked:
 - a step that has not advanced for progressDeadlineSeconds restarts the group;
 - every restart counts against maxRestarts and waits an exponential backoff.
 
-Observed, never acted on yet: a rank slower than runPolicy.stragglers allows, for its
-window of intervals (kubetrain.operator.stragglers), sets the Straggler condition and
-posts an event naming its pod, node and slowness (action Report).
+Slow and broken nodes (kubetrain.operator.stragglers, kubetrain.operator.avoidance):
+- a rank slower than runPolicy.stragglers allows, for its window of intervals, sets the
+  Straggler condition and posts an event naming its pod, node and slowness; with action
+  Replace its node is avoided and its pod deleted with the normal grace (the group
+  checkpoints on the SIGTERM) and recreated off that node, the whole group when it is
+  worker 0's; such restarts are not counted in maxRestarts but have their own limit
+  (status.stragglerReplacements, at most maxRestarts);
+- a PreflightFailed failure avoids the nodes the trainer named and restarts the group
+  (a counted restart, so a check that keeps failing ends the job);
+- two Unknown, CollectiveTimeout or GPUError failures on one node within an hour avoid it;
+- avoided nodes (status.avoidedNodes) get a required anti-affinity on every pod created
+  until they expire (runPolicy.avoidNodesFor); pods the avoidance leaves unschedulable
+  either wait while the job runs elastic on minReplicas, or make it avoid less.
 """
 
 from __future__ import annotations
@@ -50,12 +60,13 @@ from kubetrain.api.trainingjob import (
     EffectiveBatch,
     FailureStreak,
     GoodputStatus,
+    RankSlowness,
     TrainingJob,
     TrainingJobStatus,
     WorkerFailure,
     step_folder,
 )
-from kubetrain.operator import children, stragglers
+from kubetrain.operator import avoidance, children, stragglers
 from kubetrain.operator.failures import classify, describe
 from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
 
@@ -69,7 +80,9 @@ RESTART_ME_EXIT_CODE = 75
 # status.lastFailure.message is cut here: a termination message may hold 4 KiB.
 FAILURE_MESSAGE_LIMIT = 1024
 # Restarts that re-form the whole group: a hang, and a new micro-batch every rank must use.
-WHOLE_GROUP_REASONS = ("ProgressDeadlineExceeded", "OutOfMemory")
+WHOLE_GROUP_REASONS = ("ProgressDeadlineExceeded", "OutOfMemory", "PreflightFailed")
+# Restarts with their own limit instead of maxRestarts, and no backoff (nothing to wait out).
+UNCOUNTED_REASONS = ("OutOfMemory", "StragglerReplaced")
 ESTIMATE_ADVICE = (
     "run `kubetrain estimate` on the job for a configuration that fits: activation "
     "checkpointing (parallelism.activationCheckpointing), more workers with strategy fsdp, "
@@ -195,6 +208,10 @@ class _Decision:
     status: TrainingJobStatus
     actions: list[Action] = field(default_factory=list)
     deleted: set[str] = field(default_factory=set)  # pods this pass deletes
+    # Ranks that became stragglers in this pass's judged interval.
+    new_stragglers: list[RankSlowness] = field(default_factory=list)
+    # Pods held back by avoidance while the job runs elastic without them.
+    held_back: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -407,6 +424,149 @@ class _Decision:
         for rank, text in zip(slow, said, strict=True):
             if rank.slow_intervals == policy.window:  # once, when it becomes a straggler
                 self.event("Straggler", text, warning=True)
+                self.new_stragglers.append(rank)
+
+    def replace_stragglers(self) -> None:
+        """runPolicy.stragglers.action Replace: avoid each new straggler's node and recreate
+        its pod off it, the whole group when it is worker 0's (the rendezvous host).
+
+        Each pod gets the template's grace: the group checkpoints on its SIGTERM and
+        resumes from that checkpoint. Not counted in maxRestarts and with no backoff, but
+        limited to maxRestarts replacements (status.stragglerReplacements), so a job whose
+        slowness follows it from node to node ends up reporting instead of replacing.
+        """
+        policy = self.job.spec.run_policy
+        if (policy.stragglers.action != "Replace" or not self.new_stragglers
+                or self.status.phase != "Running"):
+            return
+        pods = {pod.name: pod for pod in self.live_pods()}
+        chosen: list[tuple[RankSlowness, WorkerPod]] = []
+        for rank in self.new_stragglers:
+            pod = pods.get(rank.pod)
+            if pod is None or any(pod is other for _, other in chosen):
+                continue
+            if self.status.straggler_replacements + len(chosen) >= policy.max_restarts:
+                self.event("StragglerKept",
+                           f"{rank.pod} on node {rank.node} is not replaced: the job already "
+                           f"replaced {self.status.straggler_replacements} stragglers, at most "
+                           f"runPolicy.maxRestarts ({policy.max_restarts}); raise it, or set "
+                           "runPolicy.stragglers.action to Report", warning=True)
+                continue
+            chosen.append((rank, pod))
+        if not chosen:
+            return
+        said = []
+        for rank, pod in chosen:
+            what = (f"rank {rank.rank} in pod {pod.name} computes {rank.slowness:.2f}x the "
+                    f"median rank's time per step, for {rank.slow_intervals} intervals")
+            self.avoid_node(rank.node, "Straggler", what)
+            said.append(f"{what} on node {rank.node}")
+        self.status.straggler_replacements += len(chosen)
+        broken = [pod for _, pod in chosen]
+        self.restart("StragglerReplaced", "; ".join(said) + " (runPolicy.stragglers.action: "
+                     "Replace)", broken, whole_group=any(pod.index == 0 for pod in broken),
+                     counted=False)
+        # The next interval is the new group's: no streak carries over from the old one.
+        if self.status.ranks is not None:
+            for rank in self.status.ranks.ranks:
+                rank.slow_intervals = 0
+
+    # --- node avoidance (kubetrain.operator.avoidance) -----------------------------------
+
+    def avoid_node(self, node: str | None, reason: avoidance.AvoidReason, message: str) -> None:
+        """Add a node to status.avoidedNodes (once while it is avoided) with an event."""
+        policy = self.job.spec.run_policy
+        entry = avoidance.avoid(self.status.avoided_nodes, node, reason,
+                                message[:FAILURE_MESSAGE_LIMIT], self.now,
+                                policy.avoid_nodes_seconds)
+        if entry is None:
+            return
+        self.status.avoided_nodes.append(entry)
+        self.event("NodeAvoided",
+                   f"avoiding node {entry.node} until {avoidance.stamp(entry.expires)} "
+                   f"({reason}: {message}): worker pods of this job created until then get "
+                   "a required node anti-affinity to it (runPolicy.avoidNodesFor: "
+                   f"{policy.avoid_nodes_for})", warning=True)
+
+    def expire_avoidance(self) -> None:
+        """Drop the avoided nodes whose time is up."""
+        live, expired = avoidance.expire(self.status.avoided_nodes, self.now)
+        self.status.avoided_nodes = live
+        for entry in expired:
+            self.event("NodeAvoidanceExpired",
+                       f"node {entry.node} is no longer avoided (avoided since "
+                       f"{avoidance.stamp(entry.time)} for {entry.reason}): new worker pods "
+                       "may run there again")
+
+    def count_node_failures(self, failed: list[WorkerPod], kinds: dict[str, str]) -> None:
+        """Avoid a node on its second Unknown, CollectiveTimeout or GPUError within an hour."""
+        records, repeated = avoidance.count_failures(
+            self.status.node_failures,
+            [avoidance.Failure(pod.name, pod.node, kinds[pod.name]) for pod in failed], self.now)
+        self.status.node_failures = records
+        for first, second in repeated:
+            self.avoid_node(second.node, "RepeatedFailures",
+                            f"{first.pod} failed there ({first.class_}) at "
+                            f"{avoidance.stamp(first.time)}, and {second.pod} "
+                            f"({second.failure_class}) at {avoidance.stamp(self.now)}")
+
+    def keep_schedulable(self) -> None:
+        """Pods that avoidance leaves unschedulable: wait while the job runs elastic on
+        minReplicas, or stop avoiding the oldest avoided node (see kubetrain.operator.avoidance).
+        Pods not scheduled yet that avoid a node no longer avoided are recreated."""
+        live = [entry.node for entry in self.status.avoided_nodes]
+        pods = [pod for pod in self.live_pods() if pod.index < self.replicas]
+        for pod in pods:
+            if avoidance.outdated(pod, live):
+                self.delete(pod, "AvoidanceChanged")
+        grace = avoidance.scheduling_grace(self.job.spec.run_policy.pending_deadline_seconds)
+        held = avoidance.held_back(self.live_pods(), self.now, grace)
+        if not held:
+            return
+        names = ", ".join(pod.name for pod in held)
+        scheduler = held[0].unschedulable_message or "no node fits"
+        what = (f"{names} cannot be scheduled while the job avoids "
+                f"{avoidance.describe(self.status.avoided_nodes) or 'nodes no longer avoided'} "
+                f"(the scheduler: {scheduler})")
+        running = [pod for pod in pods if pod.phase == "Running" and pod.name not in self.deleted]
+        needed = self.job.spec.workers.min_workers
+        previous = next((c for c in self.status.conditions if c.type == "NodesAvoided"), None)
+        if any(pod.index == 0 for pod in running) and len(running) >= needed:
+            self.held_back = {pod.name for pod in held}
+            message = (f"{what}: the job runs elastic on its {len(running)} running workers "
+                       f"(spec.workers.minReplicas: {needed}); the others join once the "
+                       "nodes' avoidance expires (runPolicy.avoidNodesFor)")
+            if previous is None or previous.reason != "TooFewNodes":
+                self.event("TooFewNodes", message, warning=True)
+            self.condition("NodesAvoided", True, "TooFewNodes", message)
+            return
+        given_up = avoidance.oldest(self.status.avoided_nodes)
+        if given_up is None:
+            message = f"{what}: recreating them"
+        else:
+            self.status.avoided_nodes.remove(given_up)
+            message = (f"{what}, and only {len(running)} of the {needed} workers "
+                       f"spec.workers.minReplicas needs run: the job stops avoiding node "
+                       f"{given_up.node} ({given_up.reason}) early, the node avoided longest, "
+                       "and recreates them")
+        self.event("TooFewNodes", message, warning=True)
+        self.condition("NodesAvoided", True, "TooFewNodes", message)
+        for pod in held:
+            self.delete(pod, "TooFewNodes")
+
+    def report_avoidance(self) -> None:
+        """The NodesAvoided condition: which nodes the job avoids, unless too few are left."""
+        too_few = next((c for c in self.status.conditions if c.type == "NodesAvoided"
+                        and c.reason == "TooFewNodes" and c.status == "True"), None)
+        waiting = [pod for pod in self.live_pods() if pod.avoiding and pod.phase == "Pending"]
+        if too_few is not None and (self.held_back or waiting):
+            return  # until the pods it was about run (or are recreated and scheduled)
+        avoided = self.status.avoided_nodes
+        if avoided:
+            self.condition("NodesAvoided", True, "Avoiding", "worker pods of this job keep "
+                           f"off {avoidance.describe(avoided)} (status.avoidedNodes)")
+        else:
+            self.condition("NodesAvoided", False, "NoneAvoided", "no node is avoided")
 
     def clean_up(self) -> None:
         """Apply cleanPodPolicy to a finished job and expire it after its TTL."""
@@ -491,6 +651,7 @@ class _Decision:
         if policy.pending_deadline_seconds is not None:
             limit = timedelta(seconds=policy.pending_deadline_seconds)
             stuck = [pod for pod in pods if pod.phase == "Pending" and not pod.node_lost
+                     and pod.name not in self.held_back
                      and pod.created_at is not None and self.now >= pod.created_at + limit]
         return failed, stuck
 
@@ -541,6 +702,11 @@ class _Decision:
         if out_of_memory:
             self.heal_out_of_memory(out_of_memory[0], kinds[out_of_memory[0].name], broken)
             return
+        preflight = [pod for pod in failed if kinds[pod.name] == "PreflightFailed"]
+        if preflight:
+            self.fail_preflight(preflight, kinds, broken)
+            return
+        self.count_node_failures(failed, kinds)
         coded = [pod for pod in failed if classes[pod.name] == "code"]
         if coded and self.repeated_failure(coded[0], kinds[coded[0].name]):
             return
@@ -573,6 +739,19 @@ class _Decision:
                 message=text[:FAILURE_MESSAGE_LIMIT], time=self.now)
             self.event("WorkerFailure", f"{pod.name} on {node}: {kind}: {text}", warning=True)
             self.actions.append(CountFailure(kind))
+
+    def fail_preflight(self, failed: list[WorkerPod], kinds: dict[str, str],
+                       broken: list[WorkerPod]) -> None:
+        """Avoid the nodes the preflight check named and restart the whole group without
+        them: a counted restart, so a check that fails on every node ends the job."""
+        said = "; ".join(describe(pod, kinds[pod.name]) for pod in failed)
+        nodes = sorted({node for pod in failed if pod.trainer_failure is not None
+                        for node in pod.trainer_failure.nodes})
+        for node in nodes:
+            self.avoid_node(node, "PreflightFailed", said)
+        where = f" on {', '.join(nodes)}" if nodes else " (the trainer named no node)"
+        self.restart("PreflightFailed", f"the preflight check failed{where}: {said}", broken,
+                     whole_group=True)
 
     def heal_out_of_memory(self, pod: WorkerPod, kind: str, broken: list[WorkerPod]) -> None:
         """Restart the group with half the micro-batch, or fail with reason OutOfMemory."""
@@ -649,16 +828,17 @@ class _Decision:
     def create_missing(self) -> None:
         if self.status.phase == "Restarting" and self.status.last_restart_time is not None:
             restarting = next((c for c in self.status.conditions if c.type == "Restarting"), None)
-            uncounted = restarting is not None and restarting.reason == "OutOfMemory"
+            uncounted = restarting is not None and restarting.reason in UNCOUNTED_REASONS
             delay = 0.0 if uncounted else backoff_seconds(self.job, self.status.restarts)
             if self.now < self.status.last_restart_time + timedelta(seconds=delay):
                 return
         # A pod still being deleted keeps its name: its replacement waits until it is gone.
         present = {pod.index for pod in self.observed.pods}
         missing = [index for index in range(self.replicas) if index not in present]
+        as_run = self.job_as_run()  # with status.avoidedNodes as decided in this pass
         for index in missing:
             self.actions.append(CreateObject(
-                children.worker_pod(self.job, index, self.status.restart_attempt)))
+                children.worker_pod(as_run, index, self.status.restart_attempt)))
         if missing and self.condition_since("Created") is None:
             message = (f"created service {self.name}, config map "
                        f"{children.config_map_name(self.name)} and {len(missing)} worker pods")
@@ -672,7 +852,9 @@ class _Decision:
         rank0 = any(pod.index == 0 for pod in running)
         # A first start may begin with minReplicas; a restart is over once every replacement runs.
         restarting = status.phase == "Restarting"
-        needed = self.replicas if restarting else self.job.spec.workers.min_workers
+        # Pods held back by avoidance wait: the group runs elastic without them.
+        needed = (self.replicas if restarting and not self.held_back
+                  else self.job.spec.workers.min_workers)
         if rank0 and len(running) >= needed:
             if status.phase != "Running":
                 status.phase = "Running"
@@ -713,15 +895,19 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
         if status.phase == "Suspended":
             decision.resume()
         status.workers.desired = decision.replicas
+        decision.expire_avoidance()
         decision.ensure_service_and_config()
+        decision.keep_schedulable()
         decision.continue_restart()
         decision.handle_failures()
         if status.phase not in FINISHED:
             decision.detect_hang()
+            decision.replace_stragglers()
         if status.phase not in FINISHED:
             decision.scale(previous.workers.desired if previous.phase != "Suspended" else 0)
             decision.create_missing()
             decision.update_phase()
+            decision.report_avoidance()
         else:
             decision.clean_up()
 
