@@ -36,10 +36,11 @@ EARLIER = NOW - timedelta(hours=1)
 
 
 def make_job(minimal_manifest: dict[str, Any], replicas: int = 2, status: dict | None = None,
-             generation: int = 1, **run_policy: Any) -> TrainingJob:
+             generation: int = 1, min_replicas: int = 1, **run_policy: Any) -> TrainingJob:
     manifest = copy.deepcopy(minimal_manifest)
     manifest["metadata"].update(namespace="ml", uid="uid-1", generation=generation)
-    manifest["spec"]["workers"] = {"replicas": replicas, "minReplicas": 1, "maxReplicas": 4}
+    manifest["spec"]["workers"] = {"replicas": replicas, "minReplicas": min_replicas,
+                                   "maxReplicas": 4}
     manifest["spec"]["runPolicy"] = {"backoffSeconds": 10, "maxRestarts": 3, **run_policy}
     if status is not None:
         manifest["status"] = status
@@ -704,6 +705,10 @@ FAILURE_SHAPES = [
     ("NodeLost", _failed_pod({"exitCode": 0}, node="gone")),  # its node left the cluster
     ("CollectiveTimeout", _failed_pod({"exitCode": 1, "reason": "Error", "message": _trainer_said(
         "CollectiveTimeout", "gloo: Timed out waiting 1800000ms for recv operation")})),
+    ("GPUError", _failed_pod({"exitCode": 1, "reason": "Error", "message": _trainer_said(
+        "GPUError", "CUDA error: uncorrectable ECC error encountered")})),
+    ("PreflightFailed", _failed_pod({"exitCode": 1, "reason": "Error", "message": _trainer_said(
+        "PreflightFailed", "rank 1: matmul differs from the reference")})),
     ("UserError", _failed_pod({"exitCode": 2, "reason": "Error"})),
     ("Unknown", _failed_pod({"exitCode": 1, "reason": "Error"})),
     ("Unknown", _failed_pod({"exitCode": 137, "reason": "Error"})),  # a kill from outside

@@ -212,6 +212,7 @@ class _Decision:
     new_stragglers: list[RankSlowness] = field(default_factory=list)
     # Pods held back by avoidance while the job runs elastic without them.
     held_back: set[str] = field(default_factory=set)
+    too_few_nodes: bool = False  # this pass found pods that avoidance leaves unschedulable
 
     @property
     def name(self) -> str:
@@ -523,6 +524,7 @@ class _Decision:
         held = avoidance.held_back(self.live_pods(), self.now, grace)
         if not held:
             return
+        self.too_few_nodes = True
         names = ", ".join(pod.name for pod in held)
         scheduler = held[0].unschedulable_message or "no node fits"
         what = (f"{names} cannot be scheduled while the job avoids "
@@ -559,7 +561,7 @@ class _Decision:
         too_few = next((c for c in self.status.conditions if c.type == "NodesAvoided"
                         and c.reason == "TooFewNodes" and c.status == "True"), None)
         waiting = [pod for pod in self.live_pods() if pod.avoiding and pod.phase == "Pending"]
-        if too_few is not None and (self.held_back or waiting):
+        if self.too_few_nodes or (too_few is not None and waiting):
             return  # until the pods it was about run (or are recreated and scheduled)
         avoided = self.status.avoided_nodes
         if avoided:
