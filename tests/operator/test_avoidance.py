@@ -11,6 +11,8 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.api.trainingjob import AvoidedNode, NodeFailure, TrainingJob, TrainingJobStatus
 from kubetrain.operator import avoidance
@@ -20,6 +22,7 @@ from kubetrain.operator.children import (
     avoiding_affinity,
 )
 from kubetrain.operator.children import worker_pod as render_pod
+from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.observed import metrics_sample, trainer_failure, worker_pod
 from kubetrain.operator.reconcile import CreateObject, RecordEvent
 
@@ -465,3 +468,22 @@ def test_status_keeps_what_avoidance_needs_across_an_operator_restart(
     # A new operator knows only the status it reads back.
     status = TrainingJobStatus.model_validate(first.status)
     assert [(f.node, f.class_) for f in status.node_failures] == [("node-y", "Unknown")]
+
+
+def test_the_avoided_nodes_gauge_follows_status_and_goes_when_the_job_finishes() -> None:
+    metrics = OperatorMetrics()
+
+    def gauge() -> dict[tuple[str, str], float]:
+        text = generate_latest(metrics.registry).decode()
+        return {(s.labels["namespace"], s.labels["job"]): s.value
+                for family in text_string_to_metric_families(text)
+                if family.name == "kubetrain_avoided_nodes" for s in family.samples}
+
+    status = {"phase": "Running", "avoidedNodes": [entry("node-a"), entry("node-b")]}
+    metrics.show_ranks("ml", "demo", status)
+    assert gauge() == {("ml", "demo"): len(status["avoidedNodes"])}
+    metrics.show_ranks("ml", "demo", {**status, "avoidedNodes": []})
+    assert gauge() == {}
+    metrics.show_ranks("ml", "demo", status)
+    metrics.show_ranks("ml", "demo", {**status, "phase": "Failed"})
+    assert gauge() == {}

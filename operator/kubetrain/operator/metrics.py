@@ -39,6 +39,26 @@ class _RankSlowness(Collector):
         yield family
 
 
+class _AvoidedNodes(Collector):
+    """kubetrain_avoided_nodes{namespace,job}: how many nodes each unfinished job keeps off
+    (status.avoidedNodes), from its last status write; a job avoiding none has no series."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[tuple[str, str], int] = {}
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kubetrain_avoided_nodes", "Nodes the job's new pods keep off (status.avoidedNodes: "
+            "stragglers replaced, failed preflight checks, repeated failures).",
+            labels=["namespace", "job"])
+        for (namespace, job), count in sorted(self.jobs.items()):
+            family.add_metric([namespace, job], count)
+        yield family
+
+
 class OperatorMetrics:
     """kubetrain_operator_* metrics of one operator process."""
 
@@ -68,11 +88,20 @@ class OperatorMetrics:
                                   "Kubernetes API calls that failed.", registry=self.registry)
         self.rank_slowness = _RankSlowness()
         self.registry.register(self.rank_slowness)
+        self.avoided_nodes = _AvoidedNodes()
+        self.registry.register(self.avoided_nodes)
 
     def show_ranks(self, namespace: str, job: str, status: Mapping[str, Any] | None) -> None:
-        """Set the job's kubetrain_rank_slowness from its status (none once it finished)."""
+        """Set the gauges that follow the job's status, kubetrain_rank_slowness and
+        kubetrain_avoided_nodes (none once it finished or is gone)."""
+        finished = (status or {}).get("phase") in ("Succeeded", "Failed")
+        avoided = len((status or {}).get("avoidedNodes") or [])
+        if avoided and not finished:
+            self.avoided_nodes.jobs[(namespace, job)] = avoided
+        else:
+            self.avoided_nodes.jobs.pop((namespace, job), None)
         ranks = ((status or {}).get("ranks") or {}).get("ranks") or []
-        if not ranks or (status or {}).get("phase") in ("Succeeded", "Failed"):
+        if not ranks or finished:
             self.rank_slowness.jobs.pop((namespace, job), None)
             return
         self.rank_slowness.jobs[(namespace, job)] = [
