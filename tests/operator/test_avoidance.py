@@ -24,7 +24,7 @@ from kubetrain.operator.children import (
 from kubetrain.operator.children import worker_pod as render_pod
 from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.observed import metrics_sample, trainer_failure, worker_pod
-from kubetrain.operator.reconcile import CreateObject, RecordEvent
+from kubetrain.operator.reconcile import HUNG_GROUP_GRACE_SECONDS, CreateObject, RecordEvent
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconcile import NOW, Outcome, _failed_pod, make_job, pod, run, running_status
@@ -349,6 +349,9 @@ def test_a_failed_preflight_avoids_the_named_nodes_and_restarts_the_group(
     out = run(job, pod(0, node="node-c"), failed)
     assert sorted(avoided(out)) == [("node-a", "PreflightFailed"), ("node-b", "PreflightFailed")]
     assert out.deleted_names == ["demo-worker-0", "demo-worker-1"]
+    # Nothing trained since the checkpoint: no long grace to save one (a stalled rank
+    # would hold its name for all of it).
+    assert {d.grace_period_seconds for d in out.deleted} == {HUNG_GROUP_GRACE_SECONDS}
     assert out.status is not None and out.status["restarts"] == 1
     assert out.status["lastFailure"]["class"] == "PreflightFailed"
     assert out.condition("Restarting")["reason"] == "PreflightFailed"

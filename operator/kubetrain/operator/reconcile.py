@@ -79,7 +79,8 @@ HUNG_GROUP_GRACE_SECONDS = 5
 RESTART_ME_EXIT_CODE = 75
 # status.lastFailure.message is cut here: a termination message may hold 4 KiB.
 FAILURE_MESSAGE_LIMIT = 1024
-# Restarts that re-form the whole group: a hang, and a new micro-batch every rank must use.
+# Restarts that re-form the whole group: a hang, a new micro-batch every rank must use,
+# and a failed preflight (every rank takes part in the check).
 WHOLE_GROUP_REASONS = ("ProgressDeadlineExceeded", "OutOfMemory", "PreflightFailed")
 # Restarts with their own limit instead of maxRestarts, and no backoff (nothing to wait out).
 UNCOUNTED_REASONS = ("OutOfMemory", "StragglerReplaced")
@@ -263,10 +264,11 @@ class _Decision:
         # A pod on a lost node can never confirm. A hung group, or one that lost a rank
         # with its node (a silent peer, no connection reset), cannot agree on a checkpoint
         # (the stop flag's all-reduce waits on the missing rank), so the pod template's
-        # long grace for that checkpoint would only delay the restart.
+        # long grace for that checkpoint would only delay the restart. A group that failed
+        # its preflight has not trained since its checkpoint (and may wait on a stalled rank).
         if pod.node_lost:
             grace: int | None = 0
-        elif reason in ("ProgressDeadlineExceeded", "NodeLost"):
+        elif reason in ("ProgressDeadlineExceeded", "NodeLost", "PreflightFailed"):
             grace = HUNG_GROUP_GRACE_SECONDS
         else:
             grace = None
