@@ -113,8 +113,8 @@ def scheduling_grace(pending_deadline_seconds: int | None) -> timedelta:
 def held_back(pods: Iterable[WorkerPod], now: datetime, grace: timedelta) -> list[WorkerPod]:
     """Pods that avoid nodes and that the scheduler could not place for `grace`."""
     return [pod for pod in pods
-            if pod.phase == "Pending" and pod.avoiding and pod.unschedulable_since is not None
-            and now >= pod.unschedulable_since + grace]
+            if pod.phase == "Pending" and pod.node is None and pod.avoiding
+            and pod.unschedulable_since is not None and now >= pod.unschedulable_since + grace]
 
 
 def outdated(pod: WorkerPod, live: Collection[str]) -> bool:

@@ -523,15 +523,15 @@ class _Decision:
             if avoidance.outdated(pod, live):
                 self.delete(pod, "AvoidanceChanged")
         grace = avoidance.scheduling_grace(self.job.spec.run_policy.pending_deadline_seconds)
-        held = avoidance.held_back(self.live_pods(), self.now, grace)
+        held = avoidance.held_back([pod for pod in pods if pod.name not in self.deleted],
+                                   self.now, grace)
         if not held:
             return
         self.too_few_nodes = True
         names = ", ".join(pod.name for pod in held)
         scheduler = held[0].unschedulable_message or "no node fits"
         what = (f"{names} cannot be scheduled while the job avoids "
-                f"{avoidance.describe(self.status.avoided_nodes) or 'nodes no longer avoided'} "
-                f"(the scheduler: {scheduler})")
+                f"{avoidance.describe(self.status.avoided_nodes)} (the scheduler: {scheduler})")
         running = [pod for pod in pods if pod.phase == "Running" and pod.name not in self.deleted]
         needed = self.job.spec.workers.min_workers
         previous = next((c for c in self.status.conditions if c.type == "NodesAvoided"), None)
@@ -544,15 +544,14 @@ class _Decision:
                 self.event("TooFewNodes", message, warning=True)
             self.condition("NodesAvoided", True, "TooFewNodes", message)
             return
+        # A held-back pod avoids only live entries (one avoiding any other is outdated).
         given_up = avoidance.oldest(self.status.avoided_nodes)
-        if given_up is None:
-            message = f"{what}: recreating them"
-        else:
-            self.status.avoided_nodes.remove(given_up)
-            message = (f"{what}, and only {len(running)} of the {needed} workers "
-                       f"spec.workers.minReplicas needs run: the job stops avoiding node "
-                       f"{given_up.node} ({given_up.reason}) early, the node avoided longest, "
-                       "and recreates them")
+        assert given_up is not None
+        self.status.avoided_nodes.remove(given_up)
+        message = (f"{what}, and only {len(running)} of the {needed} workers "
+                   f"spec.workers.minReplicas needs run: the job stops avoiding node "
+                   f"{given_up.node} ({given_up.reason}) early, the node avoided longest, "
+                   "and recreates them")
         self.event("TooFewNodes", message, warning=True)
         self.condition("NodesAvoided", True, "TooFewNodes", message)
         for pod in held:
