@@ -163,6 +163,31 @@ def test_the_scheduling_grace_comes_before_the_pending_deadline(deadline: int | 
     assert avoidance.scheduling_grace(deadline) == timedelta(seconds=grace)
 
 
+GRACE = timedelta(seconds=avoidance.SCHEDULING_GRACE_SECONDS)
+
+
+@pytest.mark.parametrize(("case", "facts", "held", "outdated"), [
+    ("unschedulable for the grace while avoiding a live node",
+     {"avoiding": ("node-a",), "unschedulable_since": NOW - GRACE}, True, False),
+    ("not yet for the grace", {"avoiding": ("node-a",), "unschedulable_since": NOW - GRACE / 2},
+     False, False),
+    ("avoiding nothing: not avoidance's doing", {"unschedulable_since": NOW - GRACE}, False,
+     False),
+    ("pending but not found unschedulable (pulling, gated)", {"avoiding": ("node-a",)}, False,
+     False),
+    ("avoiding a node no longer avoided", {"avoiding": ("node-a", "node-gone"),
+                                           "unschedulable_since": NOW}, False, True),
+])
+def test_which_pending_pods_avoidance_holds_back(case: str, facts: dict[str, Any], held: bool,
+                                                 outdated: bool) -> None:
+    waiting = pod(1, "Pending", **facts)
+    assert (avoidance.held_back([waiting], NOW, GRACE) == [waiting]) == held, case
+    assert avoidance.outdated(waiting, ["node-a"]) == outdated, case
+    bound = pod(1, "Running", node="node-b", **facts)
+    assert avoidance.held_back([bound], NOW, GRACE) == [] and not avoidance.outdated(
+        bound, ["node-a"]), "a scheduled pod is never held back nor recreated"
+
+
 # --- the anti-affinity ---------------------------------------------------------------------
 
 EXCLUDE = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": ["node-a", "node-b"]}
