@@ -508,10 +508,10 @@ def test_the_avoided_nodes_gauge_follows_status_and_goes_when_the_job_finishes()
                 if family.name == "kubetrain_avoided_nodes" for s in family.samples}
 
     status = {"phase": "Running", "avoidedNodes": [entry("node-a"), entry("node-b")]}
-    metrics.show_ranks("ml", "demo", status)
+    metrics.show_job_status("ml", "demo", status)
     assert gauge() == {("ml", "demo"): len(status["avoidedNodes"])}
-    metrics.show_ranks("ml", "demo", {**status, "avoidedNodes": []})
+    metrics.show_job_status("ml", "demo", {**status, "avoidedNodes": []})
     assert gauge() == {}
-    metrics.show_ranks("ml", "demo", status)
-    metrics.show_ranks("ml", "demo", {**status, "phase": "Failed"})
+    metrics.show_job_status("ml", "demo", status)
+    metrics.show_job_status("ml", "demo", {**status, "phase": "Failed"})
     assert gauge() == {}

@@ -154,7 +154,7 @@ def test_the_slowness_gauge_follows_status_and_goes_when_the_job_finishes() -> N
                 for family in text_string_to_metric_families(text)
                 if family.name == "kubetrain_rank_slowness" for s in family.samples}
 
-    metrics.show_ranks("ml", "demo", status)
+    metrics.show_job_status("ml", "demo", status)
     assert gauge() == {("ml", "demo", "0"): 0.9, ("ml", "demo", "1"): 2.5}
-    metrics.show_ranks("ml", "demo", {**status, "phase": "Succeeded"})
+    metrics.show_job_status("ml", "demo", {**status, "phase": "Succeeded"})
     assert gauge() == {}

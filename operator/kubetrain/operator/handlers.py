@@ -244,7 +244,7 @@ class TrainingJobController:
                 self.memory.pop(uid, None)
                 self.phases.pop(uid, None)
             self.metrics.count_phases(self.phases)
-            self.metrics.show_ranks(namespace, name, None)
+            self.metrics.show_job_status(namespace, name, None)
             return
         if type == "MODIFIED" and self._own_status_echo(uid, body):
             return
@@ -468,7 +468,7 @@ class TrainingJobController:
         if isinstance(action, WriteStatus):
             self.writer.patch_job_status(namespace, name, action.patch)
             memory.status = action.status
-            self.metrics.show_ranks(namespace, name, action.status)
+            self.metrics.show_job_status(namespace, name, action.status)
             phase = action.status.get("phase")
             if phase:
                 self.phases[body["metadata"].get("uid", "")] = phase

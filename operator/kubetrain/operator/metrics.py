@@ -91,7 +91,7 @@ class OperatorMetrics:
         self.avoided_nodes = _AvoidedNodes()
         self.registry.register(self.avoided_nodes)
 
-    def show_ranks(self, namespace: str, job: str, status: Mapping[str, Any] | None) -> None:
+    def show_job_status(self, namespace: str, job: str, status: Mapping[str, Any] | None) -> None:
         """Set the gauges that follow the job's status, kubetrain_rank_slowness and
         kubetrain_avoided_nodes (none once it finished or is gone)."""
         finished = (status or {}).get("phase") in ("Succeeded", "Failed")
