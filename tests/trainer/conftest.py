@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,21 @@ class Launcher:
                               text=True, timeout=timeout)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
         return self.events(job)
+
+    def worker_pid(self, agent: int, rank: int, timeout: float = 60) -> int:
+        """The pid of torchrun `agent`'s worker for `rank` (its RANK variable), once it runs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for entry in Path("/proc").iterdir():
+                try:
+                    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    environ = (entry / "environ").read_bytes().split(b"\0")
+                except (OSError, ValueError, IndexError):
+                    continue
+                if parent == agent and f"RANK={rank}".encode() in environ:
+                    return int(entry.name)
+            time.sleep(0.02)
+        raise AssertionError(f"torchrun (pid {agent}) started no worker for rank {rank}")
 
     def events(self, job: Path, kind: str | None = None) -> list[dict[str, Any]]:
         """The metrics-log events of `job` (only those of `kind` when given)."""

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 from kubetrain.api.manifest import load_job
 from kubetrain.operator.observed import RankSample
@@ -54,21 +53,6 @@ def test_a_group_of_one_waits_for_nobody(tiny_job, launcher) -> None:
         assert 0.5 * event["step_time"] < timing["compute_seconds"] < 1.1 * event["step_time"]
 
 
-def _rank_process(agent: int, rank: int, deadline: float) -> int:
-    """The pid of torchrun `agent`'s worker for `rank` (its RANK variable), once it runs."""
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            if parent == agent and f"RANK={rank}".encode() in environ:
-                return int(entry.name)
-        time.sleep(0.1)
-    raise AssertionError(f"torchrun (pid {agent}) started no worker for rank {rank}")
-
-
 def test_a_rank_paused_on_a_duty_cycle_computes_longest_waits_least_and_is_named(
         tiny_job, launcher) -> None:
     # Micro-batches of 32: compute, not the collectives, takes most of a step, as in a real job.
@@ -76,7 +60,7 @@ def test_a_rank_paused_on_a_duty_cycle_computes_longest_waits_least_and_is_named
                    metrics={"logEverySteps": 6})
     agent = subprocess.Popen(launcher.command(job, 2), env=launcher.env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    slowed = _rank_process(agent.pid, 1, time.monotonic() + 60)
+    slowed = launcher.worker_pid(agent.pid, 1)
     done = threading.Event()
 
     def pause_and_resume() -> None:

@@ -4,9 +4,11 @@ Exit codes, read by the operator and the local runner: 0 training complete
 (maxSteps or early stopping); 143 stopped by SIGTERM/SIGINT after saving a
 checkpoint; 75 another rank was signalled, the checkpoint is saved and this
 rank exits so torchrun re-forms the group; 2 an invalid manifest, or a
-model.init that does not fit it (permanent); 87 the device ran out of memory and
-88 a collective timed out (both also written, with their class, into the
-termination message: under torchrun the pod's exit code is torchrun's);
+model.init that does not fit it (permanent); 87 the device ran out of memory,
+88 a collective timed out, 89 the preflight check failed (runPolicy.preflight) and
+90 the GPU itself failed (all four also written, with their class, into the
+termination message: under torchrun the pod's exit code is torchrun's, and for 87,
+89 and 90 the worker asks its torchrun agent to stop rather than restart in place);
 anything else a failure.
 """
 

@@ -4,10 +4,16 @@ One code path for every launch: under torchrun the group comes from its
 environment (RANK, WORLD_SIZE, MASTER_ADDR...); a plain `python` process or a
 notebook gets a one-member group over an in-memory store, so collectives
 (checkpoints, the stop flag) work the same everywhere. gloo on CPU, NCCL on GPU.
+The attempt's key-value store (`attempt_store`) exists before the group does: the
+preflight check (preflight.py) reports through it before any rank joins the group.
 
 A stop is a collective decision. The SIGTERM/SIGINT handler only sets a flag;
 `StopRequest.agreed()` all-reduces it (MAX) at a step boundary, so every rank
 sees the same answer at the same step and they save one checkpoint together.
+Some failures are not worth torchrun's in-place restart (the same micro-batch runs out
+of memory again; a broken GPU or a stalled peer stays where it is): `stop_torchrun_agent`
+asks the worker's agent to stop, so the pod ends and the operator (or `kubetrain run`)
+decides with the failure's class.
 This module must not touch the model or the loop.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
@@ -40,18 +47,26 @@ class World:
         return self.rank == 0
 
 
-def init_world() -> World:
-    """Join (or create) the process group and build a 1-D data-parallel device mesh."""
+def local_device() -> tuple[torch.device, str]:
+    """This process's device (its LOCAL_RANK's GPU, else the CPU) and the backend for it."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_world(store: dist.Store | None = None) -> World:
+    """Join (or create) the process group and build a 1-D data-parallel device mesh.
+
+    `store` is the attempt's store when the caller already opened it (`attempt_store`).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device, backend = local_device()
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
             # device_id binds NCCL communicators to this GPU eagerly (no lazy first-use init).
-            dist.init_process_group(backend=backend, store=_attempt_store(),
+            dist.init_process_group(backend=backend, store=store or attempt_store(),
                                     rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]),
                                     device_id=device if backend == "nccl" else None)
@@ -64,7 +79,10 @@ def init_world() -> World:
                  device=device, mesh=mesh)
 
 
-def _attempt_store() -> dist.Store:
+STORE_TIMEOUT = timedelta(minutes=10)
+
+
+def attempt_store(timeout: timedelta = STORE_TIMEOUT) -> dist.Store:
     """torchrun's key-value store for this restart attempt, the same on every rank.
 
     The operator's pods run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each
@@ -75,6 +93,10 @@ def _attempt_store() -> dist.Store:
     count. That count is the same on every rank only under one agent (`kubetrain run`,
     `--standalone`): with several, an agent whose worker failed counts the restart and
     one that restarts for the new membership does not.
+
+    `timeout` bounds connecting and every wait on it (the preflight check's deadline
+    while it runs; `set_timeout` puts it back). Rank 0 hosting it does not wait for the
+    others to connect: a peer that never starts must not hold it up.
     """
     rank = int(os.environ["RANK"])
     # Under torchrun the agent hosts the store; a bare launch makes rank 0 host it.
@@ -82,11 +104,60 @@ def _attempt_store() -> dist.Store:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           world_size=int(os.environ["WORLD_SIZE"]),
                           is_master=rank == 0 and not agent_hosts_it,
-                          timeout=timedelta(minutes=10))
+                          timeout=timeout, wait_for_workers=False)
     if not agent_hosts_it:
         return store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"kubetrain/attempt-{attempt}", store)
+
+
+def stop_torchrun_agent() -> bool:
+    """Ask this worker's torchrun agent to stop instead of restarting the group in place.
+
+    Only under torchrun (TORCHELASTIC_RUN_ID), when the agent would restart in place
+    (TORCHELASTIC_RESTART_COUNT under TORCHELASTIC_MAX_RESTARTS) and the parent process
+    is the agent itself: a test runner, a notebook or `kubetrain run`'s own process is
+    never signalled. The agent stops every worker and exits non-zero, so the pod fails
+    with the termination message. From here on this worker ignores SIGTERM, the agent's
+    included, so that it finishes writing why it failed and exits by itself: call this
+    before writing. One signal per agent and attempt, however many of its workers fail
+    (a second one would interrupt the agent's own shutdown). Returns whether this call
+    signalled the agent.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+        return False  # no restart in place is left: the agent exits by itself
+    agent = os.getppid()
+    try:
+        with open(f"/proc/{agent}/cmdline", "rb") as cmdline:
+            command = [arg.decode(errors="replace") for arg in cmdline.read().split(b"\0")]
+    except OSError:
+        return False
+    if not _is_torchrun(command):
+        return False
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    marker = os.path.join(tempfile.gettempdir(), f"kubetrain-stop-agent-{agent}-{attempt}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False  # another worker of this agent asked already
+    os.kill(agent, signal.SIGTERM)
+    return True
+
+
+def _is_torchrun(command: list[str]) -> bool:
+    """Whether a command line runs torchrun: `torchrun ...`, `python .../torchrun ...` or
+    `python [options] -m torch.distributed.run ...` (not merely mentions it)."""
+    if command and os.path.basename(command[0]) == "torchrun":
+        return True
+    for index, arg in enumerate(command[1:], start=1):
+        if arg == "-m":
+            return command[index + 1:index + 2] == ["torch.distributed.run"]
+        if not arg.startswith("-"):  # the script python runs
+            return os.path.basename(arg) == "torchrun"
+    return False
 
 
 def shutdown_world() -> None:

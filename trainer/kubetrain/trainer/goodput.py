@@ -10,6 +10,7 @@ defines it; the rest ("badput") is split by cause:
     checkpoint_save   the blocking part of checkpoint saves (and the final export)
     checkpoint_load   loading the checkpoint a restart resumes from
     startup           process start to the first step: imports, rendezvous, build, compile
+    preflight         the health check before each attempt's first step (preflight.py)
     evaluation        validation passes
     lost_progress     step time once spent on steps that a restart made the job redo
     downtime          the last heartbeat of one attempt to the start of the next:
@@ -17,6 +18,9 @@ defines it; the rest ("badput") is split by cause:
     oom               lost progress and downtime of an attempt that ran out of memory:
                       the restart with half the micro-batch is counted apart, so a job
                       that keeps running out of memory shows it
+    straggler         step time lost waiting for the slowest rank: per logged interval,
+                      (slowest rank's compute - median rank's compute) per step times
+                      its steps, moved out of productive (`move`; rank_timing's figures)
 
 The ledger charges contiguous stretches: each `charge(cause)` books the time
 since the previous one, so the causes always sum to the wall time since the
@@ -62,8 +66,10 @@ EVALUATION = "evaluation"
 LOST_PROGRESS = "lost_progress"
 DOWNTIME = "downtime"
 OUT_OF_MEMORY = "oom"
+PREFLIGHT = "preflight"
+STRAGGLER = "straggler"
 CAUSES = (PRODUCTIVE, DATA_WAIT, CHECKPOINT_SAVE, CHECKPOINT_LOAD, STARTUP, EVALUATION,
-          LOST_PROGRESS, DOWNTIME, OUT_OF_MEMORY)
+          LOST_PROGRESS, DOWNTIME, OUT_OF_MEMORY, PREFLIGHT, STRAGGLER)
 
 HEARTBEAT_NAME = "goodput.json"
 # Set by `kubetrain run` to when it launched the attempt (unix seconds), so startup
@@ -126,6 +132,14 @@ class GoodputLedger(Stateful):
         self._attempt[cause] += seconds
         self._mark = now
         return seconds
+
+    def move(self, source: str, target: str, seconds: float) -> float:
+        """Rebook up to `seconds` of this attempt's `source` time as `target` (the wall
+        time is unchanged); returns the seconds moved."""
+        moved = min(max(0.0, seconds), self._attempt[source])
+        self._attempt[source] -= moved
+        self._attempt[target] += moved
+        return moved
 
     def stepped(self, step: int) -> None:
         """The step counter after a step (charge its time first)."""

@@ -38,20 +38,28 @@ all-reduced, every rank saves the same checkpoint and `fit` returns exit code
 143 on the signalled ranks and 75 ("restart me into the new membership") on the
 others. A finished run (maxSteps or early stopping) saves, exports and returns 0.
 
-Failing: a device out of memory (torch.OutOfMemoryError) or a collective that timed
-out is written into the termination message with its class, the micro-batch and
-(out of memory on CUDA) `kubetrain estimate`'s advice, and `fit` returns 87 or 88
-at once, without the collective goodbyes its peers may never answer. The operator
-(or `kubetrain run`) reads the class and, for out of memory, restarts the group with
-half the micro-batch: the micro-batch the trainer uses is the job's
-`micro_batch_size` (status.effective's, from the ConfigMap), with the accumulation
-grown to keep the spec's global batch.
+Preflight: before joining the group each rank checks its device, and once the group
+is formed, its all-reduce bandwidth (preflight.py, `runPolicy.preflight`); rank 0
+prints the result and goodput books the time as `preflight`.
+
+Failing: a device out of memory (torch.OutOfMemoryError), a GPU that failed
+(`is_gpu_error`), a collective that timed out or a failed preflight is written into
+the termination message with its class, the micro-batch and (out of memory on CUDA)
+`kubetrain estimate`'s advice, and `fit` returns 87, 90, 88 or 89 at once, without
+the collective goodbyes its peers may never answer. For out of memory, a GPU error
+and a failed preflight, a restart in place would meet the same micro-batch, the same
+GPU or the same stalled peer, so the worker first asks its torchrun agent to stop
+(`distributed.stop_torchrun_agent`) and the pod ends. The operator (or `kubetrain run`)
+reads the class and, for out of memory, restarts the group with half the micro-batch:
+the micro-batch the trainer uses is the job's `micro_batch_size` (status.effective's,
+from the ConfigMap), with the accumulation grown to keep the spec's global batch.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -76,15 +84,26 @@ from kubetrain.trainer.checkpoint import (
 )
 from kubetrain.trainer.data import TokenDataset, build_datasets
 from kubetrain.trainer.distill import Teacher, load_teacher
-from kubetrain.trainer.distributed import StopRequest, World, init_world, shutdown_world
+from kubetrain.trainer.distributed import (
+    STORE_TIMEOUT,
+    StopRequest,
+    World,
+    attempt_store,
+    init_world,
+    local_device,
+    shutdown_world,
+    stop_torchrun_agent,
+)
 from kubetrain.trainer.export import export_format, export_model
 from kubetrain.trainer.goodput import (
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
     DATA_WAIT,
     EVALUATION,
+    PREFLIGHT,
     PRODUCTIVE,
     STARTUP,
+    STRAGGLER,
     GoodputLedger,
     Heartbeat,
     attempt_started_at,
@@ -100,6 +119,7 @@ from kubetrain.trainer.metrics import (
 from kubetrain.trainer.model import Dynamics
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
+from kubetrain.trainer.preflight import Preflight, PreflightFailed, store_timeout
 from kubetrain.trainer.pretrained import load_embeddings, load_pretrained
 from kubetrain.trainer.pretrained_config import (
     PretrainedError,
@@ -107,7 +127,12 @@ from kubetrain.trainer.pretrained_config import (
     teacher_error,
     trained_model,
 )
-from kubetrain.trainer.rank_timing import WaitClock, gather_rank_timings, time_fsdp_collectives
+from kubetrain.trainer.rank_timing import (
+    WaitClock,
+    gather_rank_timings,
+    straggler_seconds,
+    time_fsdp_collectives,
+)
 from kubetrain.trainer.sizing import flops_per_token, ssm_flops_per_token
 from kubetrain.trainer.storage import open_storage
 
@@ -116,6 +141,10 @@ EXIT_SIGNALLED = 143  # 128 + SIGTERM, what a process killed by SIGTERM reports
 EXIT_RESTART = 75  # EX_TEMPFAIL: another rank was signalled; rejoin the new membership
 EXIT_OUT_OF_MEMORY = 87  # the device ran out of memory at this micro-batch
 EXIT_COLLECTIVE_TIMEOUT = 88  # a collective timed out (a peer hung or vanished)
+EXIT_PREFLIGHT_FAILED = 89  # the preflight check failed (preflight.py)
+EXIT_GPU_ERROR = 90  # the GPU itself failed (is_gpu_error)
+# Failures a restart in place cannot cure: the worker's torchrun agent is asked to stop.
+ENDS_THE_POD = frozenset({"CUDAOutOfMemory", "GPUError", "PreflightFailed"})
 
 
 @dataclass(frozen=True)
@@ -213,15 +242,21 @@ class Trainer:
         self.metrics_log = Path(
             metrics_log or os.environ.get("KUBETRAIN_METRICS_LOG", "metrics.jsonl"))
         self.serve_metrics = serve_metrics
+        self._preflight: Preflight | None = None  # this attempt's check, once it started
 
     def fit(self) -> FitResult:
         """Train until maxSteps, early stopping or a stop signal; see the module docstring."""
         created_group = not dist.is_initialized()
-        world = init_world()
+        # The ledger starts before the preflight check, so that it books the check apart.
+        goodput = GoodputLedger(attempt_started_at())
+        try:
+            world = self._join(goodput)
+        except PreflightFailed as failure:
+            return self._preflight_failed(failure)
         failed = False
         try:
             try:
-                run = self._build(world)
+                run = self._build(world, goodput)
                 stop = StopRequest()
                 stop.install()
                 try:
@@ -241,6 +276,10 @@ class Trainer:
                     failed = True
                     self._record_failure("CUDAOutOfMemory", error, world)
                     return FitResult(0, "out_of_memory", EXIT_OUT_OF_MEMORY, None, None)
+                if is_gpu_error(error):
+                    failed = True
+                    self._record_failure("GPUError", error, world)
+                    return FitResult(0, "gpu_error", EXIT_GPU_ERROR, None, None)
                 if not is_collective_timeout(error):
                     raise
                 failed = True
@@ -252,17 +291,61 @@ class Trainer:
             if created_group and not failed:  # a group the caller made is the caller's to end
                 shutdown_world()
 
+    def _join(self, goodput: GoodputLedger) -> World:
+        """Join the group, inside the preflight check when `runPolicy.preflight` asks for it."""
+        policy = self.spec.run_policy.preflight
+        if not policy.enabled:
+            return init_world()
+        launched = not dist.is_initialized() and "WORLD_SIZE" in os.environ
+        rank = int(os.environ["RANK"]) if launched else 0
+        world_size = int(os.environ["WORLD_SIZE"]) if launched else 1
+        goodput.charge(STARTUP)
+        store = None
+        if launched:
+            try:  # bounded by the check's deadline: its host may be the stalled one
+                store = attempt_store(store_timeout(policy))
+            except RuntimeError as error:
+                raise PreflightFailed(f"preflight failed: rank {rank} cannot reach the "
+                                      f"attempt's store: {error}", []) from error
+        check = Preflight(policy, rank=rank, world_size=world_size, device=local_device()[0],
+                          store=store if world_size > 1 else None)
+        self._preflight = check
+        check.check_device()
+        goodput.charge(PREFLIGHT)
+        world = init_world(store)
+        goodput.charge(STARTUP)
+        check.check_group()
+        goodput.charge(PREFLIGHT)
+        if store is not None:
+            store.set_timeout(STORE_TIMEOUT)
+        if world.is_main:
+            print(check.summary(), flush=True)
+        return world
+
+    def _preflight_failed(self, failure: PreflightFailed) -> FitResult:
+        """End the attempt: every live rank exits, one per pod writes why and stops its agent."""
+        check = self._preflight
+        print(f"rank {os.environ.get('RANK', '0')}: PreflightFailed: {failure}",
+              file=sys.stderr, flush=True)
+        if check is None or check.writes_the_failure():
+            stop_torchrun_agent()
+            record_failure("PreflightFailed", str(failure), self.micro_batch_size,
+                           nodes=failure.nodes)
+        return FitResult(0, "preflight_failed", EXIT_PREFLIGHT_FAILED, None, None)
+
     def _record_failure(self, failure_class: str, error: BaseException, world: World) -> None:
         """The failure's class and words, for the termination message and the log."""
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         if failure_class == "CUDAOutOfMemory":
             message += _estimate_advice(self.spec, self.micro_batch_size, world)
+        if failure_class in ENDS_THE_POD:
+            stop_torchrun_agent()  # before writing: the agent's SIGTERM is ignored from here
         traceback.print_exception(error, file=sys.stderr)  # where it happened, for the logs
         print(f"rank {world.rank}: {failure_class} at micro-batch {self.micro_batch_size}: "
               f"{message}", file=sys.stderr, flush=True)
         record_failure(failure_class, message, self.micro_batch_size)
 
-    def _build(self, world: World) -> _Run:
+    def _build(self, world: World, goodput: GoodputLedger) -> _Run:
         """Data, model, parallelism, optimizer, schedule, checkpointer and reporter."""
         # A model.init folder decides the model's dimensions and INL dynamics (config.json,
         # checked against the spec): from here on the spec says so, for the model, its
@@ -309,7 +392,6 @@ class Trainer:
                                   warmup_steps=spec.warmup_steps(max_steps), max_steps=max_steps,
                                   spec=opt)
         progress = TrainProgress()
-        goodput = GoodputLedger(attempt_started_at())
         app_state: dict[str, Any] = {
             "model": ModelState(parallel.module, optimizer), "scheduler": schedule,
             "data": train_data, "train": progress, "rng": RandomState(), "goodput": goodput,
@@ -457,6 +539,9 @@ class Trainer:
                 ranks = gather_rank_timings(
                     (interval.busy - interval.waited) / interval.steps,
                     interval.waited / interval.steps)
+                # The interval's steps ran at the slowest rank's pace: what it cost over the
+                # median rank is not goodput (every rank books the same, from the same figures).
+                goodput.move(PRODUCTIVE, STRAGGLER, straggler_seconds(ranks) * interval.steps)
                 reporter.logged(StepReport(
                     step=step, epoch=run.train_data.epochs_done,
                     loss=_mean_over_ranks(loss_sum), learning_rate=learning_rate,
@@ -558,6 +643,22 @@ def is_out_of_memory(error: BaseException) -> bool:
     """Whether an error is the device running out of memory, however it was raised."""
     return isinstance(error, torch.OutOfMemoryError) or any(
         words in str(error).lower() for words in OUT_OF_MEMORY_WORDS)
+
+
+# How the GPU itself failing reads (CUDA runtime and driver messages, NCCL's wrapping of
+# them, the driver's Xid events). Not in the list, because a restart meets them again in
+# the same code: "an illegal memory access was encountered", "device-side assert
+# triggered", "an illegal instruction was encountered" (kernel bugs, not hardware).
+GPU_ERROR_PATTERN = re.compile(
+    r"uncorrectable ecc error|ecc error encountered|unspecified launch failure"
+    r"|gpu has fallen off the bus|uncorrectable nvlink error|unhandled cuda error"
+    r"|cuda-capable device\(s\) is/are busy or unavailable|hardware stack error"
+    r"|cuda error: unknown error|cuda driver error: unknown error|\bxid\b")
+
+
+def is_gpu_error(error: BaseException) -> bool:
+    """Whether an error says the GPU itself (or its driver, or NVLink) failed."""
+    return GPU_ERROR_PATTERN.search(str(error).lower()) is not None
 
 
 def is_collective_timeout(error: BaseException) -> bool:

@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Thread
@@ -455,8 +456,12 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def record_failure(failure_class: str, message: str, micro_batch_size: int) -> None:
+def record_failure(failure_class: str, message: str, micro_batch_size: int,
+                   nodes: Sequence[str] = ()) -> None:
     """Put why this process failed first in the termination message (any rank).
+
+    `nodes` names the nodes at fault (a failed preflight's failing ranks'), as the label
+    `nodes="node-a,node-b"`; the line has no such label without them.
 
     Kept in the process too, so that rank 0's gauges, written when its reporter closes,
     keep the line ahead of them. Written only where the termination log exists (a pod,
@@ -465,7 +470,8 @@ def record_failure(failure_class: str, message: str, micro_batch_size: int) -> N
     global _failure_line
     _failure_line = (f'{FAILURE_INFO}{{class="{_label(failure_class)}",'
                      f'message="{_label(message[:1500])}",'
-                     f'micro_batch_size="{micro_batch_size}"}} 1')
+                     f'micro_batch_size="{micro_batch_size}"'
+                     + (f',nodes="{_label(",".join(nodes))}"' if nodes else "") + "} 1")
     path = termination_log()
     if not path.is_file():
         return

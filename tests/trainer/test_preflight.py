@@ -1,0 +1,227 @@
+"""The preflight check (runPolicy.preflight): every rank's matmul and check-in through the
+attempt's store, the all-reduce bandwidth, and what a failure ends. Real torchrun runs
+(gloo, 2 ranks) show the passing line and its goodput, and a rank stopped from outside as
+soon as it exists: rank 0 names it and its node by the deadline, and torchrun, though
+allowed 3 restarts in place, ends after the first attempt. In-process tests run the
+store protocol with two ranks in two threads over one store, and the verdict's rules."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kubetrain.api.trainingjob import PreflightPolicy
+from kubetrain.trainer.distributed import stop_torchrun_agent
+from kubetrain.trainer.preflight import (
+    MATMUL_TOLERANCE,
+    Preflight,
+    PreflightFailed,
+    RankReport,
+    matmul_error,
+)
+
+PASSED = re.compile(r"preflight: 2 ranks passed in (\d+\.\d+)s \(matmul ok, all-reduce "
+                    r"(\d+\.\d+) GB/s median, (\d+\.\d+) min\)")
+
+
+def test_two_ranks_pass_print_the_check_and_goodput_books_its_time(tiny_job, launcher) -> None:
+    job = tiny_job("checked", optimization={"maxSteps": 6}, metrics={"logEverySteps": 2})
+    done = subprocess.run(launcher.command(job, 2), env=launcher.env(), capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("preflight:")]
+    print(line)
+    seconds, median, slowest = (float(figure) for figure in PASSED.fullmatch(line).groups())
+    assert seconds < 1.0 and 0 < slowest <= median, line  # cheap: many tests train
+    booked = launcher.events(job, "goodput")[-1]["seconds"]
+    assert 0 < booked["preflight"] < 1.0, booked
+
+
+def test_a_group_of_one_checks_its_matmul_only(tiny_job, launcher) -> None:
+    job = tiny_job("single", optimization={"maxSteps": 6})
+    done = subprocess.run(launcher.command(job, 1), env=launcher.env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"^preflight: 1 rank passed in \d+\.\d+s \(matmul ok, no all-reduce in a "
+                     r"group of one\)$", done.stdout, re.MULTILINE), done.stdout
+
+
+def test_disabled_preflight_prints_nothing_and_books_nothing(tiny_job, launcher) -> None:
+    job = tiny_job("unchecked", optimization={"maxSteps": 6},
+                   runPolicy={"preflight": {"enabled": False}})
+    done = subprocess.run(launcher.command(job, 2), env=launcher.env(), capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "preflight:" not in done.stdout
+    assert launcher.events(job, "goodput")[-1]["seconds"]["preflight"] == 0
+
+
+def test_a_rank_stopped_at_start_is_named_by_the_deadline_and_torchrun_does_not_restart(
+        tiny_job, launcher, tmp_path: Path) -> None:
+    deadline, shutdown = 6, 3
+    job = tiny_job("stalled", optimization={"maxSteps": 6},
+                   runPolicy={"preflight": {"timeoutSeconds": deadline}})
+    termination_log = tmp_path / "termination-log"
+    termination_log.write_text("")  # the kubelet creates it in a pod
+    command = launcher.command(job, 2)
+    # Restarts in place allowed, as PET_MAX_RESTARTS allows them in a pod. A stopped
+    # process ignores SIGTERM: torchrun kills it after its shutdown timeout (30 s unless
+    # told), which is shortened here so that the test is short.
+    command[command.index("--standalone"):command.index("--standalone")] = [
+        "--max-restarts=3", f"--shutdown-timeout={shutdown}"]
+    env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log),
+           "KUBETRAIN_NODE_NAME": "node-a", "KUBETRAIN_POD_NAME": "job-worker-0"}
+    started = time.monotonic()
+    agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    stopped = launcher.worker_pid(agent.pid, 1)
+    os.kill(stopped, signal.SIGSTOP)  # as soon as it exists: likely inside `import torch`
+    lines: list[tuple[float, str]] = []  # when each line of torchrun's output came
+    try:
+        assert agent.stdout is not None
+        for line in agent.stdout:
+            lines.append((time.monotonic() - started, line.rstrip()))
+        agent.wait(timeout=deadline + shutdown + 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGCONT)
+        agent.kill()
+    output = "\n".join(line for _, line in lines)
+    ended = time.monotonic() - started
+    [failed_at] = [at for at, line in lines if line.startswith("rank 0: PreflightFailed")]
+    print(f"rank 0 named the stopped rank {failed_at:.1f}s and torchrun ended {ended:.1f}s "
+          f"after the start (deadline {deadline}s, shutdown timeout {shutdown}s)")
+    assert agent.returncode != 0
+    # One attempt only: its check failed once, and no attempt ever got to start again.
+    assert output.count("PreflightFailed: preflight failed") == 1, output[-4000:]
+    assert "preflight: 2 ranks passed" not in output
+    assert failed_at < deadline + 10, output[-4000:]  # start-up (imports), then the deadline
+    assert ended < failed_at + shutdown + 5, output[-4000:]
+    [line] = [line for line in termination_log.read_text().splitlines()
+              if line.startswith("kubetrain_worker_failure_info")]
+    assert 'class="PreflightFailed"' in line and 'nodes="node-a"' in line, line
+    # Never reported: named by the node of the other rank of its torchrun agent.
+    assert "rank 1 (pod job-worker-0, node node-a) did not report within 6s" in line, line
+
+
+# --- in-process: the store protocol and the rules ---------------------------------------
+
+
+def _check(policy: PreflightPolicy, store: dist.Store, rank: int, world_size: int,
+           node: str, monkeypatch: pytest.MonkeyPatch) -> Preflight:
+    monkeypatch.setenv("KUBETRAIN_NODE_NAME", node)  # read when the check is made
+    return Preflight(policy, rank=rank, world_size=world_size, device=torch.device("cpu"),
+                     store=store)
+
+
+def _on_threads(checks: list[Preflight], stage: str) -> dict[int, Any]:
+    """Run `stage` of each rank's check on its own thread; what each raised, by rank."""
+    outcome: dict[int, Any] = {}
+
+    def run(check: Preflight) -> None:
+        try:
+            getattr(check, stage)()
+            outcome[check.rank] = None
+        except PreflightFailed as failure:
+            outcome[check.rank] = failure
+
+    threads = [threading.Thread(target=run, args=(check,)) for check in checks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return outcome
+
+
+def test_every_rank_that_reports_passes_the_device_stage(monkeypatch) -> None:
+    store = dist.HashStore()
+    policy = PreflightPolicy(timeout_seconds=5)
+    checks = [_check(policy, store, rank, 2, f"node-{rank}", monkeypatch) for rank in (0, 1)]
+    assert _on_threads(checks, "check_device") == {0: None, 1: None}
+    assert matmul_error(torch.device("cpu")) <= MATMUL_TOLERANCE
+
+
+def test_a_rank_that_never_reports_fails_every_live_rank_by_the_deadline(monkeypatch) -> None:
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    policy = PreflightPolicy(timeout_seconds=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per agent: rank 2 has no sibling
+    checks = [_check(policy, store, rank, 3, f"node-{rank}", monkeypatch) for rank in (0, 1)]
+    started = time.monotonic()
+    outcome = _on_threads(checks, "check_device")
+    assert time.monotonic() - started < 1 + 2
+    for failure in outcome.values():
+        assert isinstance(failure, PreflightFailed)
+        assert "rank 2 (node unknown) did not report within 1s" in str(failure)
+        assert failure.nodes == []
+
+
+def test_rank_0_that_never_judges_is_named_by_the_others(monkeypatch) -> None:
+    store = dist.HashStore()
+    policy = PreflightPolicy(timeout_seconds=1)
+    check = _check(policy, store, 1, 2, "node-b", monkeypatch)
+    monkeypatch.setattr("kubetrain.trainer.preflight.VERDICT_GRACE_SECONDS", 0.2)
+    outcome = _on_threads([check], "check_device")
+    assert "rank 0 (node unknown) gave no verdict" in str(outcome[1])
+    assert check.writes_the_failure()
+
+
+@pytest.mark.parametrize(("bandwidths", "failing"), [
+    ([1.0, 0.9, 1.1, 0.95], []),
+    ([1.0, 0.4, 1.1, 0.95], [1]),  # under half the median 0.975
+    ([1.0, 0.49, 0.48, 1.0], []),  # the median itself is low: nobody is under half of it
+])
+def test_a_rank_under_the_bandwidth_fraction_of_the_median_fails(
+        bandwidths: list[float], failing: list[int]) -> None:
+    check = Preflight(PreflightPolicy(), rank=0, world_size=len(bandwidths),
+                      device=torch.device("cpu"), store=None)
+    reports: list[RankReport | None] = [
+        RankReport(rank, f"pod-{rank}", f"node-{rank}", rank, bandwidth=bandwidth)
+        for rank, bandwidth in enumerate(bandwidths)]
+    assert [failure.rank for failure in check._judge_group(reports)] == failing
+
+
+def test_only_the_ranks_that_never_reported_are_blamed_for_a_stuck_all_reduce() -> None:
+    check = Preflight(PreflightPolicy(), rank=0, world_size=3, device=torch.device("cpu"),
+                      store=None)
+    stuck = "its all-reduce failed: the all-reduce did not complete by the deadline"
+    reports: list[RankReport | None] = [
+        RankReport(0, "pod-0", "node-0", 0, problem=stuck), None,
+        RankReport(2, "pod-2", "node-2", 2, problem=stuck)]
+    assert [failure.rank for failure in check._judge_group(reports)] == [1]
+
+
+def test_the_agent_is_never_signalled_outside_torchrun(monkeypatch) -> None:
+    # This test process is no torchrun worker: even with restarts left, nothing is sent.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert stop_torchrun_agent() is False
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert stop_torchrun_agent() is False  # the parent is pytest's, not torchrun
+
+
+@pytest.mark.parametrize(("command", "agent"), [
+    (["/usr/bin/python3", "-m", "torch.distributed.run", "--standalone", "train.py"], True),
+    (["python", "-u", "-m", "torch.distributed.run", "train.py"], True),
+    (["/venv/bin/torchrun", "--nnodes=1:2", "-m", "kubetrain.trainer"], True),
+    (["/venv/bin/python", "/venv/bin/torchrun", "train.py"], True),
+    (["timeout", "600", "pytest", "-k", "torchrun"], False),
+    (["python", "-m", "pytest", "tests/trainer", "-k", "torch.distributed.run"], False),
+    (["python", "-m", "kubetrain", "run", "job.yaml"], False),
+])
+def test_only_a_torchrun_agent_counts_as_one(command: list[str], agent: bool) -> None:
+    from kubetrain.trainer.distributed import _is_torchrun
+
+    assert _is_torchrun(command) is agent

@@ -1,0 +1,328 @@
+"""Preflight: a short health check of every rank before the first step of each attempt.
+
+Owns the check only; the loop (loop.py) runs it around joining the group, records a
+failure and ends the attempt. Two stages under one deadline
+(`runPolicy.preflight.timeoutSeconds`, from the check's start):
+
+1. Device, before the process group exists: each rank multiplies two 256 x 256
+   matrices in float32 on its device and compares the product with float64 on the
+   CPU (relative Frobenius error at most `MATMUL_TOLERANCE`: float32 is ~1e-6 off,
+   TF32 ~1e-3, a broken device O(1)). It checks in through the attempt's key-value
+   store (`distributed.attempt_store`: torchrun's agent hosts it, so it exists before
+   any rank joins a group). Rank 0 waits for every rank's report until the deadline
+   and posts its verdict; the others wait for it. A rank stopped anywhere before this
+   point, even inside `import torch`, holds nobody past the deadline, and nobody
+   enters init_process_group with a peer that cannot answer.
+2. Group, once the process group is formed: an all-reduce over it, started with
+   async_op and polled until the deadline (so a peer that stalls now cannot hang it),
+   measures each rank's bus bandwidth; reports and verdict go through the store again.
+   A rank under `minBandwidthFraction` times the median rank's bandwidth fails. A group of
+   one has nobody to all-reduce with and skips this stage.
+
+A rank fails when its product is wrong, it raises, it has not reported by the deadline
+(a stalled or stopped process), or its bandwidth is too low. When some ranks never
+reported, they are the ones blamed: the others' all-reduces timing out follows from
+them. Each report carries the rank's pod and node (the downward API's
+KUBETRAIN_POD_NAME and KUBETRAIN_NODE_NAME, else the host name) and its torchrun agent
+(GROUP_RANK); a rank that never reported is named by the node of another rank of its
+agent when one reported, and as "node unknown" otherwise.
+
+This module must not touch the model, the data or the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kubetrain.api.trainingjob import PreflightPolicy
+from kubetrain.trainer.rank_timing import where_am_i
+
+MATMUL_SIZE = 256
+MATMUL_TOLERANCE = 1e-2  # relative Frobenius error of the float32 product
+ALL_REDUCE_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}  # per rank; a few ms on either
+ALL_REDUCE_ROUNDS = 3  # timed, after one untimed round that sets the connections up
+VERDICT_GRACE_SECONDS = 5.0  # past the deadline, for rank 0's verdict to arrive
+POLL_SECONDS = 0.005
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank says about itself at one stage: empty `problem` means it passed."""
+
+    rank: int
+    pod: str
+    node: str
+    agent: int  # torchrun's GROUP_RANK: the ranks of one agent share a pod and node
+    problem: str = ""
+    bandwidth: float = 0.0  # GB/s of bus bandwidth (group stage)
+
+    def named(self) -> str:
+        return f"rank {self.rank} (pod {self.pod}, node {self.node})"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failing rank and why; `report` is None for a rank that never reported."""
+
+    rank: int
+    why: str
+    report: RankReport | None = None
+
+
+@dataclass
+class Verdict:
+    """Rank 0's judgement of one stage, as every rank reads it from the store."""
+
+    problems: list[str] = field(default_factory=list)  # one sentence per failing rank
+    nodes: list[str] = field(default_factory=list)  # their nodes, where known
+    # The lowest reporting rank of each torchrun agent: it writes its pod's termination
+    # message and stops its agent (one writer per pod).
+    writers: list[int] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+class PreflightFailed(Exception):
+    """The check failed: `nodes` are the failing ranks' nodes (those known)."""
+
+    def __init__(self, message: str, nodes: list[str]) -> None:
+        super().__init__(message)
+        self.nodes = nodes
+
+
+def matmul_error(device: torch.device) -> float:
+    """Relative error of a float32 product on `device` against float64 on the CPU."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, dtype=torch.float64, generator=generator)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, dtype=torch.float64, generator=generator)
+    product = (a.float().to(device) @ b.float().to(device)).double().cpu()
+    reference = a @ b
+    error = float(torch.linalg.norm(product - reference) / torch.linalg.norm(reference))
+    return error if error == error else float("inf")  # NaN (garbage out) as a failure
+
+
+def all_reduce_bandwidth(device: torch.device, deadline: float) -> float:
+    """Bus bandwidth in GB/s of all-reduces over the default group, polled to `deadline`."""
+    world_size = dist.get_world_size()
+    tensor = torch.ones(ALL_REDUCE_BYTES[device.type] // 4, dtype=torch.float32, device=device)
+    _finish(dist.all_reduce(tensor, async_op=True), deadline)
+    started = time.perf_counter()
+    for _ in range(ALL_REDUCE_ROUNDS):
+        _finish(dist.all_reduce(tensor, async_op=True), deadline)
+    seconds = time.perf_counter() - started
+    # The bytes each rank sends and receives in a ring all-reduce (NCCL's "bus bandwidth").
+    moved = 2 * (world_size - 1) / world_size * tensor.numel() * 4 * ALL_REDUCE_ROUNDS
+    return moved / seconds / 1e9
+
+
+def _finish(work: dist.Work | None, deadline: float) -> None:
+    assert work is not None
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the all-reduce did not complete by the deadline")
+        time.sleep(POLL_SECONDS / 5)
+    work.wait()  # raises the collective's own error, if it failed
+
+
+class Preflight:
+    """The check of one attempt, on one rank: `check_device()`, join the group, `check_group()`.
+
+    `store` is the attempt's store (None for a group of one); `rank` and `world_size`
+    come from torchrun's environment.
+    """
+
+    def __init__(self, policy: PreflightPolicy, *, rank: int, world_size: int,
+                 device: torch.device, store: dist.Store | None) -> None:
+        self.policy = policy
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.store = dist.PrefixStore("preflight", store) if store is not None else None
+        self.started = time.perf_counter()
+        self.deadline = time.monotonic() + policy.timeout_seconds
+        pod, node = where_am_i()
+        self.me = RankReport(rank, pod, node, int(os.environ.get("GROUP_RANK", "0")))
+        self.verdict: Verdict | None = None
+        self.bandwidths: list[float] = []
+
+    # --- the two stages -----------------------------------------------------------
+
+    def check_device(self) -> None:
+        """The matrix multiply, then every rank's check-in (raises PreflightFailed)."""
+        try:
+            error = matmul_error(self.device)
+            problem = ("" if error <= MATMUL_TOLERANCE else
+                       f"its float32 matmul on {self.device} is off by {error:.1e} "
+                       f"(relative; at most {MATMUL_TOLERANCE:.0e})")
+        except Exception as raised:  # a device that raises fails the check, it does not crash
+            problem = f"its matmul on {self.device} raised {type(raised).__name__}: {raised}"
+        mine = RankReport(**{**asdict(self.me), "problem": problem})
+        if self.store is None:
+            if problem:
+                raise PreflightFailed(f"preflight failed: {mine.named()}: {problem}",
+                                      [mine.node])
+            return
+        self._stage("device", mine, self._judge_device)
+
+    def check_group(self) -> None:
+        """The all-reduce over the formed group, its bandwidth judged (raises PreflightFailed)."""
+        if self.store is None or self.world_size == 1:
+            return
+        # Each rank gives up on its all-reduce a little before the deadline, so its
+        # report still reaches rank 0 in time.
+        give_up = self.deadline - min(1.0, self.policy.timeout_seconds / 10)
+        try:
+            mine = RankReport(**{**asdict(self.me),
+                                 "bandwidth": all_reduce_bandwidth(self.device, give_up)})
+        except Exception as raised:
+            mine = RankReport(**{**asdict(self.me),
+                                 "problem": f"its all-reduce failed: {raised}"})
+        self._stage("group", mine, self._judge_group)
+
+    def summary(self) -> str:
+        """The line rank 0 prints once the check passed."""
+        seconds = time.perf_counter() - self.started
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        if not self.bandwidths:
+            return (f"preflight: {ranks} passed in {seconds:.2f}s (matmul ok, no all-reduce "
+                    "in a group of one)")
+        return (f"preflight: {ranks} passed in {seconds:.2f}s (matmul ok, all-reduce "
+                f"{statistics.median(self.bandwidths):.2f} GB/s median, "
+                f"{min(self.bandwidths):.2f} min)")
+
+    # --- judging ------------------------------------------------------------------
+
+    def _judge_device(self, reports: list[RankReport | None]) -> list[Failure]:
+        return self._missing(reports) + [
+            Failure(report.rank, report.problem, report)
+            for report in reports if report is not None and report.problem]
+
+    def _judge_group(self, reports: list[RankReport | None]) -> list[Failure]:
+        missing = self._missing(reports)
+        if missing:
+            return missing  # the others' all-reduces could not finish without them
+        present = [report for report in reports if report is not None]
+        failed = [Failure(report.rank, report.problem, report)
+                  for report in present if report.problem]
+        if failed:
+            return failed
+        self.bandwidths = [report.bandwidth for report in present]
+        median = statistics.median(self.bandwidths)
+        floor = self.policy.min_bandwidth_fraction * median
+        return [Failure(report.rank, f"its all-reduce bandwidth {report.bandwidth:.2f} GB/s "
+                        f"is under {self.policy.min_bandwidth_fraction:g} x the median "
+                        f"{median:.2f} GB/s", report)
+                for report in present if report.bandwidth < floor]
+
+    def _missing(self, reports: list[RankReport | None]) -> list[Failure]:
+        return [Failure(rank, f"did not report within {self.policy.timeout_seconds}s "
+                        "(stalled, stopped or gone)")
+                for rank, report in enumerate(reports) if report is None]
+
+    # --- through the store --------------------------------------------------------
+
+    def _stage(self, stage: str, mine: RankReport,
+               judge: Callable[[list[RankReport | None]], list[Failure]]) -> None:
+        """Report `mine`; rank 0 collects and judges, the others read its verdict."""
+        assert self.store is not None
+        self.store.set(f"{stage}/{self.rank}", json.dumps(asdict(mine)))
+        if self.rank == 0:
+            reports = self._collect(stage)
+            verdict = self._verdict(judge(reports), reports)
+            self.store.set(f"{stage}/verdict", json.dumps(asdict(verdict)))
+        else:
+            verdict = self._await_verdict(stage)
+        self.verdict = verdict
+        if not verdict.passed:
+            raise PreflightFailed("preflight failed: " + "; ".join(verdict.problems),
+                                  verdict.nodes)
+
+    def _collect(self, stage: str) -> list[RankReport | None]:
+        """Every rank's report of `stage`, None for those that have none by the deadline."""
+        assert self.store is not None
+        keys = [f"{stage}/{rank}" for rank in range(self.world_size)]
+        waiting = set(keys)
+        while waiting and time.monotonic() < self.deadline:
+            waiting = {key for key in waiting if not self.store.check([key])}
+            if waiting:
+                time.sleep(POLL_SECONDS)
+        reports: list[RankReport | None] = []
+        for key in keys:
+            reports.append(None if key in waiting
+                           else RankReport(**json.loads(self.store.get(key))))
+        return reports
+
+    def _verdict(self, failures: list[Failure], reports: list[RankReport | None]) -> Verdict:
+        """The failures in words, each rank named with its pod and node where known."""
+        verdict = Verdict()
+        agents: set[int] = set()
+        for report in reports:  # by rank: the first of each agent is its lowest
+            if report is not None and report.agent not in agents:
+                agents.add(report.agent)
+                verdict.writers.append(report.rank)
+        for failure in failures:
+            report = failure.report or self._sibling(failure.rank, reports)
+            if report is None:
+                verdict.problems.append(f"rank {failure.rank} (node unknown) {failure.why}")
+                continue
+            named = (report.named() if report.rank == failure.rank else
+                     f"rank {failure.rank} (pod {report.pod}, node {report.node})")
+            verdict.problems.append(f"{named} {failure.why}" if failure.report is None
+                                    else f"{named}: {failure.why}")
+            if report.node not in verdict.nodes:
+                verdict.nodes.append(report.node)
+        return verdict
+
+    def _sibling(self, rank: int, reports: list[RankReport | None]) -> RankReport | None:
+        """A report from the same torchrun agent as `rank` (same pod and node), if any."""
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        agent = rank // local_world_size  # torchrun gives each agent a contiguous range
+        return next((report for report in reports
+                     if report is not None and report.agent == agent), None)
+
+    def _await_verdict(self, stage: str) -> Verdict:
+        """Rank 0's verdict; without one by the deadline (and a grace), rank 0 failed."""
+        assert self.store is not None
+        key = f"{stage}/verdict"
+        until = self.deadline + VERDICT_GRACE_SECONDS
+        try:
+            while not self.store.check([key]):
+                if time.monotonic() > until:
+                    raise TimeoutError(f"no verdict within {self.policy.timeout_seconds}s")
+                time.sleep(POLL_SECONDS)
+            return Verdict(**json.loads(self.store.get(key)))
+        except Exception as error:  # a store hosted by a stopped rank 0 times out too
+            rank0 = self._read_report(f"{stage}/0")
+            named = rank0.named() if rank0 is not None else "rank 0 (node unknown)"
+            return Verdict([f"{named} gave no verdict ({error})"],
+                           [rank0.node] if rank0 is not None else [])
+
+    def _read_report(self, key: str) -> RankReport | None:
+        assert self.store is not None
+        try:
+            return RankReport(**json.loads(self.store.get(key))) if self.store.check(
+                [key]) else None
+        except Exception:  # the store itself may be what failed
+            return None
+
+    def writes_the_failure(self) -> bool:
+        """Whether this rank writes its pod's termination message and stops its agent: the
+        lowest reporting rank of its agent, or any rank that got no verdict at all."""
+        return self.verdict is None or not self.verdict.writers or (
+            self.rank in self.verdict.writers)
+
+
+def store_timeout(policy: PreflightPolicy) -> timedelta:
+    """How long a store operation may block while the check runs."""
+    return timedelta(seconds=policy.timeout_seconds + VERDICT_GRACE_SECONDS)
+
+
