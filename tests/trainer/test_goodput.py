@@ -19,6 +19,7 @@ from kubetrain.trainer.goodput import (
     OUT_OF_MEMORY,
     PRODUCTIVE,
     STARTUP,
+    STRAGGLER,
     GoodputLedger,
     Heartbeat,
     process_started_at,
@@ -227,3 +228,15 @@ def test_the_process_start_time_is_in_the_past() -> None:
 
     started = process_started_at()
     assert time.time() - 3600 * 24 < started <= time.time()
+
+
+def test_straggler_time_moves_out_of_productive_and_the_wall_time_stays() -> None:
+    clock = FakeClock(1000.0)
+    ledger = GoodputLedger(clock(), clock=clock)
+    clock.advance(10)
+    ledger.charge(PRODUCTIVE)
+    wall = ledger.wall_seconds
+    assert ledger.move(PRODUCTIVE, STRAGGLER, 4.0) == 4.0
+    assert ledger.seconds[PRODUCTIVE] == 6.0 and ledger.seconds[STRAGGLER] == 4.0
+    assert ledger.move(PRODUCTIVE, STRAGGLER, 100.0) == 6.0  # never more than was booked
+    assert ledger.seconds[PRODUCTIVE] == 0 and ledger.wall_seconds == wall

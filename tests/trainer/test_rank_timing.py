@@ -10,9 +10,12 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import threading
 import time
+
+import pytest
 
 from kubetrain.api.manifest import load_job
 from kubetrain.operator.observed import RankSample
@@ -27,6 +30,8 @@ def test_both_ranks_report_compute_and_wait_that_add_up_to_the_step_time(tiny_jo
     steps = launcher.train(job, ranks=2)
     logged = [event for event in steps if event["event"] == "step"]
     assert [event["step"] for event in logged] == [4, 8, 12]
+    booked = launcher.events(job, "goodput")[-1]["seconds"]
+    assert 0 <= booked["straggler"] < 0.2 * booked["productive"], booked  # no straggler here
     host = socket.gethostname()  # no downward API outside a pod: the host names both
     for event in logged:
         ranks = event["ranks"]
@@ -98,6 +103,15 @@ def test_a_rank_paused_on_a_duty_cycle_computes_longest_waits_least_and_is_named
     figures = [event["ranks"] for event in intervals]
     assert total(1, "compute_seconds") > 2 * total(0, "compute_seconds"), figures
     assert total(1, "wait_seconds") < total(0, "wait_seconds"), figures
+    # Goodput's straggler cause: per interval, the slowest compute over the median's per
+    # step, times its steps, out of productive time (the first interval's skew included).
+    lost = sum((max(computes) - statistics.median(computes)) * 6 for computes in (
+        [timing["compute_seconds"] for timing in event["ranks"]] for event in logged))
+    booked = launcher.events(job, "goodput")[-1]["seconds"]
+    print(f"straggler: {booked['straggler']:.2f}s of {sum(booked.values()):.2f}s wall, "
+          f"{booked['productive']:.2f}s productive")
+    assert booked["straggler"] == pytest.approx(lost, rel=1e-6), booked
+    assert booked["straggler"] > 0, booked
     status = None
     for event in intervals:
         status = judge(status, event["step"], [

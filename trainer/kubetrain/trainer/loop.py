@@ -645,15 +645,16 @@ def is_out_of_memory(error: BaseException) -> bool:
         words in str(error).lower() for words in OUT_OF_MEMORY_WORDS)
 
 
-# How the GPU itself failing reads (CUDA runtime and driver messages, NCCL's wrapping of
-# them, the driver's Xid events). Not in the list, because a restart meets them again in
-# the same code: "an illegal memory access was encountered", "device-side assert
-# triggered", "an illegal instruction was encountered" (kernel bugs, not hardware).
+# How the GPU itself failing reads: the CUDA runtime's and driver's messages, and NCCL's
+# wrapping of them ("unhandled cuda error"). Not in the list, because a restart meets them
+# again in the same code: "an illegal memory access was encountered", "device-side assert
+# triggered", "an illegal instruction was encountered" (kernel bugs, not hardware). The
+# driver's Xid events go to the kernel log, which node tools (DCGM, NVSentinel) read; the
+# trainer sees only the CUDA error that follows them.
 GPU_ERROR_PATTERN = re.compile(
-    r"uncorrectable ecc error|ecc error encountered|unspecified launch failure"
-    r"|gpu has fallen off the bus|uncorrectable nvlink error|unhandled cuda error"
-    r"|cuda-capable device\(s\) is/are busy or unavailable|hardware stack error"
-    r"|cuda error: unknown error|cuda driver error: unknown error|\bxid\b")
+    r"uncorrectable ecc error|unspecified launch failure|gpu has fallen off the bus"
+    r"|uncorrectable nvlink error|unhandled cuda error|hardware stack error"
+    r"|cuda-capable device\(s\) is/are busy or unavailable|cuda error: unknown error")
 
 
 def is_gpu_error(error: BaseException) -> bool:
