@@ -21,6 +21,7 @@ import torch
 
 from kubetrain.api.manifest import load_job
 from kubetrain.trainer.distributed import World
+from kubetrain.trainer.goodput import GoodputLedger
 from kubetrain.trainer.loop import Trainer, _Run
 
 
@@ -30,8 +31,8 @@ class SmallDevice(Trainer):
     limit = 0
     triton = False
 
-    def _build(self, world: World) -> _Run:
-        run = super()._build(world)
+    def _build(self, world: World, goodput: GoodputLedger) -> _Run:
+        run = super()._build(world, goodput)
 
         def allocate(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             if args[0].shape[0] > self.limit and self.triton:

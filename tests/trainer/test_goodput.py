@@ -240,3 +240,20 @@ def test_straggler_time_moves_out_of_productive_and_the_wall_time_stays() -> Non
     assert ledger.seconds[PRODUCTIVE] == 6.0 and ledger.seconds[STRAGGLER] == 4.0
     assert ledger.move(PRODUCTIVE, STRAGGLER, 100.0) == 6.0  # never more than was booked
     assert ledger.seconds[PRODUCTIVE] == 0 and ledger.wall_seconds == wall
+
+
+def test_an_attempt_killed_for_memory_before_its_first_step_books_its_time_to_oom() -> None:
+    # The heartbeat written before the first step is all the killed attempt leaves.
+    clock = FakeClock(0.0)
+    ledger = GoodputLedger(attempt_started=0.0, clock=clock)
+    clock.advance(5.0)
+    ledger.charge(STARTUP)
+    heartbeat = ledger.snapshot()
+    clock.advance(3.0)  # building its first batch, then OOM-killed
+    clock.advance(4.0)  # the pod replaced, with half the micro-batch
+    again = GoodputLedger(attempt_started=clock.now, clock=clock)
+    again.resume(heartbeat, out_of_memory_restarts=1)
+    assert again.origin == 0.0
+    assert again.seconds[STARTUP] == pytest.approx(5.0)
+    assert again.seconds[OUT_OF_MEMORY] == pytest.approx(3.0 + 4.0)
+    assert again.wall_seconds == pytest.approx(clock.now)

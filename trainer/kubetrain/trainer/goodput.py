@@ -29,7 +29,8 @@ job's first attempt started (`origin`), by construction.
 Across restarts. The ledger is a Stateful in the checkpoint, so a resumed
 attempt starts from the totals at the checkpoint. What happened after that
 checkpoint lives in the *heartbeat*: rank 0 writes the same totals to
-`goodput.json` next to the checkpoints at every logged step. On resume the
+`goodput.json` next to the checkpoints once the attempt is ready for its first step
+and at every logged step. On resume the
 stretch from the checkpoint to the last heartbeat keeps its causes, except that
 its productive time becomes lost progress (those steps are done again); the
 stretch from the last heartbeat to this attempt's start is downtime. The

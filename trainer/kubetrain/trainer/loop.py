@@ -449,7 +449,10 @@ class Trainer:
             reporter.kept_best(run.checkpointer.best.step, run.checkpointer.best.val_loss)
         reporter.started(step, world.world_size, *run.output_loss)
         goodput.charge(STARTUP)
-        reporter.accounted(step, goodput.seconds)
+        # A heartbeat before the first step: an attempt killed before its first logged
+        # step (OOMKilled while building its first batch) still leaves its time for the
+        # next attempt to book, to `oom` after an out-of-memory restart.
+        self._account(run, step)
 
         # The spec's global batch in micro-batches of the size in use (see `fit`).
         accumulation = spec.gradient_accumulation(world.world_size, self.micro_batch_size)
