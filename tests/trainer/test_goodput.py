@@ -257,3 +257,37 @@ def test_an_attempt_killed_for_memory_before_its_first_step_books_its_time_to_oo
     assert again.seconds[STARTUP] == pytest.approx(5.0)
     assert again.seconds[OUT_OF_MEMORY] == pytest.approx(3.0 + 4.0)
     assert again.wall_seconds == pytest.approx(clock.now)
+
+
+def test_a_worker_killed_before_its_first_step_leaves_its_time_to_the_next_attempt(
+        tiny_job, launcher) -> None:
+    import signal
+    import subprocess
+    import time
+
+    import yaml
+
+    job = tiny_job("killed", optimization={"maxSteps": 400}, metrics={"logEverySteps": 400})
+    heartbeat = job.parent / "checkpoints" / HEARTBEAT_NAME
+    worker = subprocess.Popen(launcher.command(job, 1), env=launcher.env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not heartbeat.exists() and time.monotonic() < deadline and worker.poll() is None:
+            time.sleep(0.01)
+        worker.send_signal(signal.SIGKILL)  # as the kernel's OOM killer does
+    finally:
+        worker.wait()
+    written = json.loads(heartbeat.read_text())
+    assert written["step"] == 0, written  # the heartbeat before the first step
+    # The next attempt follows an out-of-memory kill: status.effective says so.
+    manifest = yaml.safe_load(job.read_text())
+    manifest["spec"]["optimization"]["maxSteps"] = 8
+    manifest["status"] = {"effective": {"microBatchSize": 4, "gradientAccumulationSteps": 2,
+                                        "outOfMemoryRestarts": 1}}
+    job.write_text(yaml.safe_dump(manifest))
+    launcher.train(job, 1)
+    accounted = launcher.events(job, "goodput")[-1]["seconds"]
+    print(f"killed at step {written['step']}: {accounted}")
+    assert accounted[OUT_OF_MEMORY] > 0, accounted
+    assert accounted[STARTUP] >= written["seconds"][STARTUP], accounted
