@@ -463,7 +463,7 @@ class Trainer:
                                             dynamics=spec.model.dynamics.enabled))
         interval = _Interval(device)
         # Each rank's time inside collectives, to tell its compute from its wait (rank_timing).
-        clock = WaitClock()
+        clock = WaitClock(device)
         time_fsdp_collectives(model, clock)
 
         if step == 0 and spec.evaluation.every_steps:
@@ -535,6 +535,7 @@ class Trainer:
             goodput.stepped(step)
             if step % spec.metrics.log_every_steps == 0 or step == run.max_steps:
                 seconds = interval.end()
+                interval.waited += clock.settle()  # on CUDA, the interval's collectives
                 tokens_per_second = interval.tokens / seconds
                 ce_loss = kd_loss = None
                 if run.teacher is not None:

@@ -13,9 +13,13 @@ What is measured, per step, on each rank's host clock:
   around them.
 - compute: the rest of the step (data fetch, forward, backward, optimizer).
 On CPU (gloo) these collectives block the host, so the clock sees the wait. On a GPU,
-NCCL work runs on its own streams and the host does not wait in it: there the split
-says little yet, and with DDP the bucket all-reduces are waited for inside backward
-(in C++) and count as compute.
+NCCL work runs on its own streams and the host does not wait in it: there the clock
+records a pair of CUDA events on the current stream around each collective, and reads
+their elapsed times at the logged step (`settle`), once the device has caught up. A
+collective issued with async_op waits on NCCL's stream, not the current one, so only
+the ones the current stream waits for (async_op=False, as the loop's and FSDP2's by
+default) are seen; with DDP the bucket all-reduces are waited for inside backward (in
+C++) and count as compute. The CUDA path is not exercised by the CPU test suite.
 
 Only rank 0 serves /metrics, so at each logged step every rank's figures are gathered
 to rank 0 (`gather_rank_timings`, a collective), which exports them labelled by rank,
@@ -44,19 +48,45 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 
 
 class WaitClock:
-    """Seconds this process spent inside collectives since it started (a running total)."""
+    """Seconds this process spent inside collectives since it started (a running total).
 
-    def __init__(self) -> None:
+    On CUDA the total counts only the collectives `settle` has read.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
         self.seconds = 0.0
+        self._cuda = device is not None and device.type == "cuda"
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
-        """Count the block's wall time as waiting in a collective."""
+        """Count the block's time as waiting in a collective: the host's wall time on
+        CPU, the current stream's time between two events on CUDA."""
+        if self._cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._pending.append((start, end))
+            return
         started = time.perf_counter()
         try:
             yield
         finally:
             self.seconds += time.perf_counter() - started
+
+    def settle(self) -> float:
+        """Add the recorded CUDA events' times to the total; returns the seconds added
+        (always 0 on CPU, where `waiting` adds as it goes)."""
+        added = 0.0
+        for start, end in self._pending:
+            end.synchronize()
+            added += start.elapsed_time(end) / 1000  # milliseconds
+        self._pending.clear()
+        self.seconds += added
+        return added
 
 
 class _TimedAllGather(DefaultAllGather):
