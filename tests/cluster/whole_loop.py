@@ -253,6 +253,10 @@ class Cluster:
 
     # ---- faults, from outside the processes -------------------------------------------
 
+    def kill_trainer(self, pod: str) -> None:
+        """kill -9 of a pod's trainer process: torchrun restarts the group in place."""
+        os.kill(self.trainer_pid(pod), signal.SIGKILL)
+
     def kill_container(self, pod: str) -> None:
         """kill -9 of every process of a pod's container (torchrun and the trainer), as an
         OOM kill or a crash of the runtime does: the pod fails."""

@@ -1,0 +1,404 @@
+"""Fault mix: one training job under a schedule of faults, against the same job uninterrupted.
+
+    sudo .venv/bin/python bench/chaos.py [--steps 240] [--straggle-seconds 20]
+
+Runs the whole loop of tests/cluster/whole_loop.py on this machine (kmock's emulator with
+the stand-in scheduler and node lifecycle controller; the operator's pod and the workers'
+pods as containers of the images built from this tree, run by the node agent in
+containerd; moto's S3 over HTTP): a 2-worker `tiny` job (one process and one CPU thread
+per worker, a checkpoint every 8 steps), first uninterrupted, then again under faults
+injected from outside the processes at a compressed rate (each once the job trains again
+after the previous one and has passed a checkpoint):
+
+- trainer kill: kill -9 of worker 1's trainer; torchrun restarts the group in place;
+- container kill: kill -9 of every process of worker 1's container; the pod fails and
+  the operator replaces it;
+- straggler: a CFS quota of 0.2 CPU on worker 1's container cgroup, lifted after
+  --straggle-seconds;
+- node loss: worker 1's node loses power (agent.lose_node: its pods' interfaces go down,
+  their processes die, its heartbeats stop), restored once training is back;
+- OOM: a second job. A running container's memory limit cannot be lowered under its use
+  on this machine's cgroup v1 (the kernel refuses with EBUSY rather than OOM-killing), and
+  one set just above it would kill at an unpredictable moment, if at all; so this is the
+  whole loop's out-of-memory scenario (1100 MiB for a micro-batch of 16 that needs more),
+  against the same job started at the micro-batch the operator healed it to.
+
+For each fault it prints the seconds until the operator showed it (the first matching
+event, condition or status.lastFailure on the job, polled every 0.25 s), the seconds
+until training again (rank 0 printed a step after resuming), the steps redone, and the
+goodput lost: the seconds from the fault until rank 0 printed a step past the one it had
+reached, less the uninterrupted run's time for the steps made meanwhile. Overall:
+goodput as the uninterrupted wall time over the faulted wall time (apply to Succeeded),
+and the operator's own status.goodput. Every status change the job showed is printed at
+the end. Needs root, containerd, runc and the images (`make images`; built here when not
+cached, about a minute more); skips, saying why, without them. About 4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "images" / "offline")]
+
+from build_images import build_images  # noqa: E402
+from controllers import NodeLifecycle, Scheduler  # noqa: E402
+from emulator import EmulatedCluster  # noqa: E402
+from machine_state import left_behind, snapshot  # noqa: E402
+from whole_loop import (  # noqa: E402
+    CORPUS,
+    NAMESPACE,
+    Cluster,
+    advanced_after_resume,
+    missing_host_support,
+    resumes,
+    steps_printed,
+    training_job,
+    whole_loop,
+)
+
+EVERY = 8
+WORKER = 1  # the worker every fault hits: worker 0 hosts the rendezvous
+STARTED = time.monotonic()
+
+
+def say(text: str) -> None:
+    print(f"[{time.monotonic() - STARTED:6.1f}s] {text}", flush=True)
+
+
+@dataclass
+class Signal:
+    """One thing the operator showed on the job, and when this script first saw it."""
+
+    at: float
+    what: str
+
+
+@dataclass
+class Watcher:
+    """Polls a job's status and events every 0.25 s and keeps every change it saw."""
+
+    cluster: Cluster
+    name: str
+    signals: list[Signal] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> Watcher:
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        seen: set[str] = set()
+        events = 0
+        while not self._stop.wait(0.25):
+            try:
+                status = self.cluster.job(self.name).get("status") or {}
+                listed = [e for e in self.cluster.core.list_namespaced_event(
+                    NAMESPACE).items if e.involved_object.name == self.name]
+            # The job is not there yet, or is being deleted.
+            except Exception:
+                continue
+            now = time.monotonic()
+            shown = [f"phase {status.get('phase')}"]
+            shown += [f"condition {c['type']}={c['status']} ({c.get('reason', '')})"
+                      for c in status.get("conditions") or []]
+            failure = status.get("lastFailure")
+            if failure:  # each failure once, though two may read alike
+                shown.append(f"lastFailure {failure.get('class')} of {failure.get('pod')} "
+                             f"(exit {failure.get('exitCode')})\0{failure.get('time')}")
+            self.signals += [Signal(now, what.split("\0")[0]) for what in shown
+                             if what not in seen]
+            seen = set(shown)
+            self.signals += [Signal(now, f"event {e.reason}: {(e.message or '')[:90]}")
+                             for e in listed[events:]]
+            events = len(listed)
+
+    def first(self, after: float, until: float, matches: Callable[[str], bool]) -> Signal | None:
+        return next((s for s in self.signals
+                     if after <= s.at <= until and matches(s.what)), None)
+
+
+@dataclass
+class Row:
+    fault: str
+    at_step: int | None
+    detected: float | None
+    shown_as: str
+    training_again: float | None
+    redone: int
+    lost: float
+
+
+def wait(cluster: Cluster, what: str, check: Callable[[], Any], timeout: float = 300) -> Any:
+    """cluster.wait_for, polling every 0.1 s: these times are the figures."""
+    return cluster.wait_for(what, check, timeout, every=0.1)
+
+
+def printed(cluster: Cluster, name: str) -> int:
+    return max(steps_printed(cluster.trainer_lines(name)), default=0)
+
+
+def worker_pod(cluster: Cluster, name: str) -> str:
+    return f"{name}-worker-{WORKER}"
+
+
+def run_uninterrupted(cluster: Cluster, name: str, manifest: dict[str, Any]
+                      ) -> tuple[float, float, dict[str, Any]]:
+    """(wall seconds from apply to Succeeded, seconds per step while training, status)."""
+    applied = time.monotonic()
+    cluster.apply(manifest)
+    wait(cluster, f"{name}'s first step", lambda: printed(cluster, name) >= 1)
+    first = time.monotonic()
+    cluster.wait_for_phase(name, "Succeeded", timeout=600)
+    done = time.monotonic()
+    steps = manifest["spec"]["optimization"]["maxSteps"]
+    status = cluster.job(name)["status"]
+    cluster.delete(name)
+    return done - applied, (done - first) / max(1, steps - 1), status
+
+
+def recover(cluster: Cluster, name: str, inject: Callable[[], None],
+            after: Callable[[], None] | None = None) -> tuple[float, int, float, float, int]:
+    """Inject a crash-like fault; wait until training is back past the step it had reached.
+
+    Returns (the fault's time, the step reached then, seconds until training again,
+    the time back past that step, steps redone); `after` runs once training is again.
+    """
+    before = cluster.trainer_lines(name)
+    known = len(resumes(before))
+    reached = max(steps_printed(before), default=0)
+    faulted = time.monotonic()
+    inject()
+    wait(cluster, f"{name} to train again",
+         lambda: advanced_after_resume(cluster.trainer_lines(name), resumes=known + 1), 400)
+    again = time.monotonic() - faulted
+    if after is not None:
+        after()
+
+    def past() -> bool:
+        lines = cluster.trainer_lines(name)
+        last = max(i for i, line in enumerate(lines) if line.startswith("resumed from "))
+        return max(steps_printed(lines[last:]), default=0) > reached
+
+    wait(cluster, f"{name} past step {reached}", past, 400)
+    back = time.monotonic()
+    redone = sum(r for _, r in resumes(cluster.trainer_lines(name))[known:])
+    return faulted, reached, again, back, redone
+
+
+def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: float,
+                straggle_s: float) -> tuple[float, list[Row], Watcher, dict[str, Any]]:
+    rows: list[Row] = []
+    applied = time.monotonic()
+    with Watcher(cluster, name) as watcher:
+        cluster.apply(manifest)
+
+        def settle() -> None:
+            """Until the job has passed a checkpoint since the last fault."""
+            target = (printed(cluster, name) // EVERY + 1) * EVERY + 2
+            wait(cluster, f"{name} at step {target}", lambda: printed(cluster, name) >= target)
+
+        def crash(fault: str, inject: Callable[[], None], shown: Callable[[str], bool],
+                  after: Callable[[], None] | None = None) -> None:
+            settle()
+            say(f"{fault} at step {printed(cluster, name)}")
+            faulted, reached, again, back, redone = recover(cluster, name, inject, after)
+            net = printed(cluster, name) - reached
+            signal = watcher.first(faulted, time.monotonic() + 5, shown)
+            row = Row(fault, reached, signal and signal.at - faulted,
+                      signal.what if signal else "not shown", again, redone,
+                      back - faulted - net * step_s)
+            rows.append(row)
+            say(f"  training again after {again:.1f}s, {redone} steps redone, "
+                f"{row.lost:.1f}s lost; shown as: {row.shown_as}")
+
+        pod = worker_pod(cluster, name)
+        crash("trainer kill", lambda: cluster.kill_trainer(pod), lambda what: True)
+        crash("container kill", lambda: cluster.kill_container(pod),
+              lambda what: "lastFailure" in what or what.startswith("event Worker"))
+
+        settle()
+        reached = printed(cluster, name)
+        say(f"straggler at step {reached}: worker {WORKER} at 0.2 CPU for {straggle_s:.0f}s")
+        faulted = time.monotonic()
+        cluster.throttle(pod, 0.2)
+        try:
+            time.sleep(straggle_s)
+            ranks = (cluster.job(name).get("status") or {}).get("ranks")
+        finally:
+            cluster.unthrottle(pod)
+        lifted = printed(cluster, name)
+        wait(cluster, f"{name} past step {lifted}", lambda: printed(cluster, name) > lifted)
+        back = time.monotonic()
+        signal = watcher.first(faulted, back + 5, lambda what: "Straggler=True" in what
+                               or what.startswith("event Straggler"))
+        rows.append(Row("straggler", reached, signal and signal.at - faulted,
+                        signal.what if signal else "not shown", None, 0,
+                        back - faulted - (printed(cluster, name) - reached) * step_s))
+        say(f"  lifted at step {lifted}; {rows[-1].lost:.1f}s lost; shown as: "
+            f"{rows[-1].shown_as}; status.ranks before the lift: {ranks}")
+
+        lost_node: list[str] = []
+        try:
+            def lose() -> None:
+                node = next(p["spec"]["nodeName"] for p in cluster.pods(name)
+                            if p["metadata"]["name"] == pod)
+                lost_node.append(node)
+                cluster.agent.lose_node(node)
+
+            crash("node loss", lose,
+                  lambda what: "NodeLost" in what or "lastFailure" in what,
+                  after=lambda: cluster.agent.restore_node(lost_node[0]))
+        finally:
+            for node in lost_node:
+                cluster.agent.restore_node(node)
+        say(f"  {lost_node[0]} restored")
+        cluster.wait_for_phase(name, "Succeeded", timeout=600)
+        wall = time.monotonic() - applied
+        time.sleep(0.5)  # the watcher's last look
+    status = cluster.job(name)["status"]
+    cluster.delete(name)
+    return wall, rows, watcher, status
+
+
+def oom_job(cluster: Cluster, name: str, micro_batch: int) -> dict[str, Any]:
+    """The whole loop's out-of-memory scenario: 1100 MiB for a micro-batch of 16 sequences
+    of a narrow model with a 16k vocabulary (8 fit; tests/e2e/test_whole_loop.py)."""
+    return training_job(
+        name, cluster.s3,
+        workers={"replicas": 1, "minReplicas": 1, "maxReplicas": 1,
+                 "resources": {"limits": {"memory": "1100Mi"}}},
+        model={"preset": "custom", "dim": 64, "nLayers": 2, "nHeads": 4, "ffnDim": 256,
+               "vocabSize": 16384},
+        data={"train": f"{CORPUS}/train", "seqLen": 256},
+        optimization={"maxSteps": 12, "microBatchSize": micro_batch, "globalBatchTokens": 4096,
+                      "warmupSteps": 1, "seed": 5},
+        checkpoint={"uri": f"s3://checkpoints/{name}", "everySteps": 3, "keepLast": 2},
+        runPolicy={"maxRestarts": 0, "backoffSeconds": 1})
+
+
+def run_oom(cluster: Cluster) -> tuple[Row, str]:
+    """The OOM job, then the same job at the micro-batch it healed to; the fault's row."""
+    name = "chaos-oom"
+    applied = time.monotonic()
+    with Watcher(cluster, name) as watcher:
+        cluster.apply(oom_job(cluster, name, 16))
+        say("OOM: a job whose micro-batch of 16 needs more than its 1100 MiB")
+
+        def oom_killed() -> bool:
+            """containerd's OOM event for one of the job's containers, as the node agent has
+            it (the pod's Failed status lasts only until the operator deletes it)."""
+            return any(pod.name.startswith(name) and pod.oom_killed
+                       for pod in list(cluster.agent.running.values()))
+
+        cluster.wait_for("the first OOM kill", oom_killed, 400, every=0.05)
+        faulted = time.monotonic()
+
+        def trained_again() -> bool:
+            lines = cluster.trainer_lines(name)
+            starts = [i for i, line in enumerate(lines) if line.startswith("training from step")]
+            return len(starts) > 1 and bool(steps_printed(lines[starts[-1]:]))
+
+        wait(cluster, f"{name} to train again", trained_again, 400)
+        again = time.monotonic() - faulted
+        cluster.wait_for_phase(name, "Succeeded", timeout=600)
+        wall = time.monotonic() - applied
+        time.sleep(0.5)
+    status = cluster.job(name)["status"]
+    healed = status["effective"]["microBatchSize"]
+    redone = sum(r for _, r in resumes(cluster.trainer_lines(name)))
+    signal = watcher.first(faulted - 1, faulted + again + 5,
+                           lambda what: "OOMKilled" in what or "MicroBatch" in what)
+    say(f"  OOM seen, training again after {again:.1f}s at micro-batch {healed}; "
+        f"shown as: {signal.what if signal else 'not shown'}")
+    cluster.delete(name)
+    say(f"OOM baseline: the same job started at micro-batch {healed}")
+    base_wall, _, _ = run_uninterrupted(cluster, f"{name}-base", oom_job(cluster,
+                                                                        f"{name}-base", healed))
+    row = Row("OOM (second job)", None, signal and signal.at - faulted,
+              signal.what if signal else "not shown", again, redone, wall - base_wall)
+    note = (f"OOM job: {wall:.1f}s from apply to Succeeded (micro-batch 16 → {healed}, "
+            f"failures {status.get('failures')}) against {base_wall:.1f}s started at "
+            f"{healed}")
+    return row, note
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--straggle-seconds", type=float, default=20)
+    args = parser.parse_args()
+    reason = missing_host_support()
+    if reason is not None:
+        print(f"bench/chaos.py: skipped: {reason}")
+        return 0
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
+    def job(name: str) -> dict[str, Any]:
+        return training_job(name, cluster.s3, optimization={"maxSteps": args.steps},
+                            checkpoint={"everySteps": EVERY})
+
+    say("building or finding the images")
+    images = build_images(("operator", "trainer"), log=lambda line: say(f"  {line}"))
+    before = snapshot()
+    with tempfile.TemporaryDirectory(prefix="kubetrain-chaos-") as folder, \
+            EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
+            NodeLifecycle(api=api.api_client()), \
+            whole_loop(api, Path(folder) / "loop", images) as cluster:
+        mine = [folder, cluster.agent.network.bridge, f"kt{cluster.agent.network.tag}-",
+                cluster.agent.runtime.cgroup_parent]
+        say("whole loop up; the uninterrupted run")
+        base_wall, step_s, base_status = run_uninterrupted(cluster, "chaos-base",
+                                                           job("chaos-base"))
+        say(f"  {base_wall:.1f}s from apply to Succeeded, {step_s * 1000:.0f} ms per step")
+        say("the same job under faults")
+        wall, rows, watcher, status = run_faulted(cluster, "chaos", job("chaos"), step_s,
+                                                  args.straggle_seconds)
+        say(f"  {wall:.1f}s from apply to Succeeded")
+        oom_row, oom_note = run_oom(cluster)
+    left = left_behind(before, snapshot(), mine)
+
+    print(f"\nwhole loop, 2 workers x 1 process, tiny preset, {args.steps} steps, checkpoint "
+          f"every {EVERY}; faults on worker {WORKER}")
+    print(f"{'fault':<18}{'at step':>8}{'detected':>10}{'training again':>16}{'redone':>8}"
+          f"{'lost':>8}  shown as")
+    for row in [*rows, oom_row]:
+        detected = "—" if row.detected is None else f"{row.detected:.1f}s"
+        again = "—" if row.training_again is None else f"{row.training_again:.1f}s"
+        at = "—" if row.at_step is None else str(row.at_step)
+        print(f"{row.fault:<18}{at:>8}{detected:>10}{again:>16}{row.redone:>8}"
+              f"{row.lost:>7.1f}s  {row.shown_as}")
+    lost = sum(row.lost for row in rows)
+    print(f"\nuninterrupted: {base_wall:.1f}s; under the four faults: {wall:.1f}s; "
+          f"goodput against uninterrupted {base_wall / wall:.2f} ({wall - base_wall:.1f}s "
+          f"longer; the faults' losses above sum to {lost:.1f}s, priced at the uninterrupted "
+          "run's step time: the two differ as the shared machine's load does)")
+    print(f"status.goodput uninterrupted: {base_status.get('goodput')}")
+    print(f"status.goodput under faults:  {status.get('goodput')}")
+    print(oom_note)
+    print("\nwhat the faulted job showed (seconds after it was first seen):")
+    start = watcher.signals[0].at if watcher.signals else 0.0
+    for signal in watcher.signals:
+        print(f"  {signal.at - start:7.1f}s  {signal.what}")
+    if left:
+        print("the run left this on the machine:\n" + "\n".join(left))
+        return 1
+    print(f"\nthe whole benchmark took {time.monotonic() - STARTED:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
