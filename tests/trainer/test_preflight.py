@@ -68,8 +68,19 @@ def test_disabled_preflight_prints_nothing_and_books_nothing(tiny_job, launcher)
     assert launcher.events(job, "goodput")[-1]["seconds"]["preflight"] == 0
 
 
+# The store the check-in goes through: torchrun's agent hosts it (its default), or rank 0's
+# process does (the operator's pods: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). Rank 0 judges
+# a stopped rank 1; rank 1 judges a stopped rank 0, which never gives a verdict (or never
+# serves the store).
+@pytest.mark.parametrize(("stopped_rank", "rank_0_hosts_the_store", "named"), [
+    (1, False, "rank 1 (pod job-worker-0, node node-a) did not report within 6s"),
+    (1, True, "rank 1 (pod job-worker-0, node node-a) did not report within 6s"),
+    (0, False, "rank 0 (pod job-worker-0, node node-a) gave no verdict"),
+    (0, True, "rank 0 (pod job-worker-0, node node-a) did not serve the attempt's store"),
+])
 def test_a_rank_stopped_at_start_is_named_by_the_deadline_and_torchrun_does_not_restart(
-        tiny_job, launcher, tmp_path: Path) -> None:
+        tiny_job, launcher, tmp_path: Path, stopped_rank: int, rank_0_hosts_the_store: bool,
+        named: str) -> None:
     deadline, shutdown = 6, 3
     job = tiny_job("stalled", optimization={"maxSteps": 6},
                    runPolicy={"preflight": {"timeoutSeconds": deadline}})
@@ -83,10 +94,12 @@ def test_a_rank_stopped_at_start_is_named_by_the_deadline_and_torchrun_does_not_
         "--max-restarts=3", f"--shutdown-timeout={shutdown}"]
     env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log),
            "KUBETRAIN_NODE_NAME": "node-a", "KUBETRAIN_POD_NAME": "job-worker-0"}
+    if rank_0_hosts_the_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     started = time.monotonic()
     agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    stopped = launcher.worker_pid(agent.pid, 1)
+    stopped = launcher.worker_pid(agent.pid, stopped_rank)
     os.kill(stopped, signal.SIGSTOP)  # as soon as it exists: likely inside `import torch`
     lines: list[tuple[float, str]] = []  # when each line of torchrun's output came
     try:
@@ -100,20 +113,24 @@ def test_a_rank_stopped_at_start_is_named_by_the_deadline_and_torchrun_does_not_
         agent.kill()
     output = "\n".join(line for _, line in lines)
     ended = time.monotonic() - started
-    [failed_at] = [at for at, line in lines if line.startswith("rank 0: PreflightFailed")]
-    print(f"rank 0 named the stopped rank {failed_at:.1f}s and torchrun ended {ended:.1f}s "
+    judge = 1 - stopped_rank
+    [failed_at] = [at for at, line in lines
+                   if line.startswith(f"rank {judge}: PreflightFailed")]
+    print(f"rank {judge} named rank {stopped_rank} {failed_at:.1f}s and torchrun ended "
+          f"{ended:.1f}s "
           f"after the start (deadline {deadline}s, shutdown timeout {shutdown}s)")
     assert agent.returncode != 0
     # One attempt only: its check failed once, and no attempt ever got to start again.
     assert output.count("PreflightFailed: preflight failed") == 1, output[-4000:]
     assert "preflight: 2 ranks passed" not in output
-    assert failed_at < deadline + 10, output[-4000:]  # start-up (imports), then the deadline
+    # Start-up (imports), then the deadline (and, judged by rank 1, the verdict's grace).
+    assert failed_at < deadline + 10 + 5 * stopped_rank, output[-4000:]
     assert ended < failed_at + shutdown + 5, output[-4000:]
     [line] = [line for line in termination_log.read_text().splitlines()
               if line.startswith("kubetrain_worker_failure_info")]
     assert 'class="PreflightFailed"' in line and 'nodes="node-a"' in line, line
     # Never reported: named by the node of the other rank of its torchrun agent.
-    assert "rank 1 (pod job-worker-0, node node-a) did not report within 6s" in line, line
+    assert named in line, line
 
 
 # --- in-process: the store protocol and the rules ---------------------------------------
@@ -122,6 +139,7 @@ def test_a_rank_stopped_at_start_is_named_by_the_deadline_and_torchrun_does_not_
 def _check(policy: PreflightPolicy, store: dist.Store, rank: int, world_size: int,
            node: str, monkeypatch: pytest.MonkeyPatch) -> Preflight:
     monkeypatch.setenv("KUBETRAIN_NODE_NAME", node)  # read when the check is made
+    monkeypatch.setenv("GROUP_RANK", str(rank))  # one rank per torchrun agent
     return Preflight(policy, rank=rank, world_size=world_size, device=torch.device("cpu"),
                      store=store)
 
@@ -165,7 +183,8 @@ def test_a_rank_that_never_reports_fails_every_live_rank_by_the_deadline(monkeyp
     for failure in outcome.values():
         assert isinstance(failure, PreflightFailed)
         assert "rank 2 (node unknown) did not report within 1s" in str(failure)
-        assert failure.nodes == []
+        # Its node is for the operator to tell: not one of those that reported.
+        assert failure.nodes == [] and failure.reported_nodes == ["node-0", "node-1"]
 
 
 def test_rank_0_that_never_judges_is_named_by_the_others(monkeypatch) -> None:
@@ -175,6 +194,7 @@ def test_rank_0_that_never_judges_is_named_by_the_others(monkeypatch) -> None:
     monkeypatch.setattr("kubetrain.trainer.preflight.VERDICT_GRACE_SECONDS", 0.2)
     outcome = _on_threads([check], "check_device")
     assert "rank 0 (node unknown) gave no verdict" in str(outcome[1])
+    assert outcome[1].reported_nodes == ["node-b"]
     assert check.writes_the_failure()
 
 

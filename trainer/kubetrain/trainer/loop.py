@@ -119,7 +119,11 @@ from kubetrain.trainer.metrics import (
 from kubetrain.trainer.model import Dynamics
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
-from kubetrain.trainer.preflight import Preflight, PreflightFailed, store_timeout
+from kubetrain.trainer.preflight import (
+    Preflight,
+    PreflightFailed,
+    open_store,
+)
 from kubetrain.trainer.pretrained import load_embeddings, load_pretrained
 from kubetrain.trainer.pretrained_config import (
     PretrainedError,
@@ -301,12 +305,8 @@ class Trainer:
         world_size = int(os.environ["WORLD_SIZE"]) if launched else 1
         goodput.charge(STARTUP)
         store = None
-        if launched:
-            try:  # bounded by the check's deadline: its host may be the stalled one
-                store = attempt_store(store_timeout(policy))
-            except RuntimeError as error:
-                raise PreflightFailed(f"preflight failed: rank {rank} cannot reach the "
-                                      f"attempt's store: {error}", []) from error
+        if launched:  # bounded by the check's deadline: its host may be the stalled one
+            store = open_store(policy, rank, attempt_store)
         check = Preflight(policy, rank=rank, world_size=world_size, device=local_device()[0],
                           store=store if world_size > 1 else None)
         self._preflight = check
@@ -330,7 +330,7 @@ class Trainer:
         if check is None or check.writes_the_failure():
             stop_torchrun_agent()
             record_failure("PreflightFailed", str(failure), self.micro_batch_size,
-                           nodes=failure.nodes)
+                           nodes=failure.nodes, reported_nodes=failure.reported_nodes)
         return FitResult(0, "preflight_failed", EXIT_PREFLIGHT_FAILED, None, None)
 
     def _record_failure(self, failure_class: str, error: BaseException, world: World) -> None:

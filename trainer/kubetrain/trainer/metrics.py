@@ -457,11 +457,13 @@ def _label(value: str) -> str:
 
 
 def record_failure(failure_class: str, message: str, micro_batch_size: int,
-                   nodes: Sequence[str] = ()) -> None:
+                   nodes: Sequence[str] = (), reported_nodes: Sequence[str] = ()) -> None:
     """Put why this process failed first in the termination message (any rank).
 
     `nodes` names the nodes at fault (a failed preflight's failing ranks'), as the label
-    `nodes="node-a,node-b"`; the line has no such label without them.
+    `nodes="node-a,node-b"`; `reported_nodes` (label `reported_nodes`) the nodes that
+    passed their part, given when some failing rank's node is unknown. The line has
+    neither label without them.
 
     Kept in the process too, so that rank 0's gauges, written when its reporter closes,
     keep the line ahead of them. Written only where the termination log exists (a pod,
@@ -471,7 +473,9 @@ def record_failure(failure_class: str, message: str, micro_batch_size: int,
     _failure_line = (f'{FAILURE_INFO}{{class="{_label(failure_class)}",'
                      f'message="{_label(message[:1500])}",'
                      f'micro_batch_size="{micro_batch_size}"'
-                     + (f',nodes="{_label(",".join(nodes))}"' if nodes else "") + "} 1")
+                     + (f',nodes="{_label(",".join(nodes))}"' if nodes else "")
+                     + (f',reported_nodes="{_label(",".join(reported_nodes))}"'
+                        if reported_nodes else "") + "} 1")
     path = termination_log()
     if not path.is_file():
         return

@@ -25,7 +25,10 @@ reported, they are the ones blamed: the others' all-reduces timing out follows f
 them. Each report carries the rank's pod and node (the downward API's
 KUBETRAIN_POD_NAME and KUBETRAIN_NODE_NAME, else the host name) and its torchrun agent
 (GROUP_RANK); a rank that never reported is named by the node of another rank of its
-agent when one reported, and as "node unknown" otherwise.
+agent when one reported, and as "node unknown" otherwise: with one rank per pod, a
+process stopped before it ran a line of Python tells nobody where it runs. The verdict
+then also lists the nodes of the ranks that did report (`reported_nodes`), so whoever
+knows every pod's node (the operator) can tell the failing ones by elimination.
 
 This module must not touch the model, the data or the loop.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -84,6 +88,8 @@ class Verdict:
 
     problems: list[str] = field(default_factory=list)  # one sentence per failing rank
     nodes: list[str] = field(default_factory=list)  # their nodes, where known
+    # When a failing rank's node is unknown: the nodes of every rank that reported.
+    reported_nodes: list[str] = field(default_factory=list)
     # The lowest reporting rank of each torchrun agent: it writes its pod's termination
     # message and stops its agent (one writer per pod).
     writers: list[int] = field(default_factory=list)
@@ -94,11 +100,14 @@ class Verdict:
 
 
 class PreflightFailed(Exception):
-    """The check failed: `nodes` are the failing ranks' nodes (those known)."""
+    """The check failed: `nodes` are the failing ranks' nodes (those known), and
+    `reported_nodes`, when some are unknown, the nodes of the ranks that reported."""
 
-    def __init__(self, message: str, nodes: list[str]) -> None:
+    def __init__(self, message: str, nodes: list[str],
+                 reported_nodes: list[str] | None = None) -> None:
         super().__init__(message)
         self.nodes = nodes
+        self.reported_nodes = reported_nodes or []
 
 
 def matmul_error(device: torch.device) -> float:
@@ -244,7 +253,7 @@ class Preflight:
         self.verdict = verdict
         if not verdict.passed:
             raise PreflightFailed("preflight failed: " + "; ".join(verdict.problems),
-                                  verdict.nodes)
+                                  verdict.nodes, verdict.reported_nodes)
 
     def _collect(self, stage: str) -> list[RankReport | None]:
         """Every rank's report of `stage`, None for those that have none by the deadline."""
@@ -270,9 +279,11 @@ class Preflight:
                 agents.add(report.agent)
                 verdict.writers.append(report.rank)
         for failure in failures:
-            report = failure.report or self._sibling(failure.rank, reports)
+            report = failure.report or _sibling(failure.rank, reports)
             if report is None:
                 verdict.problems.append(f"rank {failure.rank} (node unknown) {failure.why}")
+                verdict.reported_nodes = sorted({report.node for report in reports
+                                                 if report is not None})
                 continue
             named = (report.named() if report.rank == failure.rank else
                      f"rank {failure.rank} (pod {report.pod}, node {report.node})")
@@ -281,13 +292,6 @@ class Preflight:
             if report.node not in verdict.nodes:
                 verdict.nodes.append(report.node)
         return verdict
-
-    def _sibling(self, rank: int, reports: list[RankReport | None]) -> RankReport | None:
-        """A report from the same torchrun agent as `rank` (same pod and node), if any."""
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        agent = rank // local_world_size  # torchrun gives each agent a contiguous range
-        return next((report for report in reports
-                     if report is not None and report.agent == agent), None)
 
     def _await_verdict(self, stage: str) -> Verdict:
         """Rank 0's verdict; without one by the deadline (and a grace), rank 0 failed."""
@@ -301,10 +305,8 @@ class Preflight:
                 time.sleep(POLL_SECONDS)
             return Verdict(**json.loads(self.store.get(key)))
         except Exception as error:  # a store hosted by a stopped rank 0 times out too
-            rank0 = self._read_report(f"{stage}/0")
-            named = rank0.named() if rank0 is not None else "rank 0 (node unknown)"
-            return Verdict([f"{named} gave no verdict ({error})"],
-                           [rank0.node] if rank0 is not None else [])
+            return _rank_0_silent(f"gave no verdict ({error})", self.me,
+                                  self._read_report(f"{stage}/0"))
 
     def _read_report(self, key: str) -> RankReport | None:
         assert self.store is not None
@@ -319,6 +321,60 @@ class Preflight:
         lowest reporting rank of its agent, or any rank that got no verdict at all."""
         return self.verdict is None or not self.verdict.writers or (
             self.rank in self.verdict.writers)
+
+
+def _sibling(rank: int, reports: list[RankReport | None]) -> RankReport | None:
+    """A report from the same torchrun agent as `rank` (same pod and node), if any."""
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    agent = rank // local_world_size  # torchrun gives each agent a contiguous range
+    return next((report for report in reports
+                 if report is not None and report.agent == agent), None)
+
+
+def _rank_0_silent(why: str, me: RankReport, rank0: RankReport | None) -> Verdict:
+    """The verdict a rank gives itself when rank 0 cannot judge: rank 0 is named with its
+    own report, or the pod and node it shares with this rank, or as "node unknown"."""
+    rank0 = rank0 or _sibling(0, [me])
+    if rank0 is None:
+        return Verdict([f"rank 0 (node unknown) {why}"], reported_nodes=[me.node])
+    return Verdict([f"rank 0 (pod {rank0.pod}, node {rank0.node}) {why}"], [rank0.node])
+
+
+def open_store(policy: PreflightPolicy, rank: int,
+               connect: Callable[[timedelta], dist.Store]) -> dist.Store:
+    """`connect(timeout)` to the attempt's store, given up at the check's deadline (and
+    grace) whatever the client's own retries take (it tries each address of the host in
+    turn): on a thread, left behind when it does not return in time. Raises
+    PreflightFailed then, or when connecting fails."""
+    timeout = store_timeout(policy)
+    outcome: list[dist.Store | Exception] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(connect(timeout))
+        except Exception as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=attempt, name="preflight-store", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds())
+    if not outcome:
+        raise unreachable_store(rank, TimeoutError(
+            f"not connected within {timeout.total_seconds():g}s"))
+    if isinstance(outcome[0], Exception):
+        raise unreachable_store(rank, outcome[0]) from outcome[0]
+    return outcome[0]
+
+
+def unreachable_store(rank: int, error: Exception) -> PreflightFailed:
+    """The failure of a rank that cannot reach the attempt's store within the deadline:
+    rank 0 hosts it when torchrun's agent does not (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    pod, node = where_am_i()
+    me = RankReport(rank, pod, node, int(os.environ.get("GROUP_RANK", "0")))
+    verdict = _rank_0_silent(f"did not serve the attempt's store to rank {rank} ({error})",
+                             me, None)
+    return PreflightFailed("preflight failed: " + "; ".join(verdict.problems), verdict.nodes,
+                           verdict.reported_nodes)
 
 
 def store_timeout(policy: PreflightPolicy) -> timedelta:
