@@ -389,6 +389,23 @@ def test_a_failed_preflight_avoids_the_named_nodes_and_restarts_the_group(
     assert all(kept_off(p) == [["node-a", "node-b"]] for p in recreated.values())
 
 
+def test_a_rank_that_never_reported_is_placed_by_elimination_from_the_nodes_that_did(
+        minimal_manifest: dict) -> None:
+    # Worker 1's rank was stopped before it ran its check: rank 0 cannot say where it runs,
+    # only that the ranks on node-a reported. The group's other node is the failing one.
+    unknown = PREFLIGHT.replace('nodes="node-a, node-b"', 'reported_nodes="node-a"')
+    said = trainer_failure(unknown)
+    assert said is not None and said.nodes == () and said.reported_nodes == ("node-a",)
+    failed = worker_pod(_failed_pod({"exitCode": 1, "reason": "Error", "message": unknown},
+                                    node="node-a"), nodes={"node-a"})
+    out = run(make_job(minimal_manifest, status=running()), failed, pod(1, node="node-b"))
+    assert avoided(out) == [("node-b", "PreflightFailed")]
+    # Both pods on the node that reported: nothing to eliminate, no node avoided.
+    out = run(make_job(minimal_manifest, status=running()), failed, pod(1, node="node-a"))
+    assert avoided(out) == []
+    assert out.condition("Restarting")["reason"] == "PreflightFailed"
+
+
 # --- repeated failures on one node -----------------------------------------------------
 
 

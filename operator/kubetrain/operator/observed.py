@@ -40,8 +40,11 @@ class TrainerFailure:
     failure_class: str
     message: str = ""
     micro_batch_size: int | None = None
-    # PreflightFailed: the nodes (Kubernetes node names) whose ranks failed the check.
+    # PreflightFailed: the nodes (Kubernetes node names) whose ranks failed the check, and
+    # when some failing rank's node is unknown to the trainer (it never reported), the
+    # nodes of the ranks that did report: the failing ones are the group's other nodes.
     nodes: tuple[str, ...] = ()
+    reported_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,11 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
     )
 
 
+def _names(listed: str) -> tuple[str, ...]:
+    """A label's comma-separated names."""
+    return tuple(name.strip() for name in listed.split(",") if name.strip())
+
+
 def trainer_failure(termination_message: str | None) -> TrainerFailure | None:
     """The failure line of a trainer's termination message, if it wrote one."""
     if not termination_message or FAILURE_INFO not in termination_message:
@@ -217,11 +225,10 @@ def trainer_failure(termination_message: str | None) -> TrainerFailure | None:
         for sample in family.samples:
             if sample.name == FAILURE_INFO and "class" in sample.labels:
                 micro = sample.labels.get("micro_batch_size", "")
-                nodes = sample.labels.get("nodes", "")
                 return TrainerFailure(sample.labels["class"], sample.labels.get("message", ""),
                                       int(micro) if micro.isdigit() else None,
-                                      tuple(node.strip() for node in nodes.split(",")
-                                            if node.strip()))
+                                      _names(sample.labels.get("nodes", "")),
+                                      _names(sample.labels.get("reported_nodes", "")))
     return None
 
 

@@ -68,7 +68,12 @@ from kubetrain.api.trainingjob import (
 )
 from kubetrain.operator import avoidance, children, stragglers
 from kubetrain.operator.failures import classify, describe
-from kubetrain.operator.observed import DISRUPTION_REASONS, Observed, WorkerPod
+from kubetrain.operator.observed import (
+    DISRUPTION_REASONS,
+    Observed,
+    TrainerFailure,
+    WorkerPod,
+)
 
 FINISHED = ("Succeeded", "Failed")
 INVALID_SPEC = "InvalidSpec"
@@ -748,13 +753,30 @@ class _Decision:
         """Avoid the nodes the preflight check named and restart the whole group without
         them: a counted restart, so a check that fails on every node ends the job."""
         said = "; ".join(describe(pod, kinds[pod.name]) for pod in failed)
-        nodes = sorted({node for pod in failed if pod.trainer_failure is not None
-                        for node in pod.trainer_failure.nodes})
+        named: set[str] = set()
+        for pod in failed:
+            if pod.trainer_failure is not None:
+                named |= set(pod.trainer_failure.nodes) | self.unreported_nodes(
+                    pod.trainer_failure)
+        nodes = sorted(named)
         for node in nodes:
             self.avoid_node(node, "PreflightFailed", said)
         where = f" on {', '.join(nodes)}" if nodes else " (the trainer named no node)"
         self.restart("PreflightFailed", f"the preflight check failed{where}: {said}", broken,
                      whole_group=True)
+
+    def unreported_nodes(self, failure: TrainerFailure) -> set[str]:
+        """The nodes of this attempt's pods where no rank reported to the preflight check.
+
+        A rank stopped before it ran its check never said where it runs; the trainer then
+        lists the nodes of the ranks that did report, and the failing ones are the group's
+        other nodes. None when every pod shares a node with a rank that reported.
+        """
+        if not failure.reported_nodes:
+            return set()
+        attempt = [pod for pod in self.observed.pods
+                   if pod.restart_attempt == self.status.restart_attempt and pod.node]
+        return {pod.node for pod in attempt if pod.node} - set(failure.reported_nodes)
 
     def heal_out_of_memory(self, pod: WorkerPod, kind: str, broken: list[WorkerPod]) -> None:
         """Restart the group with half the micro-batch, or fail with reason OutOfMemory."""
