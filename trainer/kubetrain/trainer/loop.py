@@ -119,11 +119,7 @@ from kubetrain.trainer.metrics import (
 from kubetrain.trainer.model import Dynamics
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
-from kubetrain.trainer.preflight import (
-    Preflight,
-    PreflightFailed,
-    open_store,
-)
+from kubetrain.trainer.preflight import Preflight, PreflightFailed, open_store
 from kubetrain.trainer.pretrained import load_embeddings, load_pretrained
 from kubetrain.trainer.pretrained_config import (
     PretrainedError,
