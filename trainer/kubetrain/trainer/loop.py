@@ -269,8 +269,10 @@ class Trainer:
                         self._account(run, run.goodput.step, final=True)
                     raise
                 finally:
-                    stop.uninstall()
-                    run.close()
+                    try:
+                        run.close()
+                    finally:  # until closed, a SIGTERM (the agent stopping) only sets the flag
+                        stop.uninstall()
             except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
                 if is_out_of_memory(error):
                     failed = True
@@ -331,11 +333,11 @@ class Trainer:
 
     def _record_failure(self, failure_class: str, error: BaseException, world: World) -> None:
         """The failure's class and words, for the termination message and the log."""
+        if failure_class in ENDS_THE_POD:
+            stop_torchrun_agent()  # before writing: the agent's SIGTERM is ignored from here
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         if failure_class == "CUDAOutOfMemory":
             message += _estimate_advice(self.spec, self.micro_batch_size, world)
-        if failure_class in ENDS_THE_POD:
-            stop_torchrun_agent()  # before writing: the agent's SIGTERM is ignored from here
         traceback.print_exception(error, file=sys.stderr)  # where it happened, for the logs
         print(f"rank {world.rank}: {failure_class} at micro-batch {self.micro_batch_size}: "
               f"{message}", file=sys.stderr, flush=True)

@@ -509,7 +509,9 @@ def write_termination_message() -> None:
         return
     from prometheus_client import generate_latest
 
-    lines = [_failure_line] if _failure_line else []
+    # Another rank of the pod may have failed first: its line stays ahead of the gauges.
+    lines = [_failure_line] if _failure_line else [
+        line for line in path.read_text().splitlines() if line.startswith(FAILURE_INFO)][:1]
     for line in generate_latest(REGISTRY).decode().splitlines():
         # Gauges and counters only: a histogram's buckets would not fit.
         if line.startswith("kubetrain_") and not line.split("{")[0].split()[0].endswith(
