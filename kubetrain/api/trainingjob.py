@@ -1250,6 +1250,11 @@ class RankSlowness(ApiModel):
     slow_intervals: int = Field(description="Consecutive judged intervals the rank has been "
                                 "above runPolicy.stragglers.threshold (a straggler from "
                                 "runPolicy.stragglers.window on).")
+    straggler: bool = Field(default=False, description="Reported as a straggler: from "
+                            "runPolicy.stragglers.window consecutive slow intervals until as "
+                            "many consecutive intervals at or under the threshold.")
+    normal_intervals: int = Field(default=0, description="Consecutive judged intervals at or "
+                                  "under the threshold (a straggler's recovery).")
 
 
 class RanksStatus(ApiModel):

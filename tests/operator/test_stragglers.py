@@ -52,7 +52,7 @@ def streaks(*counts: int, pods: tuple[str, ...] | None = None) -> RanksStatus:
 def test_slowness_is_compute_over_the_median_and_a_streak_counts_slow_intervals(
         case: str, previous: RanksStatus | None, computes: tuple[float, ...],
         slowness: list[float], slow_intervals: list[int]) -> None:
-    judged = judge(previous, 11, ranks(*computes), threshold=1.3)
+    judged = judge(previous, 11, ranks(*computes), threshold=1.3, window=3)
     assert judged.step == 11
     assert [rank.slowness for rank in judged.ranks] == pytest.approx(slowness, abs=1e-3), case
     assert [rank.slow_intervals for rank in judged.ranks] == slow_intervals, case
@@ -60,18 +60,35 @@ def test_slowness_is_compute_over_the_median_and_a_streak_counts_slow_intervals(
 
 def test_the_same_interval_scraped_again_changes_nothing() -> None:
     previous = streaks(0, 2)
-    assert judge(previous, previous.step, ranks(0.1, 0.5), threshold=1.3) == previous
+    assert judge(previous, previous.step, ranks(0.1, 0.5), threshold=1.3,
+                 window=3) == previous
 
 
-@pytest.mark.parametrize(("counts", "window", "named"), [
-    ((0, 2, 0), 3, []),
-    ((0, 3, 0), 3, [1]),
-    ((4, 0, 3), 3, [0, 2]),
-    ((0, 1, 0), 1, [1]),
+@pytest.mark.parametrize(("counts", "computes", "window", "named"), [
+    ((0, 1, 0), (0.1, 0.3, 0.1), 3, []),
+    ((0, 2, 0), (0.1, 0.3, 0.1), 3, [1]),
+    ((3, 0, 2, 0, 0), (0.3, 0.1, 0.3, 0.1, 0.1), 3, [0, 2]),
+    ((0, 0, 0), (0.1, 0.3, 0.1), 1, [1]),
 ])
-def test_a_straggler_is_slow_for_the_whole_window(counts: tuple[int, ...], window: int,
-                                                  named: list[int]) -> None:
-    assert sorted(rank.rank for rank in stragglers(streaks(*counts), window)) == named
+def test_a_straggler_is_slow_for_the_whole_window(
+        counts: tuple[int, ...], computes: tuple[float, ...], window: int,
+        named: list[int]) -> None:
+    # `counts` slow intervals so far, then this interval's `computes`.
+    judged = judge(streaks(*counts), 11, ranks(*computes), threshold=1.3, window=window)
+    assert sorted(rank.rank for rank in stragglers(judged)) == named
+
+
+def test_a_straggler_stays_one_until_it_is_normal_for_the_whole_window() -> None:
+    slow, normal = ranks(0.1, 0.1, 0.3), ranks(0.1, 0.1, 0.1)
+    status = None
+    history = []
+    for step, computes in enumerate([slow, slow, slow, normal, slow, normal, normal, normal,
+                                     slow]):
+        status = judge(status, step, computes, threshold=1.3, window=3)
+        history.append([rank.rank for rank in stragglers(status)])
+    # A straggler from its third slow interval; one normal interval, even two, do not end
+    # it (a burst of a throttled machine); three do; then it must be slow for three again.
+    assert history == [[], [], [2], [2], [2], [2], [2], [], []]
 
 
 # --- as reconcile applies it ----------------------------------------------------------
@@ -121,7 +138,15 @@ def test_a_rank_slow_for_the_window_gets_a_condition_and_one_event_naming_pod_an
     assert "pod demo-worker-2 on node node-2" in event.message and "2.50x" in event.message
     assert fourth.condition("Straggler")["status"] == "True"
     assert ("Warning", "Straggler") not in fourth.events  # reported once per episode
-    assert recovered.condition("Straggler")["status"] == "False"
+    # One normal interval is not a recovery: the report holds for a whole window of them.
+    assert recovered.condition("Straggler")["status"] == "True"
+    assert "under the threshold for 1 of the 3 intervals" in recovered.condition(
+        "Straggler")["message"]
+    normal = (0.1, 0.1, 0.1)
+    *_, back = scrapes(minimal_manifest, [(10, slow), (20, slow), (30, slow), (40, normal),
+                                         (50, normal), (60, normal)], window=3)
+    assert back.condition("Straggler")["status"] == "False"
+    assert ("Warning", "Straggler") not in back.events
     assert [rank["slowness"] for rank in third.status["ranks"]["ranks"]] == [1, 1, 2.5]
 
 

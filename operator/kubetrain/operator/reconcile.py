@@ -416,23 +416,31 @@ class _Decision:
         previous = self.status.ranks
         if previous is not None and previous.step == sample.ranks_step:
             return  # the same interval, scraped again
-        judged = stragglers.judge(previous, sample.ranks_step, sample.ranks, policy.threshold)
+        judged = stragglers.judge(previous, sample.ranks_step, sample.ranks, policy.threshold,
+                                  policy.window)
         self.status.ranks = judged
-        slow = stragglers.stragglers(judged, policy.window)
+        slow = stragglers.stragglers(judged)
         if not slow:
             self.condition("Straggler", False, "NoSlowRank", "every rank's compute time is "
                            f"within {policy.threshold:g}x the median rank's")
             return
-        said = [f"rank {rank.rank} in pod {rank.pod} on node {rank.node} computes "
-                f"{rank.slowness:.2f}x the median rank's time per step, for "
-                f"{rank.slow_intervals} intervals" for rank in slow]
-        self.condition("Straggler", True, "SlowRank", "; ".join(said) + (
+        said = {(rank.rank, rank.pod): self.straggler_text(rank) for rank in slow}
+        self.condition("Straggler", True, "SlowRank", "; ".join(said.values()) + (
             f" (runPolicy.stragglers: threshold {policy.threshold:g}, window {policy.window}, "
             f"action {policy.action})"))
-        for rank, text in zip(slow, said, strict=True):
-            if rank.slow_intervals == policy.window:  # once, when it becomes a straggler
-                self.event("Straggler", text, warning=True)
-                self.new_stragglers.append(rank)
+        for rank in stragglers.newly(previous, judged):  # one event per episode
+            self.event("Straggler", said[(rank.rank, rank.pod)], warning=True)
+            self.new_stragglers.append(rank)
+
+    def straggler_text(self, rank: RankSlowness) -> str:
+        """A straggler in words: where it runs, how slow, for how long (or how it recovers)."""
+        where = (f"rank {rank.rank} in pod {rank.pod} on node {rank.node} computes "
+                 f"{rank.slowness:.2f}x the median rank's time per step")
+        if rank.slow_intervals:
+            return f"{where}, for {rank.slow_intervals} intervals"
+        window = self.job.spec.run_policy.stragglers.window
+        return (f"{where}, at or under the threshold for {rank.normal_intervals} of the "
+                f"{window} intervals that end its report")
 
     def replace_stragglers(self) -> None:
         """runPolicy.stragglers.action Replace: avoid each new straggler's node and recreate
@@ -477,7 +485,8 @@ class _Decision:
         # The next interval is the new group's: no streak carries over from the old one.
         if self.status.ranks is not None:
             for rank in self.status.ranks.ranks:
-                rank.slow_intervals = 0
+                rank.slow_intervals = rank.normal_intervals = 0
+                rank.straggler = False
 
     # --- node avoidance (kubetrain.operator.avoidance) -----------------------------------
 

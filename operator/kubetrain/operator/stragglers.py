@@ -7,7 +7,10 @@ scrapes). A rank's slowness is its compute time over the median rank's: the medi
 the mean or the fastest, so that one slow rank does not move the bar it is measured
 against, and ordinary jitter between healthy ranks stays near 1. A rank above the
 threshold for `window` consecutive judged intervals is a straggler: one slow interval
-(a checkpoint, a burst of data loading, a noisy neighbour) is not.
+(a checkpoint, a burst of data loading, a noisy neighbour) is not. It stays one until it
+has been at or under the threshold for as many consecutive intervals: a throttled or
+failing machine is not steadily slow (a CPU quota, thermal throttling and retried links
+all come in bursts), and a report that came and went with each burst would say less.
 
 Pure: no Kubernetes, no clock. `reconcile` keeps the result in status.ranks, which
 carries each rank's streak from one scrape to the next and across operator restarts.
@@ -23,29 +26,43 @@ from kubetrain.operator.observed import RankSample
 
 
 def judge(previous: RanksStatus | None, step: int, ranks: Sequence[RankSample],
-          threshold: float) -> RanksStatus:
-    """Every rank's slowness in the interval ending at `step`, and how long it has been slow.
+          threshold: float, window: int) -> RanksStatus:
+    """Every rank's slowness in the interval ending at `step`, how long it has been slow
+    (or, a straggler, back to normal), and whether it is a straggler.
 
     The same `step` as `previous` is the same interval, scraped again: nothing changes.
-    A rank's streak goes on only while the same pod holds that rank; after a membership
+    A rank's streaks go on only while the same pod holds that rank; after a membership
     change the ranks are new processes and start again from 0.
     """
     if previous is not None and previous.step == step:
         return previous
     computes = [rank.compute_seconds for rank in ranks]
     median = statistics.median(computes) if computes else 0.0
-    before = {(rank.rank, rank.pod): rank.slow_intervals
+    before = {(rank.rank, rank.pod): rank
               for rank in (previous.ranks if previous is not None else [])}
     judged = []
     for rank in ranks:
         slowness = rank.compute_seconds / median if median > 0 else 1.0
-        streak = before.get((rank.rank, rank.pod), 0) + 1 if slowness > threshold else 0
+        last = before.get((rank.rank, rank.pod))
+        slow = slowness > threshold
+        slow_intervals = (last.slow_intervals if last else 0) + 1 if slow else 0
+        normal_intervals = 0 if slow else (last.normal_intervals if last else 0) + 1
+        was = last is not None and last.straggler
+        straggler = slow_intervals >= window or (was and normal_intervals < window)
         judged.append(RankSlowness(rank=rank.rank, pod=rank.pod, node=rank.node,
-                                   slowness=round(slowness, 3), slow_intervals=streak))
+                                   slowness=round(slowness, 3), slow_intervals=slow_intervals,
+                                   straggler=straggler, normal_intervals=normal_intervals))
     return RanksStatus(step=step, ranks=judged)
 
 
-def stragglers(status: RanksStatus, window: int) -> list[RankSlowness]:
-    """The ranks slow for at least `window` consecutive intervals, slowest first."""
-    slow = [rank for rank in status.ranks if rank.slow_intervals >= window]
-    return sorted(slow, key=lambda rank: -rank.slowness)
+def stragglers(status: RanksStatus) -> list[RankSlowness]:
+    """The ranks that are stragglers now, slowest first."""
+    return sorted((rank for rank in status.ranks if rank.straggler),
+                  key=lambda rank: -rank.slowness)
+
+
+def newly(previous: RanksStatus | None, status: RanksStatus) -> list[RankSlowness]:
+    """The ranks that became stragglers in `status`'s interval (one report per episode)."""
+    before = {(rank.rank, rank.pod) for rank in (previous.ranks if previous else [])
+              if rank.straggler}
+    return [rank for rank in stragglers(status) if (rank.rank, rank.pod) not in before]
