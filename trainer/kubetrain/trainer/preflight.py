@@ -36,12 +36,13 @@ This module must not touch the model, the data or the loop.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -118,7 +119,7 @@ def matmul_error(device: torch.device) -> float:
     product = (a.float().to(device) @ b.float().to(device)).double().cpu()
     reference = a @ b
     error = float(torch.linalg.norm(product - reference) / torch.linalg.norm(reference))
-    return error if error == error else float("inf")  # NaN (garbage out) as a failure
+    return float("inf") if math.isnan(error) else error  # garbage out fails the check
 
 
 def all_reduce_bandwidth(device: torch.device, deadline: float) -> float:
@@ -174,7 +175,7 @@ class Preflight:
                        f"(relative; at most {MATMUL_TOLERANCE:.0e})")
         except Exception as raised:  # a device that raises fails the check, it does not crash
             problem = f"its matmul on {self.device} raised {type(raised).__name__}: {raised}"
-        mine = RankReport(**{**asdict(self.me), "problem": problem})
+        mine = replace(self.me, problem=problem)
         if self.store is None:
             if problem:
                 raise PreflightFailed(f"preflight failed: {mine.named()}: {problem}",
@@ -190,11 +191,9 @@ class Preflight:
         # report still reaches rank 0 in time.
         give_up = self.deadline - min(1.0, self.policy.timeout_seconds / 10)
         try:
-            mine = RankReport(**{**asdict(self.me),
-                                 "bandwidth": all_reduce_bandwidth(self.device, give_up)})
+            mine = replace(self.me, bandwidth=all_reduce_bandwidth(self.device, give_up))
         except Exception as raised:
-            mine = RankReport(**{**asdict(self.me),
-                                 "problem": f"its all-reduce failed: {raised}"})
+            mine = replace(self.me, problem=f"its all-reduce failed: {raised}")
         self._stage("group", mine, self._judge_group)
 
     def summary(self) -> str:
