@@ -138,7 +138,8 @@ def stop_torchrun_agent() -> bool:
     if not _is_torchrun(command):
         return False
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    marker = os.path.join(tempfile.gettempdir(), f"kubetrain-stop-agent-{agent}-{attempt}")
+    run = os.environ["TORCHELASTIC_RUN_ID"]
+    marker = os.path.join(tempfile.gettempdir(), f"kubetrain-stop-agent-{run}-{agent}-{attempt}")
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
