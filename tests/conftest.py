@@ -150,14 +150,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # `make test` shares the tests between two pytest-xdist workers. A module's tests stay
 # together and in file order, so its module-scoped fixtures (a trained teacher, a running
 # cluster) are built once and a test may print what an earlier one measured. The modules
-# of tests/real_server share one control plane: they all go to one worker. The e2e
-# modules, each with an emulated cluster of its own, start first, being the longest part.
+# of tests/real_server share one control plane: they all go to one worker, and so do the
+# e2e modules whose scenarios run on the session's whole loop (tests/e2e/conftest.py:
+# `cluster`), which one worker starts once. The e2e modules start first, being the
+# longest part.
 # (xdist's `--dist loadgroup` would say this with marks, but under pytest 9.2 it silently
 # stops grouping: pytest-dev/pytest-xdist#1386.)
 
+WHOLE_LOOP_MODULES = ("tests/e2e/test_whole_loop.py", "tests/e2e/test_nodes.py")
+
+
 def _scope(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
-    return "tests/real_server" if module.startswith("tests/real_server/") else module
+    if module.startswith("tests/real_server/"):
+        return "tests/real_server"
+    return "tests/e2e/whole-loop" if module in WHOLE_LOOP_MODULES else module
 
 
 @pytest.hookimpl(optionalhook=True)

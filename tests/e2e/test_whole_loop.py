@@ -134,6 +134,12 @@ def test_two_workers_train_to_succeeded_with_progress_checkpoint_and_export(
                                       _storage(cluster))
     assert latest["uri"] == f"s3://checkpoints/{uninterrupted.name}"
     assert latest["step"] == committed[0].step == MAX_STEPS, (latest, committed)
+    # No fault, no alarm, over the whole run: a condition that never held is absent, and
+    # no rank was ever reported slow nor any node avoided.
+    assert not [c for c in status["conditions"] if c["type"] in ("Straggler", "NodesAvoided")]
+    assert not status.get("avoidedNodes"), status
+    events = json.loads(cluster.events(uninterrupted.name))
+    assert not [e for e in events if e["reason"] in ("Straggler", "NodeAvoided")], events
 
     model = transformers.AutoModelForCausalLM.from_pretrained(uninterrupted.export,
                                                               dtype=torch.float32)

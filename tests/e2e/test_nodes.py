@@ -1,0 +1,195 @@
+"""A slow or broken node, found and kept away from: stragglers, preflight, node avoidance.
+
+The scenarios run on the whole loop (tests/cluster/whole_loop.py, the session's `cluster`
+fixture): two worker nodes, the operator's pod, S3, the trainer in real containers. Every
+fault comes from outside the processes, as a slow or broken machine would leave them:
+
+- a slow node: while a scenario runs, every trainer container of the job bound to that
+  node gets a CPU quota on its cgroup (a tenth of a CPU); containers on the other node
+  run free. With runPolicy.stragglers.action Report the job is told about it and runs
+  on at the slow rank's pace; with Replace the straggler's pod is moved off that node.
+- a rank that stalls in preflight: worker 1's trainer is stopped (SIGSTOP) as soon as
+  its process exists, so it never reports; rank 0's preflight names its node, the
+  operator avoids that node and the group re-forms on the other one.
+
+The job's wall times with Report and with Replace are printed side by side; they are
+not asserted (a benchmark's business), the behaviour is: who was named, where the pods
+went, that the job succeeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from whole_loop import EVERY, Cluster, resume_and_redone, training_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SLOW_CPU_FRACTION = 0.1
+STRAGGLER_STEPS = 48
+# What each scenario measured, printed side by side by the last one.
+WALL_SECONDS: dict[str, float] = {}
+
+
+@contextmanager
+def slow_node(cluster: Cluster, name: str, node: str) -> Iterator[None]:
+    """Throttle every running trainer container of job `name` on `node` until the block ends.
+
+    Checked every half second, so a pod the job starts there later is slowed too: the
+    slowness belongs to the node, not to one container.
+    """
+    done = threading.Event()
+
+    def throttle() -> None:
+        throttled: set[str] = set()
+        while not done.wait(0.5):
+            for pod in cluster.pods(name):
+                key = pod["metadata"]["uid"]
+                running = (pod.get("status") or {}).get("phase") == "Running"
+                if key in throttled or not running or pod["spec"].get("nodeName") != node:
+                    continue
+                # Not yet, or no longer, a container to slow: the next round tries again.
+                with contextlib.suppress(AssertionError, KeyError, OSError):
+                    cluster.throttle(pod["metadata"]["name"], SLOW_CPU_FRACTION)
+                    throttled.add(key)
+
+    thread = threading.Thread(target=throttle, name=f"slow-{node}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        for pod in cluster.pods(name):
+            cluster.unthrottle(pod["metadata"]["name"])
+
+
+def _condition(job: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in (job.get("status") or {}).get("conditions", [])
+                 if c["type"] == kind), None)
+
+
+def _events(cluster: Cluster, name: str, reason: str) -> list[str]:
+    return [e["message"] for e in json.loads(cluster.events(name)) if e["reason"] == reason]
+
+
+def _node_of(cluster: Cluster, pod_name: str, name: str) -> str:
+    pod = next(pod for pod in cluster.pods(name) if pod["metadata"]["name"] == pod_name)
+    return str(pod["spec"]["nodeName"])
+
+
+def _straggler_run(cluster: Cluster, name: str, action: str) -> dict[str, Any]:
+    """Job `name` with worker 1's node slowed from step 2 on, to its end.
+
+    Returns the final job object, with the slowed node and every node worker 1 ran on
+    (the pods are gone once the job succeeded) under the keys "slow node" and "nodes".
+    """
+    window = 3
+    cluster.apply(training_job(
+        name, cluster.s3, optimization={"maxSteps": STRAGGLER_STEPS},
+        runPolicy={"backoffSeconds": 1,
+                   "stragglers": {"threshold": 1.3, "window": window, "action": action}}))
+    started = time.monotonic()
+    cluster.wait_for_printed_step(name, 2)
+    slow_pod = f"{name}-worker-1"
+    node = _node_of(cluster, slow_pod, name)
+    nodes = [node]
+    with slow_node(cluster, name, node):
+        slowed = time.monotonic()
+        condition = cluster.wait_for(
+            "the Straggler condition", lambda: (
+                c if (c := _condition(cluster.job(name), "Straggler")) and c["status"] == "True"
+                else None), 180, every=0.5)
+        print(f"{action}: straggler reported {time.monotonic() - slowed:.0f}s after {node} "
+              f"was slowed: {condition['message']}")
+        # The right pod and node, in the condition and in one event.
+        assert slow_pod in condition["message"] and node in condition["message"], condition
+        [event] = _events(cluster, name, "Straggler")
+        assert slow_pod in event and node in event and f"for {window} intervals" in event, event
+
+        def finished() -> bool:
+            with contextlib.suppress(StopIteration):
+                if (moved := _node_of(cluster, slow_pod, name)) != nodes[-1]:
+                    nodes.append(moved)
+            return cluster.get_tj(name).phase == "Succeeded"
+
+        cluster.wait_for(f"{name} to succeed", finished, 420, every=0.5)
+    WALL_SECONDS[action] = time.monotonic() - started
+    return {**cluster.job(name), "slow node": node, "nodes": nodes}
+
+
+def test_a_slow_node_is_reported_as_a_straggler_naming_its_pod_and_node(
+        cluster: Cluster) -> None:
+    name = "straggler-report"
+    job = _straggler_run(cluster, name, "Report")
+    # Report only tells: worker 1 stayed where it was, and no node is avoided.
+    assert job["nodes"] == [job["slow node"]], job["nodes"]
+    assert not job["status"].get("avoidedNodes"), job["status"]
+    assert not _events(cluster, name, "NodeAvoided")
+    cluster.delete(name)
+
+
+def test_replace_moves_the_straggler_off_its_node_and_the_job_succeeds(
+        cluster: Cluster) -> None:
+    name = "straggler-replace"
+    job = _straggler_run(cluster, name, "Replace")
+    node = job["slow node"]
+    [avoided] = job["status"]["avoidedNodes"]
+    assert avoided["node"] == node and avoided["reason"] == "Straggler", avoided
+    [avoided_event] = _events(cluster, name, "NodeAvoided")
+    assert node in avoided_event, avoided_event
+    # Worker 1 was recreated on the other node, and the group resumed from the checkpoint
+    # its SIGTERM saved: no step redone.
+    assert len(job["nodes"]) == 2 and job["nodes"][1] != node, job["nodes"]
+    step, redone = resume_and_redone(cluster.trainer_lines(name))
+    assert step > 0 and redone == 0, (step, redone)
+    print("wall time with a slow node: "
+          + ", ".join(f"{action} {seconds:.0f}s" for action, seconds in WALL_SECONDS.items())
+          + f" ({STRAGGLER_STEPS} steps, checkpoint every {EVERY})")
+    cluster.delete(name)
+
+
+def test_a_rank_that_stalls_in_preflight_gets_its_node_avoided_and_the_job_succeeds_without_it(
+        cluster: Cluster) -> None:
+    name = "preflight-stall"
+    cluster.apply(training_job(name, cluster.s3, runPolicy={
+        "backoffSeconds": 1, "preflight": {"timeoutSeconds": 10}}))
+    stalled_pod = f"{name}-worker-1"
+    # As soon as worker 1's trainer exists: it never reaches, let alone passes, its check.
+    pid = cluster.wait_for(f"{stalled_pod}'s trainer process", lambda: _pid(cluster, stalled_pod),
+                           180, every=0.1)
+    node = _node_of(cluster, stalled_pod, name)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        avoided = cluster.wait_for(
+            f"{node} in status.avoidedNodes", lambda: cluster.job(name)["status"].get(
+                "avoidedNodes"), 120, every=0.5)
+        print(f"preflight: {node} avoided {time.monotonic() - stopped:.0f}s after "
+              f"{stalled_pod}'s trainer stalled: {avoided}")
+        cluster.wait_for_phase(name, "Succeeded", timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    job = cluster.job(name)
+    [entry] = job["status"]["avoidedNodes"]
+    assert entry["node"] == node and entry["reason"] == "PreflightFailed", entry
+    assert job["status"]["lastFailure"]["class"] == "PreflightFailed", job["status"]
+    # The whole group trained on the other node.
+    assert all(pod["spec"]["nodeName"] != node for pod in cluster.pods(name))
+    cluster.delete(name)
+
+
+def _pid(cluster: Cluster, pod: str) -> int | None:
+    with contextlib.suppress(AssertionError, KeyError):
+        return cluster.trainer_pid(pod)
+    return None
