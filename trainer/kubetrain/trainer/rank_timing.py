@@ -37,6 +37,8 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,14 +57,14 @@ class WaitClock:
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.seconds = 0.0
-        self._cuda = device is not None and device.type == "cuda"
+        self.cuda = device is not None and device.type == "cuda"
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
         """Count the block's time as waiting in a collective: the host's wall time on
         CPU, the current stream's time between two events on CUDA."""
-        if self._cuda:
+        if self.cuda:
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
             try:
@@ -89,6 +91,40 @@ class WaitClock:
         return added
 
 
+class _TimedWork(dist.Work):
+    """An async collective's handle whose `wait` counts as waiting (CPU).
+
+    FSDP2 issues its all-gathers with async_op (the next layer's, to overlap this one's
+    compute) and waits on the handle later, before the layer runs: that wait, not the
+    call, is where a rank sits while a slower peer catches up.
+    """
+
+    def __init__(self, work: dist.Work, clock: WaitClock) -> None:
+        super().__init__()
+        self.work, self.clock = work, clock
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        with self.clock.waiting():
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.work.is_success()
+
+    def exception(self) -> Any:
+        return self.work.exception()
+
+    def get_future(self) -> Any:
+        return self.work.get_future()
+
+
+def _timed(work: dist.Work | None, clock: WaitClock) -> dist.Work | None:
+    # On CUDA, waiting on the handle only orders the streams: the host waits in nothing.
+    return work if work is None or clock.cuda else _TimedWork(work, clock)
+
+
 class _TimedAllGather(DefaultAllGather):
     def __init__(self, clock: WaitClock) -> None:
         self.clock = clock
@@ -96,7 +132,8 @@ class _TimedAllGather(DefaultAllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
         with self.clock.waiting():
-            return super().__call__(output_tensor, input_tensor, group, async_op)
+            work = super().__call__(output_tensor, input_tensor, group, async_op)
+        return _timed(work, self.clock)
 
 
 class _TimedReduceScatter(DefaultReduceScatter):
@@ -107,7 +144,8 @@ class _TimedReduceScatter(DefaultReduceScatter):
                  group: dist.ProcessGroup, op: dist.ReduceOp | dist.ReduceOp.RedOpType,
                  async_op: bool = False) -> dist.Work:
         with self.clock.waiting():
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        return _timed(work, self.clock)  # type: ignore[return-value]
 
 
 def time_fsdp_collectives(model: torch.nn.Module, clock: WaitClock) -> None:
