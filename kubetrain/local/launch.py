@@ -11,6 +11,7 @@ describes, and `--dry-run` prints the same thing.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass
@@ -43,10 +44,32 @@ class AgentLaunch:
 
 
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as probe:
+    """A TCP port on loopback that nothing listens on right now.
+
+    Chosen below the kernel's ephemeral range: a port from that range (what binding to
+    port 0 gives) can become any outgoing connection's source port between this probe
+    and the bind that needs it, and that bind then fails with "Address already in use".
+    """
+    low = _ephemeral_ports_start()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind((RENDEZVOUS_HOST, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as probe:  # all tried were taken: the kernel's choice, then
         probe.bind((RENDEZVOUS_HOST, 0))
         return int(probe.getsockname()[1])
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def threads_per_process(job: TrainingJob, cpus: int | None = None) -> int:

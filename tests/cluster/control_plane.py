@@ -29,7 +29,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import yaml
+
+from kubetrain.local.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_BINARIES = ("etcd", "kube-apiserver")
@@ -85,12 +86,6 @@ def find_kubectl(bin_dir: Path) -> Path:
         if int("".join(c for c in minor if c.isdigit()) or 0) >= 30:
             return Path(found)
     raise ControlPlaneUnavailable(f"no kubectl >= 1.30 in {bin_dir} or on PATH")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

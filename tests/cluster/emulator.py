@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -339,12 +338,6 @@ def _declare_resources(emulator: Emulator) -> None:
                                                   if kind in ("Pod", "Node") else set())
     emulator.resources["coordination.k8s.io/v1/leases"] = info(
         kind="Lease", singular="lease", namespaced=True, verbs=verbs)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class EmulatedCluster:

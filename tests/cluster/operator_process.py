@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import yaml
-from control_plane import REPO, ControlPlane, free_port
+from control_plane import REPO, ControlPlane
 from emulator import write_kubeconfig
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+
+from kubetrain.local.launch import free_port
 
 RELEASE = "kubetrain"
 RELEASE_NAMESPACE = "kubetrain-system"

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from emulator import EmulatedCluster, free_port
+from emulator import EmulatedCluster
 from kubernetes import client
 
+from kubetrain.local.launch import free_port
 from kubetrain.operator.command import serve
 from kubetrain.operator.config import OperatorConfig
 
