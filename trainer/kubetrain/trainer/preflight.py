@@ -54,7 +54,7 @@ from kubetrain.trainer.rank_timing import where_am_i
 MATMUL_SIZE = 256
 MATMUL_TOLERANCE = 1e-2  # relative Frobenius error of the float32 product
 ALL_REDUCE_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}  # per rank; a few ms on either
-ALL_REDUCE_ROUNDS = 3  # timed, after one untimed round that sets the connections up
+ALL_REDUCE_ROUNDS = 5  # timed, after one untimed round that sets the connections up
 VERDICT_GRACE_SECONDS = 5.0  # past the deadline, for rank 0's verdict to arrive
 POLL_SECONDS = 0.005
 
@@ -123,17 +123,24 @@ def matmul_error(device: torch.device) -> float:
 
 
 def all_reduce_bandwidth(device: torch.device, deadline: float) -> float:
-    """Bus bandwidth in GB/s of all-reduces over the default group, polled to `deadline`."""
+    """Bus bandwidth in GB/s of the fastest of a few all-reduces over the default group,
+    each polled to `deadline`.
+
+    The fastest, not the mean: a rank that arrives late at a round, or is descheduled
+    for a moment on a busy host, makes its peers wait inside that round's timing and
+    would mark them slow; a slow device or link slows every round.
+    """
     world_size = dist.get_world_size()
     tensor = torch.ones(ALL_REDUCE_BYTES[device.type] // 4, dtype=torch.float32, device=device)
     _finish(dist.all_reduce(tensor, async_op=True), deadline)
-    started = time.perf_counter()
+    fastest = math.inf
     for _ in range(ALL_REDUCE_ROUNDS):
+        started = time.perf_counter()
         _finish(dist.all_reduce(tensor, async_op=True), deadline)
-    seconds = time.perf_counter() - started
+        fastest = min(fastest, time.perf_counter() - started)
     # The bytes each rank sends and receives in a ring all-reduce (NCCL's "bus bandwidth").
-    moved = 2 * (world_size - 1) / world_size * tensor.numel() * 4 * ALL_REDUCE_ROUNDS
-    return moved / seconds / 1e9
+    moved = 2 * (world_size - 1) / world_size * tensor.numel() * 4
+    return moved / fastest / 1e9
 
 
 def _finish(work: dist.Work | None, deadline: float) -> None:
