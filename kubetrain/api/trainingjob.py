@@ -1255,6 +1255,9 @@ class RankSlowness(ApiModel):
                             "many consecutive intervals at or under the threshold.")
     normal_intervals: int = Field(default=0, description="Consecutive judged intervals at or "
                                   "under the threshold (a straggler's recovery).")
+    compute_seconds_total: float | None = Field(
+        default=None, description="The rank's seconds of compute since its process started, "
+        "at this judgement: the next one judges the compute time in between.")
 
 
 class RanksStatus(ApiModel):

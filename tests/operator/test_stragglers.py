@@ -4,6 +4,7 @@ the Straggler condition, its event and the kubetrain_rank_slowness gauge."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,23 @@ def test_slowness_is_compute_over_the_median_and_a_streak_counts_slow_intervals(
     assert judged.step == 11
     assert [rank.slowness for rank in judged.ranks] == pytest.approx(slowness, abs=1e-3), case
     assert [rank.slow_intervals for rank in judged.ranks] == slow_intervals, case
+
+
+def test_the_span_between_judgements_is_judged_from_each_ranks_compute_counter() -> None:
+    def sampled(computes: tuple[float, ...], totals: tuple[float, ...]) -> list[RankSample]:
+        return [replace(sample, compute_seconds_total=total)
+                for sample, total in zip(ranks(*computes), totals, strict=True)]
+
+    first = judge(None, 10, sampled((0.1, 0.1, 0.1), (5.0, 5.0, 5.0)), 1.3, window=1)
+    # The last logged interval happened to be even, but since the previous judgement
+    # rank 2 computed 3 s where the others computed 1 s: the span decides.
+    second = judge(first, 20, sampled((0.1, 0.1, 0.1), (6.0, 6.0, 8.0)), 1.3, window=1)
+    assert [rank.slowness for rank in second.ranks] == [1, 1, 3]
+    assert [rank.rank for rank in stragglers(second)] == [2]
+    assert [rank.compute_seconds_total for rank in second.ranks] == [6.0, 6.0, 8.0]
+    # A counter that went back (rank 2's process restarted): the last interval alone.
+    third = judge(second, 30, sampled((0.1, 0.1, 0.25), (7.0, 7.0, 0.5)), 1.3, window=1)
+    assert [rank.slowness for rank in third.ranks] == [1, 1, 2.5]
 
 
 def test_the_same_interval_scraped_again_changes_nothing() -> None:

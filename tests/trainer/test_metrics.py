@@ -37,8 +37,8 @@ GOODPUT_SECONDS = {"productive": 600.0, "data_wait": 12.0, "checkpoint_save": 20
                    "lost_progress": 50.0, "downtime": 31.0, "oom": 0.0, "straggler": 3.0,
                    "preflight": 1.0}
 # Rank 1 computes longer; rank 0 waits for it.
-RANKS = (RankTiming(0, "job-worker-0", "node-a", 0.15, 0.10),
-         RankTiming(1, "job-worker-1", "node-b", 0.24, 0.01))
+RANKS = (RankTiming(0, "job-worker-0", "node-a", 0.15, 0.10, 6.0),
+         RankTiming(1, "job-worker-1", "node-b", 0.24, 0.01, 9.6))
 
 
 def _report_a_run(reporter: Reporter) -> None:
@@ -74,16 +74,19 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
     assert all(not sample.labels for f in families.values() for sample in f.samples
                if f.type != "histogram" and f.name not in {
                    "kubetrain_wall_time_seconds", "kubetrain_rank_compute_seconds",
-                   "kubetrain_rank_wait_seconds"})
+                   "kubetrain_rank_wait_seconds", "kubetrain_rank_compute_time_seconds"})
     per_rank = {(name, sample.labels["rank"], sample.labels["pod_name"], sample.labels["node"]):
                 sample.value for name in ("kubetrain_rank_compute_seconds",
-                                          "kubetrain_rank_wait_seconds")
-                for sample in families[name].samples}
+                                          "kubetrain_rank_wait_seconds",
+                                          "kubetrain_rank_compute_time_seconds")
+                for sample in families[name].samples if not sample.name.endswith("_created")}
     assert per_rank == {
         ("kubetrain_rank_compute_seconds", "0", "job-worker-0", "node-a"): 0.15,
         ("kubetrain_rank_compute_seconds", "1", "job-worker-1", "node-b"): 0.24,
         ("kubetrain_rank_wait_seconds", "0", "job-worker-0", "node-a"): 0.10,
-        ("kubetrain_rank_wait_seconds", "1", "job-worker-1", "node-b"): 0.01}
+        ("kubetrain_rank_wait_seconds", "1", "job-worker-1", "node-b"): 0.01,
+        ("kubetrain_rank_compute_time_seconds", "0", "job-worker-0", "node-a"): 6.0,
+        ("kubetrain_rank_compute_time_seconds", "1", "job-worker-1", "node-b"): 9.6}
     by_cause = {sample.labels["cause"]: sample.value
                 for sample in families["kubetrain_wall_time_seconds"].samples}
     assert by_cause == GOODPUT_SECONDS
@@ -98,8 +101,9 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
     assert sample.wall_seconds == GOODPUT_SECONDS and sample.step_time == 0.25
     # ... and every rank's compute time into the straggler rule, for the logged interval.
     assert sample.ranks_step == 41
-    assert [(rank.rank, rank.pod, rank.node, rank.compute_seconds) for rank in sample.ranks] == [
-        (0, "job-worker-0", "node-a", 0.15), (1, "job-worker-1", "node-b", 0.24)]
+    assert [(rank.rank, rank.pod, rank.node, rank.compute_seconds, rank.compute_seconds_total)
+            for rank in sample.ranks] == [(0, "job-worker-0", "node-a", 0.15, 6.0),
+                                          (1, "job-worker-1", "node-b", 0.24, 9.6)]
     status = goodput_status(sample.wall_seconds).wire()
     assert status["productiveSeconds"] == 600 and status["wallSeconds"] == 800
     assert status["badputSeconds"]["lostProgress"] == 50

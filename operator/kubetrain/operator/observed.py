@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -93,6 +93,8 @@ class RankSample:
     pod: str
     node: str
     compute_seconds: float
+    # Its seconds of compute since its process started (None from trainers without it).
+    compute_seconds_total: float | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,7 @@ def metrics_sample(exposition: str) -> MetricsSample:
     values: dict[str, float] = {}
     wall_seconds: dict[str, float] = {}
     ranks: list[RankSample] = []
+    totals: dict[int, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             # NaN (a diverged loss) has no JSON form; such a value is left unreported.
@@ -270,6 +273,9 @@ def metrics_sample(exposition: str) -> MetricsSample:
                 ranks.append(RankSample(int(sample.labels["rank"]),
                                         sample.labels.get("pod_name", ""),
                                         sample.labels.get("node", ""), sample.value))
+            elif sample.name == "kubetrain_rank_compute_time_seconds_total" and sample.labels.get(
+                    "rank", "").isdigit():
+                totals[int(sample.labels["rank"])] = sample.value
 
     def whole(name: str) -> int | None:
         return int(values[name]) if name in values else None
@@ -289,6 +295,7 @@ def metrics_sample(exposition: str) -> MetricsSample:
         best_checkpoint_val_loss=values.get("kubetrain_best_checkpoint_validation_loss"),
         step_time=values.get("kubetrain_step_time_seconds"),
         wall_seconds=wall_seconds or None,
-        ranks=tuple(sorted(ranks, key=lambda rank: rank.rank)),
+        ranks=tuple(sorted((replace(rank, compute_seconds_total=totals.get(rank.rank))
+                            for rank in ranks), key=lambda rank: rank.rank)),
         ranks_step=whole("kubetrain_rank_timing_step"),
     )

@@ -12,6 +12,12 @@ has been at or under the threshold for as many consecutive intervals: a throttle
 failing machine is not steadily slow (a CPU quota, thermal throttling and retried links
 all come in bursts), and a report that came and went with each burst would say less.
 
+The interval judged is the span since the previous judgement, every step of it: each
+rank also reports its compute seconds since its process started (a counter), and the
+difference between two scrapes is what each rank computed in between. Only where a
+counter is missing or went back (a new process) does the rule fall back on the last
+logged interval alone, which with short steps is a small, noisy sample of the span.
+
 Pure: no Kubernetes, no clock. `reconcile` keeps the result in status.ranks, which
 carries each rank's streak from one scrape to the next and across operator restarts.
 """
@@ -36,13 +42,13 @@ def judge(previous: RanksStatus | None, step: int, ranks: Sequence[RankSample],
     """
     if previous is not None and previous.step == step:
         return previous
-    computes = [rank.compute_seconds for rank in ranks]
-    median = statistics.median(computes) if computes else 0.0
     before = {(rank.rank, rank.pod): rank
               for rank in (previous.ranks if previous is not None else [])}
+    computes = _since(before, ranks) or [rank.compute_seconds for rank in ranks]
+    median = statistics.median(computes) if computes else 0.0
     judged = []
-    for rank in ranks:
-        slowness = rank.compute_seconds / median if median > 0 else 1.0
+    for rank, compute in zip(ranks, computes, strict=True):
+        slowness = compute / median if median > 0 else 1.0
         last = before.get((rank.rank, rank.pod))
         slow = slowness > threshold
         slow_intervals = (last.slow_intervals if last else 0) + 1 if slow else 0
@@ -51,8 +57,24 @@ def judge(previous: RanksStatus | None, step: int, ranks: Sequence[RankSample],
         straggler = slow_intervals >= window or (was and normal_intervals < window)
         judged.append(RankSlowness(rank=rank.rank, pod=rank.pod, node=rank.node,
                                    slowness=round(slowness, 3), slow_intervals=slow_intervals,
-                                   straggler=straggler, normal_intervals=normal_intervals))
+                                   straggler=straggler, normal_intervals=normal_intervals,
+                                   compute_seconds_total=rank.compute_seconds_total))
     return RanksStatus(step=step, ranks=judged)
+
+
+def _since(before: dict[tuple[int, str], RankSlowness],
+           ranks: Sequence[RankSample]) -> list[float] | None:
+    """Each rank's compute seconds since the previous judgement, from its counter; None
+    unless every rank has one that grew (a rank new, restarted or without the counter)."""
+    spans = []
+    for rank in ranks:
+        last = before.get((rank.rank, rank.pod))
+        if (last is None or last.compute_seconds_total is None
+                or rank.compute_seconds_total is None
+                or rank.compute_seconds_total <= last.compute_seconds_total):
+            return None
+        spans.append(rank.compute_seconds_total - last.compute_seconds_total)
+    return spans
 
 
 def stragglers(status: RanksStatus) -> list[RankSlowness]:

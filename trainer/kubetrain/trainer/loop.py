@@ -463,6 +463,7 @@ class Trainer:
         # Each rank's time inside collectives, to tell its compute from its wait (rank_timing).
         clock = WaitClock(device)
         time_fsdp_collectives(model, clock)
+        computed = 0.0  # this process's seconds of compute so far (a counter for the operator)
 
         if step == 0 and spec.evaluation.every_steps:
             self._evaluate_and_record(run, step)  # the baseline the run improves on
@@ -538,9 +539,10 @@ class Trainer:
                 ce_loss = kd_loss = None
                 if run.teacher is not None:
                     ce_loss, kd_loss = (_mean_over_ranks(term) for term in terms_sum)
+                computed += interval.busy - interval.waited
                 ranks = gather_rank_timings(
                     (interval.busy - interval.waited) / interval.steps,
-                    interval.waited / interval.steps)
+                    interval.waited / interval.steps, computed)
                 # The interval's steps ran at the slowest rank's pace: what it cost over the
                 # median rank is not goodput (every rank books the same, from the same figures).
                 goodput.move(PRODUCTIVE, STRAGGLER, straggler_seconds(ranks) * interval.steps)

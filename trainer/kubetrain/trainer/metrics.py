@@ -48,7 +48,7 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kubetrain.api.trainingjob import DEFAULT_MAX_STEPS, TrainingJobSpec
@@ -156,6 +156,7 @@ REGISTRY.register(DYNAMICS)
 REGISTRY.register(DISTILLATION)
 
 RANK_COMPUTE = "kubetrain_rank_compute_seconds"
+RANK_COMPUTE_TOTAL = "kubetrain_rank_compute_time_seconds_total"
 RANK_WAIT = "kubetrain_rank_wait_seconds"
 RANK_TIMING_STEP = "kubetrain_rank_timing_step"
 
@@ -174,7 +175,7 @@ class _RankTimings(Collector):
     def describe(self) -> list[GaugeMetricFamily]:
         return []
 
-    def collect(self) -> list[GaugeMetricFamily]:
+    def collect(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
         if not self.ranks:
             return []
         # Not `pod`: Prometheus' scrape puts its own `pod` label on every series.
@@ -185,14 +186,20 @@ class _RankTimings(Collector):
         wait = GaugeMetricFamily(
             RANK_WAIT, "Mean seconds per step each rank spent waiting in collectives (for "
             "the other ranks) over the last log interval.", labels=labels)
+        total = CounterMetricFamily(
+            RANK_COMPUTE_TOTAL.removesuffix("_total"), "Seconds each rank spent computing "
+            "since its process started, as of the last logged step: a reader that samples "
+            "now and then judges the compute time between its samples, every step of it.",
+            labels=labels)
         for timing in self.ranks:
             values = [str(timing.rank), timing.pod, timing.node]
             compute.add_metric(values, timing.compute_seconds)
             wait.add_metric(values, timing.wait_seconds)
+            total.add_metric(values, timing.compute_seconds_total)
         # Tells a reader (the operator's straggler rule) one interval from the next.
         step = GaugeMetricFamily(RANK_TIMING_STEP, "The logged step whose interval the "
                                  "per-rank timings describe.", value=self.step)
-        return [compute, wait, step]
+        return [compute, wait, total, step]
 
 
 RANK_TIMINGS = _RankTimings()

@@ -165,6 +165,9 @@ class RankTiming:
     node: str
     compute_seconds: float
     wait_seconds: float
+    # Seconds computing since this process started: a counter, which a reader that samples
+    # now and then (the operator) turns into the compute time between its samples.
+    compute_seconds_total: float = 0.0
 
 
 def where_am_i() -> tuple[str, str]:
@@ -174,13 +177,16 @@ def where_am_i() -> tuple[str, str]:
             os.environ.get("KUBETRAIN_NODE_NAME") or host)
 
 
-def gather_rank_timings(compute_seconds: float, wait_seconds: float) -> list[RankTiming]:
+def gather_rank_timings(compute_seconds: float, wait_seconds: float,
+                        compute_seconds_total: float) -> list[RankTiming]:
     """Every rank's timing, ordered by rank, on every rank (a collective: call it on all)."""
     pod, node = where_am_i()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         # Its "collectives" return at once: the time in them is its own work.
-        return [RankTiming(0, pod, node, compute_seconds + wait_seconds, 0.0)]
-    mine = RankTiming(dist.get_rank(), pod, node, compute_seconds, wait_seconds)
+        return [RankTiming(0, pod, node, compute_seconds + wait_seconds, 0.0,
+                           compute_seconds_total)]
+    mine = RankTiming(dist.get_rank(), pod, node, compute_seconds, wait_seconds,
+                      compute_seconds_total)
     everyone: list[RankTiming | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return sorted((timing for timing in everyone if timing is not None),
