@@ -121,8 +121,13 @@ class PodNetwork:
         return namespace, address
 
     def disconnect(self, namespace: str) -> None:
-        """Take the pod's interface down: nothing leaves it or reaches it any more."""
-        _ip("-n", namespace, "link", "set", "eth0", "down")
+        """Take the pod's interface down: nothing leaves it or reaches it any more.
+
+        A pod whose network is already gone (its container ended and was cleaned up) or
+        not yet attached has no interface to take down.
+        """
+        if namespace in self._namespaces:
+            _ip("-n", namespace, "link", "set", "eth0", "down", check=False)
 
     def remove_pod(self, namespace: str, address: str = "") -> None:
         """CNI DEL (the IP goes back to the pool), then delete the namespace."""

@@ -89,6 +89,7 @@ EXPORTED_METRICS = {
     # of the interval they describe: what the operator's straggler rule reads.
     "kubetrain_rank_compute_seconds", "kubetrain_rank_wait_seconds",
     "kubetrain_rank_timing_step",
+    "kubetrain_rank_compute_time_seconds",  # a counter: each rank's compute since its start
 }
 
 
