@@ -55,11 +55,11 @@ from controllers import NodeLifecycle, Scheduler  # noqa: E402
 from emulator import EmulatedCluster  # noqa: E402
 from machine_state import left_behind, snapshot  # noqa: E402
 from whole_loop import (  # noqa: E402
-    CORPUS,
     NAMESPACE,
     Cluster,
     advanced_after_resume,
     missing_host_support,
+    out_of_memory_job,
     resumes,
     steps_printed,
     training_job,
@@ -68,6 +68,7 @@ from whole_loop import (  # noqa: E402
 
 EVERY = 8
 WORKER = 1  # the worker every fault hits: worker 0 hosts the rendezvous
+OOM_STEPS = 12  # the out-of-memory job and its baseline started at the healed micro-batch
 STARTED = time.monotonic()
 
 
@@ -275,28 +276,12 @@ def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: f
     return wall, rows, watcher, status
 
 
-def oom_job(cluster: Cluster, name: str, micro_batch: int) -> dict[str, Any]:
-    """The whole loop's out-of-memory scenario: 1100 MiB for a micro-batch of 16 sequences
-    of a narrow model with a 16k vocabulary (8 fit; tests/e2e/test_whole_loop.py)."""
-    return training_job(
-        name, cluster.s3,
-        workers={"replicas": 1, "minReplicas": 1, "maxReplicas": 1,
-                 "resources": {"limits": {"memory": "1100Mi"}}},
-        model={"preset": "custom", "dim": 64, "nLayers": 2, "nHeads": 4, "ffnDim": 256,
-               "vocabSize": 16384},
-        data={"train": f"{CORPUS}/train", "seqLen": 256},
-        optimization={"maxSteps": 12, "microBatchSize": micro_batch, "globalBatchTokens": 4096,
-                      "warmupSteps": 1, "seed": 5},
-        checkpoint={"uri": f"s3://checkpoints/{name}", "everySteps": 3, "keepLast": 2},
-        runPolicy={"maxRestarts": 0, "backoffSeconds": 1})
-
-
 def run_oom(cluster: Cluster) -> tuple[Row, str]:
     """The OOM job, then the same job at the micro-batch it healed to; the fault's row."""
     name = "chaos-oom"
     applied = time.monotonic()
     with Watcher(cluster, name) as watcher:
-        cluster.apply(oom_job(cluster, name, 16))
+        cluster.apply(out_of_memory_job(name, cluster.s3, 16, OOM_STEPS))
         say("OOM: a job whose micro-batch of 16 needs more than its 1100 MiB")
 
         def oom_killed() -> bool:
@@ -327,8 +312,8 @@ def run_oom(cluster: Cluster) -> tuple[Row, str]:
         f"shown as: {signal.what if signal else 'not shown'}")
     cluster.delete(name)
     say(f"OOM baseline: the same job started at micro-batch {healed}")
-    base_wall, _, _ = run_uninterrupted(cluster, f"{name}-base", oom_job(cluster,
-                                                                        f"{name}-base", healed))
+    base_wall, _, _ = run_uninterrupted(cluster, f"{name}-base", out_of_memory_job(
+        f"{name}-base", cluster.s3, healed, OOM_STEPS))
     row = Row("OOM (second job)", None, signal and signal.at - faulted,
               signal.what if signal else "not shown", again, redone, wall - base_wall)
     note = (f"OOM job: {wall:.1f}s from apply to Succeeded (micro-batch 16 → {healed}, "

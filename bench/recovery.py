@@ -1,6 +1,6 @@
 """Whole-loop recovery: seconds from a fault until training advances, steps redone, goodput.
 
-Runs the whole loop of tests/e2e/test_whole_loop.py on this machine (kmock's emulator
+Runs the whole loop of tests/cluster/whole_loop.py on this machine (kmock's emulator
 with the stand-in scheduler and node lifecycle controller of tests/cluster; the operator's
 pod and the workers' pods as containers of the images built by images/offline, run by
 the node agent in containerd; moto's S3 over HTTP) and, for the same
@@ -40,10 +40,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "tests" / "e2e"),
-                str(REPO / "images" / "offline")]
+sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "images" / "offline")]
 
-import test_whole_loop as loop  # noqa: E402
+import whole_loop as loop  # noqa: E402
 from build_images import build_images  # noqa: E402
 from controllers import NodeLifecycle, Scheduler  # noqa: E402
 from emulator import EmulatedCluster  # noqa: E402
@@ -92,7 +91,7 @@ def _container_kill_stages(cluster: loop.Cluster, name: str, old_uid: str,
             "pod created": uid not in (None, old_uid),
             "container started": uid not in (None, old_uid) and phase == "Running",
             "resumed": bool(resumed),
-            "first step": bool(resumed) and bool(loop._steps_printed(lines[resumed[-1]:])),
+            "first step": bool(resumed) and bool(loop.steps_printed(lines[resumed[-1]:])),
         }
         now = time.monotonic() - faulted
         for stage in STAGES:
@@ -121,7 +120,7 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
     cluster.apply(loop.training_job(name, cluster.s3, optimization={"maxSteps": STEPS}))
     recovery = redone = 0.0
     if fault is not None:
-        loop._wait_for_printed_step(cluster, name, FAULT_AT)
+        loop.Cluster.wait_for_printed_step(cluster, name, FAULT_AT)
         old_uid = next(pod["metadata"]["uid"] for pod in cluster.pods(name)
                        if pod["metadata"]["name"].endswith("-1"))
         fault(cluster, name)
@@ -129,14 +128,14 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
         if stages is not None:
             stages.update(_container_kill_stages(cluster, name, old_uid, faulted))
         cluster.wait_for("training to advance again",
-                         lambda: loop._advanced_after_resume(cluster.trainer_lines(name)), 300,
+                         lambda: loop.advanced_after_resume(cluster.trainer_lines(name)), 300,
                          every=0.1)
         recovery = time.monotonic() - faulted
     cluster.wait_for_phase(name, "Succeeded", timeout=600)
     wall = time.monotonic() - started
     lines = cluster.trainer_lines(name)
     if fault is not None:
-        redone = loop._resume_and_redone(lines)[1]
+        redone = loop.resume_and_redone(lines)[1]
     status = cluster.job(name)["status"]
     for node in cluster.agent.nodes:
         if node.lost:

@@ -321,6 +321,28 @@ def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
             "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}
 
 
+def out_of_memory_job(name: str, s3: str, micro_batch: int, max_steps: int) -> dict[str, Any]:
+    """One worker with 1100 MiB that fits a micro-batch of 8 sequences, not 16.
+
+    A narrow model with a 16k vocabulary over 256-token sequences: the loss's logits
+    (tokens x vocabulary x 12 bytes, up to a 4096-token chunk) make memory grow ~200 MB
+    per 4 sequences while compute stays small. Measured outside a container, the trainer
+    alone peaks at ~0.7 GB of anonymous memory at 8 sequences and ~1.1 GB at 16;
+    torchrun adds ~0.25 GB.
+    """
+    return training_job(
+        name, s3,
+        workers={"replicas": 1, "minReplicas": 1, "maxReplicas": 1,
+                 "resources": {"limits": {"memory": "1100Mi"}}},
+        model={"preset": "custom", "dim": 64, "nLayers": 2, "nHeads": 4, "ffnDim": 256,
+               "vocabSize": 16384},
+        data={"train": f"{CORPUS}/train", "seqLen": 256},
+        optimization={"maxSteps": max_steps, "microBatchSize": micro_batch,
+                      "globalBatchTokens": 4096, "warmupSteps": 1, "seed": 5},
+        checkpoint={"uri": f"s3://checkpoints/{name}", "everySteps": 3, "keepLast": 2},
+        runPolicy={"maxRestarts": 0, "backoffSeconds": 1})
+
+
 @contextmanager
 def whole_loop(api: EmulatedCluster, folder: Path,
                images: Mapping[str, BuiltImage]) -> Iterator[Cluster]:

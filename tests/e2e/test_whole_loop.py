@@ -42,19 +42,17 @@ from typing import Any
 import pytest
 from kubernetes import client
 from whole_loop import (
-    CORPUS,
     CREDENTIALS,
     EVERY,
     MAX_STEPS,
     NAMESPACE,
     Cluster,
     Row,
+    out_of_memory_job,
     training_job,
-    whole_loop,  # noqa: F401  (bench/recovery.py reads it here)
 )
 
-# The harness's readers of rank 0's log under the names the scenarios (and
-# bench/recovery.py) use.
+# The harness's readers of rank 0's log under the names the scenarios use.
 from whole_loop import advanced_after_resume as _advanced_after_resume
 from whole_loop import cell as _cell
 from whole_loop import printer_columns as _printer_columns
@@ -369,22 +367,8 @@ def test_node_loss_replaces_its_pods_on_the_other_node_and_the_job_succeeds(
 def test_a_worker_over_its_memory_limit_is_oom_killed_healed_with_half_the_micro_batch_and_succeeds(
         cluster: Cluster) -> None:
     name = "oom-heal"
-    # A narrow model with a 16k vocabulary over 256-token sequences: the loss's logits
-    # (tokens x vocabulary x 12 bytes, up to a 4096-token chunk) make memory grow ~200 MB
-    # per 4 sequences while compute stays small. Measured outside a container, the trainer
-    # alone peaks at ~0.7 GB of anonymous memory at 8 sequences and ~1.1 GB at 16;
-    # torchrun adds ~0.25 GB. The container's 1100 MiB fits 8 sequences, not 16.
-    manifest = training_job(
-        name, cluster.s3,
-        workers={"replicas": 1, "minReplicas": 1, "maxReplicas": 1,
-                 "resources": {"limits": {"memory": "1100Mi"}}},
-        model={"preset": "custom", "dim": 64, "nLayers": 2, "nHeads": 4, "ffnDim": 256,
-               "vocabSize": 16384},
-        data={"train": f"{CORPUS}/train", "seqLen": 256},
-        optimization={"maxSteps": 6, "microBatchSize": 16, "globalBatchTokens": 4096,
-                      "warmupSteps": 1, "seed": 5},
-        checkpoint={"uri": f"s3://checkpoints/{name}", "everySteps": 3, "keepLast": 2},
-        runPolicy={"maxRestarts": 0, "backoffSeconds": 1})
+    # The container's 1100 MiB fits 8 sequences, not 16 (out_of_memory_job says why).
+    manifest = out_of_memory_job(name, cluster.s3, micro_batch=16, max_steps=6)
     cluster.apply(manifest)
     oom_at = cluster.wait_for(
         "the first worker failure", lambda: (cluster.job(name).get("status") or {}).get(
