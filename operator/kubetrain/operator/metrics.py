@@ -17,45 +17,36 @@ from prometheus_client.registry import Collector
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 
 
-class _RankSlowness(Collector):
-    """kubetrain_rank_slowness{namespace,job,rank}: each running job's ranks as status.ranks
-    says. Replaced per job at each status write, and gone with the job or its finish, so a
-    rank that left the group leaves no stale series."""
+class _JobGauge(Collector):
+    """A gauge whose series follow each job's status: `name{namespace,job,<labels>}`.
 
-    def __init__(self) -> None:
-        self.jobs: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    A job's series are replaced as a whole at each status write and dropped with the job
+    or its finish, so a rank that left the group, or a node no longer avoided, leaves no
+    stale series behind.
+    """
 
-    def describe(self) -> list[GaugeMetricFamily]:
-        return []
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        # (namespace, job) -> that job's series: their own label values, and the value.
+        self.jobs: dict[tuple[str, str], list[tuple[tuple[str, ...], float]]] = {}
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "kubetrain_rank_slowness", "Each rank's compute time per step over the median "
-            "rank's, at the last judged interval (runPolicy.stragglers).",
-            labels=["namespace", "job", "rank"])
-        for (namespace, job), ranks in sorted(self.jobs.items()):
-            for rank, slowness in ranks:
-                family.add_metric([namespace, job, str(rank)], slowness)
-        yield family
-
-
-class _AvoidedNodes(Collector):
-    """kubetrain_avoided_nodes{namespace,job}: how many nodes each unfinished job keeps off
-    (status.avoidedNodes), from its last status write; a job avoiding none has no series."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[tuple[str, str], int] = {}
+    def show(self, namespace: str, job: str,
+             series: list[tuple[tuple[str, ...], float]]) -> None:
+        """The job's series from now on; none drops the job's."""
+        if series:
+            self.jobs[(namespace, job)] = series
+        else:
+            self.jobs.pop((namespace, job), None)
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "kubetrain_avoided_nodes", "Nodes the job's new pods keep off (status.avoidedNodes: "
-            "stragglers replaced, failed preflight checks, repeated failures).",
-            labels=["namespace", "job"])
-        for (namespace, job), count in sorted(self.jobs.items()):
-            family.add_metric([namespace, job], count)
+        family = GaugeMetricFamily(self.name, self.documentation,
+                                   labels=["namespace", "job", *self.labels])
+        for (namespace, job), series in sorted(self.jobs.items()):
+            for values, value in series:
+                family.add_metric([namespace, job, *values], value)
         yield family
 
 
@@ -86,26 +77,26 @@ class OperatorMetrics:
             "(status.lastFailure.class).", ["class"], registry=self.registry)
         self.api_errors = Counter("kubetrain_operator_api_errors",
                                   "Kubernetes API calls that failed.", registry=self.registry)
-        self.rank_slowness = _RankSlowness()
+        self.rank_slowness = _JobGauge(
+            "kubetrain_rank_slowness", "Each rank's compute time per step over the median "
+            "rank's, at the last judged interval (runPolicy.stragglers).", ("rank",))
         self.registry.register(self.rank_slowness)
-        self.avoided_nodes = _AvoidedNodes()
+        self.avoided_nodes = _JobGauge(
+            "kubetrain_avoided_nodes", "Nodes the job's new pods keep off (status.avoidedNodes: "
+            "stragglers replaced, failed preflight checks, repeated failures).")
         self.registry.register(self.avoided_nodes)
 
     def show_job_status(self, namespace: str, job: str, status: Mapping[str, Any] | None) -> None:
         """Set the gauges that follow the job's status, kubetrain_rank_slowness and
         kubetrain_avoided_nodes (none once it finished or is gone)."""
-        finished = (status or {}).get("phase") in ("Succeeded", "Failed")
-        avoided = len((status or {}).get("avoidedNodes") or [])
-        if avoided and not finished:
-            self.avoided_nodes.jobs[(namespace, job)] = avoided
-        else:
-            self.avoided_nodes.jobs.pop((namespace, job), None)
-        ranks = ((status or {}).get("ranks") or {}).get("ranks") or []
-        if not ranks or finished:
-            self.rank_slowness.jobs.pop((namespace, job), None)
-            return
-        self.rank_slowness.jobs[(namespace, job)] = [
-            (int(rank["rank"]), float(rank["slowness"])) for rank in ranks]
+        status = status or {}
+        if status.get("phase") in ("Succeeded", "Failed"):
+            status = {}
+        avoided = len(status.get("avoidedNodes") or [])
+        self.avoided_nodes.show(namespace, job, [((), avoided)] if avoided else [])
+        ranks = (status.get("ranks") or {}).get("ranks") or []
+        self.rank_slowness.show(namespace, job, [
+            ((str(rank["rank"]),), float(rank["slowness"])) for rank in ranks])
 
     def count_phases(self, phases: dict[str, str]) -> None:
         """Set the jobs gauge from each job's current phase."""
