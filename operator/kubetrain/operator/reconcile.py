@@ -471,12 +471,9 @@ class _Decision:
             chosen.append((rank, pod))
         if not chosen:
             return
-        said = []
-        for rank, pod in chosen:
-            what = (f"rank {rank.rank} in pod {pod.name} computes {rank.slowness:.2f}x the "
-                    f"median rank's time per step, for {rank.slow_intervals} intervals")
+        said = [self.straggler_text(rank) for rank, _ in chosen]
+        for (rank, _), what in zip(chosen, said, strict=True):
             self.avoid_node(rank.node, "Straggler", what)
-            said.append(f"{what} on node {rank.node}")
         self.status.straggler_replacements += len(chosen)
         broken = [pod for _, pod in chosen]
         self.restart("StragglerReplaced", "; ".join(said) + " (runPolicy.stragglers.action: "
