@@ -67,6 +67,17 @@ from kubetrain.api.trainingjob import (
     step_folder,
 )
 from kubetrain.operator import avoidance, children, stragglers
+from kubetrain.operator.actions import (
+    Action,
+    CountFailure,
+    CountRestart,
+    CreateObject,
+    DeleteJob,
+    DeletePod,
+    RecordEvent,
+    UpdateConfigMap,
+    WriteStatus,
+)
 from kubetrain.operator.failures import classify, describe
 from kubetrain.operator.observed import (
     DISRUPTION_REASONS,
@@ -74,6 +85,13 @@ from kubetrain.operator.observed import (
     TrainerFailure,
     WorkerPod,
 )
+
+# The actions (kubetrain.operator.actions) are read from here by the handlers and tests.
+__all__ = [
+    "HUNG_GROUP_GRACE_SECONDS", "Action", "CountFailure", "CountRestart", "CreateObject",
+    "DeleteJob", "DeletePod", "RecordEvent", "UpdateConfigMap", "WriteStatus", "goodput_status",
+    "merge_patch", "reconcile", "reject",
+]
 
 FINISHED = ("Succeeded", "Failed")
 INVALID_SPEC = "InvalidSpec"
@@ -93,78 +111,6 @@ ESTIMATE_ADVICE = (
     "run `kubetrain estimate` on the job for a configuration that fits: activation "
     "checkpointing (parallelism.activationCheckpointing), more workers with strategy fsdp, "
     "or more memory per worker (spec.workers.resources.limits.memory)")
-
-
-# --- actions ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CreateObject:
-    """Create a child (Service, ConfigMap or Pod); an existing one of that name is kept."""
-
-    manifest: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class UpdateConfigMap:
-    """Replace the ConfigMap's snapshot (and its generation annotation) with `manifest`'s."""
-
-    manifest: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class DeletePod:
-    """Delete a worker pod; grace 0 for pods whose node is gone (no kubelet to ask)."""
-
-    name: str
-    reason: str
-    grace_period_seconds: int | None = None
-
-
-@dataclass(frozen=True)
-class DeleteJob:
-    """Delete the TrainingJob itself; owner references take its children with it."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class WriteStatus:
-    """Patch status: `patch` (a JSON merge patch) turns the job's status into `status`.
-
-    Emitted only when the status changed.
-    """
-
-    status: dict[str, Any]
-    patch: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class RecordEvent:
-    """A Kubernetes event on the job, one per transition."""
-
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class CountRestart:
-    """Bookkeeping for the operator's metrics: the workers restart for `reason`."""
-
-    reason: str
-    hang: bool = False
-
-
-@dataclass(frozen=True)
-class CountFailure:
-    """Bookkeeping for the metric kubetrain_worker_failures_total: a worker failed thus."""
-
-    failure_class: str
-
-
-Action = (CreateObject | UpdateConfigMap | DeletePod | DeleteJob | WriteStatus | RecordEvent
-          | CountRestart | CountFailure)
 
 
 # --- the decision -------------------------------------------------------------------

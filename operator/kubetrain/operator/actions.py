@@ -1,0 +1,79 @@
+"""What a reconcile pass can decide: the actions the kopf handlers apply, as plain data.
+
+`kubetrain.operator.reconcile` and its policy modules (lifecycle, nodes, observation)
+build them; `kubetrain.operator.handlers` performs them. Nothing here decides or does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class CreateObject:
+    """Create a child (Service, ConfigMap or Pod); an existing one of that name is kept."""
+
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class UpdateConfigMap:
+    """Replace the ConfigMap's snapshot (and its generation annotation) with `manifest`'s."""
+
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    """Delete a worker pod; grace 0 for pods whose node is gone (no kubelet to ask)."""
+
+    name: str
+    reason: str
+    grace_period_seconds: int | None = None
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """Delete the TrainingJob itself; owner references take its children with it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class WriteStatus:
+    """Patch status: `patch` (a JSON merge patch) turns the job's status into `status`.
+
+    Emitted only when the status changed.
+    """
+
+    status: dict[str, Any]
+    patch: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RecordEvent:
+    """A Kubernetes event on the job, one per transition."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CountRestart:
+    """Bookkeeping for the operator's metrics: the workers restart for `reason`."""
+
+    reason: str
+    hang: bool = False
+
+
+@dataclass(frozen=True)
+class CountFailure:
+    """Bookkeeping for the metric kubetrain_worker_failures_total: a worker failed thus."""
+
+    failure_class: str
+
+
+Action = (CreateObject | UpdateConfigMap | DeletePod | DeleteJob | WriteStatus | RecordEvent
+          | CountRestart | CountFailure)
