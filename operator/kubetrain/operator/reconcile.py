@@ -194,22 +194,26 @@ class _Decision:
     def condition(self, kind: str, value: bool, reason: str, message: str = "") -> None:
         """Set one condition, keeping its transition time when its truth did not change."""
         text: Literal["True", "False"] = "True" if value else "False"
-        for existing in self.status.conditions:
-            if existing.type == kind:
-                if existing.status != text:
-                    existing.last_transition_time = self.now
-                existing.status, existing.reason, existing.message = text, reason, message
-                return
-        if value:  # a condition that never held is simply absent
+        existing = self.condition_of(kind)
+        if existing is not None:
+            if existing.status != text:
+                existing.last_transition_time = self.now
+            existing.status, existing.reason, existing.message = text, reason, message
+        elif value:  # a condition that never held is simply absent
             self.status.conditions.append(Condition(
                 type=kind, status=text, reason=reason, message=message,
                 last_transition_time=self.now))
 
+    def condition_of(self, kind: str) -> Condition | None:
+        """The status condition of type `kind`, true or false; None when it never held."""
+        return next((c for c in self.status.conditions if c.type == kind), None)
+
     def condition_since(self, kind: str) -> datetime | None:
-        for existing in self.status.conditions:
-            if existing.type == kind and existing.status == "True":
-                return existing.last_transition_time
-        return None
+        """When condition `kind` last became true; None while it is not."""
+        existing = self.condition_of(kind)
+        if existing is None or existing.status != "True":
+            return None
+        return existing.last_transition_time
 
     def delete(self, pod: WorkerPod, reason: str) -> None:
         # A pod on a lost node can never confirm. A hung group, or one that lost a rank
