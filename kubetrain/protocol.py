@@ -1,0 +1,67 @@
+"""The protocol between the trainer and what runs it: exit codes and failure classes, once.
+
+A trainer process (`python -m kubetrain.trainer`) ends with one of these exit codes
+and, when it failed in a way only it can see, writes one of the trainer's failure
+classes into its termination message (`kubetrain.trainer.metrics.record_failure`).
+The operator (a pod's container status) and `kubetrain run` (a process's exit status)
+read both, and give every failed worker one of `FAILURE_CLASSES`: the names a user
+reads in status.lastFailure.class, the events and `kubetrain_worker_failures_total`.
+
+Torch-free and free of kubetrain imports, so the trainer, the API models, the
+operator and the local runner all take their names from here. What to do about a
+failure (retry, halve the micro-batch, give up) is not protocol: that is
+`kubetrain.restart_rules`.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, get_args
+
+# --- exit codes of a trainer process ----------------------------------------------------
+
+EXIT_COMPLETE: Final = 0  # training finished (maxSteps or early stopping), exported
+EXIT_INVALID_MANIFEST: Final = 2  # the job cannot run as written: permanent by default
+EXIT_RESTART: Final = 75  # EX_TEMPFAIL: another rank was signalled; rejoin the new membership
+EXIT_OUT_OF_MEMORY: Final = 87  # the device ran out of memory at this micro-batch
+EXIT_COLLECTIVE_TIMEOUT: Final = 88  # a collective timed out (a peer hung or vanished)
+EXIT_PREFLIGHT_FAILED: Final = 89  # the preflight check failed (kubetrain.trainer.preflight)
+EXIT_GPU_ERROR: Final = 90  # the GPU itself failed (kubetrain.trainer.loop.is_gpu_error)
+# 128 + N is "killed by signal N" as shells and container runtimes report it (Python's
+# Popen reports -N); 128 itself is no signal.
+SIGNAL_EXIT_BASE: Final = 128
+EXIT_SIGNALLED: Final = 143  # 128 + SIGTERM: stopped after saving a checkpoint
+EXIT_OOM_KILLED: Final = 137  # 128 + SIGKILL, what the kernel's OOM killer leaves
+# Exit codes that mean the configuration or code is wrong (runPolicy.permanentExitCodes'
+# default): the trainer's invalid manifest, and a shell's "cannot execute" and "not found".
+DEFAULT_PERMANENT_EXIT_CODES: Final = (EXIT_INVALID_MANIFEST, 126, 127)
+
+
+def is_signal_exit(exit_code: int) -> bool:
+    """Whether an exit status says the process was killed by a signal rather than exiting."""
+    return exit_code < 0 or exit_code > SIGNAL_EXIT_BASE
+
+
+# --- failure classes --------------------------------------------------------------------
+
+# Every class a failed worker can get, in the order kubetrain.operator.failures decides it.
+FailureClass = Literal["OOMKilled", "CUDAOutOfMemory", "Evicted", "Preempted", "NodeLost",
+                       "CollectiveTimeout", "GPUError", "PreflightFailed", "UserError",
+                       "Unknown"]
+FAILURE_CLASSES: Final[tuple[str, ...]] = get_args(FailureClass)
+# The classes only the trainer can see, written into its termination message: under
+# torchrun the worker's exit code is torchrun's, whatever the trainer died of.
+TrainerFailureClass = Literal["CUDAOutOfMemory", "CollectiveTimeout", "GPUError",
+                              "PreflightFailed"]
+TRAINER_CLASSES: Final = frozenset(get_args(TrainerFailureClass))
+# The trainer's own exit code for each: what a trainer run without torchrun exits with.
+TRAINER_EXIT_CODES: Final[dict[str, int]] = {
+    "CUDAOutOfMemory": EXIT_OUT_OF_MEMORY,
+    "CollectiveTimeout": EXIT_COLLECTIVE_TIMEOUT,
+    "PreflightFailed": EXIT_PREFLIGHT_FAILED,
+    "GPUError": EXIT_GPU_ERROR,
+}
+# Out of memory, in the container (the kernel's OOM killer) or on the device.
+OUT_OF_MEMORY_CLASSES: Final = frozenset({"OOMKilled", "CUDAOutOfMemory"})
+# Trainer failures a restart in place cannot cure (the same micro-batch, the same GPU, the
+# same stalled peer): the worker asks its torchrun agent to stop, and the pod ends.
+ENDS_THE_POD: Final = frozenset({"CUDAOutOfMemory", "GPUError", "PreflightFailed"})
