@@ -242,8 +242,7 @@ class TrainingJobController:
         if type == "DELETED":
             with self._memory_lock:
                 self.memory.pop(uid, None)
-                self.phases.pop(uid, None)
-            self.metrics.count_phases(self.phases)
+            self._count_phase(uid, None)
             self.metrics.show_job_status(namespace, name, None)
             return
         if type == "MODIFIED" and self._own_status_echo(uid, body):
@@ -471,8 +470,7 @@ class TrainingJobController:
             self.metrics.show_job_status(namespace, name, action.status)
             phase = action.status.get("phase")
             if phase:
-                self.phases[body["metadata"].get("uid", "")] = phase
-                self.metrics.count_phases(self.phases)
+                self._count_phase(body["metadata"].get("uid", ""), phase)
         elif isinstance(action, CreateObject):
             self._create(namespace, memory, action.manifest)
         elif isinstance(action, UpdateConfigMap):
@@ -498,6 +496,20 @@ class TrainingJobController:
                 self.metrics.hang_restarts.inc()
         elif isinstance(action, CountFailure):
             self.metrics.worker_failures.labels(action.failure_class).inc()
+
+    def _count_phase(self, uid: str, phase: str | None) -> None:
+        """Set (None: drop) the job's phase and recount the jobs gauge from a copy.
+
+        Executor threads write phases while others count them: the table changes only under
+        the lock, and the gauge is set from it under the lock too, so the last count set is
+        the latest table's.
+        """
+        with self._memory_lock:
+            if phase is None:
+                self.phases.pop(uid, None)
+            else:
+                self.phases[uid] = phase
+            self.metrics.count_phases(dict(self.phases))
 
     def _event(self, job: Mapping[str, Any], action: RecordEvent) -> dict[str, Any]:
         """A core/v1 Event about the job (what `kubectl describe tj` lists)."""
