@@ -74,6 +74,16 @@ from torch.distributed.tensor import DTensor
 
 from kubetrain.api.manifest import load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJob, TrainingJobSpec
+from kubetrain.protocol import (  # the exit codes and classes the operator reads
+    ENDS_THE_POD,
+    EXIT_COLLECTIVE_TIMEOUT,
+    EXIT_COMPLETE,
+    EXIT_GPU_ERROR,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_PREFLIGHT_FAILED,
+    EXIT_RESTART,
+    EXIT_SIGNALLED,
+)
 from kubetrain.trainer.architecture import build_model
 from kubetrain.trainer.checkpoint import (
     Checkpointer,
@@ -135,16 +145,6 @@ from kubetrain.trainer.rank_timing import (
 )
 from kubetrain.trainer.sizing import flops_per_token, ssm_flops_per_token
 from kubetrain.trainer.storage import open_storage
-
-EXIT_COMPLETE = 0
-EXIT_SIGNALLED = 143  # 128 + SIGTERM, what a process killed by SIGTERM reports
-EXIT_RESTART = 75  # EX_TEMPFAIL: another rank was signalled; rejoin the new membership
-EXIT_OUT_OF_MEMORY = 87  # the device ran out of memory at this micro-batch
-EXIT_COLLECTIVE_TIMEOUT = 88  # a collective timed out (a peer hung or vanished)
-EXIT_PREFLIGHT_FAILED = 89  # the preflight check failed (preflight.py)
-EXIT_GPU_ERROR = 90  # the GPU itself failed (is_gpu_error)
-# Failures a restart in place cannot cure: the worker's torchrun agent is asked to stop.
-ENDS_THE_POD = frozenset({"CUDAOutOfMemory", "GPUError", "PreflightFailed"})
 
 
 @dataclass(frozen=True)
