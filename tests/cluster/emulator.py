@@ -32,8 +32,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import types
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,18 @@ PODS = "v1/pods"
 # The grace period of a pod deleted without one, as the API server's default.
 DEFAULT_GRACE_SECONDS = 30
 
+# `Emulator` replaces two of kmock's private lookups, found by their name-mangled names
+# (`_KubernetesEmulator__get_objs`, `__check`). Python calls a replacement only while kmock's
+# own methods still call that name: were one renamed in a kmock release, kmock would use its
+# own lookup again, silently (right, but quadratic: hours for the 500-job benchmark). So
+# each emulator checks at start-up that these calls are still in kmock's code: (caller,
+# callee), both by their names in kmock's source.
+KMOCK_LOOKUP_CALLS = (
+    ("_serve_list", "__get_objs"), ("_serve_watch", "__get_objs"), ("_serve_watch", "__check"),
+    ("__get_obj", "__get_objs"), ("_serve_fetch", "__get_obj"), ("_serve_create", "__get_obj"),
+    ("_serve_update", "__get_obj"), ("_serve_delete", "__get_obj"),
+)
+
 
 class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus the API-server behaviour the operator depends on."""
@@ -58,6 +71,12 @@ class Emulator(kmock.KubernetesEmulator):
     _versions = itertools.count(1)
 
     def __init__(self) -> None:
+        missing = unreached_lookups(kmock.KubernetesEmulator)
+        if missing:
+            raise RuntimeError(
+                f"kmock {kmock.__version__} changed the private lookups that "
+                f"tests/cluster/emulator.py replaces: {'; '.join(missing)}. Replace the "
+                "lookups kmock calls now, or bound kmock in pyproject.toml.")
         super().__init__()
         self._same_resource: dict[tuple[Any, Any], bool] = {}
         self.served: list[kmock.Request] = []  # routed requests, oldest first
@@ -173,7 +192,8 @@ class Emulator(kmock.KubernetesEmulator):
     # kmock finds an object by scanning all of them and comparing resources with regular
     # expressions: quadratic in the object count, hours for the 500-job benchmark. These two
     # overrides of its private lookups keep its semantics: a dict lookup for one object,
-    # and resource comparisons remembered.
+    # and resource comparisons remembered. `__init__` checks that kmock still calls them
+    # (KMOCK_LOOKUP_CALLS).
     def _KubernetesEmulator__get_objs(self, request: kmock.Request,
                                       strict: bool) -> list[Any]:
         if strict and request.name is not None:
@@ -271,6 +291,33 @@ class Emulator(kmock.KubernetesEmulator):
                     await self._buses[resource].put({"type": "DELETED", "object": raw})
             if not orphans:
                 return
+
+
+def unreached_lookups(base: type) -> list[str]:
+    """Each call of `KMOCK_LOOKUP_CALLS` that `base`'s code no longer makes, in words.
+
+    A method "calls" a private lookup when its code, or code nested in it, names the
+    lookup's mangled attribute (`self.__check` compiles to `_KubernetesEmulator__check`).
+    `Emulator` replaces `__get_objs` and `__check`; each must also still be defined by
+    `base`, or the replacement has nothing to replace.
+    """
+    prefix = f"_{base.__name__}"
+    missing = [f"{base.__name__} defines no {name}" for name in ("__get_objs", "__check")
+               if not callable(getattr(base, prefix + name, None))]
+    for caller, callee in KMOCK_LOOKUP_CALLS:
+        method = getattr(base, prefix + caller if caller.startswith("__") else caller, None)
+        code = getattr(method, "__code__", None)
+        if code is None or prefix + callee not in set(_names(code)):
+            missing.append(f"{base.__name__}.{caller} no longer calls {callee}")
+    return missing
+
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    """The attribute and global names that `code` and the code nested in it use."""
+    yield from code.co_names
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _names(constant)
 
 
 def label_selector(text: str) -> Callable[[dict[str, Any]], bool]:

@@ -7,11 +7,13 @@ import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import kmock
 import pytest
 from controllers import UNREACHABLE_TAINT, NodeLifecycle, Scheduler
-from emulator import EmulatedCluster
-from kubernetes import client
+from emulator import EmulatedCluster, unreached_lookups
+from kubernetes import client, watch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import eventually
@@ -70,6 +72,54 @@ def test_lists_select_by_equality_labels(core: client.CoreV1Api) -> None:
     with pytest.raises(client.ApiException) as refused:
         names("job in (x, y)")
     assert refused.value.status == 400
+
+
+def test_kmock_reads_objects_through_the_emulators_faster_lookups(tmp_path: Path) -> None:
+    """Fetch, list and watch each reach the emulator's replacements of kmock's private
+    lookups, counted on the running emulator as kmock calls them."""
+    with EmulatedCluster(tmp_path) as cluster:
+        emulator, calls = cluster.emulator, {"__get_objs": 0, "__check": 0}
+        for name in calls:
+            replaced = getattr(emulator, f"_KubernetesEmulator{name}")
+
+            def counted(*args: Any, _name: str = name, _replaced: Any = replaced,
+                        **kwargs: Any) -> Any:
+                calls[_name] += 1
+                return _replaced(*args, **kwargs)
+
+            setattr(emulator, f"_KubernetesEmulator{name}", counted)
+        core = client.CoreV1Api(cluster.api_client())
+        core.create_namespaced_pod("ns", _pod("first"))
+        core.read_namespaced_pod("first", "ns")
+        core.list_namespaced_pod("ns")
+        assert calls["__get_objs"] >= 3, calls
+        before, seen, stream = 0, [], watch.Watch()
+        # The watch's first event is the pod already there; the second comes off kmock's
+        # event bus, which it filters with `__check` alone (a create calls no `__check`).
+        for event in stream.stream(core.list_namespaced_pod, "ns", _request_timeout=10):
+            seen.append(event["object"].metadata.name)
+            if seen == ["first"]:
+                before = calls["__check"]
+                core.create_namespaced_pod("ns", _pod("second"))
+            if "second" in seen:
+                stream.stop()
+        assert seen == ["first", "second"] and calls["__check"] > before, calls
+
+
+def test_start_up_check_names_each_kmock_lookup_call_gone() -> None:
+    """The installed kmock still makes every call the emulator's replacements rely on; a
+    kmock whose list found objects under another name is refused, naming the call."""
+    assert unreached_lookups(kmock.KubernetesEmulator) == []
+
+    class KubernetesEmulator(kmock.KubernetesEmulator):  # kmock's name: its names mangle alike
+        async def _serve_list(self, request: kmock.Request) -> Any:
+            return self.__find_objs(request)
+
+        def __find_objs(self, request: kmock.Request) -> list[Any]:
+            return []
+
+    assert unreached_lookups(KubernetesEmulator) == [
+        "KubernetesEmulator._serve_list no longer calls __get_objs"]
 
 
 def _node(core: client.CoreV1Api, name: str, renewed: datetime) -> None:
