@@ -30,12 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from kubetrain.api.trainingjob import (
-    OUT_OF_MEMORY_CLASSES,
-    EffectiveBatch,
-    TrainingJob,
-    TrainingJobStatus,
-)
+from kubetrain.api.trainingjob import EffectiveBatch, TrainingJob, TrainingJobStatus
 from kubetrain.local.launch import Rendezvous, agent_launch, free_port
 from kubetrain.local.memory import oom_kills
 from kubetrain.local.metrics_log import MetricsLogReader, RunHistory
@@ -49,6 +44,7 @@ from kubetrain.local.policy import (
 from kubetrain.local.progress import Outcome, ProgressDisplay, summary
 from kubetrain.local.report import write_after_run
 from kubetrain.local.workspace import Workspace
+from kubetrain.protocol import OUT_OF_MEMORY_CLASSES, TRAINER_CLASSES
 
 # Exit statuses of `kubetrain run`.
 EXIT_SUCCEEDED = 0
@@ -299,7 +295,6 @@ class LocalRun:
 
     def _failure_class(self, node: Node, code: int) -> str:
         """The class the operator would give this node's pod (kubetrain.operator.failures)."""
-        from kubetrain.operator.failures import TRAINER_CLASSES
         from kubetrain.operator.observed import trainer_failure
 
         log = self.workspace.logs / f"worker-{node.index}.termination-log"

@@ -28,15 +28,13 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kubetrain.operator.observed import WorkerPod
+from kubetrain.protocol import EXIT_OOM_KILLED, TRAINER_CLASSES
 
 # DisruptionTarget condition reasons (Kubernetes 1.26+) and pod reasons, by class.
 _PREEMPTED = frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler", "Preempting",
                         "Shutdown", "NodeShutdown", "Terminated"})
 _EVICTED = frozenset({"Evicted", "EvictionByEvictionAPI", "TerminationByKubelet"})
 _NODE_LOST = frozenset({"NodeLost", "DeletionByTaintManager", "DeletionByPodGC"})
-OOM_EXIT_CODE = 137  # 128 + SIGKILL, what the kernel's OOM killer leaves
-TRAINER_CLASSES = frozenset({"CUDAOutOfMemory", "CollectiveTimeout", "GPUError",
-                             "PreflightFailed"})
 
 
 def classify(pod: WorkerPod, permanent_exit_codes: Collection[int]) -> str:
@@ -49,7 +47,7 @@ def classify(pod: WorkerPod, permanent_exit_codes: Collection[int]) -> str:
     if reasons & _EVICTED:
         return "Evicted"
     if "OOMKilled" in reasons or (
-            pod.exit_code == OOM_EXIT_CODE and "oom" in (pod.pod_message or "").lower()):
+            pod.exit_code == EXIT_OOM_KILLED and "oom" in (pod.pod_message or "").lower()):
         return "OOMKilled"
     if pod.trainer_failure is not None and pod.trainer_failure.failure_class in TRAINER_CLASSES:
         return pod.trainer_failure.failure_class
