@@ -20,8 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from kubetrain.api.manifest import InvalidManifest, load_job
-
-EXIT_INVALID_MANIFEST = 2
+from kubetrain.protocol import EXIT_INVALID_MANIFEST
 
 
 def main(argv: Sequence[str] | None = None) -> int:
