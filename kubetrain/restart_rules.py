@@ -1,0 +1,133 @@
+"""The restart rules: what follows a failed worker, the same for the operator and `kubetrain run`.
+
+"The same manifest runs locally" means the same decisions: both runners ask these
+pure functions, over `spec.runPolicy` and what happened so far, and only word and
+apply the answer their own way (status, events and pods for the operator; processes
+and the terminal for the local runner). In the order the runners check them:
+- a failure's retry kind (`retry_kind`): an exit code in runPolicy.permanentExitCodes
+  is `permanent` and fails the job; a signal exit (128 + N, or Popen's -N), the
+  trainer's restart-me code 75, no exit code at all (a hang, an eviction), a lost node
+  or a class with its own rule (out of memory, a failed preflight) is `retryable`;
+  any other exit code is `code`, retried until it repeats;
+- out of memory halves the micro-batch and doubles the accumulation
+  (`after_out_of_memory`, runPolicy.outOfMemory), outside maxRestarts and without a
+  backoff (the cause is fixed, not waited out); with nothing smaller left the job fails
+  with `kubetrain estimate`'s advice;
+- the same `code` exit repeated with the training step not past where the streak began
+  fails the job at runPolicy.repeatedFailureLimit (`next_streak`, `repeated`);
+- every other restart counts against runPolicy.maxRestarts (`restarts_spent`) and waits
+  a backoff that doubles per restart up to runPolicy.maxBackoffSeconds (`backoff_seconds`).
+
+Torch-free and free of I/O and clocks. The exit codes and class names are
+`kubetrain.protocol`'s; the halving itself is `TrainingJobSpec.after_out_of_memory`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Final, Literal
+
+from kubetrain.api.trainingjob import EffectiveBatch, FailureStreak, RunPolicy, TrainingJobSpec
+from kubetrain.protocol import EXIT_RESTART, OUT_OF_MEMORY_CLASSES, is_signal_exit
+
+# What a failure is to the restart rules (not its failure class, which says what happened).
+RetryKind = Literal["permanent", "retryable", "code"]
+# How a job the rules end fails: the Failed condition's reason on Kubernetes.
+Ending = Literal["PermanentError", "OutOfMemory", "RepeatedFailure", "MaxRestartsExceeded"]
+# Failure classes a rule of their own answers (halving the micro-batch, avoiding the
+# nodes a preflight named): never part of a streak of exit codes.
+OWN_RULE_CLASSES: Final = OUT_OF_MEMORY_CLASSES | {"PreflightFailed"}
+
+ESTIMATE_ADVICE: Final = (
+    "run `kubetrain estimate` on the job for a configuration that fits: activation "
+    "checkpointing (parallelism.activationCheckpointing), more workers with strategy fsdp, "
+    "or more memory per worker (spec.workers.resources.limits.memory)")
+
+
+def retry_kind(exit_code: int | None, permanent_exit_codes: Collection[int], *,
+               failure_class: str = "Unknown", disrupted: bool = False) -> RetryKind:
+    """`permanent`, `retryable` or `code` (a plain non-zero exit: retried until it repeats).
+
+    `disrupted`: the worker's node was lost, or Kubernetes ended it (eviction,
+    preemption, an OOM kill, a deadline), whatever its exit code says.
+    """
+    if exit_code is not None and exit_code in permanent_exit_codes:
+        return "permanent"
+    if (exit_code is None or disrupted or is_signal_exit(exit_code) or exit_code == EXIT_RESTART
+            or failure_class in OWN_RULE_CLASSES):
+        return "retryable"
+    return "code"
+
+
+def heals_out_of_memory(failure_class: str, kind: RetryKind) -> bool:
+    """Whether a failure goes to the out-of-memory rule (a permanent exit code still fails)."""
+    return failure_class in OUT_OF_MEMORY_CLASSES and kind != "permanent"
+
+
+def next_streak(streak: FailureStreak | None, exit_code: int, step: int) -> FailureStreak:
+    """The streak after a `code` failure with `exit_code` at training step `step`.
+
+    One longer when the same code ended the streak's attempts and the step is still the
+    one the streak began at; otherwise a new streak of one. Failures of another retry
+    kind in between leave the streak as it is.
+    """
+    if streak is not None and streak.exit_code == exit_code and streak.step == step:
+        return streak.model_copy(update={"count": streak.count + 1})
+    return FailureStreak(exit_code=exit_code, count=1, step=step)
+
+
+def repeated(streak: FailureStreak, policy: RunPolicy) -> bool:
+    """Whether the streak reached runPolicy.repeatedFailureLimit: the job fails."""
+    return streak.count >= policy.repeated_failure_limit
+
+
+def restarts_spent(policy: RunPolicy, restarts: int) -> bool:
+    """Whether `restarts` counted restarts leave none for another (runPolicy.maxRestarts)."""
+    return restarts >= policy.max_restarts
+
+
+def backoff_seconds(policy: RunPolicy, restart: int) -> float:
+    """Delay before the `restart`-th counted restart (1 for the first): doubles each time,
+    capped at runPolicy.maxBackoffSeconds; none before the first."""
+    if restart <= 0:
+        return 0.0
+    return float(min(policy.backoff_seconds * 2 ** (restart - 1), policy.max_backoff_seconds))
+
+
+@dataclass(frozen=True)
+class OutOfMemoryVerdict:
+    """What running out of memory leads to: a smaller micro-batch, or the job fails."""
+
+    effective: EffectiveBatch | None
+    """The batch split to restart with (status.effective); None: the job fails."""
+    why_not: str
+    """With no smaller micro-batch: why none is tried, naming the field."""
+    limit: int
+    """Out-of-memory restarts the job allows (log2 of the spec's micro-batch)."""
+
+
+def after_out_of_memory(spec: TrainingJobSpec, micro_batch_size: int, out_of_memory_restarts: int,
+                        world_size: int, reason: str,
+                        now: datetime | None = None) -> OutOfMemoryVerdict:
+    """Restart with half the micro-batch and the accumulation that keeps the global batch,
+    or fail (runPolicy.outOfMemory). `reason` and `now` go into the new status.effective."""
+    smaller, why = spec.after_out_of_memory(micro_batch_size, out_of_memory_restarts)
+    limit = spec.out_of_memory_restart_limit()
+    if smaller is None:
+        return OutOfMemoryVerdict(None, why, limit)
+    effective = EffectiveBatch(
+        micro_batch_size=smaller,
+        gradient_accumulation_steps=spec.gradient_accumulation(world_size, smaller),
+        out_of_memory_restarts=out_of_memory_restarts + 1,
+        spec_micro_batch_size=spec.optimization.micro_batch_size, reason=reason, time=now)
+    return OutOfMemoryVerdict(effective, "", limit)
+
+
+def estimate_advice(trainer_message: str = "") -> str:
+    """What to do when nothing smaller fits: `kubetrain estimate`'s advice, or a pointer to
+    the advice the trainer already wrote into its message."""
+    if "kubetrain estimate" in trainer_message:
+        return "see kubetrain estimate's advice above"
+    return ESTIMATE_ADVICE
