@@ -43,6 +43,9 @@ REPEATED_FAILURE_WINDOW = timedelta(hours=1)
 NODE_FAILURES_LIMIT = 64
 # How long a pod that avoids nodes may stay Unschedulable before the job stops waiting.
 SCHEDULING_GRACE_SECONDS = 60
+# status.avoidedNodes[].message is cut here, as status.lastFailure.message is: it may
+# quote a trainer's termination message (up to 4 KiB).
+MESSAGE_LIMIT = 1024
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ def avoid(avoided: Sequence[AvoidedNode], node: str | None, reason: AvoidReason,
     the node already avoided (its entry keeps its reason and expiry)."""
     if not node or seconds <= 0 or any(entry.node == node for entry in avoided):
         return None
-    return AvoidedNode(node=node, reason=reason, message=message, time=now,
+    return AvoidedNode(node=node, reason=reason, message=message[:MESSAGE_LIMIT], time=now,
                        expires=now + timedelta(seconds=seconds))
 
 

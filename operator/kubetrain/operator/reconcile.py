@@ -46,27 +46,20 @@ Slow and broken nodes (kubetrain.operator.stragglers, kubetrain.operator.avoidan
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from kubetrain.api.trainingjob import (
-    OUT_OF_MEMORY_CLASSES,
-    BadputSeconds,
-    BestCheckpointStatus,
-    CheckpointStatus,
     Condition,
     EffectiveBatch,
     FailureStreak,
-    GoodputStatus,
     RankSlowness,
     TrainingJob,
     TrainingJobStatus,
     WorkerFailure,
-    step_folder,
 )
-from kubetrain.operator import avoidance, children, stragglers
+from kubetrain.operator import avoidance, children, lifecycle, nodes, observation
 from kubetrain.operator.actions import (
     Action,
     CountFailure,
@@ -79,12 +72,15 @@ from kubetrain.operator.actions import (
     WriteStatus,
 )
 from kubetrain.operator.failures import classify, describe
+from kubetrain.operator.lifecycle import INVALID_SPEC
+from kubetrain.operator.observation import goodput_status
 from kubetrain.operator.observed import (
     DISRUPTION_REASONS,
     Observed,
     TrainerFailure,
     WorkerPod,
 )
+from kubetrain.protocol import OUT_OF_MEMORY_CLASSES
 
 # The actions (kubetrain.operator.actions) are read from here by the handlers and tests.
 __all__ = [
@@ -94,7 +90,6 @@ __all__ = [
 ]
 
 FINISHED = ("Succeeded", "Failed")
-INVALID_SPEC = "InvalidSpec"
 # Seconds a hung group's pods get between SIGTERM and SIGKILL: enough to flush logs.
 HUNG_GROUP_GRACE_SECONDS = 5
 
@@ -134,22 +129,6 @@ def failure_class(pod: WorkerPod, permanent_exit_codes: list[int]) -> str:
     return "code"
 
 
-def goodput_status(wall_seconds: Mapping[str, float]) -> GoodputStatus:
-    """status.goodput from the trainer's seconds by cause (kubetrain_wall_time_seconds_total).
-
-    Rounded to whole seconds (the ratio to 4 digits) so the status changes only when
-    the figures visibly do. Causes this operator does not know are left out of the
-    breakdown but stay in the wall time.
-    """
-    wall = sum(wall_seconds.values())
-    productive = wall_seconds.get("productive", 0.0)
-    badput = {cause: round(seconds) for cause, seconds in wall_seconds.items()
-              if cause in BadputSeconds.model_fields}
-    return GoodputStatus(ratio=round(productive / wall, 4) if wall > 0 else 1.0,
-                         productive_seconds=round(productive), wall_seconds=round(wall),
-                         badput_seconds=BadputSeconds(**badput))
-
-
 @dataclass
 class _Decision:
     """The status being computed and the actions decided so far for one reconcile pass."""
@@ -173,16 +152,6 @@ class _Decision:
     @property
     def replicas(self) -> int:
         return self.job.spec.workers.replicas
-
-    def release_pods_of_lost_nodes(self) -> None:
-        """Force-delete pods already terminating on a lost node.
-
-        No kubelet will ever confirm their deletion (the taint eviction controller only
-        marks them), and each holds the name its replacement needs.
-        """
-        for pod in self.observed.pods:
-            if pod.deleting and pod.node_lost and pod.name not in self.deleted:
-                self.delete(pod, "NodeLost")
 
     def live_pods(self) -> list[WorkerPod]:
         return [pod for pod in self.observed.pods
@@ -273,339 +242,23 @@ class _Decision:
         for pod in to_delete:
             self.delete(pod, reason)
 
-    # --- the steps, in order ---------------------------------------------------------
-
-    def observe_status(self) -> None:
-        status = self.status
-        status.observed_generation = self.job.metadata.generation
-        status.workers.selector = children.worker_selector(self.name)
-        status.workers.ready = sum(
-            1 for pod in self.live_pods() if pod.ready and pod.index < self.replicas)
-        self.observe_effective()
-        self.observe_progress()
-        self.observe_ranks()
+    # --- what the failure policy reads of nodes, lifecycle and observation -------------
+    # (it calls those modules directly once it has a module of its own)
 
     @property
     def world_size(self) -> int:
-        return self.replicas * self.job.spec.workers.procs_per_worker
-
-    def observe_effective(self) -> None:
-        """status.effective: the micro-batch in use (the spec's until an OOM restart) and
-        the accumulation that keeps the global batch at the job's replicas."""
-        spec = self.job.spec
-        asked = spec.optimization.micro_batch_size
-        effective = self.status.effective
-        if effective is not None and effective.spec_micro_batch_size not in (None, asked):
-            # The user changed the spec's micro-batch (after healing, say): theirs now.
-            self.event("MicroBatchReset", f"optimization.microBatchSize is {asked} now: the "
-                       f"workers use it from their next start (they used "
-                       f"{effective.micro_batch_size})")
-            effective = None
-        micro = effective.micro_batch_size if effective else asked
-        if micro > asked or asked % micro:
-            effective, micro = None, asked  # not a divisor of the spec's: the spec's
-        accumulation = spec.gradient_accumulation(self.world_size, micro)
-        if effective is None:
-            self.status.effective = EffectiveBatch(
-                micro_batch_size=micro, gradient_accumulation_steps=accumulation,
-                spec_micro_batch_size=asked)
-        else:
-            effective.gradient_accumulation_steps = accumulation
-            effective.spec_micro_batch_size = asked
-
-    def observe_progress(self) -> None:
-        sample = self.observed.metrics
-        if sample is None:
-            return
-        progress = self.status.progress
-        if sample.step is not None:
-            newer = sample.last_step_time is not None and (
-                progress.updated_at is None or sample.last_step_time > progress.updated_at)
-            if sample.step != progress.step or newer or progress.updated_at is None:
-                progress.step = sample.step
-                progress.updated_at = min(sample.last_step_time or self.now, self.now)
-        if sample.max_steps is not None:
-            progress.max_steps = sample.max_steps
-        if sample.epoch is not None:
-            progress.epoch = round(sample.epoch, 4)
-        if sample.loss is not None:
-            progress.loss = round(sample.loss, 6)
-        if sample.ce_loss is not None:  # only a distillation job exports the two terms
-            progress.ce_loss = round(sample.ce_loss, 6)
-        if sample.kd_loss is not None:
-            progress.kd_loss = round(sample.kd_loss, 6)
-        if sample.tokens_per_second is not None:
-            progress.tokens_per_second = round(sample.tokens_per_second, 3)
-        if sample.step_time is not None and progress.max_steps is not None:
-            progress.eta_seconds = round(
-                max(0, progress.max_steps - progress.step) * sample.step_time)
-        if sample.wall_seconds:
-            self.status.goodput = goodput_status(sample.wall_seconds)
-        latest = self.status.latest_checkpoint
-        # The trainer's gauges read step 0 and time 0 until it commits a checkpoint: only a
-        # commit time shows that one exists.
-        if sample.checkpoint_step is not None and sample.checkpoint_time is not None and (
-                latest is None or latest.step != sample.checkpoint_step):
-            self.status.latest_checkpoint = CheckpointStatus(
-                step=sample.checkpoint_step, uri=self.job.spec.checkpoint.uri,
-                time=sample.checkpoint_time)
-        # Step 0 is never a best checkpoint (the baseline evaluation saves none): none yet.
-        if sample.best_checkpoint_step and sample.best_checkpoint_val_loss is not None:
-            uri = self.job.spec.checkpoint.uri.rstrip("/")
-            self.status.best_checkpoint = BestCheckpointStatus(
-                step=sample.best_checkpoint_step,
-                validation_loss=round(sample.best_checkpoint_val_loss, 6),
-                uri=f"{uri}/{step_folder(sample.best_checkpoint_step)}")
-
-    def observe_ranks(self) -> None:
-        """Judge each rank's slowness once per logged interval; name a straggler."""
-        sample = self.observed.metrics
-        if sample is None or not sample.ranks or sample.ranks_step is None:
-            return
-        policy = self.job.spec.run_policy.stragglers
-        previous = self.status.ranks
-        if previous is not None and previous.step == sample.ranks_step:
-            return  # the same interval, scraped again
-        judged = stragglers.judge(previous, sample.ranks_step, sample.ranks, policy.threshold,
-                                  policy.window)
-        self.status.ranks = judged
-        slow = stragglers.stragglers(judged)
-        if not slow:
-            self.condition("Straggler", False, "NoSlowRank", "every rank's compute time is "
-                           f"within {policy.threshold:g}x the median rank's")
-            return
-        said = {(rank.rank, rank.pod): self.straggler_text(rank) for rank in slow}
-        self.condition("Straggler", True, "SlowRank", "; ".join(said.values()) + (
-            f" (runPolicy.stragglers: threshold {policy.threshold:g}, window {policy.window}, "
-            f"action {policy.action})"))
-        for rank in stragglers.newly(previous, judged):  # one event per episode
-            self.event("Straggler", said[(rank.rank, rank.pod)], warning=True)
-            self.new_stragglers.append(rank)
-
-    def straggler_text(self, rank: RankSlowness) -> str:
-        """A straggler in words: where it runs, how slow, for how long (or how it recovers)."""
-        where = (f"rank {rank.rank} in pod {rank.pod} on node {rank.node} computes "
-                 f"{rank.slowness:.2f}x the median rank's time per step")
-        if rank.slow_intervals:
-            return f"{where}, for {rank.slow_intervals} intervals"
-        window = self.job.spec.run_policy.stragglers.window
-        return (f"{where}, at or under the threshold for {rank.normal_intervals} of the "
-                f"{window} intervals that end its report")
-
-    def replace_stragglers(self) -> None:
-        """runPolicy.stragglers.action Replace: avoid each new straggler's node and recreate
-        its pod off it, the whole group when it is worker 0's (the rendezvous host).
-
-        Each pod gets the template's grace: the group checkpoints on its SIGTERM and
-        resumes from that checkpoint. Not counted in maxRestarts and with no backoff, but
-        limited to maxRestarts replacements (status.stragglerReplacements), so a job whose
-        slowness follows it from node to node ends up reporting instead of replacing.
-        """
-        policy = self.job.spec.run_policy
-        if (policy.stragglers.action != "Replace" or not self.new_stragglers
-                or self.status.phase != "Running"):
-            return
-        pods = {pod.name: pod for pod in self.live_pods()}
-        chosen: list[tuple[RankSlowness, WorkerPod]] = []
-        for rank in self.new_stragglers:
-            pod = pods.get(rank.pod)
-            if pod is None or any(pod is other for _, other in chosen):
-                continue
-            if self.status.straggler_replacements + len(chosen) >= policy.max_restarts:
-                self.event("StragglerKept",
-                           f"{rank.pod} on node {rank.node} is not replaced: the job already "
-                           f"replaced {self.status.straggler_replacements} stragglers, at most "
-                           f"runPolicy.maxRestarts ({policy.max_restarts}); raise it, or set "
-                           "runPolicy.stragglers.action to Report", warning=True)
-                continue
-            chosen.append((rank, pod))
-        if not chosen:
-            return
-        said = [self.straggler_text(rank) for rank, _ in chosen]
-        for (rank, _), what in zip(chosen, said, strict=True):
-            self.avoid_node(rank.node, "Straggler", what)
-        self.status.straggler_replacements += len(chosen)
-        broken = [pod for _, pod in chosen]
-        self.restart("StragglerReplaced", "; ".join(said) + " (runPolicy.stragglers.action: "
-                     "Replace)", broken, whole_group=any(pod.index == 0 for pod in broken),
-                     counted=False)
-        # The next interval is the new group's: no streak carries over from the old one.
-        if self.status.ranks is not None:
-            for rank in self.status.ranks.ranks:
-                rank.slow_intervals = rank.normal_intervals = 0
-                rank.straggler = False
-
-    # --- node avoidance (kubetrain.operator.avoidance) -----------------------------------
+        return observation.world_size(self.job)
 
     def avoid_node(self, node: str | None, reason: avoidance.AvoidReason, message: str) -> None:
-        """Add a node to status.avoidedNodes (once while it is avoided) with an event."""
-        policy = self.job.spec.run_policy
-        entry = avoidance.avoid(self.status.avoided_nodes, node, reason,
-                                message[:FAILURE_MESSAGE_LIMIT], self.now,
-                                policy.avoid_nodes_seconds)
-        if entry is None:
-            return
-        self.status.avoided_nodes.append(entry)
-        self.event("NodeAvoided",
-                   f"avoiding node {entry.node} until {avoidance.stamp(entry.expires)} "
-                   f"({reason}: {message}): worker pods of this job created until then get "
-                   "a required node anti-affinity to it (runPolicy.avoidNodesFor: "
-                   f"{policy.avoid_nodes_for})", warning=True)
-
-    def expire_avoidance(self) -> None:
-        """Drop the avoided nodes whose time is up."""
-        live, expired = avoidance.expire(self.status.avoided_nodes, self.now)
-        self.status.avoided_nodes = live
-        for entry in expired:
-            self.event("NodeAvoidanceExpired",
-                       f"node {entry.node} is no longer avoided (avoided since "
-                       f"{avoidance.stamp(entry.time)} for {entry.reason}): new worker pods "
-                       "may run there again")
+        nodes.avoid_node(self, node, reason, message)
 
     def count_node_failures(self, failed: list[WorkerPod], kinds: dict[str, str]) -> None:
-        """Avoid a node on its second Unknown, CollectiveTimeout or GPUError within an hour."""
-        records, repeated = avoidance.count_failures(
-            self.status.node_failures,
-            [avoidance.Failure(pod.name, pod.node, kinds[pod.name]) for pod in failed], self.now)
-        self.status.node_failures = records
-        for first, second in repeated:
-            self.avoid_node(second.node, "RepeatedFailures",
-                            f"{first.pod} failed there ({first.class_}) at "
-                            f"{avoidance.stamp(first.time)}, and {second.pod} "
-                            f"({second.failure_class}) at {avoidance.stamp(self.now)}")
-
-    def keep_schedulable(self) -> None:
-        """Pods that avoidance leaves unschedulable: wait while the job runs elastic on
-        minReplicas, or stop avoiding the oldest avoided node (see kubetrain.operator.avoidance).
-        Pods not scheduled yet that avoid a node no longer avoided are recreated."""
-        live = [entry.node for entry in self.status.avoided_nodes]
-        pods = [pod for pod in self.live_pods() if pod.index < self.replicas]
-        for pod in pods:
-            if avoidance.outdated(pod, live):
-                self.delete(pod, "AvoidanceChanged")
-        grace = avoidance.scheduling_grace(self.job.spec.run_policy.pending_deadline_seconds)
-        held = avoidance.held_back([pod for pod in pods if pod.name not in self.deleted],
-                                   self.now, grace)
-        if not held:
-            return
-        self.too_few_nodes = True
-        names = ", ".join(pod.name for pod in held)
-        scheduler = held[0].unschedulable_message or "no node fits"
-        what = (f"{names} cannot be scheduled while the job avoids "
-                f"{avoidance.describe(self.status.avoided_nodes)} (the scheduler: {scheduler})")
-        running = [pod for pod in pods if pod.phase == "Running" and pod.name not in self.deleted]
-        needed = self.job.spec.workers.min_workers
-        previous = next((c for c in self.status.conditions if c.type == "NodesAvoided"), None)
-        if any(pod.index == 0 for pod in running) and len(running) >= needed:
-            self.held_back = {pod.name for pod in held}
-            message = (f"{what}: the job runs elastic on its {len(running)} running workers "
-                       f"(spec.workers.minReplicas: {needed}); the others join once the "
-                       "nodes' avoidance expires (runPolicy.avoidNodesFor)")
-            if previous is None or previous.reason != "TooFewNodes":
-                self.event("TooFewNodes", message, warning=True)
-            self.condition("NodesAvoided", True, "TooFewNodes", message)
-            return
-        # A held-back pod avoids only live entries (one avoiding any other is outdated).
-        given_up = avoidance.oldest(self.status.avoided_nodes)
-        assert given_up is not None
-        self.status.avoided_nodes.remove(given_up)
-        message = (f"{what}, and only {len(running)} of the {needed} workers "
-                   f"spec.workers.minReplicas needs run: the job stops avoiding node "
-                   f"{given_up.node} ({given_up.reason}) early, the node avoided longest, "
-                   "and recreates them")
-        self.event("TooFewNodes", message, warning=True)
-        self.condition("NodesAvoided", True, "TooFewNodes", message)
-        for pod in held:
-            self.delete(pod, "TooFewNodes")
-
-    def report_avoidance(self) -> None:
-        """The NodesAvoided condition: which nodes the job avoids, unless too few are left."""
-        too_few = next((c for c in self.status.conditions if c.type == "NodesAvoided"
-                        and c.reason == "TooFewNodes" and c.status == "True"), None)
-        waiting = [pod for pod in self.live_pods() if pod.avoiding and pod.phase == "Pending"]
-        if self.too_few_nodes or (too_few is not None and waiting):
-            return  # until the pods it was about run (or are recreated and scheduled)
-        avoided = self.status.avoided_nodes
-        if avoided:
-            self.condition("NodesAvoided", True, "Avoiding", "worker pods of this job keep "
-                           f"off {avoidance.describe(avoided)} (status.avoidedNodes)")
-        else:
-            self.condition("NodesAvoided", False, "NoneAvoided", "no node is avoided")
-
-    def clean_up(self) -> None:
-        """Apply cleanPodPolicy to a finished job and expire it after its TTL."""
-        policy = self.job.spec.run_policy
-        succeeded = self.status.phase == "Succeeded"
-        for pod in self.live_pods():
-            # A succeeded job always stops the pods still running: their work is done.
-            stop_active = succeeded or policy.clean_pod_policy != "None"
-            if (pod.active and stop_active) or (
-                    not pod.active and policy.clean_pod_policy == "All"):
-                self.delete(pod, "JobFinished")
-        ttl = policy.ttl_seconds_after_finished
-        done = self.status.completion_time
-        if ttl is not None and done is not None and self.now >= done + timedelta(seconds=ttl):
-            self.actions.append(DeleteJob(f"finished {ttl}s ago (ttlSecondsAfterFinished)"))
-
-    def retry_invalid_spec(self) -> None:
-        """A job failed for an invalid spec gets another chance once its spec changed."""
-        failed = next((c for c in self.status.conditions if c.type == "Failed"), None)
-        if (self.status.phase == "Failed" and failed is not None
-                and failed.reason == INVALID_SPEC
-                and self.status.observed_generation != self.job.metadata.generation):
-            self.status.phase = None
-            self.status.completion_time = None
-            self.condition("Failed", False, "SpecCorrected", "the spec is valid now")
+        nodes.count_node_failures(self, failed, kinds)
 
     def job_as_run(self) -> TrainingJob:
-        """The job with the status being decided: what the ConfigMap's snapshot carries."""
-        return self.job.model_copy(update={"status": self.status})
+        return lifecycle.job_as_run(self.job, self.status)
 
-    def ensure_service_and_config(self) -> None:
-        if not self.observed.service:
-            self.actions.append(CreateObject(children.service(self.job)))
-        generation = self.job.metadata.generation
-        held = self.observed.config_generation
-        micro = self.job_as_run().micro_batch_size
-        held_micro = self.observed.config_micro_batch or self.job.spec.optimization.micro_batch_size
-        if held is None:
-            self.actions.append(CreateObject(children.config_map(self.job_as_run())))
-        elif held_micro != micro:
-            # An out-of-memory restart's new micro-batch, not yet written (the write failed).
-            self.actions.append(UpdateConfigMap(children.config_map(self.job_as_run())))
-        elif generation is not None and held != generation:
-            # Running workers keep the config they started with; restarts read the new one.
-            self.actions.append(UpdateConfigMap(children.config_map(self.job_as_run())))
-            self.event("ConfigUpdated",
-                       f"{children.config_map_name(self.name)} holds the spec of generation "
-                       f"{generation} now; workers read it when they next start")
-
-    def rank0_succeeded(self) -> bool:
-        return any(pod.index == 0 and pod.phase == "Succeeded" and not pod.deleting
-                   for pod in self.observed.pods)
-
-    def deadline_passed(self) -> bool:
-        limit = self.job.spec.run_policy.active_deadline_seconds
-        start = self.status.start_time
-        return limit is not None and start is not None and self.now >= start + timedelta(
-            seconds=limit)
-
-    def suspend(self) -> None:
-        for pod in self.live_pods():
-            self.delete(pod, "Suspended")
-        if self.status.phase != "Suspended":
-            self.status.phase = "Suspended"
-            message = "runPolicy.suspend is true: the workers checkpoint and stop; the job is kept"
-            self.condition("Suspended", True, "Suspended", message)
-            self.condition("Running", False, "Suspended")
-            self.condition("Restarting", False, "Suspended")
-            self.event("Suspended", message)
-
-    def resume(self) -> None:
-        self.status.phase = "Pending"
-        message = "runPolicy.suspend is false: the workers start again from the latest checkpoint"
-        self.condition("Suspended", False, "Resumed", message)
-        self.event("Resumed", message)
+    # --- failures and restarts -----------------------------------------------------------
 
     def broken(self, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerPod]]:
         """Of `pods`: the failed ones (or lost with their node), and those stuck Pending."""
@@ -798,14 +451,6 @@ class _Decision:
                      f"the training step ({step}) has not advanced for {deadline}s "
                      "(runPolicy.progressDeadlineSeconds)", [], whole_group=True)
 
-    def scale(self, previous_desired: int) -> None:
-        for pod in self.live_pods():
-            if pod.index >= self.replicas:
-                self.delete(pod, "ScaledDown")
-        if previous_desired and previous_desired != self.replicas:
-            self.event("Scaled", f"workers {previous_desired} -> {self.replicas}; training "
-                       "resumes from a checkpoint in the new group")
-
     def create_missing(self) -> None:
         if self.status.phase == "Restarting" and self.status.last_restart_time is not None:
             restarting = next((c for c in self.status.conditions if c.type == "Restarting"), None)
@@ -826,71 +471,49 @@ class _Decision:
             self.condition("Created", True, "ChildrenCreated", message)
             self.event("Created", message)
 
-    def update_phase(self) -> None:
-        status = self.status
-        running = [pod for pod in self.live_pods()
-                   if pod.phase == "Running" and pod.index < self.replicas]
-        rank0 = any(pod.index == 0 for pod in running)
-        # A first start may begin with minReplicas; a restart is over once every replacement runs.
-        restarting = status.phase == "Restarting"
-        # Pods held back by avoidance wait: the group runs elastic without them.
-        needed = (self.replicas if restarting and not self.held_back
-                  else self.job.spec.workers.min_workers)
-        if rank0 and len(running) >= needed:
-            if status.phase != "Running":
-                status.phase = "Running"
-                status.start_time = status.start_time or self.now
-                message = f"{len(running)} of {self.replicas} workers running"
-                self.condition("Running", True, "WorkersRunning", message)
-                self.condition("Restarting", False, "WorkersRunning")
-                self.event("Running", message)
-        elif status.phase in (None, "Running"):
-            # Lost members without a failure (e.g. a pod deleted by hand) re-form as Pending.
-            status.phase = "Pending"
-            self.condition("Running", False, "WaitingForWorkers")
-
 
 def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Action]:
     """The actions that move the job's children and status towards its spec."""
     previous = job.status or TrainingJobStatus()
     decision = _Decision(job, observed, now, previous.model_copy(deep=True))
-    decision.retry_invalid_spec()
+    lifecycle.retry_invalid_spec(decision)
     status = decision.status
-    decision.observe_status()
-    decision.release_pods_of_lost_nodes()
+    observation.observe(decision)
+    nodes.release_pods_of_lost_nodes(decision)
 
+    limit = job.spec.run_policy.active_deadline_seconds
     if status.phase in FINISHED:
-        decision.clean_up()
-    elif decision.deadline_passed():
-        limit = job.spec.run_policy.active_deadline_seconds
+        lifecycle.clean_up(decision)
+    elif lifecycle.deadline_passed(limit, status.start_time, now):
         decision.finish("Failed", "DeadlineExceeded",
                         f"the job ran longer than runPolicy.activeDeadlineSeconds ({limit}s)")
-        decision.clean_up()
-    elif decision.rank0_succeeded():
+        lifecycle.clean_up(decision)
+    elif lifecycle.rank0_succeeded(observed.pods):
         decision.finish("Succeeded", "Completed", "worker 0 exited 0: training is complete")
-        decision.clean_up()
+        lifecycle.clean_up(decision)
     elif job.spec.run_policy.suspend:
         status.workers.desired = 0
-        decision.suspend()
+        lifecycle.suspend(decision)
     else:
         if status.phase == "Suspended":
-            decision.resume()
+            lifecycle.resume(decision)
         status.workers.desired = decision.replicas
-        decision.expire_avoidance()
-        decision.ensure_service_and_config()
-        decision.keep_schedulable()
+        nodes.expire_avoidance(decision)
+        lifecycle.ensure_service_and_config(decision)
+        nodes.keep_schedulable(decision)
         decision.continue_restart()
         decision.handle_failures()
         if status.phase not in FINISHED:
             decision.detect_hang()
-            decision.replace_stragglers()
+            nodes.replace_stragglers(decision)
         if status.phase not in FINISHED:
-            decision.scale(previous.workers.desired if previous.phase != "Suspended" else 0)
+            lifecycle.scale(decision,
+                            previous.workers.desired if previous.phase != "Suspended" else 0)
             decision.create_missing()
-            decision.update_phase()
-            decision.report_avoidance()
+            lifecycle.update_phase(decision)
+            nodes.report_avoidance(decision)
         else:
-            decision.clean_up()
+            lifecycle.clean_up(decision)
 
     return _with_status(decision.actions, previous, status)
 

@@ -88,3 +88,14 @@ def newly(previous: RanksStatus | None, status: RanksStatus) -> list[RankSlownes
     before = {(rank.rank, rank.pod) for rank in (previous.ranks if previous else [])
               if rank.straggler}
     return [rank for rank in stragglers(status) if (rank.rank, rank.pod) not in before]
+
+
+def describe(rank: RankSlowness, window: int) -> str:
+    """A straggler in words: where it runs, how slow, for how long (or, slow no more, how
+    far it is through the `window` of normal intervals that ends its report)."""
+    where = (f"rank {rank.rank} in pod {rank.pod} on node {rank.node} computes "
+             f"{rank.slowness:.2f}x the median rank's time per step")
+    if rank.slow_intervals:
+        return f"{where}, for {rank.slow_intervals} intervals"
+    return (f"{where}, at or under the threshold for {rank.normal_intervals} of the "
+            f"{window} intervals that end its report")

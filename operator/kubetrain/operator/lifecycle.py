@@ -1,0 +1,157 @@
+"""Lifecycle: the steps of a reconcile pass that move a job through its phases.
+
+Pending → Running as workers start; Suspended and back (runPolicy.suspend); scaling
+(spec.workers.replicas); the children it needs (Service, ConfigMap, worker pods);
+completion, activeDeadlineSeconds and the clean-up of a finished job (cleanPodPolicy,
+ttlSecondsAfterFinished); and a job failed for an invalid spec trying again once its
+spec changed. Failures and restarts are not here: see `kubetrain.operator.reconcile`.
+
+Each step reads and writes the pass's `_Decision` (`kubetrain.operator.reconcile`),
+through its primitives; no Kubernetes, no clock but the pass's `now`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from kubetrain.api.trainingjob import TrainingJob, TrainingJobStatus
+from kubetrain.operator import children
+from kubetrain.operator.actions import CreateObject, DeleteJob, UpdateConfigMap
+from kubetrain.operator.observed import WorkerPod
+
+if TYPE_CHECKING:
+    from kubetrain.operator.reconcile import _Decision
+
+# The Failed condition's reason for a spec that does not parse (`reconcile.reject`).
+INVALID_SPEC = "InvalidSpec"
+SUSPENDED = "runPolicy.suspend is true: the workers checkpoint and stop; the job is kept"
+RESUMED = "runPolicy.suspend is false: the workers start again from the latest checkpoint"
+
+
+def retry_invalid_spec(decision: _Decision) -> None:
+    """A job failed for an invalid spec gets another chance once its spec changed."""
+    status = decision.status
+    failed = decision.condition_of("Failed")
+    if (status.phase == "Failed" and failed is not None and failed.reason == INVALID_SPEC
+            and status.observed_generation != decision.job.metadata.generation):
+        status.phase = None
+        status.completion_time = None
+        decision.condition("Failed", False, "SpecCorrected", "the spec is valid now")
+
+
+def deadline_passed(limit_seconds: int | None, start: datetime | None, now: datetime) -> bool:
+    """Whether a job started at `start` has run for runPolicy.activeDeadlineSeconds."""
+    return limit_seconds is not None and start is not None and now >= start + timedelta(
+        seconds=limit_seconds)
+
+
+def rank0_succeeded(pods: Iterable[WorkerPod]) -> bool:
+    """Whether worker 0 exited 0: training is complete (the other ranks may still stop)."""
+    return any(pod.index == 0 and pod.phase == "Succeeded" and not pod.deleting
+               for pod in pods)
+
+
+def clean_up(decision: _Decision) -> None:
+    """Apply cleanPodPolicy to a finished job and expire it after its TTL."""
+    policy = decision.job.spec.run_policy
+    for pod in decision.live_pods():
+        if to_clean_up(pod, decision.status.phase == "Succeeded", policy.clean_pod_policy):
+            decision.delete(pod, "JobFinished")
+    ttl = policy.ttl_seconds_after_finished
+    done = decision.status.completion_time
+    if ttl is not None and done is not None and decision.now >= done + timedelta(seconds=ttl):
+        decision.actions.append(DeleteJob(f"finished {ttl}s ago (ttlSecondsAfterFinished)"))
+
+
+def to_clean_up(pod: WorkerPod, succeeded: bool, clean_pod_policy: str) -> bool:
+    """Whether a finished job deletes `pod`: cleanPodPolicy Running stops the active ones,
+    All every one, None none; a succeeded job always stops those still active (their work
+    is done)."""
+    if pod.active:
+        return succeeded or clean_pod_policy != "None"
+    return clean_pod_policy == "All"
+
+
+def suspend(decision: _Decision) -> None:
+    """runPolicy.suspend: delete every pod (each checkpoints on its SIGTERM), keep the job."""
+    for pod in decision.live_pods():
+        decision.delete(pod, "Suspended")
+    if decision.status.phase != "Suspended":
+        decision.status.phase = "Suspended"
+        decision.condition("Suspended", True, "Suspended", SUSPENDED)
+        decision.condition("Running", False, "Suspended")
+        decision.condition("Restarting", False, "Suspended")
+        decision.event("Suspended", SUSPENDED)
+
+
+def resume(decision: _Decision) -> None:
+    """runPolicy.suspend back to false: Pending, until the recreated workers run."""
+    decision.status.phase = "Pending"
+    decision.condition("Suspended", False, "Resumed", RESUMED)
+    decision.event("Resumed", RESUMED)
+
+
+def job_as_run(job: TrainingJob, status: TrainingJobStatus) -> TrainingJob:
+    """The job with the status being decided: what the ConfigMap's snapshot carries."""
+    return job.model_copy(update={"status": status})
+
+
+def ensure_service_and_config(decision: _Decision) -> None:
+    """Create the Service and ConfigMap when missing; rewrite the ConfigMap when its
+    snapshot's micro-batch or generation is not the job's."""
+    job, observed = decision.job, decision.observed
+    as_run = job_as_run(job, decision.status)
+    if not observed.service:
+        decision.actions.append(CreateObject(children.service(job)))
+    generation = job.metadata.generation
+    held = observed.config_generation
+    held_micro = observed.config_micro_batch or job.spec.optimization.micro_batch_size
+    if held is None:
+        decision.actions.append(CreateObject(children.config_map(as_run)))
+    elif held_micro != as_run.micro_batch_size:
+        # An out-of-memory restart's new micro-batch, not yet written (the write failed).
+        decision.actions.append(UpdateConfigMap(children.config_map(as_run)))
+    elif generation is not None and held != generation:
+        # Running workers keep the config they started with; restarts read the new one.
+        decision.actions.append(UpdateConfigMap(children.config_map(as_run)))
+        decision.event("ConfigUpdated",
+                       f"{children.config_map_name(decision.name)} holds the spec of "
+                       f"generation {generation} now; workers read it when they next start")
+
+
+def scale(decision: _Decision, previous_desired: int) -> None:
+    """Delete the workers past spec.workers.replicas; an event when the count changed."""
+    for pod in decision.live_pods():
+        if pod.index >= decision.replicas:
+            decision.delete(pod, "ScaledDown")
+    if previous_desired and previous_desired != decision.replicas:
+        decision.event("Scaled", f"workers {previous_desired} -> {decision.replicas}; "
+                       "training resumes from a checkpoint in the new group")
+
+
+def update_phase(decision: _Decision) -> None:
+    """Running once worker 0 and enough workers run; Pending when a running group lost
+    members without a failure."""
+    status = decision.status
+    running = [pod for pod in decision.live_pods()
+               if pod.phase == "Running" and pod.index < decision.replicas]
+    rank0 = any(pod.index == 0 for pod in running)
+    # A first start may begin with minReplicas; a restart is over once every replacement runs.
+    restarting = status.phase == "Restarting"
+    # Pods held back by avoidance wait: the group runs elastic without them.
+    needed = (decision.replicas if restarting and not decision.held_back
+              else decision.job.spec.workers.min_workers)
+    if rank0 and len(running) >= needed:
+        if status.phase != "Running":
+            status.phase = "Running"
+            status.start_time = status.start_time or decision.now
+            message = f"{len(running)} of {decision.replicas} workers running"
+            decision.condition("Running", True, "WorkersRunning", message)
+            decision.condition("Restarting", False, "WorkersRunning")
+            decision.event("Running", message)
+    elif status.phase in (None, "Running"):
+        # Lost members without a failure (e.g. a pod deleted by hand) re-form as Pending.
+        status.phase = "Pending"
+        decision.condition("Running", False, "WaitingForWorkers")

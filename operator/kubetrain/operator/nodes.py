@@ -1,0 +1,204 @@
+"""Nodes: the steps of a reconcile pass that act on slow, broken and lost nodes.
+
+- pods already terminating on a lost node are force-deleted (no kubelet will confirm);
+- runPolicy.stragglers.action Replace: a new straggler's node is avoided and its pod
+  recreated off it (the rule that names stragglers is `kubetrain.operator.stragglers`);
+- nodes are avoided (status.avoidedNodes) after a straggler, a failed preflight or
+  repeated failures, until they expire; pods that avoidance leaves unschedulable wait or
+  make the job avoid less; the NodesAvoided condition says which (the rules are
+  `kubetrain.operator.avoidance`).
+
+Each step reads and writes the pass's `_Decision` (`kubetrain.operator.reconcile`),
+through its primitives; no Kubernetes, no clock but the pass's `now`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kubetrain.api.trainingjob import RankSlowness
+from kubetrain.operator import avoidance, stragglers
+from kubetrain.operator.observed import WorkerPod
+
+if TYPE_CHECKING:
+    from kubetrain.operator.reconcile import _Decision
+
+
+def release_pods_of_lost_nodes(decision: _Decision) -> None:
+    """Force-delete pods already terminating on a lost node.
+
+    No kubelet will ever confirm their deletion (the taint eviction controller only
+    marks them), and each holds the name its replacement needs.
+    """
+    for pod in decision.observed.pods:
+        if pod.deleting and pod.node_lost and pod.name not in decision.deleted:
+            decision.delete(pod, "NodeLost")
+
+
+def replace_stragglers(decision: _Decision) -> None:
+    """runPolicy.stragglers.action Replace: avoid each new straggler's node and recreate
+    its pod off it, the whole group when it is worker 0's (the rendezvous host).
+
+    Each pod gets the template's grace: the group checkpoints on its SIGTERM and
+    resumes from that checkpoint. Not counted in maxRestarts and with no backoff, but
+    limited to maxRestarts replacements (status.stragglerReplacements), so a job whose
+    slowness follows it from node to node ends up reporting instead of replacing.
+    """
+    policy = decision.job.spec.run_policy
+    status = decision.status
+    if (policy.stragglers.action != "Replace" or not decision.new_stragglers
+            or status.phase != "Running"):
+        return
+    chosen = _replaceable(decision)
+    if not chosen:
+        return
+    said = [stragglers.describe(rank, policy.stragglers.window) for rank, _ in chosen]
+    for (rank, _), what in zip(chosen, said, strict=True):
+        avoid_node(decision, rank.node, "Straggler", what)
+    status.straggler_replacements += len(chosen)
+    broken = [pod for _, pod in chosen]
+    decision.restart("StragglerReplaced", "; ".join(said) + " (runPolicy.stragglers.action: "
+                     "Replace)", broken, whole_group=any(pod.index == 0 for pod in broken),
+                     counted=False)
+    # The next interval is the new group's: no streak carries over from the old one.
+    if status.ranks is not None:
+        for rank in status.ranks.ranks:
+            rank.slow_intervals = rank.normal_intervals = 0
+            rank.straggler = False
+
+
+def _replaceable(decision: _Decision) -> list[tuple[RankSlowness, WorkerPod]]:
+    """The new stragglers' live pods, each once, within the replacements left (an event
+    for each one kept)."""
+    policy = decision.job.spec.run_policy
+    done = decision.status.straggler_replacements
+    pods = {pod.name: pod for pod in decision.live_pods()}
+    chosen: list[tuple[RankSlowness, WorkerPod]] = []
+    for rank in decision.new_stragglers:
+        pod = pods.get(rank.pod)
+        if pod is None or any(pod is other for _, other in chosen):
+            continue
+        if done + len(chosen) >= policy.max_restarts:
+            decision.event("StragglerKept",
+                           f"{rank.pod} on node {rank.node} is not replaced: the job already "
+                           f"replaced {done} stragglers, at most runPolicy.maxRestarts "
+                           f"({policy.max_restarts}); raise it, or set "
+                           "runPolicy.stragglers.action to Report", warning=True)
+            continue
+        chosen.append((rank, pod))
+    return chosen
+
+
+def avoid_node(decision: _Decision, node: str | None, reason: avoidance.AvoidReason,
+               message: str) -> None:
+    """Add a node to status.avoidedNodes (once while it is avoided) with an event."""
+    policy = decision.job.spec.run_policy
+    entry = avoidance.avoid(decision.status.avoided_nodes, node, reason, message, decision.now,
+                            policy.avoid_nodes_seconds)
+    if entry is None:
+        return
+    decision.status.avoided_nodes.append(entry)
+    decision.event("NodeAvoided",
+                   f"avoiding node {entry.node} until {avoidance.stamp(entry.expires)} "
+                   f"({reason}: {message}): worker pods of this job created until then get "
+                   "a required node anti-affinity to it (runPolicy.avoidNodesFor: "
+                   f"{policy.avoid_nodes_for})", warning=True)
+
+
+def expire_avoidance(decision: _Decision) -> None:
+    """Drop the avoided nodes whose time is up."""
+    live, expired = avoidance.expire(decision.status.avoided_nodes, decision.now)
+    decision.status.avoided_nodes = live
+    for entry in expired:
+        decision.event("NodeAvoidanceExpired",
+                       f"node {entry.node} is no longer avoided (avoided since "
+                       f"{avoidance.stamp(entry.time)} for {entry.reason}): new worker pods "
+                       "may run there again")
+
+
+def count_node_failures(decision: _Decision, failed: list[WorkerPod],
+                        kinds: dict[str, str]) -> None:
+    """Avoid a node on its second Unknown, CollectiveTimeout or GPUError within an hour."""
+    records, repeated = avoidance.count_failures(
+        decision.status.node_failures,
+        [avoidance.Failure(pod.name, pod.node, kinds[pod.name]) for pod in failed],
+        decision.now)
+    decision.status.node_failures = records
+    for first, second in repeated:
+        avoid_node(decision, second.node, "RepeatedFailures",
+                   f"{first.pod} failed there ({first.class_}) at "
+                   f"{avoidance.stamp(first.time)}, and {second.pod} "
+                   f"({second.failure_class}) at {avoidance.stamp(decision.now)}")
+
+
+def keep_schedulable(decision: _Decision) -> None:
+    """Pods that avoidance leaves unschedulable: wait while the job runs elastic on
+    minReplicas, or stop avoiding the oldest avoided node (see kubetrain.operator.avoidance).
+    Pods not scheduled yet that avoid a node no longer avoided are recreated."""
+    live = [entry.node for entry in decision.status.avoided_nodes]
+    pods = [pod for pod in decision.live_pods() if pod.index < decision.replicas]
+    for pod in pods:
+        if avoidance.outdated(pod, live):
+            decision.delete(pod, "AvoidanceChanged")
+    pods = [pod for pod in pods if pod.name not in decision.deleted]
+    grace = avoidance.scheduling_grace(decision.job.spec.run_policy.pending_deadline_seconds)
+    held = avoidance.held_back(pods, decision.now, grace)
+    if not held:
+        return
+    decision.too_few_nodes = True
+    names = ", ".join(pod.name for pod in held)
+    scheduler = held[0].unschedulable_message or "no node fits"
+    what = (f"{names} cannot be scheduled while the job avoids "
+            f"{avoidance.describe(decision.status.avoided_nodes)} (the scheduler: {scheduler})")
+    running = [pod for pod in pods if pod.phase == "Running"]
+    if (any(pod.index == 0 for pod in running)
+            and len(running) >= decision.job.spec.workers.min_workers):
+        _run_without(decision, held, len(running), what)
+    else:
+        _avoid_less(decision, held, len(running), what)
+
+
+def _run_without(decision: _Decision, held: list[WorkerPod], running: int, what: str) -> None:
+    """The job runs elastic on its running workers; the held-back pods wait."""
+    needed = decision.job.spec.workers.min_workers
+    previous = decision.condition_of("NodesAvoided")
+    decision.held_back = {pod.name for pod in held}
+    message = (f"{what}: the job runs elastic on its {running} running workers "
+               f"(spec.workers.minReplicas: {needed}); the others join once the "
+               "nodes' avoidance expires (runPolicy.avoidNodesFor)")
+    if previous is None or previous.reason != "TooFewNodes":
+        decision.event("TooFewNodes", message, warning=True)
+    decision.condition("NodesAvoided", True, "TooFewNodes", message)
+
+
+def _avoid_less(decision: _Decision, held: list[WorkerPod], running: int, what: str) -> None:
+    """Too few workers run: stop avoiding the node avoided longest and recreate the
+    held-back pods (one node per grace period, until they schedule)."""
+    # A held-back pod avoids only live entries (one avoiding any other is outdated).
+    given_up = avoidance.oldest(decision.status.avoided_nodes)
+    assert given_up is not None
+    decision.status.avoided_nodes.remove(given_up)
+    message = (f"{what}, and only {running} of the {decision.job.spec.workers.min_workers} "
+               "workers spec.workers.minReplicas needs run: the job stops avoiding node "
+               f"{given_up.node} ({given_up.reason}) early, the node avoided longest, "
+               "and recreates them")
+    decision.event("TooFewNodes", message, warning=True)
+    decision.condition("NodesAvoided", True, "TooFewNodes", message)
+    for pod in held:
+        decision.delete(pod, "TooFewNodes")
+
+
+def report_avoidance(decision: _Decision) -> None:
+    """The NodesAvoided condition: which nodes the job avoids, unless too few are left."""
+    reported = decision.condition_of("NodesAvoided")
+    too_few = (reported is not None and reported.status == "True"
+               and reported.reason == "TooFewNodes")
+    waiting = [pod for pod in decision.live_pods() if pod.avoiding and pod.phase == "Pending"]
+    if decision.too_few_nodes or (too_few and waiting):
+        return  # until the pods it was about run (or are recreated and scheduled)
+    avoided = decision.status.avoided_nodes
+    if avoided:
+        decision.condition("NodesAvoided", True, "Avoiding", "worker pods of this job keep "
+                           f"off {avoidance.describe(avoided)} (status.avoidedNodes)")
+    else:
+        decision.condition("NodesAvoided", False, "NoneAvoided", "no node is avoided")

@@ -1,0 +1,173 @@
+"""Observation: the status a reconcile pass reads off the job's children before it decides.
+
+status.observedGeneration and workers; status.effective, the batch split the workers
+use (the spec's, or a smaller micro-batch after out-of-memory restarts); rank 0's metrics
+as status.progress, goodput and checkpoints; each rank's slowness as status.ranks and
+the Straggler condition (the rule is `kubetrain.operator.stragglers`).
+
+It records what is; it decides nothing about pods (that is `reconcile` and its policies).
+Pure as reconcile is: no Kubernetes, no clock but the pass's `now`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from kubetrain.api.trainingjob import (
+    BadputSeconds,
+    BestCheckpointStatus,
+    CheckpointStatus,
+    EffectiveBatch,
+    GoodputStatus,
+    Progress,
+    TrainingJob,
+    TrainingJobSpec,
+    TrainingJobStatus,
+    step_folder,
+)
+from kubetrain.operator import children, stragglers
+from kubetrain.operator.observed import MetricsSample
+
+if TYPE_CHECKING:
+    from kubetrain.operator.reconcile import _Decision
+
+
+def observe(decision: _Decision) -> None:
+    """The status as observed: generation, workers, effective batch, progress, ranks."""
+    status = decision.status
+    status.observed_generation = decision.job.metadata.generation
+    status.workers.selector = children.worker_selector(decision.name)
+    status.workers.ready = sum(
+        1 for pod in decision.live_pods() if pod.ready and pod.index < decision.replicas)
+    _effective(decision)
+    if decision.observed.metrics is not None:
+        record_metrics(status, decision.observed.metrics, decision.job.spec.checkpoint.uri,
+                       decision.now)
+    _ranks(decision)
+
+
+def world_size(job: TrainingJob) -> int:
+    """Training processes at the job's replicas: workers times processes per worker."""
+    return job.spec.workers.replicas * job.spec.workers.procs_per_worker
+
+
+def effective_batch(spec: TrainingJobSpec, previous: EffectiveBatch | None,
+                    world_size: int) -> tuple[EffectiveBatch, bool]:
+    """status.effective: the micro-batch in use (the spec's until an out-of-memory restart)
+    and the accumulation that keeps the global batch at `world_size` processes; and
+    whether the user's change of the spec's micro-batch replaced a healed one."""
+    asked = spec.optimization.micro_batch_size
+    reset = previous is not None and previous.spec_micro_batch_size not in (None, asked)
+    kept = None if reset else previous
+    micro = kept.micro_batch_size if kept else asked
+    if micro > asked or asked % micro:
+        kept, micro = None, asked  # not a divisor of the spec's: the spec's
+    accumulation = spec.gradient_accumulation(world_size, micro)
+    if kept is None:
+        return EffectiveBatch(micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+                              spec_micro_batch_size=asked), reset
+    effective = kept.model_copy()
+    effective.gradient_accumulation_steps = accumulation
+    effective.spec_micro_batch_size = asked
+    return effective, reset
+
+
+def _effective(decision: _Decision) -> None:
+    previous = decision.status.effective
+    effective, reset = effective_batch(decision.job.spec, previous, world_size(decision.job))
+    if reset:
+        assert previous is not None  # a reset replaces a previous value
+        # The user changed the spec's micro-batch (after healing, say): theirs now.
+        decision.event("MicroBatchReset", f"optimization.microBatchSize is "
+                       f"{effective.spec_micro_batch_size} now: the workers use it from their "
+                       f"next start (they used {previous.micro_batch_size})")
+    decision.status.effective = effective
+
+
+def record_metrics(status: TrainingJobStatus, sample: MetricsSample, checkpoint_uri: str,
+                   now: datetime) -> None:
+    """Write rank 0's metrics into status: progress, goodput and the checkpoints."""
+    _progress(status.progress, sample, now)
+    if sample.wall_seconds:
+        status.goodput = goodput_status(sample.wall_seconds)
+    latest = status.latest_checkpoint
+    # The trainer's gauges read step 0 and time 0 until it commits a checkpoint: only a
+    # commit time shows that one exists.
+    if sample.checkpoint_step is not None and sample.checkpoint_time is not None and (
+            latest is None or latest.step != sample.checkpoint_step):
+        status.latest_checkpoint = CheckpointStatus(
+            step=sample.checkpoint_step, uri=checkpoint_uri, time=sample.checkpoint_time)
+    # Step 0 is never a best checkpoint (the baseline evaluation saves none): none yet.
+    if sample.best_checkpoint_step and sample.best_checkpoint_val_loss is not None:
+        uri = checkpoint_uri.rstrip("/")
+        status.best_checkpoint = BestCheckpointStatus(
+            step=sample.best_checkpoint_step,
+            validation_loss=round(sample.best_checkpoint_val_loss, 6),
+            uri=f"{uri}/{step_folder(sample.best_checkpoint_step)}")
+
+
+def _progress(progress: Progress, sample: MetricsSample, now: datetime) -> None:
+    if sample.step is not None:
+        newer = sample.last_step_time is not None and (
+            progress.updated_at is None or sample.last_step_time > progress.updated_at)
+        if sample.step != progress.step or newer or progress.updated_at is None:
+            progress.step = sample.step
+            progress.updated_at = min(sample.last_step_time or now, now)
+    if sample.max_steps is not None:
+        progress.max_steps = sample.max_steps
+    if sample.epoch is not None:
+        progress.epoch = round(sample.epoch, 4)
+    if sample.loss is not None:
+        progress.loss = round(sample.loss, 6)
+    if sample.ce_loss is not None:  # only a distillation job exports the two terms
+        progress.ce_loss = round(sample.ce_loss, 6)
+    if sample.kd_loss is not None:
+        progress.kd_loss = round(sample.kd_loss, 6)
+    if sample.tokens_per_second is not None:
+        progress.tokens_per_second = round(sample.tokens_per_second, 3)
+    if sample.step_time is not None and progress.max_steps is not None:
+        progress.eta_seconds = round(max(0, progress.max_steps - progress.step) * sample.step_time)
+
+
+def goodput_status(wall_seconds: Mapping[str, float]) -> GoodputStatus:
+    """status.goodput from the trainer's seconds by cause (kubetrain_wall_time_seconds_total).
+
+    Rounded to whole seconds (the ratio to 4 digits) so the status changes only when
+    the figures visibly do. Causes this operator does not know are left out of the
+    breakdown but stay in the wall time.
+    """
+    wall = sum(wall_seconds.values())
+    productive = wall_seconds.get("productive", 0.0)
+    badput = {cause: round(seconds) for cause, seconds in wall_seconds.items()
+              if cause in BadputSeconds.model_fields}
+    return GoodputStatus(ratio=round(productive / wall, 4) if wall > 0 else 1.0,
+                         productive_seconds=round(productive), wall_seconds=round(wall),
+                         badput_seconds=BadputSeconds(**badput))
+
+
+def _ranks(decision: _Decision) -> None:
+    """Judge each rank's slowness once per logged interval; name a straggler."""
+    sample = decision.observed.metrics
+    if sample is None or not sample.ranks or sample.ranks_step is None:
+        return
+    policy = decision.job.spec.run_policy.stragglers
+    previous = decision.status.ranks
+    if previous is not None and previous.step == sample.ranks_step:
+        return  # the same interval, scraped again
+    judged = stragglers.judge(previous, sample.ranks_step, sample.ranks, policy.threshold,
+                              policy.window)
+    decision.status.ranks = judged
+    slow = stragglers.stragglers(judged)
+    if not slow:
+        decision.condition("Straggler", False, "NoSlowRank", "every rank's compute time is "
+                           f"within {policy.threshold:g}x the median rank's")
+        return
+    said = {(rank.rank, rank.pod): stragglers.describe(rank, policy.window) for rank in slow}
+    decision.condition("Straggler", True, "SlowRank", "; ".join(said.values()) + (
+        f" (runPolicy.stragglers: threshold {policy.threshold:g}, window {policy.window}, "
+        f"action {policy.action})"))
+    for rank in stragglers.newly(previous, judged):  # one event per episode
+        decision.event("Straggler", said[(rank.rank, rank.pod)], warning=True)
+        decision.new_stragglers.append(rank)
