@@ -105,6 +105,13 @@ def test_avoid(case: str, node: str, seconds: int, already: list[str], added: bo
         assert (new.node, new.time, new.expires) == (node, NOW, NOW + timedelta(seconds=seconds))
 
 
+def test_an_avoided_nodes_message_is_cut_to_the_limit() -> None:
+    said = "rank 1 failed its preflight: " + "x" * (2 * avoidance.MESSAGE_LIMIT)
+    new = avoidance.avoid([], "node-a", "PreflightFailed", said, NOW, 60)
+    assert new is not None
+    assert new.message == said[:avoidance.MESSAGE_LIMIT] and len(new.message) < len(said)
+
+
 def _record(node: str, failure_class: str = "Unknown",
             ago: timedelta = timedelta(0)) -> NodeFailure:
     return NodeFailure(node=node, class_=failure_class, pod="demo-worker-1", time=NOW - ago)

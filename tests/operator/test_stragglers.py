@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubetrain.api.trainingjob import RankSlowness, RanksStatus
 from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.observed import RankSample, metrics_sample
-from kubetrain.operator.stragglers import judge, stragglers
+from kubetrain.operator.stragglers import describe, judge, stragglers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconcile import NOW, make_job, pod, run, running_status
@@ -201,3 +201,18 @@ def test_the_slowness_gauge_follows_status_and_goes_when_the_job_finishes() -> N
     assert gauge() == {("ml", "demo", "0"): 0.9, ("ml", "demo", "1"): 2.5}
     metrics.show_job_status("ml", "demo", {**status, "phase": "Succeeded"})
     assert gauge() == {}
+
+
+@pytest.mark.parametrize(("case", "slow_intervals", "normal_intervals", "ends_with"), [
+    ("slow now: for how many intervals", 4, 0, ", for 4 intervals"),
+    ("normal again: how far through the window that ends its report", 0, 2,
+     ", at or under the threshold for 2 of the 3 intervals that end its report"),
+])
+def test_a_straggler_in_words_names_rank_pod_node_and_slowness(
+        case: str, slow_intervals: int, normal_intervals: int, ends_with: str) -> None:
+    rank = RankSlowness(rank=1, pod="demo-worker-1", node="node-b", slowness=2.345,
+                        slow_intervals=slow_intervals, normal_intervals=normal_intervals,
+                        straggler=True)
+    text = describe(rank, window=3)
+    assert text == ("rank 1 in pod demo-worker-1 on node node-b computes 2.35x the median "
+                    "rank's time per step" + ends_with), case

@@ -22,7 +22,8 @@ the job stops avoiding its oldest avoided node early and recreates the held-back
 one node per grace period until they schedule. Pods not yet scheduled that avoid a node
 no longer avoided are recreated without it.
 
-Pure: no Kubernetes, no clock; `kubetrain.operator.reconcile` decides with these rules.
+Pure: no Kubernetes, no clock; `kubetrain.operator.nodes` applies these rules in each
+reconcile pass.
 """
 
 from __future__ import annotations

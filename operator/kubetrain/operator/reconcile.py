@@ -6,6 +6,12 @@ partial application, or after an operator restart, converges without duplicating
 or orphaning a pod. The kopf handlers (`kubetrain.operator.handlers`) observe and
 apply; nothing here performs I/O.
 
+`_Decision` holds one pass's state (the status being decided, the actions so far) and
+its primitives (condition, event, delete, finish, restart); `reconcile` runs the steps
+in order. The steps live with their policy: `observation` (status from the children and
+rank 0's metrics), `lifecycle` (phases, suspend, scale, children, clean-up), `nodes`
+(stragglers, avoidance, lost nodes), and the failures and restarts below.
+
 Recovery policy, in the order it is checked:
 - a finished job only cleans up (cleanPodPolicy) and expires (ttlSecondsAfterFinished);
 - activeDeadlineSeconds fails the job; rank 0 exiting 0 completes it;
@@ -29,7 +35,8 @@ Recovery policy, in the order it is checked:
 - a step that has not advanced for progressDeadlineSeconds restarts the group;
 - every restart counts against maxRestarts and waits an exponential backoff.
 
-Slow and broken nodes (kubetrain.operator.stragglers, kubetrain.operator.avoidance):
+Slow and broken nodes (kubetrain.operator.nodes, with the rules of stragglers and
+avoidance):
 - a rank slower than runPolicy.stragglers allows, for its window of intervals, sets the
   Straggler condition and posts an event naming its pod, node and slowness; with action
   Replace its node is avoided and its pod deleted with the normal grace (the group

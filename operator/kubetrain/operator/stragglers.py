@@ -18,8 +18,9 @@ difference between two scrapes is what each rank computed in between. Only where
 counter is missing or went back (a new process) does the rule fall back on the last
 logged interval alone, which with short steps is a small, noisy sample of the span.
 
-Pure: no Kubernetes, no clock. `reconcile` keeps the result in status.ranks, which
-carries each rank's streak from one scrape to the next and across operator restarts.
+Pure: no Kubernetes, no clock. `kubetrain.operator.observation` keeps the result in
+status.ranks, which carries each rank's streak from one scrape to the next and across
+operator restarts; `kubetrain.operator.nodes` replaces a straggler.
 """
 
 from __future__ import annotations
