@@ -1,7 +1,7 @@
 """What a reconcile pass can decide: the actions the kopf handlers apply, as plain data.
 
 `kubetrain.operator.reconcile` and its policy modules (lifecycle, nodes, observation)
-build them; `kubetrain.operator.handlers` performs them. Nothing here decides or does I/O.
+build them; `kubetrain.operator.applier` performs them. Nothing here decides or does I/O.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ With leader election (not --standalone) every replica watches, but only the one
 holding the Lease (`kubetrain.operator.leader`) reconciles.
 
 What a watch reports late is bridged in memory per job, as Kubernetes controllers
-do ("expectations"): the children this operator just created, updated or deleted,
-and the status it just wrote. After a restart the memory is empty and the indexes,
-filled before any handler runs, are the truth again.
+do (`kubetrain.operator.expectations`): the children this operator just created,
+updated or deleted, and the status it just wrote. After a restart the memory is empty
+and the indexes, filled before any handler runs, are the truth again. The writes
+themselves are `kubetrain.operator.applier`'s.
 """
 
 from __future__ import annotations
@@ -22,24 +23,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import json
 import logging
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from kubetrain.api.manifest import InvalidManifest, parse_job
-from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJobStatus
+from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION
 from kubetrain.operator import children
+from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
+from kubetrain.operator.expectations import ConfigMapVersion, Expectations, config_map_version
 from kubetrain.operator.leader import LeaderElection
 from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.observed import (
@@ -50,26 +50,10 @@ from kubetrain.operator.observed import (
     node_reachable,
     worker_pod,
 )
-from kubetrain.operator.reconcile import (
-    Action,
-    CountFailure,
-    CountRestart,
-    CreateObject,
-    DeleteJob,
-    DeletePod,
-    RecordEvent,
-    UpdateConfigMap,
-    WriteStatus,
-    reconcile,
-    reject,
-)
+from kubetrain.operator.reconcile import reconcile, reject
 from kubetrain.operator.writer import ApiWriter
 
 USER_AGENT = "kubetrain-operator"
-# The API server refuses longer event messages.
-EVENT_MESSAGE_LIMIT = 1024
-# A create or delete the watch has not reported after this long is presumed lost.
-EXPECTATION_TIMEOUT_SECONDS = 120.0
 
 JobKey = tuple[str, str]  # (namespace, name)
 
@@ -87,37 +71,18 @@ class Indexes:
 
 @dataclass
 class JobMemory:
-    """What this process did to one job that its watches may not show yet.
+    """What this process keeps about one job between reconciles.
 
-    Also whether a reconcile of the job is running (`running`), and whether triggers
-    arrived meanwhile (`again`, `scrape`): one thread at a time reconciles a job.
+    What it did that the watches may not show yet (`expected`); whether a reconcile of
+    the job is running (`running`), and whether triggers arrived meanwhile (`again`,
+    `scrape`): one thread at a time reconciles a job.
     """
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     running: bool = False
     again: bool = False
     scrape: bool = False
-    status: dict[str, Any] | None = None
-    created: dict[str, tuple[WorkerPod, float]] = field(default_factory=dict)
-    deleted: dict[str, float] = field(default_factory=dict)
-    # Service and ConfigMap written: kind -> (version written, when); a ConfigMap's version
-    # is (generation, micro-batch), the Service's 0.
-    children: dict[str, tuple[Any, float]] = field(default_factory=dict)
-    # The API server's last refusal of a child, already reported as a FailedCreate event.
-    refused: str = ""
-
-
-# Statuses with which the API server refuses an object itself (validation, admission,
-# authorisation): retrying the same object cannot succeed until someone changes something.
-REFUSED_STATUSES = frozenset({400, 403, 422})
-
-
-def _server_message(error: ApiException) -> str:
-    """The API server's own explanation in an error response, else its reason."""
-    try:
-        return str(json.loads(error.body or "")["message"])
-    except (TypeError, ValueError, KeyError):
-        return str(error.reason)
+    expected: Expectations = field(default_factory=Expectations)
 
 
 def _snapshot(index: kopf.Index, key: Any) -> list[Any]:
@@ -136,21 +101,6 @@ def _keys(index: kopf.Index) -> list[Any]:
             return list(index)
         except RuntimeError:
             continue
-
-
-def _annotated(annotations: Mapping[str, str], key: str) -> int | None:
-    value = annotations.get(key, "")
-    return int(value) if value.isdigit() else None
-
-
-def _held_version(manifest: Mapping[str, Any]) -> Any:
-    """What a child was built from: (job generation, micro-batch) for the ConfigMap, 0 for
-    the Service."""
-    if manifest["kind"] != "ConfigMap":
-        return 0
-    annotations = manifest["metadata"].get("annotations") or {}
-    return (_annotated(annotations, children.GENERATION_ANNOTATION) or 0,
-            _annotated(annotations, children.MICRO_BATCH_ANNOTATION))
 
 
 def _now() -> datetime:
@@ -172,10 +122,9 @@ class TrainingJobController:
 
     def __init__(self, config: OperatorConfig, api: client.ApiClient) -> None:
         self.config = config
-        self.writer = ApiWriter(api)
         self.metrics = OperatorMetrics()
+        self.applier = ActionApplier(ApiWriter(api), self.metrics, USER_AGENT, config.identity)
         self.memory: dict[str, JobMemory] = {}  # by job uid
-        self.phases: dict[str, str] = {}  # by job uid, for the jobs-by-phase gauge
         self._memory_lock = threading.Lock()
         self.election = None if config.standalone else LeaderElection(
             api, config.lease_namespace, config.identity, lease_seconds=config.lease_seconds,
@@ -226,10 +175,8 @@ class TrainingJobController:
     @staticmethod
     async def index_config_map(namespace: str, labels: kopf.Labels,
                                annotations: kopf.Annotations,
-                               **_: Any) -> dict[JobKey, tuple[int, int | None]]:
-        return {(namespace, labels[children.JOB_LABEL]): (
-            _annotated(annotations, children.GENERATION_ANNOTATION) or 0,
-            _annotated(annotations, children.MICRO_BATCH_ANNOTATION))}
+                               **_: Any) -> dict[JobKey, ConfigMapVersion]:
+        return {(namespace, labels[children.JOB_LABEL]): config_map_version(annotations)}
 
     @staticmethod
     async def index_node(name: str, **_: Any) -> dict[str, bool]:
@@ -242,8 +189,7 @@ class TrainingJobController:
         if type == "DELETED":
             with self._memory_lock:
                 self.memory.pop(uid, None)
-            self._count_phase(uid, None)
-            self.metrics.show_job_status(namespace, name, None)
+            self.applier.job_gone(uid, namespace, name)
             return
         if type == "MODIFIED" and self._own_status_echo(uid, body):
             return
@@ -307,19 +253,13 @@ class TrainingJobController:
     def _own_status_echo(self, uid: str, job: kopf.Body) -> bool:
         """The job as this process last wrote its status, with the spec it last saw."""
         memory = self.memory.get(uid)
-        if memory is None or memory.status is None:
-            return False
-        # Parsed: the status patches leave out fields still at their defaults.
-        status = TrainingJobStatus.model_validate(job.get("status") or {}).wire()
-        return (status == memory.status
-                and status.get("observedGeneration") == job.get("metadata", {}).get("generation"))
+        return memory is not None and memory.expected.is_status_echo(job)
 
     def _own_echo(self, name: str, pod: kopf.Body) -> bool:
         """A pod this process created, seen for the first time and still Pending."""
         owners = pod.get("metadata", {}).get("ownerReferences") or [{}]
         memory = self.memory.get(owners[0].get("uid", ""))
-        return (memory is not None and name in memory.created
-                and (pod.get("status") or {}).get("phase", "Pending") == "Pending")
+        return memory is not None and memory.expected.is_created_echo(name, pod)
 
     def _memory(self, uid: str) -> JobMemory:
         with self._memory_lock:
@@ -366,49 +306,32 @@ class TrainingJobController:
             return
         with self.metrics.reconcile_duration.time():
             now = _now()
-            if memory.status is not None:
-                body = {**body, "status": memory.status}
+            expected = memory.expected
+            if expected.status is not None:
+                body = {**body, "status": expected.status}
             try:
                 job = parse_job(body)
             except InvalidManifest as error:
                 actions = reject(body.get("status"), meta.get("generation"), str(error), now)
             else:
-                observed = self.observe(key, memory, indexes, now)
+                observed = self.observe(key, expected, indexes, now)
                 if scrape:
                     observed = replace(observed, metrics=self.scrape(
                         observed.pods, job.spec.metrics.port))
                 if observed.metrics is None:
                     observed = replace(observed, metrics=final_metrics(observed.pods))
                 actions = reconcile(job, observed, now)
-            self.apply(body, memory, actions)
+            self.applier.apply(body, expected, actions)
 
-    def observe(self, key: JobKey, memory: JobMemory, indexes: Indexes,
+    def observe(self, key: JobKey, expected: Expectations, indexes: Indexes,
                 now: datetime) -> Observed:
         """The job's children as the indexes show them, corrected by this process's own writes."""
-        seen = {pod.name: pod for pod in (worker_pod(raw, indexes.nodes)
-                                          for raw in _snapshot(indexes.pods, key))}
-        clock = time.monotonic()
-        for name, since in list(memory.deleted.items()):
-            fresh = clock - since < EXPECTATION_TIMEOUT_SECONDS
-            if name in seen and not seen[name].deleting and fresh:
-                seen[name] = replace(seen[name], deleting=True)
-            else:
-                del memory.deleted[name]
-        for name, (pod, since) in list(memory.created.items()):
-            if name not in seen and clock - since < EXPECTATION_TIMEOUT_SECONDS:
-                seen[name] = replace(pod, created_at=now)
-            else:
-                del memory.created[name]
-        indexed: dict[str, Any] = {
-            "Service": 0 if _snapshot(indexes.services, key) else None,
-            "ConfigMap": next(iter(_snapshot(indexes.config_maps, key)), None)}
-        for kind, (version, since) in list(memory.children.items()):
-            if indexed[kind] == version or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
-                del memory.children[kind]
-            else:
-                indexed[kind] = version
-        config = indexed["ConfigMap"]
-        return Observed(pods=tuple(seen.values()), service=indexed["Service"] is not None,
+        pods = expected.pods({pod.name: pod for pod in (
+            worker_pod(raw, indexes.nodes) for raw in _snapshot(indexes.pods, key))}, now)
+        service, config = expected.held(
+            service=bool(_snapshot(indexes.services, key)),
+            config_map=next(iter(_snapshot(indexes.config_maps, key)), None))
+        return Observed(pods=pods, service=service,
                         config_generation=config[0] if config is not None else None,
                         config_micro_batch=config[1] if config is not None else None)
 
@@ -425,120 +348,3 @@ class TrainingJobController:
         except (OSError, ValueError) as error:
             logging.getLogger(__name__).info("no metrics from %s: %s", url, error)
             return None
-
-    def apply(self, body: Mapping[str, Any], memory: JobMemory, actions: list[Action]) -> None:
-        """Carry out the actions in order; stop at the first API error (the timer retries)."""
-        meta = body["metadata"]
-        namespace, name = meta.get("namespace", ""), meta["name"]
-        for action in actions:
-            try:
-                self._apply_one(namespace, name, body, memory, action)
-            except ApiException as error:
-                self.metrics.api_errors.inc()
-                message = _server_message(error)
-                logging.getLogger(__name__).warning(
-                    "%s/%s: %s failed: %s %s: %s", namespace, name, type(action).__name__,
-                    error.status, error.reason, message)
-                if isinstance(action, CreateObject) and error.status in REFUSED_STATUSES:
-                    self._report_refusal(namespace, body, memory, action, message)
-                return
-
-    def _report_refusal(self, namespace: str, body: Mapping[str, Any], memory: JobMemory,
-                        action: CreateObject, message: str) -> None:
-        """Tell the user, once per distinct message, why the server refuses a child.
-
-        A pod refused by admission (a missing PriorityClass or ServiceAccount, a quota)
-        would otherwise leave the job Pending with the reason only in the operator's log:
-        it goes to a Warning event on the job, as a ReplicaSet reports FailedCreate.
-        """
-        text = f"{action.manifest['kind']} {action.manifest['metadata']['name']}: {message}"
-        if memory.refused == text:
-            return
-        memory.refused = text
-        event = RecordEvent("Warning", "FailedCreate", text)
-        try:
-            self.writer.create(namespace, self._event(body, event))
-        except ApiException as error:
-            logging.getLogger(__name__).warning("event FailedCreate not recorded: %s",
-                                                _server_message(error))
-
-    def _apply_one(self, namespace: str, name: str, body: Mapping[str, Any], memory: JobMemory,
-                   action: Action) -> None:
-        if isinstance(action, WriteStatus):
-            self.writer.patch_job_status(namespace, name, action.patch)
-            memory.status = action.status
-            self.metrics.show_job_status(namespace, name, action.status)
-            phase = action.status.get("phase")
-            if phase:
-                self._count_phase(body["metadata"].get("uid", ""), phase)
-        elif isinstance(action, CreateObject):
-            self._create(namespace, memory, action.manifest)
-        elif isinstance(action, UpdateConfigMap):
-            meta = action.manifest["metadata"]
-            self.writer.patch_config_map(namespace, meta["name"], {
-                "metadata": {"annotations": meta["annotations"]}, "data": action.manifest["data"]})
-            memory.children["ConfigMap"] = (_held_version(action.manifest), time.monotonic())
-        elif isinstance(action, DeletePod):
-            try:
-                self.writer.delete_pod(namespace, action.name, action.grace_period_seconds)
-                self.metrics.pods_deleted.inc()
-            except ApiException as error:
-                if error.status != 404:
-                    raise
-            memory.deleted[action.name] = time.monotonic()
-        elif isinstance(action, DeleteJob):
-            self.writer.delete_job(namespace, name)
-        elif isinstance(action, RecordEvent):
-            self.writer.create(namespace, self._event(body, action))
-        elif isinstance(action, CountRestart):
-            self.metrics.group_restarts.labels(action.reason).inc()
-            if action.hang:
-                self.metrics.hang_restarts.inc()
-        elif isinstance(action, CountFailure):
-            self.metrics.worker_failures.labels(action.failure_class).inc()
-
-    def _count_phase(self, uid: str, phase: str | None) -> None:
-        """Set (None: drop) the job's phase and recount the jobs gauge from a copy.
-
-        Executor threads write phases while others count them: the table changes only under
-        the lock, and the gauge is set from it under the lock too, so the last count set is
-        the latest table's.
-        """
-        with self._memory_lock:
-            if phase is None:
-                self.phases.pop(uid, None)
-            else:
-                self.phases[uid] = phase
-            self.metrics.count_phases(dict(self.phases))
-
-    def _event(self, job: Mapping[str, Any], action: RecordEvent) -> dict[str, Any]:
-        """A core/v1 Event about the job (what `kubectl describe tj` lists)."""
-        meta = job["metadata"]
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        return {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta.get("namespace")},
-            "involvedObject": {"apiVersion": job.get("apiVersion"), "kind": job.get("kind"),
-                               "name": meta["name"], "namespace": meta.get("namespace"),
-                               "uid": meta.get("uid")},
-            "type": action.type, "reason": action.reason,
-            "message": action.message[:EVENT_MESSAGE_LIMIT],
-            "source": {"component": USER_AGENT}, "reportingComponent": USER_AGENT,
-            "reportingInstance": self.config.identity,
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        }
-
-    def _create(self, namespace: str, memory: JobMemory, manifest: dict[str, Any]) -> None:
-        kind = manifest["kind"]
-        try:
-            self.writer.create(namespace, manifest)
-            if kind == "Pod":
-                self.metrics.pods_created.inc()
-        except ApiException as error:
-            if error.status != 409:  # already there: created before a restart, or by a peer
-                raise
-        if kind == "Pod":
-            pod = worker_pod(manifest)
-            memory.created[pod.name] = (pod, time.monotonic())
-        else:
-            memory.children[kind] = (_held_version(manifest), time.monotonic())
