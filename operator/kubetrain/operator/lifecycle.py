@@ -131,6 +131,24 @@ def scale(decision: _Decision, previous_desired: int) -> None:
                        "training resumes from a checkpoint in the new group")
 
 
+def create_missing(decision: _Decision) -> None:
+    """Create the worker pods missing from indices 0..replicas-1, under the current restart
+    attempt (the Created condition and event the first time)."""
+    status = decision.status
+    # A pod still being deleted keeps its name: its replacement waits until it is gone.
+    present = {pod.index for pod in decision.observed.pods}
+    missing = [index for index in range(decision.replicas) if index not in present]
+    as_run = job_as_run(decision.job, status)  # with status.avoidedNodes as decided in this pass
+    for index in missing:
+        decision.actions.append(CreateObject(
+            children.worker_pod(as_run, index, status.restart_attempt)))
+    if missing and decision.condition_since("Created") is None:
+        message = (f"created service {decision.name}, config map "
+                   f"{children.config_map_name(decision.name)} and {len(missing)} worker pods")
+        decision.condition("Created", True, "ChildrenCreated", message)
+        decision.event("Created", message)
+
+
 def update_phase(decision: _Decision) -> None:
     """Running once worker 0 and enough workers run; Pending when a running group lost
     members without a failure."""

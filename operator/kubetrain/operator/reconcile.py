@@ -458,25 +458,15 @@ class _Decision:
                      f"the training step ({step}) has not advanced for {deadline}s "
                      "(runPolicy.progressDeadlineSeconds)", [], whole_group=True)
 
-    def create_missing(self) -> None:
+    def backing_off(self) -> bool:
+        """Whether the restart in progress still waits out its backoff: no pods yet."""
         if self.status.phase == "Restarting" and self.status.last_restart_time is not None:
             restarting = next((c for c in self.status.conditions if c.type == "Restarting"), None)
             uncounted = restarting is not None and restarting.reason in UNCOUNTED_REASONS
             delay = 0.0 if uncounted else backoff_seconds(self.job, self.status.restarts)
             if self.now < self.status.last_restart_time + timedelta(seconds=delay):
-                return
-        # A pod still being deleted keeps its name: its replacement waits until it is gone.
-        present = {pod.index for pod in self.observed.pods}
-        missing = [index for index in range(self.replicas) if index not in present]
-        as_run = self.job_as_run()  # with status.avoidedNodes as decided in this pass
-        for index in missing:
-            self.actions.append(CreateObject(
-                children.worker_pod(as_run, index, self.status.restart_attempt)))
-        if missing and self.condition_since("Created") is None:
-            message = (f"created service {self.name}, config map "
-                       f"{children.config_map_name(self.name)} and {len(missing)} worker pods")
-            self.condition("Created", True, "ChildrenCreated", message)
-            self.event("Created", message)
+                return True
+        return False
 
 
 def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Action]:
@@ -516,7 +506,8 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
         if status.phase not in FINISHED:
             lifecycle.scale(decision,
                             previous.workers.desired if previous.phase != "Suspended" else 0)
-            decision.create_missing()
+            if not decision.backing_off():
+                lifecycle.create_missing(decision)
             lifecycle.update_phase(decision)
             nodes.report_avoidance(decision)
         else:
