@@ -1,14 +1,15 @@
 """The run policy of a local run: when to restart the worker group, after how long, when to give up.
 
-Pure decisions over `spec.runPolicy` and what happened so far, mirroring what the
-operator does on Kubernetes: a failed, lost or hung group is restarted as a whole
-after an exponentially growing delay, until `maxRestarts` is spent; a permanent
-exit code, or the same crash repeating with no training progress in between,
-fails the job at once. A worker out of memory (OOMKilled, CUDAOutOfMemory) restarts
-the group at once with half the micro-batch and twice the accumulation
-(`after_out_of_memory`, spec.runPolicy.outOfMemory), outside maxRestarts, as the
-operator does. `kubetrain.local.runner` acts on these decisions; nothing here
-touches a process or a clock.
+The operator's rules, `kubetrain.restart_rules`, over `spec.runPolicy` and the
+failures of this run so far, so that a job restarts and fails locally as it does on
+Kubernetes: a failed, lost or hung group is restarted as a whole after an
+exponentially growing delay, until `maxRestarts` is spent; a permanent exit code,
+or the same exit code repeating with the training step not past where it first
+failed, fails the job at once. A worker out of memory (OOMKilled, CUDAOutOfMemory)
+restarts the group at once with half the micro-batch and twice the accumulation
+(`after_out_of_memory`, spec.runPolicy.outOfMemory), outside maxRestarts.
+`kubetrain.local.runner` acts on these decisions; nothing here touches a process or
+a clock.
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kubetrain.api.trainingjob import RunPolicy, TrainingJobSpec
-
-# Exit statuses that mean "killed by a signal" (a lost node, an OOM kill): Popen
-# reports them negative, shells and containers as 128 + the signal number.
-SIGNAL_EXIT_BASE = 128
+from kubetrain import restart_rules as rules
+from kubetrain.api.trainingjob import EffectiveBatch, FailureStreak, RunPolicy, TrainingJobSpec
+from kubetrain.restart_rules import Ending, RetryKind
 
 
 @dataclass(frozen=True)
@@ -31,8 +30,8 @@ class GroupFailure:
     """What the user reads: "worker 1 was lost (killed by signal 9)", "no progress for 30s"."""
     exit_code: int | None
     """Exit status of the first worker that failed; None for a hang."""
-    progressed: bool
-    """Whether the training step advanced during the attempt."""
+    step: int
+    """The training step when it failed (the newest the run logged; 0 before any)."""
     failure_class: str = "Unknown"
     """The class the operator would give the pod (kubetrain.operator.failures)."""
 
@@ -46,62 +45,74 @@ class Decision:
     reason: str
     micro_batch_size: int | None = None
     """An out-of-memory restart's smaller micro-batch."""
+    effective: EffectiveBatch | None = None
+    """An out-of-memory restart's batch split, as the operator writes it to status.effective."""
+    ending: Ending | None = None
+    """Why the job fails, as the operator's Failed condition says it."""
 
 
-def restart_delay(policy: RunPolicy, restarts_done: int) -> float:
-    """Seconds to wait before the next restart: backoffSeconds doubled per restart already done."""
-    return float(min(policy.backoff_seconds * 2**restarts_done, policy.max_backoff_seconds))
+def kind_of(policy: RunPolicy, failure: GroupFailure) -> RetryKind:
+    """The failure's retry kind under the operator's rule (kubetrain.restart_rules)."""
+    return rules.retry_kind(failure.exit_code, policy.permanent_exit_codes,
+                      failure_class=failure.failure_class)
 
 
-def is_signal_exit(exit_code: int) -> bool:
-    """Whether an exit status says the process was killed by a signal rather than exiting."""
-    return exit_code < 0 or exit_code > SIGNAL_EXIT_BASE
+def is_out_of_memory(policy: RunPolicy, failure: GroupFailure) -> bool:
+    """Whether `after_out_of_memory` answers this failure rather than `after_failure`."""
+    return rules.heals_out_of_memory(failure.failure_class, kind_of(policy, failure))
 
 
 def after_failure(policy: RunPolicy, failures: Sequence[GroupFailure]) -> Decision:
-    """Decide what follows the last of `failures` (every failure of this run, oldest first)."""
+    """Decide what follows the last of `failures` (every failure of this run that counts
+    against maxRestarts, oldest first; out-of-memory ones are not among them)."""
     if not failures:
         raise ValueError("after_failure needs at least one failure")
     last = failures[-1]
-    if last.exit_code is not None and last.exit_code in policy.permanent_exit_codes:
+    kinds = [kind_of(policy, failure) for failure in failures]
+    if kinds[-1] == "permanent":
         return Decision(False, 0.0, f"{last.reason}; exit code {last.exit_code} is permanent "
-                        "(spec.runPolicy.permanentExitCodes), so the job is not retried")
-    limit = policy.repeated_failure_limit
-    recent = failures[-limit:]
-    if (
-        len(recent) == limit
-        and last.exit_code is not None
-        and not is_signal_exit(last.exit_code)
-        and all(f.exit_code == last.exit_code and not f.progressed for f in recent)
-    ):
-        return Decision(False, 0.0, f"{last.reason}; the same exit code {last.exit_code} ended "
-                        f"{limit} attempts in a row with no training progress "
-                        "(spec.runPolicy.repeatedFailureLimit)")
+                        "(spec.runPolicy.permanentExitCodes), so the job is not retried",
+                        ending="PermanentError")
+    if kinds[-1] == "code":
+        streak: FailureStreak | None = None
+        for failure, kind in zip(failures, kinds, strict=True):
+            if kind == "code" and failure.exit_code is not None:
+                streak = rules.next_streak(streak, failure.exit_code, failure.step)
+        assert streak is not None  # the last failure is a "code" one
+        if rules.repeated(streak, policy):
+            return Decision(False, 0.0, f"{last.reason}; the same exit code {last.exit_code} "
+                            f"ended {streak.count} attempts in a row with no training progress "
+                            f"past step {streak.step} (spec.runPolicy.repeatedFailureLimit: "
+                            f"{policy.repeated_failure_limit})", ending="RepeatedFailure")
     restarts_done = len(failures) - 1
-    if restarts_done >= policy.max_restarts:
+    if rules.restarts_spent(policy, restarts_done):
         return Decision(False, 0.0, f"{last.reason}; all {policy.max_restarts} restarts "
-                        "allowed by spec.runPolicy.maxRestarts are spent")
-    return Decision(True, restart_delay(policy, restarts_done), last.reason)
+                        "allowed by spec.runPolicy.maxRestarts are spent",
+                        ending="MaxRestartsExceeded")
+    return Decision(True, rules.backoff_seconds(policy, restarts_done + 1), last.reason)
 
 
 def after_out_of_memory(spec: TrainingJobSpec, failure: GroupFailure, micro_batch_size: int,
                         out_of_memory_restarts: int, world_size: int) -> Decision:
-    """Restart with half the micro-batch (runPolicy.outOfMemory: Halve), or fail.
+    """Restart at once with half the micro-batch (runPolicy.outOfMemory: Halve), or fail.
 
-    The operator's rule, `TrainingJobSpec.after_out_of_memory`: the largest divisor of the
-    spec's micro-batch at most half the current one and at least minMicroBatch, at most
-    log2(microBatchSize) times; no backoff (the cause is fixed, not waited out).
+    The operator's rule (`kubetrain.restart_rules.after_out_of_memory`): the largest
+    divisor of the spec's micro-batch at most half the current one and at least
+    minMicroBatch, at most log2(microBatchSize) times; no backoff (the cause is fixed,
+    not waited out).
     """
     what = f"{failure.reason}: out of memory ({failure.failure_class}) at micro-batch " \
            f"{micro_batch_size}"
-    smaller, why = spec.after_out_of_memory(micro_batch_size, out_of_memory_restarts)
-    if smaller is not None:
-        accumulation = spec.gradient_accumulation(world_size, smaller)
-        return Decision(True, 0.0, f"{what}: micro-batch {smaller}, gradient accumulation "
-                        f"{accumulation} (global batch unchanged)", micro_batch_size=smaller)
-    return Decision(False, 0.0, f"{what}, and {why}: run `kubetrain estimate` on the job for "
-                    "a configuration that fits (parallelism.activationCheckpointing, more "
-                    "workers with strategy fsdp, or more memory)")
+    verdict = rules.after_out_of_memory(spec, micro_batch_size, out_of_memory_restarts,
+                                    world_size, reason=what)
+    effective = verdict.effective
+    if effective is not None:
+        return Decision(True, 0.0, f"{what}: micro-batch {effective.micro_batch_size}, "
+                        f"gradient accumulation {effective.gradient_accumulation_steps} "
+                        "(global batch unchanged)", micro_batch_size=effective.micro_batch_size,
+                        effective=effective)
+    return Decision(False, 0.0, f"{what}, and {verdict.why_not}: {rules.estimate_advice()}",
+                    ending="OutOfMemory")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from kubetrain.api.trainingjob import EffectiveBatch, TrainingJob, TrainingJobStatus
+from kubetrain.api.trainingjob import TrainingJob, TrainingJobStatus
 from kubetrain.local.launch import Rendezvous, agent_launch, free_port
 from kubetrain.local.memory import oom_kills
 from kubetrain.local.metrics_log import MetricsLogReader, RunHistory
@@ -40,11 +40,12 @@ from kubetrain.local.policy import (
     ProgressClock,
     after_failure,
     after_out_of_memory,
+    is_out_of_memory,
 )
 from kubetrain.local.progress import Outcome, ProgressDisplay, summary
 from kubetrain.local.report import write_after_run
 from kubetrain.local.workspace import Workspace
-from kubetrain.protocol import OUT_OF_MEMORY_CLASSES, TRAINER_CLASSES
+from kubetrain.protocol import TRAINER_CLASSES
 
 # Exit statuses of `kubetrain run`.
 EXIT_SUCCEEDED = 0
@@ -129,7 +130,7 @@ class LocalRun:
                     return self._finish(False, result.stop.reason, result.stop.exit_code)
                 assert result.failure is not None
                 self._log_failure(result.failure)
-                if result.failure.failure_class in OUT_OF_MEMORY_CLASSES:
+                if is_out_of_memory(self.job.spec.run_policy, result.failure):
                     if not self._halve_micro_batch(result.failure):
                         return self._finish(False, self.restarts.pop(), EXIT_FAILED)
                     manifest = self.workspace.write_manifest(self.job)
@@ -167,17 +168,12 @@ class LocalRun:
         decision = after_out_of_memory(spec, failure, self.job.micro_batch_size,
                                        len(self.micro_batches) - 1, world_size)
         self.restarts.append(decision.reason)
-        if not decision.restart or decision.micro_batch_size is None:
+        effective = decision.effective
+        if not decision.restart or effective is None:
             return False
         # From the first of a chain of OOMs (16 -> 8 -> 4) to the step that ends it.
         self.out_of_memory_at = self.out_of_memory_at or time.time()
-        micro = decision.micro_batch_size
-        self.micro_batches.append(micro)
-        effective = EffectiveBatch(
-            micro_batch_size=micro,
-            gradient_accumulation_steps=spec.gradient_accumulation(world_size, micro),
-            out_of_memory_restarts=len(self.micro_batches) - 1,
-            spec_micro_batch_size=spec.optimization.micro_batch_size, reason=decision.reason)
+        self.micro_batches.append(effective.micro_batch_size)
         status = (self.job.status or TrainingJobStatus()).model_copy(
             update={"effective": effective})
         self.job = self.job.model_copy(update={"status": status})
@@ -224,9 +220,8 @@ class LocalRun:
     def _watch(self, nodes: list[Node]) -> _Attempt:
         clock = ProgressClock(step=-1, since=time.monotonic())
         policy = self.job.spec.run_policy
-        trained = False  # whether this attempt logged a training step
         while True:
-            trained |= self._read_events(clock, nodes)
+            self._read_events(clock, nodes)
             if self.signals:
                 name = signal.Signals(self.signals[-1]).name
                 return _Attempt(stop=_Stop(f"interrupted by {name}", EXIT_INTERRUPTED))
@@ -236,7 +231,7 @@ class LocalRun:
             if failed:
                 node, code = failed[0]
                 assert code is not None
-                return _Attempt(failure=self._node_failure(node, code, trained))
+                return _Attempt(failure=self._node_failure(node, code))
             if all(code == 0 for code in statuses):
                 self._read_events(clock, nodes)
                 return _Attempt(finished=True)
@@ -244,7 +239,7 @@ class LocalRun:
             if clock.is_hung(policy, now):
                 return _Attempt(failure=GroupFailure(
                     f"no training progress for {clock.stalled_for(now):.0f}s "
-                    "(spec.runPolicy.progressDeadlineSeconds)", None, trained))
+                    "(spec.runPolicy.progressDeadlineSeconds)", None, self.history.step))
             deadline = policy.active_deadline_seconds
             if deadline is not None and now - self.started > deadline:
                 return _Attempt(stop=_Stop(f"running longer than {deadline}s "
@@ -252,23 +247,20 @@ class LocalRun:
             time.sleep(POLL_SECONDS)
 
     def _read_events(self, clock: ProgressClock | None = None,
-                     nodes: list[Node] | None = None) -> bool:
-        """Show the new metrics-log events; True if one of them was a training step."""
-        trained = False
+                     nodes: list[Node] | None = None) -> None:
+        """Show the new metrics-log events; kill the nodes --kill-worker-at-step names."""
         for event in self.reader.read_new():
             self.history.apply(event)
             self.display.show(event, self.history)
             if clock is not None and event["event"] in {"step", "start", "resumed"}:
                 clock.observe(self.history.step, time.monotonic())
             if event["event"] == "step":
-                trained = True
                 if self.out_of_memory_at is not None:
                     self.oom_recovery_seconds.append(
                         float(event.get("time", time.time())) - self.out_of_memory_at)
                     self.out_of_memory_at = None
                 if nodes:
                     self._inject_kills(nodes)
-        return trained
 
     def _inject_kills(self, nodes: list[Node]) -> None:
         # A kill fires once, at the first step logged at or after it, in whichever
@@ -280,7 +272,7 @@ class LocalRun:
                              f"(--kill-worker-at-step {at})")
             victim.lose()
 
-    def _node_failure(self, node: Node, code: int, trained: bool) -> GroupFailure:
+    def _node_failure(self, node: Node, code: int) -> GroupFailure:
         kind = self._failure_class(node, code)
         if code < 0:
             what = f"worker {node.index} was lost (killed by {signal.Signals(-code).name})"
@@ -291,7 +283,8 @@ class LocalRun:
             self.display.say(f"{what}; the end of {self.workspace.worker_log(node.index)}:")
             for line in self._log_tail(node.index):
                 self.display.say(f"  | {line}")
-        return GroupFailure(f"{what} at step {self.history.step}", code, trained, kind)
+        step = self.history.step
+        return GroupFailure(f"{what} at step {step}", code, step, kind)
 
     def _failure_class(self, node: Node, code: int) -> str:
         """The class the operator would give this node's pod (kubetrain.operator.failures)."""
