@@ -18,7 +18,7 @@ from jsonschema import Draft4Validator
 
 from kubetrain.api.crd import open_api_schema
 from kubetrain.api.manifest import InvalidManifest, Problem, load_documents, parse_job
-from kubetrain.api.trainingjob import KIND
+from kubetrain.api.trainingjob import KIND, TrainerSpec
 
 
 @cache
@@ -50,6 +50,17 @@ def check_document(document: Any) -> list[Problem]:
     return problems
 
 
+def own_code_summary(trainer: TrainerSpec) -> str:
+    """What applies to a job that runs its own code, for `kubetrain validate`'s report."""
+    program = " ".join(trainer.torchrun_arguments())
+    return (f"  own code: each worker pod runs `torchrun {program}` in {trainer.image}, "
+            "under kubetrain's elastic launch (docs/own-code.md)\n"
+            "  applies: workers, runPolicy, checkpoint.uri, keepLast and resumeFrom (the "
+            "folders your code marks complete are uploaded there and the newest restored "
+            "before it starts), storage, metrics; the typed training fields (model, data, "
+            "optimization, evaluation, parallelism, distillation) are kubetrain's trainer's")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="manifest files ('-' for stdin)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only problems")
@@ -77,4 +88,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{file}: {KIND} {name}: {problem}", file=sys.stderr)
             if not problems and not args.quiet:
                 print(f"{file}: {KIND} {name} is valid")
+                if (job := parse_job(document)).spec.trainer is not None:
+                    print(own_code_summary(job.spec.trainer))
     return 1 if failed else 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -678,9 +678,12 @@ class CheckpointSpec(ApiModel):
     uri: str = Field(
         min_length=1, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
         description="Where checkpoints go: s3://bucket/prefix, file:///path or a path. The "
-        "job resumes from the newest complete checkpoint found here.",
+        "job resumes from the newest complete checkpoint found here. With spec.trainer, the "
+        "folders your code marks complete are uploaded here and the newest is restored "
+        "before it starts.",
     )
-    every_steps: int = Field(default=500, ge=1, description="Save every N optimizer steps.")
+    every_steps: int = Field(default=500, ge=1, description="Save every N optimizer steps "
+                             "(kubetrain's trainer only).")
     keep_last: int = Field(
         default=3, ge=1, description="Committed checkpoints kept; older ones are deleted.",
     )
@@ -689,17 +692,18 @@ class CheckpointSpec(ApiModel):
         description="Keep the checkpoint with the lowest validation loss out of keepLast "
         "rotation. An evaluation that beats every earlier one (after step 0) saves a "
         "checkpoint at its step; status.bestCheckpoint names it. Needs evaluation "
-        "(evaluation.everySteps > 0 and validation data).",
+        "(evaluation.everySteps > 0 and validation data). kubetrain's trainer only.",
     )
     export_from: Literal["best", "last"] = Field(
         default="last",
         description="What the final export holds: last, the weights at the end of training, "
         "or best, the weights of the best checkpoint (needs keepBest; the last weights when "
-        "no evaluation after step 0 has produced one).",
+        "no evaluation after step 0 has produced one). kubetrain's trainer only.",
     )
     async_: bool = Field(
         default=False, alias="async",
-        description="Upload in the background while training continues.",
+        description="Upload in the background while training continues (kubetrain's "
+        "trainer only; own code's folders are always uploaded in the background).",
     )
     resume_from: str | None = Field(
         default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
@@ -707,7 +711,8 @@ class CheckpointSpec(ApiModel):
     )
     export: bool = Field(
         default=True,
-        description="At the end, export the model as safetensors with a Hugging Face config.",
+        description="At the end, export the model as safetensors with a Hugging Face config "
+        "(kubetrain's trainer only).",
     )
 
     @field_validator("uri", "resume_from")
@@ -1131,23 +1136,49 @@ class TrainingJobSpec(ApiModel):
             "|| self.evaluation.everySteps > 0",
             "keepBest needs evaluation: set evaluation.everySteps above 0",
             ".checkpoint.keepBest"),
+        *_own_code_rules(),
     ]})
 
-    image: str = Field(min_length=1, description="Trainer container image.")
+    # kubetrain's trainer's image; None only with spec.trainer (see _one_kind).
+    image: str | None = Field(
+        default=None, min_length=1,
+        description="kubetrain's trainer container image (required without spec.trainer; "
+        "own code names its image in spec.trainer.image).")
+    trainer: TrainerSpec | None = Field(
+        default=None,
+        description="Run your own training code instead of kubetrain's trainer: image, "
+        "command, args, env (as in a Kubeflow TrainJob). The alternative to data and the "
+        "other typed training fields (model, optimization, evaluation, parallelism, "
+        "distillation, and checkpoint's everySteps, keepBest, exportFrom, async, export), "
+        "which are then refused; workers, runPolicy, checkpoint.uri/keepLast/resumeFrom, "
+        "storage and metrics apply to both kinds.",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Pull policy of the trainer image."
     )
     workers: Workers = Field(default_factory=Workers, description="The worker pods.")
-    model: ModelSpec = Field(default_factory=ModelSpec, description="The model to train.")
-    data: DataSpec = Field(description="Training and validation data.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model to train "
+                            "(kubetrain's trainer only).")
+    if TYPE_CHECKING:
+        # Own code (spec.trainer) has no data: None at run time. Every reader of spec.data
+        # is on kubetrain's trainer path, which runs only jobs that have it (_one_kind), so
+        # the type is what those readers see.
+        data: DataSpec
+    else:
+        data: DataSpec | None = Field(
+            default=None, description="Training and validation data (kubetrain's trainer; "
+            "required without spec.trainer).")
     optimization: OptimizationSpec = Field(
-        default_factory=OptimizationSpec, description="Optimizer, schedule and batch size."
+        default_factory=OptimizationSpec, description="Optimizer, schedule and batch size "
+        "(kubetrain's trainer only)."
     )
     evaluation: EvaluationSpec = Field(
-        default_factory=EvaluationSpec, description="Validation and early stopping."
+        default_factory=EvaluationSpec, description="Validation and early stopping "
+        "(kubetrain's trainer only)."
     )
     parallelism: ParallelismSpec = Field(
-        default_factory=ParallelismSpec, description="Sharding, precision, checkpointing."
+        default_factory=ParallelismSpec, description="Sharding, precision, checkpointing "
+        "(kubetrain's trainer only)."
     )
     checkpoint: CheckpointSpec = Field(description="Checkpoint location and cadence.")
     storage: StorageSpec = Field(
@@ -1156,11 +1187,51 @@ class TrainingJobSpec(ApiModel):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metrics and logs.")
     distillation: DistillationSpec | None = Field(
         default=None, description="Train from a frozen teacher's predictions as well as the "
-        "labels (knowledge distillation); omit to train on the labels alone.",
+        "labels (knowledge distillation); omit to train on the labels alone (kubetrain's "
+        "trainer only).",
     )
     run_policy: RunPolicy = Field(
         default_factory=RunPolicy, description="Restarts, deadlines, suspend and cleanup."
     )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> TrainingJobSpec:
+        if self.trainer is None:
+            if self.data is None:
+                raise problem("data", "is required: set spec.data to train with kubetrain's "
+                              "trainer, or spec.trainer (image, command) to run your own "
+                              "training code")
+            if self.image is None:
+                raise problem("image", "is required: kubetrain's trainer image (or set "
+                              "spec.trainer to run your own code in its own image)")
+            return self
+        if self.data is not None:
+            raise problem("trainer", "and spec.data are both set: a job runs either its own "
+                          "code (spec.trainer) or kubetrain's trainer (spec.data and the "
+                          "typed training fields): remove one")
+        if self.image is not None:
+            raise problem("image", "is kubetrain's trainer image; your own code names its "
+                          "image in spec.trainer.image: remove spec.image")
+        for section, why in TYPED_ONLY.items():
+            value = getattr(self, section)
+            if value is None:
+                continue
+            changed = changed_fields(value, type(value)()) if section != "distillation" else []
+            if section == "distillation" or changed:
+                where = f"{section}.{changed[0]}" if changed else section
+                raise problem(where, f"is read only by kubetrain's trainer; with spec.trainer "
+                              f"{why}: remove spec.{section}")
+        changed = changed_fields(self.checkpoint, CheckpointSpec(uri=self.checkpoint.uri),
+                                 CHECKPOINT_TYPED_ONLY)
+        if changed:
+            raise problem(f"checkpoint.{changed[0]}", f"is read only by kubetrain's trainer; "
+                          f"with spec.trainer {CHECKPOINT_WHY}")
+        return self
+
+    @property
+    def own_code(self) -> bool:
+        """Whether the job runs its own code (spec.trainer) rather than kubetrain's trainer."""
+        return self.trainer is not None
 
     @model_validator(mode="after")
     def _from_teacher_needs_a_teacher(self) -> TrainingJobSpec:

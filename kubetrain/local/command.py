@@ -60,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
     except (InvalidManifest, OSError) as error:
         print(f"kubetrain run: {error}", file=sys.stderr)
         return 2
+    if job.spec.own_code:
+        print(f"kubetrain run: {job.metadata.name} runs its own code (spec.trainer), which "
+              "`kubetrain run` does not run yet (docs/own-code.md says what is wired so far)",
+              file=sys.stderr)
+        return 2
     workspace = Workspace.of(job)
     local_job = workspace.localize(job)
     if args.dry_run:

@@ -271,3 +271,82 @@ def test_distillation_rules_agree_between_the_server_and_the_models(
         with pytest.raises(InvalidManifest) as refused:
             parse_job(document)
         assert any(f"spec.distillation.{field}" in str(p) for p in refused.value.problems)
+
+
+# --- own code (spec.trainer): one kind of job or the other, on the server and in the models --
+
+def _own_code(minimal_manifest: dict[str, Any]) -> dict[str, Any]:
+    document = copy.deepcopy(minimal_manifest)
+    spec = document["spec"]
+    for typed in ("image", "model", "data"):
+        del spec[typed]
+    spec["trainer"] = {"image": "ghcr.io/me/train:1", "command": ["python", "train.py"]}
+    return document
+
+
+def test_an_own_code_job_passes_the_server_as_written_and_as_stored(
+        minimal_manifest: dict[str, Any]) -> None:
+    """The server fills in every section's defaults before its rules run: an own-code job's
+    defaulted model, optimization, evaluation and parallelism must not count as set."""
+    from kubetrain.validate import schema_problems
+
+    document = _own_code(minimal_manifest)
+    stored = _stored(document)
+    assert stored["spec"]["model"]["preset"]  # the defaults really are there
+    for version in (document, stored):
+        assert cel_violations(version) == [] and list(schema_problems(version)) == []
+    assert cel_violations(stored, stored) == []  # and an update that changes nothing
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"data": {"train": "s3://datasets/corpus/train"}}, "spec.trainer and spec.data"),
+    ({"image": "ghcr.io/kubetrain/trainer:0.1.0"}, "spec.image"),
+    ({"model": {"preset": "tiny"}}, "spec.model"),
+    ({"model": {"dynamics": {"enabled": True}}}, "spec.model"),
+    ({"optimization": {"maxSteps": 10}}, "spec.optimization"),
+    ({"optimization": {"betas": [0.9, 0.99]}}, "spec.optimization"),
+    ({"optimization": {"minLrRatio": 0.5}}, "spec.optimization"),
+    ({"evaluation": {"earlyStopping": {"patience": 2}}}, "spec.evaluation"),
+    ({"parallelism": {"compile": True}}, "spec.parallelism"),
+    ({"distillation": {"teacher": "s3://models/teacher"}}, "spec.distillation"),
+    ({"checkpoint": {"uri": "s3://checkpoints/demo", "everySteps": 100}}, "everySteps"),
+    ({"checkpoint": {"uri": "s3://checkpoints/demo", "async": True}}, "everySteps"),
+])
+def test_typed_training_fields_are_refused_with_own_code_by_server_and_models(
+        minimal_manifest: dict[str, Any], change: dict[str, Any], named: str) -> None:
+    document = _own_code(minimal_manifest)
+    document["spec"].update(change)
+    failed = cel_violations(document)
+    assert len(failed) == 1 and named in failed[0], failed
+    assert "kubetrain's trainer" in failed[0]  # the why
+    assert not _models_accept(document)
+
+
+@pytest.mark.parametrize("change", [
+    {"model": {"preset": "llama-125m", "normEps": 1e-05}},  # written at their defaults
+    {"optimization": {"betas": [0.9, 0.95], "minLrRatio": 0.1}},
+    {"checkpoint": {"uri": "s3://checkpoints/demo", "keepLast": 1,
+                    "resumeFrom": "s3://checkpoints/other"}},
+    {"workers": {"replicas": 2, "minReplicas": 1, "maxReplicas": 4, "procsPerWorker": 8}},
+    {"runPolicy": {"maxRestarts": 2, "suspend": True}, "metrics": {"port": 9500}},
+])
+def test_fields_of_both_kinds_are_accepted_with_own_code(
+        minimal_manifest: dict[str, Any], change: dict[str, Any]) -> None:
+    document = _own_code(minimal_manifest)
+    document["spec"].update(change)
+    assert cel_violations(document) == []
+    assert _models_accept(document)
+
+
+def test_a_job_with_neither_kind_is_refused_naming_both(
+        minimal_manifest: dict[str, Any]) -> None:
+    document = copy.deepcopy(minimal_manifest)
+    del document["spec"]["data"]
+    (failed,) = cel_violations(document)
+    assert "spec.data" in failed and "spec.trainer" in failed
+    with pytest.raises(InvalidManifest) as refused:
+        parse_job(document)
+    assert "spec.data: is required" in str(refused.value) and "spec.trainer" in str(refused.value)
+    del document["spec"]["image"], document["spec"]["model"]
+    document["spec"]["trainer"] = {"image": "me/train:1", "command": ["train"]}
+    assert cel_violations(document) == [] and _models_accept(document)  # own code needs no image

@@ -307,6 +307,13 @@ def run(args: argparse.Namespace) -> int:
     except InvalidManifest as error:
         print(f"kubetrain estimate: {error}", file=sys.stderr)
         return 2
+    if job.spec.own_code:
+        print(f"kubetrain estimate: {args.file} runs your own code (spec.trainer), whose model "
+              "and batch kubetrain cannot see, so it cannot size its memory: estimate sizes "
+              "kubetrain's trainer (spec.model, spec.optimization). Measure your script's "
+              "peak instead (torch.cuda.max_memory_allocated after a few steps).",
+              file=sys.stderr)
+        return 2
     try:
         spec, dims = trained_model(job.spec)
         teacher, teacher_dynamics = teacher_model(spec)
