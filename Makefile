@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint lowest tools images
+.PHONY: demo test lint lowest packages images
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +28,11 @@ lint: $(VENV)/.installed
 lowest: $(VENV)/.installed
 	bash tests/install/lowest-direct.sh -q
 
-# Debian's promtool and chromium, which some tests run (best effort: never fails here).
-tools:
-	bash tests/tools/install-test-tools.sh
+# Every Debian package the tests and the image build need (buildah, containerd, promtool,
+# chromium, ...), in one serial step: apt cannot run twice at once. Fails naming the package
+# when one cannot be installed; under CI=true also when not root.
+packages:
+	bash tests/install/debian-packages.sh
 
 # The operator and trainer images without Docker: Debian's buildah from offline stand-in
 # bases, as OCI archives in ~/.cache/kubetrain/images, cached by content hash
@@ -38,10 +40,11 @@ tools:
 images:
 	$(PYTHON) images/offline/build_images.py
 
-# lint, the tools, the lowest-bounds run and the images are independent, so they run side
-# by side (--output-sync keeps each one's output together); then the whole suite, on two
-# pytest-xdist workers (tests/conftest.py says how the tests are shared between them),
-# whose whole-loop and image tests run the images just built.
+# The Debian packages first, alone; then lint, the lowest-bounds run and the images, which
+# are independent, side by side (--output-sync keeps each one's output together); then the
+# whole suite, on two pytest-xdist workers (tests/conftest.py says how the tests are shared
+# between them), whose whole-loop and image tests run the images just built.
 test: $(VENV)/.installed
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint tools lowest images
+	$(MAKE) --no-print-directory packages
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint lowest images
 	$(BIN)/pytest -n 2

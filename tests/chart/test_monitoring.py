@@ -7,9 +7,7 @@ operator's own registries, rendered by prometheus_client and parsed back.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import promql_parser
 import pytest
 import yaml
+from host_tools import require_tool
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -245,14 +244,7 @@ def test_alert_rules_pass_promtool_and_fire_only_on_the_broken_jobs(
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
 
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        warnings.warn("promtool not found (tests/tools/install-test-tools.sh installs Debian's "
-                      "prometheus package): checking the alert expressions with promql-parser "
-                      "only, without evaluating them", stacklevel=1)
-        for rule in (r for g in rules["groups"] for r in g["rules"]):
-            promql_parser.parse(rule["expr"])
-        return
+    promtool = require_tool("promtool", "prometheus")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(_promtool_unit_test(rules)))
     for command in (["check", "rules", "rules.yaml"], ["test", "rules", "tests.yaml"]):
@@ -266,9 +258,7 @@ def test_low_goodput_fires_only_after_thirty_minutes_below_the_chart_threshold(
     render: Render, tmp_path: Path
 ) -> None:
     """The `for: 30m` of KubetrainLowGoodput, evaluated by promtool as Prometheus would."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed: run tests/tools/install-test-tools.sh")
+    promtool = require_tool("promtool", "prometheus")
     objects = render({"monitoring": {"prometheusRule": {"enabled": True, "goodputBelow": 0.6}}})
     (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
     spec = dict(rule["spec"])

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
+from host_tools import unavailable
 
 from kubetrain.local.launch import free_port
 from kubetrain.local.memory import memory_cgroup
@@ -59,7 +60,7 @@ def memory_limited(limit: int | None) -> Iterator[Path]:
     """A cgroup for one run, with `limit` bytes of memory (None: unlimited); removed after."""
     folder = _new_cgroup()
     if folder is None:
-        pytest.skip("no writable memory cgroup here (needs root and cgroupfs)")
+        unavailable("no writable memory cgroup here (needs root and cgroupfs)")
     try:
         if limit is not None:
             v1 = folder / "memory.limit_in_bytes"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from host_tools import require_tool
 
 from kubetrain.cli import main
 
@@ -76,9 +76,8 @@ def test_report_says_what_is_wrong_with_a_missing_or_empty_log(
     assert "no training step yet" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="Debian's chromium is not installed (tests/tools/install-test-tools.sh)")
 def test_the_page_draws_its_charts_in_headless_chromium(tmp_path: Path) -> None:
+    require_tool("chromium", "chromium")
     write_log(tmp_path)
     output = tmp_path / "page.html"
     assert main(["report", str(tmp_path), "--output", str(output)]) == 0

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from host_tools import unavailable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,7 +51,7 @@ def _model_before_dynamics(tmp_path: Path) -> ModuleType:
             ["git", "show", f"{BEFORE_DYNAMICS}:trainer/kubetrain/trainer/model.py"],
             cwd=REPO, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as error:
-        pytest.skip(f"needs the git history with commit {BEFORE_DYNAMICS} ({error})")
+        unavailable(f"needs the git history with commit {BEFORE_DYNAMICS} ({error})")
     path = tmp_path / "model_before_dynamics.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("model_before_dynamics", path)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import gc
 import json
 import multiprocessing
-import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from host_tools import require_tool
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.api.manifest import load_job
@@ -109,9 +109,7 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
     assert status["productiveSeconds"] == 600 and status["wallSeconds"] == round(wall)
     assert status["badputSeconds"]["lostProgress"] == 50
     assert status["ratio"] == round(600 / wall, 4)
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed: run tests/tools/install-test-tools.sh")
+    promtool = require_tool("promtool", "prometheus")
     checked = subprocess.run([promtool, "check", "metrics"], input=exposition,
                              capture_output=True, text=True, timeout=30)
     assert checked.returncode == 0 and not checked.stdout.strip(), checked.stdout + checked.stderr
