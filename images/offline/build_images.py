@@ -58,7 +58,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from apt_sources import source_lines  # noqa: E402
-from pip_build_config import write_pip_conf  # noqa: E402
+from pip_build_config import PipConfigError, write_pip_conf  # noqa: E402
 from rootfs2oci import rootfs_to_oci  # noqa: E402
 
 SUITE = "bookworm"  # Debian 12: python3 is 3.11, as in python:3.11-slim-bookworm
@@ -73,6 +73,8 @@ IMAGES = ("operator", "trainer")
 # build: mmdebstrap, buildah; run: containerd, runc (tests/cluster/containerd.py) and the
 # CNI plugins of the tests' pod network (tests/cluster/pod_network.py)
 APT_PACKAGES = ("mmdebstrap", "buildah", "containerd", "runc", "containernetworking-plugins")
+# Every apt call of the project takes this lock (tests/install/debian-packages.sh too).
+APT_LOCK = "/var/lock/kubetrain-apt.lock"
 VENV_PATH = "PATH=/usr/local/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # apt's network settings passed on to mmdebstrap (proxy, CA, validity of snapshot mirrors)
 APT_OPTION_PREFIXES = ("Acquire::Check-Valid-Until", "Acquire::Check-Date",
@@ -166,10 +168,15 @@ def ensure_packages(log: Log, packages: Sequence[str] = APT_PACKAGES) -> None:
         raise BuildError(f"missing Debian packages {', '.join(missing)}: as root, run `{cmd}`")
     log(f"images: installing {' '.join(missing)} with apt-get (about 15 s)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for c in (["apt-get", "update", "-qq"], [*cmd.split(), "-qq"]):
+    # The lock tests/install/debian-packages.sh takes too: two apt-get runs at once fail on
+    # apt's own lock instead of waiting for each other.
+    wait = os.environ.get("APT_LOCK_WAIT", "600")
+    apt = ["flock", "--wait", wait, APT_LOCK, "apt-get", "-o", f"DPkg::Lock::Timeout={wait}"]
+    for c in ([*apt, "update", "-qq"], [*apt, *cmd.split()[1:], "-qq"]):
         r = subprocess.run(c, capture_output=True, text=True, env=env, check=False)
         if r.returncode != 0:
-            raise BuildError(f"`{shlex.join(c)}` failed ({r.returncode}):\n{r.stderr[-2000:]}")
+            raise BuildError(f"`{shlex.join(c[4:])}` failed ({r.returncode}) installing "
+                             f"{', '.join(missing)}:\n{r.stderr[-2000:]}")
 
 
 def _apt_options() -> list[str]:
@@ -320,8 +327,14 @@ class _Plan:
 
 def _plan(work: Path) -> _Plan:
     dockerfiles = [REPO / "images" / f"{n}.Dockerfile" for n in IMAGES]
-    pip_paths = write_pip_conf(str(work / "pip.conf"))
-    pip_conf = (work / "pip.conf").read_bytes()
+    try:
+        pip_paths = write_pip_conf(str(work / "pip.conf"))
+    except PipConfigError as error:
+        raise BuildError(str(error)) from None
+    # The files the configuration names count as part of it (a constraint file's content
+    # changes what pip installs); folders (wheel stores, indexes) only by name.
+    pip_conf = (work / "pip.conf").read_bytes() + b"".join(
+        Path(p).read_bytes() for p in pip_paths if os.path.isfile(p))
     sources = source_lines(SUITE)
     if not sources:
         raise BuildError(f"no '{SUITE}' sources in /etc/apt/sources.list{{,.d}}: mmdebstrap "
@@ -450,15 +463,7 @@ def _build_missing(plan: _Plan, cache: Path, work: Path, missing: list[str], log
     images = [n for n in IMAGES if n in missing]
     if not images:
         return
-    mounts = [f"{work / 'pip.conf'}:/etc/pip.conf:ro", *(f"{p}:{p}:ro" for p in plan.pip_paths)]
-    log(f"images: pip in the builds uses this machine's pip configuration "
-        f"({len(plan.pip_paths)} local path(s) mounted read-only)")
-    # containers/image keeps a blob-info cache at a fixed path for root: removed afterwards
-    # if it was not there before.
-    had_var_lib = os.path.exists("/var/lib/containers")
-    buildah = _Buildah(work / "buildah", log_file, mounts, log)
-    try:
-        buildah("pull", "-q", f"oci-archive:{python_base}")
+    with _buildah_on_python_base(work, plan.pip_paths, python_base, log_file, log) as buildah:
         context = work / "context"
         tags = {n: f"ghcr.io/kubetrain/{n}:{plan.version}" for n in images}
 
@@ -492,6 +497,24 @@ def _build_missing(plan: _Plan, cache: Path, work: Path, missing: list[str], log
         with ThreadPoolExecutor(max_workers=2) as pool:
             for future in [pool.submit(push, n) for n in images]:
                 future.result()
+
+
+@contextmanager
+def _buildah_on_python_base(work: Path, pip_paths: Sequence[str], python_base: Path,
+                            log_file: Path, log: Log) -> Iterator[_Buildah]:
+    """A buildah in WORK/buildah with the python base pulled, whose RUN steps see this
+    machine's pip configuration (WORK/pip.conf as /etc/pip.conf, and every local path it
+    names at the same path, read-only); everything it mounted or cached is undone after."""
+    mounts = [f"{work / 'pip.conf'}:/etc/pip.conf:ro", *(f"{p}:{p}:ro" for p in pip_paths)]
+    log(f"images: pip in the builds uses this machine's pip configuration "
+        f"({len(pip_paths)} local path(s) mounted read-only)")
+    # containers/image keeps a blob-info cache at a fixed path for root: removed afterwards
+    # if it was not there before.
+    had_var_lib = os.path.exists("/var/lib/containers")
+    buildah = _Buildah(work / "buildah", log_file, mounts, log)
+    try:
+        buildah("pull", "-q", f"oci-archive:{python_base}")
+        yield buildah
     finally:
         _unmount_under(work / "buildah")
         if not had_var_lib:
@@ -501,6 +524,29 @@ def _build_missing(plan: _Plan, cache: Path, work: Path, missing: list[str], log
                     os.rmdir(d)
             if os.path.exists("/var/lib/containers"):
                 log("images: /var/lib/containers is not empty; left as is")
+
+
+def build_on_python_base(dockerfile: Path, python_base: Path, log: Log = print) -> None:
+    """Build DOCKERFILE (its context: its folder) FROM the python stand-in base archive
+    PYTHON_BASE (passed as the build argument PYTHON_IMAGE), with this machine's pip
+    configuration exactly as the images get it; the result is discarded.
+
+    For checks of the build set-up itself (tests/images). Raises BuildError when the
+    configuration names a missing path or a step fails.
+    """
+    work = Path(tempfile.mkdtemp(prefix="work-", dir=cache_dir()))
+    try:
+        try:
+            pip_paths = write_pip_conf(str(work / "pip.conf"))
+        except PipConfigError as error:
+            raise BuildError(str(error)) from None
+        with _buildah_on_python_base(work, pip_paths, python_base, work / "build.log",
+                                     log) as buildah:
+            buildah.build(dockerfile.stem, dockerfile, dockerfile.parent, "localhost/check",
+                          {"PYTHON_IMAGE": PYTHON_BASE})
+    finally:
+        _unmount_under(work)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _human(n: float) -> str:
