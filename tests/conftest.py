@@ -125,6 +125,26 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         plane.stop()
 
 
+# Whether /run/netns was there before the session: the tests that compare the machine
+# before and after make it first (pod_network.ensure_namespace_folder), as `ip netns add`
+# leaves it; the session removes it at its end if it was not there before. Under xdist, the
+# controller's session spans every worker's.
+_netns_folder_was_there = True
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _netns_folder_was_there
+    if not hasattr(session.config, "workerinput"):
+        from pod_network import NETNS_DIR
+        _netns_folder_was_there = os.path.exists(NETNS_DIR)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput") and not _netns_folder_was_there:
+        from pod_network import remove_namespace_folder
+        remove_namespace_folder()
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Say how many real-server tests were skipped and how to run them."""
     skipped = [report for report in terminalreporter.stats.get("skipped", [])

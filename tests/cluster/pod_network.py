@@ -46,6 +46,40 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def _mounted(path: str) -> bool:
+    """Whether PATH is a mount point (os.path.ismount misses a bind mount within one
+    file system, which iproute2's is)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+def ensure_namespace_folder() -> bool:
+    """Make /run/netns as iproute2 makes it for a machine's first network namespace.
+
+    `ip netns add` turns the folder into a shared bind mount of itself the first time, and
+    never undoes that. A test that compares the machine before and after (machine_state)
+    calls this before its first look, so the folder is there in both; the test session
+    removes it at its end if the session made it (`remove_namespace_folder`, from
+    tests/conftest.py). Returns whether it was made here.
+    """
+    if _mounted(NETNS_DIR):
+        return False
+    os.makedirs(NETNS_DIR, exist_ok=True)
+    subprocess.run(["mount", "--bind", NETNS_DIR, NETNS_DIR], check=True, capture_output=True)
+    subprocess.run(["mount", "--make-rshared", NETNS_DIR], check=True, capture_output=True)
+    return True
+
+
+def remove_namespace_folder() -> bool:
+    """Unmount and remove /run/netns when no namespace is left in it; whether it did."""
+    if not os.path.isdir(NETNS_DIR) or os.listdir(NETNS_DIR):
+        return False
+    if _mounted(NETNS_DIR):
+        subprocess.run(["umount", NETNS_DIR], check=True, capture_output=True)
+    os.rmdir(NETNS_DIR)
+    return True
+
+
 def _used_subnets() -> set[str]:
     """The 10.244.N.0/24 networks some interface of this host already has."""
     shown = _ip("-4", "-o", "addr", "show").stdout

@@ -22,6 +22,7 @@ from build_images import build_images
 from controllers import NodeLifecycle, Scheduler
 from emulator import EmulatedCluster
 from machine_state import left_behind, snapshot
+from pod_network import ensure_namespace_folder
 from whole_loop import Cluster, missing_host_support, whole_loop
 
 
@@ -51,6 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.skip(reason)
     images = build_images(("operator", "trainer"), log=lambda line: print(line, flush=True))
     folder = tmp_path_factory.mktemp("whole-loop")
+    ensure_namespace_folder()  # the session's, not the loop's (tests/conftest.py removes it)
     before = snapshot()
     with _emulated(tmp_path_factory.mktemp("whole-loop-api")) as api, \
             whole_loop(api, folder, images) as running:

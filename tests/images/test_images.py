@@ -23,6 +23,7 @@ import pytest
 from build_images import BuiltImage, build_images
 from containerd import ContainerSpec, Mount, Runtime
 from machine_state import left_behind, snapshot
+from pod_network import ensure_namespace_folder
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0,
@@ -207,6 +208,7 @@ def _shim_socket(runtime: Runtime, container: str) -> Path:
 
 def test_the_runtime_leaves_the_machine_as_it_found_it(
         tmp_path: Path, images: dict[str, BuiltImage]) -> None:
+    ensure_namespace_folder()  # the session's, made by whichever test needs it first
     before = snapshot()
     runtime = Runtime.start(tmp_path / "node")
     try:
