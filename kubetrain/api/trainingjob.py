@@ -1483,6 +1483,26 @@ class EffectiveBatch(ApiModel):
     time: datetime | None = Field(default=None, description="When they last changed.")
 
 
+class RestartStatus(ApiModel):
+    """The group's latest restart (status.restart): what the operator keeps doing until
+    the replacements run."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    reason: str = Field(description="Why the group restarts: WorkerFailed, NodeLost, "
+                        "PendingTimeout, ProgressDeadlineExceeded, OutOfMemory, PreflightFailed "
+                        "or StragglerReplaced.")
+    attempt: int = Field(description="The restart attempt it began (status.restartAttempt, the "
+                         "pods' label kubetrain.io/restart-attempt).")
+    time: datetime = Field(description="When it began.")
+    counted: bool = Field(default=True, description="Counted in runPolicy.maxRestarts, and "
+                          "its pods wait out the backoff; out-of-memory and straggler restarts "
+                          "are not.")
+    whole_group: bool = Field(default=False, description="Whether every worker is recreated "
+                              "(worker 0, the rendezvous host, was among the broken; a hang; a "
+                              "new micro-batch; a failed preflight) or only the broken ones.")
+
+
 class FailureStreak(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -1570,6 +1590,9 @@ class TrainingJobStatus(ApiModel):
     last_restart_time: datetime | None = Field(
         default=None, description="When the group last restarted."
     )
+    restart: RestartStatus | None = Field(
+        default=None, description="The latest restart: why, whether it counts and waits a "
+        "backoff, and whether it recreates the whole group.")
     last_failure: WorkerFailure | None = Field(
         default=None, description="The last worker failure, classified: class, pod, node, "
         "exit code, message and time.")
