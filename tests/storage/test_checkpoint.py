@@ -14,6 +14,7 @@ from kubetrain.api.trainingjob import StorageSpec, TrainingJobSpec
 from kubetrain.trainer.checkpoint import (
     MANIFEST_NAME,
     Checkpointer,
+    CheckpointInfo,
     CorruptCheckpoint,
     IncompatibleCheckpoint,
     ModelState,
@@ -198,6 +199,36 @@ def test_uncommitted_saves_are_ignored_and_rotation_keeps_the_newest(
     assert resumed.load_latest(fresh) == 3
     _assert_same(_snapshot(fresh), at_three)
     checkpointer.close()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_rotation_that_finds_no_commit_stops_neither_saves_nor_later_rotations(
+        blocking: bool, tmp_path: Any, prepared_corpus: PreparedDataset) -> None:
+    # The manifest just written is gone from the listing when the rotation runs (deleted
+    # by hand, or a store whose listing lags its writes): the folder holds files but no
+    # commit. That clean-up has nothing to do; training goes on saving.
+    uri = str(tmp_path / "job")
+    spec = _spec(uri, None, prepared_corpus.train_uri, keepLast=1, **{"async": not blocking})
+    store = open_storage(uri)
+
+    def delete_the_manifest(info: CheckpointInfo) -> None:
+        if info.step == 1:
+            store.delete([f"{step_folder(1)}/{MANIFEST_NAME}"])
+
+    app = _app(spec, seed=1)
+    checkpointer = Checkpointer(spec, rank=0, world_size=1, on_commit=delete_the_manifest)
+    for step in (1, 2, 3):
+        _train(app, 1)
+        checkpointer.save(step, app, blocking=blocking)  # waits for the last one's rotation
+    checkpointer.wait()
+    assert [info.step for info in committed_checkpoints(uri)] == [3]  # rotation works again
+    assert {obj.key.partition("/")[0] for obj in store.list()} == {step_folder(3)}
+    at_three = _snapshot(app)
+    checkpointer.close()
+
+    fresh = _app(spec, seed=2)
+    assert Checkpointer(spec, rank=0, world_size=1).load_latest(fresh) == 3
+    _assert_same(_snapshot(fresh), at_three)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip-a-byte"])

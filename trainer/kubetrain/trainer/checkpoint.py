@@ -22,7 +22,8 @@ is staged (copied to host memory by `dcp.async_save`); uploading and committing
 run in background threads over a separate gloo group, so training continues.
 The next `save`, `wait()` and `close()` wait for it and re-raise its error.
 Otherwise `save` returns after the commit, and only the `keepLast` rotation
-(deleting older checkpoints) runs on in the background, waited for the same way.
+(deleting older checkpoints) runs on in the background, waited for the same way; a
+rotation that fails is logged and never raised, so a clean-up never stops training.
 
 Layout under `spec.checkpoint.uri` (s3://bucket/prefix, file:///path or a path):
 
@@ -640,8 +641,17 @@ class Checkpointer:
 
         Older folders are older committed checkpoints and interrupted saves; folders
         newer than the newest commit are left alone. One listing and two batched
-        deletes, whatever the number of checkpoints: it runs on every commit.
+        deletes, whatever the number of checkpoints: it runs on every commit. A failure
+        is logged, never raised: the checkpoint is committed, a clean-up must not stop
+        training, and the next commit's rotation deletes what this one left.
         """
+        try:
+            self._delete_rotated(best)
+        except Exception:
+            log.warning("rotating the checkpoints under %s failed; training goes on, and the "
+                        "next checkpoint's rotation retries", self.store.uri, exc_info=True)
+
+    def _delete_rotated(self, best: BestCheckpoint | None) -> None:
         folders: dict[int, list[str]] = {}
         for obj in self.store.list():
             match = _STEP_FOLDER.match(obj.key.partition("/")[0])
@@ -649,6 +659,8 @@ class Checkpointer:
                 folders.setdefault(int(match.group(1)), []).append(obj.key)
         committed = sorted((step for step, keys in folders.items()
                             if f"{step_folder(step)}/{MANIFEST_NAME}" in keys), reverse=True)
+        if not committed:  # gone since the commit (deleted by hand, expired): nothing is older
+            return
         kept = set(committed[:self.spec.checkpoint.keep_last])
         if best is not None:
             kept.add(best.step)
@@ -659,8 +671,8 @@ class Checkpointer:
         self.store.delete([key for key in doomed if key not in set(manifests)])
 
     def wait(self) -> None:
-        """Block until a background save has committed (and a rotation ended); re-raise its
-        error."""
+        """Block until a background save has committed (and a rotation ended); re-raise the
+        save's error."""
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             in_flight.result()
