@@ -1,0 +1,176 @@
+"""Own code's checkpoint folders: where they go, which are complete, and the marker that says so.
+
+Your code writes each checkpoint as a folder under `checkpoint_dir()` (KUBETRAIN_CHECKPOINT_DIR,
+a pod-local directory) and calls `mark_complete(folder, step)` once it is fully written.
+Completeness is never guessed: only a marked folder is uploaded to spec.checkpoint.uri
+(kubetrain.trainer.checkpoint_sync), and before your command starts kubetrain restores
+the newest uploaded one here, where `latest_checkpoint()` finds it.
+
+Two kinds of folder:
+- written by rank 0 alone (`torch.save`, transformers' Trainer without FSDP): rank 0 marks it;
+  marks from other ranks are ignored;
+- sharded, every rank writing its part (torch DCP): every rank marks it with `sharded=True`
+  after the save returned on all ranks. Each pod holds only its own ranks' files, so each pod
+  uploads its part, and the checkpoint counts once every pod's part is up.
+
+The marker is `<folder>/.kubetrain/complete-rank-<RANK>.json`, written atomically; a folder
+kubetrain restored or completed from the uploaded copy has `.kubetrain/restored.json`.
+Torch-free; this module's functions are the one reading of the markers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CHECKPOINT_DIR_ENV = "KUBETRAIN_CHECKPOINT_DIR"
+# Outside a cluster (no KUBETRAIN_CHECKPOINT_DIR): a folder beside the script's working dir.
+DEFAULT_CHECKPOINT_DIR = "checkpoints"
+MARKER_DIR = ".kubetrain"
+RESTORED_MARKER = "restored.json"
+_RANK_MARKER_PREFIX = "complete-rank-"
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One rank's statement that its part of a checkpoint folder is written."""
+
+    step: int
+    rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int  # torchrun's node rank: which pod of the group wrote this part
+    group_world_size: int
+    sharded: bool
+
+
+def checkpoint_dir() -> Path:
+    """The directory your checkpoint folders go in (created if missing)."""
+    path = Path(os.environ.get(CHECKPOINT_DIR_ENV) or DEFAULT_CHECKPOINT_DIR)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def mark_complete(path: str | os.PathLike[str], step: int, *, sharded: bool = False) -> None:
+    """Say that checkpoint folder `path`, of training step `step`, is fully written.
+
+    Call it after the save has returned: on rank 0 for a folder rank 0 wrote alone (a call
+    on another rank does nothing), or on every rank with `sharded=True` for a folder every
+    rank wrote part of (torch DCP), once the save returned on all of them.
+    """
+    if step < 0:
+        raise ValueError(f"step must be 0 or more, got {step}")
+    rank = _env_int("RANK", 0)
+    if not sharded and rank != 0:
+        return
+    world_size = _env_int("WORLD_SIZE", 1)
+    mark = Mark(step=step, rank=rank, world_size=world_size,
+                local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size),
+                group_rank=_env_int("GROUP_RANK", 0),
+                group_world_size=_env_int("GROUP_WORLD_SIZE", 1), sharded=sharded)
+    folder = Path(path)
+    _write_json(folder / MARKER_DIR / f"{_RANK_MARKER_PREFIX}{rank}.json", {
+        "step": mark.step, "rank": mark.rank, "worldSize": mark.world_size,
+        "localWorldSize": mark.local_world_size, "groupRank": mark.group_rank,
+        "groupWorldSize": mark.group_world_size, "sharded": mark.sharded})
+
+
+def mark_restored(folder: Path, step: int) -> None:
+    """Mark `folder` as a whole copy of an uploaded checkpoint (the restore writes it last)."""
+    _write_json(folder / MARKER_DIR / RESTORED_MARKER, {"step": step})
+
+
+def _write_json(path: Path, document: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(document))
+    os.replace(temporary, path)  # atomic: a reader sees the whole marker or none
+
+
+def marks(folder: Path) -> list[Mark]:
+    """The ranks' marks in `folder` (unreadable ones skipped: a marker is written atomically,
+    so one that does not parse was not written by `mark_complete`)."""
+    found = []
+    for path in sorted((folder / MARKER_DIR).glob(f"{_RANK_MARKER_PREFIX}*.json")):
+        try:
+            data = json.loads(path.read_text())
+            found.append(Mark(step=int(data["step"]), rank=int(data["rank"]),
+                              world_size=int(data["worldSize"]),
+                              local_world_size=int(data["localWorldSize"]),
+                              group_rank=int(data["groupRank"]),
+                              group_world_size=int(data["groupWorldSize"]),
+                              sharded=bool(data["sharded"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def restored_step(folder: Path) -> int | None:
+    """The step of a folder kubetrain restored whole from the upload, else None."""
+    try:
+        return int(json.loads((folder / MARKER_DIR / RESTORED_MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Part:
+    """What this pod holds of a marked folder and must upload: part `index` of `parts`."""
+
+    step: int
+    index: int
+    parts: int
+
+
+def ready_part(folder: Path) -> Part | None:
+    """This pod's part of `folder` when it is completely written here, else None.
+
+    Rank 0's folder: part 0 of 1 once rank 0 marked it. Sharded: part `group_rank` of
+    `group_world_size` once every rank of this pod (local_world_size of them) marked it.
+    """
+    found = marks(folder)
+    whole = [mark for mark in found if not mark.sharded and mark.rank == 0]
+    if whole:
+        return Part(step=whole[0].step, index=0, parts=1)
+    sharded = [mark for mark in found if mark.sharded]
+    if not sharded:
+        return None
+    first = sharded[0]
+    same = [m for m in sharded if (m.step, m.group_rank) == (first.step, first.group_rank)]
+    if len(same) < first.local_world_size:
+        return None
+    return Part(step=first.step, index=first.group_rank, parts=first.group_world_size)
+
+
+def complete_here(folder: Path) -> int | None:
+    """The step of `folder` when this pod holds all of it, else None: restored whole, rank
+    0's own folder, or a sharded folder every rank of the group marked (one pod)."""
+    step = restored_step(folder)
+    if step is not None:
+        return step
+    part = ready_part(folder)
+    if part is not None and part.parts == 1:
+        return part.step
+    return None
+
+
+def latest_checkpoint() -> Path | None:
+    """The newest checkpoint folder this pod holds whole (the restored one, or one your code
+    wrote and marked since), or None: then start from scratch."""
+    best: tuple[int, Path] | None = None
+    for folder in checkpoint_dir().iterdir():
+        if not folder.is_dir() or folder.name.startswith("."):
+            continue
+        step = complete_here(folder)
+        if step is not None and (best is None or step > best[0]):
+            best = (step, folder)
+    return best[1] if best else None

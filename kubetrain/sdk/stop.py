@@ -1,0 +1,59 @@
+"""SIGTERM as a flag: stop at a step boundary, save, exit, instead of dying mid-step.
+
+Kubernetes sends SIGTERM before preemption, a rescale, a suspend or a node drain, then
+waits the pod's grace period. The first `stop_requested()` call installs a handler that
+only records the signal; from then on your loop decides when to stop. Under
+torch.distributed one rank may be signalled before the others, and a checkpoint is a
+collective: `stop_agreed()` all-reduces the flag (MAX), so every rank sees the same answer
+at the same step and they save together. Until the first call, SIGTERM keeps its default
+(the process ends), so importing the SDK changes nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+_seen = threading.Event()
+_installed = False
+
+
+def _handle(signum: int, frame: FrameType | None) -> None:
+    _seen.set()
+
+
+def _install() -> None:
+    global _installed
+    if _installed:
+        return
+    try:
+        signal.signal(signal.SIGTERM, _handle)
+    except ValueError:  # not the main thread: the main thread's first call installs it
+        return
+    _installed = True
+
+
+def stop_requested() -> bool:
+    """Whether this process has been sent SIGTERM (the first call starts listening)."""
+    _install()
+    return _seen.is_set()
+
+
+def stop_agreed() -> bool:
+    """Whether any rank of the torch.distributed group was sent SIGTERM: the same answer on
+    every rank. A collective: call it on every rank at the same step. Without an
+    initialized process group it is `stop_requested()`."""
+    signalled = stop_requested()
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return signalled
+    import torch
+
+    backend = dist.get_backend()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if backend == "nccl" else torch.device("cpu"))
+    flag = torch.tensor([1 if signalled else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
