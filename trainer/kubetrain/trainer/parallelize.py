@@ -31,6 +31,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -84,8 +85,7 @@ def parallelize(
     world_size = mesh.size()
     if spec.precision == "fp8":
         # Before anything moves to the device: a job that cannot run fails at once.
-        convert_to_float8(model, device, all_gather_in_float8=(
-            spec.strategy == "fsdp" and world_size > 1))
+        convert_to_float8(model, device, all_gather_in_float8=_shards(spec, mesh))
     model.to(device)
     for index, block in enumerate(model.layers):
         # selective: every other block, halving activation memory for ~half the recompute.
@@ -98,12 +98,8 @@ def parallelize(
         model.layers[index] = block
 
     dtype = COMPUTE_DTYPES[spec.precision]
-    if spec.strategy == "fsdp" and world_size > 1:
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        fsdp_model: FSDPModule = model  # type: ignore[assignment]
+    if _shards(spec, mesh):
+        fsdp_model = _shard(model, mesh, dtype)
         return ParallelModel(
             module=model,
             autocast=contextlib.nullcontext,
@@ -146,12 +142,24 @@ def parallelize_frozen(model: LanguageModel, spec: ParallelismSpec, mesh: Device
     if spec.compile:
         for block in model.layers:
             block.compile()
-    if spec.strategy == "fsdp" and mesh.size() > 1:
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+    if _shards(spec, mesh):
+        _shard(model, mesh, dtype)
     return model
+
+
+def _shards(spec: ParallelismSpec, mesh: DeviceMesh) -> bool:
+    """Whether FSDP2 shards the models: strategy fsdp with several processes."""
+    return spec.strategy == "fsdp" and mesh.size() > 1
+
+
+def _shard(model: LanguageModel, mesh: DeviceMesh, dtype: torch.dtype) -> FSDPModule:
+    """FSDP2 over `mesh`: each block, then the root (torchtitan's order), computing in
+    `dtype` and reducing gradients in fp32; `model`, now an FSDPModule."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return cast(FSDPModule, model)
 
 
 def float8_unsupported(device: torch.device) -> str | None:
