@@ -24,12 +24,12 @@ from kubetrain.operator.reconcile import (
     RecordEvent,
     UpdateConfigMap,
     WriteStatus,
-    backoff_seconds,
-    failure_class,
     merge_patch,
     reconcile,
     reject,
 )
+from kubetrain.operator.restarts import retry_kind_of
+from kubetrain.restart_rules import backoff_seconds
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 EARLIER = NOW - timedelta(hours=1)
@@ -173,7 +173,7 @@ def test_all_workers_running_makes_the_job_running(minimal_manifest: dict) -> No
     assert out.events == [("Normal", "Running")]
 
 
-# --- failure classes -----------------------------------------------------------------------
+# --- retry kinds (kubetrain.restart_rules; not failure classes) -----------------------
 
 
 @pytest.mark.parametrize(("facts", "expected"), [
@@ -189,8 +189,8 @@ def test_all_workers_running_makes_the_job_running(minimal_manifest: dict) -> No
     ({"exit_code": 1, "reason": "DisruptionTarget"}, "code"),
     ({"exit_code": 1, "reason": "DeadlineExceeded"}, "retryable"),
 ])
-def test_failure_classes(facts: dict, expected: str) -> None:
-    assert failure_class(pod(1, "Failed", **facts), [2, 126, 127]) == expected
+def test_retry_kinds(facts: dict, expected: str) -> None:
+    assert retry_kind_of(pod(1, "Failed", **facts), [2, 126, 127]) == expected
 
 
 def test_failed_worker_is_replaced_alone_after_backoff(minimal_manifest: dict) -> None:
@@ -210,7 +210,7 @@ def test_failed_worker_is_replaced_alone_after_backoff(minimal_manifest: dict) -
     job = make_job(minimal_manifest, status=out.status)
     during = run(job, pod(0), now=NOW + timedelta(seconds=5))
     assert during.created == []
-    after = run(job, pod(0), now=NOW + timedelta(seconds=backoff_seconds(job, 1)))
+    after = run(job, pod(0), now=NOW + timedelta(seconds=backoff_seconds(job.spec.run_policy, 1)))
     assert after.created == [("Pod", "demo-worker-1", "1")]
     assert after.restarts == []
 
@@ -224,7 +224,7 @@ def test_losing_worker_zero_restarts_the_whole_group(minimal_manifest: dict) -> 
 
 def test_backoff_doubles_and_is_capped(minimal_manifest: dict) -> None:
     job = make_job(minimal_manifest, backoffSeconds=10, maxBackoffSeconds=60)
-    assert [backoff_seconds(job, n) for n in range(1, 6)] == [10, 20, 40, 60, 60]
+    assert [backoff_seconds(job.spec.run_policy, n) for n in range(1, 6)] == [10, 20, 40, 60, 60]
 
 
 def test_pod_already_being_replaced_is_not_counted_again(minimal_manifest: dict) -> None:
@@ -530,7 +530,7 @@ def test_restart_recorded_before_a_crash_is_finished_not_counted_again(
     assert out.status is None or (out.status["restarts"], out.status["restartAttempt"]) == (1, 1)
 
     # Once they are gone, the replacements come with the recorded attempt, still restart 1.
-    later = NOW + timedelta(seconds=backoff_seconds(job, 1))
+    later = NOW + timedelta(seconds=backoff_seconds(job.spec.run_policy, 1))
     survivors = [p for p in pods if p.name not in deleted]
     after = run(job, *survivors, now=later)
     assert after.created == [("Pod", name, "1") for name in deleted]

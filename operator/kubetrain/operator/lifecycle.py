@@ -4,7 +4,7 @@ Pending → Running as workers start; Suspended and back (runPolicy.suspend); sc
 (spec.workers.replicas); the children it needs (Service, ConfigMap, worker pods);
 completion, activeDeadlineSeconds and the clean-up of a finished job (cleanPodPolicy,
 ttlSecondsAfterFinished); and a job failed for an invalid spec trying again once its
-spec changed. Failures and restarts are not here: see `kubetrain.operator.reconcile`.
+spec changed. Failures and restarts are not here: see `kubetrain.operator.restarts`.
 
 Each step reads and writes the pass's `_Decision` (`kubetrain.operator.reconcile`),
 through its primitives; no Kubernetes, no clock but the pass's `now`.

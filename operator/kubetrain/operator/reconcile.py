@@ -10,7 +10,8 @@ apply; nothing here performs I/O.
 its primitives (condition, event, delete, finish, restart); `reconcile` runs the steps
 in order. The steps live with their policy: `observation` (status from the children and
 rank 0's metrics), `lifecycle` (phases, suspend, scale, children, clean-up), `nodes`
-(stragglers, avoidance, lost nodes), and the failures and restarts below.
+(stragglers, avoidance, lost nodes) and `restarts` (failed, stuck and hung workers,
+under the rules `kubetrain.restart_rules` shares with `kubetrain run`).
 
 Recovery policy, in the order it is checked:
 - a finished job only cleans up (cleanPodPolicy) and expires (ttlSecondsAfterFinished);
@@ -54,19 +55,18 @@ avoidance):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Literal
 
+from kubetrain import restart_rules
 from kubetrain.api.trainingjob import (
     Condition,
-    EffectiveBatch,
-    FailureStreak,
     RankSlowness,
+    RestartStatus,
     TrainingJob,
     TrainingJobStatus,
-    WorkerFailure,
 )
-from kubetrain.operator import avoidance, children, lifecycle, nodes, observation
+from kubetrain.operator import lifecycle, nodes, observation, restarts
 from kubetrain.operator.actions import (
     Action,
     CountFailure,
@@ -78,16 +78,9 @@ from kubetrain.operator.actions import (
     UpdateConfigMap,
     WriteStatus,
 )
-from kubetrain.operator.failures import classify, describe
 from kubetrain.operator.lifecycle import INVALID_SPEC
 from kubetrain.operator.observation import goodput_status
-from kubetrain.operator.observed import (
-    DISRUPTION_REASONS,
-    Observed,
-    TrainerFailure,
-    WorkerPod,
-)
-from kubetrain.protocol import OUT_OF_MEMORY_CLASSES
+from kubetrain.operator.observed import Observed, WorkerPod
 
 # The actions (kubetrain.operator.actions) are read from here by the handlers and tests.
 __all__ = [
@@ -100,40 +93,8 @@ FINISHED = ("Succeeded", "Failed")
 # Seconds a hung group's pods get between SIGTERM and SIGKILL: enough to flush logs.
 HUNG_GROUP_GRACE_SECONDS = 5
 
-# The trainer's exit code for "another rank was signalled; restart me into the new group".
-RESTART_ME_EXIT_CODE = 75
-# status.lastFailure.message is cut here: a termination message may hold 4 KiB.
-FAILURE_MESSAGE_LIMIT = 1024
-# Restarts that re-form the whole group: a hang, a new micro-batch every rank must use,
-# and a failed preflight (every rank takes part in the check).
-WHOLE_GROUP_REASONS = ("ProgressDeadlineExceeded", "OutOfMemory", "PreflightFailed")
-# Restarts with their own limit instead of maxRestarts, and no backoff (nothing to wait out).
-UNCOUNTED_REASONS = ("OutOfMemory", "StragglerReplaced")
-ESTIMATE_ADVICE = (
-    "run `kubetrain estimate` on the job for a configuration that fits: activation "
-    "checkpointing (parallelism.activationCheckpointing), more workers with strategy fsdp, "
-    "or more memory per worker (spec.workers.resources.limits.memory)")
-
 
 # --- the decision -------------------------------------------------------------------
-
-
-def backoff_seconds(job: TrainingJob, restarts: int) -> float:
-    """Delay before the `restarts`-th restart's pods are created: doubles each time, capped."""
-    policy = job.spec.run_policy
-    if restarts <= 0:
-        return 0.0
-    return float(min(policy.backoff_seconds * 2 ** (restarts - 1), policy.max_backoff_seconds))
-
-
-def failure_class(pod: WorkerPod, permanent_exit_codes: list[int]) -> str:
-    """`permanent`, `retryable` or `code` (a plain non-zero exit: retried until it repeats)."""
-    if pod.exit_code is not None and pod.exit_code in permanent_exit_codes:
-        return "permanent"
-    if (pod.exit_code is None or pod.exit_code >= 128 or pod.exit_code == RESTART_ME_EXIT_CODE
-            or pod.node_lost or pod.reason in DISRUPTION_REASONS):
-        return "retryable"
-    return "code"
 
 
 @dataclass
@@ -225,7 +186,7 @@ class _Decision:
         no backoff.
         """
         policy = self.job.spec.run_policy
-        if counted and self.status.restarts >= policy.max_restarts:
+        if counted and restart_rules.restarts_spent(policy, self.status.restarts):
             self.finish("Failed", "MaxRestartsExceeded",
                         f"{message}; the job already restarted {self.status.restarts} times "
                         f"(runPolicy.maxRestarts: {policy.max_restarts})")
@@ -234,9 +195,12 @@ class _Decision:
             self.status.restarts += 1
         self.status.restart_attempt += 1
         self.status.last_restart_time = self.now
+        self.status.restart = RestartStatus(reason=reason, attempt=self.status.restart_attempt,
+                                            time=self.now, counted=counted,
+                                            whole_group=whole_group)
         self.status.phase = "Restarting"
         scope = "the whole group" if whole_group else ", ".join(pod.name for pod in broken)
-        delay = backoff_seconds(self.job, self.status.restarts) if counted else 0.0
+        delay = restart_rules.backoff_seconds(policy, self.status.restarts) if counted else 0.0
         which = (f"restart {self.status.restarts} of {policy.max_restarts}" if counted
                  else "not counted in runPolicy.maxRestarts")
         text = (f"{message}: restarting {scope} ({which}, in {delay:g}s); workers resume "
@@ -248,225 +212,6 @@ class _Decision:
         to_delete = self.live_pods() if whole_group else broken
         for pod in to_delete:
             self.delete(pod, reason)
-
-    # --- what the failure policy reads of nodes, lifecycle and observation -------------
-    # (it calls those modules directly once it has a module of its own)
-
-    @property
-    def world_size(self) -> int:
-        return observation.world_size(self.job)
-
-    def avoid_node(self, node: str | None, reason: avoidance.AvoidReason, message: str) -> None:
-        nodes.avoid_node(self, node, reason, message)
-
-    def count_node_failures(self, failed: list[WorkerPod], kinds: dict[str, str]) -> None:
-        nodes.count_node_failures(self, failed, kinds)
-
-    def job_as_run(self) -> TrainingJob:
-        return lifecycle.job_as_run(self.job, self.status)
-
-    # --- failures and restarts -----------------------------------------------------------
-
-    def broken(self, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerPod]]:
-        """Of `pods`: the failed ones (or lost with their node), and those stuck Pending."""
-        policy = self.job.spec.run_policy
-        failed = [pod for pod in pods if pod.phase == "Failed" or (pod.node_lost and pod.active)]
-        stuck: list[WorkerPod] = []
-        if policy.pending_deadline_seconds is not None:
-            limit = timedelta(seconds=policy.pending_deadline_seconds)
-            stuck = [pod for pod in pods if pod.phase == "Pending" and not pod.node_lost
-                     and pod.name not in self.held_back
-                     and pod.created_at is not None and self.now >= pod.created_at + limit]
-        return failed, stuck
-
-    def continue_restart(self) -> None:
-        """Delete, without counting again, the pods the restart in progress already covers.
-
-        A restart is recorded in status (restarts, restartAttempt) before its pods are
-        deleted, so an operator stopped in between finds them still there; a worker may
-        also break while the group re-forms. While the job is Restarting, a pod labelled
-        with an older restart attempt belongs to that restart: a broken one is replaced
-        within it, and in a whole-group restart (worker 0 broke, or a hang) every older
-        pod goes. Permanent failures are left to `handle_failures`: they still fail the job.
-        """
-        status = self.status
-        if status.phase != "Restarting":
-            return
-        older = [pod for pod in self.live_pods() if pod.restart_attempt < status.restart_attempt]
-        failed, stuck = self.broken(older)
-        codes = self.job.spec.run_policy.permanent_exit_codes
-        covered = [pod for pod in failed if failure_class(pod, codes) != "permanent"] + stuck
-        restarting = next((c for c in status.conditions if c.type == "Restarting"), None)
-        reason = (restarting.reason if restarting is not None else None) or "Restarting"
-        whole_group = (reason in WHOLE_GROUP_REASONS
-                       or any(pod.index == 0 for pod in covered))
-        for pod in older if whole_group else covered:
-            self.delete(pod, reason)
-
-    def handle_failures(self) -> None:
-        """Fail the job or restart workers for failed, lost and stuck pods."""
-        policy = self.job.spec.run_policy
-        failed, stuck = self.broken(
-            [pod for pod in self.live_pods() if pod.index < self.replicas])
-        if not failed and not stuck:
-            return
-
-        kinds = {pod.name: classify(pod, policy.permanent_exit_codes) for pod in failed}
-        self.record_failures(failed, kinds)
-        classes = {pod.name: failure_class(pod, policy.permanent_exit_codes) for pod in failed}
-        permanent = [pod for pod in failed if classes[pod.name] == "permanent"]
-        if permanent:
-            self.finish("Failed", "PermanentError",
-                        f"{describe(permanent[0], kinds[permanent[0].name])}, listed in "
-                        "runPolicy.permanentExitCodes: fix the configuration or code and "
-                        "create the job again")
-            return
-        broken = failed + stuck
-        out_of_memory = [pod for pod in failed if kinds[pod.name] in OUT_OF_MEMORY_CLASSES]
-        if out_of_memory:
-            self.heal_out_of_memory(out_of_memory[0], kinds[out_of_memory[0].name], broken)
-            return
-        preflight = [pod for pod in failed if kinds[pod.name] == "PreflightFailed"]
-        if preflight:
-            self.fail_preflight(preflight, kinds, broken)
-            return
-        self.count_node_failures(failed, kinds)
-        coded = [pod for pod in failed if classes[pod.name] == "code"]
-        if coded and self.repeated_failure(coded[0], kinds[coded[0].name]):
-            return
-
-        if failed:
-            reason = "NodeLost" if all(pod.node_lost for pod in failed) else "WorkerFailed"
-            message = "; ".join(describe(pod, kinds[pod.name]) for pod in failed)
-        else:
-            reason = "PendingTimeout"
-            message = "; ".join(f"{pod.name} was Pending for over "
-                                f"{policy.pending_deadline_seconds}s" for pod in stuck)
-        self.restart(reason, message, broken, whole_group=any(pod.index == 0 for pod in broken))
-
-    def record_failures(self, failed: list[WorkerPod], kinds: dict[str, str]) -> None:
-        """status.lastFailure and the counts by class, an event and a metric per failed pod.
-
-        Runs once per failure: the same pass restarts the pods (or ends the job), and a
-        restart in progress covers any pod that fails before it is replaced.
-        """
-        # The most telling failure is the last one: the others are often its consequence
-        # (a rank out of memory breaks its peers' collectives, which end Unknown).
-        ranked = sorted(failed, key=lambda pod: kinds[pod.name] != "Unknown")
-        for pod in ranked:
-            kind = kinds[pod.name]
-            text = describe(pod, kind)
-            node = pod.node or "an unknown node"
-            self.status.failures[kind] = self.status.failures.get(kind, 0) + 1
-            self.status.last_failure = WorkerFailure(
-                class_=kind, pod=pod.name, node=pod.node, exit_code=pod.exit_code,
-                message=text[:FAILURE_MESSAGE_LIMIT], time=self.now)
-            self.event("WorkerFailure", f"{pod.name} on {node}: {kind}: {text}", warning=True)
-            self.actions.append(CountFailure(kind))
-
-    def fail_preflight(self, failed: list[WorkerPod], kinds: dict[str, str],
-                       broken: list[WorkerPod]) -> None:
-        """Avoid the nodes the preflight check named and restart the whole group without
-        them: a counted restart, so a check that fails on every node ends the job."""
-        said = "; ".join(describe(pod, kinds[pod.name]) for pod in failed)
-        named: set[str] = set()
-        for pod in failed:
-            if pod.trainer_failure is not None:
-                named |= set(pod.trainer_failure.nodes) | self.unreported_nodes(
-                    pod.trainer_failure)
-        nodes = sorted(named)
-        for node in nodes:
-            self.avoid_node(node, "PreflightFailed", said)
-        where = f" on {', '.join(nodes)}" if nodes else " (the trainer named no node)"
-        self.restart("PreflightFailed", f"the preflight check failed{where}: {said}", broken,
-                     whole_group=True)
-
-    def unreported_nodes(self, failure: TrainerFailure) -> set[str]:
-        """The nodes of this attempt's pods where no rank reported to the preflight check.
-
-        A rank stopped before it ran its check never said where it runs; the trainer then
-        lists the nodes of the ranks that did report, and the failing ones are the group's
-        other nodes. None when every pod shares a node with a rank that reported.
-        """
-        if not failure.reported_nodes:
-            return set()
-        attempt = [pod for pod in self.observed.pods
-                   if pod.restart_attempt == self.status.restart_attempt and pod.node]
-        return {pod.node for pod in attempt if pod.node} - set(failure.reported_nodes)
-
-    def heal_out_of_memory(self, pod: WorkerPod, kind: str, broken: list[WorkerPod]) -> None:
-        """Restart the group with half the micro-batch, or fail with reason OutOfMemory."""
-        spec = self.job.spec
-        effective = self.status.effective
-        assert effective is not None  # observe_effective set it
-        current = effective.micro_batch_size
-        what = f"{describe(pod, kind)}: out of memory at micro-batch {current}"
-        advice = ESTIMATE_ADVICE
-        if pod.trainer_failure is not None and "kubetrain estimate" in pod.trainer_failure.message:
-            advice = "see kubetrain estimate's advice above"
-        smaller, why = spec.after_out_of_memory(current, effective.out_of_memory_restarts)
-        limit = spec.out_of_memory_restart_limit()
-        if smaller is not None:
-            accumulation = spec.gradient_accumulation(self.world_size, smaller)
-            self.status.effective = EffectiveBatch(
-                micro_batch_size=smaller, gradient_accumulation_steps=accumulation,
-                out_of_memory_restarts=effective.out_of_memory_restarts + 1,
-                spec_micro_batch_size=spec.optimization.micro_batch_size,
-                reason=f"{pod.name} {kind} at micro-batch {current}", time=self.now)
-            self.event("MicroBatchHalved",
-                       f"{pod.name} ran out of memory ({kind}) at micro-batch {current}: the "
-                       f"group restarts with micro-batch {smaller} and gradient accumulation "
-                       f"{accumulation} (global batch unchanged; the spec is not changed, "
-                       f"status.effective holds the values; out-of-memory restart "
-                       f"{effective.out_of_memory_restarts + 1} of at most {limit})")
-            self.restart("OutOfMemory", what, broken, whole_group=True, counted=False)
-            # Before any replacement exists: the new pods read the new micro-batch.
-            self.actions.append(UpdateConfigMap(children.config_map(self.job_as_run())))
-            return
-        self.finish("Failed", "OutOfMemory", f"{what}, and {why}: {advice}")
-
-    def repeated_failure(self, pod: WorkerPod, kind: str) -> bool:
-        """Track the streak of one exit code; True when it failed the job."""
-        assert pod.exit_code is not None  # "code" failures always have one
-        step = self.status.progress.step
-        streak = self.status.failure_streak
-        if streak is not None and streak.exit_code == pod.exit_code and streak.step == step:
-            streak.count += 1
-        else:
-            streak = self.status.failure_streak = FailureStreak(
-                exit_code=pod.exit_code, count=1, step=step)
-        limit = self.job.spec.run_policy.repeated_failure_limit
-        if streak.count < limit:
-            return False
-        self.finish("Failed", "RepeatedFailure",
-                    f"{describe(pod, kind)} in {streak.count} attempts in a row with no progress "
-                    f"past step {step} (runPolicy.repeatedFailureLimit: {limit}): check the "
-                    "trainer's logs (kubectl logs)")
-        return True
-
-    def detect_hang(self) -> None:
-        deadline = self.job.spec.run_policy.progress_deadline_seconds
-        if deadline is None or self.status.phase != "Running":
-            return
-        marks = [self.status.progress.updated_at, self.status.last_restart_time,
-                 self.condition_since("Running")]
-        since = max((mark for mark in marks if mark is not None), default=None)
-        if since is None or self.now < since + timedelta(seconds=deadline):
-            return
-        step = self.status.progress.step
-        self.restart("ProgressDeadlineExceeded",
-                     f"the training step ({step}) has not advanced for {deadline}s "
-                     "(runPolicy.progressDeadlineSeconds)", [], whole_group=True)
-
-    def backing_off(self) -> bool:
-        """Whether the restart in progress still waits out its backoff: no pods yet."""
-        if self.status.phase == "Restarting" and self.status.last_restart_time is not None:
-            restarting = next((c for c in self.status.conditions if c.type == "Restarting"), None)
-            uncounted = restarting is not None and restarting.reason in UNCOUNTED_REASONS
-            delay = 0.0 if uncounted else backoff_seconds(self.job, self.status.restarts)
-            if self.now < self.status.last_restart_time + timedelta(seconds=delay):
-                return True
-        return False
 
 
 def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Action]:
@@ -498,15 +243,15 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
         nodes.expire_avoidance(decision)
         lifecycle.ensure_service_and_config(decision)
         nodes.keep_schedulable(decision)
-        decision.continue_restart()
-        decision.handle_failures()
+        restarts.continue_restart(decision)
+        restarts.handle_failures(decision)
         if status.phase not in FINISHED:
-            decision.detect_hang()
+            restarts.detect_hang(decision)
             nodes.replace_stragglers(decision)
         if status.phase not in FINISHED:
             lifecycle.scale(decision,
                             previous.workers.desired if previous.phase != "Suspended" else 0)
-            if not decision.backing_off():
+            if not restarts.backing_off(decision):
                 lifecycle.create_missing(decision)
             lifecycle.update_phase(decision)
             nodes.report_avoidance(decision)

@@ -1,0 +1,323 @@
+"""Failures and restarts: the steps of a reconcile pass that answer failed, lost, stuck and
+hung workers, and the pure functions that decide them.
+
+- a restart in progress (status.restart) covers the pods of older restart attempts that
+  break while the group re-forms: they are replaced within it, never counted twice
+  (`continue_restart`), and its replacements wait out its backoff (`backing_off`);
+- every failed pod is classed (`kubetrain.operator.failures`) and recorded in
+  status.lastFailure and status.failures, with an event and a metric;
+- then, in order: a permanent exit code fails the job; out of memory restarts the
+  group with half the micro-batch or fails it; a failed preflight avoids the nodes it
+  named and restarts the group; repeated failures on one node avoid it; the same exit
+  code repeated with no progress fails the job; anything else restarts the broken pods,
+  the whole group when worker 0 (the rendezvous host) is among them (`handle_failures`);
+- a step that has not advanced for progressDeadlineSeconds restarts the group
+  (`detect_hang`).
+
+The rules themselves (retry kinds, the streak, backoff, maxRestarts, halving, the advice)
+are `kubetrain.restart_rules`, which `kubetrain run` applies too. The steps read and write
+the pass's `_Decision` (`kubetrain.operator.reconcile`) through its primitives; no
+Kubernetes, no clock but the pass's `now`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Final
+
+from kubetrain import restart_rules as rules
+from kubetrain.api.trainingjob import (
+    RestartStatus,
+    RunPolicy,
+    TrainingJobStatus,
+    WorkerFailure,
+)
+from kubetrain.operator import children, lifecycle, nodes, observation
+from kubetrain.operator.actions import CountFailure, UpdateConfigMap
+from kubetrain.operator.failures import classify, describe
+from kubetrain.operator.observed import DISRUPTION_REASONS, TrainerFailure, WorkerPod
+
+if TYPE_CHECKING:
+    from kubetrain.operator.reconcile import _Decision
+
+# status.lastFailure.message is cut here: a termination message may hold 4 KiB.
+FAILURE_MESSAGE_LIMIT: Final = 1024
+# Restarts that re-form the whole group: a hang, a new micro-batch every rank must use,
+# and a failed preflight (every rank takes part in the check). Read only for a restart
+# an operator recorded before status.restart said so itself.
+WHOLE_GROUP_REASONS: Final = ("ProgressDeadlineExceeded", "OutOfMemory", "PreflightFailed")
+# Restarts with their own limit instead of maxRestarts, and no backoff (nothing to wait
+# out). Read only for a restart recorded before status.restart, as above.
+UNCOUNTED_REASONS: Final = ("OutOfMemory", "StragglerReplaced")
+
+
+# --- pure rules ---------------------------------------------------------------------------
+
+
+def retry_kind_of(pod: WorkerPod, permanent_exit_codes: Collection[int]) -> rules.RetryKind:
+    """The pod's retry kind (`kubetrain.restart_rules.retry_kind`): from its exit code, its
+    failure class, and whether Kubernetes or its node ended it."""
+    return rules.retry_kind(pod.exit_code, permanent_exit_codes,
+                            failure_class=classify(pod, permanent_exit_codes),
+                            disrupted=pod.node_lost or pod.reason in DISRUPTION_REASONS)
+
+
+def broken(pods: list[WorkerPod], policy: RunPolicy, held_back: Collection[str],
+           now: datetime) -> tuple[list[WorkerPod], list[WorkerPod]]:
+    """Of `pods`: the failed ones (or lost with their node), and those stuck Pending past
+    runPolicy.pendingDeadlineSeconds (not those avoidance holds back)."""
+    failed = [pod for pod in pods if pod.phase == "Failed" or (pod.node_lost and pod.active)]
+    stuck: list[WorkerPod] = []
+    if policy.pending_deadline_seconds is not None:
+        limit = timedelta(seconds=policy.pending_deadline_seconds)
+        stuck = [pod for pod in pods if pod.phase == "Pending" and not pod.node_lost
+                 and pod.name not in held_back
+                 and pod.created_at is not None and now >= pod.created_at + limit]
+    return failed, stuck
+
+
+def restart_in_progress(status: TrainingJobStatus) -> RestartStatus | None:
+    """The restart the job is in (phase Restarting), from status.restart.
+
+    A status an operator wrote before status.restart existed has the reason only in the
+    Restarting condition; the rest follows from it as that operator decided it.
+    """
+    if status.phase != "Restarting":
+        return None
+    restart = status.restart
+    if restart is not None and restart.attempt == status.restart_attempt:
+        return restart
+    condition = next((c for c in status.conditions if c.type == "Restarting"), None)
+    reason = (condition.reason if condition is not None else None) or "Restarting"
+    return RestartStatus(reason=reason, attempt=status.restart_attempt,
+                         time=status.last_restart_time or datetime.min.replace(tzinfo=UTC),
+                         counted=reason not in UNCOUNTED_REASONS,
+                         whole_group=reason in WHOLE_GROUP_REASONS)
+
+
+def replacements_due(status: TrainingJobStatus, policy: RunPolicy) -> datetime | None:
+    """When the restart in progress may create its pods: after its backoff if it is
+    counted, at once if not; None when no restart is in progress."""
+    restart = restart_in_progress(status)
+    if restart is None:
+        return None
+    delay = rules.backoff_seconds(policy, status.restarts) if restart.counted else 0.0
+    return restart.time + timedelta(seconds=delay)
+
+
+def covered_by_restart(restart: RestartStatus, older: list[WorkerPod], policy: RunPolicy,
+                       held_back: Collection[str], now: datetime) -> list[WorkerPod]:
+    """The pods of older restart attempts that the restart in progress deletes.
+
+    A broken one is replaced within it, and in a whole-group restart (or once worker 0
+    breaks) every older pod goes. Permanent failures are not covered: they still fail
+    the job.
+    """
+    failed, stuck = broken(older, policy, held_back, now)
+    codes = policy.permanent_exit_codes
+    covered = [pod for pod in failed if retry_kind_of(pod, codes) != "permanent"] + stuck
+    if restart.whole_group or any(pod.index == 0 for pod in covered):
+        return older
+    return covered
+
+
+def most_telling_last(failed: list[WorkerPod], kinds: Mapping[str, str]) -> list[WorkerPod]:
+    """The failed pods in the order they are recorded: the one status.lastFailure keeps
+    last. The others are often its consequence: a rank out of memory breaks its peers'
+    collectives, which end Unknown."""
+    return sorted(failed, key=lambda pod: kinds[pod.name] != "Unknown")
+
+
+def unreported_nodes(failure: TrainerFailure, pods: list[WorkerPod], attempt: int) -> set[str]:
+    """The nodes of the attempt's pods where no rank reported to the preflight check.
+
+    A rank stopped before it ran its check never said where it runs; the trainer then
+    lists the nodes of the ranks that did report, and the failing ones are the group's
+    other nodes. None when every pod shares a node with a rank that reported.
+    """
+    if not failure.reported_nodes:
+        return set()
+    return ({pod.node for pod in pods if pod.restart_attempt == attempt and pod.node}
+            - set(failure.reported_nodes))
+
+
+def preflight_nodes(failed: list[WorkerPod], pods: list[WorkerPod], attempt: int) -> list[str]:
+    """The nodes a failed preflight check names: those the trainer said failed, and those
+    where no rank reported."""
+    named: set[str] = set()
+    for pod in failed:
+        if pod.trainer_failure is not None:
+            named |= set(pod.trainer_failure.nodes) | unreported_nodes(
+                pod.trainer_failure, pods, attempt)
+    return sorted(named)
+
+
+def restart_cause(failed: list[WorkerPod], stuck: list[WorkerPod], kinds: Mapping[str, str],
+                  policy: RunPolicy) -> tuple[str, str]:
+    """The reason and message of a restart for `failed` and `stuck` pods."""
+    if failed:
+        reason = "NodeLost" if all(pod.node_lost for pod in failed) else "WorkerFailed"
+        return reason, "; ".join(describe(pod, kinds[pod.name]) for pod in failed)
+    return "PendingTimeout", "; ".join(
+        f"{pod.name} was Pending for over {policy.pending_deadline_seconds}s" for pod in stuck)
+
+
+# --- the steps ------------------------------------------------------------------------------
+
+
+def backing_off(decision: _Decision) -> bool:
+    """Whether the restart in progress still waits out its backoff: no pods yet."""
+    due = replacements_due(decision.status, decision.job.spec.run_policy)
+    return due is not None and decision.now < due
+
+
+def continue_restart(decision: _Decision) -> None:
+    """Delete, without counting again, the pods the restart in progress already covers.
+
+    A restart is recorded in status (restarts, restartAttempt, restart) before its pods
+    are deleted, so an operator stopped in between finds them still there; a worker may
+    also break while the group re-forms. While the job is Restarting, a pod labelled
+    with an older restart attempt belongs to that restart (`covered_by_restart`).
+    """
+    status = decision.status
+    restart = restart_in_progress(status)
+    if restart is None:
+        return
+    older = [pod for pod in decision.live_pods() if pod.restart_attempt < status.restart_attempt]
+    for pod in covered_by_restart(restart, older, decision.job.spec.run_policy,
+                                  decision.held_back, decision.now):
+        decision.delete(pod, restart.reason)
+
+
+def handle_failures(decision: _Decision) -> None:
+    """Fail the job or restart workers for failed, lost and stuck pods."""
+    policy = decision.job.spec.run_policy
+    failed, stuck = broken([pod for pod in decision.live_pods() if pod.index < decision.replicas],
+                           policy, decision.held_back, decision.now)
+    if not failed and not stuck:
+        return
+    kinds = {pod.name: classify(pod, policy.permanent_exit_codes) for pod in failed}
+    record_failures(decision, failed, kinds)
+    retries = {pod.name: retry_kind_of(pod, policy.permanent_exit_codes) for pod in failed}
+    permanent = [pod for pod in failed if retries[pod.name] == "permanent"]
+    if permanent:
+        decision.finish("Failed", "PermanentError",
+                        f"{describe(permanent[0], kinds[permanent[0].name])}, listed in "
+                        "runPolicy.permanentExitCodes: fix the configuration or code and "
+                        "create the job again")
+        return
+    broken_pods = failed + stuck
+    out_of_memory = [pod for pod in failed
+                     if rules.heals_out_of_memory(kinds[pod.name], retries[pod.name])]
+    if out_of_memory:
+        heal_out_of_memory(decision, out_of_memory[0], kinds[out_of_memory[0].name], broken_pods)
+        return
+    preflight = [pod for pod in failed if kinds[pod.name] == "PreflightFailed"]
+    if preflight:
+        fail_preflight(decision, preflight, kinds, broken_pods)
+        return
+    nodes.count_node_failures(decision, failed, kinds)
+    coded = [pod for pod in failed if retries[pod.name] == "code"]
+    if coded and repeated_failure(decision, coded[0], kinds[coded[0].name]):
+        return
+    reason, message = restart_cause(failed, stuck, kinds, policy)
+    decision.restart(reason, message, broken_pods,
+                     whole_group=any(pod.index == 0 for pod in broken_pods))
+
+
+def record_failures(decision: _Decision, failed: list[WorkerPod],
+                    kinds: Mapping[str, str]) -> None:
+    """status.lastFailure and the counts by class, an event and a metric per failed pod.
+
+    Runs once per failure: the same pass restarts the pods (or ends the job), and a
+    restart in progress covers any pod that fails before it is replaced.
+    """
+    status = decision.status
+    for pod in most_telling_last(failed, kinds):
+        kind = kinds[pod.name]
+        text = describe(pod, kind)
+        status.failures[kind] = status.failures.get(kind, 0) + 1
+        status.last_failure = WorkerFailure(
+            class_=kind, pod=pod.name, node=pod.node, exit_code=pod.exit_code,
+            message=text[:FAILURE_MESSAGE_LIMIT], time=decision.now)
+        decision.event("WorkerFailure", f"{pod.name} on {pod.node or 'an unknown node'}: "
+                       f"{kind}: {text}", warning=True)
+        decision.actions.append(CountFailure(kind))
+
+
+def fail_preflight(decision: _Decision, failed: list[WorkerPod], kinds: Mapping[str, str],
+                   broken_pods: list[WorkerPod]) -> None:
+    """Avoid the nodes the preflight check named and restart the whole group without
+    them: a counted restart, so a check that fails on every node ends the job."""
+    said = "; ".join(describe(pod, kinds[pod.name]) for pod in failed)
+    named = preflight_nodes(failed, list(decision.observed.pods), decision.status.restart_attempt)
+    for node in named:
+        nodes.avoid_node(decision, node, "PreflightFailed", said)
+    where = f" on {', '.join(named)}" if named else " (the trainer named no node)"
+    decision.restart("PreflightFailed", f"the preflight check failed{where}: {said}",
+                     broken_pods, whole_group=True)
+
+
+def heal_out_of_memory(decision: _Decision, pod: WorkerPod, kind: str,
+                       broken_pods: list[WorkerPod]) -> None:
+    """Restart the group with half the micro-batch, or fail with reason OutOfMemory."""
+    spec = decision.job.spec
+    effective = decision.status.effective
+    assert effective is not None  # observation set it
+    current = effective.micro_batch_size
+    what = f"{describe(pod, kind)}: out of memory at micro-batch {current}"
+    verdict = rules.after_out_of_memory(
+        spec, current, effective.out_of_memory_restarts, observation.world_size(decision.job),
+        reason=f"{pod.name} {kind} at micro-batch {current}", now=decision.now)
+    smaller = verdict.effective
+    if smaller is None:
+        said = pod.trainer_failure.message if pod.trainer_failure is not None else ""
+        decision.finish("Failed", "OutOfMemory",
+                        f"{what}, and {verdict.why_not}: {rules.estimate_advice(said)}")
+        return
+    decision.status.effective = smaller
+    decision.event("MicroBatchHalved",
+                   f"{pod.name} ran out of memory ({kind}) at micro-batch {current}: the group "
+                   f"restarts with micro-batch {smaller.micro_batch_size} and gradient "
+                   f"accumulation {smaller.gradient_accumulation_steps} (global batch "
+                   "unchanged; the spec is not changed, status.effective holds the values; "
+                   f"out-of-memory restart {smaller.out_of_memory_restarts} of at most "
+                   f"{verdict.limit})")
+    decision.restart("OutOfMemory", what, broken_pods, whole_group=True, counted=False)
+    # Before any replacement exists: the new pods read the new micro-batch.
+    as_run = lifecycle.job_as_run(decision.job, decision.status)
+    decision.actions.append(UpdateConfigMap(children.config_map(as_run)))
+
+
+def repeated_failure(decision: _Decision, pod: WorkerPod, kind: str) -> bool:
+    """Lengthen the streak of the pod's exit code; True when it failed the job."""
+    assert pod.exit_code is not None  # "code" failures always have one
+    status = decision.status
+    streak = status.failure_streak = rules.next_streak(status.failure_streak, pod.exit_code,
+                                                       status.progress.step)
+    policy = decision.job.spec.run_policy
+    if not rules.repeated(streak, policy):
+        return False
+    decision.finish("Failed", "RepeatedFailure",
+                    f"{describe(pod, kind)} in {streak.count} attempts in a row with no "
+                    f"progress past step {streak.step} (runPolicy.repeatedFailureLimit: "
+                    f"{policy.repeated_failure_limit}): check the trainer's logs (kubectl logs)")
+    return True
+
+
+def detect_hang(decision: _Decision) -> None:
+    """Restart the whole group when the step has not advanced for progressDeadlineSeconds
+    (since the last step, the last restart, or the group running)."""
+    status = decision.status
+    deadline = decision.job.spec.run_policy.progress_deadline_seconds
+    if deadline is None or status.phase != "Running":
+        return
+    marks = [status.progress.updated_at, status.last_restart_time,
+             decision.condition_since("Running")]
+    since = max((mark for mark in marks if mark is not None), default=None)
+    if since is None or decision.now < since + timedelta(seconds=deadline):
+        return
+    decision.restart("ProgressDeadlineExceeded",
+                     f"the training step ({status.progress.step}) has not advanced for "
+                     f"{deadline}s (runPolicy.progressDeadlineSeconds)", [], whole_group=True)

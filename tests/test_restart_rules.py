@@ -1,0 +1,262 @@
+"""One rulebook, two runners: the same failures through `kubetrain run`'s policy and the
+operator's reconcile give the same decisions (kubetrain.restart_rules).
+
+Each case is a job's story of failed attempts. The local side asks the entry points the
+runner asks (`is_out_of_memory`, then `after_out_of_memory` or `after_failure` over the
+run's counted failures). The operator side plays the story through `reconcile`: worker 1
+fails at the case's step, the restart's replacement is created once its backoff is over
+(found by probing the clock, not computed), the group runs again, and the next failure
+comes. Both must restart after the same delay, or end the job for the same reason, and
+agree on the micro-batch after out-of-memory restarts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, get_args
+
+import pytest
+
+import kubetrain.operator.reconcile as reconcile_module
+from kubetrain.api.manifest import parse_job
+from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.local.policy import (
+    GroupFailure,
+    after_failure,
+    after_out_of_memory,
+    is_out_of_memory,
+)
+from kubetrain.operator.actions import CreateObject, WriteStatus
+from kubetrain.operator.observed import Observed, TrainerFailure, WorkerPod
+from kubetrain.operator.reconcile import reconcile
+from kubetrain.operator.restarts import retry_kind_of
+from kubetrain.protocol import (
+    ENDS_THE_POD,
+    FAILURE_CLASSES,
+    OUT_OF_MEMORY_CLASSES,
+    TRAINER_CLASSES,
+    TRAINER_EXIT_CODES,
+)
+from kubetrain.restart_rules import RetryKind
+
+START = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
+MICRO_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt as each runner sees it: a process's exit status locally, a pod's
+    container status on Kubernetes."""
+
+    local_exit: int | None
+    pod: dict[str, Any]
+    failure_class: str = "Unknown"
+    step: int = 0
+
+    def at(self, step: int) -> Failure:
+        return Failure(self.local_exit, self.pod, self.failure_class, step)
+
+
+def crash(code: int) -> Failure:
+    return Failure(code, {"exit_code": code})
+
+
+def trainer(failure_class: str, code: int = 1) -> Failure:
+    """A failure only the trainer saw: torchrun exits `code`, the class is in its message."""
+    said = TrainerFailure(failure_class, f"{failure_class} at micro-batch {MICRO_BATCH}",
+                          nodes=("node-b",) if failure_class == "PreflightFailed" else ())
+    return Failure(code, {"exit_code": code, "trainer_failure": said}, failure_class)
+
+
+KILLED = Failure(-9, {"exit_code": 137, "reason": "Error"}, "NodeLost")  # SIGKILL from outside
+EVICTED = Failure(None, {"exit_code": None, "reason": "Evicted"})  # no exit code (a hang locally)
+OOM_KILLED = Failure(137, {"exit_code": 137, "reason": "OOMKilled"}, "OOMKilled")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What followed one failure: a restart after `delay`, or the job's end and why."""
+
+    restart: bool
+    delay: float
+    ending: str | None
+    micro_batch_size: int
+
+
+@dataclass(frozen=True)
+class Case:
+    failures: list[Failure]
+    run_policy: dict[str, Any] = field(default_factory=dict)
+
+
+CASES = {
+    "the-same-crash-at-one-step-repeats": Case([crash(1)] * 3),
+    "progress-between-crashes-starts-a-new-streak": Case(
+        [crash(1), crash(1).at(5), crash(1).at(5), crash(1).at(5)], {"maxRestarts": 5}),
+    "kills-are-retried-until-max-restarts": Case([KILLED] * 4),
+    "restart-me-75-never-repeats": Case([crash(75)] * 4),
+    "exit-128-is-an-exit-code-not-a-signal": Case([crash(128)] * 3),
+    "no-exit-code-is-retried": Case([EVICTED] * 4),
+    "a-permanent-code-fails-at-once": Case([crash(2)]),
+    "a-permanent-code-after-retries": Case([KILLED, crash(127)]),
+    "kills-between-crashes-leave-the-streak": Case(
+        [crash(1), KILLED, crash(1), KILLED, crash(1)], {"maxRestarts": 5}),
+    "different-codes-are-no-streak": Case([crash(1), crash(3), crash(1), crash(3)]),
+    "the-backoff-doubles-up-to-its-cap": Case(
+        [KILLED] * 4, {"backoffSeconds": 7, "maxBackoffSeconds": 20, "maxRestarts": 5}),
+    "out-of-memory-halves-until-nothing-is-left": Case([OOM_KILLED] * 4),
+    "out-of-memory-spends-no-restarts": Case([KILLED, KILLED, KILLED, OOM_KILLED, KILLED]),
+    "cuda-out-of-memory-with-action-fail": Case([trainer("CUDAOutOfMemory")],
+                                                {"outOfMemory": {"action": "Fail"}}),
+    "a-permanent-code-wins-over-out-of-memory": Case([trainer("CUDAOutOfMemory")],
+                                                     {"permanentExitCodes": [1]}),
+    "failed-preflights-are-no-streak": Case([trainer("PreflightFailed")] * 4),
+    "collective-timeouts-repeat-like-crashes": Case([trainer("CollectiveTimeout")] * 3),
+}
+
+
+def _job(minimal_manifest: dict, run_policy: dict[str, Any],
+         status: dict[str, Any] | None = None) -> TrainingJob:
+    manifest = copy.deepcopy(minimal_manifest)
+    manifest["metadata"].update(namespace="ml", uid="uid-1", generation=1)
+    manifest["spec"]["workers"] = {"replicas": 2, "minReplicas": 1, "maxReplicas": 4}
+    manifest["spec"]["optimization"] = {"microBatchSize": MICRO_BATCH,
+                                        "gradientAccumulationSteps": 1}
+    manifest["spec"]["runPolicy"] = {"backoffSeconds": 10, "maxBackoffSeconds": 60,
+                                     "maxRestarts": 3, "repeatedFailureLimit": 3,
+                                     "pendingDeadlineSeconds": None, **run_policy}
+    if status is not None:
+        manifest["status"] = status
+    return parse_job(manifest)
+
+
+# --- kubetrain run ---------------------------------------------------------------------------
+
+
+def local_outcomes(job: TrainingJob, failures: list[Failure]) -> list[Outcome]:
+    """The decisions `kubetrain run` takes, failure by failure, as LocalRun.run asks them."""
+    spec = job.spec
+    world_size = spec.workers.replicas * spec.workers.procs_per_worker
+    counted: list[GroupFailure] = []
+    micro, healed = MICRO_BATCH, 0
+    outcomes = []
+    for failure in failures:
+        seen = GroupFailure(f"worker 1 failed at step {failure.step}", failure.local_exit,
+                            failure.step, failure.failure_class)
+        if is_out_of_memory(spec.run_policy, seen):
+            decision = after_out_of_memory(spec, seen, micro, healed, world_size)
+            if decision.micro_batch_size is not None:
+                micro, healed = decision.micro_batch_size, healed + 1
+        else:
+            counted.append(seen)
+            decision = after_failure(spec.run_policy, counted)
+        outcomes.append(Outcome(decision.restart, decision.delay, decision.ending, micro))
+        if not decision.restart:
+            break
+    return outcomes
+
+
+# --- the operator ----------------------------------------------------------------------------
+
+
+def _pass(job: TrainingJob, pods: list[WorkerPod], now: datetime) -> tuple[list[Any],
+                                                                           dict[str, Any]]:
+    actions = reconcile(job, Observed(pods=tuple(pods), service=True, config_generation=1), now)
+    status = next((a.status for a in actions if isinstance(a, WriteStatus)),
+                  job.status.wire() if job.status else {})
+    return actions, status
+
+
+def _worker(index: int, attempt: int, phase: str = "Running", **facts: Any) -> WorkerPod:
+    return WorkerPod(name=f"demo-worker-{index}", index=index, restart_attempt=attempt,
+                     phase=phase, ready=phase == "Running", created_at=START, node="node-a",
+                     **facts)
+
+
+def _created(actions: list[Any]) -> set[int]:
+    return {int(a.manifest["metadata"]["name"].rsplit("-", 1)[1]) for a in actions
+            if isinstance(a, CreateObject) and a.manifest["kind"] == "Pod"}
+
+
+def operator_outcomes(minimal_manifest: dict, case: Case) -> list[Outcome]:
+    """The operator's decisions, failure by failure, played through reconcile."""
+    job = _job(minimal_manifest, case.run_policy)
+    attempts = {0: 0, 1: 0}
+    now = START
+    _, status = _pass(job, [_worker(0, 0), _worker(1, 0)], now)  # the group runs
+    outcomes = []
+    for failure in case.failures:
+        now += timedelta(hours=1)
+        status = copy.deepcopy(status)
+        status["progress"] = {**status.get("progress", {}), "step": failure.step}
+        job = _job(minimal_manifest, case.run_policy, status)
+        failed = _worker(1, attempts[1], "Failed", **failure.pod)
+        actions, status = _pass(job, [_worker(0, attempts[0]), failed], now)
+        micro = status["effective"]["microBatchSize"]
+        if status["phase"] == "Failed":
+            ending = next(c["reason"] for c in status["conditions"] if c["type"] == "Failed")
+            outcomes.append(Outcome(False, 0.0, ending, micro))
+            break
+        assert status["phase"] == "Restarting"
+        restarted = status["restartAttempt"]
+        deleted = {a.name for a in actions if type(a).__name__ == "DeletePod"}
+        survivors = [_worker(0, attempts[0])] if "demo-worker-0" not in deleted else []
+        job = _job(minimal_manifest, case.run_policy, status)
+
+        def replaced_by(seconds: float, job: TrainingJob = job,
+                        survivors: list[WorkerPod] = survivors, since: datetime = now) -> bool:
+            return 1 in _created(_pass(job, survivors, since + timedelta(seconds=seconds))[0])
+
+        low, high = 0, 3600  # the first whole second at which the replacement is created
+        assert replaced_by(high)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if replaced_by(middle) else (middle + 1, high)
+        outcomes.append(Outcome(True, float(low), None, micro))
+        for index in (0, 1):
+            if f"demo-worker-{index}" in deleted:
+                attempts[index] = restarted
+        now += timedelta(seconds=low)
+        running = [_worker(0, attempts[0]), _worker(1, attempts[1])]
+        _, status = _pass(job, running, now)
+        assert status["phase"] == "Running", status["conditions"]
+    return outcomes
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_both_runners_take_the_same_decisions(minimal_manifest: dict, name: str) -> None:
+    case = CASES[name]
+    local = local_outcomes(_job(minimal_manifest, case.run_policy), case.failures)
+    operator = operator_outcomes(minimal_manifest, case)
+    assert operator == local
+    assert not local[-1].restart or len(local) == len(case.failures)
+
+
+def test_the_cases_cover_every_ending(minimal_manifest: dict) -> None:
+    endings = {outcome.ending
+               for case in CASES.values()
+               for outcome in local_outcomes(_job(minimal_manifest, case.run_policy),
+                                             case.failures)}
+    assert endings >= {"PermanentError", "RepeatedFailure", "MaxRestartsExceeded",
+                       "OutOfMemory"}
+
+
+# --- the protocol and the names ---------------------------------------------------------------
+
+
+def test_the_protocols_classes_nest() -> None:
+    assert set(FAILURE_CLASSES) >= TRAINER_CLASSES | OUT_OF_MEMORY_CLASSES
+    assert ENDS_THE_POD <= TRAINER_CLASSES
+    assert set(TRAINER_EXIT_CODES) == TRAINER_CLASSES
+    assert len(set(TRAINER_EXIT_CODES.values())) == len(TRAINER_EXIT_CODES)
+
+
+def test_a_retry_kind_is_not_a_failure_class() -> None:
+    # reconcile called both `failure_class`: classify's CUDAOutOfMemory and the kind of
+    # retry (permanent, retryable, code). The retry kind has its own name now.
+    assert not hasattr(reconcile_module, "failure_class")
+    assert not set(get_args(RetryKind)) & set(FAILURE_CLASSES)
+    pod = _worker(1, 0, "Failed", exit_code=1)
+    assert retry_kind_of(pod, [2]) == "code"
