@@ -1,0 +1,88 @@
+"""python -m kubetrain.trainer.own_code: restore first, sync alongside, SIGTERM passed through."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubetrain.api.trainingjob import StorageSpec
+from kubetrain.trainer.checkpoint_sync import commits
+from kubetrain.trainer.storage import open_storage
+
+# The user's code: resumes from the restored folder, saves one more step, and on SIGTERM
+# saves where it is and exits 143 (a plain script using the SDK, no torch needed).
+_SCRIPT = """
+import sys, time
+from kubetrain import sdk
+sdk.stop_requested()
+latest = sdk.latest_checkpoint()
+step = int((latest / "step.txt").read_text()) if latest else 0
+print(f"resumed at {step}", flush=True)
+def save(step):
+    folder = sdk.checkpoint_dir() / f"step-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "step.txt").write_text(str(step))
+    sdk.mark_complete(folder, step)
+if sys.argv[1] == "wait":
+    print("waiting", flush=True)
+    while not sdk.stop_requested():
+        time.sleep(0.05)
+    save(step + 1)
+    sys.exit(143)
+save(step + 1)
+(sdk.checkpoint_dir() / "scratch").mkdir(exist_ok=True)  # never marked
+"""
+
+
+@pytest.fixture
+def job_file(tmp_path: Path, s3_bucket: str, s3_endpoint: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "mine"},
+        "spec": {"trainer": {"image": "me/train:1", "command": ["python", "train.py"]},
+                 "checkpoint": {"uri": f"s3://{s3_bucket}/mine", "keepLast": 2},
+                 "storage": {"endpoint": s3_endpoint, "region": "us-east-1"}}}))
+    (tmp_path / "train.py").write_text(_SCRIPT)
+    return path
+
+
+def _entry(job_file: Path, pod: Path, mode: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "KUBETRAIN_CHECKPOINT_DIR": str(pod),
+           "KUBETRAIN_FINAL_SYNC_SECONDS": "30"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "kubetrain.trainer.own_code", str(job_file), "--",
+         sys.executable, str(job_file.parent / "train.py"), mode],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(180)
+def test_each_attempt_starts_from_the_last_uploaded_checkpoint(
+        tmp_path: Path, job_file: Path, s3_bucket: str, s3_spec: StorageSpec) -> None:
+    remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
+    for attempt in range(3):  # a fresh pod each time: nothing local survives
+        run = _entry(job_file, tmp_path / f"pod-{attempt}", "once")
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        assert f"resumed at {attempt}" in out
+        assert "scratch was never marked complete" in err
+    assert [c.step for c in commits(remote)] == [2, 3]  # keepLast 2
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_reaches_the_command_and_its_last_checkpoint_is_uploaded(
+        tmp_path: Path, job_file: Path, s3_bucket: str, s3_spec: StorageSpec) -> None:
+    run = _entry(job_file, tmp_path / "pod", "wait")
+    assert run.stdout is not None
+    while "waiting" not in run.stdout.readline():
+        assert run.poll() is None, run.stderr.read() if run.stderr else ""
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 143
+    remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
+    assert [c.step for c in commits(remote)] == [1]

@@ -1,0 +1,110 @@
+"""`python -m kubetrain.trainer.own_code JOB.yaml -- COMMAND...`: own code's container entry.
+
+Runs in each worker pod of an own-code job (spec.trainer), around torchrun and the user's
+command (kubetrain.operator.own_code_launch builds the line):
+1. restores the newest committed checkpoint (checkpoint.uri, else checkpoint.resumeFrom)
+   into KUBETRAIN_CHECKPOINT_DIR before COMMAND starts;
+2. runs COMMAND, and beside it kubetrain.trainer.checkpoint_sync every few seconds;
+3. passes SIGTERM and SIGINT through to COMMAND (torchrun gives them to the workers);
+4. once COMMAND ends, syncs until its last marked checkpoint is committed (at most
+   KUBETRAIN_FINAL_SYNC_SECONDS), warns about folders never marked complete, and exits
+   with COMMAND's exit status (128 + N when a signal N ended it).
+A failed restore exits 1 (retried by the job's restart policy) before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from kubetrain.api.manifest import InvalidManifest, load_job
+from kubetrain.protocol import EXIT_INVALID_MANIFEST, SIGNAL_EXIT_BASE
+from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR
+from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
+from kubetrain.trainer.storage import open_storage
+
+log = logging.getLogger("kubetrain.own_code")
+
+SYNC_INTERVAL_SECONDS = 10.0
+DEFAULT_FINAL_SYNC_SECONDS = 90.0
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kubetrain.trainer.own_code",
+                                     description=(__doc__ or "").strip().splitlines()[0])
+    parser.add_argument("job", help="the job's manifest (the ConfigMap's job.yaml)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    parser.add_argument("--sync-interval", type=float, default=SYNC_INTERVAL_SECONDS)
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("give the command to run after --")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="kubetrain: %(message)s")
+    args = _arguments(sys.argv[1:] if argv is None else argv)
+    try:
+        job = load_job(args.job)
+    except (InvalidManifest, OSError) as error:
+        log.error("%s", error)
+        return EXIT_INVALID_MANIFEST
+    spec = job.spec
+    local_dir = Path(os.environ.get(CHECKPOINT_DIR_ENV) or DEFAULT_CHECKPOINT_DIR)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    remote = open_storage(spec.checkpoint.uri, spec.storage)
+    fallback = (open_storage(spec.checkpoint.resume_from, spec.storage)
+                if spec.checkpoint.resume_from else None)
+    try:
+        restored = restore(local_dir, remote, fallback)
+    except Exception as error:  # storage unreachable, a commit naming a lost file
+        log.error("could not restore the latest checkpoint from %s: %s", remote.uri, error)
+        return 1
+    log.info("restored %s" if restored else "no checkpoint to restore: starting fresh",
+             restored)
+
+    child = subprocess.Popen(args.command)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+
+    sync = CheckpointSync(local_dir, remote, spec.checkpoint.keep_last)
+    stopping = threading.Event()
+
+    def sync_alongside() -> None:
+        while not stopping.wait(args.sync_interval):
+            sync.sync_once()
+
+    syncer = threading.Thread(target=sync_alongside, name="checkpoint-sync", daemon=True)
+    syncer.start()
+    status = child.wait()
+    stopping.set()
+    syncer.join()
+    final_seconds = float(os.environ.get("KUBETRAIN_FINAL_SYNC_SECONDS",
+                                         DEFAULT_FINAL_SYNC_SECONDS))
+    report = sync.drain(time.monotonic() + final_seconds)
+    for folder in report.unmarked:
+        log.warning("checkpoint folder %s was never marked complete, so it was not uploaded: "
+                    "call kubetrain.sdk.mark_complete(path, step) once it is written",
+                    folder)
+    for folder in report.waiting:
+        log.warning("checkpoint %s was not committed within %.0f s: a pod's part is missing",
+                    folder, final_seconds)
+    return SIGNAL_EXIT_BASE - status if status < 0 else status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
