@@ -169,6 +169,30 @@ def test_kubeflow_sdk_update_trainjob_status_where_the_sdk_is_installed(
         3, 10, 0.5, 70)
 
 
+def test_idle_connections_are_closed_and_a_kept_session_reconnects(tmp_path: Path) -> None:
+    reports = StatusReports(KEY)
+    authority = CertificateAuthority.generate()
+    ca_file = tmp_path / "ca.crt"
+    ca_file.write_bytes(authority.cert_pem)
+    tls = authority.issue(["localhost"], ["127.0.0.1"]).server_context()
+    with StatusEndpoint(reports, tls, host="127.0.0.1", port=0, idle_seconds=0.3) as server:
+        token = reports.admit("team-a", "idle", "uid")
+        url = f"https://127.0.0.1:{server.port}{status_path('team-a', 'idle')}"
+        with requests.Session() as session:
+            ports = []
+            for step in (1, 2):
+                response = session.post(url, json=trainer_status(metrics=metrics(
+                    current_step=step)), headers={"Authorization": f"Bearer {token}"},
+                    verify=str(ca_file), timeout=5, stream=True)
+                assert response.status_code == 200
+                ports.append(response.raw.connection.sock.getsockname()[1])
+                response.close()
+                time.sleep(0.8)
+        assert ports[0] != ports[1], "the idle connection was not closed by the endpoint"
+        report = reports.latest("team-a", "idle")
+        assert report is not None and report.step == 2
+
+
 def test_a_pod_of_one_job_cannot_write_another_jobs_status(endpoint: Endpoint) -> None:
     mine = endpoint.reports.admit("team-a", "mine", "uid-mine")
     endpoint.reports.admit("team-a", "theirs", "uid-theirs")
