@@ -33,6 +33,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "trainer": ("torch", "boto3", "tokenizers", "safetensors", "tqdm", "numpy", "blake3",
                 "prometheus_client"),
     "report": ("plotly",),
+    "own-code": ("boto3", "blake3"),
 }
 
 COMMANDS: dict[str, Command] = {
