@@ -6,11 +6,15 @@ group; alone it trains as a group of one. Setup (`_build`) assembles the parts
 each module owns - data (data.py), model (model.py), parallelism
 (parallelize.py), optimizer and schedule (optim.py), checkpoints
 (checkpoint.py), metrics (metrics.py) - and `_train` is the loop itself,
-readable top to bottom:
+readable top to bottom, as torchtitan's `train` reads:
 
     stop agreed? → fetch micro-batches → forward/backward with accumulation
     → clip → optimizer step → LR schedule → metrics → maybe eval (early stopping)
     → maybe checkpoint
+
+Its parts: `_resume` (the checkpoint, or the weights a job starts from), `_train_step`
+(one optimizer step, torchtitan's `train_step`), `_log_interval` (the reduced metrics
+of a logged interval) and `_finish` (the final checkpoint, the export).
 
 Throughput: tokens/s, MFU and step time are measured over the wall time from
 one logged step to the next, read after synchronising the device. On a GPU the
@@ -45,10 +49,11 @@ prints the result and goodput books the time as `preflight`.
 Failing: a device out of memory (torch.OutOfMemoryError), a GPU that failed
 (`is_gpu_error`), a collective that timed out or a failed preflight is written into
 the termination message with its class, the micro-batch and (out of memory on CUDA)
-`kubetrain estimate`'s advice, and `fit` returns 87, 90, 88 or 89 at once, without
-the collective goodbyes its peers may never answer. For out of memory, a GPU error
-and a failed preflight, a restart in place would meet the same micro-batch, the same
-GPU or the same stalled peer, so the worker first asks its torchrun agent to stop
+`kubetrain estimate`'s advice, and `fit` returns 87, 90, 88 or 89 at once (`FAILURES`,
+one table from the error to its class, reason and exit code), without the collective
+goodbyes its peers may never answer. For out of memory, a GPU error and a failed
+preflight, a restart in place would meet the same micro-batch, the same GPU or the same
+stalled peer, so the worker first asks its torchrun agent to stop
 (`distributed.stop_torchrun_agent`) and the pod ends. The operator (or `kubetrain run`)
 reads the class and, for out of memory, restarts the group with half the micro-batch:
 the micro-batch the trainer uses is the job's `micro_batch_size` (status.effective's,
@@ -57,15 +62,17 @@ from the ConfigMap), with the accumulation grown to keep the spec's global batch
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -83,6 +90,7 @@ from kubetrain.protocol import (  # the exit codes and classes the operator read
     EXIT_PREFLIGHT_FAILED,
     EXIT_RESTART,
     EXIT_SIGNALLED,
+    TrainerFailureClass,
 )
 from kubetrain.trainer.architecture import build_model
 from kubetrain.trainer.checkpoint import (
@@ -146,13 +154,18 @@ from kubetrain.trainer.rank_timing import (
 from kubetrain.trainer.sizing import flops_per_token, ssm_flops_per_token
 from kubetrain.trainer.storage import open_storage
 
+# Why `fit` returned: the run finished (maxSteps, early stopping), a stop signal was agreed,
+# or one of `FAILURES` ended the attempt.
+FitReason = Literal["max_steps", "early_stopping", "signalled", "preflight_failed",
+                    "out_of_memory", "gpu_error", "collective_timeout"]
+
 
 @dataclass(frozen=True)
 class FitResult:
     """How a `fit` ended."""
 
     step: int
-    reason: str  # "max_steps", "early_stopping" or "signalled"
+    reason: FitReason
     exit_code: int
     best_val_loss: float | None
     export_uri: str | None
@@ -245,53 +258,52 @@ class Trainer:
         self._preflight: Preflight | None = None  # this attempt's check, once it started
 
     def fit(self) -> FitResult:
-        """Train until maxSteps, early stopping or a stop signal; see the module docstring."""
-        created_group = not dist.is_initialized()
+        """Train until maxSteps, early stopping or a stop signal; see the module docstring.
+
+        A failure in `FAILURES` ends the attempt with its reason and exit code; any other
+        error propagates.
+        """
+        # A group this call makes is this call's to end; a group the caller made, the caller's.
+        leave_the_group = not dist.is_initialized()
         # The ledger starts before the preflight check, so that it books the check apart.
         goodput = GoodputLedger(attempt_started_at())
         try:
             world = self._join(goodput)
-        except PreflightFailed as failure:
-            return self._preflight_failed(failure)
-        failed = False
+        except PreflightFailed as error:
+            return self._preflight_failed(error)
         try:
-            try:
-                run = self._build(world, goodput)
-                stop = StopRequest()
-                stop.install()
-                try:
-                    return self._train(run, stop)
-                except RuntimeError as error:
-                    if is_out_of_memory(error):
-                        # The ledger as of now in the heartbeat: the restart with half the
-                        # micro-batch books this attempt's time to goodput's `oom`.
-                        run.goodput.charge(PRODUCTIVE)
-                        self._account(run, run.goodput.step, final=True)
-                    raise
-                finally:
-                    try:
-                        run.close()
-                    finally:  # until closed, a SIGTERM (the agent stopping) only sets the flag
-                        stop.uninstall()
-            except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
-                if is_out_of_memory(error):
-                    failed = True
-                    self._record_failure("CUDAOutOfMemory", error, world)
-                    return FitResult(0, "out_of_memory", EXIT_OUT_OF_MEMORY, None, None)
-                if is_gpu_error(error):
-                    failed = True
-                    self._record_failure("GPUError", error, world)
-                    return FitResult(0, "gpu_error", EXIT_GPU_ERROR, None, None)
-                if not is_collective_timeout(error):
-                    raise
-                failed = True
-                self._record_failure("CollectiveTimeout", error, world)
-                return FitResult(0, "collective_timeout", EXIT_COLLECTIVE_TIMEOUT, None, None)
-        finally:
+            return self._attempt(world, goodput)
+        except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
+            failure = failure_of(error)
+            if failure is None:
+                raise
             # A failed rank leaves the group by exiting: its peers may be blocked in a
             # collective that will never complete, and leaving politely would wait on them.
-            if created_group and not failed:  # a group the caller made is the caller's to end
+            leave_the_group = False
+            self._record_failure(failure.failure_class, error, world)
+            return FitResult(0, failure.reason, failure.exit_code, None, None)
+        finally:
+            if leave_the_group:
                 shutdown_world()
+
+    def _attempt(self, world: World, goodput: GoodputLedger) -> FitResult:
+        """Build the run and train it; closed, and the stop handler removed, however it ends."""
+        run = self._build(world, goodput)
+        stop = StopRequest()
+        stop.install()
+        with contextlib.ExitStack() as cleanup:
+            # Last, after closing: until closed, a SIGTERM (the agent stopping) only sets the flag.
+            cleanup.callback(stop.uninstall)
+            cleanup.callback(run.close)
+            try:
+                return self._train(run, stop)
+            except RuntimeError as error:
+                if is_out_of_memory(error):
+                    # The ledger as of now in the heartbeat: the restart with half the
+                    # micro-batch books this attempt's time to goodput's `oom`.
+                    run.goodput.charge(PRODUCTIVE)
+                    self._account(run, run.goodput.step, final=True)
+                raise
 
     def _join(self, goodput: GoodputLedger) -> World:
         """Join the group, inside the preflight check when `runPolicy.preflight` asks for it."""
@@ -320,18 +332,21 @@ class Trainer:
             print(check.summary(), flush=True)
         return world
 
-    def _preflight_failed(self, failure: PreflightFailed) -> FitResult:
+    def _preflight_failed(self, error: PreflightFailed) -> FitResult:
         """End the attempt: every live rank exits, one per pod writes why and stops its agent."""
+        failure = failure_of(error)
+        assert failure is not None  # PreflightFailed is one of FAILURES
         check = self._preflight
-        print(f"rank {os.environ.get('RANK', '0')}: PreflightFailed: {failure}",
+        print(f"rank {os.environ.get('RANK', '0')}: {failure.failure_class}: {error}",
               file=sys.stderr, flush=True)
         if check is None or check.writes_the_failure():
             stop_torchrun_agent()
-            record_failure("PreflightFailed", str(failure), self.micro_batch_size,
-                           nodes=failure.nodes, reported_nodes=failure.reported_nodes)
-        return FitResult(0, "preflight_failed", EXIT_PREFLIGHT_FAILED, None, None)
+            record_failure(failure.failure_class, str(error), self.micro_batch_size,
+                           nodes=error.nodes, reported_nodes=error.reported_nodes)
+        return FitResult(0, failure.reason, failure.exit_code, None, None)
 
-    def _record_failure(self, failure_class: str, error: BaseException, world: World) -> None:
+    def _record_failure(self, failure_class: TrainerFailureClass, error: BaseException,
+                        world: World) -> None:
         """The failure's class and words, for the termination message and the log."""
         if failure_class in ENDS_THE_POD:
             stop_torchrun_agent()  # before writing: the agent's SIGTERM is ignored from here
@@ -409,16 +424,63 @@ class Trainer:
                                     optional_state=frozenset({"goodput"}))
         heartbeat = (Heartbeat(open_storage(spec.checkpoint.uri, spec.storage))
                      if world.is_main else None)
-        return _Run(world, dims, max_steps, parallel, optimizer, schedule, train_data,
-                    validation_data, progress, app_state, checkpointer, reporter,
-                    (model.output_loss.name, why), goodput, heartbeat, teacher)
+        return _Run(world=world, dims=dims, max_steps=max_steps, parallel=parallel,
+                    optimizer=optimizer, schedule=schedule, train_data=train_data,
+                    validation_data=validation_data, progress=progress, app_state=app_state,
+                    checkpointer=checkpointer, reporter=reporter,
+                    output_loss=(model.output_loss.name, why), goodput=goodput,
+                    heartbeat=heartbeat, teacher=teacher)
 
     def _train(self, run: _Run, stop: StopRequest) -> FitResult:
-        """The loop: one iteration per optimizer step."""
-        spec, opt = self.spec, self.spec.optimization
-        world, parallel, reporter = run.world, run.parallel, run.reporter
-        device, model, optimizer = world.device, run.parallel.module, run.optimizer
+        """The loop, one iteration per optimizer step, in the module docstring's order."""
+        spec = self.spec
+        step = self._resume(run)
+        meter = _Meter(run, spec, self.micro_batch_size)
+        if step == 0 and spec.evaluation.every_steps:
+            self._evaluate_and_record(run, step)  # the baseline the run improves on
+        reason: FitReason = "max_steps"
+        val_loss: float | None = None  # of an evaluation at this step
+        while step < run.max_steps:
+            meter.begin_step()
+            with meter.clock.waiting():
+                stopping = stop.agreed(run.world.device)
+            run.goodput.charge(PRODUCTIVE)  # agreeing waits for the last step's device work
+            if stopping:
+                reason = "signalled"
+                break
 
+            batches = meter.fetch(run.train_data)
+            run.goodput.charge(DATA_WAIT)
+            # Forward/backward with accumulation → clip → optimizer step → schedule.
+            result = self._train_step(run, meter, batches)
+            step += 1
+
+            # Metrics: cheap ones every step, reduced ones every logEverySteps.
+            run.reporter.stepped(step, meter.global_tokens, meter.end_step())
+            run.goodput.charge(PRODUCTIVE)
+            run.goodput.stepped(step)
+            if step % spec.metrics.log_every_steps == 0 or step == run.max_steps:
+                self._log_interval(run, meter, step, result)
+
+            # Evaluation and early stopping.
+            every, val_loss = spec.evaluation.every_steps, None
+            if every and (step % every == 0 or step == run.max_steps):
+                val_loss = self._evaluate_and_record(run, step)
+                patience = spec.evaluation.early_stopping.patience
+                if patience and run.progress.evals_without_improvement >= patience:
+                    reason = "early_stopping"
+                    break
+
+            # Checkpoints every everySteps, and (keepBest) at each new best validation loss.
+            if step % spec.checkpoint.every_steps == 0 or (
+                    val_loss is not None and run.checkpointer.improves_best(val_loss)):
+                self._save(run, step, val_loss, blocking=False)
+        return self._finish(run, stop, step, reason, val_loss)
+
+    def _resume(self, run: _Run) -> int:
+        """Load the latest checkpoint (or start from `model.init`, or the teacher's embeddings),
+        book the attempt's start and report it; the step the loop starts from."""
+        spec, reporter, model = self.spec, run.reporter, run.parallel.module
         goodput = run.goodput
         goodput.charge(STARTUP)
         loaded = run.checkpointer.load_latest(run.app_state)
@@ -442,149 +504,102 @@ class Trainer:
         if step:
             resumed_from = run.checkpointer.latest.uri if run.checkpointer.latest else str(
                 spec.checkpoint.resume_from)
-            reporter.resumed(step, resumed_from, world.world_size)
+            reporter.resumed(step, resumed_from, run.world.world_size)
         if run.checkpointer.best is not None:
             reporter.kept_best(run.checkpointer.best.step, run.checkpointer.best.val_loss)
-        reporter.started(step, world.world_size, *run.output_loss)
+        reporter.started(step, run.world.world_size, *run.output_loss)
         goodput.charge(STARTUP)
         # A heartbeat before the first step: an attempt killed before its first logged
         # step (OOMKilled while building its first batch) still leaves its time for the
         # next attempt to book, to `oom` after an out-of-memory restart.
         self._account(run, step)
+        return step
 
-        # The spec's global batch in micro-batches of the size in use (see `fit`).
-        accumulation = spec.gradient_accumulation(world.world_size, self.micro_batch_size)
-        local_tokens = accumulation * self.micro_batch_size * spec.data.seq_len
-        flops_per_second_peak = peak_flops(device) * world.world_size
-        model_flops = (ssm_flops_per_token(run.dims) if spec.model.architecture == "ssm"
-                       else flops_per_token(run.dims, spec.data.seq_len,
-                                            dynamics=spec.model.dynamics.enabled))
-        interval = _Interval(device)
-        # Each rank's time inside collectives, to tell its compute from its wait (rank_timing).
-        clock = WaitClock(device)
-        time_fsdp_collectives(model, clock)
-        computed = 0.0  # this process's seconds of compute so far (a counter for the operator)
+    def _train_step(self, run: _Run, meter: _Meter,
+                    batches: list[tuple[torch.Tensor, torch.Tensor]]) -> _StepResult:
+        """One optimizer step on the step's micro-batches: forward/backward with accumulation
+        → clip → optimizer step → learning-rate schedule."""
+        parallel, model, optimizer = run.parallel, run.parallel.module, run.optimizer
+        device, teacher = run.world.device, run.teacher
 
-        if step == 0 and spec.evaluation.every_steps:
-            self._evaluate_and_record(run, step)  # the baseline the run improves on
-        reason = "max_steps"
-        val_loss: float | None = None  # of an evaluation at this step
-        while step < run.max_steps:
-            interval.begin_step()
-            step_started, waited_before = time.perf_counter(), clock.seconds
-            with clock.waiting():
-                stopping = stop.agreed(device)
-            goodput.charge(PRODUCTIVE)  # agreeing waits for the last step's device work
-            if stopping:
-                reason = "signalled"
-                break
-            started = time.perf_counter()
+        # Forward/backward, synchronising gradients only on the last micro-step.
+        loss_sum = torch.zeros((), device=device)
+        terms_sum = torch.zeros(2, device=device)  # distillation: cross-entropy, KD
+        for index, (inputs, targets) in enumerate(batches):
+            inputs = inputs.to(device, non_blocking=True)
+            with parallel.gradient_sync(index == meter.accumulation - 1), parallel.autocast():
+                if teacher is not None:
+                    teacher.teach(inputs)  # soft targets for the student's loss
+                # The model returns the summed token loss without holding the logits.
+                loss = model(inputs, targets.to(device, non_blocking=True)) / meter.local_tokens
+            (parallel.scaler.scale(loss) if parallel.scaler else loss).backward()
+            loss_sum += loss.detach()
+            if teacher is not None:
+                terms_sum += torch.stack(teacher.terms()) / meter.local_tokens
 
-            # Fetch every micro-batch of the step; the wait is what the data pipeline costs.
-            batches = [next(run.train_data) for _ in range(accumulation)]
-            data_wait = time.perf_counter() - started
-            goodput.charge(DATA_WAIT)
+        # Clip on the global norm (DTensor shards under FSDP2 reduce across ranks).
+        if parallel.scaler is not None:
+            parallel.scaler.unscale_(optimizer)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(grad_norm, DTensor):
+            with meter.clock.waiting():
+                grad_norm = grad_norm.full_tensor()
+        clip_norm = self.spec.optimization.grad_clip_norm
+        if clip_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_norm, grad_norm)
 
-            # Forward/backward, synchronising gradients only on the last micro-step.
-            loss_sum = torch.zeros((), device=device)
-            terms_sum = torch.zeros(2, device=device)  # distillation: cross-entropy, KD
-            for index, (inputs, targets) in enumerate(batches):
-                inputs = inputs.to(device, non_blocking=True)
-                with parallel.gradient_sync(index == accumulation - 1), parallel.autocast():
-                    if run.teacher is not None:
-                        run.teacher.teach(inputs)  # soft targets for the student's loss
-                    # The model returns the summed token loss without holding the logits.
-                    loss = model(inputs, targets.to(device, non_blocking=True)) / local_tokens
-                (parallel.scaler.scale(loss) if parallel.scaler else loss).backward()
-                loss_sum += loss.detach()
-                if run.teacher is not None:
-                    terms_sum += torch.stack(run.teacher.terms()) / local_tokens
+        # Optimizer step, then the learning rate for the next one.
+        learning_rate = float(run.schedule.get_last_lr()[0])
+        if parallel.scaler is not None:
+            parallel.scaler.step(optimizer)
+            parallel.scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.schedule.step()
+        return _StepResult(loss_sum, terms_sum, grad_norm, learning_rate)
 
-            # Clip on the global norm (DTensor shards under FSDP2 reduce across ranks).
-            if parallel.scaler is not None:
-                parallel.scaler.unscale_(optimizer)
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads)
-            if isinstance(grad_norm, DTensor):
-                with clock.waiting():
-                    grad_norm = grad_norm.full_tensor()
-            if opt.grad_clip_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(model.parameters(), opt.grad_clip_norm,
-                                                     grad_norm)
+    def _log_interval(self, run: _Run, meter: _Meter, step: int, result: _StepResult) -> None:
+        """Report the interval since the last logged step, ending at `step` (collective):
+        throughput over its wall time, `result`'s loss reduced over ranks, each rank's
+        compute and wait, and the goodput totals."""
+        interval, device = meter.interval, run.world.device
+        seconds = interval.end()
+        interval.waited += meter.clock.settle()  # on CUDA, the interval's collectives
+        tokens_per_second = interval.tokens / seconds
+        ce_loss = kd_loss = None
+        if run.teacher is not None:
+            ce_loss, kd_loss = (_mean_over_ranks(term) for term in result.terms)
+        meter.computed += interval.busy - interval.waited
+        ranks = gather_rank_timings(
+            (interval.busy - interval.waited) / interval.steps,
+            interval.waited / interval.steps, meter.computed)
+        # The interval's steps ran at the slowest rank's pace: what it cost over the
+        # median rank is not goodput (every rank books the same, from the same figures).
+        run.goodput.move(PRODUCTIVE, STRAGGLER, straggler_seconds(ranks) * interval.steps)
+        run.reporter.logged(StepReport(
+            step=step, epoch=run.train_data.epochs_done,
+            loss=_mean_over_ranks(result.loss), learning_rate=result.learning_rate,
+            grad_norm=float(result.grad_norm), tokens_per_second=tokens_per_second,
+            mfu=(meter.model_flops * tokens_per_second / meter.flops_per_second_peak
+                 if meter.flops_per_second_peak else 0.0),
+            step_time=seconds / interval.steps,
+            data_wait_ratio=interval.data_wait / seconds,
+            dynamics=(_dynamics_over_ranks(run.parallel.module, device)
+                      if self.spec.model.dynamics.enabled else None),
+            ce_loss=ce_loss, kd_loss=kd_loss, ranks=tuple(ranks),
+        ), device)
+        meter.interval = interval.next()
+        run.goodput.charge(PRODUCTIVE)  # the step's device work, waited for by the log
+        self._account(run, step)
 
-            # Optimizer step, then the learning rate for the next one.
-            learning_rate = float(run.schedule.get_last_lr()[0])
-            if parallel.scaler is not None:
-                parallel.scaler.step(optimizer)
-                parallel.scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.schedule.step()
-            step += 1
-
-            # Metrics: cheap ones every step, reduced ones every logEverySteps. The per-step
-            # duration is host time (on a GPU, enqueue time); throughput is wall time.
-            interval.add(data_wait, local_tokens * world.world_size,
-                         busy=time.perf_counter() - step_started,
-                         waited=clock.seconds - waited_before)
-            reporter.stepped(step, local_tokens * world.world_size,
-                             time.perf_counter() - started)
-            goodput.charge(PRODUCTIVE)
-            goodput.stepped(step)
-            if step % spec.metrics.log_every_steps == 0 or step == run.max_steps:
-                seconds = interval.end()
-                interval.waited += clock.settle()  # on CUDA, the interval's collectives
-                tokens_per_second = interval.tokens / seconds
-                ce_loss = kd_loss = None
-                if run.teacher is not None:
-                    ce_loss, kd_loss = (_mean_over_ranks(term) for term in terms_sum)
-                computed += interval.busy - interval.waited
-                ranks = gather_rank_timings(
-                    (interval.busy - interval.waited) / interval.steps,
-                    interval.waited / interval.steps, computed)
-                # The interval's steps ran at the slowest rank's pace: what it cost over the
-                # median rank is not goodput (every rank books the same, from the same figures).
-                goodput.move(PRODUCTIVE, STRAGGLER, straggler_seconds(ranks) * interval.steps)
-                reporter.logged(StepReport(
-                    step=step, epoch=run.train_data.epochs_done,
-                    loss=_mean_over_ranks(loss_sum), learning_rate=learning_rate,
-                    grad_norm=float(grad_norm), tokens_per_second=tokens_per_second,
-                    mfu=(model_flops * tokens_per_second / flops_per_second_peak
-                         if flops_per_second_peak else 0.0),
-                    step_time=seconds / interval.steps,
-                    data_wait_ratio=interval.data_wait / seconds,
-                    dynamics=(_dynamics_over_ranks(model, device)
-                              if spec.model.dynamics.enabled else None),
-                    ce_loss=ce_loss, kd_loss=kd_loss, ranks=tuple(ranks),
-                ), device)
-                interval = interval.next()
-                goodput.charge(PRODUCTIVE)  # the step's device work, waited for by the log
-                self._account(run, step)
-
-            # Evaluation and early stopping.
-            every = spec.evaluation.every_steps
-            val_loss = None
-            if every and (step % every == 0 or step == run.max_steps):
-                val_loss = self._evaluate_and_record(run, step)
-                patience = spec.evaluation.early_stopping.patience
-                if patience and run.progress.evals_without_improvement >= patience:
-                    reason = "early_stopping"
-                    break
-
-            # Checkpoints every everySteps, and (keepBest) at each new best validation loss.
-            if step % spec.checkpoint.every_steps == 0 or (
-                    val_loss is not None and run.checkpointer.improves_best(val_loss)):
-                _synchronize(device)  # the step's device work is productive, not saving
-                goodput.charge(PRODUCTIVE)
-                run.checkpointer.save(step, run.app_state, blocking=False, val_loss=val_loss)
-                goodput.charge(CHECKPOINT_SAVE)
-
-        # Every rank saves the same final checkpoint together, whatever ended the loop.
-        _synchronize(device)
-        goodput.charge(PRODUCTIVE)
-        run.checkpointer.save(step, run.app_state, blocking=True, val_loss=val_loss)
-        goodput.charge(CHECKPOINT_SAVE)
+    def _finish(self, run: _Run, stop: StopRequest, step: int, reason: FitReason,
+                val_loss: float | None) -> FitResult:
+        """Save the final checkpoint (every rank, whatever ended the loop); a finished run
+        then exports the model and reports that it finished."""
+        spec = self.spec
+        self._save(run, step, val_loss, blocking=True)
         best = run.progress.best_val_loss if math.isfinite(run.progress.best_val_loss) else None
         if reason == "signalled":
             self._account(run, step, final=True)
@@ -594,13 +609,23 @@ class Trainer:
         if spec.checkpoint.export:
             if spec.checkpoint.export_from == "best":
                 # The final checkpoint holds the last weights; the model takes the best ones.
-                export_step = run.checkpointer.load_best({"model": ModelWeights(model)}) or step
-            export_uri = export_model(model, run.dims, spec, rank=world.rank)
-        goodput.charge(CHECKPOINT_SAVE)  # the export is the run's last save
+                export_step = run.checkpointer.load_best(
+                    {"model": ModelWeights(run.parallel.module)}) or step
+            export_uri = export_model(run.parallel.module, run.dims, spec, rank=run.world.rank)
+        run.goodput.charge(CHECKPOINT_SAVE)  # the export is the run's last save
         self._account(run, step, final=True)
-        reporter.finished(step, reason, best, export_uri, export_step=export_step,
-                          export_format=export_format(spec) if export_uri else None)
+        run.reporter.finished(step, reason, best, export_uri, export_step=export_step,
+                              export_format=export_format(spec) if export_uri else None)
         return FitResult(step, reason, EXIT_COMPLETE, best, export_uri)
+
+    @staticmethod
+    def _save(run: _Run, step: int, val_loss: float | None, *, blocking: bool) -> None:
+        """Save the checkpoint of `step` (collective): the step's device work until then is
+        productive, the save is not."""
+        _synchronize(run.world.device)
+        run.goodput.charge(PRODUCTIVE)
+        run.checkpointer.save(step, run.app_state, blocking=blocking, val_loss=val_loss)
+        run.goodput.charge(CHECKPOINT_SAVE)
 
     def _evaluate_and_record(self, run: _Run, step: int) -> float | None:
         """The validation loss at `step`, recorded for early stopping; None without data."""
@@ -672,6 +697,33 @@ def is_collective_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A failure that ends the attempt: what it is, and how `fit` reports it."""
+
+    matches: Callable[[BaseException], bool]
+    failure_class: TrainerFailureClass  # in the termination message, for the operator
+    reason: FitReason
+    exit_code: int
+
+
+# How `fit` ends on a failure, first match first. A failed preflight comes from joining the
+# group, the others from building the run or training; any other error propagates.
+FAILURES = (
+    Failure(lambda error: isinstance(error, PreflightFailed), "PreflightFailed",
+            "preflight_failed", EXIT_PREFLIGHT_FAILED),
+    Failure(is_out_of_memory, "CUDAOutOfMemory", "out_of_memory", EXIT_OUT_OF_MEMORY),
+    Failure(is_gpu_error, "GPUError", "gpu_error", EXIT_GPU_ERROR),
+    Failure(is_collective_timeout, "CollectiveTimeout", "collective_timeout",
+            EXIT_COLLECTIVE_TIMEOUT),
+)
+
+
+def failure_of(error: BaseException) -> Failure | None:
+    """The first of `FAILURES` that `error` matches, or None (an error that propagates)."""
+    return next((failure for failure in FAILURES if failure.matches(error)), None)
+
+
 def _estimate_advice(spec: TrainingJobSpec, micro_batch_size: int, world: World) -> str:
     """`kubetrain estimate`'s recommendation for this device, as a sentence ('' if none)."""
     if world.device.type != "cuda":
@@ -740,6 +792,63 @@ def _dynamics_over_ranks(model: torch.nn.Module, device: torch.device) -> Dynami
     return DynamicsReport(equilibrium_mean=float(totals[0]) / channels,
                           beta_mean=float(totals[1]) / samples,
                           velocity_rms=math.sqrt(float(totals[2]) / samples))
+
+
+@dataclass(frozen=True)
+class _StepResult:
+    """What one optimizer step leaves for its logged interval (tensors, read when logged)."""
+
+    loss: torch.Tensor  # this rank's loss, summed over its micro-batches
+    terms: torch.Tensor  # distillation: its cross-entropy and KD terms, summed the same way
+    grad_norm: torch.Tensor
+    learning_rate: float  # the rate the step used
+
+
+class _Meter:
+    """What the loop measures: the shape of a step, its clocks, and the logged interval.
+
+    A step's busy time runs from `begin_step` (before the stop agreement) to `end_step`
+    (after the optimizer's step); the part of it inside collectives (`clock`) is its wait,
+    the rest its compute (rank_timing). Its data wait is `fetch`, and the host time the
+    reporter gets per step runs from the fetch on (on a GPU, enqueue time: throughput is
+    the interval's wall time).
+    """
+
+    def __init__(self, run: _Run, spec: TrainingJobSpec, micro_batch_size: int) -> None:
+        world, device = run.world, run.world.device
+        # The spec's global batch in micro-batches of the size in use (see `fit`).
+        self.accumulation = spec.gradient_accumulation(world.world_size, micro_batch_size)
+        self.local_tokens = self.accumulation * micro_batch_size * spec.data.seq_len
+        self.global_tokens = self.local_tokens * world.world_size
+        self.flops_per_second_peak = peak_flops(device) * world.world_size
+        self.model_flops = (ssm_flops_per_token(run.dims) if spec.model.architecture == "ssm"
+                            else flops_per_token(run.dims, spec.data.seq_len,
+                                                 dynamics=spec.model.dynamics.enabled))
+        self.interval = _Interval(device)
+        # Each rank's time inside collectives, to tell its compute from its wait (rank_timing).
+        self.clock = WaitClock(device)
+        time_fsdp_collectives(run.parallel.module, self.clock)
+        self.computed = 0.0  # this process's seconds of compute so far (a counter for the operator)
+        self._step_started = self._waited_before = self._fetch_started = self._data_wait = 0.0
+
+    def begin_step(self) -> None:
+        """Start the step's clock (and, at the first step, the interval's)."""
+        self.interval.begin_step()
+        self._step_started, self._waited_before = time.perf_counter(), self.clock.seconds
+
+    def fetch(self, data: TokenDataset) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every micro-batch of the step; the wait is what the data pipeline costs."""
+        self._fetch_started = time.perf_counter()
+        batches = [next(data) for _ in range(self.accumulation)]
+        self._data_wait = time.perf_counter() - self._fetch_started
+        return batches
+
+    def end_step(self) -> float:
+        """Add the step to the interval; its host seconds from the fetch on."""
+        self.interval.add(self._data_wait, self.global_tokens,
+                          busy=time.perf_counter() - self._step_started,
+                          waited=self.clock.seconds - self._waited_before)
+        return time.perf_counter() - self._fetch_started
 
 
 class _Interval:
