@@ -33,6 +33,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "trainer": ("torch", "boto3", "tokenizers", "safetensors", "tqdm", "numpy", "blake3",
                 "prometheus_client"),
     "report": ("plotly",),
+    "cluster": ("kubernetes",),
     "own-code": ("boto3", "blake3"),
 }
 
@@ -45,6 +46,7 @@ COMMANDS: dict[str, Command] = {
     "generate": Command("kubetrain.trainer.generate", "sample text from a checkpoint", "trainer"),
     "report": Command("kubetrain.local.report", "write a run's charts as one HTML page",
                       "report"),
+    "logs": Command("kubetrain.logs", "print a job's worker logs, across restarts", "cluster"),
     "operator": Command("kubetrain.operator.command", "run the Kubernetes operator", "operator"),
     "crd": Command("kubetrain.api.crd", "print the TrainingJob CustomResourceDefinition"),
     "version": Command("kubetrain.version", "print the kubetrain version"),

@@ -10,7 +10,10 @@ generation on objects; optimistic concurrency (a stale resourceVersion is refuse
 TrainingJobs and the status subresources of Pods and Nodes; graceful deletion of pods
 bound to a node (deletionTimestamp and deletionGracePeriodSeconds are set and the pod
 stays until its kubelet deletes it with grace 0, uid precondition honoured), immediate
-deletion of the others; list and watch, with equality-based label selectors.
+deletion of the others; list and watch, with equality-based label selectors; a pod's
+log (`GET pods/{name}/log`, with follow, sinceSeconds, sinceTime, tailLines, limitBytes
+and timestamps), proxied to the kubelet that runs the pod as the API server proxies it:
+here, the node agent registered in `kubelets` (tests/cluster/pod_logs.py).
 
 Stand-in, not shown by any test here: the garbage collector. `_collect_garbage` deletes
 an object whose ownerReference points at an object that is gone, as
@@ -44,6 +47,7 @@ import kmock
 import yaml
 from kubernetes import client
 from kubernetes import config as kube_config
+from pod_logs import ContainerLog, LogQuery, LogQueryError, render, select
 
 from kubetrain.operator.handlers import USER_AGENT
 
@@ -51,6 +55,11 @@ JOBS = "kubetrain.io/v1alpha1/trainingjobs"
 PODS = "v1/pods"
 # The grace period of a pod deleted without one, as the API server's default.
 DEFAULT_GRACE_SECONDS = 30
+# How often a followed log is read again for new lines.
+LOG_FOLLOW_SECONDS = 0.1
+# A kubelet as the API server reaches it for a pod's log: (namespace, name, uid) → the
+# log of that pod's container, or None when it does not run that pod (or not yet).
+Kubelet = Callable[[str, str, str], ContainerLog | None]
 
 # `Emulator` replaces two of kmock's private lookups, found by their name-mangled names
 # (`_KubernetesEmulator__get_objs`, `__check`). Python calls a replacement only while kmock's
@@ -80,12 +89,17 @@ class Emulator(kmock.KubernetesEmulator):
         super().__init__()
         self._same_resource: dict[tuple[Any, Any], bool] = {}
         self.served: list[kmock.Request] = []  # routed requests, oldest first
+        self.kubelets: list[Kubelet] = []  # asked in turn for a pod's log
 
     def requests(self) -> list[kmock.Request]:
         """Every request so far: the routed ones, then those not routed yet."""
         return [*self.served, *self._requests]
 
     async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource == PODS and request.subresource == "log" and request.name \
+                and request.method == kmock.method.GET:
+            self._retire(request)
+            return await self._serve_log(request)
         if request.action == kmock.action.DELETE and request.resource == PODS and request.name:
             marked = await self._delete_pod_gracefully(request)
             if marked is not None:
@@ -145,6 +159,80 @@ class Emulator(kmock.KubernetesEmulator):
                 await self._buses[request.resource].put({"type": "MODIFIED",
                                                          "object": stored.raw})
             return dict(stored.raw)
+
+    async def _serve_log(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """`GET pods/{name}/log`: the pod's container log from its kubelet, as text.
+
+        Refused as the API server refuses: 404 for no such pod, 400 for another container's
+        name, a previous container (restartPolicy Never has none), bad options, or a
+        container not started yet. With follow, the answer stays open and carries each new
+        line until the container has ended or this incarnation of the pod is gone.
+        """
+        stored = self._stored(request)
+        if stored is None or stored.deleted:
+            raise kmock.KubernetesError(status=404, reason="NotFound",
+                                        message=f'pods "{request.name}" not found')
+        pod = stored.raw
+        uid = pod.get("metadata", {}).get("uid", "")
+        containers = [c["name"] for c in pod.get("spec", {}).get("containers", [])]
+        container = request.params.get("container") or (containers[:1] or [""])[0]
+        if container not in containers:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message=(
+                f"container {container} is not valid for pod {request.name}"))
+        if request.params.get("previous", "false").lower() in ("true", "1"):
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message=(
+                f'previous terminated container "{container}" in pod "{request.name}" '
+                "not found"))
+        try:
+            query = LogQuery.parse(request.params)
+        except LogQueryError as error:
+            raise kmock.KubernetesError(status=400, reason="BadRequest",
+                                        message=str(error)) from None
+        log = next((found for kubelet in self.kubelets
+                    if (found := kubelet(request.namespace or "", request.name, uid))), None)
+        if log is None:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message=(
+                f'container "{container}" in pod "{request.name}" is waiting to start: '
+                "ContainerCreating"))
+        lines = log.lines()
+        chosen = select(lines, query)
+        if not query.follow:
+            body = b"".join(render(line, query) for line in chosen)
+            if query.limit_bytes is not None:
+                body = body[:query.limit_bytes]
+            return aiohttp.web.Response(body=body, content_type="text/plain")
+        assert request._raw_request is not None  # served over HTTP
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request._raw_request)
+        sent, seen = 0, len(lines)
+        for line in chosen:
+            sent += await self._send_line(response, render(line, query), query, sent)
+        while query.limit_bytes is None or sent < query.limit_bytes:
+            ended = log.finished or self._gone(request, uid)
+            lines = log.lines()
+            for line in lines[seen:]:
+                sent += await self._send_line(response, render(line, query), query, sent)
+            seen = len(lines)
+            if ended:
+                break
+            await asyncio.sleep(LOG_FOLLOW_SECONDS)
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _send_line(response: aiohttp.web.StreamResponse, data: bytes, query: LogQuery,
+                         sent: int) -> int:
+        if query.limit_bytes is not None:
+            data = data[:max(0, query.limit_bytes - sent)]
+        if data:
+            await response.write(data)
+        return len(data)
+
+    def _gone(self, request: kmock.Request, uid: str) -> bool:
+        """Whether the pod of `uid` is no longer in the API (its name may be reused)."""
+        stored = self._stored(request)
+        return (stored is None or stored.deleted
+                or stored.raw.get("metadata", {}).get("uid") != uid)
 
     def _retire(self, request: kmock.Request) -> None:
         """Move a routed request out of kmock's history into `served` (once).

@@ -19,13 +19,16 @@ What it does as a kubelet does, in four rooms:
   termination log bind-mounted, its own network namespace and IP on a CNI bridge (see
   `pod_network`), its hostname, and names from cluster DNS (tests/cluster/cluster_dns.py)
   on the pod network's gateway; restartPolicy Never is the only policy it runs;
+- pod_logs.py: each container's output kept as the kubelet keeps it, every line stamped
+  when read (`container_log`), for the API server to serve `pods/{name}/log` from
+  (tests/cluster/emulator.py's `kubelets`), following as kubectl does;
 - on graceful deletion sends SIGTERM to the container's main process, SIGKILL to
   all its processes at deletionTimestamp (the grace period), writes the final
   status, then deletes the pod with grace 0 (uid precondition) to free its name.
 
 What it does not: only the first container runs; no init containers, probes,
 hostPath/PVC volumes, no projected (service-account token) volume, no ConfigMap
-updates after start, no `kubectl logs`/`exec` (the output is in
+updates after start, no `kubectl exec` (the raw output is also in
 `<workdir>/pods/<uid>/log`), no kube-proxy, no CPU shares from requests.
 
 Pods are found by listing every 0.5 s rather than by a watch: one small list per
@@ -64,6 +67,7 @@ from pod_config import (
     references,
     resolve,
 )
+from pod_logs import ContainerLog
 from pod_network import PodNetwork
 from pod_status import PodStatusWriter, api_now
 
@@ -88,6 +92,7 @@ class RunningPod:
     hostnames: list[str]
     started_at: str
     container: Container | None = None  # None until the runtime started it
+    log: ContainerLog | None = None  # the container's output as stamped lines, once started
     term_sent: bool = False
     exit_code: int | None = None
     finished_at: str | None = None
@@ -207,6 +212,16 @@ class NodeAgent:
                     return pod
         raise KeyError(f"pod {namespace}/{name} is not running on this agent")
 
+    def container_log(self, namespace: str, name: str, uid: str) -> ContainerLog | None:
+        """The log of pod `namespace/name`'s container in its incarnation `uid`, while this
+        agent has the pod and its container started; else None. What the API server asks
+        a kubelet for `pods/{name}/log` (tests/cluster/emulator.py)."""
+        with self._lock:
+            pod = self.running.get(uid)
+        if pod is None or (pod.namespace, pod.name) != (namespace, name):
+            return None
+        return pod.log
+
     def logs(self, lines: int = 40) -> str:
         """The last lines of every pod's output, newest pods last (for failure messages)."""
         out = []
@@ -240,10 +255,14 @@ class NodeAgent:
                         self._start(pod)
                     continue
                 self._check(running, pod)
+                if running.log is not None:
+                    running.log.collect()  # each line stamped when read, as a runtime does
             # Pods gone from the API (force-deleted) or whose node was lost: stop and forget.
             for uid, running in list(self.running.items()):
                 if uid not in mine:
                     self._kill(running)
+                    if running.log is not None:
+                        running.log.finish()  # a follower's answer ends with the pod
                     self._teardown(running)
                     del self.running[uid]
 
@@ -254,6 +273,8 @@ class NodeAgent:
             running.exit_code = code
             running.finished_at = api_now()
             self._kill(running)  # stray children die with the container
+        if running.exit_code is not None and running.log is not None:
+            running.log.finish()
         deleting = pod.metadata.deletion_timestamp
         if deleting is not None and running.exit_code is None:
             if not running.term_sent:
@@ -319,6 +340,7 @@ class NodeAgent:
             self.network.remove_pod(netns, ip)
             self.status.waiting(pod, "CreateContainerError", str(error))
             return
+        running.log = ContainerLog(folder / "log")
         self.running[meta.uid] = running
         self.status.running(pod, ip, running.started_at)
         log.info("pod %s/%s started on %s at %s (container %s)", meta.namespace, meta.name,

@@ -13,10 +13,10 @@ containerd and runc: torchrun as PID 1, the trainer as uid 1000, memory and CPU 
 cgroup limits, each pod on a CNI bridge with its own IP, names from cluster DNS.
 
 What a scenario does with it (`Cluster`): what a user does through the API (apply, patch,
-scale, `kubectl get tj`'s columns, delete), waits with a deadline that say what was
-awaited and show the cluster when they fail, rank 0's log lines, and faults from outside
-the processes: kill -9 of a trainer or a whole container, SIGSTOP/SIGCONT of a trainer, a
-CPU quota on a pod's cgroup (`throttle`), a lost node (`agent.lose_node`).
+scale, `kubectl get tj`'s columns, `kubetrain logs`, delete), waits with a deadline that
+say what was awaited and show the cluster when they fail, rank 0's log lines, and faults
+from outside the processes: kill -9 of a trainer or a whole container, SIGSTOP/SIGCONT of
+a trainer, a CPU quota on a pod's cgroup (`throttle`), a lost node (`agent.lose_node`).
 
 What it does not: start the API server or its controllers (the caller's, so a test session
 can share one), pull images (they are built from this tree and imported), reach anything
@@ -290,6 +290,15 @@ class Cluster:
             if container is not None and container.running:
                 container.set_cpu_limit(container.spec.cpu_limit)
 
+    def kubetrain_logs(self, *args: str, output: Path) -> subprocess.Popen[bytes]:
+        """`kubetrain logs ARGS` against this cluster's API, as a user runs it, printing
+        into `output` (its errors into `output`.err). The pods' logs come from the node
+        agent, which the API server asks as it asks a kubelet."""
+        with output.open("wb") as out, output.with_suffix(".err").open("wb") as err:
+            return subprocess.Popen(
+                [sys.executable, "-m", "kubetrain", "logs", *args, "-n", NAMESPACE,
+                 "--kubeconfig", str(self.api.kubeconfig)], stdout=out, stderr=err)
+
     def delete(self, name: str) -> None:
         """Delete the job and wait for its pods to go (garbage collection, then the agent)."""
         with contextlib.suppress(client.ApiException):
@@ -370,6 +379,8 @@ def whole_loop(api: EmulatedCluster, folder: Path,
                           image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                                      "TOKENIZERS_PARALLELISM": "false"})
         with agent:
+            # The API server reads pods' logs from their kubelet: here, the node agent.
+            api.emulator.kubelets.append(agent.container_log)
             # Bound on the pod network's gateway: the pods reach it there, and so does the host.
             server = ThreadedMotoServer(ip_address=agent.network.gateway, port=0, verbose=False)
             server.start()
@@ -392,6 +403,7 @@ def whole_loop(api: EmulatedCluster, folder: Path,
                     yield Cluster(api, agent, operator, s3, folder)
             finally:
                 server.stop()
+                api.emulator.kubelets.remove(agent.container_log)
     finally:
         runtime.stop()
 

@@ -34,6 +34,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,6 +213,45 @@ def test_killed_worker_resumes_from_latest_checkpoint_and_ends_as_uninterrupted_
     print(f"largest weight difference from the uninterrupted run: {max(differences.values())}")
     for key in ours:
         torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=1e-6)
+    cluster.delete(name)
+
+
+def test_kubetrain_logs_follows_worker_0_through_a_container_kill_to_the_end(
+        cluster: Cluster) -> None:
+    name = "logs"
+    worker = f"{name}-worker-0"
+    cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": 40}))
+    _wait_for_printed_step(cluster, name, EVERY + 2)
+    output = cluster.folder / f"{name}.log"
+    follower = cluster.kubetrain_logs(name, "--worker", "0", "--follow", output=output)
+    cluster.wait_for("kubetrain logs to print worker 0's first lines",
+                     lambda: output.read_text().count("\n") >= 3, 60, every=0.2)
+    # kill -9 of worker 0's container (torchrun and the trainer): the rendezvous host is
+    # gone, so the operator recreates the whole group in a new restart attempt.
+    cluster.kill_container(worker)
+    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+    try:
+        follower.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        follower.kill()
+        raise AssertionError(f"kubetrain logs --follow did not end with the job\n"
+                             f"{output.with_suffix('.err').read_text()}\n{cluster.report()}"
+                             ) from None
+    out, err = output.read_text(), output.with_suffix(".err").read_text()
+    assert follower.returncode == 0, err
+    marked = [re.fullmatch(rf"\[{worker} attempt (\d+)\] (.*)", line)
+              for line in out.splitlines()]
+    assert all(marked), out
+    attempts = [int(match.group(1)) for match in marked if match]
+    texts = [match.group(2) for match in marked if match]
+    print(f"kubetrain logs --follow: {len(texts)} lines of attempts {sorted(set(attempts))}")
+    # Every line worker 0 wrote, in both of its pods, once each and in order, marked with
+    # the attempt of the pod it came from.
+    assert texts == cluster.trainer_lines(name)
+    assert attempts == sorted(attempts) and attempts[0] == 0 and attempts[-1] >= 1
+    after = [text for attempt, text in zip(attempts, texts, strict=True) if attempt >= 1]
+    assert any(text.startswith("resumed from ") for text in after), after
+    assert "finished at step 40: max_steps" in after
     cluster.delete(name)
 
 
