@@ -66,7 +66,7 @@ from kubetrain.api.trainingjob import (
     TrainingJob,
     TrainingJobStatus,
 )
-from kubetrain.operator import lifecycle, nodes, observation, restarts
+from kubetrain.operator import kstatus, lifecycle, nodes, observation, restarts
 from kubetrain.operator.actions import (
     Action,
     CountFailure,
@@ -258,6 +258,7 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
         else:
             lifecycle.clean_up(decision)
 
+    kstatus.summarize(status, now)  # Ready, Reconciling, Stalled: from the phase just decided
     return _with_status(decision.actions, previous, status)
 
 
@@ -277,6 +278,7 @@ def reject(job_status: dict[str, Any] | None, generation: int | None, message: s
             last_transition_time=now)]
         actions.append(RecordEvent("Warning", INVALID_SPEC, message))
     status.observed_generation = generation
+    kstatus.summarize(status, now)
     return _with_status(actions, previous, status)
 
 

@@ -1,6 +1,7 @@
-"""The Argo CD health check (charts/kubetrain/argocd/trainingjob-health.lua) run by a real
-Lua 5.1 interpreter (lupa; Argo CD's gopher-lua is Lua 5.1) on every TrainingJob status
-the real operator wrote in its integration scenarios, and the copies the docs carry.
+"""What GitOps tools make of every TrainingJob status the real operator wrote: Argo CD's
+health check (charts/kubetrain/argocd/trainingjob-health.lua) run by a real Lua 5.1
+interpreter (lupa; Argo CD's gopher-lua is Lua 5.1), with the copies the docs carry, and
+kstatus's rules (Flux), as test_kstatus.py writes them.
 
 The statuses are not written by hand: the operator (kopf, in a thread) drives the
 harness's scenarios against kmock's emulator, which keeps every version of every object;
@@ -22,6 +23,7 @@ from lupa import lua51
 sys.path.insert(0, str(Path(__file__).parent))
 import harness
 from harness import EmulatedCluster, Kube, running_operator
+from test_kstatus import EXPECTED, kstatus_status
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "charts" / "kubetrain" / "argocd" / "trainingjob-health.lua"
@@ -158,3 +160,22 @@ def test_the_docs_argocd_cm_snippet_is_the_script(document: str) -> None:
                 and block["metadata"]["name"] == "argocd-cm"]
     assert len(snippets) == 1, f"{document} has {len(snippets)} argocd-cm snippets"
     assert snippets[0]["data"][ARGOCD_KEY] == SCRIPT.read_text()
+
+
+def test_kstatus_reads_every_status_the_operator_wrote_as_its_phase_means(
+        written: list[dict[str, Any]]) -> None:
+    seen: dict[str, set[str]] = {}
+    for job in written:
+        if not job.get("status"):
+            continue  # before the operator's first write: kstatus sees no conditions yet
+        phase = job["status"].get("phase")
+        status, message = kstatus_status(job)
+        if not _current(job):
+            assert status == "InProgress", job["status"]
+            continue
+        assert status == EXPECTED[phase], (phase, status, job["status"])
+        seen.setdefault(phase, set()).add(status)
+        if phase == "Failed":  # what `flux get` and the Kustomization's event say
+            failed = _true(job, "Failed")
+            assert failed is not None and message == failed["message"]
+    assert set(seen) == set(HEALTH), seen
