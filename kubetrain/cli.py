@@ -29,7 +29,7 @@ class Command(NamedTuple):
 # The top-level modules each extra installs, as the code imports them; a test checks
 # them against pyproject.toml's extras.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "operator": ("kopf", "kubernetes", "prometheus_client"),
+    "operator": ("kopf", "kubernetes", "prometheus_client", "aiohttp", "cryptography"),
     "trainer": ("torch", "boto3", "tokenizers", "safetensors", "tqdm", "numpy", "blake3",
                 "prometheus_client"),
     "report": ("plotly",),
