@@ -5,6 +5,7 @@ ETA come out as a `Report`, and every bad request gets its 4xx with the reason."
 from __future__ import annotations
 
 import http.client
+import importlib
 import json
 import os
 import ssl
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import requests
+from host_tools import unavailable
 
 from kubetrain.operator.status_certificates import CertificateAuthority
 from kubetrain.operator.status_endpoint import (
@@ -152,9 +154,12 @@ def test_a_requests_session_post_as_the_kubeflow_sdk_makes_it_is_accepted(
 def test_kubeflow_sdk_update_trainjob_status_where_the_sdk_is_installed(
         endpoint: Endpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # PyPI's kubeflow 0.5 pins kubernetes < 36, which the operator's own >= 37 excludes, so
-    # it is not in the dev extra: this runs where it is importable (PYTHONPATH to a
-    # --no-deps install), and requests_session_post above posts as it does.
-    utils = pytest.importorskip("kubeflow.trainer.backends.kubernetes.utils")
+    # it is not in the dev extra: `make test` installs it with --no-deps beside the venv.
+    sdk = Path(__file__).resolve().parents[2] / ".venv" / "kubeflow-sdk"
+    if not (sdk / ".installed").exists():
+        unavailable(f"kubeflow's SDK is not in {sdk}: `make test` puts it there")
+    monkeypatch.syspath_prepend(str(sdk))
+    utils = importlib.import_module("kubeflow.trainer.backends.kubernetes.utils")
     token_file = tmp_path / "token"
     token_file.write_text(endpoint.reports.admit("team-a", "sdk", "uid-3"))
     monkeypatch.setenv(ENV_SERVER_URL, endpoint.url("team-a", "sdk"))
