@@ -13,6 +13,11 @@ from CORPUS (a path or URI, or `python-stdlib` for the standard library's own
 source) on its first run, as `kubetrain prepare` would; examples/quickstart.yaml
 does this.
 
+A job with its own code (spec.trainer) runs the same way: each simulated node runs
+kubetrain's own-code entry around torchrun and your command, so checkpoints your code marks
+complete are uploaded to spec.checkpoint.uri and restored before every attempt, and reports
+through kubetrain.sdk or transformers' KubeflowCallback drive the progress bar.
+
 Ctrl-C saves a checkpoint and stops; the same command again resumes from it.
 `--dry-run` shows what would run here next to the Pod the operator would create.
 """
@@ -60,15 +65,11 @@ def run(args: argparse.Namespace) -> int:
     except (InvalidManifest, OSError) as error:
         print(f"kubetrain run: {error}", file=sys.stderr)
         return 2
-    if job.spec.own_code:
-        print(f"kubetrain run: {job.metadata.name} runs its own code (spec.trainer), which "
-              "`kubetrain run` does not run yet (docs/own-code.md says what is wired so far)",
-              file=sys.stderr)
-        return 2
     workspace = Workspace.of(job)
     local_job = workspace.localize(job)
     if args.dry_run:
-        print(dry_run(job, local_job, workspace))
+        print(own_code_dry_run(job, local_job, workspace) if job.spec.own_code
+              else dry_run(job, local_job, workspace))
         return 0
 
     from kubetrain.local.runner import LocalRun, RunOptions
@@ -78,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubetrain run: {job.metadata.name} is suspended (spec.runPolicy.suspend: true): "
               "set it to false to run it", file=sys.stderr)
         return 1
+    options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
+    if job.spec.own_code:
+        print(_own_code_plan(local_job, workspace), file=sys.stderr)
+        return LocalRun(local_job, workspace, options).run()
     if _port_in_use(job.spec.metrics.port):
         print(f"kubetrain run: spec.metrics.port {job.spec.metrics.port} is already in use on "
               "this machine (another run?): stop it or choose another port", file=sys.stderr)
@@ -91,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"prepared {local_job.spec.data.train} from {source} "
               f"(the {PREPARE_FROM_ANNOTATION} annotation)", file=sys.stderr)
     print(_plan(local_job, workspace), file=sys.stderr)
-    options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
     return LocalRun(local_job, workspace, options).run()
 
 
@@ -124,6 +128,45 @@ def _plan(job: TrainingJob, workspace: Workspace) -> str:
             f"{_length(job)}; "
             f"data {job.spec.data.train}, checkpoints {job.spec.checkpoint.uri}, "
             f"metrics http://127.0.0.1:{job.spec.metrics.port}/metrics, logs {workspace.logs}/")
+
+
+def _own_code_plan(job: TrainingJob, workspace: Workspace) -> str:
+    workers = job.spec.workers
+    assert job.spec.trainer is not None
+    nodes = "node" if workers.replicas == 1 else "nodes"
+    processes = "process" if workers.procs_per_worker == 1 else "processes"
+    return (f"{job.metadata.name}: {workers.replicas} simulated {nodes} x "
+            f"{workers.procs_per_worker} {processes} of your code "
+            f"({shlex.join([*job.spec.trainer.command, *job.spec.trainer.args])}); "
+            f"checkpoints {job.spec.checkpoint.uri}, logs {workspace.logs}/")
+
+
+def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> str:
+    """What `kubetrain run` would start here for an own-code job, and the worker container
+    the operator would run instead (kubetrain.operator.own_code_launch)."""
+    import yaml
+
+    from kubetrain.local.launch import own_code_launch
+    from kubetrain.local.own_code import node_checkpoint_dir
+    from kubetrain.operator.own_code_launch import own_code_launch as pod_launch
+
+    rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")
+    reporter = {"KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:<port>/status",
+                "KUBEFLOW_TRAINER_SERVER_TOKEN": str(workspace.root / "status-token")}
+    lines = [f"# {job.metadata.name}: your code here (kubetrain run) and on Kubernetes",
+             "# here: each node's checkpoint folder is emptied at every attempt, which "
+             "restores the newest commit of spec.checkpoint.uri first, as a new pod does; "
+             "rendezvous port 0 = a free port per attempt"]
+    for index in range(job.spec.workers.replicas):
+        launch = own_code_launch(local_job, workspace.manifest, index, rendezvous,
+                                 node_checkpoint_dir(workspace, index), reporter)
+        lines.append(f"\n# simulated node {index} (output: {workspace.worker_log(index)})")
+        lines.append(_shell_lines(launch.env, launch.argv))
+    container = pod_launch(job)
+    lines.append(f"\n# on Kubernetes: {job.spec.workers.replicas} worker Pods, each running")
+    lines.append(yaml.safe_dump({"image": container.image, "command": container.command,
+                                 "env": container.env}, sort_keys=False).rstrip())
+    return "\n".join(lines)
 
 
 def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> str:

@@ -6,6 +6,12 @@ agent (`python -m torch.distributed.run`) with the settings of worker pod `i`
 loopback, the group never grows past `replicas`, and the trainer reads the run
 folder's copy of the manifest. Pure: the runner starts what `agent_launch`
 describes, and `--dry-run` prints the same thing.
+
+An own-code job (spec.trainer) runs as its worker pods do
+(kubetrain.operator.own_code_launch): `python -m kubetrain.trainer.own_code`, which restores
+the newest checkpoint into the node's own KUBETRAIN_CHECKPOINT_DIR and uploads the folders
+the code marks complete, around the same torchrun agent running the user's command
+(`own_code_launch`).
 """
 
 from __future__ import annotations
@@ -14,10 +20,13 @@ import os
 import random
 import socket
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.api.trainingjob import EnvVar, TrainingJob
+from kubetrain.sdk.batch import OUT_OF_MEMORY_RESTARTS_ENV
+from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV
 
 RENDEZVOUS_HOST = "127.0.0.1"
 
@@ -86,8 +95,25 @@ def agent_launch(
     job: TrainingJob, manifest: Path, metrics_log: Path, index: int, rendezvous: Rendezvous
 ) -> AgentLaunch:
     """The torchrun agent of simulated node `index` for one attempt of the group."""
-    workers = job.spec.workers
     argv = [
+        *_torchrun(job, rendezvous),
+        "-m", "kubetrain.trainer", str(manifest),
+        "--metrics-log", str(metrics_log),
+    ]
+    env = {
+        # Literal variables of the pod template apply locally too; valueFrom ones
+        # (Secrets) come from the user's own environment instead.
+        **_literal_env(job.spec.workers.template.env),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(job))),
+        "PYTHONUNBUFFERED": "1",
+    }
+    return AgentLaunch(index, argv, env)
+
+
+def _torchrun(job: TrainingJob, rendezvous: Rendezvous) -> list[str]:
+    """torchrun's agent with the options of a worker pod, up to the program it runs."""
+    workers = job.spec.workers
+    return [
         sys.executable, "-m", "torch.distributed.run",
         # At most `replicas` nodes ever start here, so the rendezvous closes as soon as they
         # have all joined instead of waiting for maxReplicas that will never come.
@@ -99,14 +125,45 @@ def agent_launch(
         # The runner owns restarts: a failed process ends the agent, and the runner
         # restarts the whole group under spec.runPolicy, counting each restart once.
         "--max-restarts", "0",
-        "-m", "kubetrain.trainer", str(manifest),
-        "--metrics-log", str(metrics_log),
+    ]
+
+
+def _literal_env(variables: Iterable[EnvVar]) -> dict[str, str]:
+    return {var.name: var.value for var in variables if var.value is not None}
+
+
+# Seconds torchrun gives own code's processes to save after SIGTERM, and the entry then
+# uploads the last checkpoint: together within the runner's grace for a stopping group.
+OWN_CODE_SHUTDOWN_SECONDS = 60
+OWN_CODE_FINAL_SYNC_SECONDS = 45
+# How often the entry uploads marked folders: a local run wants them up soon.
+OWN_CODE_SYNC_SECONDS = 2.0
+
+
+def own_code_launch(job: TrainingJob, manifest: Path, index: int, rendezvous: Rendezvous,
+                    checkpoint_dir: Path, reporter_env: dict[str, str],
+                    out_of_memory_restarts: int = 0) -> AgentLaunch:
+    """Simulated node `index` of an own-code job: kubetrain's entry around torchrun and the
+    user's command, with the node's own checkpoint folder (a pod's emptyDir) and the local
+    status endpoint's variables."""
+    trainer = job.spec.trainer
+    if trainer is None:
+        raise ValueError(f"{job.metadata.name} runs kubetrain's trainer: use agent_launch")
+    argv = [
+        sys.executable, "-m", "kubetrain.trainer.own_code",
+        "--sync-interval", f"{OWN_CODE_SYNC_SECONDS:g}", str(manifest), "--",
+        *_torchrun(job, rendezvous), *trainer.torchrun_arguments(),
     ]
     env = {
-        # Literal variables of the pod template apply locally too; valueFrom ones
-        # (Secrets) come from the user's own environment instead.
-        **{var.name: var.value for var in workers.template.env if var.value is not None},
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(job))),
         "PYTHONUNBUFFERED": "1",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(OWN_CODE_SHUTDOWN_SECONDS),
+        "KUBETRAIN_FINAL_SYNC_SECONDS": str(OWN_CODE_FINAL_SYNC_SECONDS),
+        CHECKPOINT_DIR_ENV: str(checkpoint_dir.resolve()),
+        OUT_OF_MEMORY_RESTARTS_ENV: str(out_of_memory_restarts),
+        **reporter_env,
+        # The user's own last, so that they win over ours, as in the pod.
+        **_literal_env(job.spec.workers.template.env),
+        **_literal_env(trainer.env),
     }
     return AgentLaunch(index, argv, env)

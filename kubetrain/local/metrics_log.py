@@ -6,13 +6,16 @@ trainer's contract). The local runner follows the file as it grows, like
 `tail -f`: `MetricsLogReader` returns only complete new lines, and `RunHistory`
 folds the events into the facts the progress bar, the restart policy and the
 final summary need. Unknown events and fields are ignored, so the trainer may
-log more without breaking the runner.
+log more without breaking the runner. For own code, which writes no such log, the runner
+itself appends the events (`append_event`): steps from the local status endpoint's
+reports, checkpoints from the commits under checkpoint.uri, resumes and failures.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,17 @@ class MetricsLogReader:
         complete = data.rfind(b"\n") + 1
         self.offset += complete
         return parse_lines(data[:complete].decode("utf-8", errors="replace"))
+
+
+_appending = threading.Lock()
+
+
+def append_event(path: Path, event: Event) -> None:
+    """Append `event` as one line; the runner's threads (the status endpoint's and its
+    own) take turns, so lines never interleave."""
+    line = json.dumps(event) + "\n"
+    with _appending, path.open("a") as log:
+        log.write(line)
 
 
 def parse_lines(text: str) -> list[Event]:

@@ -109,6 +109,8 @@ class Outcome:
     """The micro-batch of the first attempt and of each out-of-memory restart."""
     oom_recovery_seconds: list[float] = field(default_factory=list)
     """From each out-of-memory failure to the next training step."""
+    own_code: bool = False
+    """The job ran its own code (spec.trainer): its checkpoints are not kubetrain's to try."""
 
 
 def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri: str,
@@ -161,7 +163,7 @@ def summary(job_name: str, history: RunHistory, outcome: Outcome, checkpoint_uri
         exported = (history.finished or {}).get("export_format") or "Hugging Face Llama"
         row("exported model", f"{shown(str(export_uri))} ({exported}: {weights}"
             "safetensors, config, tokenizer)")
-    if outcome.succeeded and latest is not None:
+    if outcome.succeeded and latest is not None and not outcome.own_code:
         row("try it", f"kubetrain generate --checkpoint {checkpoint_uri} --prompt 'def '")
     elif not outcome.succeeded and latest is not None:
         row("continue", "run the same command again to resume from the latest checkpoint")

@@ -16,11 +16,18 @@ OOM-kill count in the run's memory cgroup (`kubetrain.local.memory`), or its exi
 code. Out of memory, the group restarts at once with half the micro-batch: the
 manifest the trainer reads carries it in status.effective, as the operator's
 ConfigMap does, and the summary says what changed and why.
+
+Own code (spec.trainer) runs under the same policy, as its pods do: each node runs
+kubetrain's own-code entry around torchrun and the user's command, progress comes from the
+code's reports to a status endpoint served here (kubetrain.local.status_endpoint), and
+checkpoints from the commits the entry uploads (kubetrain.local.own_code); every attempt
+resumes from the newest commit. The runner cannot halve a script's micro-batch: an
+out-of-memory failure counts as a restart and reaches the code as
+KUBETRAIN_OUT_OF_MEMORY_RESTARTS, which kubetrain.sdk.micro_batch_size halves by.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -31,10 +38,11 @@ from pathlib import Path
 from types import FrameType
 
 from kubetrain.api.trainingjob import TrainingJob, TrainingJobStatus
-from kubetrain.local.launch import Rendezvous, agent_launch, free_port
+from kubetrain.local.launch import AgentLaunch, Rendezvous, agent_launch, free_port, own_code_launch
 from kubetrain.local.memory import oom_kills
-from kubetrain.local.metrics_log import MetricsLogReader, RunHistory
+from kubetrain.local.metrics_log import Event, MetricsLogReader, RunHistory, append_event
 from kubetrain.local.node import Node
+from kubetrain.local.own_code import CommittedCheckpoints, fresh_node_dirs
 from kubetrain.local.policy import (
     GroupFailure,
     ProgressClock,
@@ -44,6 +52,7 @@ from kubetrain.local.policy import (
 )
 from kubetrain.local.progress import Outcome, ProgressDisplay, summary
 from kubetrain.local.report import write_after_run
+from kubetrain.local.status_endpoint import LocalStatusEndpoint
 from kubetrain.local.workspace import Workspace
 from kubetrain.protocol import TRAINER_CLASSES
 
@@ -104,8 +113,14 @@ class LocalRun:
         for event in self.reader.read_new():  # earlier runs of the same job
             self.history.apply(event)
         self.checkpoints_before = len(self.history.checkpoints)
+        own_code = self.job.spec.own_code
         self.display = ProgressDisplay(self.job.spec.optimization.max_steps
-                                       if self.job.spec.optimization.epochs is None else None)
+                                       if self.job.spec.optimization.epochs is None
+                                       and not own_code else None)
+        # Own code: its commits under checkpoint.uri, and its reports' endpoint while it runs.
+        self.commits = CommittedCheckpoints(self.job) if own_code else None
+        self.endpoint: LocalStatusEndpoint | None = None
+        self.out_of_memory_failures = 0
         self.pending_kills = sorted(set(self.options.kill_at_steps))
         self.restarts: list[str] = []
         # The micro-batch of each attempt that changed it (out of memory), the spec's first.
@@ -120,46 +135,58 @@ class LocalRun:
         """Run the group until the job finishes, fails or is stopped; print the summary."""
         manifest = self.workspace.write_manifest(self.job)
         failures: list[GroupFailure] = []
-        with self._signals_forwarded():
-            attempt = 0
-            while True:
-                result = self._run_group(manifest, attempt)
-                if result.finished:
-                    return self._finish(True, self._finished_reason(), EXIT_SUCCEEDED)
-                if result.stop is not None:
-                    return self._finish(False, result.stop.reason, result.stop.exit_code)
-                assert result.failure is not None
-                self._log_failure(result.failure)
-                if is_out_of_memory(self.job.spec.run_policy, result.failure):
-                    if not self._halve_micro_batch(result.failure):
-                        return self._finish(False, self.restarts.pop(), EXIT_FAILED)
-                    manifest = self.workspace.write_manifest(self.job)
-                    attempt += 1
-                    continue
-                failures.append(result.failure)
-                decision = after_failure(self.job.spec.run_policy, failures)
-                if not decision.restart:
-                    return self._finish(False, decision.reason, EXIT_FAILED)
-                self.restarts.append(decision.reason)
-                max_restarts = self.job.spec.run_policy.max_restarts
-                self.display.say(f"{decision.reason}: restarting the group in "
-                                 f"{decision.delay:g}s (restart {len(failures)} of "
-                                 f"{max_restarts})")
-                if not self._sleep(decision.delay):
-                    return self._finish(False, "interrupted while waiting to restart",
-                                        EXIT_INTERRUPTED)
+        with ExitStack() as stack:
+            stack.enter_context(self._signals_forwarded())
+            if self.job.spec.own_code:
+                self.endpoint = stack.enter_context(LocalStatusEndpoint(
+                    self.workspace.root / "status-token", self._append))
+            return self._attempts(manifest, failures)
+
+    def _attempts(self, manifest: Path, failures: list[GroupFailure]) -> int:
+        """Run attempts of the group until one finishes, stops or fails for good."""
+        attempt = 0
+        while True:
+            result = self._run_group(manifest, attempt)
+            if result.finished:
+                return self._finish(True, self._finished_reason(), EXIT_SUCCEEDED)
+            if result.stop is not None:
+                return self._finish(False, result.stop.reason, result.stop.exit_code)
+            assert result.failure is not None
+            self._log_failure(result.failure)
+            if self.job.spec.own_code and is_out_of_memory(self.job.spec.run_policy,
+                                                           result.failure):
+                self.out_of_memory_failures += 1  # the code halves by it (sdk.batch)
+            elif is_out_of_memory(self.job.spec.run_policy, result.failure):
+                if not self._halve_micro_batch(result.failure):
+                    return self._finish(False, self.restarts.pop(), EXIT_FAILED)
+                manifest = self.workspace.write_manifest(self.job)
                 attempt += 1
+                continue
+            failures.append(result.failure)
+            decision = after_failure(self.job.spec.run_policy, failures)
+            if not decision.restart:
+                return self._finish(False, decision.reason, EXIT_FAILED)
+            self.restarts.append(decision.reason)
+            max_restarts = self.job.spec.run_policy.max_restarts
+            self.display.say(f"{decision.reason}: restarting the group in "
+                             f"{decision.delay:g}s (restart {len(failures)} of "
+                             f"{max_restarts})")
+            if not self._sleep(decision.delay):
+                return self._finish(False, "interrupted while waiting to restart",
+                                    EXIT_INTERRUPTED)
+            attempt += 1
 
     def _log_failure(self, failure: GroupFailure) -> None:
         """Add the failure, with its class, to the metrics log: the run report counts them.
 
         The group is stopped by now, so no trainer writes the log meanwhile.
         """
-        event = {"event": "failure", "class": failure.failure_class, "reason": failure.reason,
-                 "exit_code": failure.exit_code, "micro_batch_size": self.job.micro_batch_size,
-                 "time": time.time()}
-        with self.workspace.metrics_log.open("a") as log:
-            log.write(json.dumps(event) + "\n")
+        self._append({"event": "failure", "class": failure.failure_class,
+                      "reason": failure.reason, "exit_code": failure.exit_code,
+                      "micro_batch_size": self.job.micro_batch_size, "time": time.time()})
+
+    def _append(self, event: Event) -> None:
+        append_event(self.workspace.metrics_log, event)
 
     def _halve_micro_batch(self, failure: GroupFailure) -> bool:
         """Take the out-of-memory decision into self.job (status.effective); False: fail."""
@@ -187,6 +214,12 @@ class LocalRun:
         rendezvous = Rendezvous(free_port(), f"{self.job.metadata.name}-{os.getpid()}-{attempt}")
         launched_at = f"{time.time():.3f}"
         self.oom_kills_before = oom_kills()
+        node_dirs: list[Path] = []
+        if self.commits is not None:
+            resumed = self.commits.resumed()
+            if resumed is not None:
+                self._append(resumed)
+            node_dirs = fresh_node_dirs(self.workspace, self.job.spec.workers.replicas)
         with ExitStack() as logs:
             nodes = []
             for index in range(self.job.spec.workers.replicas):
@@ -194,8 +227,10 @@ class LocalRun:
                 log.write(f"\n=== kubetrain run: attempt {attempt}, launched at {launched_at}, "
                           f"rendezvous {rendezvous.endpoint} ===\n".encode())
                 log.flush()
-                launch = agent_launch(self.job, manifest, self.workspace.metrics_log, index,
-                                      rendezvous)
+                launch = (self._own_code_launch(manifest, index, rendezvous, node_dirs[index])
+                          if self.commits is not None else
+                          agent_launch(self.job, manifest, self.workspace.metrics_log, index,
+                                       rendezvous))
                 launch.env[ATTEMPT_STARTED_ENV] = launched_at
                 termination_log = self.workspace.logs / f"worker-{index}.termination-log"
                 termination_log.write_text("")  # fresh each attempt, as a new container's
@@ -216,6 +251,12 @@ class LocalRun:
             self._read_events()
             self.display.close()
         return result
+
+    def _own_code_launch(self, manifest: Path, index: int, rendezvous: Rendezvous,
+                         checkpoint_dir: Path) -> AgentLaunch:
+        assert self.endpoint is not None
+        return own_code_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
+                               self.endpoint.reporter_env(), self.out_of_memory_failures)
 
     def _watch(self, nodes: list[Node]) -> _Attempt:
         clock = ProgressClock(step=-1, since=time.monotonic())
@@ -249,6 +290,9 @@ class LocalRun:
     def _read_events(self, clock: ProgressClock | None = None,
                      nodes: list[Node] | None = None) -> None:
         """Show the new metrics-log events; kill the nodes --kill-worker-at-step names."""
+        if self.commits is not None:
+            for commit in self.commits.new(force=nodes is None):
+                self._append(commit)
         for event in self.reader.read_new():
             self.history.apply(event)
             self.display.show(event, self.history)
@@ -350,7 +394,7 @@ class LocalRun:
         self.display.close()
         outcome = Outcome(succeeded, reason, time.monotonic() - self.started, self.restarts,
                           self.checkpoints_before, self.micro_batches,
-                          self.oom_recovery_seconds)
+                          self.oom_recovery_seconds, own_code=self.job.spec.own_code)
         logs = f"{self.workspace.logs}/, {self.workspace.metrics_log}"
         print(summary(self.job.metadata.name, self.history, outcome, self.job.spec.checkpoint.uri,
                       logs), flush=True)

@@ -75,8 +75,15 @@ class Workspace:
 
     def localize(self, job: TrainingJob) -> TrainingJob:
         """The job with every relative model, data, checkpoint and teacher path resolved
-        under the run folder."""
+        under the run folder (own code has only the checkpoint's)."""
         model, data, checkpoint = job.spec.model, job.spec.data, job.spec.checkpoint
+        checkpoint = checkpoint.model_copy(update={
+            "uri": self.resolve(checkpoint.uri),
+            "resume_from": self._resolve_optional(checkpoint.resume_from),
+        })
+        if job.spec.own_code or data is None:
+            return job.model_copy(update={"spec": job.spec.model_copy(
+                update={"checkpoint": checkpoint})})
         optional = self._resolve_optional
         distillation = job.spec.distillation
         if distillation is not None:
@@ -90,10 +97,7 @@ class Workspace:
                 "validation": optional(data.validation),
                 "tokenizer": optional(data.tokenizer),
             }),
-            "checkpoint": checkpoint.model_copy(update={
-                "uri": self.resolve(checkpoint.uri),
-                "resume_from": optional(checkpoint.resume_from),
-            }),
+            "checkpoint": checkpoint,
         })
         return job.model_copy(update={"spec": spec})
 

@@ -10,6 +10,9 @@ command (kubetrain.operator.own_code_launch builds the line):
    KUBETRAIN_FINAL_SYNC_SECONDS), warns about folders never marked complete, and exits
    with COMMAND's exit status (128 + N when a signal N ended it).
 A failed restore exits 1 (retried by the job's restart policy) before anything starts.
+A program that does not exist (the script, or a --no-python program on no PATH) exits 127
+before anything starts, as a shell does: torchrun would end with 1 whatever its processes
+exited with, and 127 is one of runPolicy.permanentExitCodes, so the job fails at once.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +55,26 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+EXIT_COMMAND_NOT_FOUND = 127  # as a shell's; in DEFAULT_PERMANENT_EXIT_CODES
+
+
+def missing_program(torchrun_arguments: list[str]) -> str | None:
+    """What torchrun would fail to start in every process, given what follows kubetrain's
+    options on its command line (TrainerSpec.torchrun_arguments): the script (a path,
+    relative to the working directory) or the --no-python program, when it does not
+    exist; None when it does or cannot be told (a module: importing it to find out would
+    run its package's code; the user's own torchrun options: skipped, not parsed)."""
+    if not torchrun_arguments or torchrun_arguments[0] in ("-m", "--module"):
+        return None
+    if torchrun_arguments[0] == "--no-python":
+        program = torchrun_arguments[1]
+        return None if shutil.which(program) else program
+    if torchrun_arguments[0].startswith("-"):
+        return None
+    script = torchrun_arguments[0]
+    return None if Path(script).is_file() else script
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="kubetrain: %(message)s")
     args = _arguments(sys.argv[1:] if argv is None else argv)
@@ -60,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", error)
         return EXIT_INVALID_MANIFEST
     spec = job.spec
+    missing = (missing_program(spec.trainer.torchrun_arguments())
+               if spec.trainer is not None else None)
+    if missing is not None:
+        log.error("%s: no such file or program: check spec.trainer.command (exit %d: the "
+                  "job is not retried)", missing, EXIT_COMMAND_NOT_FOUND)
+        return EXIT_COMMAND_NOT_FOUND
     local_dir = Path(os.environ.get(CHECKPOINT_DIR_ENV) or DEFAULT_CHECKPOINT_DIR)
     local_dir.mkdir(parents=True, exist_ok=True)
     remote = open_storage(spec.checkpoint.uri, spec.storage)
@@ -70,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # storage unreachable, a commit naming a lost file
         log.error("could not restore the latest checkpoint from %s: %s", remote.uri, error)
         return 1
-    log.info("restored %s" if restored else "no checkpoint to restore: starting fresh",
-             restored)
+    if restored:
+        log.info("restored %s", restored)
+    else:
+        log.info("no checkpoint to restore: starting fresh")
 
     child = subprocess.Popen(args.command)
 

@@ -1,0 +1,169 @@
+"""The status endpoint of a local own-code run: progress reports become metrics-log events.
+
+On Kubernetes the operator serves Kubeflow Trainer's status endpoint
+(kubetrain.operator.status_endpoint) and own code's rank 0 POSTs `{"trainerStatus": {...}}`
+to it: kubetrain.sdk.report and transformers' KubeflowCallback, unchanged. `kubetrain run`
+serves the same URL contract on loopback for the run's own processes: the three
+KUBEFLOW_TRAINER_SERVER_* variables (`reporter_env`), a bearer token in a file only this
+user can read, and each report with a step appended to the run's metrics log as a `step`
+event (`current_step`, `total_steps`, `loss`, `learning_rate`, `current_epoch`,
+`tokens_per_second`), so the progress bar, hang detection and the summary read own code as
+they read kubetrain's trainer. Plain HTTP: nothing leaves this machine, and the reporters
+verify TLS only for an https URL. Bad input gets a 4xx with the reason, as the operator's;
+the schema is read leniently (a metric that is not a number is left out), because the
+strict reading lives with the operator's aiohttp server, which `kubetrain run` does not need.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from kubetrain.local.launch import RENDEZVOUS_HOST
+from kubetrain.local.metrics_log import Event
+
+MAX_BODY_BYTES = 64 * 1024
+STATUS_PATH = "/status"
+# The metrics a report's step event carries, by the metrics log's names.
+_METRICS = {"loss": "loss", "learning_rate": "lr", "current_epoch": "epoch",
+            "epoch": "epoch", "tokens_per_second": "tokens_per_second"}
+
+
+def _number(text: object) -> float | None:
+    try:
+        value = float(str(text))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _whole(text: object) -> int | None:
+    try:
+        value = int(str(text))
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def step_event(body: bytes, received_at: float) -> Event | None:
+    """The metrics-log `step` event a report body says; None for a report without a step
+    (transformers' first and last reports carry none). Raises ValueError with the reason
+    for a body that is not Kubeflow's `{"trainerStatus": {...}}`."""
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"the body is not JSON: {error}"[:300]) from None
+    if not isinstance(document, dict) or not isinstance(document.get("trainerStatus", {}), dict):
+        raise ValueError('the body must be a JSON object: {"trainerStatus": {...}}')
+    status = document.get("trainerStatus") or {}
+    items = status.get("metrics") or []
+    if not isinstance(items, list):
+        raise ValueError("trainerStatus.metrics must be a list of {name, value} objects")
+    metrics = {str(item.get("name")): item.get("value") for item in items
+               if isinstance(item, dict)}
+    step = _whole(metrics.get("current_step"))
+    if step is None:
+        return None
+    event: Event = {"event": "step", "step": step, "time": received_at}
+    total = _whole(metrics.get("total_steps"))
+    if total:
+        event["max_steps"] = total
+    for name, field in _METRICS.items():
+        value = _number(metrics[name]) if name in metrics else None
+        if value is not None:
+            event.setdefault(field, value)
+    remaining = status.get("estimatedRemainingSeconds")
+    if isinstance(remaining, int) and not isinstance(remaining, bool):
+        event["remaining_seconds"] = remaining
+    return event
+
+
+class LocalStatusEndpoint:
+    """An HTTP server on loopback taking one run's reports; a context manager."""
+
+    def __init__(self, token_file: Path, on_event: Callable[[Event], None]) -> None:
+        self.token = secrets.token_urlsafe(32)
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.touch(mode=0o600)
+        token_file.chmod(0o600)
+        token_file.write_text(self.token)
+        self.token_file = token_file
+        self.on_event = on_event
+        self.accepted = 0
+        self.refused = 0
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # http.server calls it by this name
+                status, reason = endpoint.handle(self.path, self.headers.get("Authorization"),
+                                                 self.headers.get("Content-Length"), self.rfile)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                payload = json.dumps({"status": "Success" if status == 200 else "Failure",
+                                      "message": reason}).encode()
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return  # the progress bar owns the terminal
+
+        self.server = ThreadingHTTPServer((RENDEZVOUS_HOST, 0), Handler)
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever,
+                                        name="status-endpoint", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{RENDEZVOUS_HOST}:{self.server.server_address[1]}{STATUS_PATH}"
+
+    def reporter_env(self) -> dict[str, str]:
+        """The variables the reporters read (no CA: the URL is plain HTTP on loopback)."""
+        return {"KUBEFLOW_TRAINER_SERVER_URL": self.url,
+                "KUBEFLOW_TRAINER_SERVER_TOKEN": str(self.token_file.resolve())}
+
+    def handle(self, path: str, authorization: str | None, length: str | None,
+               body: Any) -> tuple[int, str]:
+        """One request: its HTTP status and the reason."""
+        if path != STATUS_PATH:
+            return self._refuse(404, f"no status endpoint at {path}: POST to {STATUS_PATH}")
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme != "Bearer" or not token:
+            return self._refuse(401, "an Authorization: Bearer <token> header is required")
+        if not hmac.compare_digest(token.strip().encode(), self.token.encode()):
+            return self._refuse(403, "this token is not this run's")
+        size = _whole(length) if length is not None else None
+        if size is None:
+            return self._refuse(411, "a Content-Length is required")
+        if size > MAX_BODY_BYTES:
+            return self._refuse(413, f"the body has {size} bytes, at most {MAX_BODY_BYTES} "
+                                "are allowed")
+        try:
+            event = step_event(body.read(size), time.time())
+        except ValueError as error:
+            return self._refuse(400, str(error))
+        if event is not None:
+            self.on_event(event)
+        self.accepted += 1
+        return 200, "accepted"
+
+    def _refuse(self, status: int, reason: str) -> tuple[int, str]:
+        self.refused += 1
+        return status, reason
+
+    def __enter__(self) -> LocalStatusEndpoint:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join()
