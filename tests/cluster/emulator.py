@@ -473,6 +473,9 @@ def _declare_resources(emulator: Emulator) -> None:
                                                   if kind in ("Pod", "Node") else set())
     emulator.resources["coordination.k8s.io/v1/leases"] = info(
         kind="Lease", singular="lease", namespaced=True, verbs=verbs)
+    # The operator's status Service routes to the acting replica through one of these.
+    emulator.resources["discovery.k8s.io/v1/endpointslices"] = info(
+        kind="EndpointSlice", singular="endpointslice", namespaced=True, verbs=verbs)
 
 
 class EmulatedCluster:

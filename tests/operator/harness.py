@@ -33,6 +33,7 @@ from kubetrain.operator.config import OperatorConfig
 T = TypeVar("T")
 
 NAMESPACE = "default"
+STATUS_SERVICE = "kubetrain-status"
 
 
 @contextlib.contextmanager
@@ -40,6 +41,12 @@ def running_operator(cluster: EmulatedCluster, **options: Any) -> Iterator[Opera
     """`kubetrain operator --standalone` against the cluster, in a thread, until the block ends."""
     options.setdefault("standalone", True)
     options.setdefault("resync_seconds", 0.5)
+    # The status endpoint on a free loopback port, where the tests post as job pods would.
+    options.setdefault("status_port", 0)
+    options.setdefault("status_host", "127.0.0.1")
+    options.setdefault("status_namespace", NAMESPACE)
+    options.setdefault("status_service", STATUS_SERVICE)
+    options.setdefault("pod_ip", "127.0.0.1")
     config = OperatorConfig(metrics_port=free_port(), health_port=free_port(), **options)
     stop, ready = threading.Event(), threading.Event()
     with _kubeconfig_env(cluster.kubeconfig):

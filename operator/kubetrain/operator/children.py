@@ -213,11 +213,64 @@ def avoiding_affinity(affinity: dict[str, Any] | None,
     return merged
 
 
+_SHARED_MOUNTS = ({"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True},
+                  {"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _trainer_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """kubetrain's trainer under torchrun, and the volumes it needs besides the shared ones."""
+    spec = job.spec
+    container: dict[str, Any] = {
+        "name": TRAINER_CONTAINER,
+        "image": spec.image,
+        "command": ["torchrun", "-m", "kubetrain.trainer", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "env": [
+            *torchrun_env(job),
+            *placement_env(),
+            *credentials_env(job),
+            *(env.wire() for env in spec.workers.template.env),
+        ],
+        "ports": [
+            {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+            {"name": "metrics", "containerPort": spec.metrics.port},
+        ],
+        "resources": spec.workers.resources.wire(),
+        "volumeMounts": [dict(mount) for mount in _SHARED_MOUNTS],
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container, []
+
+
+def _own_code_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The user's command under the same launch (`kubetrain.operator.own_code_launch`)."""
+    # Imported here: own_code_launch builds on this module's launch (torchrun_env, ...).
+    from kubetrain.operator.own_code_launch import own_code_launch
+
+    effective = job.status.effective if job.status is not None else None
+    launch = own_code_launch(job, effective.out_of_memory_restarts if effective else 0)
+    container: dict[str, Any] = {
+        "name": TRAINER_CONTAINER,
+        "image": launch.image,
+        "command": launch.command,
+        "env": launch.env,
+        # No metrics port: progress comes through the status endpoint.
+        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
+        "resources": job.spec.workers.resources.wire(),
+        "volumeMounts": [*(dict(mount) for mount in _SHARED_MOUNTS), *launch.volume_mounts],
+    }
+    if job.spec.image_pull_policy:
+        container["imagePullPolicy"] = job.spec.image_pull_policy
+    return container, launch.volumes
+
+
 def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, Any]:
     """Worker pod `index` of the group, in its `restart_attempt`-th incarnation.
 
     Kept off the nodes in the job's status.avoidedNodes: reconcile passes the job with
-    the status it decided, expired entries already dropped.
+    the status it decided, expired entries already dropped. Its container runs kubetrain's
+    trainer, or for a job with spec.trainer the user's own code (`_own_code_container`);
+    the pod around it is the same.
     """
     spec = job.spec
     template = spec.workers.template
@@ -237,34 +290,16 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
     if annotations:
         metadata["annotations"] = annotations
 
-    container: dict[str, Any] = {
-        "name": TRAINER_CONTAINER,
-        "image": spec.image,
-        "command": ["torchrun", "-m", "kubetrain.trainer", f"{CONFIG_DIR}/{CONFIG_KEY}"],
-        "env": [
-            *torchrun_env(job),
-            *placement_env(),
-            *credentials_env(job),
-            *(env.wire() for env in template.env),
-        ],
-        "ports": [
-            {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
-            {"name": "metrics", "containerPort": spec.metrics.port},
-        ],
-        "resources": spec.workers.resources.wire(),
-        "volumeMounts": [
-            {"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            *template.volume_mounts,
-        ],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-        },
+    if spec.trainer is not None:
+        container, volumes = _own_code_container(job)
+    else:
+        container, volumes = _trainer_container(job)
+    container["volumeMounts"] += template.volume_mounts
+    container["securityContext"] = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
     }
-    if spec.image_pull_policy:
-        container["imagePullPolicy"] = spec.image_pull_policy
 
     pod_spec: dict[str, Any] = {
         "hostname": pod_name(name, index),
@@ -286,6 +321,7 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
             {"name": "job-config", "configMap": {"name": config_map_name(name)}},
             # NCCL and DataLoader workers share tensors through /dev/shm; the default is 64 MiB.
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *volumes,
             *template.volumes,
         ],
     }

@@ -5,6 +5,9 @@ their pods. Serves its Prometheus metrics on --metrics-port (/metrics) and a
 liveness probe on --health-port (/healthz). Several replicas elect a leader
 through the Lease `kubetrain-operator` in --lease-namespace: only the leader acts,
 the others keep watching and take over when it stops; --standalone skips that.
+Serves the status endpoint (HTTPS) on --status-port, where the pods of own-code jobs
+(spec.trainer) report their progress as to Kubeflow Trainer's; its CA and key live in
+the Secret kubetrain-status-endpoint of --status-namespace.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from kubetrain.operator.config import OperatorConfig
 
 # Allocations between collections of the youngest generation (Python's default: 700).
 GC_FIRST_GENERATION = 20_000
+
+DEFAULT_STATUS_PORT = 8443
+# The operator pod's IP (the chart sets it from the downward API): where the status
+# Service's EndpointSlice points while this replica acts.
+POD_IP_ENV = "KUBETRAIN_POD_IP"
 
 # The namespace a pod's service account belongs to: where an in-cluster operator keeps its Lease.
 _POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -50,6 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resync-seconds", type=float, default=10.0,
                         help="how often each job is re-checked and rank 0's metrics scraped "
                         "(default: 10)")
+    parser.add_argument("--status-port", type=int, default=DEFAULT_STATUS_PORT,
+                        help="port of the status endpoint (HTTPS) that own-code jobs' pods "
+                        f"report to (default: {DEFAULT_STATUS_PORT})")
+    parser.add_argument("--status-namespace", default=_default_lease_namespace(),
+                        help="namespace of the status endpoint's key Secret and Service "
+                        "(default: the pod's own namespace in a cluster, else default)")
+    parser.add_argument("--status-service", default="",
+                        help="the selector-less Service in --status-namespace that job pods "
+                        "dial: the acting replica points its EndpointSlice at its own pod IP "
+                        f"(${POD_IP_ENV})")
+    parser.add_argument("--status-host", default="",
+                        help="the host job pods dial instead (default: "
+                        "<status-service>.<status-namespace>.svc)")
     parser.add_argument("--verbose", action="store_true", help="log debug messages")
 
 
@@ -61,6 +82,11 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         lease_namespace=args.lease_namespace,
         metrics_port=args.metrics_port,
         health_port=args.health_port,
+        status_port=args.status_port,
+        status_host=args.status_host,
+        status_namespace=args.status_namespace,
+        status_service=args.status_service,
+        pod_ip=os.environ.get(POD_IP_ENV, ""),
     )
 
 
@@ -88,7 +114,13 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     # The identity says which replica made a request (audit logs, tests of leader election).
     api.user_agent = f"{USER_AGENT}/{config.identity}"
 
-    controller = TrainingJobController(config, api)
+    status = None
+    if config.status_port is not None:
+        from kubetrain.operator.status_reporting import start_status_reporting
+
+        status = start_status_reporting(api, config.status_namespace, config.status_dial_host(),
+                                        config.status_port)
+    controller = TrainingJobController(config, api, status)
     registry = kopf.OperatorRegistry()
     controller.register(registry)
     kopf.on.login(registry=registry)(_login)
@@ -137,6 +169,8 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
             election.join()
         metrics_server.shutdown()
         metrics_thread.join()
+        if status is not None:
+            status.stop()
         api.close()
 
 

@@ -31,3 +31,16 @@ class OperatorConfig:
     lease_retry_seconds: float = 2.0
     metrics_port: int = 9090
     health_port: int = 8080
+    # The status endpoint for own-code jobs' reports (None: not served; 0: any free port),
+    # the host their pods dial (default: <status_service>.<status_namespace>.svc), the
+    # namespace of its key Secret, and the selector-less Service whose EndpointSlice the
+    # acting replica points at its own pod IP (empty: none).
+    status_port: int | None = None
+    status_host: str = ""
+    status_namespace: str = "default"
+    status_service: str = ""
+    pod_ip: str = ""
+
+    def status_dial_host(self) -> str:
+        """The host job pods reach the status endpoint at."""
+        return self.status_host or f"{self.status_service}.{self.status_namespace}.svc"

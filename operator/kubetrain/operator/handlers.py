@@ -16,6 +16,11 @@ do (`kubetrain.operator.expectations`): the children this operator just created,
 updated or deleted, and the status it just wrote. After a restart the memory is empty
 and the indexes, filled before any handler runs, are the truth again. The writes
 themselves are `kubetrain.operator.applier`'s.
+
+An own-code job (spec.trainer) reports its progress to the status endpoint
+(`kubetrain.operator.status_reporting`): the controller admits it, creates its Secret
+`<job>-status` before its first pods, reads its latest report where it would scrape rank
+0, and forgets it once it finished or is deleted.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from typing import Any
 
 import kopf
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from kubetrain.api.manifest import InvalidManifest, parse_job
-from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION
+from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJob
 from kubetrain.operator import children
 from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
@@ -50,7 +56,8 @@ from kubetrain.operator.observed import (
     node_reachable,
     worker_pod,
 )
-from kubetrain.operator.reconcile import reconcile, reject
+from kubetrain.operator.reconcile import FINISHED, reconcile, reject
+from kubetrain.operator.status_reporting import StatusReporting, advertise
 from kubetrain.operator.writer import ApiWriter
 
 USER_AGENT = "kubetrain-operator"
@@ -83,6 +90,8 @@ class JobMemory:
     again: bool = False
     scrape: bool = False
     expected: Expectations = field(default_factory=Expectations)
+    # Own code: the job's Secret <job>-status exists (created, or found created).
+    status_secret: bool = False
 
 
 def _snapshot(index: kopf.Index, key: Any) -> list[Any]:
@@ -120,15 +129,18 @@ def _attach(decorator: Callable[[Any], Any], handler: Callable[..., Any]) -> Non
 class TrainingJobController:
     """The kopf handlers of one operator, with its API clients, memory and metrics."""
 
-    def __init__(self, config: OperatorConfig, api: client.ApiClient) -> None:
+    def __init__(self, config: OperatorConfig, api: client.ApiClient,
+                 status: StatusReporting | None = None) -> None:
         self.config = config
+        self.api = api
+        self.status = status
         self.metrics = OperatorMetrics()
         self.applier = ActionApplier(ApiWriter(api), self.metrics, USER_AGENT, config.identity)
         self.memory: dict[str, JobMemory] = {}  # by job uid
         self._memory_lock = threading.Lock()
         self.election = None if config.standalone else LeaderElection(
             api, config.lease_namespace, config.identity, lease_seconds=config.lease_seconds,
-            retry_seconds=config.lease_retry_seconds, on_elected=self._forget)
+            retry_seconds=config.lease_retry_seconds, on_elected=self._elected)
         self._resync: asyncio.Task[None] | None = None
         self._indexes: Indexes | None = None
         self._executor: concurrent.futures.Executor | None = None
@@ -190,6 +202,8 @@ class TrainingJobController:
             with self._memory_lock:
                 self.memory.pop(uid, None)
             self.applier.job_gone(uid, namespace, name)
+            if self.status is not None:
+                self.status.forget(namespace, name)
             return
         if type == "MODIFIED" and self._own_status_echo(uid, body):
             return
@@ -207,6 +221,8 @@ class TrainingJobController:
         """Keep the indexes and kopf's thread pool (startup runs before any watch), then resync."""
         self._indexes = Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes)
         self._executor = settings.execution.executor
+        if self.election is None:  # standalone: this replica acts from now on
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._advertise)
         self._resync = asyncio.create_task(self.resync())
 
     async def stop_resync(self, **_: Any) -> None:
@@ -246,6 +262,23 @@ class TrainingJobController:
         """Drop what an earlier term remembered: another leader may have acted since."""
         with self._memory_lock:
             self.memory.clear()
+
+    def _elected(self) -> None:
+        self._forget()
+        self._advertise()
+
+    def _advertise(self) -> None:
+        """Route the status Service to this replica, which acts from now on."""
+        config = self.config
+        if self.status is None or not config.status_service or not config.pod_ip:
+            return
+        try:
+            advertise(self.api, config.status_namespace, config.status_service, config.pod_ip,
+                      self.status.endpoint.port)
+        except ApiException as error:
+            logging.getLogger(__name__).error(
+                "the status Service %s does not route to this replica: %s %s",
+                config.status_service, error.status, error.reason)
 
     # Events that only echo this process's own writes bring no news: skipping their
     # reconciles halves the passes while jobs start (the resync still visits every job).
@@ -315,13 +348,47 @@ class TrainingJobController:
                 actions = reject(body.get("status"), meta.get("generation"), str(error), now)
             else:
                 observed = self.observe(key, expected, indexes, now)
-                if scrape:
-                    observed = replace(observed, metrics=self.scrape(
-                        observed.pods, job.spec.metrics.port))
-                if observed.metrics is None:
-                    observed = replace(observed, metrics=final_metrics(observed.pods))
+                if job.spec.trainer is not None:
+                    observed = replace(observed, metrics=self.reported(key))
+                    if not self._prepare_own_code(job, memory):
+                        return
+                else:
+                    if scrape:
+                        observed = replace(observed, metrics=self.scrape(
+                            observed.pods, job.spec.metrics.port))
+                    if observed.metrics is None:
+                        observed = replace(observed, metrics=final_metrics(observed.pods))
                 actions = reconcile(job, observed, now)
             self.applier.apply(body, expected, actions)
+
+    def reported(self, key: JobKey) -> Any:
+        """An own-code job's latest report to the status endpoint, as observed progress."""
+        return self.status.sample(*key) if self.status is not None else None
+
+    def _prepare_own_code(self, job: TrainingJob, memory: JobMemory) -> bool:
+        """Admit an own-code job to the status endpoint and create its Secret before its
+        pods (forget a finished one); False when the Secret could not be created (the
+        pods would run without reporting: the next pass tries again first)."""
+        if self.status is None:
+            return True
+        namespace, name = job.metadata.namespace or "default", job.metadata.name
+        if job.status is not None and job.status.phase in FINISHED:
+            self.status.forget(namespace, name)
+            return True
+        self.status.admit(job)
+        if memory.status_secret:
+            return True
+        try:
+            self.applier.writer.create(namespace, self.status.secret(job))
+        except ApiException as error:
+            if error.status != 409:  # already there: made before an operator restart
+                self.metrics.api_errors.inc()
+                logging.getLogger(__name__).warning(
+                    "%s/%s: Secret %s-status not created: %s %s", namespace, name, name,
+                    error.status, error.reason)
+                return False
+        memory.status_secret = True
+        return True
 
     def observe(self, key: JobKey, expected: Expectations, indexes: Indexes,
                 now: datetime) -> Observed:

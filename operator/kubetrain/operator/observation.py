@@ -1,9 +1,10 @@
 """Observation: the status a reconcile pass reads off the job's children before it decides.
 
 status.observedGeneration and workers; status.effective, the batch split the workers
-use (the spec's, or a smaller micro-batch after out-of-memory restarts); rank 0's metrics
-as status.progress, goodput and checkpoints; each rank's slowness as status.ranks and
-the Straggler condition (the rule is `kubetrain.operator.stragglers`).
+use (the spec's, or a smaller micro-batch after out-of-memory restarts); rank 0's metrics,
+or an own-code job's status reports, as status.progress, goodput and checkpoints (own
+code's goodput from when its step advanced: `step_goodput`); each rank's slowness as
+status.ranks and the Straggler condition (the rule is `kubetrain.operator.stragglers`).
 
 It records what is; it decides nothing about pods (that is `reconcile` and its policies).
 Pure as reconcile is: no Kubernetes, no clock but the pass's `now`.
@@ -12,7 +13,7 @@ Pure as reconcile is: no Kubernetes, no clock but the pass's `now`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from kubetrain.api.trainingjob import (
@@ -42,9 +43,14 @@ def observe(decision: _Decision) -> None:
     status.workers.ready = sum(
         1 for pod in decision.live_pods() if pod.ready and pod.index < decision.replicas)
     _effective(decision)
-    if decision.observed.metrics is not None:
-        record_metrics(status, decision.observed.metrics, decision.job.spec.checkpoint.uri,
-                       decision.now)
+    sample = decision.observed.metrics
+    if sample is not None:
+        advanced_from = status.progress.updated_at
+        record_metrics(status, sample, decision.job.spec.checkpoint.uri, decision.now)
+        advanced_to = status.progress.updated_at
+        if sample.reported and advanced_to is not None and advanced_to != advanced_from:
+            status.goodput = step_goodput(status.goodput, status.start_time,
+                                          status.last_restart_time, advanced_from, advanced_to)
     _ranks(decision)
 
 
@@ -129,22 +135,52 @@ def _progress(progress: Progress, sample: MetricsSample, now: datetime) -> None:
         progress.tokens_per_second = round(sample.tokens_per_second, 3)
     if sample.step_time is not None and progress.max_steps is not None:
         progress.eta_seconds = round(max(0, progress.max_steps - progress.step) * sample.step_time)
+    if sample.eta_seconds is not None:  # the job's own code estimated it
+        progress.eta_seconds = sample.eta_seconds
 
 
 def goodput_status(wall_seconds: Mapping[str, float]) -> GoodputStatus:
     """status.goodput from the trainer's seconds by cause (kubetrain_wall_time_seconds_total).
 
-    Rounded to whole seconds (the ratio to 4 digits) so the status changes only when
-    the figures visibly do. Causes this operator does not know are left out of the
-    breakdown but stay in the wall time.
+    The seconds as the trainer booked them, to the millisecond, so that short causes (a
+    few redone steps' lostProgress) show and the causes add up to the wall time; the wall
+    time and the ratio are computed from the unrounded figures (the ratio shown to 4
+    digits). Causes this operator does not know are left out of the breakdown but stay
+    in the wall time.
     """
     wall = sum(wall_seconds.values())
     productive = wall_seconds.get("productive", 0.0)
-    badput = {cause: round(seconds) for cause, seconds in wall_seconds.items()
+    badput = {cause: round(seconds, 3) for cause, seconds in wall_seconds.items()
               if cause in BadputSeconds.model_fields}
     return GoodputStatus(ratio=round(productive / wall, 4) if wall > 0 else 1.0,
-                         productive_seconds=round(productive), wall_seconds=round(wall),
+                         productive_seconds=round(productive, 3), wall_seconds=round(wall, 3),
                          badput_seconds=BadputSeconds(**badput))
+
+
+def step_goodput(previous: GoodputStatus | None, start: datetime | None,
+                 last_restart: datetime | None, advanced_from: datetime | None,
+                 advanced_to: datetime) -> GoodputStatus | None:
+    """status.goodput of a job whose progress comes from its status reports, at the moment
+    its step advanced again (`advanced_to`, having last advanced at `advanced_from`).
+
+    Own code reports steps, not where its time went: the time between two advances of the
+    step within one attempt is productive; the rest of the wall time since the job first
+    started (start-up, replacement, scheduling and backoff around each restart, stalls
+    longer than a report interval) is downtime. The productive time adds up advance by
+    advance, so a pass that sees no new step changes nothing. None before the job started.
+    """
+    if start is None:
+        return previous
+    productive = previous.productive_seconds if previous is not None else 0.0
+    same_attempt = advanced_from is not None and (
+        last_restart is None or advanced_from >= last_restart)
+    if same_attempt and advanced_from is not None and advanced_from >= start:
+        productive += max(timedelta(0), advanced_to - advanced_from).total_seconds()
+    wall = max(0.0, (advanced_to - start).total_seconds())
+    productive = min(productive, wall)
+    return GoodputStatus(ratio=round(productive / wall, 4) if wall > 0 else 1.0,
+                         productive_seconds=round(productive), wall_seconds=round(wall),
+                         badput_seconds=BadputSeconds(downtime=round(wall - productive)))
 
 
 def _ranks(decision: _Decision) -> None:

@@ -1,8 +1,11 @@
 """What the operator sees of a TrainingJob's world, reduced to the facts reconcile decides on.
 
 Pure translations only: a pod manifest becomes a `WorkerPod`, rank 0's Prometheus
-exposition becomes a `MetricsSample`. Fetching them (watches, HTTP) is the
-handlers' job; deciding what to do about them is `kubetrain.operator.reconcile`'s.
+exposition becomes a `MetricsSample`, and so does an own-code job's latest report to
+the status endpoint (`reported_sample`): reconcile reads progress from one place,
+whichever kind of trainer the job runs. Fetching them (watches, HTTP, the endpoint's
+memory) is the handlers' job; deciding what to do about them is
+`kubetrain.operator.reconcile`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import math
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +25,9 @@ from kubetrain.operator.children import (
     TRAINER_CONTAINER,
 )
 
+if TYPE_CHECKING:  # the endpoint's module needs aiohttp, which this one does not
+    from kubetrain.operator.status_endpoint import Report
+
 # Pod or container reasons that mean the infrastructure, not the training code, ended a pod.
 DISRUPTION_REASONS = frozenset({
     "OOMKilled", "Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated",
@@ -31,6 +37,9 @@ DISRUPTION_REASONS = frozenset({
 
 # The trainer's termination-message line that says why it failed (kubetrain.trainer.metrics).
 FAILURE_INFO = "kubetrain_worker_failure_info"
+# The own-code entry's termination-message line naming the checkpoint folders it found
+# but did not upload, because nobody marked them complete (kubetrain.trainer.own_code).
+UNMARKED_CHECKPOINTS_INFO = "kubetrain_unmarked_checkpoints_info"
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,8 @@ class WorkerPod:
     unschedulable_message: str | None = None
     # The nodes its required anti-affinity keeps it off (status.avoidedNodes when created).
     avoiding: tuple[str, ...] = ()
+    # Checkpoint folders its own code wrote but never marked complete (not uploaded).
+    unmarked_checkpoints: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -121,6 +132,11 @@ class MetricsSample:
     # Every rank's compute time over the interval ending at logged step `ranks_step`.
     ranks: tuple[RankSample, ...] = ()
     ranks_step: int | None = None
+    # Seconds to maxSteps as the job's own code estimated them (its status reports).
+    eta_seconds: int | None = None
+    # From an own-code job's status reports, which say nothing of wall time by cause:
+    # its goodput is judged from when its step advanced (observation.step_goodput).
+    reported: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,6 +223,7 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
                              or _time(meta.get("creationTimestamp"))) if unschedulable else None,
         unschedulable_message=scheduled.get("message") if unschedulable else None,
         avoiding=tuple(node for node in avoiding.split(",") if node),
+        unmarked_checkpoints=unmarked_checkpoints(terminated.get("message")),
     )
 
 
@@ -232,6 +249,34 @@ def trainer_failure(termination_message: str | None) -> TrainerFailure | None:
                                       _names(sample.labels.get("nodes", "")),
                                       _names(sample.labels.get("reported_nodes", "")))
     return None
+
+
+def unmarked_checkpoints(termination_message: str | None) -> tuple[str, ...]:
+    """The folders an own-code pod's entry names as never marked complete, if any."""
+    if not termination_message or UNMARKED_CHECKPOINTS_INFO not in termination_message:
+        return ()
+    try:
+        families = list(text_string_to_metric_families(termination_message))
+    except ValueError:
+        return ()
+    for family in families:
+        for sample in family.samples:
+            if sample.name == UNMARKED_CHECKPOINTS_INFO:
+                return _names(sample.labels.get("folders", ""))
+    return ()
+
+
+def reported_sample(report: Report) -> MetricsSample:
+    """An own-code job's latest status report as the progress reconcile reads.
+
+    The step counts as advanced when the operator sees it change (the report's own time
+    is the pod's clock, and a reporter may repeat an unchanged step): no last_step_time.
+    A loss that is not finite (a diverged run) is left unreported, as from rank 0.
+    """
+    loss = report.loss if report.loss is not None and math.isfinite(report.loss) else None
+    epoch = report.epoch if report.epoch is not None and math.isfinite(report.epoch) else None
+    return MetricsSample(step=report.step, max_steps=report.total_steps, epoch=epoch,
+                         loss=loss, eta_seconds=report.remaining_seconds, reported=True)
 
 
 def final_metrics(pods: Iterable[WorkerPod]) -> MetricsSample | None:

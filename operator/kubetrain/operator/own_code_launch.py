@@ -6,8 +6,15 @@ nnodes min:max, c10d rendezvous at worker 0, the job's restart attempts), but to
 runs the user's command (`TrainerSpec.torchrun_arguments`: a script, a module or
 --no-python), wrapped by `python3 -m kubetrain.trainer.own_code`, which restores the newest
 checkpoint into KUBETRAIN_CHECKPOINT_DIR first, uploads marked folders while it runs and
-passes SIGTERM through. Not wired into worker_pod yet (issue 32: reconcile and handlers
-first); this module touches no API.
+passes SIGTERM through. `children.worker_pod` builds the pod around this container for
+every job with spec.trainer.
+
+The status endpoint (`kubetrain.operator.status_endpoint`) reaches the container through
+the job's Secret `<job>-status` (`status_secret_name`), which the operator creates before
+the job's pods: its `url`, `token` and `ca.crt` become Kubeflow Trainer's three
+KUBEFLOW_TRAINER_SERVER_* variables (the URL as a value, the other two as file paths).
+The Secret is optional in the pod: an operator run without the endpoint creates none,
+and the pods then run without reporting. This module touches no API.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from kubetrain.operator.children import (
 )
 from kubetrain.sdk.batch import OUT_OF_MEMORY_RESTARTS_ENV
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV
+from kubetrain.sdk.progress import CA_CERT_ENV, SERVER_URL_ENV, TOKEN_ENV
 
 # A pod-local folder: the user's code writes checkpoints there, kubetrain syncs it with S3.
 LOCAL_CHECKPOINT_DIR = "/var/lib/kubetrain/checkpoints"
@@ -35,6 +43,28 @@ ENTRY_MODULE = "kubetrain.trainer.own_code"
 # it kills them (its default is 30 s): the rest is for uploading that last checkpoint.
 WORKER_SHUTDOWN_SECONDS = TERMINATION_GRACE_SECONDS * 2 // 3
 FINAL_SYNC_SECONDS_ENV = "KUBETRAIN_FINAL_SYNC_SECONDS"
+# The job's Secret for the status endpoint, its keys, and where the pod mounts it.
+STATUS_VOLUME = "status-endpoint"
+STATUS_DIR = "/var/run/kubetrain/status"
+STATUS_URL_KEY = "url"
+STATUS_TOKEN_KEY = "token"
+STATUS_CA_KEY = "ca.crt"
+
+
+def status_secret_name(job_name: str) -> str:
+    """`<job>-status`: the job's token, the endpoint's CA and URL (mounted into its pods only)."""
+    return f"{job_name}-status"
+
+
+def status_env(job: TrainingJob) -> list[dict[str, Any]]:
+    """Kubeflow Trainer's three variables, from the job's status Secret (absent: unset)."""
+    secret = status_secret_name(job.metadata.name)
+    return [
+        {"name": SERVER_URL_ENV, "valueFrom": {"secretKeyRef": {
+            "name": secret, "key": STATUS_URL_KEY, "optional": True}}},
+        {"name": CA_CERT_ENV, "value": f"{STATUS_DIR}/{STATUS_CA_KEY}"},
+        {"name": TOKEN_ENV, "value": f"{STATUS_DIR}/{STATUS_TOKEN_KEY}"},
+    ]
 
 
 @dataclass(frozen=True)
@@ -70,6 +100,7 @@ def own_code_launch(job: TrainingJob, out_of_memory_restarts: int = 0) -> OwnCod
         {"name": FINAL_SYNC_SECONDS_ENV,
          "value": str(TERMINATION_GRACE_SECONDS - WORKER_SHUTDOWN_SECONDS - 10)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *status_env(job),
         # The user's own last, so that they win over ours (as in a pod, the last one counts).
         *(var.wire() for var in job.spec.workers.template.env),
         *(var.wire() for var in trainer.env),
@@ -78,6 +109,15 @@ def own_code_launch(job: TrainingJob, out_of_memory_restarts: int = 0) -> OwnCod
         image=trainer.image,
         command=command,
         env=env,
-        volumes=[{"name": CHECKPOINT_VOLUME, "emptyDir": {}}],
-        volume_mounts=[{"name": CHECKPOINT_VOLUME, "mountPath": LOCAL_CHECKPOINT_DIR}],
+        volumes=[
+            {"name": CHECKPOINT_VOLUME, "emptyDir": {}},
+            {"name": STATUS_VOLUME, "secret": {
+                "secretName": status_secret_name(job.metadata.name), "optional": True,
+                "items": [{"key": STATUS_TOKEN_KEY, "path": STATUS_TOKEN_KEY},
+                          {"key": STATUS_CA_KEY, "path": STATUS_CA_KEY}]}},
+        ],
+        volume_mounts=[
+            {"name": CHECKPOINT_VOLUME, "mountPath": LOCAL_CHECKPOINT_DIR},
+            {"name": STATUS_VOLUME, "mountPath": STATUS_DIR, "readOnly": True},
+        ],
     )

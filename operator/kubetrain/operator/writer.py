@@ -42,7 +42,7 @@ CREDENTIALS_SECONDS = 10.0
 
 # The collection of each kind of child, under /api/v1/namespaces/<namespace>/.
 _COLLECTIONS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps",
-                "Event": "events"}
+                "Event": "events", "Secret": "secrets"}
 
 
 def _core(namespace: str, plural: str, name: str = "") -> str:
@@ -66,7 +66,7 @@ class ApiWriter:
         self._read_at = -CREDENTIALS_SECONDS
 
     def create(self, namespace: str, manifest: dict[str, Any]) -> None:
-        """POST a Pod, Service, ConfigMap or Event into its namespace."""
+        """POST a Pod, Service, ConfigMap, Event or Secret into its namespace."""
         self._send("POST", _core(namespace, _COLLECTIONS[manifest["kind"]]), manifest)
 
     def patch_config_map(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
