@@ -22,6 +22,7 @@ from kubetrain.trainer.goodput import (
     STRAGGLER,
     GoodputLedger,
     Heartbeat,
+    StragglerBooking,
     process_started_at,
 )
 from kubetrain.trainer.storage import open_storage
@@ -240,6 +241,58 @@ def test_straggler_time_moves_out_of_productive_and_the_wall_time_stays() -> Non
     assert ledger.seconds[PRODUCTIVE] == 6.0 and ledger.seconds[STRAGGLER] == 4.0
     assert ledger.move(PRODUCTIVE, STRAGGLER, 100.0) == 6.0  # never more than was booked
     assert ledger.seconds[PRODUCTIVE] == 0 and ledger.wall_seconds == wall
+
+
+# Two ranks' compute and wait per step over an interval of 10 steps: healthy ones take
+# 0.10 s per step (0.08 compute, 0.02 in collectives); jitter up to 1.25x is no straggler.
+HEALTHY = ([0.08, 0.08], [0.02, 0.02])
+JITTER = ([0.08, 0.11], [0.05, 0.02])
+# Rank 1 at a third of its speed: 0.24 s of compute, and rank 0 waits 0.16 s more for it.
+SLOW = ([0.08, 0.24], [0.18, 0.02])  # the group's step: 0.26 s, 0.16 over the healthy 0.10
+
+
+def _book(intervals: list[tuple[list[float], list[float]]], window: int = 3) -> list[float]:
+    booking = StragglerBooking(threshold=1.3, window=window)
+    return [booking.lost(computes, waits, 10) for computes, waits in intervals]
+
+
+def test_jitter_between_healthy_ranks_is_never_straggler_time() -> None:
+    assert _book([HEALTHY, JITTER, JITTER, JITTER, JITTER, HEALTHY]) == [0.0] * 6
+
+
+def test_a_slow_streak_shorter_than_the_window_is_productive() -> None:
+    assert _book([HEALTHY, SLOW, SLOW, HEALTHY, SLOW, HEALTHY]) == [0.0] * 6
+
+
+def test_a_straggler_books_the_groups_loss_from_the_first_slow_interval_of_its_episode() -> None:
+    booked = _book([HEALTHY, HEALTHY, SLOW, SLOW, SLOW, SLOW])
+    # Nothing until the window is full, then the whole streak: the group's 0.16 s per step
+    # over the healthy step, not just the slow rank's compute over the median rank's.
+    assert booked[:4] == [0.0, 0.0, 0.0, 0.0]
+    assert booked[4] == pytest.approx(3 * 10 * 0.16)
+    assert booked[5] == pytest.approx(10 * 0.16)
+
+
+def test_a_straggler_stays_one_until_normal_for_a_window_then_healthy_time_is_free() -> None:
+    slower_healthy = ([0.09, 0.09], [0.03, 0.03])  # the group's step: 0.12 s
+    booked = _book([HEALTHY, SLOW, SLOW, slower_healthy, slower_healthy, slower_healthy,
+                    slower_healthy, SLOW], window=2)
+    assert booked[1] == 0.0 and booked[2] == pytest.approx(2 * 10 * 0.16)
+    # Back to normal: still its episode (booked against the healthy 0.10 s) until a
+    # window of normal intervals has passed, then nothing.
+    assert booked[3] == pytest.approx(10 * 0.02)
+    assert booked[4:7] == [0.0, 0.0, 0.0]
+    assert booked[7] == 0.0  # a new streak starts again from 0
+
+
+def test_a_rank_slow_from_the_start_is_priced_against_the_healthy_ranks() -> None:
+    # No healthy interval yet: the healthy step is the other rank's compute plus the slow
+    # rank's wait (it waits for nobody): 0.10 s.
+    assert _book([SLOW, SLOW, SLOW]) == pytest.approx([0.0, 0.0, 3 * 10 * 0.16])
+
+
+def test_a_group_of_one_has_no_straggler() -> None:
+    assert StragglerBooking(1.3, 1).lost([0.5], [0.0], 10) == 0.0
 
 
 def test_an_attempt_killed_for_memory_before_its_first_step_books_its_time_to_oom() -> None:

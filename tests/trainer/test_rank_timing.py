@@ -31,7 +31,8 @@ def test_both_ranks_report_compute_and_wait_that_add_up_to_the_step_time(tiny_jo
     logged = [event for event in steps if event["event"] == "step"]
     assert [event["step"] for event in logged] == [4, 8, 12]
     booked = launcher.events(job, "goodput")[-1]["seconds"]
-    assert 0 <= booked["straggler"] < 0.2 * booked["productive"], booked  # no straggler here
+    # No rank is a straggler: the jitter between two healthy ranks is productive time.
+    assert booked["straggler"] == 0, booked
     host = socket.gethostname()  # no downward API outside a pod: the host names both
     for event in logged:
         ranks = event["ranks"]
@@ -108,15 +109,19 @@ def test_a_rank_paused_on_a_duty_cycle_computes_longest_waits_least_and_is_named
         for e in figures))
     assert total(1, "compute_seconds") > 2 * total(0, "compute_seconds"), figures
     assert total(1, "wait_seconds") < total(0, "wait_seconds"), figures
-    # Goodput's straggler cause: per interval, the slowest compute over the median's per
-    # step, times its steps, out of productive time (the first interval's skew included).
-    lost = sum((max(computes) - statistics.median(computes)) * 6 for computes in (
+    # Goodput's straggler cause books the whole group's loss while rank 1 is one (from the
+    # start here): what rank 0 waited for it beyond the collectives' own time (rank 1's
+    # wait), per step, out of productive time. Not only rank 1's compute over the median
+    # rank's, which with two ranks is half of it.
+    waited = sum((event["ranks"][0]["wait_seconds"] - event["ranks"][1]["wait_seconds"]) * 6
+                 for event in logged)
+    half = sum((max(computes) - statistics.median(computes)) * 6 for computes in (
         [timing["compute_seconds"] for timing in event["ranks"]] for event in logged))
     booked = launcher.events(job, "goodput")[-1]["seconds"]
     print(f"straggler: {booked['straggler']:.2f}s of {sum(booked.values()):.2f}s wall, "
-          f"{booked['productive']:.2f}s productive")
-    assert booked["straggler"] == pytest.approx(lost, rel=1e-6), booked
-    assert booked["straggler"] > 0, booked
+          f"{booked['productive']:.2f}s productive; rank 0 waited {waited:.2f}s for rank 1")
+    assert booked["straggler"] == pytest.approx(waited, rel=0.25), booked
+    assert booked["straggler"] > 1.5 * half, (booked, half)
     status = None
     for event in intervals:
         status = judge(status, event["step"], [

@@ -18,9 +18,9 @@ defines it; the rest ("badput") is split by cause:
     oom               lost progress and downtime of an attempt that ran out of memory:
                       the restart with half the micro-batch is counted apart, so a job
                       that keeps running out of memory shows it
-    straggler         step time lost waiting for the slowest rank: per logged interval,
-                      (slowest rank's compute - median rank's compute) per step times
-                      its steps, moved out of productive (`move`; rank_timing's figures)
+    straggler         the group's step time lost while a rank is a straggler: per logged
+                      interval, the group's step time over its healthy one times its
+                      steps, moved out of productive (`move`; `StragglerBooking` decides)
 
 The ledger charges contiguous stretches: each `charge(cause)` books the time
 since the previous one, so the causes always sum to the wall time since the
@@ -46,9 +46,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -223,6 +225,71 @@ class GoodputLedger(Stateful):
         before[OUT_OF_MEMORY if after_oom else DOWNTIME] += max(
             0.0, self.attempt_started - gap_started)
         self._before = before
+
+
+class StragglerBooking:
+    """Which of a logged interval's step time is goodput's `straggler` cause.
+
+    The operator's rule (`kubetrain.operator.stragglers`) applied to each logged interval
+    on the figures every rank gathers (rank_timing): a rank's slowness is its compute time
+    over the median rank's; above `threshold` for `window` consecutive intervals it is a
+    straggler, and it stays one until it has been at or under the threshold for as many.
+    Time is booked only then: the jitter between healthy ranks is productive. The slow
+    intervals that made it one belong to the same episode and are booked when it is
+    judged; a streak that ends before is not.
+
+    While a rank is a straggler the group as a whole runs at its pace (the others wait for
+    it in the collectives), so what is booked is the group's loss: the interval's step
+    time (the median rank's compute plus wait) over the healthy step time, times its
+    steps. The healthy step time is the median of the last healthy intervals' step times;
+    before there is one (a rank slow from the start), the ranks within the threshold's
+    compute plus the least wait (the slow rank's, which waits for nobody).
+
+    Every rank books the same figures, since all of them are computed from the same
+    gathered figures.
+    """
+
+    def __init__(self, threshold: float, window: int, remembered: int = 8) -> None:
+        self.threshold = threshold
+        self.window = max(1, window)
+        self.straggling = False
+        self.slow_intervals = 0
+        self.normal_intervals = 0
+        self._pending = 0.0  # the current slow streak's loss, booked if it is judged one
+        self._healthy: deque[float] = deque(maxlen=remembered)
+
+    def lost(self, computes: Sequence[float], waits: Sequence[float], steps: int) -> float:
+        """The seconds of this interval (and of the slow streak that made a rank a straggler
+        in it) to book as `straggler`: 0 unless a rank is judged one. `computes` and
+        `waits` are each rank's seconds per step over the interval."""
+        if len(computes) < 2 or steps <= 0:
+            return 0.0
+        median = statistics.median(computes)
+        slowness = [compute / median if median > 0 else 1.0 for compute in computes]
+        slow = max(slowness) > self.threshold
+        step = statistics.median(c + w for c, w in zip(computes, waits, strict=True))
+        self.slow_intervals = self.slow_intervals + 1 if slow else 0
+        self.normal_intervals = 0 if slow else self.normal_intervals + 1
+        if not slow and not self.straggling:
+            self._healthy.append(step)
+            self._pending = 0.0
+            return 0.0
+        healthy = statistics.median(self._healthy) if self._healthy else min(
+            waits) + statistics.median(
+            c for c, s in zip(computes, slowness, strict=True) if s <= self.threshold)
+        loss = max(0.0, step - healthy) * steps
+        if self.straggling:
+            if self.normal_intervals >= self.window:
+                self.straggling = False
+                self._healthy.append(step)
+                return 0.0
+            return loss
+        self._pending += loss
+        if self.slow_intervals < self.window:
+            return 0.0
+        self.straggling = True
+        booked, self._pending = self._pending, 0.0
+        return booked
 
 
 class Heartbeat:

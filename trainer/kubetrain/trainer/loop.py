@@ -124,6 +124,7 @@ from kubetrain.trainer.goodput import (
     STRAGGLER,
     GoodputLedger,
     Heartbeat,
+    StragglerBooking,
     attempt_started_at,
 )
 from kubetrain.trainer.loss import select_output_loss
@@ -148,7 +149,6 @@ from kubetrain.trainer.pretrained_config import (
 from kubetrain.trainer.rank_timing import (
     WaitClock,
     gather_rank_timings,
-    straggler_seconds,
     time_fsdp_collectives,
 )
 from kubetrain.trainer.sizing import flops_per_token, ssm_flops_per_token
@@ -575,9 +575,11 @@ class Trainer:
         ranks = gather_rank_timings(
             (interval.busy - interval.waited) / interval.steps,
             interval.waited / interval.steps, meter.computed)
-        # The interval's steps ran at the slowest rank's pace: what it cost over the
-        # median rank is not goodput (every rank books the same, from the same figures).
-        run.goodput.move(PRODUCTIVE, STRAGGLER, straggler_seconds(ranks) * interval.steps)
+        # While a rank is a straggler the group runs at its pace: what that costs over the
+        # healthy step time is not goodput (every rank books the same, from the same figures).
+        run.goodput.move(PRODUCTIVE, STRAGGLER, meter.stragglers.lost(
+            [timing.compute_seconds for timing in ranks],
+            [timing.wait_seconds for timing in ranks], interval.steps))
         run.reporter.logged(StepReport(
             step=step, epoch=run.train_data.epochs_done,
             loss=_mean_over_ranks(result.loss), learning_rate=result.learning_rate,
@@ -829,6 +831,8 @@ class _Meter:
         self.clock = WaitClock(device)
         time_fsdp_collectives(run.parallel.module, self.clock)
         self.computed = 0.0  # this process's seconds of compute so far (a counter for the operator)
+        policy = spec.run_policy.stragglers
+        self.stragglers = StragglerBooking(policy.threshold, policy.window)  # goodput's
         self._step_started = self._waited_before = self._fetch_started = self._data_wait = 0.0
 
     def begin_step(self) -> None:

@@ -24,8 +24,7 @@ C++) and count as compute. The CUDA path is not exercised by the CPU test suite.
 Only rank 0 serves /metrics, so at each logged step every rank's figures are gathered
 to rank 0 (`gather_rank_timings`, a collective), which exports them labelled by rank,
 pod and node. A group of one waits for nobody: its wait is 0. From the same figures,
-`straggler_seconds` is what the group lost per step to its slowest rank, against the
-median rank: goodput's `straggler` cause.
+every rank books goodput's `straggler` cause (`goodput.StragglerBooking`).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -192,11 +190,3 @@ def gather_rank_timings(compute_seconds: float, wait_seconds: float,
     return sorted((timing for timing in everyone if timing is not None),
                   key=lambda timing: timing.rank)
 
-
-def straggler_seconds(ranks: list[RankTiming]) -> float:
-    """Seconds per step the group waited for its slowest rank beyond the median rank:
-    the slowest compute time less the median compute time (0 for a group of one)."""
-    computes = [timing.compute_seconds for timing in ranks]
-    if len(computes) < 2:
-        return 0.0
-    return max(computes) - statistics.median(computes)
