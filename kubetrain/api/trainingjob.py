@@ -706,6 +706,27 @@ class CheckpointSpec(ApiModel):
         "trainer only; own code's folders are always uploaded in the background).",
     )
     resume_from: str | None = Field(
+class MemoryCheckpointSpec(ApiModel):
+    """The in-memory checkpoint tier: recent state in the pods' memory, beside S3."""
+
+    every_steps: int = Field(
+        ge=1, description="Snapshot every N optimizer steps into the pod's memory: each "
+        "rank's shard of the model and optimizer, the data position and the RNG. A restart "
+        "resumes from the newest snapshot every rank has (its own, else a partner's copy) "
+        "before reading S3, losing at most N steps. kubetrain's trainer only.")
+    replicas: int = Field(
+        default=1, ge=0, le=2,
+        description="Copies of each rank's snapshot kept by partner ranks, on other nodes "
+        "where the job has them: a pod or node lost restores from its partner's copy. 0 "
+        "keeps only the rank's own, which survives a trainer restart but not the pod.")
+    max_worker_memory: IntOrString | None = Field(
+        default=None,
+        description="The most memory the tier may add to each worker pod (a quantity, e.g. "
+        "64Gi). The operator adds the tier's size (state shard x 2 versions x (1 + "
+        "replicas) x procsPerWorker) to each pod's memory request and limit; a tier that "
+        "needs more than this is refused with the numbers.")
+
+
         default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
         description="Checkpoint URI of another job to start from when this job has none yet.",
     )
@@ -756,6 +777,12 @@ class StorageSpec(ApiModel):
     )
 
     @model_validator(mode="before")
+    memory: MemoryCheckpointSpec | None = Field(
+        default=None,
+        description="Also keep recent state in memory every few steps, copied to a partner "
+        "on another node; S3 stays the durable tier at everySteps (kubetrain's trainer "
+        "only). See docs/memory-checkpoints.md.",
+    )
     @classmethod
     def _no_inline_credentials(cls, data: Any) -> Any:
         if isinstance(data, dict):
@@ -1033,7 +1060,8 @@ TYPED_ONLY: Final[dict[str, str]] = {
     "distillation": "your code computes its own loss",
 }
 # Of spec.checkpoint, own code uses uri, keepLast and resumeFrom.
-CHECKPOINT_TYPED_ONLY: Final = ("every_steps", "keep_best", "export_from", "async_", "export")
+CHECKPOINT_TYPED_ONLY: Final = ("every_steps", "keep_best", "export_from", "async_", "export",
+                                "memory")
 CHECKPOINT_WHY: Final = ("your code decides when to save (kubetrain uploads each folder it "
                          "marks complete) and exports its own model; of spec.checkpoint only "
                          "uri, keepLast and resumeFrom apply")
@@ -1119,8 +1147,8 @@ def _own_code_rules() -> list[JsonDict]:
     rules.append(cel(
         "!has(self.trainer) || "
         + at_default_cel(CheckpointSpec, "self.checkpoint", CHECKPOINT_TYPED_ONLY),
-        "spec.checkpoint.everySteps, keepBest, exportFrom, async and export are read only "
-        f"by kubetrain's trainer; with spec.trainer {CHECKPOINT_WHY}", ".checkpoint"))
+        "spec.checkpoint.everySteps, keepBest, exportFrom, async, export and memory are read "
+        f"only by kubetrain's trainer; with spec.trainer {CHECKPOINT_WHY}", ".checkpoint"))
     return rules
 
 
@@ -1340,6 +1368,27 @@ class TrainingJobSpec(ApiModel):
                           "log2(optimization.microBatchSize) allows")
         return smaller, ""
 
+
+    @model_validator(mode="after")
+    def _memory_tier_fits(self) -> TrainingJobSpec:
+        memory = self.checkpoint.memory
+        if memory is None or memory.max_worker_memory is None or self.trainer is not None:
+            return self
+        # Torch-free; imported here because it sizes the model from this module's types.
+        from kubetrain.trainer.memory_budget import parse_quantity, tier_budget
+
+        try:
+            allowed = parse_quantity(memory.max_worker_memory)
+        except ValueError as error:
+            raise problem("checkpoint.memory.maxWorkerMemory", str(error)) from None
+        budget = tier_budget(self)
+        if budget is not None and budget.per_worker > allowed:
+            raise problem("checkpoint.memory.maxWorkerMemory",
+                          f"({memory.max_worker_memory}) is less than the tier needs: "
+                          f"{budget.describe()}: lower checkpoint.memory.replicas, run more "
+                          "workers (minReplicas) to shard the state further, or raise "
+                          "maxWorkerMemory")
+        return self
 
 # --- status --------------------------------------------------------------------------
 

@@ -1,0 +1,132 @@
+"""What the in-memory checkpoint tier (`spec.checkpoint.memory`) costs in host memory.
+
+Torch-free, so the operator (which adds the tier to each worker pod's memory request and
+limit and sizes its volume), the spec's validation (which refuses a tier over
+`maxWorkerMemory`), `kubetrain estimate` and the trainer (memory_checkpoint.py) share one
+figure:
+
+    tier per process = state shard x versions kept (2) x (1 + replicas)
+
+The state shard is what one training process snapshots: its part of the fp32 parameters
+and of the optimizer's state (AdamW/Adam: two fp32 moments; SGD: one momentum buffer),
+divided by the world size under FSDP and whole under DDP, plus a small fixed allowance
+for the pickled rest (data position, schedule, RNG, goodput). Two versions are kept: a
+snapshot is written beside the newest complete one, never over it, so a rank killed in
+the middle of a snapshot still leaves a version every rank agrees on. `replicas` is the
+number of partner copies each rank's shard has on other ranks (at most world size - 1).
+
+Nothing here touches the model or the tier's files; Kubernetes quantities are parsed
+and written here for the operator's arithmetic on memory requests.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.trainer.sizing import parameter_count, ssm_parameter_count
+
+VERSIONS = 2  # the newest complete snapshot and the one being written beside it
+EXTRA_BYTES = 1 << 20  # the pickled rest of a snapshot: data position, schedule, RNG, goodput
+MIB = 1 << 20
+
+_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+             "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+             "Ei": 2**60, "m": 10**-3}
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([-+]?[0-9]+))?([a-zA-Z]*)$")
+
+
+def parse_quantity(value: int | str) -> int:
+    """Bytes of a Kubernetes memory quantity (`64Gi`, `500M`, `1e9`, 1024), rounded up."""
+    if isinstance(value, int):
+        return value
+    match = _QUANTITY.match(value.strip())
+    if match is None or match.group(3) not in _SUFFIXES:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 64Gi, 500M)")
+    number, exponent, suffix = match.groups()
+    return math.ceil(float(number) * 10 ** int(exponent or 0) * _SUFFIXES[suffix])
+
+
+def format_quantity(size: int) -> str:
+    """`size` bytes as a quantity in whole Mi, rounded up (what the operator writes)."""
+    return f"{-(-size // MIB)}Mi"
+
+
+@dataclass(frozen=True)
+class TierBudget:
+    """The tier's host memory at one world size."""
+
+    world_size: int
+    shard_bytes: int  # one process's snapshot
+    copies: int  # 1 + the replicas the world size allows
+    procs_per_worker: int
+
+    @property
+    def per_process(self) -> int:
+        """One process's own versions and the partner copies it holds."""
+        return self.shard_bytes * VERSIONS * self.copies
+
+    @property
+    def per_worker(self) -> int:
+        """One worker pod's: what the operator adds to its memory request and limit."""
+        return self.per_process * self.procs_per_worker
+
+    def describe(self) -> str:
+        """The arithmetic, for refusals, logs and `kubetrain estimate`."""
+        return (f"{_gib(self.shard_bytes)} state shard per process x {VERSIONS} versions x "
+                f"{self.copies} copies (1 + replicas) x {self.procs_per_worker} processes per "
+                f"worker = {_gib(self.per_worker)} per worker pod at {self.world_size} "
+                "processes")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def state_bytes(spec: TrainingJobSpec, parameters: int, world_size: int) -> int:
+    """Bytes of one process's snapshot of `parameters` fp32 parameters and their optimizer
+    state at `world_size` processes."""
+    opt = spec.optimization
+    optimizer = 0 if opt.optimizer == "sgd" and not opt.momentum else (
+        4 if opt.optimizer == "sgd" else 8)
+    total = parameters * (4 + optimizer)
+    if spec.parallelism.strategy == "fsdp" and world_size > 1:
+        total = -(-total // world_size)
+    return total + EXTRA_BYTES
+
+
+def model_parameters(spec: TrainingJobSpec) -> int | None:
+    """The model's parameter count from the spec; None when only its config.json knows it
+    (model.init, model.fromTeacher)."""
+    if spec.model.init is not None or spec.model.from_teacher:
+        return None
+    dims = spec.model.resolve()
+    if spec.model.architecture == "ssm":
+        return ssm_parameter_count(dims)
+    return parameter_count(dims, dynamics=spec.model.dynamics.enabled)
+
+
+def tier_budget(spec: TrainingJobSpec, world_size: int | None = None,
+                parameters: int | None = None) -> TierBudget | None:
+    """The tier's memory at `world_size` processes (default: the fewest the job may run
+    with, where each shard is largest); None without a tier or a known model size."""
+    memory = spec.checkpoint.memory
+    if memory is None:
+        return None
+    workers = spec.workers
+    if world_size is None:
+        world_size = workers.min_workers * workers.procs_per_worker
+    if parameters is None:
+        parameters = model_parameters(spec)
+    if parameters is None:
+        return None
+    return TierBudget(world_size=world_size,
+                      shard_bytes=state_bytes(spec, parameters, world_size),
+                      copies=1 + min(memory.replicas, world_size - 1),
+                      procs_per_worker=workers.procs_per_worker)
+
+
+__all__ = ["VERSIONS", "TierBudget", "format_quantity", "model_parameters", "parse_quantity",
+           "state_bytes", "tier_budget"]
