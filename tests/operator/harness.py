@@ -357,6 +357,158 @@ def scenario_invalid_spec_is_reported_not_crashed_on(kube: Kube) -> None:
     assert not kube.pods("invalid")
 
 
+def own_code_manifest(name: str, replicas: int = 2, **run_policy: Any) -> dict[str, Any]:
+    """A TrainingJob running its own code (spec.trainer) instead of kubetrain's trainer."""
+    manifest = job_manifest(name, replicas, **run_policy)
+    for typed in ("image", "model", "data"):
+        del manifest["spec"][typed]
+    manifest["spec"]["trainer"] = {"image": "ghcr.io/me/train:1",
+                                   "command": ["python", "train.py"], "args": ["--lr", "3e-4"]}
+    return manifest
+
+
+def status_secret(kube: Kube, job: str) -> dict[str, str]:
+    """The job's Secret <job>-status, decoded."""
+    import base64
+
+    secret = kube.core.read_namespaced_secret(f"{job}-status", NAMESPACE)
+    return {key: base64.b64decode(value).decode() for key, value in secret.data.items()}
+
+
+def post_report(secret: dict[str, str], step: int, total_steps: int | None = None,
+                loss: float | None = None, remaining: int | None = None,
+                token: str | None = None, url: str | None = None) -> int:
+    """POST a Kubeflow trainerStatus to the job's endpoint as its pods do; the HTTP status."""
+    import json
+    import ssl
+    import urllib.error
+    import urllib.request
+    from datetime import UTC, datetime
+
+    metrics = [{"name": "current_step", "value": str(step)}]
+    if total_steps is not None:
+        metrics.append({"name": "total_steps", "value": str(total_steps)})
+    if loss is not None:
+        metrics.append({"name": "loss", "value": str(loss)})
+    status: dict[str, Any] = {"metrics": metrics, "lastUpdatedTime": datetime.now(UTC).isoformat()}
+    if remaining is not None:
+        status["estimatedRemainingSeconds"] = remaining
+    context = ssl.create_default_context(cadata=secret["ca.crt"])
+    request = urllib.request.Request(
+        url or secret["url"], data=json.dumps({"trainerStatus": status}).encode(),
+        method="POST", headers={"Authorization": f"Bearer {token or secret['token']}",
+                                "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as refused:
+        return refused.code
+
+
+def scenario_own_code_job_runs_and_reports_progress(kube: Kube) -> None:
+    import kubernetes_validate
+
+    kube.create_job(own_code_manifest("own"))
+    pods = eventually(lambda: len(kube.pods("own")) == 2 and kube.pods("own"))
+    uid = (kube.job("own") or {})["metadata"]["uid"]
+    secret = status_secret(kube, "own")
+    for pod in pods.values():
+        created = {key: value for key, value in pod.items() if key != "status"}
+        kubernetes_validate.validate(created, "1.30", strict=True)
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == "ghcr.io/me/train:1"
+        assert container["command"][:3] == ["python3", "-m", "kubetrain.trainer.own_code"]
+        assert container["command"][-4:] == ["torchrun", "train.py", "--lr", "3e-4"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["PET_RDZV_ID"]["value"] == uid
+        assert env["KUBEFLOW_TRAINER_SERVER_URL"]["valueFrom"]["secretKeyRef"]["name"] == \
+            "own-status"
+        secrets = [v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v]
+        assert secrets == ["own-status"]  # its own job's token only
+    owner = kube.core.read_namespaced_secret("own-status", NAMESPACE).metadata.owner_references
+    assert owner[0].uid == uid
+    assert secret["url"].endswith("/namespaces/default/trainingjobs/own/status")
+    kube.run_all("own")
+    eventually(lambda: kube.phase("own") == "Running")
+    assert post_report(secret, 40, total_steps=100, loss=2.5, remaining=120) == 200
+    progress = eventually(lambda: ((kube.job("own") or {})["status"].get("progress", {})
+                                   .get("step") == 40 and kube.job("own")),
+                          what="the reported step in status.progress")["status"]["progress"]
+    assert (progress["maxSteps"], progress["loss"], progress["etaSeconds"]) == (100, 2.5, 120)
+    # Another own-code job's token cannot write this job's status.
+    kube.create_job(own_code_manifest("other", replicas=1))
+    eventually(lambda: kube.pods("other"))
+    other = status_secret(kube, "other")
+    assert other["token"] != secret["token"]
+    assert post_report(secret, 99, token=other["token"]) == 403
+    assert post_report(other, 7) == 200
+    time.sleep(1.0)  # resyncs ran
+    assert (kube.job("own") or {})["status"]["progress"]["step"] == 40
+    eventually(lambda: (kube.job("other") or {}).get("status", {}).get("progress", {})
+               .get("step") == 7, what="the other job's own report")
+    kube.delete_job("other")
+
+
+def scenario_own_code_restarts_suspends_and_scales(kube: Kube) -> None:
+    kube.create_job(own_code_manifest("ownlife"))
+    eventually(lambda: len(kube.pods("ownlife")) == 2)
+    kube.run_all("ownlife")
+    eventually(lambda: kube.phase("ownlife") == "Running")
+    # A failed worker that is not worker 0 is replaced alone, with the own-code container.
+    kube.set_pod_status("ownlife-worker-1", "Failed", exit_code=1)
+    eventually(lambda: (kube.pods("ownlife").get("ownlife-worker-1", {}).get("metadata", {})
+                        .get("labels", {}).get("kubetrain.io/restart-attempt") == "1"),
+               what="worker 1 replaced")
+    status = (kube.job("ownlife") or {})["status"]
+    assert status["restarts"] == 1 and status["failures"] == {"Unknown": 1}
+    pods = kube.pods("ownlife")
+    assert pods["ownlife-worker-0"]["metadata"]["labels"]["kubetrain.io/restart-attempt"] == "0"
+    assert "kubetrain.trainer.own_code" in pods["ownlife-worker-1"]["spec"]["containers"][0][
+        "command"]
+    # Worker 0 (the rendezvous host) failing restarts the whole group.
+    kube.run_all("ownlife")
+    kube.set_pod_status("ownlife-worker-0", "Failed", exit_code=1)
+    eventually(lambda: {pod["metadata"]["labels"]["kubetrain.io/restart-attempt"]
+                        for pod in kube.pods("ownlife").values()} == {"2"}
+               and len(kube.pods("ownlife")) == 2, what="the whole group replaced")
+    # Elastic scale through the scale subresource.
+    kube.scale_job("ownlife", 3)
+    eventually(lambda: set(kube.pods("ownlife")) == {f"ownlife-worker-{i}" for i in range(3)})
+    # Suspend deletes every pod with its grace period (the SIGTERM save); resume recreates.
+    kube.patch_job("ownlife", {"spec": {"runPolicy": {"suspend": True}}})
+    eventually(lambda: kube.phase("ownlife") == "Suspended" and not kube.pods("ownlife"))
+    kube.patch_job("ownlife", {"spec": {"runPolicy": {"suspend": False}}})
+    eventually(lambda: len(kube.pods("ownlife")) == 3)
+    # A command that cannot run (127) is a UserError that fails the job, never retried.
+    kube.set_pod_status("ownlife-worker-2", "Failed", exit_code=127)
+    eventually(lambda: kube.phase("ownlife") == "Failed")
+    status = (kube.job("ownlife") or {})["status"]
+    assert status["lastFailure"]["class"] == "UserError"
+    kube.delete_job("ownlife")
+
+
+def scenario_own_code_without_reported_progress_past_its_deadline_restarts(kube: Kube) -> None:
+    kube.create_job(own_code_manifest("ownhang", replicas=1, progressDeadlineSeconds=3))
+    eventually(lambda: len(kube.pods("ownhang")) == 1)
+    kube.run_all("ownhang")
+    eventually(lambda: kube.phase("ownhang") == "Running")
+    secret = status_secret(kube, "ownhang")
+    for step in (1, 2, 3):  # advancing: no hang
+        assert post_report(secret, step, total_steps=10) == 200
+        time.sleep(1.0)
+    assert (kube.job("ownhang") or {})["status"].get("restarts", 0) == 0
+    # The step stops advancing (the reporter still posts the same step): a hang.
+    for _ in range(5):
+        post_report(secret, 3, total_steps=10)
+        time.sleep(0.5)
+    status = eventually(lambda: ((kube.job("ownhang") or {})["status"].get("restarts") == 1
+                                 and kube.job("ownhang")), timeout=15,
+                        what="the hang restart")["status"]
+    assert status["restart"]["reason"] == "ProgressDeadlineExceeded"
+    assert status["progress"]["step"] == 3
+    kube.delete_job("ownhang")
+
+
 SCENARIOS = [
     scenario_job_creates_valid_children,
     scenario_failures_restart_then_rank_zero_completes,
@@ -368,6 +520,9 @@ SCENARIOS = [
     scenario_deleting_a_job_removes_its_children,
     scenario_ttl_deletes_a_finished_job,
     scenario_invalid_spec_is_reported_not_crashed_on,
+    scenario_own_code_job_runs_and_reports_progress,
+    scenario_own_code_restarts_suspends_and_scales,
+    scenario_own_code_without_reported_progress_past_its_deadline_restarts,
 ]
 
 

@@ -96,6 +96,42 @@ ttlSecondsAfterFinished. It patches the ConfigMap when the job's spec changes.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+{{- include "kubetrain.statusEndpointRules" . }}
+{{- end -}}
+
+{{/*
+kubetrain.statusEndpointRules: the status endpoint's CA and key live in the Secret
+`kubetrain-status-endpoint` (ENDPOINT_SECRET in operator/kubetrain/operator/status_reporting.py)
+of the status namespace (kubetrain.statusNamespace), read at start and created on the
+first (`create secrets` above); the acting replica creates the selector-less status Service
+there and points its EndpointSlice at its own pod. Objects not created yet have no name to
+restrict `create` to.
+*/}}
+{{- define "kubetrain.statusEndpointRules" }}
+- apiGroups: [""]
+  resources: ["secrets"]
+  resourceNames: ["kubetrain-status-endpoint"]
+  verbs: ["get"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["create"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  resourceNames: [{{ printf "%s-status" (include "kubetrain.fullname" .) | quote }}]
+  verbs: ["patch"]
+{{- end -}}
+
+{{/* Where the status endpoint keeps its key Secret and Service: the release namespace, or in
+namespaced mode the first watched one (the operator may write only there). */}}
+{{- define "kubetrain.statusNamespace" -}}
+{{- if eq .Values.rbac.mode "namespaced" -}}
+{{- first .Values.rbac.namespaces -}}
+{{- else -}}
+{{- .Release.Namespace -}}
+{{- end -}}
 {{- end -}}
 
 {{/*

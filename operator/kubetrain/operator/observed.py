@@ -140,10 +140,25 @@ class MetricsSample:
 
 
 @dataclass(frozen=True)
+class TrainerEnd:
+    """A trainer process of a running pod that ended, as its lifeline said (or did not say):
+    torchrun restarts its group in place, and only the lifeline shows it
+    (`kubetrain.operator.lifelines`)."""
+
+    pod: str
+    time: datetime  # when the operator saw it end, to the second
+    failure_class: str  # the trainer's class in its `end` line; Unknown without one
+    message: str
+    exit_code: int | None = None  # the trainer process's, when it said it
+
+
+@dataclass(frozen=True)
 class Observed:
     """Everything reconcile looks at besides the job itself."""
 
     pods: tuple[WorkerPod, ...] = ()
+    # Trainer processes that ended in pods that run on (in-place restarts), oldest first.
+    trainer_ends: tuple[TrainerEnd, ...] = ()
     service: bool = False
     # The job generation the ConfigMap's snapshot was taken from (0: unknown); None: absent.
     config_generation: int | None = None

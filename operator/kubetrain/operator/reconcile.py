@@ -232,6 +232,8 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
         lifecycle.clean_up(decision)
     elif lifecycle.rank0_succeeded(observed.pods):
         decision.finish("Succeeded", "Completed", "worker 0 exited 0: training is complete")
+        restarts.warn_unmarked_checkpoints(decision, [
+            pod for pod in decision.live_pods() if pod.phase in FINISHED])
         lifecycle.clean_up(decision)
     elif job.spec.run_policy.suspend:
         status.workers.desired = 0

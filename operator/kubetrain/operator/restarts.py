@@ -244,6 +244,19 @@ def record_failures(decision: _Decision, failed: list[WorkerPod],
         decision.event("WorkerFailure", f"{pod.name} on {pod.node or 'an unknown node'}: "
                        f"{kind}: {text}", warning=True)
         decision.actions.append(CountFailure(kind))
+    warn_unmarked_checkpoints(decision, failed)
+
+
+def warn_unmarked_checkpoints(decision: _Decision, ended: list[WorkerPod]) -> None:
+    """A warning per ended own-code pod whose entry found checkpoint folders nobody marked
+    complete, and so uploaded none of them (called once per ending pod)."""
+    for pod in ended:
+        if pod.unmarked_checkpoints:
+            decision.event("CheckpointNotMarked", f"{pod.name}: checkpoint folders "
+                           f"{', '.join(pod.unmarked_checkpoints)} were never marked complete, "
+                           "so they were not uploaded and cannot be resumed from: call "
+                           "kubetrain.sdk.mark_complete(folder, step) once each is written "
+                           "(docs/own-code.md)", warning=True)
 
 
 def fail_preflight(decision: _Decision, failed: list[WorkerPod], kinds: Mapping[str, str],

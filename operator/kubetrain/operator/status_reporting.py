@@ -13,10 +13,12 @@ wires it into the operator:
   deleted job is forgotten;
 - the job's latest report becomes its observed progress (`StatusReporting.sample`).
 
-Several replicas: reports reach only the leader. The chart's status Service has no
-selector; the replica that acts (the leader, or the one standalone replica) writes the
-Service's EndpointSlice with its own pod IP when it starts acting (`advertise`), so the
-Service always routes to the replica that reconciles, and a standby keeps no reports.
+Several replicas: reports reach only the leader. The status Service has no selector:
+the replica that acts (the leader, or the one standalone replica) creates it and writes
+its EndpointSlice with its own pod IP when it starts acting (`advertise`), so the Service
+always routes to the replica that reconciles, and a standby keeps no reports. A leader
+that dies keeps the slice until the next one takes over (within the Lease's duration):
+reports sent meanwhile fail, and reporters send the next one anyway.
 """
 
 from __future__ import annotations
@@ -141,6 +143,16 @@ def job_secret(job: TrainingJob, key: bytes, ca_pem: bytes, url: str) -> dict[st
     }
 
 
+def status_service(name: str, port: int) -> dict[str, Any]:
+    """The selector-less Service job pods dial (its EndpointSlice: `endpoint_slice`)."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "labels": dict(children.MANAGED_BY)},
+        "spec": {"type": "ClusterIP", "ports": [
+            {"name": ENDPOINT_PORT_NAME, "port": port, "targetPort": port, "protocol": "TCP"}]},
+    }
+
+
 def endpoint_slice(service: str, pod_ip: str, port: int) -> dict[str, Any]:
     """The EndpointSlice that routes the status Service `service` to this replica."""
     family = "IPv6" if ":" in pod_ip else "IPv4"
@@ -202,7 +214,14 @@ def start_status_reporting(api: client.ApiClient, namespace: str, host: str,
 
 def advertise(api: client.ApiClient, namespace: str, service: str, pod_ip: str,
               port: int) -> None:
-    """Point the status Service at this replica: replace its EndpointSlice, or create it."""
+    """Point the status Service at this replica: create the Service when missing, replace
+    its EndpointSlice, or create it."""
+    service_body: Any = status_service(service, port)
+    try:
+        client.CoreV1Api(api).create_namespaced_service(namespace, service_body)
+    except ApiException as error:
+        if error.status != 409:
+            raise
     discovery = client.DiscoveryV1Api(api)
     manifest: Any = endpoint_slice(service, pod_ip, port)
     try:

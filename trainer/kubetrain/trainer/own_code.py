@@ -132,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("checkpoint folder %s was never marked complete, so it was not uploaded: "
                     "call kubetrain.sdk.mark_complete(path, step) once it is written",
                     folder)
+    if report.unmarked:  # the operator turns this line into a warning event on the job
+        names = ",".join(Path(folder).name for folder in report.unmarked)
+        try:
+            Path(os.environ.get("KUBETRAIN_TERMINATION_LOG", "/dev/termination-log")).write_text(
+                f'kubetrain_unmarked_checkpoints_info{{folders="{names}"}} '
+                f"{len(report.unmarked)}\n")
+        except OSError as error:
+            log.warning("could not write the termination message: %s", error)
     for folder in report.waiting:
         log.warning("checkpoint %s was not committed within %.0f s: a pod's part is missing",
                     folder, final_seconds)
