@@ -63,10 +63,14 @@ PRESETS: dict[str, Preset] = {
                        learning_rate=3e-4, warmup_steps=2000, global_batch_tokens=4_194_304),
     "llama-8b": Preset(_llama(4096, 32, 32, 8, 128_256, 14_336, False, 500_000.0),
                        learning_rate=3e-4, warmup_steps=2000, global_batch_tokens=4_194_304),
+    # Llama 3 70B's shape: sized for several nodes (kubetrain estimate; docs/training.md).
+    "llama-70b": Preset(_llama(8192, 80, 64, 8, 128_256, 28_672, False, 500_000.0),
+                        learning_rate=1.5e-4, warmup_steps=2000, global_batch_tokens=4_194_304),
 }
 
 PresetName = Literal[
-    "tiny", "llama-125m", "llama-350m", "llama-1b", "llama-3b", "llama-7b", "llama-8b"
+    "tiny", "llama-125m", "llama-350m", "llama-1b", "llama-3b", "llama-7b", "llama-8b",
+    "llama-70b",
 ]
 PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
 assert set(PRESET_NAMES) == set(PRESETS), "PresetName and PRESETS disagree"

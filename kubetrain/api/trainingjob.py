@@ -638,16 +638,58 @@ class EvaluationSpec(ApiModel):
     )
 
 
+TP_NEEDS_SHARDING = ("tensorParallel needs strategy fsdp, hsdp or auto: ddp keeps a whole "
+                     "copy of the model on every process")
+TP_WITHOUT_FP8 = ("tensorParallel with precision fp8 is not supported (float8 tensor-parallel "
+                  "plans are not applied): use precision bf16, or tensorParallel 1")
+
+
+def tensor_parallel_problems(dims: ModelDims, seq_len: int | None, degree: int,
+                             vocabulary: bool = True) -> list[str]:
+    """Why a model of `dims` cannot be split `degree` ways by tensor parallelism ([] if it
+    can): each process holds an equal part of the heads, the feed-forward width, the
+    vocabulary (when `vocabulary`: a preset's is replaced by the tokenizer's) and, under
+    sequence parallelism, of every sequence."""
+    if degree == 1:
+        return []
+    sizes = [("model.nHeads", dims.n_heads), ("model.nKvHeads", dims.n_kv_heads),
+             ("model.ffnDim", dims.ffn_dim)]
+    if vocabulary:
+        sizes.append(("model.vocabSize", dims.vocab_size))
+    if seq_len is not None:
+        sizes.append(("data.seqLen", seq_len))
+    return [f"parallelism.tensorParallel ({degree}) must divide {name} ({value}): each "
+            "process holds an equal part of it; choose a tensorParallel that divides it"
+            for name, value in sizes if value % degree]
+
+
 class ParallelismSpec(ApiModel):
     """How the model is distributed and computed."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubetrain-cel": [
         cel("self.strategy == oldSelf.strategy",
             "strategy cannot change after creation", ".strategy"),
+        cel("!has(self.tensorParallel) || self.tensorParallel == 1 || !has(self.strategy) "
+            "|| self.strategy != 'ddp'", TP_NEEDS_SHARDING, ".tensorParallel"),
+        cel("!has(self.tensorParallel) || self.tensorParallel == 1 || !has(self.precision) "
+            "|| self.precision != 'fp8'", TP_WITHOUT_FP8, ".tensorParallel"),
     ]})
 
-    strategy: Literal["fsdp", "ddp"] = Field(
-        default="fsdp", description="fsdp (FSDP2, sharded) or ddp (replicated)."
+    strategy: Literal["fsdp", "ddp", "hsdp", "auto"] = Field(
+        default="fsdp",
+        description="fsdp (FSDP2, every parameter sharded over all processes), ddp "
+        "(replicated), hsdp (sharded within a pod, replicated across pods: only gradients "
+        "cross the network between nodes; replicas scales the replicate dimension) or auto "
+        "(hsdp, fsdp or fsdp with tensor parallelism within a pod, the first whose "
+        "memory estimate fits the GPU: docs/training.md).",
+    )
+    tensor_parallel: int = Field(
+        default=1, ge=1, le=64,
+        description="Split every transformer block over this many processes of one pod "
+        "(tensor parallelism, with sequence parallelism on the norms and the loss computed "
+        "over the split vocabulary); it must divide workers.procsPerWorker and composes "
+        "with fsdp and hsdp as a 2-D or 3-D mesh. The processes of a group read the same "
+        "batches. Not with ddp, fp8, the ssm architecture, INL dynamics or distillation.",
     )
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = Field(
         default="bf16",
@@ -662,6 +704,27 @@ class ParallelismSpec(ApiModel):
         "(every other block) or full (every block).",
     )
     compile: bool = Field(default=False, description="torch.compile each transformer block.")
+
+
+class MemoryCheckpointSpec(ApiModel):
+    """The in-memory checkpoint tier: recent state in the pods' memory, beside S3."""
+
+    every_steps: int = Field(
+        ge=1, description="Snapshot every N optimizer steps into the pod's memory: each "
+        "rank's shard of the model and optimizer, the data position and the RNG. A restart "
+        "resumes from the newest snapshot every rank has (its own, else a partner's copy) "
+        "before reading S3, losing at most N steps. kubetrain's trainer only.")
+    replicas: int = Field(
+        default=1, ge=0, le=2,
+        description="Copies of each rank's snapshot kept by partner ranks, on other nodes "
+        "where the job has them: a pod or node lost restores from its partner's copy. 0 "
+        "keeps only the rank's own, which survives a trainer restart but not the pod.")
+    max_worker_memory: IntOrString | None = Field(
+        default=None,
+        description="The most memory the tier may add to each worker pod (a quantity, e.g. "
+        "64Gi). The operator adds the tier's size (state shard x 2 versions x (1 + "
+        "replicas) x procsPerWorker) to each pod's memory request and limit; a tier that "
+        "needs more than this is refused with the numbers.")
 
 
 class CheckpointSpec(ApiModel):
@@ -706,27 +769,6 @@ class CheckpointSpec(ApiModel):
         "trainer only; own code's folders are always uploaded in the background).",
     )
     resume_from: str | None = Field(
-class MemoryCheckpointSpec(ApiModel):
-    """The in-memory checkpoint tier: recent state in the pods' memory, beside S3."""
-
-    every_steps: int = Field(
-        ge=1, description="Snapshot every N optimizer steps into the pod's memory: each "
-        "rank's shard of the model and optimizer, the data position and the RNG. A restart "
-        "resumes from the newest snapshot every rank has (its own, else a partner's copy) "
-        "before reading S3, losing at most N steps. kubetrain's trainer only.")
-    replicas: int = Field(
-        default=1, ge=0, le=2,
-        description="Copies of each rank's snapshot kept by partner ranks, on other nodes "
-        "where the job has them: a pod or node lost restores from its partner's copy. 0 "
-        "keeps only the rank's own, which survives a trainer restart but not the pod.")
-    max_worker_memory: IntOrString | None = Field(
-        default=None,
-        description="The most memory the tier may add to each worker pod (a quantity, e.g. "
-        "64Gi). The operator adds the tier's size (state shard x 2 versions x (1 + "
-        "replicas) x procsPerWorker) to each pod's memory request and limit; a tier that "
-        "needs more than this is refused with the numbers.")
-
-
         default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
         description="Checkpoint URI of another job to start from when this job has none yet.",
     )
@@ -734,6 +776,12 @@ class MemoryCheckpointSpec(ApiModel):
         default=True,
         description="At the end, export the model as safetensors with a Hugging Face config "
         "(kubetrain's trainer only).",
+    )
+    memory: MemoryCheckpointSpec | None = Field(
+        default=None,
+        description="Also keep recent state in memory every few steps, copied to a partner "
+        "on another node; S3 stays the durable tier at everySteps (kubetrain's trainer "
+        "only). See docs/memory-checkpoints.md.",
     )
 
     @field_validator("uri", "resume_from")
@@ -777,12 +825,6 @@ class StorageSpec(ApiModel):
     )
 
     @model_validator(mode="before")
-    memory: MemoryCheckpointSpec | None = Field(
-        default=None,
-        description="Also keep recent state in memory every few steps, copied to a partner "
-        "on another node; S3 stays the durable tier at everySteps (kubetrain's trainer "
-        "only). See docs/memory-checkpoints.md.",
-    )
     @classmethod
     def _no_inline_credentials(cls, data: Any) -> Any:
         if isinstance(data, dict):
@@ -1152,6 +1194,34 @@ def _own_code_rules() -> list[JsonDict]:
     return rules
 
 
+# What tensor parallelism does not compose with, beside the parallelism section's own rules:
+# (CEL condition that refuses, the field, the message). The models say the same.
+_TP = "has(self.parallelism) && has(self.parallelism.tensorParallel) " \
+      "&& self.parallelism.tensorParallel > 1"
+TENSOR_PARALLEL_REFUSALS: tuple[tuple[str, str, str], ...] = (
+    ("(has(self.workers) && has(self.workers.procsPerWorker) ? self.workers.procsPerWorker "
+     ": 1) % self.parallelism.tensorParallel != 0", "parallelism.tensorParallel",
+     "must divide workers.procsPerWorker: tensor parallelism stays within a pod; set "
+     "tensorParallel to a divisor of procsPerWorker"),
+    ("has(self.model) && has(self.model.architecture) && self.model.architecture == 'ssm'",
+     "parallelism.tensorParallel", "is not supported with the state-space model "
+     "(model.architecture: ssm), which has no tensor-parallel plan: use tensorParallel 1 "
+     "(fsdp or hsdp shard it)"),
+    ("has(self.model) && has(self.model.dynamics) && has(self.model.dynamics.enabled) "
+     "&& self.model.dynamics.enabled", "parallelism.tensorParallel",
+     "is not supported with INL dynamics (model.dynamics), which have no tensor-parallel "
+     "plan: use tensorParallel 1"),
+    ("has(self.distillation)", "parallelism.tensorParallel",
+     "is not supported with distillation, whose teacher has no tensor-parallel placement: "
+     "use tensorParallel 1 (fsdp or hsdp shard the teacher too)"),
+)
+
+
+def _tensor_parallel_rules() -> list[JsonDict]:
+    return [cel(f"!({_TP}) || !({refused})", f"tensorParallel {message}", "." + field)
+            for refused, field, message in TENSOR_PARALLEL_REFUSALS]
+
+
 class TrainingJobSpec(ApiModel):
     """What to train, on what, and how."""
 
@@ -1165,6 +1235,7 @@ class TrainingJobSpec(ApiModel):
             "keepBest needs evaluation: set evaluation.everySteps above 0",
             ".checkpoint.keepBest"),
         *_own_code_rules(),
+        *_tensor_parallel_rules(),
     ]})
 
     # kubetrain's trainer's image; None only with spec.trainer (see _one_kind).
@@ -1262,11 +1333,61 @@ class TrainingJobSpec(ApiModel):
         return self.trainer is not None
 
     @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> TrainingJobSpec:
+        degree = self.parallelism.tensor_parallel
+        if degree == 1:
+            return self
+        refused = [
+            self.workers.procs_per_worker % degree != 0,
+            self.model.architecture == "ssm",
+            self.model.dynamics.enabled,
+            self.distillation is not None,
+        ]
+        for refuses, (_, field, message) in zip(refused, TENSOR_PARALLEL_REFUSALS, strict=True):
+            if refuses:
+                raise problem(field, f"({degree}) {message}")
+        for refuses, message in ((self.parallelism.strategy == "ddp", TP_NEEDS_SHARDING),
+                                 (self.parallelism.precision == "fp8", TP_WITHOUT_FP8)):
+            if refuses:
+                raise problem("parallelism.tensorParallel",
+                              f"({degree}) {message.removeprefix('tensorParallel ')}")
+        if self.model.init is None and not self.model.from_teacher and self.data is not None:
+            # A model.init or fromTeacher job's dimensions are its config.json's: the
+            # trainer checks those (tensor_parallel.py).
+            problems = tensor_parallel_problems(self.model.resolve(), self.data.seq_len,
+                                                degree, self.model.vocab_size is not None)
+            if problems:
+                raise problem("parallelism.tensorParallel",
+                              problems[0].removeprefix("parallelism.tensorParallel "))
+        return self
+
+    @model_validator(mode="after")
     def _from_teacher_needs_a_teacher(self) -> TrainingJobSpec:
         if self.model.from_teacher and self.distillation is None:
             raise problem("model.fromTeacher", "needs a teacher to size the model from: set "
                           "distillation.teacher, or remove fromTeacher and give the "
                           "dimensions")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_tier_fits(self) -> TrainingJobSpec:
+        memory = self.checkpoint.memory
+        if memory is None or memory.max_worker_memory is None or self.trainer is not None:
+            return self
+        # Torch-free; imported here because it sizes the model from this module's types.
+        from kubetrain.trainer.memory_budget import parse_quantity, tier_budget
+
+        try:
+            allowed = parse_quantity(memory.max_worker_memory)
+        except ValueError as error:
+            raise problem("checkpoint.memory.maxWorkerMemory", str(error)) from None
+        budget = tier_budget(self)
+        if budget is not None and budget.per_worker > allowed:
+            raise problem("checkpoint.memory.maxWorkerMemory",
+                          f"({memory.max_worker_memory}) is less than the tier needs: "
+                          f"{budget.describe()}: lower checkpoint.memory.replicas, run more "
+                          "workers (minReplicas) to shard the state further, or raise "
+                          "maxWorkerMemory")
         return self
 
     @model_validator(mode="after")
@@ -1368,27 +1489,6 @@ class TrainingJobSpec(ApiModel):
                           "log2(optimization.microBatchSize) allows")
         return smaller, ""
 
-
-    @model_validator(mode="after")
-    def _memory_tier_fits(self) -> TrainingJobSpec:
-        memory = self.checkpoint.memory
-        if memory is None or memory.max_worker_memory is None or self.trainer is not None:
-            return self
-        # Torch-free; imported here because it sizes the model from this module's types.
-        from kubetrain.trainer.memory_budget import parse_quantity, tier_budget
-
-        try:
-            allowed = parse_quantity(memory.max_worker_memory)
-        except ValueError as error:
-            raise problem("checkpoint.memory.maxWorkerMemory", str(error)) from None
-        budget = tier_budget(self)
-        if budget is not None and budget.per_worker > allowed:
-            raise problem("checkpoint.memory.maxWorkerMemory",
-                          f"({memory.max_worker_memory}) is less than the tier needs: "
-                          f"{budget.describe()}: lower checkpoint.memory.replicas, run more "
-                          "workers (minReplicas) to shard the state further, or raise "
-                          "maxWorkerMemory")
-        return self
 
 # --- status --------------------------------------------------------------------------
 

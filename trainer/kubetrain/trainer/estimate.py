@@ -80,6 +80,15 @@ from typing import Literal
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
+from kubetrain.trainer.mesh import (
+    TENSOR_PARALLEL_DEGREES,
+    MeshError,
+    MeshShape,
+    Strategy,
+    auto_shape,
+    mesh_shape,
+    tensor_parallel_allowed,
+)
 from kubetrain.trainer.sizing import (
     CONTROLLER_WIDTH,
     block_parameter_count,
@@ -141,29 +150,44 @@ class MemoryEstimate:
                 + self.context)
 
 
-def job_plan(spec: TrainingJobSpec, world_size: int) -> Plan:
-    """The plan the job's spec describes at `world_size` processes."""
-    return Plan(spec.optimization.micro_batch_size, spec.gradient_accumulation(world_size),
+def job_plan(spec: TrainingJobSpec, world_size: int, mesh: MeshShape | None = None) -> Plan:
+    """The plan the job's spec describes at `world_size` processes laid out as `mesh`
+    (default: the spec's own; the processes of a tensor-parallel group share micro-batches)."""
+    mesh = mesh or spec_mesh(spec, world_size)
+    return Plan(spec.optimization.micro_batch_size, spec.gradient_accumulation(mesh.dp_size),
                 spec.parallelism.activation_checkpointing)
+
+
+def spec_mesh(spec: TrainingJobSpec, world_size: int) -> MeshShape:
+    """The mesh the spec names at `world_size` processes; under strategy auto the one it
+    starts from before auto knows the GPU (fsdp, with the spec's tensorParallel).
+    Raises MeshError when the spec cannot be laid out on that many processes."""
+    strategy: Strategy | None = "fsdp" if spec.parallelism.strategy == "auto" else None
+    return mesh_shape(spec.parallelism, spec.workers.procs_per_worker, world_size, strategy)
 
 
 def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
                     output_loss: OutputLossName = "chunked",
                     dims: ModelDims | None = None,
                     teacher: ModelDims | None = None,
-                    teacher_dynamics: bool = False) -> MemoryEstimate:
+                    teacher_dynamics: bool = False,
+                    mesh: MeshShape | None = None) -> MemoryEstimate:
     """Memory per process for `spec` trained by `world_size` processes with `plan`,
     the loss computed by `output_loss` (loss.py); `dims` (default: the spec's) are the
     model's dimensions, which a model.init job takes from its config.json; `teacher`
     the dimensions of a distillation teacher and `teacher_dynamics` whether it has INL
-    dynamics (its config.json's; see `teacher_model`).
+    dynamics (its config.json's; see `teacher_model`); `mesh` how the processes are laid
+    out (default: the spec's, `spec_mesh`).
     """
     dims = dims or spec.model.resolve()
+    mesh = mesh or spec_mesh(spec, world_size)
+    tp = mesh.tensor_parallel
     dynamics = spec.model.dynamics.enabled
     n_params = parameter_count(dims, dynamics)
-    block_params = block_parameter_count(dims, dynamics)
-    sharded = spec.parallelism.strategy == "fsdp" and world_size > 1
-    shards = world_size if sharded else 1
+    block_params = block_parameter_count(dims, dynamics) // tp
+    # Under tensor parallelism FSDP2 always wraps the model (for its precision policy).
+    sharded = mesh.strategy in ("fsdp", "hsdp") and (mesh.shard > 1 or tp > 1)
+    shards = mesh.parameter_shards
     compute = COMPUTE_BYTES[spec.parallelism.precision]
 
     tokens = plan.micro_batch_size * spec.data.seq_len
@@ -185,6 +209,13 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         full_block = (round(full_block * COMPILED_ACTIVATIONS
                             * (FLOAT8_ACTIVATIONS if precision == "fp8" else 1.0))
                       if spec.parallelism.compile else eager_block)
+    if tp > 1:
+        # Tensor and sequence parallelism split every kept tensor, except the block's two
+        # all-gathered inputs (to attention and to the feed-forward), kept whole for backward.
+        gathered = 2 * compute * dims.dim * tokens
+        full_block = full_block // tp + gathered * (tp - 1) // tp
+        eager_block = eager_block // tp + gathered * (tp - 1) // tp
+        block_input //= tp
     checkpointed = {"none": 0, "selective": (dims.n_layers + 1) // 2,
                     "full": dims.n_layers}[plan.activation_checkpointing]
     activations = (dims.n_layers - checkpointed) * full_block + checkpointed * block_input
@@ -193,6 +224,11 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         # compiled).
         activations += eager_block
     logits = _loss_bytes(output_loss, tokens, dims.vocab_size, dims.dim, compute, casts)
+    if tp > 1:
+        # The vocabulary-parallel chunked loss (tensor_parallel.py): chunks of its slice of
+        # the vocabulary, plus the final hidden states gathered whole.
+        logits = (_loss_bytes("chunked", tokens, dims.vocab_size // tp, dims.dim, compute,
+                              casts) + compute * dims.dim * tokens)
     teacher_bytes = 0
     if teacher is not None:
         chunk = min(tokens, distillation_chunk_tokens(dims.vocab_size))
@@ -257,7 +293,8 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
               dims: ModelDims | None = None,
               teacher: ModelDims | None = None,
               teacher_dynamics: bool = False,
-              grow: bool = False) -> Plan | None:
+              grow: bool = False,
+              mesh: MeshShape | None = None) -> Plan | None:
     """The plan that fits `gpu_bytes` with the least recomputation, then the largest micro-batch.
 
     The global batch stays exactly what the job asks for: the micro-batch is a divisor of
@@ -267,7 +304,7 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
     not even micro-batch 1 with full checkpointing fits (more processes, or a smaller
     model, are needed).
     """
-    asked = job_plan(spec, world_size)
+    asked = job_plan(spec, world_size, mesh)
     global_sequences = asked.micro_batch_size * asked.gradient_accumulation
     largest = global_sequences if grow else asked.micro_batch_size
     micro_batches = [m for m in range(largest, 0, -1) if global_sequences % m == 0]
@@ -277,7 +314,7 @@ def recommend(spec: TrainingJobSpec, world_size: int, gpu_bytes: int,
         for micro in micro_batches:
             plan = Plan(micro, global_sequences // micro, checkpointing)
             if estimate_memory(spec, world_size, plan, output_loss, dims, teacher,
-                               teacher_dynamics).total <= gpu_bytes:
+                               teacher_dynamics, mesh).total <= gpu_bytes:
                 return plan
     return None
 
@@ -322,36 +359,90 @@ def run(args: argparse.Namespace) -> int:
         return 2
     world_size = args.world_size or spec.workers.replicas * spec.workers.procs_per_worker
     gpu_bytes = int(args.gpu_memory * GIB)
-    plan = job_plan(spec, world_size)
+    try:
+        if spec.parallelism.strategy == "auto":
+            mesh, why = auto_shape(spec, dims, world_size, gpu_bytes)
+            chosen = f"parallelism.strategy auto chose {mesh.describe()}: {why}\n"
+        else:
+            mesh, chosen = spec_mesh(spec, world_size), ""
+    except MeshError as error:
+        print(f"kubetrain estimate: {error}", file=sys.stderr)
+        return 2
+    plan = job_plan(spec, world_size, mesh)
     estimate = estimate_memory(spec, world_size, plan, dims=dims, teacher=teacher,
-                               teacher_dynamics=teacher_dynamics)
-    print(_describe(spec, world_size, plan, dims, teacher, teacher_dynamics))
-    print(_table(spec, world_size, estimate))
+                               teacher_dynamics=teacher_dynamics, mesh=mesh)
+    print(_describe(spec, world_size, plan, dims, teacher, teacher_dynamics, mesh) + chosen)
+    print(_table(spec, mesh, estimate))
     fits = estimate.total <= gpu_bytes
     verdict = "fits" if fits else "does NOT fit"
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
+    meshes = mesh_estimates(spec, world_size, dims, teacher, teacher_dynamics)
+    print(_mesh_table(meshes, mesh, gpu_bytes))
     if fits:
         larger = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
-                           teacher_dynamics=teacher_dynamics, grow=True)
+                           teacher_dynamics=teacher_dynamics, grow=True, mesh=mesh)
         if larger is not None and larger.micro_batch_size > plan.micro_batch_size:
             total = estimate_memory(spec, world_size, larger, dims=dims, teacher=teacher,
-                                    teacher_dynamics=teacher_dynamics).total
+                                    teacher_dynamics=teacher_dynamics, mesh=mesh).total
             print(f"\nThe memory left over fits a larger micro-batch, the same global batch "
                   f"({total / GIB:.1f} GiB per GPU; larger micro-batches run faster):\n"
                   + _plan_lines(larger))
         return 0
+    other = next(((shape, total) for shape, total in meshes if total <= gpu_bytes), None)
+    if other is not None:
+        print(f"\n{other[0].describe()} fits at the job's micro-batch ({other[1] / GIB:.1f} GiB "
+              f"per GPU):\n" + _mesh_lines(other[0]))
     better = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
-                       teacher_dynamics=teacher_dynamics)
+                       teacher_dynamics=teacher_dynamics, mesh=mesh)
     if better is None:
-        print(f"\nNothing fits {args.gpu_memory:g} GiB with {world_size} processes: use more "
-              "processes (workers.replicas or procsPerWorker) with strategy fsdp, or a smaller "
-              "model.")
+        if other is None:
+            print(f"\nNothing fits {args.gpu_memory:g} GiB with {world_size} processes: use "
+                  "more processes (workers.replicas or procsPerWorker) with strategy fsdp, or "
+                  "a smaller model.")
         return 1
     total = estimate_memory(spec, world_size, better, dims=dims, teacher=teacher,
-                            teacher_dynamics=teacher_dynamics).total
+                            teacher_dynamics=teacher_dynamics, mesh=mesh).total
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
           + _plan_lines(better))
     return 1
+
+
+def mesh_estimates(spec: TrainingJobSpec, world_size: int, dims: ModelDims,
+                   teacher: ModelDims | None = None, teacher_dynamics: bool = False
+                   ) -> list[tuple[MeshShape, int]]:
+    """Bytes per GPU at the job's plan under every mesh the pod shape allows: fsdp, hsdp
+    (several pods), and each with every tensor-parallel degree the model and the pod allow."""
+    procs = spec.workers.procs_per_worker
+    several_pods = world_size > procs and world_size % procs == 0
+    strategies: list[Strategy] = ["fsdp", "hsdp"] if several_pods else ["fsdp"]
+    found = []
+    for degree in (1, *TENSOR_PARALLEL_DEGREES):
+        if degree > procs or procs % degree or (
+                degree > 1 and not tensor_parallel_allowed(spec, dims, degree)):
+            continue
+        parallelism = spec.parallelism.model_copy(update={"tensor_parallel": degree})
+        for strategy in strategies:
+            shape = mesh_shape(parallelism, procs, world_size, strategy)
+            plan = job_plan(spec, world_size, shape)
+            found.append((shape, estimate_memory(spec, world_size, plan, dims=dims,
+                                                 teacher=teacher,
+                                                 teacher_dynamics=teacher_dynamics,
+                                                 mesh=shape).total))
+    return found
+
+
+def _mesh_table(meshes: list[tuple[MeshShape, int]], chosen: MeshShape, gpu_bytes: int) -> str:
+    lines = ["\n  per GPU under each mesh (the job's micro-batch and checkpointing)"]
+    for shape, total in meshes:
+        mark = "  <- the job's" if shape == chosen else ""
+        verdict = "fits" if total <= gpu_bytes else "does not fit"
+        lines.append(f"  {shape.describe():<40}{total / GIB:>8.2f}  {verdict}{mark}")
+    return "\n".join(lines)
+
+
+def _mesh_lines(shape: MeshShape) -> str:
+    return (f"  parallelism.strategy: {shape.strategy}\n"
+            f"  parallelism.tensorParallel: {shape.tensor_parallel}")
 
 
 def _plan_lines(plan: Plan) -> str:
@@ -361,12 +452,12 @@ def _plan_lines(plan: Plan) -> str:
 
 
 def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims,
-              teacher: ModelDims | None = None, teacher_dynamics: bool = False) -> str:
+              teacher: ModelDims | None, teacher_dynamics: bool, mesh: MeshShape) -> str:
     name = (f"model.init {spec.model.init}" if spec.model.init
             else "custom model" if spec.model.preset == "custom" else spec.model.preset)
     dynamics = " with INL dynamics" if spec.model.dynamics.enabled else ""
     if spec.model.architecture == "ssm":
-        return _describe_ssm(spec, world_size, plan, dims, name, teacher)
+        return _describe_ssm(spec, world_size, plan, dims, name, teacher, mesh)
     distilling = ""
     if teacher is not None and spec.distillation is not None:
         with_dynamics = " with INL dynamics" if teacher_dynamics else ""
@@ -374,15 +465,17 @@ def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDim
                       f"B-parameter teacher{with_dynamics} ({spec.distillation.teacher})\n")
     return (f"{name}{dynamics}: {parameter_count(dims, spec.model.dynamics.enabled) / 1e9:.2f}B "
             f"parameters, {world_size} processes, "
-            f"{spec.parallelism.strategy}, {spec.parallelism.precision}, activation "
+            f"{mesh.describe()}, {spec.parallelism.precision}, activation "
             f"checkpointing {plan.activation_checkpointing}\n"
             f"micro-batch {plan.micro_batch_size} x {spec.data.seq_len} tokens, "
             f"{plan.gradient_accumulation} accumulation steps\n{distilling}")
 
 
-def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> str:
-    sharded = spec.parallelism.strategy == "fsdp" and world_size > 1
-    share = f", 1/{world_size} each" if sharded else ""
+def _table(spec: TrainingJobSpec, mesh: MeshShape, estimate: MemoryEstimate) -> str:
+    shards = mesh.parameter_shards
+    share = f", 1/{shards} each" if shards > 1 else ""
+    # The teacher is never split by tensor parallelism (the API refuses distillation with it).
+    teacher_share = f", 1/{mesh.shard} each" if shards > 1 else ""
     rows = [
         (f"parameters (fp32{share})", estimate.parameters),
         (f"gradients (fp32{share})", estimate.gradients),
@@ -391,7 +484,8 @@ def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> 
         ("autocast weight copies", estimate.weight_copies),
         ("activations", estimate.activations),
         ("output projection and loss (chunked)", estimate.logits),
-        *([(f"distillation teacher ({spec.parallelism.precision}{share})", estimate.teacher)]
+        *([(f"distillation teacher ({spec.parallelism.precision}{teacher_share})",
+            estimate.teacher)]
           if spec.distillation is not None else []),
         ("CUDA context and slack", estimate.context),
     ]
@@ -402,7 +496,7 @@ def _table(spec: TrainingJobSpec, world_size: int, estimate: MemoryEstimate) -> 
 
 
 def _describe_ssm(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDims,
-                  name: str, teacher: ModelDims | None) -> str:
+                  name: str, teacher: ModelDims | None, mesh: MeshShape) -> str:
     """`_describe` for a state-space model: its parameters and its generation state."""
     if spec.model.from_teacher and spec.distillation is not None:
         name = f"sized from the teacher {spec.distillation.teacher}"
@@ -412,7 +506,7 @@ def _describe_ssm(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: Mode
                       f"teacher ({spec.distillation.teacher})\n")
     state = 4 * ssm_state_elements(dims)
     return (f"state-space model, {name}: {ssm_parameter_count(dims) / 1e9:.2f}B parameters, "
-            f"{world_size} processes, {spec.parallelism.strategy}, "
+            f"{world_size} processes, {mesh.describe()}, "
             f"{spec.parallelism.precision}, activation checkpointing "
             f"{plan.activation_checkpointing}\n"
             f"micro-batch {plan.micro_batch_size} x {spec.data.seq_len} tokens, "

@@ -1,13 +1,19 @@
 """How a plain model becomes a distributed, mixed-precision training model.
 
 `parallelize` is the one place parallelism is applied, in torchtitan's order:
-float8 conversion (fp8 only) → activation checkpointing → torch.compile → FSDP2
-(`fully_shard` per block, then the root) or DDP. It returns a `ParallelModel`
-that tells the loop the three things that differ between strategies: how to
-compute in the job's precision,
-how to skip gradient synchronisation on non-final micro-steps, and which
-gradient scaler (fp16 only) to use. `parallelize_frozen` places a model that is
-never trained (a distillation teacher) the same way, minus what only training needs.
+float8 conversion (fp8 only) → tensor parallelism (tensor_parallel.py) → activation
+checkpointing → torch.compile → FSDP2 (`fully_shard` per block, then the root; over a
+2-D replicate x shard mesh it is HSDP) or DDP. The mesh comes from mesh.py (a
+`TrainingMesh`: strategy auto already decided); a plain 1-D `DeviceMesh` means the
+spec's fsdp or ddp over all of it, as before meshes had more dimensions. It returns a
+`ParallelModel` that tells the loop the four things that differ between strategies: how
+to compute in the job's precision, how to skip gradient synchronisation on non-final
+micro-steps, which gradient scaler (fp16 only) to use, and how many data-parallel ranks
+read different batches (the processes of one tensor-parallel group read the same).
+Under tensor parallelism FSDP2 wraps the model even over a data-parallel dimension of
+one, for its mixed-precision policy: autocast does not cast DTensor parameters.
+`parallelize_frozen` places a model that is never trained (a distillation teacher) the
+same way, minus what only training needs.
 
 Precision: with FSDP2 the `MixedPrecisionPolicy` casts parameters to bf16/fp16
 for compute and reduces gradients in fp32, keeping fp32 master weights; with DDP
@@ -44,6 +50,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kubetrain.api.trainingjob import ParallelismSpec
 from kubetrain.trainer.architecture import LanguageModel
+from kubetrain.trainer.mesh import TrainingMesh
+from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.tensor_parallel import apply_tensor_parallel
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                   "fp8": torch.bfloat16}  # fp8: float8 matmuls inside a bf16 model
@@ -67,6 +76,7 @@ class ParallelModel:
     autocast: Callable[[], AbstractContextManager[object]]
     scaler: GradScaler | None
     _skip_sync: Callable[[], AbstractContextManager[object]]
+    dp_size: int = 1  # data-parallel ranks: the processes that read different batches
 
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
@@ -79,14 +89,22 @@ class ParallelModel:
 
 
 def parallelize(
-    model: LanguageModel, spec: ParallelismSpec, mesh: DeviceMesh, device: torch.device
+    model: LanguageModel, spec: ParallelismSpec, mesh: DeviceMesh | TrainingMesh,
+    device: torch.device
 ) -> ParallelModel:
-    """Apply float8, activation checkpointing, compile and FSDP2/DDP to `model` on `device`."""
-    world_size = mesh.size()
+    """Apply float8, tensor parallelism, activation checkpointing, compile and FSDP2/HSDP/DDP
+    to `model` on `device`, over `mesh` (see the module docstring)."""
+    spec, data_mesh, tp_mesh = _layout(spec, mesh)
+    world_size = data_mesh.size()
     if spec.precision == "fp8":
         # Before anything moves to the device: a job that cannot run fails at once.
-        convert_to_float8(model, device, all_gather_in_float8=_shards(spec, mesh))
+        convert_to_float8(model, device, all_gather_in_float8=_shards(spec, data_mesh))
     model.to(device)
+    if tp_mesh is not None:
+        if not isinstance(model, Transformer):  # the API refuses it; this names it anyway
+            raise ValueError("parallelism.tensorParallel: the state-space model has no "
+                             "tensor-parallel plan: use tensorParallel 1")
+        apply_tensor_parallel(model, tp_mesh)
     for index, block in enumerate(model.layers):
         # selective: every other block, halving activation memory for ~half the recompute.
         if spec.activation_checkpointing == "full" or (
@@ -98,14 +116,15 @@ def parallelize(
         model.layers[index] = block
 
     dtype = COMPUTE_DTYPES[spec.precision]
-    if _shards(spec, mesh):
-        fsdp_model = _shard(model, mesh, dtype)
+    if _shards(spec, data_mesh) or tp_mesh is not None:
+        fsdp_model = _shard(model, data_mesh, dtype)
         return ParallelModel(
             module=model,
             autocast=contextlib.nullcontext,
             # FSDP2 shards gradients, so inf/nan checks must be agreed across ranks.
             scaler=ShardedGradScaler(device.type) if spec.precision == "fp16" else None,
             _skip_sync=lambda: _fsdp_sync_disabled(fsdp_model),
+            dp_size=world_size,
         )
 
     module: nn.Module = model
@@ -118,21 +137,26 @@ def parallelize(
         autocast=_autocast(device, dtype),
         scaler=GradScaler(device.type) if spec.precision == "fp16" else None,
         _skip_sync=skip_sync,
+        dp_size=world_size,
     )
 
 
-def parallelize_frozen(model: LanguageModel, spec: ParallelismSpec, mesh: DeviceMesh,
-                       device: torch.device) -> LanguageModel:
+def parallelize_frozen(model: LanguageModel, spec: ParallelismSpec,
+                       mesh: DeviceMesh | TrainingMesh, device: torch.device) -> LanguageModel:
     """Place a frozen model (a distillation teacher) the way `parallelize` places the trained one.
 
     Its parameters stop requiring gradients and are stored in the job's compute dtype:
     nothing updates them, so there are no fp32 master weights to keep (fp8 jobs' teachers
-    run in bf16, without float8 conversion). Under strategy fsdp with several processes
-    FSDP2 shards every block and then the root, as for the student; otherwise (ddp, or one
+    run in bf16, without float8 conversion). Under strategy fsdp (or hsdp) with several
+    processes FSDP2 shards every block and then the root, as for the student; otherwise (ddp, or one
     process) each rank holds the whole model: DDP only synchronises gradients, which a
     frozen model has none of. No activation checkpointing (nothing runs backward through
     it); torch.compile per block when the job compiles. Returned in eval mode.
     """
+    spec, data_mesh, tp_mesh = _layout(spec, mesh)
+    if tp_mesh is not None:  # the API refuses distillation with tensorParallel
+        raise ValueError("parallelism.tensorParallel: a distillation teacher has no "
+                         "tensor-parallel placement: use tensorParallel 1")
     dtype = COMPUTE_DTYPES[spec.precision]
     model.requires_grad_(False)
     for parameter in model.parameters():
@@ -142,14 +166,23 @@ def parallelize_frozen(model: LanguageModel, spec: ParallelismSpec, mesh: Device
     if spec.compile:
         for block in model.layers:
             block.compile()
-    if _shards(spec, mesh):
-        _shard(model, mesh, dtype)
+    if _shards(spec, data_mesh):
+        _shard(model, data_mesh, dtype)
     return model
 
 
+def _layout(spec: ParallelismSpec, mesh: DeviceMesh | TrainingMesh
+            ) -> tuple[ParallelismSpec, DeviceMesh, DeviceMesh | None]:
+    """The spec with its strategy decided, the mesh data parallelism spans, and the
+    tensor-parallel mesh (None without)."""
+    if isinstance(mesh, TrainingMesh):
+        return mesh.parallelism(spec), mesh.data_parallel, mesh.tensor_parallel
+    return spec, mesh, None
+
+
 def _shards(spec: ParallelismSpec, mesh: DeviceMesh) -> bool:
-    """Whether FSDP2 shards the models: strategy fsdp with several processes."""
-    return spec.strategy == "fsdp" and mesh.size() > 1
+    """Whether FSDP2 shards the models: strategy fsdp (or hsdp) with several processes."""
+    return spec.strategy in ("fsdp", "hsdp") and mesh.size() > 1
 
 
 def _shard(model: LanguageModel, mesh: DeviceMesh, dtype: torch.dtype) -> FSDPModule:
