@@ -137,7 +137,7 @@ def _literal_env(variables: Iterable[EnvVar]) -> dict[str, str]:
 OWN_CODE_SHUTDOWN_SECONDS = 60
 OWN_CODE_FINAL_SYNC_SECONDS = 45
 # How often the entry uploads marked folders: a local run wants them up soon.
-OWN_CODE_SYNC_SECONDS = 2.0
+OWN_CODE_SYNC_SECONDS = 1.0
 
 
 def own_code_launch(job: TrainingJob, manifest: Path, index: int, rendezvous: Rendezvous,

@@ -62,11 +62,12 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     if latest is None:
         return 0
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optimizer_state, "step": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=str(latest))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    return int(state["step"])
+    step = torch.tensor(0)
+    dcp.load({"model": model_state, "optim": optimizer_state, "step": step},
+             checkpoint_id=str(latest))  # in place
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict=optimizer_state)
+    return int(step)
 
 
 def main() -> int:
