@@ -128,6 +128,7 @@ from kubetrain.trainer.goodput import (
     attempt_started_at,
 )
 from kubetrain.trainer.loss import select_output_loss
+from kubetrain.trainer.memory_checkpoint import MemoryCheckpoints, open_memory_tier
 from kubetrain.trainer.metrics import (
     DynamicsReport,
     Reporter,
@@ -215,10 +216,13 @@ class _Run:
     goodput: GoodputLedger
     heartbeat: Heartbeat | None  # rank 0 only
     teacher: Teacher | None = None  # spec.distillation's frozen teacher
+    memory: MemoryCheckpoints | None = None  # spec.checkpoint.memory's in-memory tier
 
     def close(self) -> None:
         """Wait for a checkpoint in flight, stop prefetching, stop serving metrics."""
         try:
+            if self.memory is not None:
+                self.memory.close()
             self.checkpointer.close()
         finally:
             if self.heartbeat is not None:
@@ -429,7 +433,9 @@ class Trainer:
                     validation_data=validation_data, progress=progress, app_state=app_state,
                     checkpointer=checkpointer, reporter=reporter,
                     output_loss=(model.output_loss.name, why), goodput=goodput,
-                    heartbeat=heartbeat, teacher=teacher)
+                    heartbeat=heartbeat, teacher=teacher,
+                    memory=open_memory_tier(spec, rank=world.rank, world_size=world.world_size,
+                                            local_rank=world.local_rank, job_name=self.name))
 
     def _train(self, run: _Run, stop: StopRequest) -> FitResult:
         """The loop, one iteration per optimizer step, in the module docstring's order."""
@@ -475,6 +481,8 @@ class Trainer:
             if step % spec.checkpoint.every_steps == 0 or (
                     val_loss is not None and run.checkpointer.improves_best(val_loss)):
                 self._save(run, step, val_loss, blocking=False)
+            if run.memory is not None and run.memory.due(step):
+                self._snapshot(run, run.memory, step)
         return self._finish(run, stop, step, reason, val_loss)
 
     def _resume(self, run: _Run) -> int:
@@ -483,7 +491,10 @@ class Trainer:
         spec, reporter, model = self.spec, run.reporter, run.parallel.module
         goodput = run.goodput
         goodput.charge(STARTUP)
-        loaded = run.checkpointer.load_latest(run.app_state)
+        # The in-memory tier first (own memory, then a partner's copy), then S3.
+        restored = run.memory.load_latest(run.app_state) if run.memory is not None else None
+        loaded = (restored.step if restored is not None
+                  else run.checkpointer.load_latest(run.app_state))
         if loaded is None and spec.model.init is not None:
             # Pretrained weights only start a job: any checkpoint to resume from wins.
             load_pretrained(model, spec.model.init, spec.storage)
@@ -499,11 +510,13 @@ class Trainer:
         goodput.charge(CHECKPOINT_LOAD)
         # A checkpoint of another job (resumeFrom) does not carry this job's time.
         goodput.resume(self._last_heartbeat(run),
-                       from_this_job=not step or run.checkpointer.latest is not None,
+                       from_this_job=(not step or restored is not None
+                                      or run.checkpointer.latest is not None),
                        out_of_memory_restarts=self.out_of_memory_restarts)
         if step:
-            resumed_from = run.checkpointer.latest.uri if run.checkpointer.latest else str(
-                spec.checkpoint.resume_from)
+            resumed_from = (restored.uri if restored is not None
+                            else run.checkpointer.latest.uri if run.checkpointer.latest
+                            else str(spec.checkpoint.resume_from))
             reporter.resumed(step, resumed_from, run.world.world_size)
         if run.checkpointer.best is not None:
             reporter.kept_best(run.checkpointer.best.step, run.checkpointer.best.val_loss)
@@ -615,6 +628,8 @@ class Trainer:
                     {"model": ModelWeights(run.parallel.module)}) or step
             export_uri = export_model(run.parallel.module, run.dims, spec, rank=run.world.rank)
         run.goodput.charge(CHECKPOINT_SAVE)  # the export is the run's last save
+        if run.memory is not None:
+            run.memory.close(discard=True)  # finished: nothing will restore from memory
         self._account(run, step, final=True)
         run.reporter.finished(step, reason, best, export_uri, export_step=export_step,
                               export_format=export_format(spec) if export_uri else None)
@@ -627,6 +642,14 @@ class Trainer:
         _synchronize(run.world.device)
         run.goodput.charge(PRODUCTIVE)
         run.checkpointer.save(step, run.app_state, blocking=blocking, val_loss=val_loss)
+        run.goodput.charge(CHECKPOINT_SAVE)
+
+    @staticmethod
+    def _snapshot(run: _Run, memory: MemoryCheckpoints, step: int) -> None:
+        """Snapshot `step` into the in-memory tier; its blocking part is a save's time."""
+        _synchronize(run.world.device)
+        run.goodput.charge(PRODUCTIVE)
+        memory.save(step, run.app_state)
         run.goodput.charge(CHECKPOINT_SAVE)
 
     def _evaluate_and_record(self, run: _Run, step: int) -> float | None:

@@ -1,0 +1,678 @@
+"""The in-memory checkpoint tier: each rank's state in its pod's memory every few steps, with
+a copy on a partner rank of another node (`spec.checkpoint.memory`).
+
+Beside the S3 tier (checkpoint.py) and behind the same calls (`save`, `load_latest`,
+`wait`, `close`); S3 stays the durable tier at its own interval, and SIGTERM still saves
+there. The loop snapshots every `memory.everySteps`:
+
+    memory = MemoryCheckpoints(spec, rank=rank, world_size=world)   # collective
+    restored = memory.load_latest(app_state)   # before S3; None: use the S3 tier
+    ...
+    if memory.due(step):
+        memory.save(step, app_state)           # blocking part: one copy of the state
+
+Where it lives. A folder per local rank in memory that outlives the trainer process:
+`$KUBETRAIN_MEMORY_CHECKPOINTS` (the operator mounts an emptyDir of medium Memory there,
+sized by memory_budget.py), else /dev/shm. torchrun's in-place restarts keep the pod and
+its volume, so a restarted rank finds its own snapshot there; a replaced pod or a lost node
+takes it, and the partner's copy is used.
+
+A snapshot of one rank (a *part*) is two files per slot: `<owner>-<slot>.data`, the raw
+bytes of every tensor of the rank's state (its FSDP shards of the parameters and of the
+optimizer's state, as they are: no gathering), and `<owner>-<slot>.meta`, the pickled rest
+(data position, schedule, RNG, goodput, early stopping; where each tensor lies in the data
+file; step, world size, lineage). The blocking part of `save` copies each tensor into the
+data file, mapped in memory (`torch.from_file`), and writes the meta file last, by rename:
+the meta file is the commit, and a part without one is torn and never read. Two slots per
+owner: a snapshot is written into the slot not holding the newest committed part, so a
+rank killed in the middle of a snapshot leaves the one before it intact.
+
+Partners. Each rank's part is sent to `replicas` partner ranks, chosen on other nodes
+(`partners`: ranks ordered by node, each sending to the rank one largest node further on,
+so every rank holds the same number of copies) over a gloo group of the job's own
+processes: the copy moves through torch.distributed's connections between the job's
+ranks, which are formed through the job's rendezvous, and nothing new listens on a
+port. The copy runs in a background thread after the blocking part; the next snapshot
+waits for it. Where every rank is on one node the copies survive a trainer restart but
+not a node loss, and the log says so (docs/memory-checkpoints.md).
+
+Restore order (`load_latest`, collective). Every rank lists the committed parts it holds
+(its own and its partners'), the lists are gathered, and the newest step for which a
+part of every rank exists, all of the same lineage (one attempt's run of snapshots) and
+the same world size, is chosen; it is used only when no newer S3 checkpoint exists. A rank
+holding its own part reads it from its folder (the tier's "memory"); a rank whose part
+is elsewhere receives it from the rank that holds it ("partner"). A world size unlike the
+snapshot's, no complete step, or any rank failing to apply its part: every rank falls back
+to S3 together. Reading a snapshot reads nothing from S3 but the listing of its
+checkpoints' manifests.
+
+This module owns the tier's files and transfers; it does not decide when to snapshot
+(loop.py) and does not touch S3 (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.trainer.checkpoint import ModelState, RandomState, latest_checkpoint
+
+log = logging.getLogger(__name__)
+
+FORMAT = "kubetrain-memory-checkpoint-v1"
+FOLDER_ENV = "KUBETRAIN_MEMORY_CHECKPOINTS"  # the pod's memory volume (children.py)
+NODE_ENV = "KUBETRAIN_NODE_NAME"  # the node's name, from the downward API (children.py)
+DEFAULT_ROOT = Path("/dev/shm/kubetrain-memory-checkpoints")
+SLOTS = 2  # memory_budget.VERSIONS
+_ALIGN = 64  # every tensor's bytes start at a multiple of this, so any dtype view is aligned
+
+
+# --- where partners are ---------------------------------------------------------------
+
+
+def partners(nodes: Sequence[str], replicas: int) -> list[list[int]]:
+    """For each rank, the ranks that keep copies of its snapshot: `replicas` of them (at most
+    world size - 1), on other nodes wherever the job has other nodes.
+
+    Ranks are ordered by node; the first partner of each is the rank one largest node
+    further on in that order, which is a permutation (every rank holds one copy) and lies
+    on another node whenever no node holds more than half the ranks. Further replicas
+    continue the same way, then fall back to any other rank, other nodes first.
+    """
+    world = len(nodes)
+    replicas = min(replicas, world - 1)
+    order = sorted(range(world), key=lambda rank: (nodes[rank], rank))
+    position = {rank: index for index, rank in enumerate(order)}
+    largest = max(collections.Counter(nodes).values())
+    shift = largest if largest < world else 1
+    chosen: list[list[int]] = []
+    for rank in range(world):
+        start = position[rank]
+        candidates = [order[(start + shift * k) % world] for k in range(1, world)]
+        candidates += [order[(start + k) % world] for k in range(1, world)]
+        others = list(dict.fromkeys(other for other in candidates if other != rank))
+        # The first keeps the permutation; the rest, stably sorted, other nodes first.
+        others[1:] = sorted(others[1:], key=lambda other: nodes[other] == nodes[rank])
+        chosen.append(others[:replicas])
+    return chosen
+
+
+def memory_folder(job_name: str, local_rank: int) -> Path:
+    """This process's folder of the tier: the pod's memory volume (or /dev/shm), one folder
+    per job run (torchrun's run id: the job's uid under the operator) and local rank."""
+    root = Path(os.environ.get(FOLDER_ENV) or DEFAULT_ROOT)
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or job_name
+    return root / run / f"local-{local_rank}"
+
+
+def open_memory_tier(spec: TrainingJobSpec, *, rank: int, world_size: int, local_rank: int,
+                     job_name: str) -> MemoryCheckpoints | None:
+    """The job's tier on this rank (collective), or None without `spec.checkpoint.memory`.
+    A snapshot is weighed against the newest S3 checkpoint of `spec.checkpoint.uri`."""
+    if spec.checkpoint.memory is None:
+        return None
+
+    def s3_latest_step() -> int | None:
+        info = latest_checkpoint(spec.checkpoint.uri, spec.storage)
+        return info.step if info is not None else None
+
+    return MemoryCheckpoints(spec, rank=rank, world_size=world_size,
+                             folder=memory_folder(job_name, local_rank),
+                             s3_latest_step=s3_latest_step)
+
+
+def node_name() -> str:
+    """The node this process runs on: the operator's downward-API variable, else the host."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+# --- turning state into bytes and back --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Where a tensor of the state lies in the data file, and what it was."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str
+    sharded: bool  # a DTensor: its local shard is stored
+
+
+@dataclass
+class _Layout:
+    """The tensors of one snapshot, in order, and their offsets in the data file."""
+
+    tensors: list[torch.Tensor]
+    offsets: list[int]
+    size: int
+
+    @property
+    def signature(self) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+        return tuple((tensor.dtype, tuple(tensor.shape)) for tensor in self.tensors)
+
+
+def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """`value` with every tensor replaced by a `_Ref` to its place in `tensors`."""
+    if isinstance(value, torch.Tensor):
+        sharded = isinstance(value, DTensor)
+        local = value.to_local() if isinstance(value, DTensor) else value
+        tensors.append(local.detach())
+        return _Ref(len(tensors) - 1, local.dtype, tuple(local.shape), str(local.device),
+                    sharded)
+    if isinstance(value, dict):
+        return {key: _flatten(item, tensors) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_flatten(item, tensors) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _model_entry(state: ModelState) -> dict[str, Any]:
+    """A rank's model and optimizer state as they are: local shards, no gathering."""
+    optimizer = state.optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "parameters": list(state.model.parameters()),
+        "buffers": list(state.model.buffers()),
+        "optimizer": [dict(optimizer.state.get(p, {})) for p in params],
+        "groups": [{key: value for key, value in group.items() if key != "params"}
+                   for group in optimizer.param_groups],
+    }
+
+
+def _rng_entry() -> dict[str, Any]:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _capture(app_state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The skeleton of a rank's state (tensors as `_Ref`s) and its tensors."""
+    tensors: list[torch.Tensor] = []
+    skeleton: dict[str, Any] = {}
+    for key, value in app_state.items():
+        if isinstance(value, ModelState):
+            skeleton[key] = ("model", _flatten(_model_entry(value), tensors))
+        elif isinstance(value, RandomState):  # this rank's own generators: same world size
+            skeleton[key] = ("rng", _flatten(_rng_entry(), tensors))
+        else:
+            skeleton[key] = ("state", _flatten(value.state_dict(), tensors))
+    return skeleton, tensors
+
+
+def _layout(tensors: list[torch.Tensor]) -> _Layout:
+    offsets, size = [], 0
+    for tensor in tensors:
+        offsets.append(size)
+        size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+    return _Layout(tensors, offsets, max(size, _ALIGN))
+
+
+def _view(data: torch.Tensor, offset: int, ref: _Ref) -> torch.Tensor:
+    """The stored bytes of `ref` in `data` (uint8), as a tensor of its dtype and shape."""
+    count = 1
+    for length in ref.shape:
+        count *= length
+    size = count * torch.empty((), dtype=ref.dtype).element_size()
+    return data[offset:offset + size].view(ref.dtype).view(ref.shape)
+
+
+class _Restorer:
+    """Puts a decoded snapshot back into the live objects of `app_state`."""
+
+    def __init__(self, data: torch.Tensor, offsets: list[int]) -> None:
+        self.data, self.offsets = data, offsets
+
+    def tensor(self, ref: _Ref) -> torch.Tensor:
+        return _view(self.data, self.offsets[ref.index], ref)
+
+    def value(self, item: Any) -> Any:
+        """A saved value with its tensors copied out of the data file (to their device)."""
+        if isinstance(item, _Ref):
+            return self.tensor(item).to(item.device, copy=True)
+        if isinstance(item, dict):
+            return {key: self.value(entry) for key, entry in item.items()}
+        if isinstance(item, list | tuple):
+            items = [self.value(entry) for entry in item]
+            return items if isinstance(item, list) else tuple(items)
+        return item
+
+    @torch.no_grad()
+    def into(self, target: torch.Tensor, ref: _Ref) -> None:
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if tuple(local.shape) != ref.shape or local.dtype != ref.dtype:
+            raise ValueError(f"a stored tensor is {ref.dtype} {ref.shape}, its target "
+                             f"{local.dtype} {tuple(local.shape)}: another model or sharding")
+        local.copy_(self.tensor(ref))
+
+    def model(self, state: ModelState, saved: dict[str, Any]) -> None:
+        live = _model_entry(state)
+        for kind in ("parameters", "buffers"):
+            if len(live[kind]) != len(saved[kind]):
+                raise ValueError(f"the snapshot has {len(saved[kind])} {kind}, the model "
+                                 f"{len(live[kind])}")
+            for target, ref in zip(live[kind], saved[kind], strict=True):
+                self.into(target, ref)
+        optimizer = state.optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for param, entries in zip(params, saved["optimizer"], strict=True):
+            optimizer.state[param] = {key: self._optimizer_value(param, entry)
+                                      for key, entry in entries.items()}
+        for group, hyper in zip(optimizer.param_groups, saved["groups"], strict=True):
+            group.update(self.value(hyper))
+
+    def _optimizer_value(self, param: torch.Tensor, entry: Any) -> Any:
+        if isinstance(entry, _Ref) and entry.sharded and isinstance(param, DTensor):
+            local = self.tensor(entry).to(entry.device, copy=True)
+            return DTensor.from_local(local, param.device_mesh, param.placements,
+                                      run_check=False, shape=param.shape,
+                                      stride=param.stride())
+        return self.value(entry)
+
+    def apply(self, app_state: dict[str, Any], skeleton: dict[str, Any]) -> None:
+        missing = sorted(set(app_state) - set(skeleton))
+        if missing:
+            raise ValueError(f"the snapshot holds no {', '.join(missing)}")
+        for key, value in app_state.items():
+            kind, saved = skeleton[key]
+            if kind == "model":
+                self.model(value, saved)
+            elif kind == "rng":
+                rng = self.value(saved)
+                torch.set_rng_state(rng["cpu"])
+                if rng["cuda"] is not None and torch.cuda.is_available():
+                    torch.cuda.set_rng_state(rng["cuda"])
+            else:
+                value.load_state_dict(self.value(saved))
+
+
+# --- parts on this rank ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Part:
+    """A committed snapshot part that this rank holds: `owner`'s state at `step`."""
+
+    owner: int
+    step: int
+    world_size: int
+    lineage: str
+    data_bytes: int
+    slot: int
+
+    def key(self) -> tuple[int, str]:
+        return self.step, self.lineage
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        meta: dict[str, Any] = pickle.loads(path.read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
+        return None
+    return meta if meta.get("format") == FORMAT else None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `load_latest` restored: the step, and whether every rank found its own part in
+    its folder ("memory") or some came from a partner ("partner")."""
+
+    step: int
+    tier: str  # "memory" or "partner"
+    fetched: int  # ranks whose part came from another rank
+    seconds: float
+
+    @property
+    def uri(self) -> str:
+        """How the log and the resumed event name the source."""
+        return f"memory://{self.tier}/step-{self.step:08d}"
+
+
+class MemoryCheckpoints:
+    """The job's in-memory snapshots on this rank; see the module docstring."""
+
+    def __init__(self, spec: TrainingJobSpec, *, rank: int, world_size: int, folder: Path,
+                 node: str | None = None,
+                 s3_latest_step: Callable[[], int | None] = lambda: None) -> None:
+        """Collective. `folder` is this rank's own (`memory_folder`); `node` the node it runs
+        on (`node_name`); `s3_latest_step` the newest committed S3 checkpoint's step, asked
+        on rank 0 only when a complete memory snapshot exists."""
+        memory = spec.checkpoint.memory
+        assert memory is not None, "MemoryCheckpoints needs spec.checkpoint.memory"
+        self.every_steps = memory.every_steps
+        self.rank, self.world_size = rank, world_size
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.s3_latest_step = s3_latest_step
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        here = node or node_name()
+        nodes = self._gather(here)
+        self.partners = partners(nodes, memory.replicas)
+        self.sources = [other for other in range(world_size) if rank in self.partners[other]]
+        self.same_node = [other for other in self.partners[rank] if nodes[other] == here]
+        if rank == 0:
+            lonely = [r for r in range(world_size)
+                      if any(nodes[p] == nodes[r] for p in self.partners[r])]
+            if lonely and memory.replicas:
+                log.warning("in-memory checkpoints: %d of %d ranks keep their partner copy on "
+                            "their own node (%s): those copies survive a trainer or pod "
+                            "restart but not the loss of the node; S3 covers that",
+                            len(lonely), world_size, ", ".join(sorted(set(nodes))))
+        self.lineage = self._broadcast(uuid.uuid4().hex if rank == 0 else None)
+        self._slots: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # mapped data files
+        self._header_sizes: dict[tuple[int, int, int], int] = {}  # (holder, owner, slot)
+        self._views: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        self._newest: dict[int, tuple[int, int]] = {}  # owner -> (step, slot) newest committed
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-ckpt")
+        self._in_flight: Future[None] | None = None
+        self.last_blocking = 0.0  # seconds the last save held the loop
+
+    # --- saving ---------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether the loop snapshots at `step`."""
+        return step % self.every_steps == 0
+
+    def save(self, step: int, app_state: dict[str, Any]) -> float:
+        """Snapshot this rank's state at `step` into its folder and start copying it to the
+        partners (collective only in the background copy); the seconds it blocked."""
+        started = time.perf_counter()
+        self.wait()
+        skeleton, tensors = _capture(app_state)
+        layout = _layout(tensors)
+        slot = self._free_slot(self.rank)
+        data = self._mapped(self.rank, slot, layout.size)
+        self._uncommit(self.rank, slot)
+        destinations = self._destinations(slot, data, layout)
+        torch._foreach_copy_(destinations, layout.tensors)
+        meta = self._meta(step, skeleton, layout)
+        self._commit(self.rank, slot, meta, step)
+        if self._group is not None and (self.partners[self.rank] or self.sources):
+            self._in_flight = self._copier.submit(self._replicate, step, data, meta)
+        self.last_blocking = time.perf_counter() - started
+        return self.last_blocking
+
+    def _meta(self, step: int, skeleton: dict[str, Any], layout: _Layout) -> bytes:
+        return pickle.dumps({"format": FORMAT, "owner": self.rank, "step": step,
+                             "world_size": self.world_size, "lineage": self.lineage,
+                             "data_bytes": layout.size, "offsets": layout.offsets,
+                             "skeleton": skeleton})
+
+    def _destinations(self, slot: int, data: torch.Tensor,
+                      layout: _Layout) -> list[torch.Tensor]:
+        """Views of the data file for each tensor, kept while the layout stays the same."""
+        cached = self._views.get(slot)
+        if cached is not None and cached[0] == (id(data), layout.signature):
+            return cached[1]
+        views = [data[offset:offset + tensor.numel() * tensor.element_size()]
+                 .view(tensor.dtype).view(tensor.shape)
+                 for tensor, offset in zip(layout.tensors, layout.offsets, strict=True)]
+        self._views[slot] = ((id(data), layout.signature), views)
+        return views
+
+    def _replicate(self, step: int, data: torch.Tensor, meta: bytes) -> None:
+        """Send this rank's part to its partners and receive its sources' parts (gloo)."""
+        header = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        sizes = torch.tensor([data.numel(), header.numel(), step], dtype=torch.int64)
+        pending = [dist.isend(sizes, partner, group=self._group)
+                   for partner in self.partners[self.rank]]
+        received = {source: torch.zeros(3, dtype=torch.int64) for source in self.sources}
+        pending += [dist.irecv(buffer, source, group=self._group)
+                    for source, buffer in received.items()]
+        _wait_all(pending)
+        pending.clear()
+        for partner in self.partners[self.rank]:
+            pending += [dist.isend(header, partner, group=self._group),
+                        dist.isend(data, partner, group=self._group)]
+        incoming = []
+        for source, buffer in received.items():
+            data_bytes, header_bytes, their_step = (int(value) for value in buffer)
+            slot = self._free_slot(source)
+            target = self._mapped(source, slot, data_bytes)
+            self._uncommit(source, slot)
+            their_header = torch.empty(header_bytes, dtype=torch.uint8)
+            pending += [dist.irecv(their_header, source, group=self._group),
+                        dist.irecv(target, source, group=self._group)]
+            incoming.append((source, slot, their_header, their_step))
+        _wait_all(pending)
+        for source, slot, their_header, their_step in incoming:
+            self._commit(source, slot, their_header.numpy().tobytes(), their_step)
+
+    def _free_slot(self, owner: int) -> int:
+        """The slot not holding `owner`'s newest committed part."""
+        newest = self._newest.get(owner)
+        return 0 if newest is None else (newest[1] + 1) % SLOTS
+
+    def _mapped(self, owner: int, slot: int, size: int) -> torch.Tensor:
+        """The data file of `owner`'s `slot`, mapped, at least `size` bytes."""
+        held = self._slots.get((owner, slot))
+        if held is not None and held[1] == size:
+            return held[0]
+        path = self.folder / f"{owner}-{slot}.data"
+        path.unlink(missing_ok=True)  # a stale file of another size: mapped afresh
+        data = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self._slots[(owner, slot)] = (data, size)
+        return data
+
+    def _uncommit(self, owner: int, slot: int) -> None:
+        (self.folder / f"{owner}-{slot}.meta").unlink(missing_ok=True)
+
+    def _commit(self, owner: int, slot: int, meta: bytes, step: int) -> None:
+        """Write the meta file last, by rename: from here on the part is committed."""
+        final = self.folder / f"{owner}-{slot}.meta"
+        temporary = final.with_suffix(".meta.tmp")
+        temporary.write_bytes(meta)
+        os.replace(temporary, final)
+        self._newest[owner] = (step, slot)
+
+    def wait(self) -> None:
+        """Block until the last snapshot's partner copies are done; re-raise their error."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            in_flight.result()
+
+    def close(self, *, discard: bool = False) -> None:
+        """Wait for a copy in flight and stop its thread; `discard` (the job finished)
+        deletes this rank's folder."""
+        try:
+            self.wait()
+        finally:
+            self._copier.shutdown(wait=True)
+            self._slots.clear()
+            self._views.clear()
+            if discard:
+                shutil.rmtree(self.folder, ignore_errors=True)
+
+    # --- restoring ------------------------------------------------------------------
+
+    def held(self) -> list[Part]:
+        """The committed parts in this rank's folder (torn ones, without a meta, are not)."""
+        found = []
+        for path in sorted(self.folder.glob("*.meta")):
+            meta = _read_meta(path)
+            data = path.with_suffix(".data")
+            if meta is None or not data.exists() or data.stat().st_size < meta["data_bytes"]:
+                continue
+            slot = int(path.stem.rpartition("-")[2])
+            found.append(Part(int(meta["owner"]), int(meta["step"]), int(meta["world_size"]),
+                              str(meta["lineage"]), int(meta["data_bytes"]), slot))
+        return found
+
+    def load_latest(self, app_state: dict[str, Any]) -> Restored | None:
+        """Restore the newest snapshot every rank has a part of (collective); None when
+        there is none, when S3 holds a newer checkpoint, or when any rank could not apply
+        its part: then the caller loads from S3."""
+        started = time.perf_counter()
+        inventory = self._inventory()
+        choice = _complete_step(inventory, self.world_size)
+        if choice is None:
+            self._forget(inventory, None)
+            return None
+        step, lineage = choice
+        s3_step = self._broadcast(self.s3_latest_step() if self.rank == 0 else None)
+        if s3_step is not None and s3_step > step:
+            if self.rank == 0:
+                log.info("in-memory snapshot of step %d is older than the S3 checkpoint of "
+                         "step %d: loading from S3", step, s3_step)
+            self._forget(inventory, None)
+            return None
+        holders = _holders(inventory, step, lineage)
+        try:
+            data, meta = self._fetch(inventory, holders, step, lineage)
+            _Restorer(data, meta["offsets"]).apply(app_state, meta["skeleton"])
+            error = ""
+        except (ValueError, KeyError, RuntimeError, OSError) as problem:
+            error = f"{type(problem).__name__}: {problem}"
+        if not self._all_agree(not error):
+            log.warning("rank %d: the in-memory snapshot of step %d could not be restored "
+                        "(%s): loading from S3", self.rank, step,
+                        error or "another rank failed")
+            return None
+        fetched = sum(1 for owner, holder in holders.items() if holder != owner)
+        self._forget(inventory, choice)
+        seconds = time.perf_counter() - started
+        tier = "partner" if fetched else "memory"
+        log.info("rank %d restored step %d from %s in %.3f s", self.rank, step,
+                 "its own memory" if holders[self.rank] == self.rank
+                 else f"rank {holders[self.rank]}'s copy", seconds)
+        return Restored(step, tier, fetched, seconds)
+
+    def _fetch(self, inventory: list[list[Part]], holders: dict[int, int], step: int,
+               lineage: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """This rank's part: read from its folder, or received from its holder; and sends
+        the parts it holds for others."""
+        def part_of(rank: int, owner: int) -> Part:
+            return next(part for part in inventory[rank] if part.owner == owner
+                        and part.step == step and part.lineage == lineage)
+
+        pending = []
+        for owner, holder in holders.items():
+            if holder == self.rank and owner != self.rank:
+                data, header = self._read(part_of(self.rank, owner))
+                pending += [dist.isend(header, owner, group=self._group),
+                            dist.isend(data, owner, group=self._group)]
+        holder = holders[self.rank]
+        if holder == self.rank:
+            data, header = self._read(part_of(self.rank, self.rank))
+        else:
+            part = part_of(holder, self.rank)
+            header_size = self._gather_header_size(part, holder)
+            header = torch.empty(header_size, dtype=torch.uint8)
+            data = torch.empty(part.data_bytes, dtype=torch.uint8)
+            _wait_all([dist.irecv(header, holder, group=self._group),
+                       dist.irecv(data, holder, group=self._group)])
+        _wait_all(pending)
+        meta: dict[str, Any] = pickle.loads(header.numpy().tobytes())
+        return data, meta
+
+    def _gather_header_size(self, part: Part, holder: int) -> int:
+        """The meta file's size of a part another rank holds (recorded in its inventory)."""
+        return self._header_sizes[(holder, part.owner, part.slot)]
+
+    def _read(self, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
+        base = self.folder / f"{part.owner}-{part.slot}"
+        header = torch.frombuffer(bytearray(base.with_suffix(".meta").read_bytes()),
+                                  dtype=torch.uint8)
+        data = torch.from_file(str(base.with_suffix(".data")), shared=False,
+                               size=part.data_bytes, dtype=torch.uint8)
+        return data, header
+
+    def _forget(self, inventory: list[list[Part]], keep: tuple[int, str] | None) -> None:
+        """Delete this rank's parts except those of `keep` (the step restored): older or
+        torn snapshots, another attempt's, or a world size that no longer applies."""
+        kept = {(part.owner, part.slot) for part in inventory[self.rank] if part.key() == keep}
+        for path in self.folder.iterdir():
+            owner, _, slot = path.name.partition(".")[0].partition("-")
+            try:
+                if (int(owner), int(slot)) in kept:
+                    continue
+            except ValueError:
+                pass
+            path.unlink(missing_ok=True)
+        self._newest = {part.owner: (part.step, part.slot) for part in inventory[self.rank]
+                        if part.key() == keep}
+
+    # Coordination on the tier's own gloo group.
+
+    def _gather(self, value: Any) -> list[Any]:
+        if self._group is None:
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value, group=self._group)
+        return every
+
+    def _inventory(self) -> list[list[Part]]:
+        """Every rank's committed parts (collective), with the sizes of their meta files:
+        a rank receiving a part must size its buffer."""
+        parts = self.held()
+        sizes = {(part.owner, part.slot): (self.folder / f"{part.owner}-{part.slot}.meta")
+                 .stat().st_size for part in parts}
+        every = self._gather((parts, sizes))
+        self._header_sizes = {(rank, owner, slot): size
+                              for rank, (_, held) in enumerate(every)
+                              for (owner, slot), size in held.items()}
+        return [held for held, _ in every]
+
+    def _broadcast(self, value: Any) -> Any:
+        if self._group is None:
+            return value
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0, group=self._group)
+        return holder[0]
+
+    def _all_agree(self, ok: bool) -> bool:
+        if self._group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+
+def _wait_all(pending: list[Any]) -> None:
+    """Wait for point-to-point sends and receives (`dist.Work`s)."""
+    for work in pending:
+        if work is not None:
+            work.wait()
+
+
+def _complete_step(inventory: list[list[Part]], world_size: int) -> tuple[int, str] | None:
+    """The newest (step, lineage) with a committed part of every rank at this world size."""
+    owners: dict[tuple[int, str], set[int]] = collections.defaultdict(set)
+    for parts in inventory:
+        for part in parts:
+            if part.world_size == world_size:
+                owners[part.key()].add(part.owner)
+    complete = [key for key, found in owners.items() if found == set(range(world_size))]
+    return max(complete) if complete else None
+
+
+def _holders(inventory: list[list[Part]], step: int, lineage: str) -> dict[int, int]:
+    """For each rank, the rank its part comes from: itself when it holds it, else the
+    lowest rank holding a copy."""
+    holding: dict[int, list[int]] = collections.defaultdict(list)
+    for rank, parts in enumerate(inventory):
+        for part in parts:
+            if part.step == step and part.lineage == lineage:
+                holding[part.owner].append(rank)
+    return {owner: owner if owner in ranks else min(ranks) for owner, ranks in holding.items()}
+
+
+__all__ = ["FOLDER_ENV", "NODE_ENV", "MemoryCheckpoints", "Part", "Restored", "memory_folder",
+           "node_name", "open_memory_tier", "partners"]
