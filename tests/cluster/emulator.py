@@ -188,8 +188,8 @@ class Emulator(kmock.KubernetesEmulator):
         except LogQueryError as error:
             raise kmock.KubernetesError(status=400, reason="BadRequest",
                                         message=str(error)) from None
-        log = next((found for kubelet in self.kubelets
-                    if (found := kubelet(request.namespace or "", request.name, uid))), None)
+        log = await asyncio.get_running_loop().run_in_executor(
+            None, self._kubelet_log, request.namespace or "", request.name or "", uid)
         if log is None:
             raise kmock.KubernetesError(status=400, reason="BadRequest", message=(
                 f'container "{container}" in pod "{request.name}" is waiting to start: '
@@ -218,6 +218,13 @@ class Emulator(kmock.KubernetesEmulator):
             await asyncio.sleep(LOG_FOLLOW_SECONDS)
         await response.write_eof()
         return response
+
+    def _kubelet_log(self, namespace: str, name: str, uid: str) -> ContainerLog | None:
+        """The pod's log from the first kubelet that has it: asked off the event loop, as
+        the API server asks a kubelet over the network, so a kubelet that is busy calling
+        this API never holds up the answer to its own call."""
+        return next((found for kubelet in self.kubelets
+                     if (found := kubelet(namespace, name, uid))), None)
 
     @staticmethod
     async def _send_line(response: aiohttp.web.StreamResponse, data: bytes, query: LogQuery,

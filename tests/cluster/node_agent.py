@@ -215,9 +215,12 @@ class NodeAgent:
     def container_log(self, namespace: str, name: str, uid: str) -> ContainerLog | None:
         """The log of pod `namespace/name`'s container in its incarnation `uid`, while this
         agent has the pod and its container started; else None. What the API server asks
-        a kubelet for `pods/{name}/log` (tests/cluster/emulator.py)."""
-        with self._lock:
-            pod = self.running.get(uid)
+        a kubelet for `pods/{name}/log` (tests/cluster/emulator.py).
+
+        Without the agent's lock: the pod loop holds it while it calls the API, and the API
+        server waiting here for it would never answer that call (a dict lookup needs none).
+        """
+        pod = self.running.get(uid)
         if pod is None or (pod.namespace, pod.name) != (namespace, name):
             return None
         return pod.log
