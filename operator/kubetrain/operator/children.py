@@ -15,6 +15,12 @@ from typing import Any
 import yaml
 
 from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
+from kubetrain.trainer.memory_budget import (  # torch-free
+    FOLDER_ENV,
+    format_quantity,
+    parse_quantity,
+    tier_budget,
+)
 
 JOB_LABEL = "kubetrain.io/job-name"
 INDEX_LABEL = "kubetrain.io/worker-index"
@@ -239,7 +245,39 @@ def _trainer_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str,
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    return container, []
+    return container, memory_tier(job, container)
+
+
+MEMORY_VOLUME = "memory-checkpoints"
+MEMORY_CHECKPOINTS_DIR = "/var/run/kubetrain/memory-checkpoints"
+
+
+def memory_tier(job: TrainingJob, container: dict[str, Any]) -> list[dict[str, Any]]:
+    """spec.checkpoint.memory: the tier's own volume (an emptyDir of medium Memory, sized
+    by `memory_budget`), mounted where the trainer looks for it; the volumes to add.
+
+    tmpfs pages count against the container's memory cgroup, so the tier's size is added
+    to the container's memory request and, when it has one, its limit: the trainer keeps
+    the room it was given, and an OOMKilled pod is not the tier's doing. A model sized only
+    by its config.json (model.init) gets the volume unsized and no memory added.
+    """
+    if job.spec.checkpoint.memory is None:
+        return []
+    container["env"].append({"name": FOLDER_ENV, "value": MEMORY_CHECKPOINTS_DIR})
+    container["volumeMounts"].append({"name": MEMORY_VOLUME,
+                                      "mountPath": MEMORY_CHECKPOINTS_DIR})
+    volume: dict[str, Any] = {"name": MEMORY_VOLUME, "emptyDir": {"medium": "Memory"}}
+    budget = tier_budget(job.spec)
+    if budget is not None:
+        volume["emptyDir"]["sizeLimit"] = format_quantity(budget.per_worker)
+        resources = container["resources"]
+        for kind in ("requests", "limits"):
+            current = resources.get(kind, {}).get("memory")
+            if kind == "limits" and current is None:
+                continue  # no limit is made where the user set none
+            resources.setdefault(kind, {})["memory"] = format_quantity(
+                parse_quantity(current or 0) + budget.per_worker)
+    return [volume]
 
 
 def _own_code_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str, Any]]]:

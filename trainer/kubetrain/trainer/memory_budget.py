@@ -29,6 +29,8 @@ from kubetrain.api.trainingjob import TrainingJobSpec
 from kubetrain.trainer.sizing import parameter_count, ssm_parameter_count
 
 VERSIONS = 2  # the newest complete snapshot and the one being written beside it
+# Where the trainer keeps the tier: the operator mounts the pod's memory volume there.
+FOLDER_ENV = "KUBETRAIN_MEMORY_CHECKPOINTS"
 EXTRA_BYTES = 1 << 20  # the pickled rest of a snapshot: data position, schedule, RNG, goodput
 MIB = 1 << 20
 
@@ -128,5 +130,5 @@ def tier_budget(spec: TrainingJobSpec, world_size: int | None = None,
                       procs_per_worker=workers.procs_per_worker)
 
 
-__all__ = ["VERSIONS", "TierBudget", "format_quantity", "model_parameters", "parse_quantity",
-           "state_bytes", "tier_budget"]
+__all__ = ["FOLDER_ENV", "VERSIONS", "TierBudget", "format_quantity", "model_parameters",
+           "parse_quantity", "state_bytes", "tier_budget"]

@@ -72,11 +72,11 @@ from torch.distributed.tensor import DTensor
 
 from kubetrain.api.trainingjob import TrainingJobSpec
 from kubetrain.trainer.checkpoint import ModelState, RandomState, latest_checkpoint
+from kubetrain.trainer.memory_budget import FOLDER_ENV
 
 log = logging.getLogger(__name__)
 
 FORMAT = "kubetrain-memory-checkpoint-v1"
-FOLDER_ENV = "KUBETRAIN_MEMORY_CHECKPOINTS"  # the pod's memory volume (children.py)
 NODE_ENV = "KUBETRAIN_NODE_NAME"  # the node's name, from the downward API (children.py)
 DEFAULT_ROOT = Path("/dev/shm/kubetrain-memory-checkpoints")
 SLOTS = 2  # memory_budget.VERSIONS

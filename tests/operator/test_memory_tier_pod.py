@@ -1,0 +1,84 @@
+"""The in-memory checkpoint tier in a worker pod: its memory volume, sized by the tier's
+budget, and that size added to the pod's memory request and limit; a tier over
+maxWorkerMemory refused with the numbers."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from kubetrain.api import parse_job
+from kubetrain.api.manifest import InvalidManifest
+from kubetrain.operator.children import MEMORY_CHECKPOINTS_DIR, MEMORY_VOLUME, worker_pod
+from kubetrain.trainer.memory_budget import FOLDER_ENV, VERSIONS, parse_quantity, tier_budget
+
+
+def _job(minimal_manifest: dict[str, Any], memory: dict[str, Any] | None,
+         **workers: Any) -> Any:
+    document = copy.deepcopy(minimal_manifest)
+    document["spec"]["model"] = {"preset": "llama-125m"}
+    document["spec"]["workers"] = {"replicas": 2, **workers}
+    if memory is not None:
+        document["spec"]["checkpoint"]["memory"] = memory
+    return parse_job(document)
+
+
+def _container(pod: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = pod["spec"]["containers"][0]
+    return container
+
+
+def test_the_tier_adds_its_size_to_the_pods_memory_request_and_limit(
+    minimal_manifest: dict[str, Any],
+) -> None:
+    resources = {"requests": {"memory": "8Gi", "cpu": 4}, "limits": {"memory": "16Gi"}}
+    plain = worker_pod(_job(minimal_manifest, None, resources=resources), 0, 0)
+    job = _job(minimal_manifest, {"everySteps": 2, "replicas": 1}, resources=resources,
+               procsPerWorker=2)
+    pod = worker_pod(job, 1, 0)
+    kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+
+    budget = tier_budget(job.spec)
+    assert budget is not None and budget.world_size == 4 and budget.copies == 2
+    assert budget.per_worker == budget.shard_bytes * VERSIONS * 2 * 2
+    got, before = _container(pod)["resources"], _container(plain)["resources"]
+    for kind in ("requests", "limits"):
+        added = parse_quantity(got[kind]["memory"]) - parse_quantity(before[kind]["memory"])
+        assert 0 <= added - budget.per_worker < 2**20, kind  # rounded up to whole Mi
+    assert got["requests"]["cpu"] == 4
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == MEMORY_VOLUME]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert 0 <= parse_quantity(volume["emptyDir"]["sizeLimit"]) - budget.per_worker < 2**20
+    assert {"name": MEMORY_VOLUME, "mountPath": MEMORY_CHECKPOINTS_DIR} in \
+        _container(pod)["volumeMounts"]
+    assert {"name": FOLDER_ENV, "value": MEMORY_CHECKPOINTS_DIR} in _container(pod)["env"]
+
+
+def test_without_a_limit_only_the_request_grows_and_without_the_tier_nothing_changes(
+    minimal_manifest: dict[str, Any],
+) -> None:
+    pod = worker_pod(_job(minimal_manifest, {"everySteps": 5}), 0, 0)
+    resources = _container(pod)["resources"]
+    assert "memory" not in resources.get("limits", {})
+    assert parse_quantity(resources["requests"]["memory"]) > 0
+    plain = worker_pod(_job(minimal_manifest, None), 0, 0)
+    assert all(v["name"] != MEMORY_VOLUME for v in plain["spec"]["volumes"])
+    assert "memory" not in _container(plain)["resources"].get("requests", {})
+
+
+def test_a_tier_bigger_than_max_worker_memory_is_refused_with_its_arithmetic(
+    minimal_manifest: dict[str, Any],
+) -> None:
+    memory = {"everySteps": 2, "replicas": 2, "maxWorkerMemory": "1Gi"}
+    with pytest.raises(InvalidManifest) as refused:
+        _job(minimal_manifest, memory, replicas=2, procsPerWorker=1)
+    message = str(refused.value)
+    assert "spec.checkpoint.memory.maxWorkerMemory (1Gi) is less than the tier needs" in message
+    assert "x 2 versions x 2 copies (1 + replicas)" in message  # 2 ranks: 1 partner at most
+    # More workers shard the state further: the same tier then fits.
+    fits = _job(minimal_manifest, {**memory, "maxWorkerMemory": "4Gi"}, replicas=8)
+    budget = tier_budget(fits.spec)
+    assert budget is not None and budget.per_worker <= 4 * 2**30
