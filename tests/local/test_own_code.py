@@ -220,3 +220,16 @@ def test_transformers_trainer_reports_through_kubeflow_callback_and_resumes_afte
     assert sorted(set(steps)) == list(range(1, 41)), steps
     assert len(steps) - len(set(steps)) <= redone_bound(save_every, 0.3), steps
     assert set(commits(tmp_path, "hf").values()) == {30, 40}
+
+
+def test_dry_run_shows_the_entry_around_torchrun_here_and_in_the_pod(tmp_path: Path) -> None:
+    job = own_code_job("dry", "train.py", steps=5, save_every=5, step_seconds=0)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    shown = subprocess.run([sys.executable, "-m", "kubetrain", "run", "job.yaml", "--dry-run"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    here, _, pod = shown.stdout.partition("# on Kubernetes")
+    assert here.count("-m kubetrain.trainer.own_code") == 2  # one per simulated node
+    assert "runs/dry/nodes/worker-1/checkpoints" in here and "--nnodes 2:2" in here
+    assert "kubetrain.trainer.own_code" in pod and "KUBETRAIN_CHECKPOINT_DIR" in pod
+    assert not (tmp_path / "runs" / "dry" / "job.yaml").exists()  # nothing ran
