@@ -129,6 +129,7 @@ from kubetrain.trainer.goodput import (
 )
 from kubetrain.trainer.loss import select_output_loss
 from kubetrain.trainer.memory_checkpoint import MemoryCheckpoints, open_memory_tier
+from kubetrain.trainer.mesh import build_mesh
 from kubetrain.trainer.metrics import (
     DynamicsReport,
     Reporter,
@@ -368,10 +369,16 @@ class Trainer:
         # checked against the spec): from here on the spec says so, for the model, its
         # metrics, checkpoints and export.
         spec, dims = trained_model(self.spec)
+        # The mesh from the spec and the pod shape (mesh.py): auto's choice becomes the spec's,
+        # and the data is split over data-parallel ranks (a tensor-parallel group shares it).
+        mesh = build_mesh(spec, dims, world)
+        spec = spec.model_copy(update={"parallelism": mesh.parallelism(spec.parallelism)})
+        if world.is_main:
+            print(f"mesh: {mesh.shape.describe()} ({mesh.why})", flush=True)
         self.spec = spec
         opt = spec.optimization
         train_data, validation_data = build_datasets(
-            spec, rank=world.rank, world_size=world.world_size,
+            spec, rank=mesh.dp_rank, world_size=mesh.dp_size,
             micro_batch_size=self.micro_batch_size)
         if spec.model.init is not None:
             check_vocabulary(dims, train_data.index.vocab_size, spec.model.init)
@@ -384,7 +391,7 @@ class Trainer:
             dims = dims.model_copy(update={"vocab_size": train_data.index.vocab_size})
         # The teacher first, so the student's weights and dropout masks are drawn as they
         # would be without one.
-        teacher = (load_teacher(spec, dims, train_data.index, world.mesh, world.device)
+        teacher = (load_teacher(spec, dims, train_data.index, mesh.data_parallel, world.device)
                    if spec.distillation is not None else None)
         # Every rank draws the same initial weights; FSDP2 then keeps each rank's shard.
         torch.manual_seed(opt.seed)
@@ -399,11 +406,13 @@ class Trainer:
                    f"{spec.distillation.temperature:g}, alpha {spec.distillation.alpha:g}; "
                    f"evaluation: {model.output_loss.name} cross-entropy, {why}")
             model.output_loss = teacher.student_loss(model.output_loss)
-        parallel = parallelize(model, spec.parallelism, world.mesh, world.device)
+        parallel = parallelize(model, spec.parallelism, mesh, world.device)
+        if mesh.tensor_parallel is not None:  # parallelize set the vocabulary-parallel loss
+            why = f"tensorParallel {mesh.shape.tensor_parallel} splits the vocabulary"
         optimizer = build_optimizer(parallel.module, opt, spec.learning_rate, world.device)
         # Epochs become steps once, from the data and the global batch (see `epochs`).
         max_steps = opt.steps_for(tokens_per_epoch=train_data.samples_per_epoch * spec.data.seq_len,
-                                  seq_len=spec.data.seq_len, world_size=world.world_size)
+                                  seq_len=spec.data.seq_len, world_size=mesh.dp_size)
         spec.check_warmup(max_steps)
         schedule = build_schedule(optimizer, peak=spec.learning_rate,
                                   warmup_steps=spec.warmup_steps(max_steps), max_steps=max_steps,
@@ -807,9 +816,8 @@ def _dynamics_over_ranks(model: torch.nn.Module, device: torch.device) -> Dynami
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # mu sum, beta, mean square
     for dynamics in blocks:
         mu = dynamics.equilibrium.detach()
-        # FSDP2 shards mu: the ranks' shards add up to the whole. Unsharded, each rank
-        # holds all of it, and the sum over ranks counts it world_size times.
-        totals[0] += mu.to_local().sum() if isinstance(mu, DTensor) else mu.sum() / world_size
+        # Each rank adds 1/world_size of the whole mu (HSDP's shards repeat on every replica).
+        totals[0] += (mu.full_tensor() if isinstance(mu, DTensor) else mu).sum() / world_size
         totals[1:] += dynamics.stats
     dist.all_reduce(totals)
     channels = len(blocks) * blocks[0].equilibrium.shape[0]  # a DTensor's shape is global
@@ -841,10 +849,12 @@ class _Meter:
 
     def __init__(self, run: _Run, spec: TrainingJobSpec, micro_batch_size: int) -> None:
         world, device = run.world, run.world.device
-        # The spec's global batch in micro-batches of the size in use (see `fit`).
-        self.accumulation = spec.gradient_accumulation(world.world_size, micro_batch_size)
+        # The spec's global batch in micro-batches of the size in use (see `fit`), over the
+        # data-parallel ranks (a tensor-parallel group reads one micro-batch together).
+        data_parallel = run.parallel.dp_size
+        self.accumulation = spec.gradient_accumulation(data_parallel, micro_batch_size)
         self.local_tokens = self.accumulation * micro_batch_size * spec.data.seq_len
-        self.global_tokens = self.local_tokens * world.world_size
+        self.global_tokens = self.local_tokens * data_parallel
         self.flops_per_second_peak = peak_flops(device) * world.world_size
         self.model_flops = (ssm_flops_per_token(run.dims) if spec.model.architecture == "ssm"
                             else flops_per_token(run.dims, spec.data.seq_len,
