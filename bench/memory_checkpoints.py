@@ -97,12 +97,12 @@ def main() -> None:
         size = sum(path.stat().st_size for path in Path(folder).glob("*.data"))
     dist.destroy_process_group()
 
-    base, with_tier = statistics.median(plain), statistics.median(tiered)
+    base, snapshotted = statistics.median(plain), statistics.median(tiered)
     print(f"model {args.preset}: {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{size / 2 ** 20:.1f} MiB in the tier's two slots")
     print(f"step without the tier   {base * 1000:8.2f} ms (median of {len(plain)})")
-    print(f"step with a snapshot    {with_tier * 1000:8.2f} ms (median of {len(tiered)})")
-    print(f"ratio                   {with_tier / base:8.3f}  (goal <= 1.03)")
+    print(f"step with a snapshot    {snapshotted * 1000:8.2f} ms (median of {len(tiered)})")
+    print(f"ratio                   {snapshotted / base:8.3f}  (goal <= 1.03)")
     print(f"blocking per snapshot   {statistics.median(blocking) * 1000:8.2f} ms median, "
           f"{max(blocking) * 1000:.2f} ms max")
 
