@@ -65,3 +65,41 @@ OUT_OF_MEMORY_CLASSES: Final = frozenset({"OOMKilled", "CUDAOutOfMemory"})
 # Trainer failures a restart in place cannot cure (the same micro-batch, the same GPU, the
 # same stalled peer): the worker asks its torchrun agent to stop, and the pod ends.
 ENDS_THE_POD: Final = frozenset({"CUDAOutOfMemory", "GPUError", "PreflightFailed"})
+
+
+# --- the lifeline: each pod's trainer beats, and says why it ends ------------------------
+
+# Each trainer process of a worker pod listens on the metrics port + 1 + its local rank
+# (`lifeline_port`). To whoever connects (the operator) it writes `beat` every
+# LIFELINE_BEAT_SECONDS and, when it ends in order, one last line `end <exit code> <class>
+# <words>`, then closes. A connection closed without an `end` line means the process died
+# (kill -9, a crash, the kernel's OOM killer); one that stays open without a beat means the
+# process or its node stopped (kubetrain.trainer.lifeline, kubetrain.operator.lifelines).
+LIFELINE_BEAT_SECONDS: Final = 0.5
+# The `end` class of a rank that failed only because a peer vanished under a collective: a
+# consequence of another rank's failure, which the operator does not count again.
+PEER_LOST: Final = "PeerLost"
+
+
+def lifeline_port(metrics_port: int, local_rank: int = 0) -> int:
+    """The port of the lifeline of a worker pod's trainer process of `local_rank`: the ones
+    after spec.metrics.port."""
+    return metrics_port + 1 + local_rank
+
+
+def end_line(exit_code: int, failure_class: str, words: str = "") -> bytes:
+    """A lifeline's last line: how the trainer process ends."""
+    text = " ".join(words.split())  # one line
+    return f"end {exit_code} {failure_class} {text}".rstrip().encode() + b"\n"
+
+
+def parse_end_line(line: bytes) -> tuple[int, str, str] | None:
+    """(exit code, class, words) of an `end` line; None for any other line."""
+    parts = line.decode(errors="replace").strip().split(" ", 3)
+    if len(parts) < 3 or parts[0] != "end":
+        return None
+    try:
+        code = int(parts[1])
+    except ValueError:
+        return None
+    return code, parts[2], parts[3] if len(parts) > 3 else ""

@@ -329,10 +329,17 @@ def test_worker_network_policy_admits_rendezvous_collectives_and_metrics(
                         if p["name"] == "metrics")
     policy = next(o for o in render({}) if o["kind"] == "NetworkPolicy"
                   and o["metadata"]["name"].endswith("-workers"))
-    between_workers, scrapes = policy["spec"]["ingress"]
+    between_workers, scrapes, lifelines = policy["spec"]["ingress"]
     ports = {p["port"] for p in between_workers["ports"]}
     assert RENDEZVOUS_PORT in ports
     assert any("endPort" in p for p in between_workers["ports"]), "collective port range"
     assert [p["port"] for p in scrapes["ports"]] == [metrics_port]
     operator_peer = scrapes["from"][0]
     assert operator_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    # The trainers' lifelines (kubetrain.protocol.lifeline_port), from the operator only.
+    from kubetrain.protocol import lifeline_port
+
+    [lifeline_ports] = lifelines["ports"]
+    assert lifeline_ports["port"] == lifeline_port(metrics_port, 0)
+    assert lifeline_ports["endPort"] >= lifeline_port(metrics_port, 7)
+    assert lifelines["from"] == [operator_peer]

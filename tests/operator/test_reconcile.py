@@ -895,3 +895,62 @@ def test_a_new_micro_batch_in_the_spec_replaces_the_healed_one(minimal_manifest:
     assert out.status["effective"] == {"microBatchSize": 16, "gradientAccumulationSteps": 2,
                                        "outOfMemoryRestarts": 0, "specMicroBatchSize": 16}
     assert ("Normal", "MicroBatchReset") in out.events
+
+
+# --- restarts in place (the lifelines, issue 33 item 2) -----------------------------------
+
+
+TRAINING = {"step": 40, "updatedAt": NOW.isoformat()}  # the step advanced just now
+
+
+def _with_ends(job: TrainingJob, *pods: WorkerPod, ends: tuple[Any, ...]) -> Outcome:
+    observed = Observed(pods=pods, service=True, config_generation=job.metadata.generation,
+                        trainer_ends=ends)
+    return Outcome.of(reconcile(job, observed, NOW))
+
+
+def test_a_trainer_restarted_in_place_is_recorded_once_with_its_class(
+        minimal_manifest: dict) -> None:
+    from kubetrain.operator.actions import CountFailure
+    from kubetrain.operator.observed import TrainerEnd
+
+    killed = TrainerEnd(pod="demo-worker-1", time=NOW - timedelta(seconds=1),
+                        failure_class="Unknown", message="the trainer ended without a word")
+    out = _with_ends(make_job(minimal_manifest, status=running_status(progress=TRAINING)),
+                     pod(0), pod(1, node="node-b"), ends=(killed,))
+    assert out.status is not None
+    assert out.status["lastFailure"] == {
+        "class": "Unknown", "pod": "demo-worker-1", "node": "node-b",
+        "message": "the trainer ended without a word",
+        "time": (NOW - timedelta(seconds=1)).isoformat().replace("+00:00", "Z")}
+    assert out.status["failures"] == {"Unknown": 1}
+    assert ("Warning", "WorkerFailure") in out.events
+    assert [a.failure_class for a in out.actions if isinstance(a, CountFailure)] == ["Unknown"]
+    # The group restarts in place: no pod is deleted, no operator restart is counted.
+    assert out.deleted == [] and out.restarts == [] and out.status["restarts"] == 0
+    # The next pass sees the same end again (the lifelines keep it a while): nothing new.
+    again = _with_ends(make_job(minimal_manifest, status=out.status), pod(0),
+                       pod(1, node="node-b"), ends=(killed,))
+    assert again.status is None or again.status["failures"] == {"Unknown": 1}
+    assert ("Warning", "WorkerFailure") not in again.events
+    # A later one (a collective that timed out) is news.
+    timed_out = TrainerEnd(pod="demo-worker-0", time=NOW, failure_class="CollectiveTimeout",
+                           message="the trainer exited 88", exit_code=88)
+    third = _with_ends(make_job(minimal_manifest, status=out.status), pod(0),
+                       pod(1, node="node-b"), ends=(killed, timed_out))
+    assert third.status is not None
+    assert third.status["failures"] == {"Unknown": 1, "CollectiveTimeout": 1}
+    assert third.status["lastFailure"]["class"] == "CollectiveTimeout"
+    assert third.status["lastFailure"]["exitCode"] == 88
+
+
+def test_a_trainer_end_in_a_pod_that_failed_or_goes_is_the_pods_own_story(
+        minimal_manifest: dict) -> None:
+    from kubetrain.operator.observed import TrainerEnd
+
+    end = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown", message="gone")
+    for gone in (pod(1, deleting=True), pod(1, phase="Failed", exit_code=137)):
+        job = make_job(minimal_manifest, status=running_status(progress=TRAINING))
+        out = _with_ends(job, pod(0), gone, ends=(end,))
+        assert out.status is not None
+        assert "gone" not in out.status.get("lastFailure", {}).get("message", "")

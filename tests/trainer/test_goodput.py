@@ -344,3 +344,35 @@ def test_a_worker_killed_before_its_first_step_leaves_its_time_to_the_next_attem
     print(f"killed at step {written['step']}: {accounted}")
     assert accounted[OUT_OF_MEMORY] > 0, accounted
     assert accounted[STARTUP] >= written["seconds"][STARTUP], accounted
+
+
+def test_ranks_that_agree_on_the_start_book_rank_0s_heartbeat_on_rank_1s_checkpoint() -> None:
+    # Two ranks' processes start 0.3 s apart; the checkpoint keeps one rank's ledger (rank
+    # 1's here), the heartbeat is rank 0's: once they agree on rank 0's start, the steps
+    # after the checkpoint are lost progress, not downtime.
+    clock = FakeClock(100.0)
+    rank0, rank1 = GoodputLedger(100.0, clock=clock), GoodputLedger(100.3, clock=clock)
+    for ledger in (rank0, rank1):
+        ledger.agree(rank0.attempt_started)
+    clock.advance(5.0)
+    for ledger in (rank0, rank1):
+        ledger.charge(STARTUP)
+    clock.advance(2.0)
+    for ledger in (rank0, rank1):
+        ledger.charge(PRODUCTIVE)
+    checkpoint = rank1.state_dict()
+    clock.advance(1.5)  # steps after the checkpoint, then killed
+    rank0.charge(PRODUCTIVE)
+    heartbeat = rank0.snapshot()
+    clock.advance(4.0)  # torchrun restarts the group in place
+    again = GoodputLedger(clock.now, clock=clock)
+    again.load_state_dict(checkpoint)
+    again.resume(heartbeat)
+    assert again.seconds[LOST_PROGRESS] == pytest.approx(1.5)
+    assert again.seconds[DOWNTIME] == pytest.approx(4.0)
+    # Without agreeing, rank 1's checkpoint names another origin and the heartbeat is dropped.
+    alone = GoodputLedger(100.3, clock=FakeClock(100.3))
+    stray = GoodputLedger(clock.now, clock=clock)
+    stray.load_state_dict(alone.state_dict())
+    stray.resume(heartbeat)
+    assert stray.seconds[LOST_PROGRESS] == 0

@@ -47,6 +47,7 @@ from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
 from kubetrain.operator.expectations import ConfigMapVersion, Expectations, config_map_version
 from kubetrain.operator.leader import LeaderElection
+from kubetrain.operator.lifelines import Lifelines
 from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.observed import (
     Observed,
@@ -59,6 +60,7 @@ from kubetrain.operator.observed import (
 from kubetrain.operator.reconcile import FINISHED, reconcile, reject
 from kubetrain.operator.status_reporting import StatusReporting, advertise
 from kubetrain.operator.writer import ApiWriter
+from kubetrain.protocol import lifeline_port
 
 USER_AGENT = "kubetrain-operator"
 
@@ -142,6 +144,9 @@ class TrainingJobController:
             api, config.lease_namespace, config.identity, lease_seconds=config.lease_seconds,
             retry_seconds=config.lease_retry_seconds, on_elected=self._elected)
         self._resync: asyncio.Task[None] | None = None
+        # Trainer restarts in place, which only each pod's lifeline shows (issue 33).
+        self.lifelines = Lifelines(self._trainer_ended)
+        self._news: set[asyncio.Future[None]] = set()
         self._indexes: Indexes | None = None
         self._executor: concurrent.futures.Executor | None = None
 
@@ -204,6 +209,7 @@ class TrainingJobController:
             self.applier.job_gone(uid, namespace, name)
             if self.status is not None:
                 self.status.forget(namespace, name)
+            self.lifelines.forget((namespace, name))
             return
         if type == "MODIFIED" and self._own_status_echo(uid, body):
             return
@@ -221,11 +227,13 @@ class TrainingJobController:
         """Keep the indexes and kopf's thread pool (startup runs before any watch), then resync."""
         self._indexes = Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes)
         self._executor = settings.execution.executor
+        self.lifelines.start(asyncio.get_running_loop())
         if self.election is None:  # standalone: this replica acts from now on
             await asyncio.get_running_loop().run_in_executor(self._executor, self._advertise)
         self._resync = asyncio.create_task(self.resync())
 
     async def stop_resync(self, **_: Any) -> None:
+        await self.lifelines.close()
         if self._resync is not None:
             self._resync.cancel()
             await asyncio.gather(self._resync, return_exceptions=True)
@@ -358,8 +366,18 @@ class TrainingJobController:
                             observed.pods, job.spec.metrics.port))
                     if observed.metrics is None:
                         observed = replace(observed, metrics=final_metrics(observed.pods))
+                    observed = replace(observed, trainer_ends=self.lifelines.ends(key))
+                    self.lifelines.follow(key, observed.pods, (
+                        lifeline_port(job.spec.metrics.port, local_rank)
+                        for local_rank in range(job.spec.workers.procs_per_worker)))
                 actions = reconcile(job, observed, now)
             self.applier.apply(body, expected, actions)
+
+    def _trainer_ended(self, key: JobKey) -> None:
+        """A lifeline saw a trainer end (on the event loop): reconcile the job now."""
+        task = asyncio.ensure_future(self._reconcile_in_thread(key))
+        self._news.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._news.discard)
 
     def reported(self, key: JobKey) -> Any:
         """An own-code job's latest report to the status endpoint, as observed progress."""

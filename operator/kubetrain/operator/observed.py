@@ -24,6 +24,7 @@ from kubetrain.operator.children import (
     INDEX_LABEL,
     TRAINER_CONTAINER,
 )
+from kubetrain.protocol import FailureClass
 
 if TYPE_CHECKING:  # the endpoint's module needs aiohttp, which this one does not
     from kubetrain.operator.status_endpoint import Report
@@ -147,7 +148,7 @@ class TrainerEnd:
 
     pod: str
     time: datetime  # when the operator saw it end, to the second
-    failure_class: str  # the trainer's class in its `end` line; Unknown without one
+    failure_class: FailureClass  # the trainer's class in its `end` line; Unknown without one
     message: str
     exit_code: int | None = None  # the trainer process's, when it said it
 

@@ -246,6 +246,7 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
         lifecycle.ensure_service_and_config(decision)
         nodes.keep_schedulable(decision)
         restarts.continue_restart(decision)
+        restarts.record_restarts_in_place(decision)
         restarts.handle_failures(decision)
         if status.phase not in FINISHED:
             restarts.detect_hang(decision)

@@ -5,7 +5,9 @@ hung workers, and the pure functions that decide them.
   break while the group re-forms: they are replaced within it, never counted twice
   (`continue_restart`), and its replacements wait out its backoff (`backing_off`);
 - every failed pod is classed (`kubetrain.operator.failures`) and recorded in
-  status.lastFailure and status.failures, with an event and a metric;
+  status.lastFailure and status.failures, with an event and a metric; so is every trainer
+  failure that torchrun restarted in place, which only its lifeline shows
+  (`record_restarts_in_place`, `kubetrain.operator.lifelines`);
 - then, in order: a permanent exit code fails the job; out of memory restarts the
   group with half the micro-batch or fails it; a failed preflight avoids the nodes it
   named and restarts the group; repeated failures on one node avoid it; the same exit
@@ -257,6 +259,31 @@ def warn_unmarked_checkpoints(decision: _Decision, ended: list[WorkerPod]) -> No
                            "so they were not uploaded and cannot be resumed from: call "
                            "kubetrain.sdk.mark_complete(folder, step) once each is written "
                            "(docs/own-code.md)", warning=True)
+
+
+def record_restarts_in_place(decision: _Decision) -> None:
+    """Record the trainer failures torchrun restarted in place, as `record_failures` does a
+    failed pod's: status.lastFailure and the count by class, an event and a metric.
+
+    The lifelines (`kubetrain.operator.lifelines`) saw them; a pod's end is news while its
+    pod still runs (a pod that failed, or is being deleted, is the pod's own story) and
+    while it is newer than status.lastFailure, which records it once.
+    """
+    status = decision.status
+    running = {pod.name: pod for pod in decision.live_pods()
+               if pod.phase == "Running" and pod.exit_code is None and not pod.node_lost}
+    for end in decision.observed.trainer_ends:
+        pod = running.get(end.pod)
+        last = status.last_failure
+        if pod is None or (last is not None and last.time is not None and end.time <= last.time):
+            continue
+        status.failures[end.failure_class] = status.failures.get(end.failure_class, 0) + 1
+        status.last_failure = WorkerFailure(
+            class_=end.failure_class, pod=pod.name, node=pod.node, exit_code=end.exit_code,
+            message=end.message[:FAILURE_MESSAGE_LIMIT], time=end.time)
+        decision.event("WorkerFailure", f"{pod.name} on {pod.node or 'an unknown node'}: "
+                       f"{end.failure_class}: {end.message}", warning=True)
+        decision.actions.append(CountFailure(end.failure_class))
 
 
 def fail_preflight(decision: _Decision, failed: list[WorkerPod], kinds: Mapping[str, str],

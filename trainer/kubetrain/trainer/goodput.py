@@ -126,6 +126,12 @@ class GoodputLedger(Stateful):
         self._restored: dict[str, Any] | None = None
         self.out_of_memory_restarts = 0  # the job's OOM restarts this ledger has booked
 
+    def agree(self, attempt_started: float) -> None:
+        """Take the group's start of this attempt (rank 0's) as this ledger's, before
+        `resume`: a checkpoint keeps one rank's ledger, and rank 0's heartbeat must name
+        the same job (`origin`) for the next attempt to book what came after it."""
+        self.attempt_started = self.origin = attempt_started
+
     # --- charging -------------------------------------------------------------------
 
     def charge(self, cause: str) -> float:

@@ -90,6 +90,7 @@ from kubetrain.protocol import (  # the exit codes and classes the operator read
     EXIT_PREFLIGHT_FAILED,
     EXIT_RESTART,
     EXIT_SIGNALLED,
+    PEER_LOST,
     TrainerFailureClass,
 )
 from kubetrain.trainer.architecture import build_model
@@ -127,6 +128,7 @@ from kubetrain.trainer.goodput import (
     StragglerBooking,
     attempt_started_at,
 )
+from kubetrain.trainer.lifeline import Lifeline
 from kubetrain.trainer.loss import select_output_loss
 from kubetrain.trainer.memory_checkpoint import MemoryCheckpoints, open_memory_tier
 from kubetrain.trainer.mesh import build_mesh
@@ -266,8 +268,26 @@ class Trainer:
         """Train until maxSteps, early stopping or a stop signal; see the module docstring.
 
         A failure in `FAILURES` ends the attempt with its reason and exit code; any other
-        error propagates.
+        error propagates. In a worker pod, the pod's lifeline (lifeline.py) beats meanwhile
+        and then says how it ended.
         """
+        lifeline = Lifeline.for_this_process(self.spec.metrics.port)
+        if lifeline is not None:
+            lifeline.start()
+        try:
+            result = self._fit()
+        except BaseException as error:
+            if lifeline is not None:
+                lifeline.end(1, PEER_LOST if is_peer_lost(error) else "Unknown",
+                             f"{type(error).__name__}: {error}"[:300])
+            raise
+        if lifeline is not None:
+            failure = next((f for f in FAILURES if f.reason == result.reason), None)
+            lifeline.end(result.exit_code,
+                         failure.failure_class if failure is not None else result.reason)
+        return result
+
+    def _fit(self) -> FitResult:
         # A group this call makes is this call's to end; a group the caller made, the caller's.
         leave_the_group = not dist.is_initialized()
         # The ledger starts before the preflight check, so that it books the check apart.
@@ -500,6 +520,11 @@ class Trainer:
         spec, reporter, model = self.spec, run.reporter, run.parallel.module
         goodput = run.goodput
         goodput.charge(STARTUP)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank's process started at its own moment: the group's is rank 0's.
+            started = [goodput.attempt_started]
+            dist.broadcast_object_list(started, src=0)
+            goodput.agree(started[0])
         # The in-memory tier first (own memory, then a partner's copy), then S3.
         restored = run.memory.load_latest(run.app_state) if run.memory is not None else None
         loaded = (restored.step if restored is not None
@@ -723,6 +748,18 @@ GPU_ERROR_PATTERN = re.compile(
 def is_gpu_error(error: BaseException) -> bool:
     """Whether an error says the GPU itself (or its driver, or NVLink) failed."""
     return GPU_ERROR_PATTERN.search(str(error).lower()) is not None
+
+
+# How a collective reads when a peer's process or connection vanished under it (gloo's
+# socket errors, NCCL's "remote process exited"): the rank failed because another did.
+PEER_LOST_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                   "remote process exited", "socket closed")
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """Whether an error says a peer of the group vanished under a collective."""
+    text = str(error).lower()
+    return any(words in text for words in PEER_LOST_WORDS)
 
 
 def is_collective_timeout(error: BaseException) -> bool:

@@ -1,0 +1,192 @@
+"""Restarts in place made visible (issue 33 item 2): each pod's trainer lifeline
+(kubetrain.trainer.lifeline, in a real process) followed by the operator's lifelines
+(kubetrain.operator.lifelines), alone and inside the real operator on the emulator.
+
+A trainer process is stood in for by a process that serves the trainer's own Lifeline and
+ends as the trainer does: killed with SIGKILL (no word), or with the `end` line `fit` writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harness
+from harness import EmulatedCluster, Kube, eventually, job_manifest, running_operator
+
+from kubetrain.local.launch import free_port
+from kubetrain.operator.lifelines import Lifelines, trainer_end
+from kubetrain.operator.observed import WorkerPod
+from kubetrain.protocol import end_line
+
+# A trainer's lifeline in its own process: says "followed" once the operator connected,
+# then ends as told on stdin ("end CODE CLASS WORDS"), or is killed.
+TRAINER = """
+import sys, time
+from kubetrain.trainer.lifeline import Lifeline
+lifeline = Lifeline(int(sys.argv[1]), host=sys.argv[2])
+assert lifeline.start()
+while not lifeline._followers:
+    time.sleep(0.02)
+print("followed", flush=True)
+_, code, failure_class, *words = sys.stdin.readline().split()
+lifeline.end(int(code), failure_class, " ".join(words))
+"""
+
+
+def followed_trainer(port: int, host: str = "127.0.0.1") -> subprocess.Popen[str]:
+    """A trainer's lifeline in a process, once the operator's side follows it."""
+    process = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), host],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "followed", "nobody followed the lifeline"
+    return process
+
+
+@contextlib.contextmanager
+def trainer(port: int, host: str = "127.0.0.1") -> Iterator[subprocess.Popen[str]]:
+    process = followed_trainer(port, host)
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        process.wait(10)
+
+
+def ends_as(process: subprocess.Popen[str], line: str) -> None:
+    assert process.stdin is not None
+    process.stdin.write(line + "\n")
+    process.stdin.close()
+    process.wait(10)
+
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    (None, ("Unknown", None)),  # no word: killed, crashed, OOM-killed
+    (end_line(88, "CollectiveTimeout", "gloo timed out"), ("CollectiveTimeout", 88)),
+    (end_line(1, "Unknown", "RuntimeError: boom"), ("Unknown", 1)),
+    (end_line(1, "SomethingNew"), ("Unknown", 1)),  # a class this operator does not know
+    (end_line(0, "max_steps"), None),  # finished
+    (end_line(143, "signalled"), None),  # stopped in order
+    (end_line(75, "signalled"), None),  # another rank was signalled: the new membership
+    (end_line(1, "PeerLost", "Connection closed by peer"), None),  # another rank's failure
+    (end_line(87, "CUDAOutOfMemory"), None),  # ends the pod: the pod's status says it
+    (end_line(89, "PreflightFailed"), None),
+])
+def test_how_a_lifeline_ends_says_whether_torchrun_restarts_a_failure_in_place(
+        line: bytes | None, expected: tuple[str, int | None] | None) -> None:
+    end = trainer_end("job-worker-1", line, NOW)
+    assert (None if end is None else (end.failure_class, end.exit_code)) == expected
+
+
+def test_the_lifelines_see_a_killed_trainer_at_once_and_its_successors_last_words() -> None:
+    port = free_port()
+    key = ("default", "job")
+    pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
+                    ip="127.0.0.1")
+
+    async def scenario() -> None:
+        news: list[tuple[str, str]] = []
+        lifelines = Lifelines(news.append, settle_seconds=0.1, retry_seconds=0.1)
+        lifelines.start(asyncio.get_running_loop())
+        lifelines.follow(key, [pod], [port])
+
+        async def until(count: int) -> float:
+            started = time.monotonic()
+            while len(lifelines.ends(key)) < count:
+                assert time.monotonic() - started < 10, lifelines.ends(key)
+                await asyncio.sleep(0.01)
+            return time.monotonic() - started
+
+        loop = asyncio.get_running_loop()
+        try:
+            killed = await loop.run_in_executor(None, followed_trainer, port)
+            os.kill(killed.pid, signal.SIGKILL)
+            seen = await until(1)
+            killed.wait(10)
+            print(f"a killed trainer's end seen {seen * 1000:.0f} ms after SIGKILL")
+            [end] = lifelines.ends(key)
+            assert (end.pod, end.failure_class, end.exit_code) == ("job-worker-1", "Unknown", None)
+            # The next trainer process of the pod, followed again: an orderly end is no news,
+            # nor a rank that failed only because a peer vanished; a timeout is.
+            for line in ("end 0 max_steps", "end 1 PeerLost Connection closed by peer",
+                         "end 88 CollectiveTimeout gloo timed out after 30s"):
+                process = await loop.run_in_executor(None, followed_trainer, port)
+                await loop.run_in_executor(None, ends_as, process, line)
+            await until(2)
+            await asyncio.sleep(0.3)  # nothing more comes
+            assert [(e.failure_class, e.exit_code) for e in lifelines.ends(key)] == [
+                ("Unknown", None), ("CollectiveTimeout", 88)]
+            assert "gloo timed out after 30s" in lifelines.ends(key)[1].message
+            assert news == [key, key]  # a reconcile asked for each
+        finally:
+            await lifelines.close()
+
+    asyncio.run(scenario())
+
+
+# --- the real operator ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
+    with EmulatedCluster(tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: EmulatedCluster) -> Iterator[harness.OperatorConfig]:
+    # The resync (and its scrape) far away: only the lifeline can make the failure visible.
+    with running_operator(cluster, resync_seconds=60) as config:
+        yield config
+
+
+def test_a_trainer_killed_and_restarted_in_place_shows_in_status_event_and_metric(
+        cluster: EmulatedCluster, operator: harness.OperatorConfig) -> None:
+    kube = Kube(cluster)
+    metrics_port = free_port()
+    manifest = job_manifest("inplace")
+    manifest["spec"]["metrics"] = {"port": metrics_port}
+    kube.create_job(manifest)
+    eventually(lambda: len(kube.pods("inplace")) == 2, what="both worker pods")
+    # Each pod its own loopback address; worker 1's trainer serves its lifeline there.
+    kube.set_pod_status("inplace-worker-0", "Running", pod_ip="127.0.0.3")
+    kube.set_pod_status("inplace-worker-1", "Running", pod_ip="127.0.0.2")
+    eventually(lambda: kube.phase("inplace") == "Running", what="the job running")
+    with trainer(metrics_port + 1, host="127.0.0.2") as killed:
+        killed_at = time.monotonic()
+        os.kill(killed.pid, signal.SIGKILL)
+        failure = eventually(lambda: ((kube.job("inplace") or {}).get("status") or {}).get(
+            "lastFailure"), timeout=10, what="status.lastFailure")
+        print(f"status.lastFailure {time.monotonic() - killed_at:.2f}s after SIGKILL")
+    assert failure["class"] == "Unknown" and failure["pod"] == "inplace-worker-1", failure
+    assert "torchrun restarts the group in place" in failure["message"]
+    status = (kube.job("inplace") or {})["status"]
+    assert status["failures"] == {"Unknown": 1}
+    assert status["phase"] == "Running" and status.get("restarts", 0) == 0
+    assert "WorkerFailure" in eventually(lambda: kube.event_reasons("inplace"),
+                                         what="an event")
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics") as reply:
+        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+    failures = {s.labels["class"]: s.value for s in families["kubetrain_worker_failures"].samples
+                if s.name == "kubetrain_worker_failures_total"}
+    assert failures.get("Unknown", 0) >= 1, failures
+    # The pods stay: torchrun restarted the trainer inside them.
+    assert sorted(kube.pods("inplace")) == ["inplace-worker-0", "inplace-worker-1"]
+    kube.delete_job("inplace")
