@@ -7,6 +7,8 @@
     python bench/mfu.py --steps 4 --micro-batch 4,8,16 --checkpointing none,full \
         --compile on,off --variants bf16,fp8                     # peak / estimate sweep
     torchrun --nproc-per-node 8 bench/mfu.py [--variant bf16]       # FSDP2 over 8 GPUs
+    torchrun --nnodes 2 --nproc-per-node 8 ... bench/mfu.py --variant bf16 --mesh hsdp
+    torchrun --nproc-per-node 8 bench/mfu.py --variant bf16 --mesh tp2   # fsdp 4 x tp 2
 
 Trains `llama-1b` (vocabulary 128256) with torch.compile and strategy fsdp through
 the real `Trainer`, on the standard library's sources prepared by `kubetrain
@@ -37,6 +39,14 @@ estimate` for the same job (goal: within 10 %).
 With one process the model trains unwrapped under bf16 autocast (FSDP2 over a
 world of one would shard nothing); under torchrun with several GPUs it is sharded
 with FSDP2 and runs the one `--variant` given. Without CUDA it prints why and exits 0.
+
+Meshes (`--mesh`, mesh.py): `fsdp` (the default), `hsdp` (shard within a node of
+LOCAL_WORLD_SIZE GPUs, replicate across nodes), `tpN` (fsdp x tensorParallel N) and
+`hsdp-tpN`. HSDP only differs from fsdp across nodes and tensor parallelism only pays
+where a model's memory needs it, so a single GPU, or one node for hsdp, cannot show
+their speed: the bench says so and exits 0 instead of printing a number that means
+nothing. Comparing meshes is a run per mesh on the same machines, tokens/s over
+fsdp's.
 """
 
 from __future__ import annotations
@@ -101,21 +111,44 @@ class Config:
     micro_batch: int
     checkpointing: str
     compile: bool
+    mesh: str = "fsdp"  # fsdp, hsdp, tpN or hsdp-tpN
 
     def label(self) -> str:
         model = self.preset + (f"/{self.layers}L" if self.layers else "")
+        mesh = "" if self.mesh == "fsdp" else f" {self.mesh}"
         return (f"{self.variant} {model} mb{self.micro_batch} ac-{self.checkpointing}"
-                f"{' compile' if self.compile else ' eager'}")
+                f"{' compile' if self.compile else ' eager'}{mesh}")
 
     def arguments(self) -> list[str]:
         return ["--variant", self.variant, "--preset", self.preset, "--micro-batch",
                 str(self.micro_batch), "--checkpointing", self.checkpointing,
-                "--compile", "on" if self.compile else "off",
+                "--compile", "on" if self.compile else "off", "--mesh", self.mesh,
                 *(["--layers", str(self.layers)] if self.layers else [])]
 
 
-def training_job(train_uri: str, folder: Path, config: Config, steps: int) -> TrainingJob:
+def mesh_settings(mesh: str, world: int, per_node: int) -> tuple[dict[str, Any], str | None]:
+    """The workers and parallelism fields of `--mesh` on `world` GPUs, `per_node` to a node,
+    or why this machine cannot show that mesh's speed."""
+    strategy, _, tp = mesh.partition("-")
+    if strategy.startswith("tp"):
+        strategy, tp = "fsdp", strategy
+    degree = int(tp.removeprefix("tp") or 1)
+    if strategy not in ("fsdp", "hsdp") or (tp and not tp.startswith("tp")):
+        raise SystemExit(f"--mesh {mesh}: use fsdp, hsdp, tpN or hsdp-tpN")
+    if degree > 1 and (per_node % degree or world < 2 * degree):
+        return {}, (f"--mesh {mesh} needs {2 * degree} GPUs or more, {degree} to a node, to "
+                    f"show tensor parallelism's speed; this run has {world}")
+    if strategy == "hsdp" and world <= per_node:
+        return {}, (f"--mesh {mesh}: hsdp differs from fsdp only across nodes, and this run "
+                    f"has one node ({world} GPUs)")
+    return {"workers": {"replicas": world // per_node, "procsPerWorker": per_node},
+            "parallelism": {"strategy": strategy, "tensorParallel": degree}}, None
+
+
+def training_job(train_uri: str, folder: Path, config: Config, steps: int,
+                 mesh: dict[str, Any] | None = None) -> TrainingJob:
     precision = VARIANTS[config.variant][0]
+    mesh = mesh or {"workers": {}, "parallelism": {"strategy": "fsdp"}}
     model: dict[str, Any] = {"preset": config.preset, "vocabSize": 128_256}
     if config.layers:
         model["nLayers"] = config.layers
@@ -124,12 +157,13 @@ def training_job(train_uri: str, folder: Path, config: Config, steps: int) -> Tr
         "metadata": {"name": "mfu"},
         "spec": {
             "image": "bench",
+            "workers": mesh["workers"],
             "model": model,
             "data": {"train": train_uri, "seqLen": 2048},
             "optimization": {"maxSteps": steps, "warmupSteps": min(5, steps - 1),
                              "microBatchSize": config.micro_batch},
             "evaluation": {"everySteps": 0},
-            "parallelism": {"strategy": "fsdp", "precision": precision,
+            "parallelism": {**mesh["parallelism"], "precision": precision,
                             "compile": config.compile,
                             "activationCheckpointing": config.checkpointing},
             "checkpoint": {"uri": str(folder / "checkpoints"), "everySteps": 100_000,
@@ -145,9 +179,11 @@ def run_variant(config: Config, train_uri: str, steps: int) -> dict[str, Any]:
     os.environ[OUTPUT_LOSS_ENV] = output_loss
     if recipe is not None:
         os.environ[FLOAT8_RECIPE_ENV] = recipe
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh, _ = mesh_settings(config.mesh, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        job = training_job(train_uri, folder, config, steps)
+        job = training_job(train_uri, folder, config, steps, mesh)
         log = folder / "metrics.jsonl"
         torch.cuda.reset_peak_memory_stats()
         Trainer(job, metrics_log=log, serve_metrics=False).fit()
@@ -156,7 +192,6 @@ def run_variant(config: Config, train_uri: str, steps: int) -> dict[str, Any]:
         events = [json.loads(line) for line in log.read_text().splitlines()]
     free, total = torch.cuda.mem_get_info()
     outside_allocator = (total - free) - torch.cuda.memory_reserved()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     (start,) = [e for e in events if e["event"] == "start"]
     estimate = estimate_memory(job.spec, world, job_plan(job.spec, world),
                                start["output_loss"])
@@ -167,7 +202,7 @@ def run_variant(config: Config, train_uri: str, steps: int) -> dict[str, Any]:
         return statistics.median(e[key] for e in logged) if logged else math.nan
 
     return {
-        "label": config.label(), "variant": config.variant, "world": world,
+        "label": config.label(), "variant": config.variant, "world": world, "mesh": config.mesh,
         "output_loss": start["output_loss"],
         "tokens_per_second": median("tokens_per_second"), "mfu": median("mfu"),
         "step_time": median("step_time"),
@@ -251,6 +286,8 @@ def main() -> int:
     parser.add_argument("--peer-steps", type=int, default=12)
     parser.add_argument("--variant", choices=VARIANTS, default=None,
                         help="run only this one, in this process (what torchrun ranks do)")
+    parser.add_argument("--mesh", default="fsdp",
+                        help="fsdp, hsdp, tpN or hsdp-tpN (under torchrun with several GPUs)")
     parser.add_argument("--train", help=argparse.SUPPRESS)  # a prepared corpus, from the parent
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -258,9 +295,14 @@ def main() -> int:
         print("bench/mfu.py measures GPU utilisation and needs CUDA: no CUDA device here, "
               "skipped.")
         return 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _, cannot = mesh_settings(args.mesh, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if cannot is not None:
+        print(f"bench/mfu.py: {cannot}: skipped, no figure.")
+        return 0
     # Every combination of the listed values, in this order (a child process runs one).
     configs = [Config(variant, args.preset, args.layers, int(micro), checkpointing,
-                      compile_ == "on")
+                      compile_ == "on", args.mesh)
                for micro, checkpointing, compile_, variant in itertools.product(
                    args.micro_batch.split(","), args.checkpointing.split(","),
                    args.compile.split(","), (args.variant or args.variants).split(","))]
