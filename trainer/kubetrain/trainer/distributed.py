@@ -21,7 +21,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
@@ -29,6 +33,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from kubetrain.protocol import EXIT_RESTART
 
 
 @dataclass(frozen=True)
@@ -167,12 +173,36 @@ def shutdown_world() -> None:
         dist.destroy_process_group()
 
 
-class StopRequest:
-    """SIGTERM/SIGINT turned into a flag that all ranks agree on at step boundaries."""
+# A signalled rank that has not reached the stop agreement after this many of its longest
+# spans between two step boundaries (and at least STOP_DEADLINE_FLOOR seconds) is blocked
+# in a collective with a peer that is gone: the group can save nothing together.
+STOP_DEADLINE_SPANS = 4
+STOP_DEADLINE_FLOOR = 3.0
 
-    def __init__(self) -> None:
+
+class StopRequest:
+    """SIGTERM/SIGINT turned into a flag that all ranks agree on at step boundaries.
+
+    A rank blocked in a collective whose peer vanished with its node (no connection
+    reset: gloo and NCCL wait minutes) never reaches the next boundary, and its torchrun
+    agent, told to restart the group once the lost rank's replacement joins, would wait
+    its shutdown timeout (30 s) before killing it. So a signal also starts a deadline,
+    derived from the steps measured so far (`deadline`): a rank that has not agreed by
+    then exits at once with EXIT_RESTART, after `on_give_up` (the lifeline's last word).
+    Python runs signal handlers only between bytecodes, which a rank blocked in a
+    collective never reaches, so a thread reading the signal wakeup fd starts the clock.
+    A long but healthy step moves the deadline with it; without a signal there is none.
+    """
+
+    def __init__(self, on_give_up: Callable[[str], None] | None = None) -> None:
         self.signalled = False
+        self.on_give_up = on_give_up
         self._previous: dict[int, object] = {}
+        self._previous_wakeup = -1
+        self._pipe: tuple[int, int] | None = None
+        self._agreed = threading.Event()  # a stop was agreed: the peers are there
+        self._boundary = time.monotonic()  # the last step boundary (`agreed`)
+        self.longest_span = 0.0  # seconds between two boundaries, at most
 
     def install(self) -> None:
         """Catch SIGTERM and SIGINT (main thread only; a notebook's other threads skip it)."""
@@ -181,19 +211,62 @@ class StopRequest:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:
                 return
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._pipe = (read, write)
+        threading.Thread(target=self._watch, args=(read,), name="stop-deadline",
+                         daemon=True).start()
 
     def uninstall(self) -> None:
         """Restore the handlers that were there before `install`."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            os.close(self._pipe[1])  # the watcher reads end-of-file and closes the other end
+            self._pipe = None
+        self._agreed.set()
+
+    def deadline(self) -> float:
+        """Seconds a signalled rank may take to reach the stop agreement."""
+        return max(STOP_DEADLINE_FLOOR, STOP_DEADLINE_SPANS * self.longest_span)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: the loop decides at the next step boundary, together with the other ranks.
         self.signalled = True
 
+    def _watch(self, read: int) -> None:
+        """Start the deadline at the first SIGTERM or SIGINT the wakeup fd reports."""
+        try:
+            while chunk := os.read(read, 64):
+                if any(signum in (signal.SIGTERM, signal.SIGINT) for signum in chunk):
+                    break
+            else:
+                return  # uninstalled
+            # The handler may not have run yet (the main thread is in a collective): the
+            # deadline starts now either way.
+            deadline = self.deadline()
+            if self._agreed.wait(deadline) or not self._previous:
+                return
+            why = (f"stop not agreed {deadline:.1f}s after the signal (longest step "
+                   f"{self.longest_span:.2f}s): a peer is gone, so no checkpoint can be saved; "
+                   f"exiting for torchrun to re-form the group")
+            print(f"rank {os.environ.get('RANK', '0')}: {why}", file=sys.stderr, flush=True)
+            if self.on_give_up is not None:
+                self.on_give_up(why)
+            os._exit(EXIT_RESTART)
+        finally:
+            os.close(read)
+
     def agreed(self, device: torch.device) -> bool:
         """True on every rank when any rank was signalled (a collective: call it on all ranks)."""
+        now = time.monotonic()
+        self.longest_span = max(self.longest_span, now - self._boundary)
         flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._boundary = time.monotonic()
+        if flag.item():
+            self._agreed.set()
         return bool(flag.item())

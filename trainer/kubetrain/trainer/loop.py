@@ -263,6 +263,7 @@ class Trainer:
             metrics_log or os.environ.get("KUBETRAIN_METRICS_LOG", "metrics.jsonl"))
         self.serve_metrics = serve_metrics
         self._preflight: Preflight | None = None  # this attempt's check, once it started
+        self._lifeline: Lifeline | None = None  # in a worker pod, while `fit` runs
 
     def fit(self) -> FitResult:
         """Train until maxSteps, early stopping or a stop signal; see the module docstring.
@@ -271,7 +272,7 @@ class Trainer:
         error propagates. In a worker pod, the pod's lifeline (lifeline.py) beats meanwhile
         and then says how it ended.
         """
-        lifeline = Lifeline.for_this_process(self.spec.metrics.port)
+        lifeline = self._lifeline = Lifeline.for_this_process(self.spec.metrics.port)
         if lifeline is not None:
             lifeline.start()
         try:
@@ -314,7 +315,10 @@ class Trainer:
     def _attempt(self, world: World, goodput: GoodputLedger) -> FitResult:
         """Build the run and train it; closed, and the stop handler removed, however it ends."""
         run = self._build(world, goodput)
-        stop = StopRequest()
+        lifeline = self._lifeline
+        # Given up on a peer that is gone: this rank's failure is that peer's, not its own.
+        stop = StopRequest(on_give_up=None if lifeline is None else (
+            lambda why: lifeline.end(EXIT_RESTART, PEER_LOST, why)))
         stop.install()
         with contextlib.ExitStack() as cleanup:
             # Last, after closing: until closed, a SIGTERM (the agent stopping) only sets the flag.

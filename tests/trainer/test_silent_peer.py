@@ -1,0 +1,106 @@
+"""A peer that goes silent (its node lost: no answer, no connection reset) under a real
+torchrun, and a long but healthy step (issue 33 item 1).
+
+A silent peer is a rank stopped with SIGSTOP: its process and connections stay, nothing
+answers, as when a node's network goes down. The surviving rank blocks in a collective
+with it; when its torchrun agent then stops it (as it does once the lost rank's
+replacement joins the rendezvous), it must exit within the stop deadline derived from
+its step time, not wait for torchrun's 30 s shutdown timeout or gloo's. A rank stopped
+for a few seconds and then resumed is a long step: nothing may restart."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+from kubetrain.trainer.distributed import STOP_DEADLINE_FLOOR
+
+
+def _start(launcher: Any, job: Any) -> subprocess.Popen[str]:
+    command = launcher.command(job, ranks=2)
+    command.insert(command.index("--standalone") + 1, "--max-restarts=1")
+    return subprocess.Popen(command, env=launcher.env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _until_step(launcher: Any, job: Any, agent: subprocess.Popen[str], step: int) -> None:
+    deadline = time.monotonic() + 120
+    while not any(e["step"] >= step for e in launcher.events(job, "step")):
+        assert agent.poll() is None and time.monotonic() < deadline, "training never began"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_rank_blocked_on_a_silent_peer_exits_within_its_stop_deadline(
+        tiny_job: Any, launcher: Any) -> None:
+    job = tiny_job("silent", optimization={"maxSteps": 40, "microBatchSize": 8,
+                                           "warmupSteps": 5},
+                   checkpoint={"everySteps": 8, "export": False},
+                   runPolicy={"preflight": {"enabled": False}})
+    agent = _start(launcher, job)
+    try:
+        _until_step(launcher, job, agent, 12)
+        survivor, silent = (launcher.worker_pid(agent.pid, rank) for rank in (0, 1))
+        os.kill(silent, signal.SIGSTOP)  # the node goes silent
+        time.sleep(1.0)  # the survivor is now blocked in a collective with it
+        stopped_at = time.monotonic()
+        os.kill(survivor, signal.SIGTERM)  # its agent stops it, to re-form the group
+        while _alive(survivor):
+            assert time.monotonic() - stopped_at < 60, "the survivor never exited"
+            time.sleep(0.02)
+        exited = time.monotonic() - stopped_at
+        os.kill(silent, signal.SIGKILL)  # the lost node's processes are gone for good
+        output, _ = agent.communicate(timeout=180)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.kill(silent, signal.SIGKILL)
+    print(f"the survivor exited {exited:.2f}s after its SIGTERM (floor "
+          f"{STOP_DEADLINE_FLOOR:g}s); torchrun's own shutdown timeout is 30s")
+    assert agent.returncode == 0, output[-4000:]
+    assert "stop not agreed" in output and "a peer is gone" in output, output[-4000:]
+    assert exited < 30, exited
+    # torchrun re-formed the group in place, which resumed from its checkpoint and finished.
+    resumed = launcher.events(job, "resumed")
+    assert len(resumed) == 1 and resumed[0]["step"] >= 8, resumed
+    assert launcher.events(job, "finished")[-1]["step"] == 40
+
+
+def test_a_step_many_times_longer_than_the_others_restarts_nothing(
+        tiny_job: Any, launcher: Any) -> None:
+    job = tiny_job("long-step", optimization={"maxSteps": 30, "microBatchSize": 8,
+                                              "warmupSteps": 5},
+                   checkpoint={"everySteps": 8, "export": False},
+                   runPolicy={"preflight": {"enabled": False}})
+    agent = _start(launcher, job)
+    try:
+        _until_step(launcher, job, agent, 10)
+        slow = launcher.worker_pid(agent.pid, 1)
+        os.kill(slow, signal.SIGSTOP)  # one step takes 2.5 s more than the others
+        time.sleep(2.5)
+        os.kill(slow, signal.SIGCONT)
+        output, _ = agent.communicate(timeout=180)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, output[-4000:]
+    steps = launcher.events(job, "step")
+    longest = max(e["step_time"] for e in steps)
+    typical = sorted(e["step_time"] for e in steps)[len(steps) // 2]
+    print(f"longest step {longest:.2f}s, median {typical:.3f}s")
+    assert longest > 5 * typical, (longest, typical)
+    assert launcher.events(job, "resumed") == [], "the long step restarted the group"
+    assert "stop not agreed" not in output
+    assert launcher.events(job, "finished")[-1]["step"] == 30
