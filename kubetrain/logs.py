@@ -221,11 +221,16 @@ class JobLogs:
     def _follow_pod(self, pod: WorkerPod) -> None:
         """One pod's log until its container has ended or the pod is gone; a connection
         lost before then is taken up again after the last line printed."""
+        from urllib3.exceptions import HTTPError
+
         last: str | None = None
         while True:
-            for stamp, text in self.lines(pod, follow=True, after=last):
-                last = stamp or last
-                self.emit(pod, text)
+            try:
+                for stamp, text in self.lines(pod, follow=True, after=last):
+                    last = stamp or last
+                    self.emit(pod, text)
+            except (HTTPError, OSError):
+                pass  # the connection broke: ask again below, after the last line printed
             now = next((p for p in self.pods() if p.name == pod.name), None)
             if now is None or now.uid != pod.uid or now.ended:
                 return

@@ -68,10 +68,16 @@ def node(cluster: EmulatedCluster, tmp_path: Path) -> Iterator[Node]:
     cluster.emulator.kubelets.remove(stand_in)
 
 
-def kubetrain_logs(cluster: EmulatedCluster, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kubetrain", "logs", *args, "--kubeconfig",
-         str(cluster.kubeconfig)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def kubetrain_logs(cluster: EmulatedCluster, *args: str,
+                   output: Path | None = None) -> subprocess.Popen[str]:
+    """`kubetrain logs ARGS` as a user runs it; printing into `output` when given."""
+    command = [sys.executable, "-m", "kubetrain", "logs", *args, "--kubeconfig",
+               str(cluster.kubeconfig)]
+    if output is None:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    with output.open("w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE, text=True)
 
 
 def finished(command: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str, str]:
@@ -80,7 +86,7 @@ def finished(command: subprocess.Popen[str], timeout: float = 30) -> tuple[int, 
 
 
 def test_follow_prints_every_attempt_of_each_worker_marked_until_the_job_ends(
-        cluster: EmulatedCluster, node: Node) -> None:
+        cluster: EmulatedCluster, node: Node, tmp_path: Path) -> None:
     kube, name = Kube(cluster), "follow"
     kube.create_job(job_manifest(name))
     eventually(lambda: len(kube.pods(name)) == 2, what="two worker pods")
@@ -89,8 +95,10 @@ def test_follow_prints_every_attempt_of_each_worker_marked_until_the_job_ends(
     node.write(f"{name}-worker-1", "rank 1: step 1")
     eventually(lambda: kube.phase(name) == "Running", what="Running")
 
-    follower = kubetrain_logs(cluster, name, "--follow")
-    time.sleep(3)  # it follows both pods now
+    printed = tmp_path / "printed"
+    follower = kubetrain_logs(cluster, name, "--follow", output=printed)
+    eventually(lambda: printed.read_text().count("step 1") == 2, timeout=60,
+               what="the follower to print both workers' first lines")
     node.write(f"{name}-worker-1", "rank 1: killed")
     node.end(f"{name}-worker-1", first[f"{name}-worker-1"], exit_code=137)
     eventually(lambda: kube.pods(name).get(f"{name}-worker-1", {}).get("metadata", {})
@@ -106,8 +114,9 @@ def test_follow_prints_every_attempt_of_each_worker_marked_until_the_job_ends(
     node.end(f"{name}-worker-1", second, exit_code=0)
     eventually(lambda: kube.phase(name) == "Succeeded", what="Succeeded")
 
-    code, out, err = finished(follower)
+    code, _, err = finished(follower)
     assert code == 0, err
+    out = printed.read_text()
     lines = out.splitlines()
     by_pod: dict[str, list[str]] = {}
     for line in lines:
@@ -132,14 +141,17 @@ def test_one_worker_now_and_only_recent_lines(cluster: EmulatedCluster, node: No
     node.write(f"{name}-worker-1", "rank 1: old")
     for log in node.logs.values():
         log.collect()  # stamped now, as the node agent's next tick does
-    time.sleep(2.5)
+    # Long enough that the old lines are older than --since even with a slow start below.
+    time.sleep(10)
     node.write(f"{name}-worker-1", "rank 1: new")
+    for log in node.logs.values():
+        log.collect()
 
+    code, out, _ = finished(kubetrain_logs(cluster, name, "--since", "8s"))
+    assert (code, out) == (0, f"[{name}-worker-1 attempt 0] rank 1: new\n")
     code, out, _ = finished(kubetrain_logs(cluster, name, "--worker", "1"))
     assert (code, out) == (0, f"[{name}-worker-1 attempt 0] rank 1: old\n"
                               f"[{name}-worker-1 attempt 0] rank 1: new\n")
-    code, out, _ = finished(kubetrain_logs(cluster, name, "--since", "2s"))
-    assert (code, out) == (0, f"[{name}-worker-1 attempt 0] rank 1: new\n")
     kube.delete_job(name)
 
 
