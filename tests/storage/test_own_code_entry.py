@@ -59,7 +59,8 @@ def _entry(job_file: Path, pod: Path, mode: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "kubetrain.trainer.own_code", str(job_file), "--",
          sys.executable, str(job_file.parent / "train.py"), mode],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=job_file.parent)  # where spec.trainer.command's train.py is
 
 
 @pytest.mark.timeout(180)

@@ -11,8 +11,26 @@ command (kubetrain.operator.own_code_launch builds the line):
    with COMMAND's exit status (128 + N when a signal N ended it).
 A failed restore exits 1 (retried by the job's restart policy) before anything starts.
 A program that does not exist (the script, or a --no-python program on no PATH) exits 127
-before anything starts, as a shell does: torchrun would end with 1 whatever its processes
-exited with, and 127 is one of runPolicy.permanentExitCodes, so the job fails at once.
+before anything starts, as a shell does, and 127 is one of runPolicy.permanentExitCodes,
+so the job fails at once.
+
+When COMMAND is torchrun (`torchrun ...` or `python -m torch.distributed.run ...`, what the
+operator and `kubetrain run` give), its agent runs in this process
+(`torch.distributed.run.run`, torchrun's own code), because the torchrun program exits 1
+whatever its processes exited with: the entry reads the failed processes' exit codes from
+the agent's result and exits with the most telling one (a code other than 1 and signals
+first, then the first to fail), so 2 and the other permanent codes reach the restart
+policy. 87, 88, 89 and 90 (out of memory, collective timeout, failed preflight, GPU error)
+are also written as the trainer's failure line into the termination message
+(`kubetrain.trainer.metrics.record_failure`), which is where the operator and `kubetrain
+run` read those classes. An uncaught exception is exit 1 (Unknown) whatever it was.
+
+When runPolicy.preflight is enabled, the device stage of kubetrain's preflight
+(`kubetrain.trainer.preflight`: a float32 matmul checked against float64) runs on each of
+the pod's procsPerWorker devices before anything else, in a child process so that no
+device context stays in this one; a failure writes the PreflightFailed line naming this
+node and exits 89, and the operator avoids the node. The group stage (all-reduce
+bandwidth) needs the process group your code forms, and is the trainer's only.
 """
 
 from __future__ import annotations
@@ -26,13 +44,23 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from kubetrain.api.manifest import InvalidManifest, load_job
-from kubetrain.protocol import EXIT_INVALID_MANIFEST, SIGNAL_EXIT_BASE
+from kubetrain.api.trainingjob import PreflightPolicy
+from kubetrain.protocol import (
+    EXIT_INVALID_MANIFEST,
+    EXIT_PREFLIGHT_FAILED,
+    SIGNAL_EXIT_BASE,
+    TRAINER_EXIT_CODES,
+    is_signal_exit,
+)
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
+from kubetrain.trainer.metrics import record_failure, termination_log
 from kubetrain.trainer.storage import open_storage
 
 log = logging.getLogger("kubetrain.own_code")
@@ -75,6 +103,132 @@ def missing_program(torchrun_arguments: list[str]) -> str | None:
     return None if Path(script).is_file() else script
 
 
+def agent_arguments(command: list[str]) -> list[str] | None:
+    """torchrun's own arguments when `command` runs torchrun (`torchrun ARGS` or
+    `PYTHON -m torch.distributed.run ARGS`), else None: a command to run as it is."""
+    if command and Path(command[0]).name == "torchrun":
+        return command[1:]
+    if command[1:3] == ["-m", "torch.distributed.run"]:
+        return command[3:]
+    return None
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one of torchrun's processes ended: its global rank and exit status (128 + N
+    for signal N)."""
+
+    rank: int
+    exit_code: int
+    timestamp: float = 0.0
+
+    @property
+    def telling(self) -> bool:
+        """Whether the code says more than "failed": not 1 (any uncaught exception, or a
+        peer's collective breaking under it) and not a signal (the agent stopping the rest)."""
+        return self.exit_code != 1 and not is_signal_exit(self.exit_code)
+
+
+def deciding_exit(exits: list[WorkerExit]) -> WorkerExit:
+    """The process whose exit the pod exits with: a telling code before the others, then
+    the first to fail, then the lowest rank."""
+    return min(exits, key=lambda e: (not e.telling, e.timestamp, e.rank))
+
+
+def run_torchrun(arguments: list[str]) -> tuple[int, list[WorkerExit]]:
+    """torchrun's agent, here, on `arguments`: the exit status to pass on and every failed
+    process's exit. torchrun's program would print the same and exit 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        # What the agent's own handler does once its processes run: until then (the
+        # rendezvous), a SIGTERM ends the agent the same way.
+        raise SignalException(f"signal {signum} before torchrun's processes started",
+                              signal.Signals(signum))
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+    try:
+        run(parse_args(arguments))
+    except ChildFailedError as error:
+        exits = [WorkerExit(rank, SIGNAL_EXIT_BASE - failure.exitcode if failure.exitcode < 0
+                            else failure.exitcode, failure.timestamp)
+                 for rank, failure in error.failures.items()]
+        for worker in exits:
+            log.error("rank %d exited with code %d", worker.rank, worker.exit_code)
+        return deciding_exit(exits).exit_code, exits
+    except SignalException as error:
+        log.info("stopped by %s: torchrun's processes were given it", error.sigval.name)
+        return SIGNAL_EXIT_BASE + int(error.sigval), []
+    except Exception as error:  # the rendezvous timed out or closed, a bad option
+        log.error("torchrun's agent failed: %s: %s", type(error).__name__, error)
+        return 1, []
+    finally:
+        # The agent's handlers raise; from here on a signal must not cut the last upload.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _uploading)
+    return 0, []
+
+
+def _uploading(signum: int, frame: FrameType | None) -> None:
+    log.info("signal %d: the command has ended, the last checkpoint is uploading", signum)
+
+
+def _check_devices(policy: PreflightPolicy, count: int, answer: Any) -> None:
+    """The preflight's device stage on each of `count` local devices (in a child process)."""
+    import torch
+
+    from kubetrain.trainer.preflight import Preflight, PreflightFailed
+
+    devices = ([torch.device("cuda", index) for index in range(count)]
+               if torch.cuda.is_available() else [torch.device("cpu")])
+    try:
+        for device in devices:
+            Preflight(policy, rank=0, world_size=1, device=device, store=None).check_device()
+    except PreflightFailed as error:
+        answer.put((str(error), error.nodes))
+        return
+    answer.put(("", []))
+
+
+def preflight(policy: PreflightPolicy, devices: int) -> tuple[str, list[str]]:
+    """The device stage of kubetrain's preflight on this pod's `devices`, within the
+    policy's timeout: ("", []) when it passed, else why and the node at fault."""
+    import multiprocessing
+
+    from kubetrain.trainer.rank_timing import where_am_i
+
+    context = multiprocessing.get_context("spawn")
+    answer = context.Queue()
+    check = context.Process(target=_check_devices, args=(policy, devices, answer),
+                            name="preflight", daemon=True)
+    check.start()
+    check.join(policy.timeout_seconds)
+    node = where_am_i()[1]
+    if check.is_alive():
+        check.kill()
+        check.join()
+        return (f"preflight failed: the devices of node {node} did not finish a matmul "
+                f"within {policy.timeout_seconds}s"), [node]
+    try:
+        problem, nodes = answer.get(timeout=1.0)
+    except Exception:  # queue.Empty: the check died before it answered
+        return (f"preflight failed: the check on node {node} died with exit code "
+                f"{check.exitcode}"), [node]
+    return str(problem), list(nodes)
+
+
+def write_failure(exit_code: int, micro_batch_size: int) -> None:
+    """The trainer's failure line for a code that names a class only the code can see."""
+    failure_class = next((name for name, code in TRAINER_EXIT_CODES.items()
+                          if code == exit_code), None)
+    if failure_class is not None:
+        record_failure(failure_class, f"a process of the command exited with {exit_code}",
+                       micro_batch_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="kubetrain: %(message)s")
     args = _arguments(sys.argv[1:] if argv is None else argv)
@@ -90,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: no such file or program: check spec.trainer.command (exit %d: the "
                   "job is not retried)", missing, EXIT_COMMAND_NOT_FOUND)
         return EXIT_COMMAND_NOT_FOUND
+    if spec.run_policy.preflight.enabled:
+        problem, nodes = preflight(spec.run_policy.preflight, spec.workers.procs_per_worker)
+        if problem:
+            log.error("%s (exit %d)", problem, EXIT_PREFLIGHT_FAILED)
+            record_failure("PreflightFailed", problem, job.micro_batch_size, nodes=nodes)
+            return EXIT_PREFLIGHT_FAILED
+        log.info("preflight: %d device(s) passed", spec.workers.procs_per_worker)
     local_dir = Path(os.environ.get(CHECKPOINT_DIR_ENV) or DEFAULT_CHECKPOINT_DIR)
     local_dir.mkdir(parents=True, exist_ok=True)
     remote = open_storage(spec.checkpoint.uri, spec.storage)
@@ -105,14 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log.info("no checkpoint to restore: starting fresh")
 
-    child = subprocess.Popen(args.command)
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        child.send_signal(signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
-
     sync = CheckpointSync(local_dir, remote, spec.checkpoint.keep_last)
     stopping = threading.Event()
 
@@ -122,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     syncer = threading.Thread(target=sync_alongside, name="checkpoint-sync", daemon=True)
     syncer.start()
-    status = child.wait()
+    status = _run(args.command)
     stopping.set()
     syncer.join()
     final_seconds = float(os.environ.get("KUBETRAIN_FINAL_SYNC_SECONDS",
@@ -135,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.unmarked:  # the operator turns this line into a warning event on the job
         names = ",".join(Path(folder).name for folder in report.unmarked)
         try:
-            Path(os.environ.get("KUBETRAIN_TERMINATION_LOG", "/dev/termination-log")).write_text(
+            termination_log().write_text(
                 f'kubetrain_unmarked_checkpoints_info{{folders="{names}"}} '
                 f"{len(report.unmarked)}\n")
         except OSError as error:
@@ -143,6 +296,24 @@ def main(argv: list[str] | None = None) -> int:
     for folder in report.waiting:
         log.warning("checkpoint %s was not committed within %.0f s: a pod's part is missing",
                     folder, final_seconds)
+    write_failure(status, job.micro_batch_size)  # first, ahead of the line above
+    return status
+
+
+def _run(command: list[str]) -> int:
+    """COMMAND's exit status: torchrun's agent in this process, anything else as a child
+    with SIGTERM and SIGINT passed through."""
+    arguments = agent_arguments(command)
+    if arguments is not None:
+        return run_torchrun(arguments)[0]
+    child = subprocess.Popen(command)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    status = child.wait()
     return SIGNAL_EXIT_BASE - status if status < 0 else status
 
 
