@@ -1698,10 +1698,11 @@ class AvoidedNode(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
     node: str = Field(description="The node's name.")
-    reason: Literal["Straggler", "PreflightFailed", "RepeatedFailures"] = Field(
-        description="Straggler (runPolicy.stragglers.action Replace), PreflightFailed, or "
+    reason: Literal["Straggler", "PreflightFailed", "RepeatedFailures", "Unreachable"] = Field(
+        description="Straggler (runPolicy.stragglers.action Replace), PreflightFailed, "
         "RepeatedFailures (two Unknown, CollectiveTimeout or GPUError failures on it within "
-        "an hour).")
+        "an hour), or Unreachable (a trainer's lifeline there went silent: the node or its "
+        "network was lost).")
     message: str = Field(default="", description="What was seen on it.")
     time: datetime = Field(description="When the job began to avoid it.")
     expires: datetime = Field(description="When its pods may run there again.")

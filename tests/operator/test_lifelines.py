@@ -141,6 +141,52 @@ def test_the_lifelines_see_a_killed_trainer_at_once_and_its_successors_last_word
     asyncio.run(scenario())
 
 
+def test_a_trainer_that_stops_beating_is_silent_until_it_beats_again() -> None:
+    # A stopped process keeps its connection open and answers nothing, as a node whose
+    # network went down: no reset comes, only silence.
+    port = free_port()
+    key = ("default", "job")
+    pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
+                    ip="127.0.0.1")
+
+    async def scenario() -> None:
+        news: list[tuple[str, str]] = []
+        lifelines = Lifelines(news.append, retry_seconds=0.1, silence_seconds=1.0)
+        lifelines.start(asyncio.get_running_loop())
+        lifelines.follow(key, [pod], [port])
+        loop = asyncio.get_running_loop()
+        process = await loop.run_in_executor(None, followed_trainer, port)
+        try:
+            await asyncio.sleep(1.5)  # beating: not silent
+            assert lifelines.silent(key) == frozenset() and news == []
+            os.kill(process.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            while not lifelines.silent(key):
+                assert time.monotonic() - stopped < 10, "never taken for silent"
+                await asyncio.sleep(0.01)
+            print(f"silent {time.monotonic() - stopped:.2f}s after SIGSTOP (threshold 1s)")
+            assert lifelines.silent(key) == {"job-worker-1"} and news == [key]
+            os.kill(process.pid, signal.SIGCONT)
+            while lifelines.silent(key):
+                assert time.monotonic() - stopped < 20, "never beat again"
+                await asyncio.sleep(0.01)
+            assert news == [key, key] and lifelines.ends(key) == ()
+            # Its replacement (a new restart attempt of the pod) starts with a clean slate.
+            os.kill(process.pid, signal.SIGSTOP)
+            while not lifelines.silent(key):
+                await asyncio.sleep(0.01)
+            lifelines.follow(key, [WorkerPod(name="job-worker-1", index=1, restart_attempt=1,
+                                             phase="Pending")], [port])
+            await asyncio.sleep(0.1)
+            assert lifelines.silent(key) == frozenset()
+        finally:
+            process.kill()
+            await loop.run_in_executor(None, process.wait)
+            await lifelines.close()
+
+    asyncio.run(scenario())
+
+
 # --- the real operator ---------------------------------------------------------------------
 
 

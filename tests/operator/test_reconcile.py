@@ -954,3 +954,27 @@ def test_a_trainer_end_in_a_pod_that_failed_or_goes_is_the_pods_own_story(
         out = _with_ends(job, pod(0), gone, ends=(end,))
         assert out.status is not None
         assert "gone" not in out.status.get("lastFailure", {}).get("message", "")
+
+
+def test_a_pod_whose_trainer_went_silent_is_replaced_as_lost_and_its_node_avoided(
+        minimal_manifest: dict) -> None:
+    job = make_job(minimal_manifest, status=running_status(progress=TRAINING))
+    observed = Observed(pods=(pod(0, node="node-a"), pod(1, node="node-b")), service=True,
+                        config_generation=job.metadata.generation,
+                        silent_pods=frozenset({"demo-worker-1"}))
+    out = Outcome.of(reconcile(job, observed, NOW))
+    assert out.status is not None
+    # Replaced at once, with no grace (nothing there answers), before any node controller
+    # marks node-b; the survivor stays for torchrun to re-form the group with the new pod.
+    assert [(d.name, d.grace_period_seconds) for d in out.deleted] == [("demo-worker-1", 0)]
+    assert out.status["lastFailure"]["class"] == "NodeLost"
+    assert out.status["lastFailure"]["node"] == "node-b"
+    [avoided] = out.status["avoidedNodes"]
+    assert (avoided["node"], avoided["reason"]) == ("node-b", "Unreachable")
+    assert ("Warning", "NodeAvoided") in out.events
+    # A silent pod that is already going is left to its deletion.
+    going = Observed(pods=(pod(0, node="node-a"), pod(1, node="node-b", deleting=True)),
+                     service=True, config_generation=job.metadata.generation,
+                     silent_pods=frozenset({"demo-worker-1"}))
+    again = Outcome.of(reconcile(job, going, NOW))
+    assert again.deleted == [] and (again.status or {}).get("avoidedNodes") in (None, [])

@@ -6,24 +6,34 @@ answers, as when a node's network goes down. The surviving rank blocks in a coll
 with it; when its torchrun agent then stops it (as it does once the lost rank's
 replacement joins the rendezvous), it must exit within the stop deadline derived from
 its step time, not wait for torchrun's 30 s shutdown timeout or gloo's. A rank stopped
-for a few seconds and then resumed is a long step: nothing may restart."""
+for a second and a half and then resumed is a long step (its lifeline stops beating too,
+which a long step's does not): nothing may restart, and the operator's lifelines may not
+take it for lost."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from typing import Any
 
+import yaml
+
+from kubetrain.operator.lifelines import Lifelines
+from kubetrain.operator.observed import WorkerPod
+from kubetrain.protocol import lifeline_port
 from kubetrain.trainer.distributed import STOP_DEADLINE_FLOOR
 
 
-def _start(launcher: Any, job: Any) -> subprocess.Popen[str]:
+def _start(launcher: Any, job: Any, pod: str | None = None) -> subprocess.Popen[str]:
     command = launcher.command(job, ranks=2)
     command.insert(command.index("--standalone") + 1, "--max-restarts=1")
-    return subprocess.Popen(command, env=launcher.env(), stdout=subprocess.PIPE,
+    env = launcher.env() if pod is None else {**launcher.env(), "KUBETRAIN_POD_NAME": pod}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -84,18 +94,39 @@ def test_a_step_many_times_longer_than_the_others_restarts_nothing(
                                               "warmupSteps": 5},
                    checkpoint={"everySteps": 8, "export": False},
                    runPolicy={"preflight": {"enabled": False}})
-    agent = _start(launcher, job)
+    # As in a pod, with the operator's lifelines following both trainers: a stopped process
+    # does not beat either (a long step does), so this is the harder case for them.
+    port = yaml.safe_load(job.read_text())["spec"]["metrics"]["port"]
+    loop = asyncio.new_event_loop()
+    lifelines = Lifelines(lambda key: None, retry_seconds=0.1)
+    lifelines.start(loop)
+    following = threading.Thread(target=loop.run_forever, daemon=True)
+    following.start()
+    key = ("default", "long-step")
+    lifelines.follow(key, [WorkerPod(name="long-step-worker-0", index=0, restart_attempt=0,
+                                     phase="Running", ip="127.0.0.1")],
+                     [lifeline_port(port, rank) for rank in (0, 1)])
+    silent: set[str] = set()
+    agent = _start(launcher, job, pod="long-step-worker-0")
     try:
         _until_step(launcher, job, agent, 10)
         slow = launcher.worker_pid(agent.pid, 1)
-        os.kill(slow, signal.SIGSTOP)  # one step takes 2.5 s more than the others
-        time.sleep(2.5)
+        os.kill(slow, signal.SIGSTOP)  # one step takes 1.5 s more than the others
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < 1.5:
+            silent |= lifelines.silent(key)
+            time.sleep(0.01)
         os.kill(slow, signal.SIGCONT)
         output, _ = agent.communicate(timeout=180)
     finally:
         if agent.poll() is None:
             agent.kill()
+        asyncio.run_coroutine_threadsafe(lifelines.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        following.join(10)
     assert agent.returncode == 0, output[-4000:]
+    assert silent == set(), "the long step was taken for a lost node"
+    assert lifelines.ends(key) == (), lifelines.ends(key)
     steps = launcher.events(job, "step")
     longest = max(e["step_time"] for e in steps)
     typical = sorted(e["step_time"] for e in steps)[len(steps) // 2]

@@ -3,6 +3,9 @@
 A node is avoided, for runPolicy.avoidNodesFor, after:
 - Straggler: a rank on it was a straggler and runPolicy.stragglers.action is Replace;
 - PreflightFailed: the trainer's preflight check named it (its ranks failed the check);
+- Unreachable: a trainer's lifeline on it went silent (`kubetrain.operator.lifelines`):
+  its pods are replaced at once, before the node is marked NotReady, and must not land
+  there again;
 - RepeatedFailures: two failures of class Unknown, CollectiveTimeout or GPUError on it
   within an hour. status.nodeFailures holds each node's first one, so the count survives
   an operator restart; the failures of one reconcile pass count once per node (pods of
@@ -36,7 +39,7 @@ from typing import Literal
 from kubetrain.api.trainingjob import AvoidedNode, NodeFailure
 from kubetrain.operator.observed import WorkerPod
 
-AvoidReason = Literal["Straggler", "PreflightFailed", "RepeatedFailures"]
+AvoidReason = Literal["Straggler", "PreflightFailed", "RepeatedFailures", "Unreachable"]
 # Classes that may mean a bad node (as opposed to the job, the scheduler or memory).
 REPEATED_FAILURE_CLASSES = frozenset({"Unknown", "CollectiveTimeout", "GPUError"})
 REPEATED_FAILURE_WINDOW = timedelta(hours=1)

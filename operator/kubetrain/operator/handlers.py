@@ -366,7 +366,8 @@ class TrainingJobController:
                             observed.pods, job.spec.metrics.port))
                     if observed.metrics is None:
                         observed = replace(observed, metrics=final_metrics(observed.pods))
-                    observed = replace(observed, trainer_ends=self.lifelines.ends(key))
+                    observed = replace(observed, trainer_ends=self.lifelines.ends(key),
+                                       silent_pods=self.lifelines.silent(key))
                     self.lifelines.follow(key, observed.pods, (
                         lifeline_port(job.spec.metrics.port, local_rank)
                         for local_rank in range(job.spec.workers.procs_per_worker)))

@@ -16,9 +16,16 @@ says what happened:
   torchrun restarts in place, reported as a `TrainerEnd` after `settle_seconds`, so that
   the pod's own status arrives first when the container ended too.
 
+A connection that stays open with no beat for `silence_seconds` (a node or its network
+lost: no reset comes) makes the pod *silent* (`silent`) until a beat comes again; the
+reconcile replaces a silent pod as one of a lost node (`kubetrain.operator.nodes`), long
+before the node is marked NotReady. Beats come from a thread of their own, so a long
+step does not stop them.
+
 It keeps the ends it saw for a while (`ends`) and asks for a reconcile of the job
-(`on_news`); reconcile (`kubetrain.operator.restarts.record_restarts_in_place`) decides
-whether one is news, and records it. It keeps no status and decides nothing itself.
+(`on_news`), at once when a pod goes silent; reconcile
+(`kubetrain.operator.restarts.record_restarts_in_place`) decides whether an end is news,
+and records it. It keeps no status and decides nothing itself.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ log = logging.getLogger(__name__)
 
 JobKey = tuple[str, str]  # (namespace, name)
 ORDERLY_EXITS = frozenset({EXIT_COMPLETE, EXIT_RESTART, EXIT_SIGNALLED})
+# Beats come every LIFELINE_BEAT_SECONDS: this long without one, the trainer's node or its
+# network is taken as lost.
+SILENCE_SECONDS = 3.0
 NO_WORD = ("the trainer process ended without a word (kill -9, a crash or the kernel's OOM "
            "killer)")
 
@@ -78,14 +88,17 @@ class Lifelines:
     """
 
     def __init__(self, on_news: Callable[[JobKey], None], *, settle_seconds: float = 1.0,
-                 keep_seconds: float = 300.0, retry_seconds: float = 0.5) -> None:
+                 keep_seconds: float = 300.0, retry_seconds: float = 0.5,
+                 silence_seconds: float = SILENCE_SECONDS) -> None:
         self.on_news = on_news
         self.settle_seconds = settle_seconds
+        self.silence_seconds = silence_seconds
         self.keep = timedelta(seconds=keep_seconds)
         self.retry_seconds = retry_seconds
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: dict[tuple[JobKey, str, int], tuple[str, asyncio.Task[None]]] = {}
+        self._tasks: dict[tuple[JobKey, str, int], tuple[tuple[str, int], asyncio.Task[None]]] = {}
         self._ends: dict[JobKey, list[TrainerEnd]] = {}
+        self._silent: dict[JobKey, set[tuple[str, int]]] = {}  # (pod, port) without beats
         self._lock = threading.Lock()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -95,7 +108,9 @@ class Lifelines:
         """Follow the lifelines (on `ports`, one per trainer process) of the job's running
         pods, and stop following the others."""
         ports = tuple(ports)
-        targets = {(pod.name, port): pod.ip for pod in pods for port in ports
+        # A pod's replacement (the same name, a new restart attempt) is a new target.
+        targets = {(pod.name, port): (pod.ip, pod.restart_attempt) for pod in pods
+                   for port in ports
                    if pod.phase == "Running" and pod.ip and not pod.deleting}
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._sync, key, targets)
@@ -104,8 +119,14 @@ class Lifelines:
         """Stop following the job's pods and drop what was seen (the job is gone)."""
         with self._lock:
             self._ends.pop(key, None)
+            self._silent.pop(key, None)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._sync, key, {})
+
+    def silent(self, key: JobKey) -> frozenset[str]:
+        """The job's pods with a trainer whose lifeline has stopped beating."""
+        with self._lock:
+            return frozenset(pod for pod, _ in self._silent.get(key, ()))
 
     def ends(self, key: JobKey, now: datetime | None = None) -> tuple[TrainerEnd, ...]:
         """The job's trainer ends seen in the last keep_seconds, oldest first."""
@@ -125,15 +146,29 @@ class Lifelines:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _sync(self, key: JobKey, targets: dict[tuple[str, int], str]) -> None:
-        for (job, pod, port), (host, task) in list(self._tasks.items()):
-            if job == key and targets.get((pod, port)) != host:
+    def _sync(self, key: JobKey, targets: dict[tuple[str, int], tuple[str, int]]) -> None:
+        for (job, pod, port), (target, task) in list(self._tasks.items()):
+            if job == key and targets.get((pod, port)) != target:
                 task.cancel()
                 del self._tasks[(job, pod, port)]
-        for (pod, port), host in targets.items():
+                self._beating(key, pod, port)
+        for (pod, port), target in targets.items():
             if (key, pod, port) not in self._tasks:
-                task = asyncio.ensure_future(self._follow(key, pod, host, port))
-                self._tasks[(key, pod, port)] = (host, task)
+                task = asyncio.ensure_future(self._follow(key, pod, target[0], port))
+                self._tasks[(key, pod, port)] = (target, task)
+
+    def _beating(self, key: JobKey, pod: str, port: int, beating: bool = True) -> bool:
+        """Mark the lifeline beating or silent; whether that changed anything."""
+        with self._lock:
+            silent = self._silent.setdefault(key, set())
+            was = (pod, port) in silent
+            if beating:
+                silent.discard((pod, port))
+            else:
+                silent.add((pod, port))
+            if not silent:
+                del self._silent[key]
+            return was == beating
 
     async def _follow(self, key: JobKey, pod: str, host: str, port: int) -> None:
         """Connect, read until the connection ends, report, and connect again (the next
@@ -146,7 +181,19 @@ class Lifelines:
                 continue
             last: bytes | None = None
             try:
-                while line := await reader.readline():
+                while True:
+                    try:
+                        line = await asyncio.wait_for(reader.readline(), self.silence_seconds)
+                    except TimeoutError:
+                        if self._beating(key, pod, port, beating=False):
+                            log.warning("%s/%s: no beat from its trainer for %gs", key[0], pod,
+                                        self.silence_seconds)
+                            self.on_news(key)
+                        continue
+                    if not line:
+                        break
+                    if self._beating(key, pod, port):
+                        self.on_news(key)  # it beats again (a process resumed)
                     if line.startswith(b"end"):
                         last = line
             except OSError:

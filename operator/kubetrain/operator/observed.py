@@ -160,6 +160,8 @@ class Observed:
     pods: tuple[WorkerPod, ...] = ()
     # Trainer processes that ended in pods that run on (in-place restarts), oldest first.
     trainer_ends: tuple[TrainerEnd, ...] = ()
+    # Pods whose trainer's lifeline stopped beating: their node or its network is lost.
+    silent_pods: frozenset[str] = frozenset()
     service: bool = False
     # The job generation the ConfigMap's snapshot was taken from (0: unknown); None: absent.
     config_generation: int | None = None

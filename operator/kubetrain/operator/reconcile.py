@@ -243,6 +243,7 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
             lifecycle.resume(decision)
         status.workers.desired = decision.replicas
         nodes.expire_avoidance(decision)
+        nodes.lose_silent_pods(decision)
         lifecycle.ensure_service_and_config(decision)
         nodes.keep_schedulable(decision)
         restarts.continue_restart(decision)
