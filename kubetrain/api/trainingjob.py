@@ -989,6 +989,14 @@ class RunPolicy(ApiModel):
         description="The health check before each attempt's first step: enabled, "
         "timeoutSeconds, minBandwidthFraction.",
     )
+    node_loss_toleration_seconds: int | None = Field(
+        default=10, ge=0,
+        description="Worker pods tolerate the node.kubernetes.io/unreachable and not-ready "
+        "NoExecute taints this long (Kubernetes' default is 300 s), so that the taint "
+        "manager evicts them from a lost node about when the operator replaces them (it "
+        "does at once when a trainer's lifeline goes silent). A toleration for these keys "
+        "in workers.template wins; null adds none.",
+    )
     avoid_nodes_for: str = Field(
         default="1h", pattern=r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$", min_length=2,
         description="How long a node stays avoided by this job's pods after a straggler, a "

@@ -978,3 +978,30 @@ def test_a_pod_whose_trainer_went_silent_is_replaced_as_lost_and_its_node_avoide
                      silent_pods=frozenset({"demo-worker-1"}))
     again = Outcome.of(reconcile(job, going, NOW))
     assert again.deleted == [] and (again.status or {}).get("avoidedNodes") in (None, [])
+
+
+def test_worker_pods_tolerate_a_lost_node_briefly_unless_the_template_says_otherwise(
+        minimal_manifest: dict) -> None:
+    from kubetrain.operator.children import worker_pod
+
+    def tolerations(job: TrainingJob) -> list[dict[str, Any]]:
+        return worker_pod(job, 1, 0)["spec"].get("tolerations") or []
+
+    assert tolerations(make_job(minimal_manifest)) == [
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 10},
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 10}]
+    assert {t["tolerationSeconds"] for t in tolerations(
+        make_job(minimal_manifest, nodeLossTolerationSeconds=4))} == {4}
+    assert tolerations(make_job(minimal_manifest, nodeLossTolerationSeconds=None)) == []
+    # The template's own toleration for a key wins; the other key still gets the policy's.
+    manifest = copy.deepcopy(minimal_manifest)
+    theirs = {"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+              "effect": "NoExecute", "tolerationSeconds": 600}
+    manifest.setdefault("spec", {})
+    job = make_job(manifest)
+    job.spec.workers.template.tolerations = [theirs]
+    assert tolerations(job) == [theirs, {
+        "key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute",
+        "tolerationSeconds": 10}]

@@ -201,6 +201,23 @@ def _kueue_metadata(job: TrainingJob) -> tuple[dict[str, str], dict[str, str]]:
     return labels, annotations
 
 
+# The taints the node lifecycle controller puts on a node that stops reporting, or reports
+# not ready: pods that tolerate them are evicted after their tolerationSeconds.
+NODE_LOSS_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
+
+def node_loss_tolerations(tolerations: list[dict[str, Any]],
+                          seconds: int | None) -> list[dict[str, Any]]:
+    """The user's tolerations, and runPolicy.nodeLossTolerationSeconds' for each node-loss
+    taint that they do not already tolerate (theirs win)."""
+    if seconds is None:
+        return list(tolerations)
+    keys = {toleration.get("key") for toleration in tolerations}
+    return [*tolerations, *({"key": taint, "operator": "Exists", "effect": "NoExecute",
+                             "tolerationSeconds": seconds}
+                            for taint in NODE_LOSS_TAINTS if taint not in keys)]
+
+
 def avoiding_affinity(affinity: dict[str, Any] | None,
                       nodes: Sequence[str]) -> dict[str, Any] | None:
     """The user's pod affinity with the avoided nodes excluded: a required node affinity
@@ -365,7 +382,8 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
     }
     optional = {
         "nodeSelector": template.node_selector or None,
-        "tolerations": template.tolerations or None,
+        "tolerations": node_loss_tolerations(
+            template.tolerations, spec.run_policy.node_loss_toleration_seconds) or None,
         "affinity": avoiding_affinity(template.affinity, avoided),
         "schedulerName": template.scheduler_name,
         "priorityClassName": template.priority_class_name,
