@@ -52,7 +52,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cluster_dns import ClusterDNS
+from cluster_dns import ClusterDNS, ServiceRecords
 from containerd import Container, ContainerdError, ContainerSpec, Mount, Runtime
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -151,7 +151,8 @@ class NodeAgent:
         self.core = client.CoreV1Api(self.api)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.network.create()
-        self.dns = ClusterDNS(self.network.gateway, self._dns_records).start()
+        self.dns = ClusterDNS(self.network.gateway, self._dns_records,
+                              services=ServiceRecords(self.api)).start()
         self.status = PodStatusWriter(self.core, self.network.gateway)
         self.heartbeats = NodeHeartbeats(self.api, self.nodes, self.network.gateway).start()
         thread = threading.Thread(target=self._pod_loop, name="node-agent-pods", daemon=True)
