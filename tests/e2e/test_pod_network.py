@@ -20,6 +20,9 @@ CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
 SCRIPT = f"""
 import os, subprocess, sys
 sys.path.insert(0, {str(CLUSTER)!r})
+# this machine's own /run/netns, if any, out of this private view (a mount hidden under the
+# tmpfs below would still be listed in mountinfo)
+subprocess.run(["umount", "--recursive", "--lazy", "/run/netns"], capture_output=True)
 subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/run"], check=True)
 from pod_network import NETNS_DIR, _mounted, ensure_namespace_folder, remove_namespace_folder
 assert not os.path.exists(NETNS_DIR)
