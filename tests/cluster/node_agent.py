@@ -326,14 +326,17 @@ class NodeAgent:
         if policy != "Never":
             log.warning("pod %s/%s: restartPolicy %s run as Never", meta.namespace, meta.name,
                         policy)
+        referenced = self._referenced(pod)
+        # The pod's address first: status.podIP fieldRefs in its env read it.
+        netns, ip = self.network.add_pod(meta.uid[:8])
         try:
-            config = resolve(pod, self._referenced(pod), host_ip=self.network.gateway,
-                             image_env=self.image_env)
+            config = resolve(pod, referenced, host_ip=self.network.gateway,
+                             image_env=self.image_env, pod_ip=ip)
         except PodConfigError as error:
+            self.network.remove_pod(netns, ip)
             self.status.waiting(pod, "CreateContainerConfigError", str(error))
             return
         volumes = _write_volumes(config.volumes, folder)
-        netns, ip = self.network.add_pod(meta.uid[:8])
         running = RunningPod(uid=meta.uid, namespace=meta.namespace, name=meta.name,
                              node=spec.node_name, folder=folder, netns=netns, ip=ip,
                              hostnames=config.hostnames, started_at=api_now())

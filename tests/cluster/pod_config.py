@@ -23,7 +23,8 @@ kubelet's kind of message.
 What it does not: read the API or touch the machine. The caller reads the ConfigMaps and
 Secrets that `references` names and passes their data in (secrets decoded); writing the
 volumes' files, mounting, the network and starting the container are the node agent's.
-No status.podIP fieldRef (known only after start), no resourceFieldRef, no envFrom, no
+status.podIP only where the caller knows the pod's address before start (`pod_ip`; the
+node agent allocates it first), no resourceFieldRef, no envFrom, no
 hostPath, PVC or projected volumes (the service-account token volume is skipped: pods of
 the agent do not call the API), no subPath.
 """
@@ -105,16 +106,17 @@ def references(pod: Any) -> list[Reference]:
 
 
 def resolve(pod: Any, objects: Mapping[Reference, Mapping[str, str]], *, host_ip: str,
-            image_env: Mapping[str, str]) -> ContainerConfig:
+            image_env: Mapping[str, str], pod_ip: str | None = None) -> ContainerConfig:
     """The config of the pod's first container.
 
     `objects` holds the data of the ConfigMaps and Secrets of `references(pod)` that exist
-    (a missing one is absent); `host_ip` is the node's address (status.hostIP);
+    (a missing one is absent); `host_ip` is the node's address (status.hostIP), `pod_ip`
+    the pod's (status.podIP), when known;
     `image_env` is the image's own environment, under the pod's.
     """
     container = pod.spec.containers[0]
     hostnames = pod_hostnames(pod)
-    env = _env(pod, container, objects, host_ip, image_env)
+    env = _env(pod, container, objects, host_ip, image_env, pod_ip)
     volumes = _volumes(pod, container, objects)
     env.setdefault("HOSTNAME", hostnames[-1])
     user, read_only = _security(pod, container)
@@ -166,7 +168,8 @@ def expand(text: str, env: Mapping[str, str]) -> str:
 
 
 def _env(pod: Any, container: Any, objects: Mapping[Reference, Mapping[str, str]],
-         host_ip: str, image_env: Mapping[str, str]) -> dict[str, str]:
+         host_ip: str, image_env: Mapping[str, str],
+         pod_ip: str | None = None) -> dict[str, str]:
     """The container's environment: the image's, then the pod's own entries in order."""
     env = dict(image_env)  # the image's own env comes first, from the runtime
     for entry in container.env or []:
@@ -179,7 +182,7 @@ def _env(pod: Any, container: Any, objects: Mapping[Reference, Mapping[str, str]
         elif source.config_map_key_ref is not None:
             value = _key(pod, objects, "configmap", source.config_map_key_ref)
         elif source.field_ref is not None:
-            value = _field(pod, source.field_ref.field_path, host_ip)
+            value = _field(pod, source.field_ref.field_path, host_ip, pod_ip)
         else:
             raise PodConfigError(f"env {entry.name}: only secretKeyRef, configMapKeyRef "
                                  "and fieldRef are supported by the node agent")
@@ -207,7 +210,7 @@ def _key(pod: Any, objects: Mapping[Reference, Mapping[str, str]], kind: str,
     return data[ref.key]
 
 
-def _field(pod: Any, path: str, host_ip: str) -> str:
+def _field(pod: Any, path: str, host_ip: str, pod_ip: str | None = None) -> str:
     meta = pod.metadata
     simple = {"metadata.name": meta.name, "metadata.namespace": meta.namespace,
               "metadata.uid": meta.uid, "spec.nodeName": pod.spec.node_name,
@@ -215,6 +218,8 @@ def _field(pod: Any, path: str, host_ip: str) -> str:
               "status.hostIP": host_ip}
     if path in simple:
         return simple[path] or ""
+    if path in ("status.podIP", "status.podIPs") and pod_ip is not None:
+        return pod_ip
     if path in ("status.podIP", "status.podIPs"):
         raise PodConfigError("fieldRef status.podIP is resolved after start: unsupported")
     for prefix, values in (("metadata.labels['", meta.labels or {}),
