@@ -133,3 +133,19 @@ def test_only_torchrun_runs_in_the_entry() -> None:
     assert agent_arguments(["/usr/bin/python3", "-m", "torch.distributed.run", "x.py"]) == [
         "x.py"]
     assert agent_arguments(["python", "train.py", "torchrun"]) is None
+
+
+def test_the_upload_interval_comes_from_kubetrain_sync_seconds_and_a_bad_one_is_refused(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kubetrain.trainer.own_code import SYNC_INTERVAL_SECONDS, SYNC_SECONDS_ENV, _arguments
+
+    monkeypatch.delenv(SYNC_SECONDS_ENV, raising=False)
+    assert _arguments(["job.yaml", "--", "train"]).sync_interval == SYNC_INTERVAL_SECONDS
+    monkeypatch.setenv(SYNC_SECONDS_ENV, "1.5")
+    assert _arguments(["job.yaml", "--", "train"]).sync_interval == 1.5
+    assert _arguments(["--sync-interval", "3", "job.yaml", "--", "train"]).sync_interval == 3
+    for bad, said in (("soon", f"{SYNC_SECONDS_ENV} must be a number"), ("0", "above 0")):
+        monkeypatch.setenv(SYNC_SECONDS_ENV, bad)
+        with pytest.raises(SystemExit) as exited:
+            _arguments(["job.yaml", "--", "train"])
+        assert exited.value.code == 2 and said in capsys.readouterr().err

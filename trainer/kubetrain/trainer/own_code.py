@@ -4,7 +4,8 @@ Runs in each worker pod of an own-code job (spec.trainer), around torchrun and t
 command (kubetrain.operator.own_code_launch builds the line):
 1. restores the newest committed checkpoint (checkpoint.uri, else checkpoint.resumeFrom)
    into KUBETRAIN_CHECKPOINT_DIR before COMMAND starts;
-2. runs COMMAND, and beside it kubetrain.trainer.checkpoint_sync every few seconds;
+2. runs COMMAND, and beside it kubetrain.trainer.checkpoint_sync every
+   KUBETRAIN_SYNC_SECONDS (10 s by default; `--sync-interval` wins);
 3. passes SIGTERM and SIGINT through to COMMAND (torchrun gives them to the workers);
 4. once COMMAND ends, syncs until its last marked checkpoint is committed (at most
    KUBETRAIN_FINAL_SYNC_SECONDS), warns about folders never marked complete, and exits
@@ -66,6 +67,10 @@ from kubetrain.trainer.storage import open_storage
 log = logging.getLogger("kubetrain.own_code")
 
 SYNC_INTERVAL_SECONDS = 10.0
+# How often marked folders are uploaded: a pod lost between two passes loses the folders
+# marked since the last one, so a restart may redo the steps of one pass beyond the
+# checkpoint interval (docs/own-code.md). A job sets it through trainer.env.
+SYNC_SECONDS_ENV = "KUBETRAIN_SYNC_SECONDS"
 DEFAULT_FINAL_SYNC_SECONDS = 90.0
 
 
@@ -74,8 +79,18 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
                                      description=(__doc__ or "").strip().splitlines()[0])
     parser.add_argument("job", help="the job's manifest (the ConfigMap's job.yaml)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
-    parser.add_argument("--sync-interval", type=float, default=SYNC_INTERVAL_SECONDS)
+    parser.add_argument("--sync-interval", type=float, default=None,
+                        help=f"seconds between upload passes (default: ${SYNC_SECONDS_ENV}, "
+                             f"else {SYNC_INTERVAL_SECONDS:g})")
     args = parser.parse_args(argv)
+    if args.sync_interval is None:
+        try:
+            args.sync_interval = float(os.environ.get(SYNC_SECONDS_ENV) or SYNC_INTERVAL_SECONDS)
+        except ValueError:
+            parser.error(f"{SYNC_SECONDS_ENV} must be a number of seconds, got "
+                         f"{os.environ[SYNC_SECONDS_ENV]!r}")
+    if args.sync_interval <= 0:
+        parser.error(f"the sync interval must be above 0 seconds, got {args.sync_interval:g}")
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
     if not args.command:
