@@ -20,7 +20,11 @@ to the uninterrupted run's, and the operator's own status.goodput.ratio. The con
 kill is also broken down (goal: ≤ 15 s from the kill to the next step): the node agent
 reports the pod Failed, the operator deletes it, the pod is gone, its replacement is
 created, its container started, rank 0 resumed (rendezvous and checkpoint load done),
-and the first step after it.
+and the first step after it. So is the node loss (goal: ≤ 15 s, issue 33): the node goes
+silent; the operator notices (status.lastFailure NodeLost, or worker 1 replaced: its
+trainer's lifeline stopped beating, or the node was marked NotReady); the group stopped
+(worker 0's trainer, blocked in a collective with the lost rank, has exited); the
+replacement pod runs; rank 0 resumed; the first step.
 
 Run: `.venv/bin/python bench/recovery.py` (as root: containers and network namespaces;
 builds the images first if they are not cached; about 5 minutes on 2 cores).
@@ -101,6 +105,62 @@ def _container_kill_stages(cluster: loop.Cluster, name: str, old_uid: str,
     return seen
 
 
+# The node-loss path, stage by stage, as for the container kill.
+NODE_LOSS_STAGES = ("silent", "noticed", "group stopped", "replacement running", "resumed",
+                    "first step")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _node_loss_stages(cluster: loop.Cluster, name: str, old_uid: str, survivor: int,
+                      faulted: float) -> dict[str, float]:
+    """Seconds from the node going silent to each of NODE_LOSS_STAGES."""
+    worker = f"{name}-worker-1"
+    seen: dict[str, float] = {"silent": 0.0}
+    deadline = faulted + 300
+    while "first step" not in seen and time.monotonic() < deadline:
+        pods = {pod["metadata"]["name"]: pod for pod in cluster.pods(name)}
+        pod = pods.get(worker)
+        uid = pod["metadata"]["uid"] if pod else None
+        replaced = uid != old_uid
+        phase = (pod or {}).get("status", {}).get("phase")
+        failure = (cluster.job(name).get("status") or {}).get("lastFailure") or {}
+        lines = cluster.trainer_lines(name)
+        resumed = [i for i, line in enumerate(lines) if line.startswith("resumed from ")]
+        checks = {
+            "noticed": replaced or failure.get("class") == "NodeLost"
+            or bool((pod or {}).get("metadata", {}).get("deletionTimestamp")),
+            "group stopped": not _alive(survivor),
+            "replacement running": uid not in (None, old_uid) and phase == "Running",
+            "resumed": bool(resumed),
+            "first step": bool(resumed) and bool(loop.steps_printed(lines[resumed[-1]:])),
+        }
+        now = time.monotonic() - faulted
+        for stage in NODE_LOSS_STAGES[1:]:
+            if checks[stage] and stage not in seen:
+                seen[stage] = now
+        time.sleep(0.05)
+    return seen
+
+
+def _print_stages(title: str, order: tuple[str, ...], stages: dict[str, float]) -> None:
+    print(f"\n{title}, stage by stage (seconds after the fault; each stage's time since the "
+          "one before):")
+    previous = 0.0
+    for stage in order:
+        if stage in stages:
+            print(f"  {stage:<20}{stages[stage]:>7.2f}s{stages[stage] - previous:>+8.2f}s")
+            previous = stages[stage]
+        else:
+            print(f"  {stage:<20}{'not seen':>8}")
+
+
 def _kept_step_seconds(lines: list[str]) -> float:
     """The duration of each step as rank 0 printed it, the last time it ran."""
     kept: dict[int, float] = {}
@@ -114,7 +174,7 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
         stages: dict[str, float] | None = None) -> dict[str, float]:
     """One job, with `fault` at step FAULT_AT; its recovery figures.
 
-    With `stages`, the fault is a container kill and its path is timed into it.
+    With `stages`, the fault is a container kill or a node loss and its path is timed into it.
     """
     started = time.monotonic()
     cluster.apply(loop.training_job(name, cluster.s3, optimization={"maxSteps": STEPS}))
@@ -123,9 +183,12 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
         loop.Cluster.wait_for_printed_step(cluster, name, FAULT_AT)
         old_uid = next(pod["metadata"]["uid"] for pod in cluster.pods(name)
                        if pod["metadata"]["name"].endswith("-1"))
+        survivor = cluster.trainer_pid(f"{name}-worker-0")
         fault(cluster, name)
         faulted = time.monotonic()
-        if stages is not None:
+        if stages is not None and fault is _lose_node:
+            stages.update(_node_loss_stages(cluster, name, old_uid, survivor, faulted))
+        elif stages is not None:
             stages.update(_container_kill_stages(cluster, name, old_uid, faulted))
         cluster.wait_for("training to advance again",
                          lambda: loop.advanced_after_resume(cluster.trainer_lines(name)), 300,
@@ -153,10 +216,11 @@ def main() -> None:
             NodeLifecycle(api=api.api_client()), \
             loop.whole_loop(api, Path(folder) / "loop", build_images()) as cluster:
         stages: dict[str, float] = {}
-        results = {label: run(cluster, f"bench-{label}", fault,
-                              stages if label == "b-pod" else None) for label, fault in
-                   (("none", None), ("b", _kill_trainer), ("b-pod", _kill_container),
-                    ("f", _lose_node))}
+        node_loss: dict[str, float] = {}
+        breakdowns = {"b-pod": stages, "f": node_loss}
+        results = {label: run(cluster, f"bench-{label}", fault, breakdowns.get(label))
+                   for label, fault in (("none", None), ("b", _kill_trainer),
+                                        ("b-pod", _kill_container), ("f", _lose_node))}
     base = results["none"]["goodput"]
     print(f"whole loop, 2 workers x 1 process, tiny preset, {STEPS} steps, checkpoint every "
           f"{loop.EVERY}; fault at step {FAULT_AT}")
@@ -170,15 +234,8 @@ def main() -> None:
               f"{figures['wall']:>7.0f}s{figures['goodput']:>9.2f}"
               f"{figures['goodput'] / base:>7.2f}{figures['operator_goodput']:>10.2f}")
 
-    print("\nthe container kill, stage by stage (seconds after the kill; each stage's time "
-          "since the one before):")
-    previous = 0.0
-    for stage in STAGES:
-        if stage in stages:
-            print(f"  {stage:<20}{stages[stage]:>7.2f}s{stages[stage] - previous:>+8.2f}s")
-            previous = stages[stage]
-        else:
-            print(f"  {stage:<20}{'not seen':>8}")
+    _print_stages("the container kill", STAGES, stages)
+    _print_stages("the node loss", NODE_LOSS_STAGES, node_loss)
 
 
 if __name__ == "__main__":

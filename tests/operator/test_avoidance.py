@@ -325,6 +325,27 @@ def test_replace_avoids_the_stragglers_node_and_deletes_only_its_pod_with_the_no
     kubernetes_validate.validate(recreated["demo-worker-2"], "1.30", strict=True)
 
 
+def test_an_operator_stopped_mid_replace_still_moves_the_straggler_off_its_node(
+        minimal_manifest: dict) -> None:
+    # The Replace was recorded (status first: the restart, the avoided node), then the
+    # operator stopped before deleting the pod. The next operator sees the straggler's pod
+    # still running, of the older attempt, on the node the restart avoids; its ranks status
+    # no longer says "newly" a straggler, so only the restart in progress can move it.
+    out = become_straggler(minimal_manifest)
+    assert out.status is not None and out.status["restart"]["reason"] == "StragglerReplaced"
+    restarted = scrape(minimal_manifest, out.status, 21, (0.1, 0.1, 0.1),
+                       pod(0, node="node-0"), pod(1, node="node-1"), pod(2, node="node-2"))
+    assert [(d.name, d.grace_period_seconds) for d in restarted.deleted] == [
+        ("demo-worker-2", None)], "its replacement would be lost"
+    assert restarted.restarts == [], "the same restart, not a new one"
+    # Once it is gone, the replacement is created off node-2, as without the stop.
+    gone = scrape(minimal_manifest, out.status, 21, (0.1, 0.1, 0.1), pod(0, node="node-0"),
+                  pod(1, node="node-1"))
+    assert kept_off(created_pods(gone)["demo-worker-2"]) == [["node-2"]]
+    # The other pods of the older attempt, on nodes not avoided, stay where they are.
+    assert {d.name for d in gone.deleted} == set()
+
+
 def test_replacing_worker_0_recreates_the_whole_group(minimal_manifest: dict) -> None:
     out = become_straggler(minimal_manifest, (0.25, 0.1, 0.1))
     assert out.deleted_names == ["demo-worker-0", "demo-worker-1", "demo-worker-2"]

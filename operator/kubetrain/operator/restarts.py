@@ -109,16 +109,21 @@ def replacements_due(status: TrainingJobStatus, policy: RunPolicy) -> datetime |
 
 
 def covered_by_restart(restart: RestartStatus, older: list[WorkerPod], policy: RunPolicy,
-                       held_back: Collection[str], now: datetime) -> list[WorkerPod]:
+                       held_back: Collection[str], now: datetime,
+                       moved_off: Collection[str] = ()) -> list[WorkerPod]:
     """The pods of older restart attempts that the restart in progress deletes.
 
     A broken one is replaced within it, and in a whole-group restart (or once worker 0
-    breaks) every older pod goes. Permanent failures are not covered: they still fail
-    the job.
+    breaks) every older pod goes. So does one on a node the restart began to avoid
+    (`moved_off`): a straggler's pod that a Replace had recorded but not yet deleted when
+    the operator stopped, which nothing else would ever move. Permanent failures are not
+    covered: they still fail the job.
     """
     failed, stuck = broken(older, policy, held_back, now)
     codes = policy.permanent_exit_codes
     covered = [pod for pod in failed if retry_kind_of(pod, codes) != "permanent"] + stuck
+    covered += [pod for pod in older
+                if pod.node in moved_off and pod not in covered and not pod.deleting]
     if restart.whole_group or any(pod.index == 0 for pod in covered):
         return older
     return covered
@@ -187,8 +192,10 @@ def continue_restart(decision: _Decision) -> None:
     if restart is None:
         return
     older = [pod for pod in decision.live_pods() if pod.restart_attempt < status.restart_attempt]
+    # The nodes this restart began to avoid (a straggler's, say): its pods move off them.
+    moved_off = {entry.node for entry in status.avoided_nodes if entry.time >= restart.time}
     for pod in covered_by_restart(restart, older, decision.job.spec.run_policy,
-                                  decision.held_back, decision.now):
+                                  decision.held_back, decision.now, moved_off):
         decision.delete(pod, restart.reason)
 
 
