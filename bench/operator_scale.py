@@ -1,8 +1,10 @@
-"""Operator at scale on a real Kubernetes control plane: N TrainingJobs of 4 workers at once.
+"""Operator at scale: N TrainingJobs of 4 workers at once, on a real control plane or the emulator.
 
-Each round starts a fresh control plane (tests/cluster/control_plane.py: etcd and
-kube-apiserver, with an audit log; no scheduler or controller-manager, whose work on
-thousands of unschedulable pods would load both sides alike and tell nothing) three times:
+On a real control plane (`--api real`, the default where `find_binaries` finds
+kube-apiserver and etcd), each round starts a fresh control plane
+(tests/cluster/control_plane.py: etcd and kube-apiserver, with an audit log; no scheduler
+or controller-manager, whose work on thousands of unschedulable pods would load both sides
+alike and tell nothing) three times:
 - baseline: one client process creates every object the operator would create
   (job, Service, ConfigMap, 4 pods per job) directly with the Kubernetes client's
   generated methods, as a user's script would;
@@ -18,7 +20,17 @@ the client), the pods created per second, the operator's API writes per job from
 API server's own audit log (objects + one status write per transition + one event per
 transition), and the operator's peak memory (VmHWM; goal <= 256 MiB at 500 jobs).
 
-    python bench/operator_scale.py --jobs 500 --rounds 3
+Without those binaries (`--api emulator`, the default then) the same rounds run on kmock's
+emulator (tests/cluster/emulator.py) in this process: the baseline client and the operator
+talk to it over HTTP as to an API server, the operator's writes are counted from the
+requests the emulator served (by the operator's User-Agent) instead of an audit log, and
+"server CPU" is this process's: the emulator plus the pod watch. The emulator keeps
+everything in one Python thread and stores no etcd, so its times and ratios are not
+comparable with the real server's; every figure it prints says "emulator". What does carry
+over: the operator's writes per job, its CPU seconds and its peak memory, measured on every
+machine.
+
+    python bench/operator_scale.py --jobs 500 --rounds 3 [--api real|emulator]
 """
 
 from __future__ import annotations
@@ -40,12 +52,14 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "cluster"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "operator"))
 import harness
 from control_plane import REPO, ControlPlane, ControlPlaneUnavailable, find_binaries
+from emulator import EmulatedCluster
 from kubernetes import client
 from kubernetes import config as kube_config
 from operator_process import OperatorProcess, install_operator_identity
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.operator import children
+from kubetrain.operator.handlers import USER_AGENT
 from kubetrain.operator.writer import ApiWriter
 
 WORKERS = 4
@@ -192,6 +206,62 @@ def with_operator(directory: Path, jobs: int,
         plane.stop()
 
 
+def baseline_emulated(directory: Path, jobs: int, raw: bool) -> tuple[float, float, float]:
+    """`baseline` on a fresh emulator: the server's CPU is this process's meanwhile."""
+    with EmulatedCluster(directory) as api:
+        before = time.process_time()
+        elapsed, cpu = _in_another_process(_create_everything, str(api.kubeconfig), jobs, raw)
+        return elapsed, cpu, time.process_time() - before
+
+
+def with_operator_emulated(directory: Path, jobs: int,
+                           ) -> tuple[float, Counter[str], int, float, float]:
+    """`with_operator` on a fresh emulator: writes counted from the requests it served."""
+    with EmulatedCluster(directory) as api:
+        core = client.CoreV1Api(api.api_client())
+        with OperatorProcess(api.kubeconfig, directory / "operator.log",
+                             resync_seconds=300) as operator, ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn")) as process:
+            server_before = time.process_time()
+            cpu_before = _cpu_seconds(operator.process.pid) if operator.process else 0.0
+            pods = _pod_additions(core)
+            started = process.submit(_create_jobs, str(api.kubeconfig), jobs)
+            _wait_for_pods(pods, jobs * WORKERS)
+            elapsed = time.monotonic() - started.result()
+            pods.close()
+            cpu = (_cpu_seconds(operator.process.pid) if operator.process else 0.0) - cpu_before
+            server = time.process_time() - server_before
+            time.sleep(3.0)  # the status writes and events of the last transitions land
+            peak = _peak_kib(operator.process.pid) if operator.process else 0
+        return elapsed, _emulated_writes(api), peak, cpu, server
+
+
+# The emulator's request actions that write, as the audit log's verbs.
+_WRITE_VERBS = {"CREATE": "create", "DELETE": "delete"}
+
+
+def _emulated_writes(api: EmulatedCluster) -> Counter[str]:
+    """The operator's write requests the emulator served, by 'verb resource' as the audit
+    log names them (a PATCH is `patch`, a PUT `update`)."""
+    writes: Counter[str] = Counter()
+    for request in api.emulator.requests():
+        if request.resource is None or not request.resource.plural:
+            continue
+        if not request.headers.get("User-Agent", "").startswith(("kopf", USER_AGENT)):
+            continue
+        action, method = request.action.name, request.method.name
+        if action == "UPDATE":
+            verb = "patch" if method == "PATCH" else "update"
+        elif action in _WRITE_VERBS:
+            verb = _WRITE_VERBS[action]
+        else:
+            continue
+        resource = request.resource.plural + (f"/{request.subresource}"
+                                              if request.subresource else "")
+        writes[f"{verb} {resource}"] += 1
+    return writes
+
+
 def _pod_additions(core: client.CoreV1Api) -> Any:
     """A watch on the namespace's pods from now on, as the raw HTTP response.
 
@@ -249,55 +319,77 @@ def _peak_kib(pid: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--jobs", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3,
                         help="baseline/operator pairs run in turn; the median ratio is the "
                         "result (a shared machine's load moves single timings)")
+    parser.add_argument("--api", choices=("real", "emulator"), default=None,
+                        help="a real kube-apiserver (the default where its binaries are "
+                        "found) or kmock's emulator (the default elsewhere)")
     args = parser.parse_args()
+    api = args.api
     try:
         find_binaries()
     except ControlPlaneUnavailable as error:
-        print(f"skipped: the operator-scale benchmark runs on a real kube-apiserver. {error}")
-        return
-    ratios, raw_ratios, rates, peaks = [], [], [], []
+        if api == "real":
+            print(f"skipped: --api real needs a kube-apiserver. {error}")
+            return
+        api = "emulator"
+    api = api or "real"
+    if api == "emulator":
+        print("API: kmock's emulator in this process (tests/cluster/emulator.py). EMULATOR "
+              "FIGURES: not comparable with a real kube-apiserver's.", flush=True)
+        run_baseline, run_operator, server_name = (baseline_emulated, with_operator_emulated,
+                                                   "emulator+watch")
+    else:
+        run_baseline, run_operator, server_name = baseline, with_operator, "apiserver+etcd"
+    label = "emulator" if api == "emulator" else "real control plane"
+    ratios, raw_ratios, rates, peaks, cpus = [], [], [], [], []
     writes: Counter[str] = Counter()
     for round_ in range(args.rounds):
         with tempfile.TemporaryDirectory() as directory:
             for part in ("baseline", "raw", "operator"):
                 (Path(directory) / part).mkdir()
-            direct, direct_cpu, direct_server = baseline(Path(directory) / "baseline",
-                                                         args.jobs, raw=False)
-            raw, raw_cpu, raw_server = baseline(Path(directory) / "raw", args.jobs, raw=True)
-            elapsed, writes, peak, cpu, server = with_operator(Path(directory) / "operator",
-                                                               args.jobs)
+            direct, direct_cpu, direct_server = run_baseline(Path(directory) / "baseline",
+                                                             args.jobs, raw=False)
+            raw, raw_cpu, raw_server = run_baseline(Path(directory) / "raw", args.jobs,
+                                                    raw=True)
+            elapsed, writes, peak, cpu, server = run_operator(Path(directory) / "operator",
+                                                              args.jobs)
         ratios.append(elapsed / direct)
         raw_ratios.append(elapsed / raw)
         rates.append(args.jobs * WORKERS / elapsed)
         peaks.append(peak)
-        print(f"round {round_ + 1}: direct creation {direct:.2f}s (client CPU {direct_cpu:.1f}s, "
-              f"apiserver+etcd {direct_server:.1f}s); raw {raw:.2f}s (client CPU {raw_cpu:.1f}s, "
-              f"apiserver+etcd {raw_server:.1f}s); operator until all pods exist {elapsed:.2f}s "
-              f"(operator CPU {cpu:.1f}s, apiserver+etcd {server:.1f}s); ratio "
-              f"{elapsed / direct:.2f}, to raw {elapsed / raw:.2f}; "
+        cpus.append(cpu)
+        print(f"{label} round {round_ + 1}: direct creation {direct:.2f}s (client CPU "
+              f"{direct_cpu:.1f}s, {server_name} {direct_server:.1f}s); raw {raw:.2f}s (client "
+              f"CPU {raw_cpu:.1f}s, {server_name} {raw_server:.1f}s); operator until all pods "
+              f"exist {elapsed:.2f}s (operator CPU {cpu:.1f}s, {server_name} {server:.1f}s); "
+              f"ratio {elapsed / direct:.2f}, to raw {elapsed / raw:.2f}; "
               f"{args.jobs * WORKERS / elapsed:.0f} pods/s; peak {peak / 1024:.0f} MiB",
               flush=True)
     objects = 2 + WORKERS  # Service, ConfigMap, pods
     total = sum(writes.values())
     status = writes["patch trainingjobs/status"]
     events = writes["create events"]
-    print(f"real control plane, {args.jobs} jobs x {WORKERS} workers, {args.rounds} rounds")
+    source = "requests the emulator served" if api == "emulator" else "audit log"
+    print(f"{label}, {args.jobs} jobs x {WORKERS} workers, {args.rounds} rounds")
     print(f"time until every pod exists, operator / direct creation: median ratio "
-          f"{statistics.median(ratios):.2f} (goal <= 1.5)")
+          f"{statistics.median(ratios):.2f}"
+          + (" (goal <= 1.5)" if api == "real" else " (emulator: no goal)"))
     print(f"  operator / the same requests sent raw (stricter): median ratio "
           f"{statistics.median(raw_ratios):.2f}")
     print(f"pods created per second by the operator: median {statistics.median(rates):.0f}")
-    print(f"operator API writes per job (audit log): {total / args.jobs:.2f} = objects "
+    print(f"operator CPU per job until every pod exists: median "
+          f"{1000 * statistics.median(cpus) / args.jobs:.1f} ms")
+    print(f"operator API writes per job ({source}): {total / args.jobs:.2f} = objects "
           f"{objects} + status {status / args.jobs:.2f} + events {events / args.jobs:.2f} "
           f"+ other {(total - status - events) / args.jobs - objects:.2f}")
     for kind, count in sorted(writes.items()):
         print(f"  {kind}: {count / args.jobs:.2f}/job")
-    print(f"operator peak memory (VmHWM): {max(peaks) / 1024:.0f} MiB (goal <= 256 MiB)")
+    print(f"operator peak memory (VmHWM): {max(peaks) / 1024:.0f} MiB"
+          + (" (goal <= 256 MiB)" if api == "real" else " (emulator)"))
 
 
 if __name__ == "__main__":
