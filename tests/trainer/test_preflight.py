@@ -245,3 +245,48 @@ def test_only_a_torchrun_agent_counts_as_one(command: list[str], agent: bool) ->
     from kubetrain.trainer.distributed import _is_torchrun
 
     assert _is_torchrun(command) is agent
+
+
+def test_a_rank_stalled_between_the_two_stages_fails_the_check_not_an_unknown_error(
+        tiny_job, launcher, tmp_path: Path) -> None:
+    # Rank 1 is stopped once the device stage's verdict is out: in init_process_group, or
+    # about to enter it. Rank 0's join then times out at the check's deadline: the check
+    # failed (PreflightFailed, exit 89, its node named or listed), not an Unknown error.
+    deadline = 6
+    job = tiny_job("joining", optimization={"maxSteps": 6},
+                   runPolicy={"preflight": {"timeoutSeconds": deadline}})
+    termination_log = tmp_path / "termination-log"
+    termination_log.write_text("")
+    env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log),
+           "KUBETRAIN_NODE_NAME": "node-a", "KUBETRAIN_POD_NAME": "job-worker-0"}
+    command = launcher.command(job, 2)
+    command[command.index("--standalone"):command.index("--standalone")] = [
+        "--max-restarts=3", "--shutdown-timeout=3"]
+    agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    stalled = launcher.worker_pid(agent.pid, 1)
+    try:
+        # The attempt's store, where the verdict of the device stage appears.
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{stalled}/environ")
+                       .read_text().split("\0") if "=" in item)
+        store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=60))
+        verdict = "kubetrain/attempt-0/preflight/device/verdict"
+        started = time.monotonic()
+        while not store.check([verdict]):
+            assert time.monotonic() - started < 120, "the device stage never ended"
+            time.sleep(0.002)
+        os.kill(stalled, signal.SIGSTOP)
+        output, _ = agent.communicate(timeout=deadline + 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stalled, signal.SIGCONT)
+        agent.kill()
+    assert agent.returncode != 0
+    assert "rank 0: PreflightFailed: preflight failed" in output, output[-4000:]
+    assert "preflight: 2 ranks passed" not in output
+    [line] = [line for line in termination_log.read_text().splitlines()
+              if line.startswith("kubetrain_worker_failure_info")]
+    print(line)
+    assert 'class="PreflightFailed"' in line, line
+    assert "did not join the group" in line or "stalled inside init_process_group" in line

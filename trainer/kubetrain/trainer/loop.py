@@ -142,7 +142,7 @@ from kubetrain.trainer.metrics import (
 from kubetrain.trainer.model import Dynamics
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
-from kubetrain.trainer.preflight import Preflight, PreflightFailed, open_store
+from kubetrain.trainer.preflight import Preflight, PreflightFailed, open_store, store_timeout
 from kubetrain.trainer.pretrained import load_embeddings, load_pretrained
 from kubetrain.trainer.pretrained_config import (
     PretrainedError,
@@ -351,7 +351,10 @@ class Trainer:
         self._preflight = check
         check.check_device()
         goodput.charge(PREFLIGHT)
-        world = init_world(store)
+        check.joining()
+        # By the check's deadline; a fresh connection to the store tells who never joined.
+        world = check.join(lambda: init_world(store),
+                           lambda: attempt_store(store_timeout(policy)))
         goodput.charge(STARTUP)
         check.check_group()
         goodput.charge(PREFLIGHT)
@@ -372,6 +375,13 @@ class Trainer:
             stop_torchrun_agent()
             record_failure(failure.failure_class, str(error), self.micro_batch_size,
                            nodes=error.nodes, reported_nodes=error.reported_nodes)
+        if check is not None and check.abandoned_join:
+            # A thread is still blocked joining the group: the interpreter's exit would
+            # wait on it (the process group's teardown), so this rank ends here.
+            if self._lifeline is not None:
+                self._lifeline.end(failure.exit_code, failure.failure_class, str(error))
+            sys.stdout.flush()
+            os._exit(failure.exit_code)
         return FitResult(0, failure.reason, failure.exit_code, None, None)
 
     def _record_failure(self, failure_class: TrainerFailureClass, error: BaseException,

@@ -2,7 +2,9 @@
 
 Owns the check only; the loop (loop.py) runs it around joining the group, records a
 failure and ends the attempt. Two stages under one deadline
-(`runPolicy.preflight.timeoutSeconds`, from the check's start):
+(`runPolicy.preflight.timeoutSeconds`, from the check's start), and the join between them:
+a group that does not form (a rank stalled after its device check) fails the check too
+(`failed_to_join`), naming the ranks that never began to join:
 
 1. Device, before the process group exists: each rank multiplies two 256 x 256
    matrices in float32 on its device and compares the product with float64 on the
@@ -44,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +60,7 @@ ALL_REDUCE_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}  # per rank; a few ms on e
 ALL_REDUCE_ROUNDS = 5  # timed, after one untimed round that sets the connections up
 VERDICT_GRACE_SECONDS = 5.0  # past the deadline, for rank 0's verdict to arrive
 POLL_SECONDS = 0.005
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,7 @@ class Preflight:
         self.me = RankReport(rank, pod, node, int(os.environ.get("GROUP_RANK", "0")))
         self.verdict: Verdict | None = None
         self.bandwidths: list[float] = []
+        self.abandoned_join = False  # a thread still blocked joining the group (`join`)
 
     # --- the two stages -----------------------------------------------------------
 
@@ -202,6 +207,63 @@ class Preflight:
         except Exception as raised:
             mine = replace(self.me, problem=f"its all-reduce failed: {raised}")
         self._stage("group", mine, self._judge_group)
+
+    def joining(self) -> None:
+        """Say, through the store, that this rank passed the device stage and now joins the
+        group (init_process_group): a rank that never says so stalled before it."""
+        if self.store is not None:
+            self.store.set(f"joining/{self.rank}", json.dumps(asdict(self.me)))
+
+    def join(self, init: Callable[[], T], reconnect: Callable[[], dist.Store]) -> T:
+        """`init()` (joining the group) by the check's deadline and grace: on a thread, left
+        behind when it does not return in time (`abandoned_join`), since gloo's and NCCL's
+        rendezvous wait for their own timeout (30 minutes and more) on a peer that stalled.
+        Raises PreflightFailed then, or when joining fails; `reconnect()` opens another
+        connection to the attempt's store, as the one the join uses is not free."""
+        if self.store is None:
+            return init()
+        outcome: list[T | Exception] = []
+
+        def attempt() -> None:
+            try:
+                outcome.append(init())
+            except Exception as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=attempt, name="preflight-join", daemon=True)
+        thread.start()
+        thread.join(max(0.0, self.deadline - time.monotonic()) + VERDICT_GRACE_SECONDS)
+        if outcome and not isinstance(outcome[0], Exception):
+            return outcome[0]
+        self.abandoned_join = not outcome
+        error = (outcome[0] if outcome and isinstance(outcome[0], Exception)
+                 else TimeoutError("init_process_group did not return"))
+        try:
+            store: dist.Store | None = dist.PrefixStore("preflight", reconnect())
+        except Exception:  # the store's host may be the one that stalled
+            store = None
+        raise self.failed_to_join(error, store) from error
+
+    def failed_to_join(self, error: Exception, store: dist.Store | None) -> PreflightFailed:
+        """The failure of a group that did not form between the two stages (a rank stalled
+        after its device check): the check's, not an unknown one. The ranks that never
+        began to join are named; when every rank began, one stalled inside
+        init_process_group, and the nodes of all that began are listed for elimination."""
+        reports = [_read(store, f"joining/{rank}") if store is not None else None
+                   for rank in range(self.world_size)]
+        reports[self.rank] = self.me
+        why = f"did not join the group within {self.policy.timeout_seconds}s"
+        failures = [Failure(rank, f"{why} (stalled after its device check)")
+                    for rank, report in enumerate(reports) if report is None]
+        if failures:
+            verdict = self._verdict(failures, reports)
+            problems, nodes, reported = verdict.problems, verdict.nodes, verdict.reported_nodes
+        else:
+            problems = [f"the group did not form within {self.policy.timeout_seconds}s: a "
+                        "rank stalled inside init_process_group"]
+            nodes, reported = [], sorted({report.node for report in reports if report})
+        return PreflightFailed(f"preflight failed: {'; '.join(problems)} ({error})".strip(),
+                               nodes, reported)
 
     def summary(self) -> str:
         """The line rank 0 prints once the check passed."""
@@ -316,17 +378,21 @@ class Preflight:
 
     def _read_report(self, key: str) -> RankReport | None:
         assert self.store is not None
-        try:
-            return RankReport(**json.loads(self.store.get(key))) if self.store.check(
-                [key]) else None
-        except Exception:  # the store itself may be what failed
-            return None
+        return _read(self.store, key)
 
     def writes_the_failure(self) -> bool:
         """Whether this rank writes its pod's termination message and stops its agent: the
         lowest reporting rank of its agent, or any rank that got no verdict at all."""
         return self.verdict is None or not self.verdict.writers or (
             self.rank in self.verdict.writers)
+
+
+def _read(store: dist.Store, key: str) -> RankReport | None:
+    """A rank's report under `key`, None when there is none (or the store failed)."""
+    try:
+        return RankReport(**json.loads(store.get(key))) if store.check([key]) else None
+    except Exception:  # the store itself may be what failed
+        return None
 
 
 def _sibling(rank: int, reports: list[RankReport | None]) -> RankReport | None:
