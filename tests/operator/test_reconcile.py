@@ -1005,3 +1005,24 @@ def test_worker_pods_tolerate_a_lost_node_briefly_unless_the_template_says_other
     assert tolerations(job) == [theirs, {
         "key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute",
         "tolerationSeconds": 10}]
+
+
+def test_a_pod_that_fails_just_after_its_trainer_ended_failed_once(
+        minimal_manifest: dict) -> None:
+    # The kernel killed the whole container (memory): the lifeline closed first and the end
+    # was recorded as a restart in place, then the pod's status came. One failure, the pod's.
+    from kubetrain.operator.observed import TrainerEnd
+
+    end = TrainerEnd(pod="demo-worker-1", time=NOW - timedelta(seconds=2),
+                     failure_class="Unknown",
+                     message="the trainer ended without a word; torchrun restarts the group "
+                             "in place")
+    first = _with_ends(make_job(minimal_manifest, status=running_status(progress=TRAINING)),
+                       pod(0), pod(1), ends=(end,))
+    assert first.status is not None and first.status["failures"] == {"Unknown": 1}
+    failed = pod(1, phase="Failed", exit_code=137, reason="OOMKilled")
+    out = _with_ends(make_job(minimal_manifest, status=first.status), pod(0), failed,
+                     ends=(end,))
+    assert out.status is not None
+    assert out.status["failures"] == {"OOMKilled": 1}
+    assert out.status["lastFailure"]["class"] == "OOMKilled"

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import cast
 
-from kubetrain.operator.observed import TrainerEnd, WorkerPod
+from kubetrain.operator.observed import IN_PLACE, TrainerEnd, WorkerPod
 from kubetrain.protocol import (
     ENDS_THE_POD,
     EXIT_COMPLETE,
@@ -67,7 +67,7 @@ def trainer_end(pod: str, last_line: bytes | None, now: datetime) -> TrainerEnd 
     said = parse_end_line(last_line) if last_line is not None else None
     if said is None:
         return TrainerEnd(pod=pod, time=now, failure_class="Unknown",
-                          message=f"{NO_WORD}; torchrun restarts the group in place")
+                          message=f"{NO_WORD}; {IN_PLACE}")
     exit_code, said_class, words = said
     if exit_code in ORDERLY_EXITS or said_class in ENDS_THE_POD or said_class == PEER_LOST:
         return None
@@ -75,8 +75,7 @@ def trainer_end(pod: str, last_line: bytes | None, now: datetime) -> TrainerEnd 
                          else "Unknown")
     return TrainerEnd(pod=pod, time=now, failure_class=failure_class, exit_code=exit_code,
                       message=f"the trainer exited {exit_code}"
-                              f"{': ' + words if words else ''}; torchrun restarts the group "
-                              "in place")
+                              f"{': ' + words if words else ''}; {IN_PLACE}")
 
 
 class Lifelines:

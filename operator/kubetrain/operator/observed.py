@@ -140,6 +140,10 @@ class MetricsSample:
     reported: bool = False
 
 
+# How a TrainerEnd's message ends: what status.lastFailure says of a restart in place.
+IN_PLACE = "torchrun restarts the group in place"
+
+
 @dataclass(frozen=True)
 class TrainerEnd:
     """A trainer process of a running pod that ended, as its lifeline said (or did not say):

@@ -38,13 +38,16 @@ from kubetrain.api.trainingjob import (
 from kubetrain.operator import children, lifecycle, nodes, observation
 from kubetrain.operator.actions import CountFailure, UpdateConfigMap
 from kubetrain.operator.failures import classify, describe
-from kubetrain.operator.observed import DISRUPTION_REASONS, TrainerFailure, WorkerPod
+from kubetrain.operator.observed import DISRUPTION_REASONS, IN_PLACE, TrainerFailure, WorkerPod
 
 if TYPE_CHECKING:
     from kubetrain.operator.reconcile import _Decision
 
 # status.lastFailure.message is cut here: a termination message may hold 4 KiB.
 FAILURE_MESSAGE_LIMIT: Final = 1024
+# A pod that fails this soon after its trainer's end was recorded as a restart in place
+# failed as a whole (`_retract_restart_in_place`).
+IN_PLACE_RETRACT_SECONDS: Final = 10
 # Restarts that re-form the whole group: a hang, a new micro-batch every rank must use,
 # and a failed preflight (every rank takes part in the check). Read only for a restart
 # an operator recorded before status.restart said so itself.
@@ -246,6 +249,7 @@ def record_failures(decision: _Decision, failed: list[WorkerPod],
     for pod in most_telling_last(failed, kinds):
         kind = kinds[pod.name]
         text = describe(pod, kind)
+        _retract_restart_in_place(status, pod, decision.now)
         status.failures[kind] = status.failures.get(kind, 0) + 1
         status.last_failure = WorkerFailure(
             class_=kind, pod=pod.name, node=pod.node, exit_code=pod.exit_code,
@@ -266,6 +270,21 @@ def warn_unmarked_checkpoints(decision: _Decision, ended: list[WorkerPod]) -> No
                            "so they were not uploaded and cannot be resumed from: call "
                            "kubetrain.sdk.mark_complete(folder, step) once each is written "
                            "(docs/own-code.md)", warning=True)
+
+
+def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: datetime) -> None:
+    """A pod that fails just after its trainer's end was recorded as a restart in place
+    (its container was killed whole: the lifeline closed before the pod's status came)
+    failed once: the pod's own record replaces that one in status.failures."""
+    last = status.last_failure
+    if (last is None or last.pod != pod.name or last.time is None or IN_PLACE not in last.message
+            or now - last.time > timedelta(seconds=IN_PLACE_RETRACT_SECONDS)):
+        return
+    left = status.failures.get(last.class_, 0) - 1
+    if left > 0:
+        status.failures[last.class_] = left
+    else:
+        status.failures.pop(last.class_, None)
 
 
 def record_restarts_in_place(decision: _Decision) -> None:
