@@ -322,6 +322,10 @@ def run_oom(cluster: Cluster) -> tuple[Row, str]:
     return row, note
 
 
+# Issue 33: at most this many seconds lost per fault.
+LOST_GOALS = {"trainer kill": 4.0, "container kill": 7.0, "node loss": 16.0}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=240)
@@ -374,6 +378,25 @@ def main() -> int:
     print(f"status.goodput uninterrupted: {base_status.get('goodput')}")
     print(f"status.goodput under faults:  {status.get('goodput')}")
     print(oom_note)
+    # Issue 33's goals: the lost seconds per fault, and goodput's exact causes.
+    print()
+    for row in rows:
+        goal = LOST_GOALS.get(row.fault)
+        if goal is not None:
+            print(f"{row.fault}: {row.lost:.1f}s lost, goal at most {goal:g}s: "
+                  f"{'met' if row.lost <= goal else 'MISSED'}; shown: {row.shown_as}")
+    badput = (status.get("goodput") or {}).get("badputSeconds") or {}
+    straggled = next((row.lost for row in rows if row.fault == "straggler"), None)
+    if straggled:
+        booked = float(badput.get("straggler", 0.0))
+        within = "within" if abs(booked / straggled - 1) <= 0.2 else "OUTSIDE"
+        print(f"straggler cause {booked:.2f}s against {straggled:.2f}s lost while it "
+              f"straggled: {booked / straggled:.2f} ({within} 20 %)")
+    redone = sum(row.redone for row in rows)
+    base_badput = (base_status.get("goodput") or {}).get("badputSeconds") or {}
+    print(f"lostProgress {float(badput.get('lostProgress', 0.0)):.3f}s for {redone} steps "
+          f"redone; straggler cause of the uninterrupted run "
+          f"{float(base_badput.get('straggler', 0.0)):.3f}s")
     print("\nwhat the faulted job showed (seconds after it was first seen):")
     start = watcher.signals[0].at if watcher.signals else 0.0
     for signal in watcher.signals:
