@@ -177,7 +177,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # (xdist's `--dist loadgroup` would say this with marks, but under pytest 9.2 it silently
 # stops grouping: pytest-dev/pytest-xdist#1386.)
 
-WHOLE_LOOP_MODULES = ("tests/e2e/test_whole_loop.py", "tests/e2e/test_nodes.py")
+WHOLE_LOOP_MODULES = ("tests/e2e/test_whole_loop.py", "tests/e2e/test_nodes.py",
+                      "tests/e2e/test_own_code.py")
 
 
 def _scope(nodeid: str) -> str:

@@ -352,6 +352,65 @@ def out_of_memory_job(name: str, s3: str, micro_batch: int, max_steps: int) -> d
         runPolicy={"maxRestarts": 0, "backoffSeconds": 1})
 
 
+# Own code (spec.trainer): tests/own_code/plain_torch.py, a user's FSDP2 + DCP script with
+# kubetrain.sdk, reaches the pods as a ConfigMap volume, so no product image carries it; its
+# image is the trainer image, which has torch and the own-code extra.
+OWN_CODE_SCRIPTS = "own-code-scripts"
+OWN_CODE_DIR = "/opt/own-code"
+# Upload passes every second (KUBETRAIN_SYNC_SECONDS; 10 s by default): a folder marked but
+# not yet uploaded dies with its pod, so a kill may redo one pass's steps beyond the
+# checkpoint interval.
+OWN_CODE_SYNC_SECONDS = 1.0
+
+
+def add_own_code_scripts(cluster: Cluster) -> None:
+    """The ConfigMap `own_code_job`'s pods mount the test scripts from."""
+    script = REPO / "tests" / "own_code" / "plain_torch.py"
+    cluster.core.create_namespaced_config_map(NAMESPACE, {
+        "metadata": {"name": OWN_CODE_SCRIPTS},
+        "data": {script.name: script.read_text()}})
+
+
+def own_code_job(name: str, s3: str, *, steps: int, save_every: int, step_seconds: float,
+                 script: str = "plain_torch.py", replicas: int = 2,
+                 run_policy: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An own-code job running `script` (from `add_own_code_scripts`) on `replicas` workers:
+    `steps` steps, a DCP checkpoint every `save_every`, each step `step_seconds` longer."""
+    return {
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "trainer": {
+                "image": TRAINER_IMAGE,
+                "command": ["python", f"{OWN_CODE_DIR}/{script}"],
+                "args": ["--steps", str(steps), "--save-every", str(save_every),
+                         "--step-seconds", str(step_seconds), "--batch", "8"],
+                "env": [{"name": "KUBETRAIN_SYNC_SECONDS",
+                         "value": f"{OWN_CODE_SYNC_SECONDS:g}"}],
+            },
+            "workers": {"replicas": replicas, "template": {
+                "volumes": [{"name": "scripts", "configMap": {"name": OWN_CODE_SCRIPTS}}],
+                "volumeMounts": [{"name": "scripts", "mountPath": OWN_CODE_DIR,
+                                  "readOnly": True}]}},
+            "checkpoint": {"uri": f"s3://checkpoints/{name}", "keepLast": 2},
+            "storage": {"endpoint": s3, "region": "us-east-1",
+                        "credentialsSecret": {"name": "s3-credentials"}},
+            "runPolicy": {"backoffSeconds": 1, **(run_policy or {})},
+        },
+    }
+
+
+def own_code_steps(lines: list[str]) -> list[int]:
+    """The steps the own-code script's rank 0 trained, in order (a redone step twice)."""
+    return [int(m.group(1)) for line in lines if (m := re.match(r"own-code step (\d+) ", line))]
+
+
+def own_code_resumes(lines: list[str]) -> list[int]:
+    """The steps the own-code script's rank 0 resumed from, one per attempt that loaded one."""
+    return [int(m.group(1)) for line in lines
+            if (m := re.fullmatch(r"own-code resumed from step (\d+)", line))]
+
+
 @contextmanager
 def whole_loop(api: EmulatedCluster, folder: Path,
                images: Mapping[str, BuiltImage]) -> Iterator[Cluster]:
