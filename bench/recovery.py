@@ -11,6 +11,9 @@ the node agent in containerd; moto's S3 over HTTP) and, for the same
 - b-pod: kill -9 of worker 1's whole container (trainer and torchrun) at step 6: the
   pod fails and the operator replaces it;
 - f: worker 1's node loses power at step 6 (heartbeats stop, its processes die).
+- own: an own-code job (spec.trainer: the whole loop's FSDP2 + DCP script, a save every 4
+  steps, uploads every second), worker 1's container killed at step 6; the steps redone
+  are the script's own (its goodput column is blank: it prints no step times).
 
 For each it prints the seconds from the fault until rank 0 prints a step after
 resuming (goal for b: ≤ 60 s), the steps redone, and the goodput: the time of the
@@ -209,6 +212,40 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
             "operator_goodput": float((status.get("goodput") or {}).get("ratio") or "nan")}
 
 
+# Own code (spec.trainer): the whole loop's FSDP2 + DCP script, a save every OWN_CODE_EVERY
+# steps of at least OWN_CODE_STEP_SECONDS, uploads every second (KUBETRAIN_SYNC_SECONDS).
+OWN_CODE_EVERY = 4
+OWN_CODE_STEP_SECONDS = 0.3
+
+
+def run_own_code(cluster: loop.Cluster, name: str) -> dict[str, float]:
+    """The container kill of worker 1 at step FAULT_AT for an own-code job: seconds until
+    rank 0 trains a step after resuming, steps redone (from the script's own lines)."""
+    started = time.monotonic()
+    cluster.apply(loop.own_code_job(name, cluster.s3, steps=STEPS, save_every=OWN_CODE_EVERY,
+                                    step_seconds=OWN_CODE_STEP_SECONDS))
+
+    def trained_since_resume() -> bool:
+        lines = cluster.trainer_lines(name)
+        marks = [i for i, line in enumerate(lines) if line.startswith("own-code resumed from")]
+        return bool(marks) and bool(loop.own_code_steps(lines[marks[-1]:]))
+
+    cluster.wait_for(f"{name} at step {FAULT_AT}", lambda: max(
+        loop.own_code_steps(cluster.trainer_lines(name)), default=0) >= FAULT_AT, 300, every=0.1)
+    _kill_container(cluster, name)
+    faulted = time.monotonic()
+    cluster.wait_for("own code to train again", trained_since_resume, 300, every=0.1)
+    recovery = time.monotonic() - faulted
+    cluster.wait_for_phase(name, "Succeeded", timeout=600)
+    wall = time.monotonic() - started
+    steps = loop.own_code_steps(cluster.trainer_lines(name))
+    status = cluster.job(name)["status"]
+    cluster.delete(name)
+    return {"recovery": recovery, "redone": len(steps) - len(set(steps)), "wall": wall,
+            "goodput": float("nan"),  # the script prints no step times
+            "operator_goodput": float((status.get("goodput") or {}).get("ratio") or "nan")}
+
+
 def main() -> None:
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
     with tempfile.TemporaryDirectory(prefix="kubetrain-recovery-") as folder, \
@@ -221,6 +258,8 @@ def main() -> None:
         results = {label: run(cluster, f"bench-{label}", fault, breakdowns.get(label))
                    for label, fault in (("none", None), ("b", _kill_trainer),
                                         ("b-pod", _kill_container), ("f", _lose_node))}
+        loop.add_own_code_scripts(cluster)
+        results["own"] = run_own_code(cluster, "bench-own")
     base = results["none"]["goodput"]
     print(f"whole loop, 2 workers x 1 process, tiny preset, {STEPS} steps, checkpoint every "
           f"{loop.EVERY}; fault at step {FAULT_AT}")
@@ -228,7 +267,8 @@ def main() -> None:
           f"{'/none':>7}{'operator':>10}")
     names = {"none": "none (uninterrupted)", "b": "b: kill -9 of worker 1's trainer",
              "b-pod": "b: kill -9 of worker 1's container",
-             "f": "f: worker 1's node lost"}
+             "f": "f: worker 1's node lost",
+             "own": "own code: kill -9 of worker 1's container"}
     for label, figures in results.items():
         print(f"{names[label]:<38}{figures['recovery']:>15.1f}s{figures['redone']:>8.0f}"
               f"{figures['wall']:>7.0f}s{figures['goodput']:>9.2f}"
