@@ -173,11 +173,12 @@ def shutdown_world() -> None:
         dist.destroy_process_group()
 
 
-# A signalled rank that has not reached the stop agreement after this many of its longest
-# spans between two step boundaries (and at least STOP_DEADLINE_FLOOR seconds) is blocked
-# in a collective with a peer that is gone: the group can save nothing together.
+# A signalled rank that has been inside one collective for this many of its longest spans
+# between two step boundaries (and at least STOP_DEADLINE_FLOOR seconds) is blocked on a
+# peer that is gone: the group can save nothing together.
 STOP_DEADLINE_SPANS = 4
 STOP_DEADLINE_FLOOR = 3.0
+STOP_DEADLINE_POLL = 0.1
 
 
 class StopRequest:
@@ -186,22 +187,29 @@ class StopRequest:
     A rank blocked in a collective whose peer vanished with its node (no connection
     reset: gloo and NCCL wait minutes) never reaches the next boundary, and its torchrun
     agent, told to restart the group once the lost rank's replacement joins, would wait
-    its shutdown timeout (30 s) before killing it. So a signal also starts a deadline,
-    derived from the steps measured so far (`deadline`): a rank that has not agreed by
-    then exits at once with EXIT_RESTART, after `on_give_up` (the lifeline's last word).
-    Python runs signal handlers only between bytecodes, which a rank blocked in a
-    collective never reaches, so a thread reading the signal wakeup fd starts the clock.
-    A long but healthy step moves the deadline with it; without a signal there is none.
+    its shutdown timeout (30 s) before killing it. So once signalled, a rank that has been
+    inside one collective (`inside_since`, rank_timing's clock) for longer than a deadline
+    derived from the steps measured so far (`deadline`) exits at once with EXIT_RESTART,
+    after `on_give_up` (the lifeline's last word). Python runs signal handlers only
+    between bytecodes, which a rank blocked in a collective never reaches, so a thread
+    reading the signal wakeup fd watches. Never before a whole step was measured (a first
+    step's compilation), never outside a collective (a long evaluation or save goes on to
+    its checkpoint), and without a signal never at all: a long but healthy step moves the
+    deadline with it. On a GPU the host does not wait inside NCCL's collectives, so this
+    applies on CPU (gloo) only; NCCL's own timeout stands there.
     """
 
-    def __init__(self, on_give_up: Callable[[str], None] | None = None) -> None:
+    def __init__(self, on_give_up: Callable[[str], None] | None = None,
+                 inside_since: Callable[[], float | None] | None = None) -> None:
         self.signalled = False
         self.on_give_up = on_give_up
+        self.inside_since = inside_since
         self._previous: dict[int, object] = {}
         self._previous_wakeup = -1
         self._pipe: tuple[int, int] | None = None
         self._agreed = threading.Event()  # a stop was agreed: the peers are there
         self._boundary = time.monotonic()  # the last step boundary (`agreed`)
+        self._boundaries = 0
         self.longest_span = 0.0  # seconds between two boundaries, at most
 
     def install(self) -> None:
@@ -245,14 +253,20 @@ class StopRequest:
                     break
             else:
                 return  # uninstalled
-            # The handler may not have run yet (the main thread is in a collective): the
-            # deadline starts now either way.
-            deadline = self.deadline()
-            if self._agreed.wait(deadline) or not self._previous:
+            # The handler may not have run yet (the main thread is in a collective).
+            while not self._agreed.wait(STOP_DEADLINE_POLL):
+                if not self._previous:
+                    return  # uninstalled: the attempt is over
+                since = self.inside_since() if self.inside_since is not None else None
+                deadline = self.deadline()
+                if (since is not None and self.longest_span > 0
+                        and time.monotonic() - since > deadline):
+                    break
+            else:
                 return
-            why = (f"stop not agreed {deadline:.1f}s after the signal (longest step "
-                   f"{self.longest_span:.2f}s): a peer is gone, so no checkpoint can be saved; "
-                   f"exiting for torchrun to re-form the group")
+            why = (f"stop not agreed: inside one collective for over {deadline:.1f}s (4 of "
+                   f"its longest steps, {self.longest_span:.2f}s): a peer is gone, so no "
+                   f"checkpoint can be saved; exiting for torchrun to re-form the group")
             print(f"rank {os.environ.get('RANK', '0')}: {why}", file=sys.stderr, flush=True)
             if self.on_give_up is not None:
                 self.on_give_up(why)
@@ -263,7 +277,9 @@ class StopRequest:
     def agreed(self, device: torch.device) -> bool:
         """True on every rank when any rank was signalled (a collective: call it on all ranks)."""
         now = time.monotonic()
-        self.longest_span = max(self.longest_span, now - self._boundary)
+        if self._boundaries:  # from the first boundary on: start-up is no step
+            self.longest_span = max(self.longest_span, now - self._boundary)
+        self._boundaries += 1
         flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self._boundary = time.monotonic()

@@ -485,6 +485,7 @@ class Trainer:
         spec = self.spec
         step = self._resume(run)
         meter = _Meter(run, spec, self.micro_batch_size)
+        stop.inside_since = lambda: meter.clock.inside_since  # its deadline (distributed.py)
         if step == 0 and spec.evaluation.every_steps:
             self._evaluate_and_record(run, step)  # the baseline the run improves on
         reason: FitReason = "max_steps"

@@ -57,6 +57,9 @@ class WaitClock:
         self.seconds = 0.0
         self.cuda = device is not None and device.type == "cuda"
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Since when (time.monotonic) the host has been inside a collective, on CPU; None
+        # outside one. A rank blocked on a peer that is gone stays inside (StopRequest).
+        self.inside_since: float | None = None
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -72,10 +75,15 @@ class WaitClock:
                 self._pending.append((start, end))
             return
         started = time.perf_counter()
+        outermost = self.inside_since is None
+        if outermost:
+            self.inside_since = time.monotonic()
         try:
             yield
         finally:
             self.seconds += time.perf_counter() - started
+            if outermost:
+                self.inside_since = None
 
     def settle(self) -> float:
         """Add the recorded CUDA events' times to the total; returns the seconds added
