@@ -122,6 +122,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
 from kubetrain.api.trainingjob import ModelDims, StorageSpec, TrainingJobSpec, step_folder
+from kubetrain.trainer.distributed import all_ranks_agree, broadcast_from_rank0
 from kubetrain.trainer.storage import (
     DIGEST,
     HASH_CHUNK,
@@ -695,7 +696,8 @@ class Checkpointer:
         if self.spec.checkpoint.resume_from:
             sources.append(self.spec.checkpoint.resume_from)
         for uri in sources:
-            candidates = self._broadcast(self._candidates(uri) if self.rank == 0 else None)
+            candidates = broadcast_from_rank0(
+                self._candidates(uri) if self.rank == 0 else None, self._group)
             for info in candidates:
                 manifest = self._load(info.uri, app_state)
                 if manifest is not None:
@@ -746,7 +748,7 @@ class Checkpointer:
             error = ""
         except (CorruptCheckpoint, FileNotFoundError) as problem:
             error = str(problem)
-        if not self._all_ranks_agree(not error):
+        if not all_ranks_agree(not error, self._group):
             log.warning("refusing checkpoint %s: %s", uri,
                         error or "another rank found it corrupt")
             return None
@@ -779,19 +781,6 @@ class Checkpointer:
         if self._group is not None:
             dist.barrier(group=self._group)
 
-    def _broadcast(self, value: Any) -> Any:
-        if self._group is None:
-            return value
-        holder = [value]
-        dist.broadcast_object_list(holder, src=0, group=self._group)
-        return holder[0]
-
-    def _all_ranks_agree(self, ok: bool) -> bool:
-        if self._group is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
 
     def _check_compatible(self, manifest: dict[str, Any], uri: str) -> None:
         saved = ModelDims(**manifest["model"])

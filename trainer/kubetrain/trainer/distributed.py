@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,24 @@ def shutdown_world() -> None:
     """Leave the process group (safe to call when none exists)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def broadcast_from_rank0(value: Any, group: dist.ProcessGroup | None) -> Any:
+    """Rank 0's `value` on every rank of `group` (a picklable object; None: no group, as is)."""
+    if group is None:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]
+
+
+def all_ranks_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether `ok` holds on every rank of `group` (None: this rank's own answer)."""
+    if group is None:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 # A signalled rank that has been inside one collective for this many of its longest spans

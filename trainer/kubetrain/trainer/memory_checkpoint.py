@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor
 
 from kubetrain.api.trainingjob import TrainingJobSpec
 from kubetrain.trainer.checkpoint import ModelState, RandomState, latest_checkpoint
+from kubetrain.trainer.distributed import all_ranks_agree, broadcast_from_rank0
 from kubetrain.trainer.memory_budget import FOLDER_ENV
 
 log = logging.getLogger(__name__)
@@ -375,7 +376,8 @@ class MemoryCheckpoints:
                             "their own node (%s): those copies survive a trainer or pod "
                             "restart but not the loss of the node; S3 covers that",
                             len(lonely), world_size, ", ".join(sorted(set(nodes))))
-        self.lineage = self._broadcast(uuid.uuid4().hex if rank == 0 else None)
+        self.lineage = broadcast_from_rank0(uuid.uuid4().hex if rank == 0 else None,
+                                            self._group)
         self._slots: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # mapped data files
         self._header_sizes: dict[tuple[int, int, int], int] = {}  # (holder, owner, slot)
         self._views: dict[int, tuple[Any, list[torch.Tensor]]] = {}
@@ -526,7 +528,8 @@ class MemoryCheckpoints:
             self._forget(inventory, None)
             return None
         step, lineage = choice
-        s3_step = self._broadcast(self.s3_latest_step() if self.rank == 0 else None)
+        s3_step = broadcast_from_rank0(self.s3_latest_step() if self.rank == 0 else None,
+                                       self._group)
         if s3_step is not None and s3_step > step:
             if self.rank == 0:
                 log.info("in-memory snapshot of step %d is older than the S3 checkpoint of "
@@ -540,7 +543,7 @@ class MemoryCheckpoints:
             error = ""
         except (ValueError, KeyError, RuntimeError, OSError) as problem:
             error = f"{type(problem).__name__}: {problem}"
-        if not self._all_agree(not error):
+        if not all_ranks_agree(not error, self._group):
             log.warning("rank %d: the in-memory snapshot of step %d could not be restored "
                         "(%s): loading from S3", self.rank, step,
                         error or "another rank failed")
@@ -630,19 +633,6 @@ class MemoryCheckpoints:
                               for (owner, slot), size in held.items()}
         return [held for held, _ in every]
 
-    def _broadcast(self, value: Any) -> Any:
-        if self._group is None:
-            return value
-        holder = [value]
-        dist.broadcast_object_list(holder, src=0, group=self._group)
-        return holder[0]
-
-    def _all_agree(self, ok: bool) -> bool:
-        if self._group is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
 
 
 def _wait_all(pending: list[Any]) -> None:
