@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -141,9 +142,20 @@ def test_the_lifelines_see_a_killed_trainer_at_once_and_its_successors_last_word
     asyncio.run(scenario())
 
 
-def test_a_trainer_that_stops_beating_is_silent_until_it_beats_again() -> None:
-    # A stopped process keeps its connection open and answers nothing, as a node whose
-    # network went down: no reset comes, only silence.
+def _fill_accept_queue(port: int) -> list[socket.socket]:
+    """Connections to a stopped process's listening socket until its accept queue is full:
+    the kernel then drops new handshakes, and the address answers nothing, as a lost
+    node's does."""
+    queued = []
+    for _ in range(64):
+        client = socket.socket()
+        client.setblocking(False)
+        client.connect_ex(("127.0.0.1", port))
+        queued.append(client)
+    return queued
+
+
+def test_a_trainer_whose_node_stops_answering_is_silent_and_a_stopped_one_is_not() -> None:
     port = free_port()
     key = ("default", "job")
     pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
@@ -151,20 +163,28 @@ def test_a_trainer_that_stops_beating_is_silent_until_it_beats_again() -> None:
 
     async def scenario() -> None:
         news: list[tuple[str, str]] = []
-        lifelines = Lifelines(news.append, retry_seconds=0.1, silence_seconds=1.0)
+        lifelines = Lifelines(news.append, retry_seconds=0.1, silence_seconds=1.0,
+                              probe_seconds=0.5)
         lifelines.start(asyncio.get_running_loop())
         lifelines.follow(key, [pod], [port])
         loop = asyncio.get_running_loop()
         process = await loop.run_in_executor(None, followed_trainer, port)
+        queued: list[socket.socket] = []
         try:
             await asyncio.sleep(1.5)  # beating: not silent
             assert lifelines.silent(key) == frozenset() and news == []
+            # Stopped, as a hung or SIGSTOPped trainer: its node still completes handshakes.
             os.kill(process.pid, signal.SIGSTOP)
+            await asyncio.sleep(3.5)
+            assert lifelines.silent(key) == frozenset() and news == [], "a hang is not a loss"
+            # Now its address answers nothing either: as a node that lost power or network.
+            queued = _fill_accept_queue(port)
             stopped = time.monotonic()
             while not lifelines.silent(key):
                 assert time.monotonic() - stopped < 10, "never taken for silent"
                 await asyncio.sleep(0.01)
-            print(f"silent {time.monotonic() - stopped:.2f}s after SIGSTOP (threshold 1s)")
+            print(f"silent {time.monotonic() - stopped:.2f}s after its address stopped "
+                  "answering (threshold 1s, probe 0.5s)")
             assert lifelines.silent(key) == {"job-worker-1"} and news == [key]
             os.kill(process.pid, signal.SIGCONT)
             while lifelines.silent(key):
@@ -172,14 +192,13 @@ def test_a_trainer_that_stops_beating_is_silent_until_it_beats_again() -> None:
                 await asyncio.sleep(0.01)
             assert news == [key, key] and lifelines.ends(key) == ()
             # Its replacement (a new restart attempt of the pod) starts with a clean slate.
-            os.kill(process.pid, signal.SIGSTOP)
-            while not lifelines.silent(key):
-                await asyncio.sleep(0.01)
             lifelines.follow(key, [WorkerPod(name="job-worker-1", index=1, restart_attempt=1,
                                              phase="Pending")], [port])
             await asyncio.sleep(0.1)
             assert lifelines.silent(key) == frozenset()
         finally:
+            for client in queued:
+                client.close()
             process.kill()
             await loop.run_in_executor(None, process.wait)
             await lifelines.close()

@@ -16,11 +16,14 @@ says what happened:
   torchrun restarts in place, reported as a `TrainerEnd` after `settle_seconds`, so that
   the pod's own status arrives first when the container ended too.
 
-A connection that stays open with no beat for `silence_seconds` (a node or its network
-lost: no reset comes) makes the pod *silent* (`silent`) until a beat comes again; the
-reconcile replaces a silent pod as one of a lost node (`kubetrain.operator.nodes`), long
-before the node is marked NotReady. Beats come from a thread of their own, so a long
-step does not stop them.
+A connection that stays open with no beat for `silence_seconds`, to an address that then
+does not answer a new connection within `probe_seconds` either (a node or its network
+lost: no reset comes, no handshake), makes the pod *silent* (`silent`) until a beat comes
+again; the reconcile replaces a silent pod as one of a lost node
+(`kubetrain.operator.nodes`), long before the node is marked NotReady. A stopped or stuck
+process whose node still completes the handshake is not silent: that is a hang, for the
+progress deadline. Beats come from a thread of their own, so a long step does not stop
+them.
 
 It keeps the ends it saw for a while (`ends`) and asks for a reconcile of the job
 (`on_news`), at once when a pod goes silent; reconcile
@@ -57,6 +60,8 @@ ORDERLY_EXITS = frozenset({EXIT_COMPLETE, EXIT_RESTART, EXIT_SIGNALLED})
 # Beats come every LIFELINE_BEAT_SECONDS: this long without one, the trainer's node or its
 # network is taken as lost.
 SILENCE_SECONDS = 3.0
+# Then a new connection to the same address, given this long: a node that answers it is up.
+PROBE_SECONDS = 1.0
 NO_WORD = ("the trainer process ended without a word (kill -9, a crash or the kernel's OOM "
            "killer)")
 
@@ -88,10 +93,12 @@ class Lifelines:
 
     def __init__(self, on_news: Callable[[JobKey], None], *, settle_seconds: float = 1.0,
                  keep_seconds: float = 300.0, retry_seconds: float = 0.5,
-                 silence_seconds: float = SILENCE_SECONDS) -> None:
+                 silence_seconds: float = SILENCE_SECONDS,
+                 probe_seconds: float = PROBE_SECONDS) -> None:
         self.on_news = on_news
         self.settle_seconds = settle_seconds
         self.silence_seconds = silence_seconds
+        self.probe_seconds = probe_seconds
         self.keep = timedelta(seconds=keep_seconds)
         self.retry_seconds = retry_seconds
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -156,6 +163,21 @@ class Lifelines:
                 task = asyncio.ensure_future(self._follow(key, pod, target[0], port))
                 self._tasks[(key, pod, port)] = (target, task)
 
+    async def _answers(self, host: str, port: int) -> bool:
+        """Whether the pod's address answers a new connection (the kernel completes it even
+        for a stopped process, or refuses it): a lost node or network answers nothing."""
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                               self.probe_seconds)
+        except ConnectionRefusedError:
+            return True
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+
     def _beating(self, key: JobKey, pod: str, port: int, beating: bool = True) -> bool:
         """Mark the lifeline beating or silent; whether that changed anything."""
         with self._lock:
@@ -184,8 +206,14 @@ class Lifelines:
                     try:
                         line = await asyncio.wait_for(reader.readline(), self.silence_seconds)
                     except TimeoutError:
-                        if self._beating(key, pod, port, beating=False):
-                            log.warning("%s/%s: no beat from its trainer for %gs", key[0], pod,
+                        if await self._answers(host, port):
+                            # Its node answers: the process is stopped or stuck, not lost
+                            # (the progress deadline is for a hung group).
+                            if self._beating(key, pod, port):
+                                self.on_news(key)
+                        elif self._beating(key, pod, port, beating=False):
+                            log.warning("%s/%s: no beat from its trainer for %gs, and its "
+                                        "node does not answer", key[0], pod,
                                         self.silence_seconds)
                             self.on_news(key)
                         continue
