@@ -75,7 +75,7 @@ class OperatorProcess:
         self.kubeconfig, self.log_path = kubeconfig, log_path
         self.namespaces, self.resync_seconds = namespaces, resync_seconds
         self.leader_election = leader_election
-        self.metrics_port = self.health_port = 0
+        self.metrics_port = self.health_port = self.status_port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._log: IO[bytes] | None = None
@@ -90,6 +90,7 @@ class OperatorProcess:
     def start(self) -> None:
         """Start it (as the chart's single-replica Deployment does) and wait for /healthz."""
         self.metrics_port, self.health_port = free_port(), free_port()
+        self.status_port = free_port()  # several operators run side by side here
         self._log = self.log_path.open("ab")
         self._log.write(f"---- start {self.starts + 1}\n".encode())
         self._log.flush()
@@ -100,7 +101,7 @@ class OperatorProcess:
                     else ["--standalone"])
         args = [sys.executable, "-m", "kubetrain", "operator", *election,
                 f"--metrics-port={self.metrics_port}", f"--health-port={self.health_port}",
-                f"--resync-seconds={self.resync_seconds}",
+                f"--status-port={self.status_port}", f"--resync-seconds={self.resync_seconds}",
                 *(f"--namespace={n}" for n in self.namespaces)]
         self.process = subprocess.Popen(args, env=env, stdout=self._log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
