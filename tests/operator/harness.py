@@ -465,8 +465,11 @@ def scenario_own_code_restarts_suspends_and_scales(kube: Kube) -> None:
     assert pods["ownlife-worker-0"]["metadata"]["labels"]["kubetrain.io/restart-attempt"] == "0"
     assert "kubetrain.trainer.own_code" in pods["ownlife-worker-1"]["spec"]["containers"][0][
         "command"]
-    # Worker 0 (the rendezvous host) failing restarts the whole group.
+    # Worker 0 (the rendezvous host) failing restarts the whole group, once the group runs
+    # again (a failure the operator sees before the replacement runs is another story).
     kube.run_all("ownlife")
+    eventually(lambda: (kube.job("ownlife") or {}).get("status", {}).get("workers", {})
+               .get("ready") == 2, what="both workers running again")
     kube.set_pod_status("ownlife-worker-0", "Failed", exit_code=1)
     eventually(lambda: {pod["metadata"]["labels"]["kubetrain.io/restart-attempt"]
                         for pod in kube.pods("ownlife").values()} == {"2"}
