@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -184,22 +185,9 @@ def with_operator(directory: Path, jobs: int,
     plane = start_control_plane(directory)
     try:
         kubeconfig = install_operator_identity(plane, {}, directory)
-        core = client.CoreV1Api(plane.api_client())
-        with OperatorProcess(kubeconfig, directory / "operator.log",
-                             resync_seconds=300) as operator, ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn")) as process:
-            server_before = _server_cpu(plane)
-            # From here: its start-up (imports, first lists) is not the jobs' cost.
-            cpu_before = _cpu_seconds(operator.process.pid) if operator.process else 0.0
-            pods = _pod_additions(core)
-            started = process.submit(_create_jobs, str(plane.kubeconfig), jobs)
-            _wait_for_pods(pods, jobs * WORKERS)
-            elapsed = time.monotonic() - started.result()
-            pods.close()
-            cpu = (_cpu_seconds(operator.process.pid) if operator.process else 0.0) - cpu_before
-            server = _server_cpu(plane) - server_before
-            time.sleep(3.0)  # the status writes and events of the last transitions land
-            peak = _peak_kib(operator.process.pid) if operator.process else 0
+        elapsed, peak, cpu, server = _operator_round(
+            client.CoreV1Api(plane.api_client()), kubeconfig, plane.kubeconfig, directory,
+            jobs, lambda: _server_cpu(plane))
         account = "system:serviceaccount:kubetrain-system:kubetrain"
         return elapsed, _writes_of(directory / "audit.log", account), peak, cpu, server
     finally:
@@ -218,22 +206,34 @@ def with_operator_emulated(directory: Path, jobs: int,
                            ) -> tuple[float, Counter[str], int, float, float]:
     """`with_operator` on a fresh emulator: writes counted from the requests it served."""
     with EmulatedCluster(directory) as api:
-        core = client.CoreV1Api(api.api_client())
-        with OperatorProcess(api.kubeconfig, directory / "operator.log",
-                             resync_seconds=300) as operator, ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn")) as process:
-            server_before = time.process_time()
-            cpu_before = _cpu_seconds(operator.process.pid) if operator.process else 0.0
-            pods = _pod_additions(core)
-            started = process.submit(_create_jobs, str(api.kubeconfig), jobs)
-            _wait_for_pods(pods, jobs * WORKERS)
-            elapsed = time.monotonic() - started.result()
-            pods.close()
-            cpu = (_cpu_seconds(operator.process.pid) if operator.process else 0.0) - cpu_before
-            server = time.process_time() - server_before
-            time.sleep(3.0)  # the status writes and events of the last transitions land
-            peak = _peak_kib(operator.process.pid) if operator.process else 0
+        elapsed, peak, cpu, server = _operator_round(
+            client.CoreV1Api(api.api_client()), api.kubeconfig, api.kubeconfig, directory,
+            jobs, time.process_time)
         return elapsed, _emulated_writes(api), peak, cpu, server
+
+
+def _operator_round(core: client.CoreV1Api, operator_kubeconfig: Path, admin_kubeconfig: Path,
+                    directory: Path, jobs: int, server_cpu: Callable[[], float],
+                    ) -> tuple[float, int, float, float]:
+    """One measured round with the operator running: seconds until all pods exist, the
+    operator's peak KiB, its CPU seconds from the first job until then, and the server's
+    (`server_cpu`, read before and after) meanwhile."""
+    with OperatorProcess(operator_kubeconfig, directory / "operator.log",
+                         resync_seconds=300) as operator, ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as process:
+        server_before = server_cpu()
+        # From here: its start-up (imports, first lists) is not the jobs' cost.
+        cpu_before = _cpu_seconds(operator.process.pid) if operator.process else 0.0
+        pods = _pod_additions(core)
+        started = process.submit(_create_jobs, str(admin_kubeconfig), jobs)
+        _wait_for_pods(pods, jobs * WORKERS)
+        elapsed = time.monotonic() - started.result()
+        pods.close()
+        cpu = (_cpu_seconds(operator.process.pid) if operator.process else 0.0) - cpu_before
+        server = server_cpu() - server_before
+        time.sleep(3.0)  # the status writes and events of the last transitions land
+        peak = _peak_kib(operator.process.pid) if operator.process else 0
+    return elapsed, peak, cpu, server
 
 
 # The emulator's request actions that write, as the audit log's verbs.
