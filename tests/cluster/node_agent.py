@@ -13,8 +13,9 @@ What it does as a kubelet does, in four rooms:
 - here, the pod loop: runs each pod bound to one of its nodes (spec.nodeName), with the
   node's runtime (tests/cluster/containerd.py: Debian's containerd and runc) from the
   project's own image, imported beforehand (`images`; never pulled): PID 1 of its own
-  PID namespace, its ConfigMap, Secret and emptyDir volumes at their mount paths
-  (emptyDir medium Memory is a tmpfs; the pod's fsGroup owns the others), its memory
+  PID namespace, its ConfigMap, Secret, emptyDir and hostPath volumes at their mount
+  paths, read-only where the mount says so (emptyDir medium Memory is a tmpfs; the pod's
+  fsGroup owns the others; a hostPath is the machine's folder itself), its memory
   and CPU limits as cgroup limits, the kubelet's /etc/hosts, /etc/resolv.conf and
   termination log bind-mounted, its own network namespace and IP on a CNI bridge (see
   `pod_network`), its hostname, and names from cluster DNS (tests/cluster/cluster_dns.py)
@@ -27,7 +28,7 @@ What it does as a kubelet does, in four rooms:
   status, then deletes the pod with grace 0 (uid precondition) to free its name.
 
 What it does not: only the first container runs; no init containers, probes,
-hostPath/PVC volumes, no projected (service-account token) volume, no ConfigMap
+PVC volumes, no projected (service-account token) volume, no ConfigMap
 updates after start, no `kubectl exec` (the raw output is also in
 `<workdir>/pods/<uid>/log`), no kube-proxy, no CPU shares from requests.
 
@@ -336,7 +337,12 @@ class NodeAgent:
             self.network.remove_pod(netns, ip)
             self.status.waiting(pod, "CreateContainerConfigError", str(error))
             return
-        volumes = _write_volumes(config.volumes, folder)
+        try:
+            volumes = _write_volumes(config.volumes, folder)
+        except PodConfigError as error:
+            self.network.remove_pod(netns, ip)
+            self.status.waiting(pod, "CreateContainerConfigError", str(error))
+            return
         running = RunningPod(uid=meta.uid, namespace=meta.namespace, name=meta.name,
                              node=spec.node_name, folder=folder, netns=netns, ip=ip,
                              hostnames=config.hostnames, started_at=api_now())
@@ -442,6 +448,13 @@ def _write_volumes(volumes: list[Volume], folder: Path) -> list[Mount]:
     """Make each volume under `folder`/volumes as the kubelet does; returns their mounts."""
     mounts = []
     for volume in volumes:
+        if volume.host_path is not None:  # the node's own folder, as it is
+            if not Path(volume.host_path).is_dir():
+                raise PodConfigError(f"hostPath type check failed: {volume.host_path} is "
+                                     "not a directory")
+            mounts.append(Mount.bind(volume.host_path, volume.mount_path,
+                                     read_only=volume.read_only))
+            continue
         source = folder / "volumes" / volume.name
         source.mkdir(parents=True, exist_ok=True)
         for path, text in volume.files.items():
@@ -452,5 +465,5 @@ def _write_volumes(volumes: list[Volume], folder: Path) -> list[Mount]:
             os.chown(source, 0, volume.group)
             source.chmod(0o2775)
         mounts.append(Mount.tmpfs(volume.mount_path) if volume.tmpfs
-                      else Mount.bind(source, volume.mount_path))
+                      else Mount.bind(source, volume.mount_path, read_only=volume.read_only))
     return mounts

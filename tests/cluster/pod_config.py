@@ -10,7 +10,8 @@ makeEnvironmentVariables and makeMounts), for the first container of a pod:
   HOSTNAME is the pod's hostname unless the pod sets it;
 - command and args with `$(VAR)` expanded from that environment;
 - the mounted volumes: a configMap's or a secret's keys (all of them, or `items` at their
-  paths) as files, an emptyDir (medium Memory: a tmpfs; owned by the pod's fsGroup);
+  paths) as files, an emptyDir (medium Memory: a tmpfs; owned by the pod's fsGroup), a
+  hostPath folder of the node (type unset or Directory); a mount's readOnly kept;
 - the user: the container's runAsUser/runAsGroup over the pod's (group 0 without
   runAsGroup), and a read-only root filesystem if asked;
 - the memory and CPU limits as bytes and cores;
@@ -24,9 +25,9 @@ What it does not: read the API or touch the machine. The caller reads the Config
 Secrets that `references` names and passes their data in (secrets decoded); writing the
 volumes' files, mounting, the network and starting the container are the node agent's.
 status.podIP only where the caller knows the pod's address before start (`pod_ip`; the
-node agent allocates it first), no resourceFieldRef, no envFrom, no
-hostPath, PVC or projected volumes (the service-account token volume is skipped: pods of
-the agent do not call the API), no subPath.
+node agent allocates it first), no resourceFieldRef, no envFrom, no PVC or projected
+volumes (the service-account token volume is skipped: pods of the agent do not call the
+API), no hostPath type other than Directory, no subPath.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class Volume:
     files: Mapping[str, str] = field(default_factory=dict)  # relative path → text
     tmpfs: bool = False  # an emptyDir of medium Memory
     group: int | None = None  # an emptyDir's owning group (the pod's fsGroup)
+    host_path: str | None = None  # a hostPath volume: the node's folder, mounted as it is
+    read_only: bool = False  # the mount's readOnly
 
 
 @dataclass(frozen=True)
@@ -242,17 +245,26 @@ def _volumes(pod: Any, container: Any,
             name = ref.name if kind == "configmap" else ref.secret_name
             data = _object_data(pod, objects, kind, name, ref.optional) or {}
             volumes.append(Volume(mount.name, mount.mount_path,
-                                  files=_files(kind, name, data, ref)))
+                                  files=_files(kind, name, data, ref),
+                                  read_only=bool(mount.read_only)))
         elif volume.empty_dir is not None:
             context = pod.spec.security_context
             volumes.append(Volume(mount.name, mount.mount_path,
                                   tmpfs=volume.empty_dir.medium == "Memory",
-                                  group=context.fs_group if context else None))
+                                  group=context.fs_group if context else None,
+                                  read_only=bool(mount.read_only)))
+        elif volume.host_path is not None:
+            kind = volume.host_path.type or ""
+            if kind not in ("", "Directory"):
+                raise PodConfigError(f"volume {mount.name}: hostPath type {kind} is not "
+                                     "supported by the node agent (only Directory)")
+            volumes.append(Volume(mount.name, mount.mount_path, host_path=volume.host_path.path,
+                                  read_only=bool(mount.read_only)))
         elif volume.projected is not None:
             log.info("pod %s: projected volume %s not mounted", pod.metadata.name, mount.name)
         else:
-            raise PodConfigError(f"volume {mount.name}: only configMap, secret and emptyDir "
-                                 "are supported by the node agent")
+            raise PodConfigError(f"volume {mount.name}: only configMap, secret, emptyDir and "
+                                 "hostPath are supported by the node agent")
     return volumes
 
 

@@ -159,6 +159,26 @@ def test_volumes_carry_their_files_or_their_kind_of_folder() -> None:
     ]  # the projected token volume is not mounted
 
 
+def test_a_host_path_volume_is_the_nodes_folder_read_only_where_the_mount_says_so() -> None:
+    spec = pod({"volumeMounts": [
+        {"name": "packages", "mountPath": "/opt/packages", "readOnly": True},
+        {"name": "data", "mountPath": "/data"},
+        {"name": "scripts", "mountPath": "/opt/scripts", "readOnly": True},
+    ]}, volumes=[
+        {"name": "packages", "hostPath": {"path": "/srv/packages", "type": "Directory"}},
+        {"name": "data", "hostPath": {"path": "/srv/data"}},
+        {"name": "scripts", "configMap": {"name": "scripts"}},
+    ])
+
+    volumes = config_of(spec, {("configmap", "scripts"): {"train.py": "print(1)\n"}}).volumes
+
+    assert volumes == [
+        Volume("packages", "/opt/packages", host_path="/srv/packages", read_only=True),
+        Volume("data", "/data", host_path="/srv/data", read_only=False),
+        Volume("scripts", "/opt/scripts", files={"train.py": "print(1)\n"}, read_only=True),
+    ]
+
+
 def test_a_volume_the_node_cannot_make_is_a_config_error_unless_optional() -> None:
     def with_volume(volume: dict[str, Any]) -> Any:
         return pod({"volumeMounts": [{"name": "v", "mountPath": "/v"}]},
@@ -166,8 +186,10 @@ def test_a_volume_the_node_cannot_make_is_a_config_error_unless_optional() -> No
 
     with pytest.raises(PodConfigError, match="configmap default/cfg not found"):
         config_of(with_volume({"configMap": {"name": "cfg"}}))
-    with pytest.raises(PodConfigError, match="only configMap, secret and emptyDir"):
-        config_of(with_volume({"hostPath": {"path": "/etc"}}))
+    with pytest.raises(PodConfigError, match="only configMap, secret, emptyDir and hostPath"):
+        config_of(with_volume({"persistentVolumeClaim": {"claimName": "data"}}))
+    with pytest.raises(PodConfigError, match="hostPath type Socket is not supported"):
+        config_of(with_volume({"hostPath": {"path": "/run/x.sock", "type": "Socket"}}))
     with pytest.raises(PodConfigError, match="secret 's' has no key 'b'"):
         config_of(with_volume({"secret": {"secretName": "s", "items": [
             {"key": "a", "path": "a"}, {"key": "b", "path": "b"}]}}), {("secret", "s"): {"a": "1"}})
