@@ -3,6 +3,10 @@
 `kubetrain estimate FILE [--gpu-memory GiB] [--world-size N]` exits 0 when the
 job fits (and shows the largest micro-batch with the same global batch that would
 fit, when that is larger), 1 (after printing a recommendation) when it does not.
+A job with the in-memory checkpoint tier (spec.checkpoint.memory) also gets the tier's
+host memory per worker pod on its own line (memory_budget.py: shard x versions kept x
+(1 + replicas) x processes per worker, at minReplicas as the operator sizes pods), and
+exits 1 with that arithmetic when it exceeds checkpoint.memory.maxWorkerMemory.
 
 For the job's model, micro-batch, sequence length, precision, activation
 checkpointing, strategy and world size it adds up, per training process:
@@ -378,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {verdict} in {args.gpu_memory:g} GiB ({estimate.total / gpu_bytes:.0%} of it)")
     meshes = mesh_estimates(spec, world_size, dims, teacher, teacher_dynamics)
     print(_mesh_table(meshes, mesh, gpu_bytes))
+    tier_fits = _memory_tier(spec, dims, world_size)
     if fits:
         larger = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
                            teacher_dynamics=teacher_dynamics, grow=True, mesh=mesh)
@@ -387,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nThe memory left over fits a larger micro-batch, the same global batch "
                   f"({total / GIB:.1f} GiB per GPU; larger micro-batches run faster):\n"
                   + _plan_lines(larger))
-        return 0
+        return 0 if tier_fits else 1
     other = next(((shape, total) for shape, total in meshes if total <= gpu_bytes), None)
     if other is not None:
         print(f"\n{other[0].describe()} fits at the job's micro-batch ({other[1] / GIB:.1f} GiB "
@@ -405,6 +410,37 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nRecommended for {args.gpu_memory:g} GiB ({total / GIB:.1f} GiB per GPU):\n"
           + _plan_lines(better))
     return 1
+
+
+def _memory_tier(spec: TrainingJobSpec, dims: ModelDims, world_size: int) -> bool:
+    """Print spec.checkpoint.memory's host memory per worker pod on its own line (it is pod
+    memory, not GPU memory: memory_budget's shard x versions x (1 + replicas) x processes);
+    False, after saying why with the numbers, when it exceeds maxWorkerMemory. The spec's
+    own validation refuses that already where the spec sizes the model; a model.init job's
+    size is known only here, from its config.json."""
+    if spec.checkpoint.memory is None:
+        return True
+    from kubetrain.trainer.memory_budget import parse_quantity, tier_budget
+
+    parameters = (ssm_parameter_count(dims) if spec.model.architecture == "ssm"
+                  else parameter_count(dims, spec.model.dynamics.enabled))
+    sized = tier_budget(spec, parameters=parameters)  # at minReplicas, as the operator sizes
+    assert sized is not None  # a tier and a parameter count
+    print(f"\n  {'host memory per worker pod (not GPU)':<40}{'GiB':>8}")
+    print(f"  {'in-memory checkpoints (checkpoint.memory)':<40}"
+          f"{sized.per_worker / GIB:>8.2f}\n    {sized.describe()}")
+    here = tier_budget(spec, world_size=world_size, parameters=parameters)
+    if here is not None and here.per_worker != sized.per_worker:
+        print(f"  {'  at ' + str(world_size) + ' processes':<40}{here.per_worker / GIB:>8.2f}"
+              "  (the operator sizes pods at minReplicas, where shards are largest)")
+    limit = spec.checkpoint.memory.max_worker_memory
+    if limit is None or sized.per_worker <= parse_quantity(limit):
+        return True
+    print(f"\n  does NOT fit spec.checkpoint.memory.maxWorkerMemory ({limit}, "
+          f"{parse_quantity(limit) / GIB:.2f} GiB): the tier needs {sized.describe()}. Lower "
+          "checkpoint.memory.replicas, run more workers (minReplicas) to shard the state "
+          "further, or raise maxWorkerMemory.")
+    return False
 
 
 def mesh_estimates(spec: TrainingJobSpec, world_size: int, dims: ModelDims,
