@@ -365,10 +365,10 @@ OWN_CODE_SYNC_SECONDS = 1.0
 
 def add_own_code_scripts(cluster: Cluster) -> None:
     """The ConfigMap `own_code_job`'s pods mount the test scripts from."""
-    script = REPO / "tests" / "own_code" / "plain_torch.py"
+    scripts = [REPO / "tests" / "own_code" / name for name in ("plain_torch.py", "hf_trainer.py")]
     cluster.core.create_namespaced_config_map(NAMESPACE, {
         "metadata": {"name": OWN_CODE_SCRIPTS},
-        "data": {script.name: script.read_text()}})
+        "data": {script.name: script.read_text() for script in scripts}})
 
 
 def own_code_job(name: str, s3: str, *, steps: int, save_every: int, step_seconds: float,
