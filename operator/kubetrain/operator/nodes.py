@@ -9,6 +9,9 @@
   repeated failures, until they expire; pods that avoidance leaves unschedulable wait or
   make the job avoid less; the NodesAvoided condition says which (the rules are
   `kubetrain.operator.avoidance`).
+- spec.checkpoint.memory: the MemoryCopiesShareNode condition and event when worker
+  pods share a node so that partner copies cannot all be elsewhere (one node, or more
+  than half the pods on one).
 
 Each step reads and writes the pass's `_Decision` (`kubetrain.operator.reconcile`),
 through its primitives; no Kubernetes, no clock but the pass's `now`.
@@ -16,6 +19,7 @@ through its primitives; no Kubernetes, no clock but the pass's `now`.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -225,3 +229,46 @@ def report_avoidance(decision: _Decision) -> None:
                            f"off {avoidance.describe(avoided)} (status.avoidedNodes)")
     else:
         decision.condition("NodesAvoided", False, "NoneAvoided", "no node is avoided")
+
+
+MEMORY_COPIES = "MemoryCopiesShareNode"
+
+
+def report_memory_copies(decision: _Decision) -> None:
+    """spec.checkpoint.memory: say when partner copies cannot all be on another node.
+
+    The trainer places each rank's partner copy on another node wherever it can
+    (memory_checkpoint.partners); it cannot where every worker pod runs on one node, nor
+    for some ranks of a node that holds more than half the pods. Those copies survive a
+    trainer or pod restart but not the loss of that node. Judged once every desired pod
+    runs on a known node; the MemoryCopiesShareNode condition holds while it lasts, with
+    a Warning event when it begins.
+    """
+    memory = decision.job.spec.checkpoint.memory
+    desired = decision.status.workers.desired or 0
+    if memory is None or memory.replicas < 1 or decision.status.phase != "Running":
+        return
+    placed = [pod for pod in decision.live_pods() if pod.phase == "Running" and pod.node]
+    ranks = desired * decision.job.spec.workers.procs_per_worker
+    if len(placed) != desired or ranks < 2:
+        return
+    by_node = collections.Counter(pod.node for pod in placed)
+    node, crowd = by_node.most_common(1)[0]
+    if crowd * 2 <= desired and len(by_node) > 1:
+        decision.condition(MEMORY_COPIES, False, "OtherNodes", "every rank's in-memory "
+                           "checkpoint has its partner copy on another node")
+        return
+    if len(by_node) == 1:
+        reason = "OneNode"
+        what = (f"all {desired} worker pods run on node {node}: the in-memory checkpoints' "
+                "partner copies are kept on that node too")
+    else:
+        reason = "CrowdedNode"
+        what = (f"{crowd} of {desired} worker pods run on node {node}, more than half: some "
+                "of their ranks' in-memory partner copies stay on that node")
+    message = (f"{what}, so they survive a trainer or pod restart but not the loss of node "
+               f"{node}; such a loss resumes from S3 (checkpoint.uri)")
+    reported = decision.condition_of(MEMORY_COPIES)
+    if reported is None or reported.status != "True" or reported.message != message:
+        decision.event(MEMORY_COPIES, message, warning=True)
+    decision.condition(MEMORY_COPIES, True, reason, message)

@@ -259,6 +259,7 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
                 lifecycle.create_missing(decision)
             lifecycle.update_phase(decision)
             nodes.report_avoidance(decision)
+            nodes.report_memory_copies(decision)
         else:
             lifecycle.clean_up(decision)
 
