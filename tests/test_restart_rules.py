@@ -8,6 +8,11 @@ fails at the case's step, the restart's replacement is created once its backoff 
 (found by probing the clock, not computed), the group runs again, and the next failure
 comes. Both must restart after the same delay, or end the job for the same reason, and
 agree on the micro-batch after out-of-memory restarts.
+
+A failure torchrun restarts in place on Kubernetes (`kubetrain run` runs it with no
+restarts of its own) reaches the operator as a trainer's end on its lifeline, the pods
+running on: both must still restart, or end the job for the same reason, and count the
+same restarts.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from kubetrain.local.policy import (
     is_out_of_memory,
 )
 from kubetrain.operator.actions import CreateObject, WriteStatus
-from kubetrain.operator.observed import Observed, TrainerFailure, WorkerPod
+from kubetrain.operator.observed import Observed, TrainerEnd, TrainerFailure, WorkerPod
 from kubetrain.operator.reconcile import reconcile
 from kubetrain.operator.restarts import retry_kind_of
 from kubetrain.protocol import (
@@ -223,6 +228,59 @@ def operator_outcomes(minimal_manifest: dict, case: Case) -> list[Outcome]:
         _, status = _pass(job, running, now)
         assert status["phase"] == "Running", status["conditions"]
     return outcomes
+
+
+# Failures torchrun restarts in place on Kubernetes: the trainer process ends, its pod runs on.
+KILLED_IN_PLACE = Failure(-9, {})  # kill -9 of the trainer: its lifeline ends without a word
+IN_PLACE_CASES = {
+    "kills-in-place-until-max-restarts": Case([KILLED_IN_PLACE] * 4),
+    "the-same-crash-in-place-repeats": Case([crash(1)] * 3),
+    "progress-between-crashes-in-place": Case(
+        [crash(1), crash(1).at(5), crash(1).at(5), crash(1).at(5)], {"maxRestarts": 5}),
+    "a-permanent-code-in-place-after-a-kill": Case([KILLED_IN_PLACE, crash(2)]),
+    "collective-timeouts-in-place-repeat": Case([trainer("CollectiveTimeout", 88)] * 3),
+}
+
+
+def operator_in_place_outcomes(minimal_manifest: dict, case: Case) -> tuple[list[Outcome], int]:
+    """The operator's decisions on the same failures seen on worker 1's lifeline, and the
+    restarts it counted (status.restarts). No backoff: torchrun restarts at once."""
+    job = _job(minimal_manifest, case.run_policy)
+    now = START
+    running = [_worker(0, 0), _worker(1, 0)]
+    _, status = _pass(job, running, now)
+    ends: list[TrainerEnd] = []
+    outcomes = []
+    for failure in case.failures:
+        now += timedelta(minutes=1)
+        status = copy.deepcopy(status)
+        status["progress"] = {**status.get("progress", {}), "step": failure.step}
+        job = _job(minimal_manifest, case.run_policy, status)
+        said = failure.local_exit is not None and failure.local_exit > 0
+        ends.append(TrainerEnd(pod="demo-worker-1", time=now,
+                               failure_class=failure.failure_class,  # type: ignore[arg-type]
+                               message="ended", exit_code=failure.local_exit if said else None))
+        actions = reconcile(job, Observed(pods=tuple(running), service=True, config_generation=1,
+                                          trainer_ends=tuple(ends)), now)
+        status = next(a.status for a in actions if isinstance(a, WriteStatus))
+        micro = status["effective"]["microBatchSize"]
+        if status["phase"] == "Failed":
+            ending = next(c["reason"] for c in status["conditions"] if c["type"] == "Failed")
+            outcomes.append(Outcome(False, 0.0, ending, micro))
+            break
+        assert status["phase"] == "Running" and status["restartAttempt"] == 0
+        outcomes.append(Outcome(True, 0.0, None, micro))
+    return outcomes, status.get("restarts", 0)
+
+
+@pytest.mark.parametrize("name", IN_PLACE_CASES)
+def test_a_restart_in_place_counts_as_the_local_runners_restart(minimal_manifest: dict,
+                                                               name: str) -> None:
+    case = IN_PLACE_CASES[name]
+    local = local_outcomes(_job(minimal_manifest, case.run_policy), case.failures)
+    operator, counted = operator_in_place_outcomes(minimal_manifest, case)
+    assert operator == [Outcome(o.restart, 0.0, o.ending, o.micro_batch_size) for o in local]
+    assert counted == sum(o.restart for o in local)
 
 
 @pytest.mark.parametrize("name", CASES)

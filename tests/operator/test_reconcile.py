@@ -926,8 +926,14 @@ def test_a_trainer_restarted_in_place_is_recorded_once_with_its_class(
     assert out.status["failures"] == {"Unknown": 1}
     assert ("Warning", "WorkerFailure") in out.events
     assert [a.failure_class for a in out.actions if isinstance(a, CountFailure)] == ["Unknown"]
-    # The group restarts in place: no pod is deleted, no operator restart is counted.
-    assert out.deleted == [] and out.restarts == [] and out.status["restarts"] == 0
+    # torchrun restarted the group in place: no pod is deleted, but the restart counts
+    # (maxRestarts, the backoff of later ones, the progress deadline's start), as
+    # `kubetrain run` counts the same failure.
+    assert out.deleted == [] and out.status["phase"] == "Running"
+    assert out.status["restarts"] == 1 and out.status["restartAttempt"] == 0
+    assert out.status["lastRestartTime"] == out.status["lastFailure"]["time"]
+    assert [r.reason for r in out.restarts] == ["RestartedInPlace"]
+    assert ("Warning", "RestartedInPlace") in out.events
     # The next pass sees the same end again (the lifelines keep it a while): nothing new.
     again = _with_ends(make_job(minimal_manifest, status=out.status), pod(0),
                        pod(1, node="node-b"), ends=(killed,))
@@ -942,6 +948,27 @@ def test_a_trainer_restarted_in_place_is_recorded_once_with_its_class(
     assert third.status["failures"] == {"Unknown": 1, "CollectiveTimeout": 1}
     assert third.status["lastFailure"]["class"] == "CollectiveTimeout"
     assert third.status["lastFailure"]["exitCode"] == 88
+    assert third.status["restarts"] == 2 and third.status["failureStreak"]["exitCode"] == 88
+
+
+def test_a_restart_in_place_with_max_restarts_spent_or_a_permanent_code_ends_the_job(
+        minimal_manifest: dict) -> None:
+    from kubetrain.operator.observed import TrainerEnd
+
+    killed = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown",
+                        message="the trainer ended without a word")
+    spent = make_job(minimal_manifest, status=running_status(progress=TRAINING, restarts=2),
+                     maxRestarts=2)
+    out = _with_ends(spent, pod(0), pod(1), ends=(killed,))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert out.condition("Failed")["reason"] == "MaxRestartsExceeded"
+    assert out.status["restarts"] == 2 and out.restarts == []
+    invalid = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown",
+                         message="the trainer exited 2", exit_code=2)
+    out = _with_ends(make_job(minimal_manifest, status=running_status(progress=TRAINING)),
+                     pod(0), pod(1), ends=(invalid,))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert out.condition("Failed")["reason"] == "PermanentError"
 
 
 def test_a_trainer_end_in_a_pod_that_failed_or_goes_is_the_pods_own_story(
@@ -1026,3 +1053,7 @@ def test_a_pod_that_fails_just_after_its_trainer_ended_failed_once(
     assert out.status is not None
     assert out.status["failures"] == {"OOMKilled": 1}
     assert out.status["lastFailure"]["class"] == "OOMKilled"
+    # Nor is it a restart in place: the pod's own restart replaces that one, here out of
+    # memory's, which spends no maxRestarts.
+    assert first.status["restarts"] == 1
+    assert out.status["restarts"] == 0 and out.status["restart"]["reason"] == "OutOfMemory"

@@ -7,7 +7,9 @@ hung workers, and the pure functions that decide them.
 - every failed pod is classed (`kubetrain.operator.failures`) and recorded in
   status.lastFailure and status.failures, with an event and a metric; so is every trainer
   failure that torchrun restarted in place, which only its lifeline shows
-  (`record_restarts_in_place`, `kubetrain.operator.lifelines`);
+  (`record_restarts_in_place`, `kubetrain.operator.lifelines`), and that restart is counted
+  in status.restarts under the same rules as the group's own (`count_restart_in_place`):
+  `kubetrain run` runs torchrun with no restarts of its own and counts the same failure;
 - then, in order: a permanent exit code fails the job; out of memory restarts the
   group with half the micro-batch or fails it; a failed preflight avoids the nodes it
   named and restarts the group; repeated failures on one node avoid it; the same exit
@@ -36,9 +38,15 @@ from kubetrain.api.trainingjob import (
     WorkerFailure,
 )
 from kubetrain.operator import children, lifecycle, nodes, observation
-from kubetrain.operator.actions import CountFailure, UpdateConfigMap
+from kubetrain.operator.actions import CountFailure, CountRestart, UpdateConfigMap
 from kubetrain.operator.failures import classify, describe
-from kubetrain.operator.observed import DISRUPTION_REASONS, IN_PLACE, TrainerFailure, WorkerPod
+from kubetrain.operator.observed import (
+    DISRUPTION_REASONS,
+    IN_PLACE,
+    TrainerEnd,
+    TrainerFailure,
+    WorkerPod,
+)
 
 if TYPE_CHECKING:
     from kubetrain.operator.reconcile import _Decision
@@ -48,6 +56,8 @@ FAILURE_MESSAGE_LIMIT: Final = 1024
 # A pod that fails this soon after its trainer's end was recorded as a restart in place
 # failed as a whole (`_retract_restart_in_place`).
 IN_PLACE_RETRACT_SECONDS: Final = 10
+# The reason of a restart torchrun did in place: its event, and the restarts metric's label.
+RESTARTED_IN_PLACE: Final = "RestartedInPlace"
 # Restarts that re-form the whole group: a hang, a new micro-batch every rank must use,
 # and a failed preflight (every rank takes part in the check). Read only for a restart
 # an operator recorded before status.restart said so itself.
@@ -205,6 +215,8 @@ def continue_restart(decision: _Decision) -> None:
 def handle_failures(decision: _Decision) -> None:
     """Fail the job or restart workers for failed, lost and stuck pods."""
     policy = decision.job.spec.run_policy
+    if decision.status.phase in ("Succeeded", "Failed"):
+        return  # a restart in place just ended the job
     failed, stuck = broken([pod for pod in decision.live_pods() if pod.index < decision.replicas],
                            policy, decision.held_back, decision.now)
     if not failed and not stuck:
@@ -231,7 +243,8 @@ def handle_failures(decision: _Decision) -> None:
         return
     nodes.count_node_failures(decision, failed, kinds)
     coded = [pod for pod in failed if retries[pod.name] == "code"]
-    if coded and repeated_failure(decision, coded[0], kinds[coded[0].name]):
+    if coded and repeated_failure(decision, coded[0].exit_code,
+                                  describe(coded[0], kinds[coded[0].name])):
         return
     reason, message = restart_cause(failed, stuck, kinds, policy)
     decision.restart(reason, message, broken_pods,
@@ -275,7 +288,8 @@ def warn_unmarked_checkpoints(decision: _Decision, ended: list[WorkerPod]) -> No
 def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: datetime) -> None:
     """A pod that fails just after its trainer's end was recorded as a restart in place
     (its container was killed whole: the lifeline closed before the pod's status came)
-    failed once: the pod's own record replaces that one in status.failures."""
+    failed once: the pod's own record replaces that one in status.failures, and the restart
+    that follows it replaces the in-place one in status.restarts and the streak."""
     last = status.last_failure
     if (last is None or last.pod != pod.name or last.time is None or IN_PLACE not in last.message
             or now - last.time > timedelta(seconds=IN_PLACE_RETRACT_SECONDS)):
@@ -285,11 +299,17 @@ def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: da
         status.failures[last.class_] = left
     else:
         status.failures.pop(last.class_, None)
+    status.restarts = max(0, status.restarts - 1)
+    streak = status.failure_streak
+    if streak is not None and last.exit_code == streak.exit_code:
+        status.failure_streak = (streak.model_copy(update={"count": streak.count - 1})
+                                 if streak.count > 1 else None)
 
 
 def record_restarts_in_place(decision: _Decision) -> None:
     """Record the trainer failures torchrun restarted in place, as `record_failures` does a
-    failed pod's: status.lastFailure and the count by class, an event and a metric.
+    failed pod's: status.lastFailure and the count by class, an event and a metric; and
+    count each restart (`count_restart_in_place`).
 
     The lifelines (`kubetrain.operator.lifelines`) saw them; a pod's end is news while its
     pod still runs (a pod that failed, or is being deleted, is the pod's own story) and
@@ -310,6 +330,44 @@ def record_restarts_in_place(decision: _Decision) -> None:
         decision.event("WorkerFailure", f"{pod.name} on {pod.node or 'an unknown node'}: "
                        f"{end.failure_class}: {end.message}", warning=True)
         decision.actions.append(CountFailure(end.failure_class))
+        if not count_restart_in_place(decision, end):
+            return
+
+
+def count_restart_in_place(decision: _Decision, end: TrainerEnd) -> bool:
+    """Count the group restart torchrun did in place after `end`, or end the job: the
+    rules `handle_failures` applies to a failed pod, in its order, and `kubetrain run` to
+    the same failure (it runs torchrun with no restarts of its own). A permanent exit code
+    fails the job, so does the same exit code repeated with no progress, and so does a
+    restart with runPolicy.maxRestarts spent; any other counts in status.restarts, the
+    backoff of later restarts and the progress deadline's start (status.lastRestartTime).
+    False when the job ended.
+    """
+    status = decision.status
+    policy = decision.job.spec.run_policy
+    what = f"{end.pod}'s trainer: {end.failure_class}: {end.message}"
+    kind = rules.retry_kind(end.exit_code, policy.permanent_exit_codes,
+                            failure_class=end.failure_class)
+    if kind == "permanent":
+        decision.finish("Failed", "PermanentError",
+                        f"{what}; exit code {end.exit_code} is listed in "
+                        "runPolicy.permanentExitCodes: fix the configuration or code and "
+                        "create the job again")
+        return False
+    if kind == "code" and repeated_failure(decision, end.exit_code, what):
+        return False
+    if rules.restarts_spent(policy, status.restarts):
+        decision.finish("Failed", "MaxRestartsExceeded",
+                        f"{what}; the job already restarted {status.restarts} times "
+                        f"(runPolicy.maxRestarts: {policy.max_restarts})")
+        return False
+    status.restarts += 1
+    status.last_restart_time = end.time
+    decision.event(RESTARTED_IN_PLACE, f"{what}: restart {status.restarts} of "
+                   f"{policy.max_restarts}, done by torchrun inside the running pods",
+                   warning=True)
+    decision.actions.append(CountRestart(RESTARTED_IN_PLACE))
+    return True
 
 
 def fail_preflight(decision: _Decision, failed: list[WorkerPod], kinds: Mapping[str, str],
@@ -356,17 +414,18 @@ def heal_out_of_memory(decision: _Decision, pod: WorkerPod, kind: str,
     decision.actions.append(UpdateConfigMap(children.config_map(as_run)))
 
 
-def repeated_failure(decision: _Decision, pod: WorkerPod, kind: str) -> bool:
-    """Lengthen the streak of the pod's exit code; True when it failed the job."""
-    assert pod.exit_code is not None  # "code" failures always have one
+def repeated_failure(decision: _Decision, exit_code: int | None, what: str) -> bool:
+    """Lengthen the streak of a failure's exit code (`what` says which failure); True when
+    it failed the job."""
+    assert exit_code is not None  # "code" failures always have one
     status = decision.status
-    streak = status.failure_streak = rules.next_streak(status.failure_streak, pod.exit_code,
+    streak = status.failure_streak = rules.next_streak(status.failure_streak, exit_code,
                                                        status.progress.step)
     policy = decision.job.spec.run_policy
     if not rules.repeated(streak, policy):
         return False
     decision.finish("Failed", "RepeatedFailure",
-                    f"{describe(pod, kind)} in {streak.count} attempts in a row with no "
+                    f"{what} in {streak.count} attempts in a row with no "
                     f"progress past step {streak.step} (runPolicy.repeatedFailureLimit: "
                     f"{policy.repeated_failure_limit}): check the trainer's logs (kubectl logs)")
     return True
