@@ -9,8 +9,11 @@ behave. That is the real-server tier's job (tests/real_server, with `KUBEBUILDER
   tolerates, and that the pod's required node affinity (`In`/`NotIn` on
   `kubernetes.io/hostname`) does not exclude, choosing the one running the fewest pods,
   as least-allocated scoring spreads equal pods. It binds by patching `spec.nodeName`;
-  a real API server takes only the `pods/binding` subresource. No resources, ports, pod
-  affinity, priorities or preemption.
+  a real API server takes only the `pods/binding` subresource. A pod no node fits gets
+  the condition PodScheduled False, reason Unschedulable, with a message that counts
+  the nodes by why they do not fit, as kube-scheduler's "0/3 nodes are available: ..."
+  (its wording differs); the operator's too-few-nodes rule reads that condition. No
+  resources, ports, pod affinity, priorities or preemption.
 - `NodeLifecycle` (kube-controller-manager's node lifecycle controller): a node whose
   Lease in `kube-node-lease` has not been renewed for `grace_seconds` gets its Ready
   condition set to Unknown (reason NodeStatusUnknown) and the
@@ -93,18 +96,38 @@ class Scheduler(_Loop):
                    and (pod.status is None or pod.status.phase in (None, "Pending"))]
         if not unbound:
             return
-        nodes = [node for node in core.list_node().items if schedulable(node)]
+        every_node = core.list_node().items
+        nodes = [node for node in every_node if schedulable(node)]
         load = Counter(pod.spec.node_name for pod in pods if pod.spec.node_name
                        and (pod.status is None or pod.status.phase not in ("Succeeded", "Failed")))
         for pod in sorted(unbound, key=lambda pod: pod.metadata.creation_timestamp or ""):
             fits = [node.metadata.name for node in nodes if _allowed(pod, node)]
             if not fits:
-                continue  # stays Pending, as when no node fits
+                _mark_unschedulable(core, pod, every_node)  # stays Pending
+                continue
             chosen = min(fits, key=lambda name: (load[name], name))
             with contextlib.suppress(ApiException):
                 core.patch_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
                                           {"spec": {"nodeName": chosen}})
                 load[chosen] += 1
+
+
+def _mark_unschedulable(core: client.CoreV1Api, pod: Any, nodes: list[Any]) -> None:
+    """PodScheduled False, reason Unschedulable, saying why each node does not fit; written
+    once, so that its lastTransitionTime says since when."""
+    conditions = (pod.status.conditions or []) if pod.status else []
+    if any(c.type == "PodScheduled" and c.status == "False" for c in conditions):
+        return
+    why = Counter("not Ready" if not schedulable(node) else _why_not(pod, node)
+                  for node in nodes)
+    message = f"0/{len(nodes)} nodes are available: " + ", ".join(
+        f"{count} node(s) {reason}" for reason, count in sorted(why.items())) + "."
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with contextlib.suppress(ApiException):  # gone meanwhile
+        core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, {
+            "status": {"conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": message, "lastTransitionTime": now}]}})
 
 
 def schedulable(node: Any) -> bool:
@@ -127,22 +150,28 @@ def _tolerates(pod: Any, taint: Any) -> bool:
 
 def _allowed(pod: Any, node: Any) -> bool:
     """Whether the pod's nodeSelector, tolerations and node affinity let it onto `node`."""
+    return _why_not(pod, node) == ""
+
+
+def _why_not(pod: Any, node: Any) -> str:
+    """Why the pod's nodeSelector, tolerations or node affinity keep it off `node`; empty
+    when they do not."""
     labels = node.metadata.labels or {}
     if any(labels.get(key) != value for key, value in (pod.spec.node_selector or {}).items()):
-        return False
+        return "didn't match Pod's node selector"
     taints = (node.spec.taints or []) if node.spec else []
     if any(taint.effect in ("NoSchedule", "NoExecute") and not _tolerates(pod, taint)
            for taint in taints):
-        return False
+        return "had untolerated taint"
     affinity = pod.spec.affinity.node_affinity if pod.spec.affinity else None
     required = affinity.required_during_scheduling_ignored_during_execution if affinity else None
     if required is None:
-        return True
+        return ""
     hostname = (node.metadata.labels or {}).get(HOSTNAME_LABEL, node.metadata.name)
     for term in required.node_selector_terms or []:
         if all(_matches(expression, hostname) for expression in term.match_expressions or []):
-            return True
-    return False
+            return ""
+    return "didn't match Pod's node affinity"
 
 
 def _matches(expression: Any, hostname: str) -> bool:

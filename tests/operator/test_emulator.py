@@ -4,6 +4,7 @@ stand-in scheduler and node lifecycle controller (each shown here, never the rea
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -150,6 +151,34 @@ def test_the_stand_in_scheduler_spreads_pods_and_honours_selectors_and_taints(
     nodes = {pod.metadata.name: pod.spec.node_name for pod in bound}
     assert nodes.pop("system") == "node-c"
     assert sorted(nodes.values()) == ["node-a", "node-a", "node-b", "node-b"]
+
+
+def test_the_stand_in_scheduler_marks_a_pod_no_node_fits_unschedulable(
+        core: client.CoreV1Api) -> None:
+    # As kube-scheduler does: the operator's too-few-nodes rule reads this condition.
+    now = datetime.now(UTC)
+    for name in ("node-a", "node-b"):
+        _node(core, name, now)
+    core.patch_node("node-b", {"spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]}})
+    avoiding = _pod("avoiding")
+    avoiding["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuring"
+                                                     "Execution": {"nodeSelectorTerms": [{
+        "matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                              "values": ["node-a"]}]}]}}}
+    core.create_namespaced_pod("ns", avoiding)
+    with Scheduler(api=core.api_client, period=0.05):
+        condition = eventually(lambda: next(
+            (c for c in (core.read_namespaced_pod("avoiding", "ns").status.conditions or [])
+             if c.type == "PodScheduled"), None), what="the PodScheduled condition")
+        first = condition.last_transition_time
+        time.sleep(0.3)  # several rounds: written once
+        again = next(c for c in core.read_namespaced_pod("avoiding", "ns").status.conditions
+                     if c.type == "PodScheduled")
+    assert (condition.status, condition.reason) == ("False", "Unschedulable")
+    assert condition.message == ("0/2 nodes are available: 1 node(s) didn't match Pod's node "
+                                 "affinity, 1 node(s) had untolerated taint."), condition.message
+    assert again.last_transition_time == first
+    assert core.read_namespaced_pod("avoiding", "ns").spec.node_name is None
 
 
 def test_the_stand_in_node_lifecycle_taints_a_silent_node_and_untaints_it_when_it_beats(
