@@ -82,3 +82,18 @@ def test_a_tier_bigger_than_max_worker_memory_is_refused_with_its_arithmetic(
     fits = _job(minimal_manifest, {**memory, "maxWorkerMemory": "4Gi"}, replicas=8)
     budget = tier_budget(fits.spec)
     assert budget is not None and budget.per_worker <= 4 * 2**30
+
+
+def test_pods_with_partner_copies_are_spread_over_nodes_softly_and_others_are_not(
+    minimal_manifest: dict[str, Any],
+) -> None:
+    pod = worker_pod(_job(minimal_manifest, {"everySteps": 2, "replicas": 1}), 1, 0)
+    kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+    (spread,) = pod["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway", "a job never waits for a node"
+    assert spread["labelSelector"]["matchLabels"] == {
+        "kubetrain.io/job-name": pod["metadata"]["labels"]["kubetrain.io/job-name"]}
+    for memory in (None, {"everySteps": 2, "replicas": 0}):
+        assert "topologySpreadConstraints" not in worker_pod(
+            _job(minimal_manifest, memory), 1, 0)["spec"]

@@ -28,6 +28,7 @@ from kubetrain.trainer.memory_checkpoint import (
     Part,
     _complete_step,
     _holders,
+    copies_on_own_node,
     partners,
 )
 
@@ -66,6 +67,21 @@ def test_two_replicas_go_to_two_other_ranks_and_one_node_keeps_copies_beside_eac
     alone = partners(["only"] * 3, replicas=1)
     assert sorted(ranks[0] for ranks in alone) == [0, 1, 2]
     assert partners(["one"], replicas=2) == [[]]
+
+
+def test_the_log_says_when_copies_stay_on_their_own_node_and_is_silent_otherwise() -> None:
+    one_node = ["only"] * 2
+    said = copies_on_own_node(one_node, partners(one_node, replicas=1))
+    assert said is not None
+    assert "2 of 2 ranks keep their partner copy on their own node" in said
+    assert "every rank runs on node only and no other node exists" in said
+    assert "not the loss of that node" in said
+    crowded = ["a", "a", "b"]
+    said = copies_on_own_node(crowded, partners(crowded, replicas=1))
+    assert said is not None and "1 of 3 ranks" in said and "more than half" in said
+    for nodes in (["a", "b"], ["n1"] * 4 + ["n2"] * 4, ["x", "y", "y", "x", "z"]):
+        assert copies_on_own_node(nodes, partners(nodes, replicas=1)) is None
+    assert copies_on_own_node(one_node, partners(one_node, replicas=0)) is None
 
 
 # --- snapshots in one process ------------------------------------------------------------

@@ -297,6 +297,17 @@ def memory_tier(job: TrainingJob, container: dict[str, Any]) -> list[dict[str, A
     return [volume]
 
 
+def memory_tier_spread(job: TrainingJob) -> list[dict[str, Any]] | None:
+    """spec.checkpoint.memory: a soft spread of the job's worker pods over nodes, so that
+    the trainer can put each rank's partner copy on another node (a copy on its owner's
+    node does not survive that node's loss). ScheduleAnyway: a job never waits for a
+    node; where the pods still share one, the operator says so (nodes.report_memory_copies)."""
+    if job.spec.checkpoint.memory is None or job.spec.checkpoint.memory.replicas < 1:
+        return None
+    return [{"maxSkew": 1, "topologyKey": HOSTNAME_LABEL, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}}}]
+
+
 def _own_code_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The user's command under the same launch (`kubetrain.operator.own_code_launch`)."""
     # Imported here: own_code_launch builds on this module's launch (torchrun_env, ...).
@@ -385,6 +396,7 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
         "tolerations": node_loss_tolerations(
             template.tolerations, spec.run_policy.node_loss_toleration_seconds) or None,
         "affinity": avoiding_affinity(template.affinity, avoided),
+        "topologySpreadConstraints": memory_tier_spread(job),
         "schedulerName": template.scheduler_name,
         "priorityClassName": template.priority_class_name,
         "serviceAccountName": template.service_account_name,

@@ -114,6 +114,22 @@ def partners(nodes: Sequence[str], replicas: int) -> list[list[int]]:
     return chosen
 
 
+def copies_on_own_node(nodes: Sequence[str], chosen: Sequence[Sequence[int]]) -> str | None:
+    """What the trainer's log says when some ranks' partner copies sit on their own node
+    (`chosen` from `partners`): every rank on one node, or more than half on one; None
+    when every copy is on another node, or there are no copies."""
+    lonely = [rank for rank, ranks in enumerate(chosen)
+              if any(nodes[other] == nodes[rank] for other in ranks)]
+    if not lonely:
+        return None
+    where = sorted(set(nodes))
+    why = (f"every rank runs on node {where[0]} and no other node exists" if len(where) == 1
+           else f"a node holds more than half of the ranks (nodes {', '.join(where)})")
+    return (f"in-memory checkpoints: {len(lonely)} of {len(nodes)} ranks keep their partner "
+            f"copy on their own node, as {why}: those copies survive a trainer or pod restart "
+            "but not the loss of that node; S3 covers that")
+
+
 def memory_folder(job_name: str, local_rank: int) -> Path:
     """This process's folder of the tier: the pod's memory volume (or /dev/shm), one folder
     per job run (torchrun's run id: the job's uid under the operator) and local rank."""
@@ -368,14 +384,9 @@ class MemoryCheckpoints:
         self.partners = partners(nodes, memory.replicas)
         self.sources = [other for other in range(world_size) if rank in self.partners[other]]
         self.same_node = [other for other in self.partners[rank] if nodes[other] == here]
-        if rank == 0:
-            lonely = [r for r in range(world_size)
-                      if any(nodes[p] == nodes[r] for p in self.partners[r])]
-            if lonely and memory.replicas:
-                log.warning("in-memory checkpoints: %d of %d ranks keep their partner copy on "
-                            "their own node (%s): those copies survive a trainer or pod "
-                            "restart but not the loss of the node; S3 covers that",
-                            len(lonely), world_size, ", ".join(sorted(set(nodes))))
+        warning = copies_on_own_node(nodes, self.partners)
+        if rank == 0 and warning is not None:
+            log.warning("%s", warning)
         self.lineage = broadcast_from_rank0(uuid.uuid4().hex if rank == 0 else None,
                                             self._group)
         self._slots: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # mapped data files
@@ -664,5 +675,5 @@ def _holders(inventory: list[list[Part]], step: int, lineage: str) -> dict[int, 
     return {owner: owner if owner in ranks else min(ranks) for owner, ranks in holding.items()}
 
 
-__all__ = ["FOLDER_ENV", "NODE_ENV", "MemoryCheckpoints", "Part", "Restored", "memory_folder",
-           "node_name", "open_memory_tier", "partners"]
+__all__ = ["FOLDER_ENV", "NODE_ENV", "MemoryCheckpoints", "Part", "Restored",
+           "copies_on_own_node", "memory_folder", "node_name", "open_memory_tier", "partners"]
