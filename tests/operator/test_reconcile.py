@@ -951,6 +951,30 @@ def test_a_trainer_restarted_in_place_is_recorded_once_with_its_class(
     assert third.status["restarts"] == 2 and third.status["failureStreak"]["exitCode"] == 88
 
 
+def test_the_ranks_of_one_restart_in_place_count_one_restart(minimal_manifest: dict) -> None:
+    from kubetrain.operator.observed import TrainerEnd
+
+    # A hung group: both ranks time out of the same collective, a second apart.
+    ends = tuple(TrainerEnd(pod=f"demo-worker-{index}", time=NOW + timedelta(seconds=index),
+                            failure_class="CollectiveTimeout", exit_code=88,
+                            message="the trainer exited 88; torchrun restarts the group in "
+                                    "place") for index in (0, 1))
+    first = _with_ends(make_job(minimal_manifest, status=running_status(progress=TRAINING)),
+                       pod(0), pod(1), ends=ends[:1])
+    assert first.status is not None
+    out = _with_ends(make_job(minimal_manifest, status=first.status), pod(0), pod(1), ends=ends)
+    assert out.status is not None
+    assert out.status["failures"] == {"CollectiveTimeout": 2}
+    assert out.status["restarts"] == 1 and out.status["failureStreak"]["count"] == 1
+    assert out.restarts == [] and ("Warning", "RestartedInPlace") not in out.events
+    # A failure of the next round is a restart of its own.
+    later = TrainerEnd(pod="demo-worker-1", time=NOW + timedelta(seconds=30),
+                       failure_class="Unknown", message="gone")
+    third = _with_ends(make_job(minimal_manifest, status=out.status), pod(0), pod(1),
+                       ends=(*ends, later))
+    assert third.status is not None and third.status["restarts"] == 2
+
+
 def test_a_restart_in_place_with_max_restarts_spent_or_a_permanent_code_ends_the_job(
         minimal_manifest: dict) -> None:
     from kubetrain.operator.observed import TrainerEnd

@@ -58,6 +58,10 @@ FAILURE_MESSAGE_LIMIT: Final = 1024
 IN_PLACE_RETRACT_SECONDS: Final = 10
 # The reason of a restart torchrun did in place: its event, and the restarts metric's label.
 RESTARTED_IN_PLACE: Final = "RestartedInPlace"
+# Trainer ends this close after a recorded one are the same restart in place: the ranks of
+# a hung group time out of one collective together. torchrun's next round takes longer
+# (start-up, rendezvous, checkpoint load) before a trainer can fail again.
+IN_PLACE_INCIDENT_SECONDS: Final = 5
 # Restarts that re-form the whole group: a hang, a new micro-batch every rank must use,
 # and a failed preflight (every rank takes part in the check). Read only for a restart
 # an operator recorded before status.restart said so itself.
@@ -330,19 +334,32 @@ def record_restarts_in_place(decision: _Decision) -> None:
         decision.event("WorkerFailure", f"{pod.name} on {pod.node or 'an unknown node'}: "
                        f"{end.failure_class}: {end.message}", warning=True)
         decision.actions.append(CountFailure(end.failure_class))
-        if not count_restart_in_place(decision, end):
+        if not count_restart_in_place(decision, end, last):
             return
 
 
-def count_restart_in_place(decision: _Decision, end: TrainerEnd) -> bool:
+def same_restart_in_place(end: TrainerEnd, previous: WorkerFailure | None) -> bool:
+    """Whether `end` belongs to the restart in place the previous status.lastFailure
+    recorded: another rank's end within IN_PLACE_INCIDENT_SECONDS of it."""
+    return (previous is not None and previous.time is not None and IN_PLACE in previous.message
+            and timedelta(0) <= end.time - previous.time
+            <= timedelta(seconds=IN_PLACE_INCIDENT_SECONDS))
+
+
+def count_restart_in_place(decision: _Decision, end: TrainerEnd,
+                           previous: WorkerFailure | None = None) -> bool:
     """Count the group restart torchrun did in place after `end`, or end the job: the
     rules `handle_failures` applies to a failed pod, in its order, and `kubetrain run` to
     the same failure (it runs torchrun with no restarts of its own). A permanent exit code
     fails the job, so does the same exit code repeated with no progress, and so does a
     restart with runPolicy.maxRestarts spent; any other counts in status.restarts, the
     backoff of later restarts and the progress deadline's start (status.lastRestartTime).
-    False when the job ended.
+    Another rank's end in the same restart (`same_restart_in_place` with `previous`, the
+    status.lastFailure before `end`) is a failure recorded, not a restart. False when the
+    job ended.
     """
+    if same_restart_in_place(end, previous):
+        return True
     status = decision.status
     policy = decision.job.spec.run_policy
     what = f"{end.pod}'s trainer: {end.failure_class}: {end.message}"
