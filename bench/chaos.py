@@ -32,6 +32,20 @@ goodput as the uninterrupted wall time over the faulted wall time (apply to Succ
 and the operator's own status.goodput. Every status change the job showed is printed at
 the end. Needs root, containerd, runc and the images (`make images`; built here when not
 cached, about a minute more); skips, saying why, without them. About 4 minutes on 2 cores.
+
+    sudo .venv/bin/python bench/chaos.py --memory-tier [--s3-every 50] [--memory-every 2]
+
+The in-memory checkpoint tier (spec.checkpoint.memory, issue 34) instead: the three crash
+faults (trainer kill, container kill, node loss), each at --s3-every x k + 40 % of it steps
+(70, 120, 170 by default), on the same job twice: with S3 checkpoints only, every
+--s3-every steps, then with the memory tier too, every --memory-every steps (1 partner
+copy). Per fault: the steps redone, the reads of model state from S3 (GETs of DCP's data
+files, counted in moto's server in this process, from the fault until the job is back
+past the step it had reached; zero expected with the tier for all three) and the tier the
+restore used (rank 0's `resumed from` line: memory://memory is every rank's own memory,
+memory://partner a copy sent by a partner, else the S3 checkpoint). Also the operator's
+MemoryCopiesShareNode events: after the node loss both pods may run on the one node left.
+--steps defaults to 4 x --s3-every there. About 7 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -201,6 +215,15 @@ def recover(cluster: Cluster, name: str, inject: Callable[[], None],
     return faulted, reached, again, back, redone
 
 
+def lose_node(cluster: Cluster, name: str, lost: list[str]) -> None:
+    """Power off the node of the job's worker WORKER; its name is appended to `lost`."""
+    pod = worker_pod(cluster, name)
+    node = next(p["spec"]["nodeName"] for p in cluster.pods(name)
+                if p["metadata"]["name"] == pod)
+    lost.append(node)
+    cluster.agent.lose_node(node)
+
+
 def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: float,
                 straggle_s: float) -> tuple[float, list[Row], Watcher, dict[str, Any]]:
     rows: list[Row] = []
@@ -256,10 +279,7 @@ def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: f
         lost_node: list[str] = []
         try:
             def lose() -> None:
-                node = next(p["spec"]["nodeName"] for p in cluster.pods(name)
-                            if p["metadata"]["name"] == pod)
-                lost_node.append(node)
-                cluster.agent.lose_node(node)
+                lose_node(cluster, name, lost_node)
 
             crash("node loss", lose,
                   lambda what: "NodeLost" in what or "lastFailure" in what,
@@ -322,15 +342,155 @@ def run_oom(cluster: Cluster) -> tuple[Row, str]:
     return row, note
 
 
+class ModelStateReads:
+    """GETs of model state (DCP's `.distcp` data files) that this process's moto server
+    answers, with when: S3Response's key GET, wrapped while inside `with`."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[float, str, str]] = []  # (time, bucket, key)
+
+    def __enter__(self) -> ModelStateReads:
+        from moto.s3.responses import S3Response
+
+        self._original = original = S3Response._key_response_get
+        reads = self.reads
+
+        def counted(response: Any, query: dict[str, Any], key_name: str) -> Any:
+            if key_name.endswith(".distcp"):
+                reads.append((time.monotonic(), response.bucket_name, key_name))
+            return original(response, query, key_name)
+
+        S3Response._key_response_get = counted  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        from moto.s3.responses import S3Response
+
+        S3Response._key_response_get = self._original  # type: ignore[method-assign]
+
+    def count(self, name: str, after: float, until: float) -> int:
+        """Model-state reads of job `name`'s checkpoints (s3://checkpoints/<name>) between."""
+        return sum(1 for at, bucket, key in self.reads if after <= at <= until
+                   and bucket == "checkpoints" and key.startswith(f"{name}/"))
+
+
+@dataclass
+class TierRow:
+    run: str
+    fault: str
+    at_step: int
+    training_again: float
+    redone: int
+    s3_reads: int
+    resumed_from: str
+
+
+def restore_tier(lines: list[str]) -> str:
+    """The tier of rank 0's last `resumed from` line: memory, partner or S3 (with its step)."""
+    last = next(line for line in reversed(lines) if line.startswith("resumed from "))
+    uri = last.split()[2]
+    tier = uri.split("/")[2] if uri.startswith("memory://") else "S3"
+    return f"{tier} ({uri.rsplit('/', 1)[-1]})"
+
+
+def run_tier(cluster: Cluster, name: str, manifest: dict[str, Any], label: str,
+             s3_every: int, reads: ModelStateReads) -> tuple[list[TierRow], Watcher]:
+    """The three crash faults on one job, each at s3_every x k + 40 % of s3_every steps."""
+    rows: list[TierRow] = []
+    pod = worker_pod(cluster, name)
+    lost_node: list[str] = []
+    faults: list[tuple[str, Callable[[], None], Callable[[], None] | None]] = [
+        ("trainer kill", lambda: cluster.kill_trainer(pod), None),
+        ("container kill", lambda: cluster.kill_container(pod), None),
+        ("node loss", lambda: lose_node(cluster, name, lost_node),
+         lambda: cluster.agent.restore_node(lost_node[0])),
+    ]
+
+    def at_least(step: int) -> Callable[[], bool]:
+        return lambda: printed(cluster, name) >= step
+
+    with Watcher(cluster, name) as watcher:
+        cluster.apply(manifest)
+        try:
+            for k, (fault, inject, after) in enumerate(faults, start=1):
+                target = s3_every * k + s3_every * 2 // 5
+                wait(cluster, f"{name} at step {target}", at_least(target))
+                say(f"{label}: {fault} at step {printed(cluster, name)}")
+                faulted, reached, again, back, redone = recover(cluster, name, inject, after)
+                row = TierRow(label, fault, reached, again, redone,
+                              reads.count(name, faulted, back),
+                              restore_tier(cluster.trainer_lines(name)))
+                rows.append(row)
+                say(f"  training again after {again:.1f}s, {redone} steps redone, "
+                    f"{row.s3_reads} S3 reads of model state, restored from {row.resumed_from}")
+        finally:
+            for node in lost_node:
+                cluster.agent.restore_node(node)
+        cluster.wait_for_phase(name, "Succeeded", timeout=600)
+        time.sleep(0.5)  # the watcher's last look
+    cluster.delete(name)
+    return rows, watcher
+
+
+def memory_tier_rows(cluster: Cluster, steps: int, s3_every: int, memory_every: int) -> int:
+    """--memory-tier: the same three faults with S3 only and with the memory tier; prints
+    the rows and returns the exit code (1 when a fault with the tier read model state
+    from S3, was not restored from memory, or redid more steps than its interval)."""
+    def job(name: str, memory: dict[str, Any] | None) -> dict[str, Any]:
+        checkpoint: dict[str, Any] = {"everySteps": s3_every}
+        if memory is not None:
+            checkpoint["memory"] = memory
+        return training_job(name, cluster.s3, optimization={"maxSteps": steps},
+                            checkpoint=checkpoint)
+
+    with ModelStateReads() as reads:
+        s3_rows, _ = run_tier(cluster, "chaos-s3", job("chaos-s3", None),
+                              f"S3 every {s3_every}", s3_every, reads)
+        memory_rows, watcher = run_tier(
+            cluster, "chaos-mem", job("chaos-mem", {"everySteps": memory_every, "replicas": 1}),
+            f"memory every {memory_every}", s3_every, reads)
+    print(f"\nwhole loop, 2 workers x 1 process, tiny preset, {steps} steps, S3 checkpoint "
+          f"every {s3_every}; faults on worker {WORKER}")
+    print(f"{'fault':<16}{'checkpoints':<18}{'at step':>8}{'training again':>16}{'redone':>8}"
+          f"{'S3 reads':>10}  restored from")
+    for plain, tiered in zip(s3_rows, memory_rows, strict=True):
+        for row in (plain, tiered):
+            print(f"{row.fault:<16}{row.run:<18}{row.at_step:>8}{row.training_again:>15.1f}s"
+                  f"{row.redone:>8}{row.s3_reads:>10}  {row.resumed_from}")
+    shared = [s for s in watcher.signals if "MemoryCopiesShareNode" in s.what]
+    print("\nMemoryCopiesShareNode on the tier's job: "
+          + ("; ".join(s.what for s in shared) if shared else "never shown"))
+    # Issue 34's goals: no S3 read, at most the memory interval redone, restored from memory.
+    missed = 0
+    print()
+    for row in memory_rows:
+        goal = (row.s3_reads == 0 and row.redone <= memory_every
+                and not row.resumed_from.startswith("S3"))
+        missed += not goal
+        print(f"{row.fault} with the tier: {row.s3_reads} S3 reads, {row.redone} steps redone "
+              f"(at most {memory_every}), from {row.resumed_from}: "
+              f"{'met' if goal else 'MISSED'}")
+    return 1 if missed else 0
+
+
 # Issue 33: at most this many seconds lost per fault.
 LOST_GOALS = {"trainer kill": 4.0, "container kill": 7.0, "node loss": 16.0}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps (default 240; 4 x --s3-every with --memory-tier)")
     parser.add_argument("--straggle-seconds", type=float, default=20)
+    parser.add_argument("--memory-tier", action="store_true",
+                        help="the in-memory checkpoint tier's rows instead of the fault mix")
+    parser.add_argument("--s3-every", type=int, default=50,
+                        help="--memory-tier: the S3 checkpoint interval (default 50)")
+    parser.add_argument("--memory-every", type=int, default=2,
+                        help="--memory-tier: the memory tier's interval (default 2)")
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 4 * args.s3_every if args.memory_tier else 240
     reason = missing_host_support()
     if reason is not None:
         print(f"bench/chaos.py: skipped: {reason}")
@@ -349,16 +509,26 @@ def main() -> int:
             whole_loop(api, Path(folder) / "loop", images) as cluster:
         mine = [folder, cluster.agent.network.bridge, f"kt{cluster.agent.network.tag}-",
                 cluster.agent.runtime.cgroup_parent]
-        say("whole loop up; the uninterrupted run")
-        base_wall, step_s, base_status = run_uninterrupted(cluster, "chaos-base",
-                                                           job("chaos-base"))
-        say(f"  {base_wall:.1f}s from apply to Succeeded, {step_s * 1000:.0f} ms per step")
-        say("the same job under faults")
-        wall, rows, watcher, status = run_faulted(cluster, "chaos", job("chaos"), step_s,
-                                                  args.straggle_seconds)
-        say(f"  {wall:.1f}s from apply to Succeeded")
-        oom_row, oom_note = run_oom(cluster)
+        if args.memory_tier:
+            say("whole loop up; the in-memory tier's rows")
+            code = memory_tier_rows(cluster, args.steps, args.s3_every, args.memory_every)
+        else:
+            say("whole loop up; the uninterrupted run")
+            base_wall, step_s, base_status = run_uninterrupted(cluster, "chaos-base",
+                                                               job("chaos-base"))
+            say(f"  {base_wall:.1f}s from apply to Succeeded, {step_s * 1000:.0f} ms per step")
+            say("the same job under faults")
+            wall, rows, watcher, status = run_faulted(cluster, "chaos", job("chaos"), step_s,
+                                                      args.straggle_seconds)
+            say(f"  {wall:.1f}s from apply to Succeeded")
+            oom_row, oom_note = run_oom(cluster)
     left = left_behind(before, snapshot(), mine)
+    if args.memory_tier:
+        if left:
+            print("the run left this on the machine:\n" + "\n".join(left))
+            return 1
+        print(f"\nthe whole benchmark took {time.monotonic() - STARTED:.0f}s")
+        return code
 
     print(f"\nwhole loop, 2 workers x 1 process, tiny preset, {args.steps} steps, checkpoint "
           f"every {EVERY}; faults on worker {WORKER}")
