@@ -214,3 +214,48 @@ def _pid(cluster: Cluster, pod: str) -> int | None:
     with contextlib.suppress(AssertionError, KeyError):
         return cluster.trainer_pid(pod)
     return None
+
+
+def test_an_avoided_node_that_leaves_too_few_nodes_is_given_back_and_the_job_succeeds(
+        cluster: Cluster) -> None:
+    # Worker 1's rank stalls in preflight: its node is avoided and the group restarts off
+    # it. The other node is full meanwhile (a NoSchedule taint the job does not tolerate),
+    # so the stand-in scheduler marks both new pods Unschedulable, as kube-scheduler
+    # would: with no worker running, the operator stops avoiding the node early
+    # (TooFewNodes) and the group trains there.
+    name = "too-few-nodes"
+    manifest = training_job(name, cluster.s3, runPolicy={
+        "backoffSeconds": 1, "preflight": {"timeoutSeconds": 10},
+        "pendingDeadlineSeconds": 20})  # a scheduling grace of 10 s, not 60
+    full = {"key": "kubetrain.test/full", "effect": "NoSchedule"}
+    other: str | None = None
+    with running_job(cluster, manifest):
+        stalled_pod = f"{name}-worker-1"
+        pid = cluster.wait_for(f"{stalled_pod}'s trainer process",
+                               lambda: _pid(cluster, stalled_pod), 180, every=0.1)
+        node = _node_of(cluster, stalled_pod, name)
+        other = _node_of(cluster, f"{name}-worker-0", name)
+        assert node is not None and other is not None and node != other, cluster.report()
+        try:
+            cluster.core.patch_node(other, {"spec": {"taints": [full]}})
+            os.kill(pid, signal.SIGSTOP)
+            started = time.monotonic()
+            given_back = cluster.wait_for(
+                "a TooFewNodes event", lambda: _events(cluster, name, "TooFewNodes"),
+                180, every=0.5)
+            print(f"too few nodes: {node} given back {time.monotonic() - started:.0f}s after "
+                  f"{stalled_pod}'s trainer stalled: {given_back}")
+            # The scheduler's verdict quoted, and the node given back early.
+            assert "0/" in given_back[0] and f"stops avoiding node {node}" in given_back[0], \
+                given_back
+            cluster.wait_for_phase(name, "Succeeded", timeout=300)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            if other is not None:
+                cluster.core.patch_node(other, {"spec": {"taints": None}})
+        job = cluster.job(name)
+        assert not job["status"].get("avoidedNodes"), job["status"]
+        assert job["status"]["lastFailure"]["class"] == "PreflightFailed", job["status"]
+        # The group trained on the node it had avoided: the other one was full.
+        assert all(pod["spec"].get("nodeName") == node for pod in cluster.pods(name))
