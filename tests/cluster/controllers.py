@@ -12,8 +12,8 @@ behave. That is the real-server tier's job (tests/real_server, with `KUBEBUILDER
   a real API server takes only the `pods/binding` subresource. A pod no node fits gets
   the condition PodScheduled False, reason Unschedulable, with a message that counts
   the nodes by why they do not fit, as kube-scheduler's "0/3 nodes are available: ..."
-  (its wording differs); the operator's too-few-nodes rule reads that condition. No
-  resources, ports, pod affinity, priorities or preemption.
+  (its wording differs), and True once it binds it; the operator's too-few-nodes rule
+  reads that condition. No resources, ports, pod affinity, priorities or preemption.
 - `NodeLifecycle` (kube-controller-manager's node lifecycle controller): a node whose
   Lease in `kube-node-lease` has not been renewed for `grace_seconds` gets its Ready
   condition set to Unknown (reason NodeStatusUnknown) and the
@@ -107,6 +107,8 @@ class Scheduler(_Loop):
                 continue
             chosen = min(fits, key=lambda name: (load[name], name))
             with contextlib.suppress(ApiException):
+                # Before the bind: the node agent writes the status of bound pods only.
+                _mark_scheduled(core, pod)
                 core.patch_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
                                           {"spec": {"nodeName": chosen}})
                 load[chosen] += 1
@@ -128,6 +130,18 @@ def _mark_unschedulable(core: client.CoreV1Api, pod: Any, nodes: list[Any]) -> N
             "status": {"conditions": [
                 {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                  "message": message, "lastTransitionTime": now}]}})
+
+
+def _mark_scheduled(core: client.CoreV1Api, pod: Any) -> None:
+    """PodScheduled True for a pod about to be bound, as the API server's binding sets it,
+    where it was marked Unschedulable before."""
+    conditions = (pod.status.conditions or []) if pod.status else []
+    if not any(c.type == "PodScheduled" and c.status == "False" for c in conditions):
+        return
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, {
+        "status": {"conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": now}]}})
 
 
 def schedulable(node: Any) -> bool:

@@ -11,6 +11,9 @@ fault comes from outside the processes, as a slow or broken machine would leave 
 - a rank that stalls in preflight: worker 1's trainer is stopped (SIGSTOP) as soon as
   its process exists, so it never reports; rank 0's preflight names its node, the
   operator avoids that node and the group re-forms on the other one.
+- too few nodes: the same stall while the other node is full (a NoSchedule taint), so
+  the stand-in scheduler marks the re-formed group's pods Unschedulable; the operator
+  gives the avoided node back early (TooFewNodes) and the group trains there.
 
 The job's wall times with Report and with Replace are printed side by side; they are
 not asserted (a benchmark's business), the behaviour is: who was named, where the pods

@@ -179,6 +179,13 @@ def test_the_stand_in_scheduler_marks_a_pod_no_node_fits_unschedulable(
                                  "affinity, 1 node(s) had untolerated taint."), condition.message
     assert again.last_transition_time == first
     assert core.read_namespaced_pod("avoiding", "ns").spec.node_name is None
+    # Room on node-b again: bound there, and scheduled.
+    core.patch_node("node-b", {"spec": {"taints": None}})
+    with Scheduler(api=core.api_client, period=0.05):
+        bound = eventually(lambda: (p := core.read_namespaced_pod("avoiding", "ns")).spec.node_name
+                           and p, what="the pod bound")
+    assert bound.spec.node_name == "node-b"
+    assert [(c.type, c.status) for c in bound.status.conditions] == [("PodScheduled", "True")]
 
 
 def test_the_stand_in_node_lifecycle_taints_a_silent_node_and_untaints_it_when_it_beats(
