@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kubetrain.api.presets import PRESETS
+from kubetrain.cli import main
 from kubetrain.trainer.export import llama_config
 from kubetrain.trainer.sizing import parameter_count
 
@@ -30,14 +33,27 @@ def _manifest(model: dict[str, Any], memory: dict[str, Any]) -> dict[str, Any]:
                      "checkpoint": {"uri": "s3://c/tiered", "memory": memory}}}
 
 
-def _estimate(tmp_path: Path, manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+@dataclass
+class _Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _estimate(tmp_path: Path, manifest: dict[str, Any], capsys: pytest.CaptureFixture[str],
+              torch_free: bool = False) -> _Done:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    # Torch-free, as the rest of estimate (torch poisoned here).
-    program = ("import sys; sys.modules['torch'] = None; from kubetrain.cli import main; "
-               f"sys.exit(main(['estimate', {str(path)!r}, '--gpu-memory', '80']))")
-    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=60)
+    arguments = ["estimate", str(path), "--gpu-memory", "80"]
+    if torch_free:  # as the rest of estimate: torch poisoned in a fresh interpreter
+        program = ("import sys; sys.modules['torch'] = None; from kubetrain.cli import main; "
+                   f"sys.exit(main({arguments!r}))")
+        ran = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                             timeout=60)
+        return _Done(ran.returncode, ran.stdout, ran.stderr)
+    code = main(arguments)
+    out, err = capsys.readouterr()
+    return _Done(code, out, err)
 
 
 def _per_worker_gib(parameters: int, world: int, replicas: int, procs: int) -> float:
@@ -48,9 +64,10 @@ def _per_worker_gib(parameters: int, world: int, replicas: int, procs: int) -> f
 
 
 def test_the_tier_is_its_own_line_sized_at_min_replicas_and_at_the_asked_world(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     done = _estimate(tmp_path, _manifest({"preset": "llama-1b"},
-                                         {"everySteps": 2, "replicas": 1}))
+                                         {"everySteps": 2, "replicas": 1}), capsys,
+                     torch_free=True)
     assert done.returncode == 0, done.stdout + done.stderr
     parameters = parameter_count(PRESETS["llama-1b"].dims)
     line = next(line for line in done.stdout.splitlines()
@@ -62,13 +79,14 @@ def test_the_tier_is_its_own_line_sized_at_min_replicas_and_at_the_asked_world(
     # Without the tier there is no such line.
     manifest = _manifest({"preset": "llama-1b"}, {})
     del manifest["spec"]["checkpoint"]["memory"]
-    assert "in-memory checkpoints" not in _estimate(tmp_path, manifest).stdout
+    assert "in-memory checkpoints" not in _estimate(tmp_path, manifest, capsys).stdout
 
 
-def test_a_tier_over_max_worker_memory_is_refused_with_its_numbers(tmp_path: Path) -> None:
+def test_a_tier_over_max_worker_memory_is_refused_with_its_numbers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A preset's size is known to the spec: its validation refuses it (exit 2).
     refused = _estimate(tmp_path, _manifest({"preset": "llama-1b"}, {
-        "everySteps": 2, "replicas": 1, "maxWorkerMemory": "20Gi"}))
+        "everySteps": 2, "replicas": 1, "maxWorkerMemory": "20Gi"}), capsys)
     assert refused.returncode == 2
     assert "spec.checkpoint.memory.maxWorkerMemory (20Gi) is less than the tier needs" in (
         refused.stderr)
@@ -80,12 +98,12 @@ def test_a_tier_over_max_worker_memory_is_refused_with_its_numbers(tmp_path: Pat
     model = {"init": str(folder), "preset": "custom"}
     needed = _per_worker_gib(parameter_count(dims), 4, 1, 2)
     too_small = _estimate(tmp_path, _manifest(model, {
-        "everySteps": 2, "replicas": 1, "maxWorkerMemory": "20Gi"}))
+        "everySteps": 2, "replicas": 1, "maxWorkerMemory": "20Gi"}), capsys)
     assert too_small.returncode == 1, too_small.stdout + too_small.stderr
     assert ("does NOT fit spec.checkpoint.memory.maxWorkerMemory (20Gi, 20.00 GiB): the tier "
             "needs") in too_small.stdout
     assert f"= {needed:.2f} GiB per worker pod at 4 processes" in too_small.stdout
     fits = _estimate(tmp_path, _manifest(model, {
-        "everySteps": 2, "replicas": 1, "maxWorkerMemory": "30Gi"}))
+        "everySteps": 2, "replicas": 1, "maxWorkerMemory": "30Gi"}), capsys)
     assert fits.returncode == 0, fits.stdout + fits.stderr
     assert "does NOT fit" not in fits.stdout
