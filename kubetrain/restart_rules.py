@@ -119,10 +119,19 @@ def after_out_of_memory(spec: TrainingJobSpec, micro_batch_size: int, out_of_mem
         return OutOfMemoryVerdict(None, why, limit)
     effective = EffectiveBatch(
         micro_batch_size=smaller,
-        gradient_accumulation_steps=spec.gradient_accumulation(world_size, smaller),
+        gradient_accumulation_steps=spec.gradient_accumulation(
+            data_parallel_processes(spec, world_size), smaller),
         out_of_memory_restarts=out_of_memory_restarts + 1,
         spec_micro_batch_size=spec.optimization.micro_batch_size, reason=reason, time=now)
     return OutOfMemoryVerdict(effective, "", limit)
+
+
+def data_parallel_processes(spec: TrainingJobSpec, world_size: int) -> int:
+    """Of `world_size` training processes, those that read different micro-batches: the
+    parallelism.tensorParallel processes of a tensor-parallel group read the same ones, so
+    the accumulation that keeps the global batch counts groups, as the trainer does (a
+    degree strategy auto picks is the trainer's alone to count)."""
+    return max(1, world_size // spec.parallelism.tensor_parallel)
 
 
 def estimate_advice(trainer_message: str = "") -> str:

@@ -178,7 +178,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # stops grouping: pytest-dev/pytest-xdist#1386.)
 
 WHOLE_LOOP_MODULES = ("tests/e2e/test_whole_loop.py", "tests/e2e/test_nodes.py",
-                      "tests/e2e/test_own_code.py")
+                      "tests/e2e/test_own_code.py", "tests/e2e/test_hsdp.py")
 
 
 def _scope(nodeid: str) -> str:

@@ -122,3 +122,34 @@ def test_the_restart_after_an_out_of_memory_books_the_lost_time_as_oom(
           f"downtime {seconds['downtime']:.2f}s, lost progress {seconds['lost_progress']:.2f}s")
     assert seconds["oom"] > 0
     assert seconds["downtime"] == seconds["lost_progress"] == 0.0
+
+
+def test_the_halving_under_tensor_parallelism_keeps_the_global_batch_over_data_parallel_ranks(
+) -> None:
+    # 2 pods x 4 processes, tensorParallel 2: 4 data-parallel ranks, each pair of a
+    # tensor-parallel group reading the same micro-batches. The accumulation the operator
+    # and `kubetrain run` put into status.effective after an out-of-memory restart is the
+    # one the trainer counts over its mesh, and the global batch stays the spec's tokens.
+    from kubetrain.api.trainingjob import TrainingJobSpec
+    from kubetrain.operator.observation import effective_batch
+    from kubetrain.restart_rules import after_out_of_memory
+    from kubetrain.trainer.mesh import mesh_shape
+
+    spec = TrainingJobSpec.model_validate({
+        "image": "kubetrain/trainer:test", "model": {"preset": "tiny"},
+        "data": {"train": "s3://data/train", "seqLen": 64},
+        "workers": {"replicas": 2, "procsPerWorker": 4},
+        "optimization": {"microBatchSize": 8, "globalBatchTokens": 8 * 64 * 4 * 2},
+        "parallelism": {"strategy": "hsdp", "tensorParallel": 2},
+        "checkpoint": {"uri": "s3://data/checkpoints"}})
+    processes = 8
+    data_parallel = mesh_shape(spec.parallelism, 4, processes).dp_size
+    assert data_parallel == 4
+    started, _ = effective_batch(spec, None, processes)
+    assert started.gradient_accumulation_steps == spec.gradient_accumulation(data_parallel) == 2
+    halved = after_out_of_memory(spec, 8, 0, processes, reason="worker-1 OOMKilled").effective
+    assert halved is not None and halved.micro_batch_size == 4
+    # What the trainer runs with (loop.py's meter: over its mesh's data-parallel ranks).
+    assert halved.gradient_accumulation_steps == spec.gradient_accumulation(data_parallel, 4)
+    tokens = halved.micro_batch_size * halved.gradient_accumulation_steps * 64 * data_parallel
+    assert tokens == spec.optimization.global_batch_tokens

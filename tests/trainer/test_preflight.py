@@ -292,3 +292,109 @@ def test_a_rank_stalled_between_the_two_stages_fails_the_check_not_an_unknown_er
     print(line)
     assert 'class="PreflightFailed"' in line, line
     assert "did not join the group" in line or "stalled inside init_process_group" in line
+
+
+# --- under a mesh of two dimensions (HSDP, tensor parallelism) --------------------------
+
+MESH_PASSED = re.compile(r"preflight: 4 ranks passed in \d+\.\d+s \(matmul ok, all-reduce "
+                         r"\d+\.\d+ GB/s median, \d+\.\d+ min; by mesh dimension, GB/s "
+                         r"median, dp_replicate (\d+\.\d+), dp_shard (\d+\.\d+)\)")
+
+
+def test_each_dimensions_groups_are_the_ranks_that_differ_only_in_it() -> None:
+    from kubetrain.trainer.preflight import mesh_groups
+
+    assert mesh_groups({"dp_replicate": 2, "dp_shard": 2}) == {
+        "dp_replicate": [[0, 2], [1, 3]], "dp_shard": [[0, 1], [2, 3]]}
+    # hsdp 2 x 2 x tp 2 over 2 pods of 4: tp and the shard stay inside a pod (ranks 0-3).
+    groups = mesh_groups({"dp_replicate": 2, "dp_shard": 2, "tp": 2})
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["dp_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp_replicate"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize(("parallelism", "replicas", "procs", "dimensions"), [
+    ({"strategy": "fsdp"}, 2, 2, {}),  # the flat world: the group stage checks it
+    ({"strategy": "ddp"}, 2, 2, {}),
+    ({"strategy": "hsdp"}, 1, 4, {}),  # one pod under hsdp is fsdp
+    ({"strategy": "hsdp"}, 2, 2, {"dp_replicate": 2, "dp_shard": 2}),
+    ({"strategy": "fsdp", "tensorParallel": 2}, 2, 2, {"dp_shard": 2, "tp": 2}),
+    ({"strategy": "hsdp", "tensorParallel": 2}, 2, 4, {"dp_replicate": 2, "dp_shard": 2,
+                                                        "tp": 2}),
+    ({"strategy": "auto"}, 2, 2, {"dp_replicate": 2, "dp_shard": 2}),  # the pod grid
+])
+def test_the_preflight_checks_the_dimensions_of_the_mesh_the_spec_lays_out(
+        parallelism: dict[str, Any], replicas: int, procs: int,
+        dimensions: dict[str, int]) -> None:
+    from kubetrain.api.trainingjob import TrainingJobSpec
+    from kubetrain.trainer.mesh import preflight_dimensions
+
+    spec = TrainingJobSpec.model_validate({
+        "image": "kubetrain/trainer:test", "model": {"preset": "tiny"},
+        "data": {"train": "s3://data/train", "seqLen": 64},
+        "workers": {"replicas": replicas, "procsPerWorker": procs},
+        "parallelism": parallelism, "checkpoint": {"uri": "s3://data/checkpoints"}})
+    assert preflight_dimensions(spec, replicas * procs) == dimensions
+
+
+def _hsdp_2x2(tiny_job, name: str, **spec: Any) -> Path:
+    return tiny_job(name, workers={"replicas": 2, "procsPerWorker": 2},
+                    parallelism={"strategy": "hsdp"}, **spec)
+
+
+def test_four_ranks_under_hsdp_2x2_all_reduce_over_both_dimensions_and_pass(
+        tiny_job, launcher) -> None:
+    job = _hsdp_2x2(tiny_job, "hsdp-checked", optimization={"maxSteps": 2, "warmupSteps": 1})
+    done = subprocess.run(launcher.command(job, 4), env=launcher.env(), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("preflight:")]
+    print(line)
+    assert MESH_PASSED.fullmatch(line), line
+    assert "mesh: hsdp 2 x 2 (replicate x shard) (parallelism.strategy: hsdp)" in done.stdout
+
+
+def test_a_rank_stopped_before_the_mesh_stage_is_named_with_the_dimension_groups_it_held(
+        tiny_job, launcher, tmp_path: Path) -> None:
+    # Rank 3 is stopped once the flat all-reduce's verdict is out, so the world's check
+    # passed: its partners across pods (rank 1, dp_replicate) and within its pod (rank 2,
+    # dp_shard) cannot all-reduce, and rank 0 names rank 3 and both groups it held.
+    deadline = 10  # from the check's start: four ranks' device and flat stages come first
+    job = _hsdp_2x2(tiny_job, "hsdp-stalled", optimization={"maxSteps": 6},
+                    runPolicy={"preflight": {"timeoutSeconds": deadline}})
+    termination_log = tmp_path / "termination-log"
+    termination_log.write_text("")
+    env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log),
+           "KUBETRAIN_NODE_NAME": "node-a", "KUBETRAIN_POD_NAME": "job-worker-0"}
+    command = launcher.command(job, 4)
+    command[command.index("--standalone"):command.index("--standalone")] = [
+        "--max-restarts=3", "--shutdown-timeout=3"]
+    agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    stalled = launcher.worker_pid(agent.pid, 3)
+    try:
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{stalled}/environ")
+                       .read_text().split("\0") if "=" in item)
+        store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=60))
+        verdict = "kubetrain/attempt-0/preflight/group/verdict"
+        started = time.monotonic()
+        while not store.check([verdict]):
+            assert time.monotonic() - started < 180, "the group stage never ended"
+            time.sleep(0.002)
+        os.kill(stalled, signal.SIGSTOP)
+        output, _ = agent.communicate(timeout=deadline + 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stalled, signal.SIGCONT)
+        agent.kill()
+    assert agent.returncode != 0
+    assert "preflight: 4 ranks passed" not in output
+    assert "rank 0: PreflightFailed: preflight failed" in output, output[-4000:]
+    [line] = [line for line in termination_log.read_text().splitlines()
+              if line.startswith("kubetrain_worker_failure_info")]
+    print(line)
+    assert 'class="PreflightFailed"' in line and 'nodes="node-a"' in line, line
+    assert (f"rank 3 (pod job-worker-0, node node-a) did not report within {deadline}s "
+            "(stalled, stopped or gone): the all-reduces over dp_replicate (ranks 1, 3), "
+            "dp_shard (ranks 2, 3) waited on it") in line, line

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+from kubetrain import restart_rules as rules
 from kubetrain.api.trainingjob import (
     BadputSeconds,
     BestCheckpointStatus,
@@ -70,7 +71,8 @@ def effective_batch(spec: TrainingJobSpec, previous: EffectiveBatch | None,
     micro = kept.micro_batch_size if kept else asked
     if micro > asked or asked % micro:
         kept, micro = None, asked  # not a divisor of the spec's: the spec's
-    accumulation = spec.gradient_accumulation(world_size, micro)
+    accumulation = spec.gradient_accumulation(rules.data_parallel_processes(spec, world_size),
+                                              micro)
     if kept is None:
         return EffectiveBatch(micro_batch_size=micro, gradient_accumulation_steps=accumulation,
                               spec_micro_batch_size=asked), reset

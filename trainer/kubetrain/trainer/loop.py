@@ -43,8 +43,9 @@ all-reduced, every rank saves the same checkpoint and `fit` returns exit code
 others. A finished run (maxSteps or early stopping) saves, exports and returns 0.
 
 Preflight: before joining the group each rank checks its device, and once the group
-is formed, its all-reduce bandwidth (preflight.py, `runPolicy.preflight`); rank 0
-prints the result and goodput books the time as `preflight`.
+is formed, its all-reduce bandwidth, and under a 2-D or 3-D mesh an all-reduce over each
+dimension's group (preflight.py, `runPolicy.preflight`); rank 0 prints the result and
+goodput books the time as `preflight`.
 
 Failing: a device out of memory (torch.OutOfMemoryError), a GPU that failed
 (`is_gpu_error`), a collective that timed out or a failed preflight is written into
@@ -131,7 +132,7 @@ from kubetrain.trainer.goodput import (
 from kubetrain.trainer.lifeline import Lifeline
 from kubetrain.trainer.loss import select_output_loss
 from kubetrain.trainer.memory_checkpoint import MemoryCheckpoints, open_memory_tier
-from kubetrain.trainer.mesh import build_mesh
+from kubetrain.trainer.mesh import build_mesh, preflight_dimensions
 from kubetrain.trainer.metrics import (
     DynamicsReport,
     Reporter,
@@ -347,7 +348,8 @@ class Trainer:
         if launched:  # bounded by the check's deadline: its host may be the stalled one
             store = open_store(policy, rank, attempt_store)
         check = Preflight(policy, rank=rank, world_size=world_size, device=local_device()[0],
-                          store=store if world_size > 1 else None)
+                          store=store if world_size > 1 else None,
+                          mesh=preflight_dimensions(self.spec, world_size))
         self._preflight = check
         check.check_device()
         goodput.charge(PREFLIGHT)
@@ -357,6 +359,7 @@ class Trainer:
                            lambda: attempt_store(store_timeout(policy)))
         goodput.charge(STARTUP)
         check.check_group()
+        check.check_mesh()
         goodput.charge(PREFLIGHT)
         if store is not None:
             store.set_timeout(STORE_TIMEOUT)
@@ -820,8 +823,9 @@ def _estimate_advice(spec: TrainingJobSpec, micro_batch_size: int, world: World)
         gpu_bytes = torch.cuda.get_device_properties(world.device).total_memory
         asked = spec.optimization.model_copy(update={
             "micro_batch_size": micro_batch_size,
+            # Over data-parallel processes: a tensor-parallel group reads one micro-batch.
             "gradient_accumulation_steps": spec.gradient_accumulation(
-                world.world_size, micro_batch_size),
+                world.world_size // spec.parallelism.tensor_parallel, micro_batch_size),
             "global_batch_tokens": None})
         plan = recommend(spec.model_copy(update={"optimization": asked}), world.world_size,
                          gpu_bytes)

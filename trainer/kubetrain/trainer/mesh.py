@@ -89,6 +89,19 @@ class MeshShape:
         """Whether this is the 1-D data-parallel mesh `init_world` builds (fsdp or ddp)."""
         return self.tensor_parallel == 1 and (self.strategy != "hsdp" or self.replicate == 1)
 
+    @property
+    def dimensions(self) -> dict[str, int]:
+        """The mesh's dimensions, name: size, outermost first ({} for the 1-D mesh)."""
+        if self.one_dimensional:
+            return {}
+        sizes = {"dp_replicate": self.replicate, "dp_shard": self.shard,
+                 "tp": self.tensor_parallel}
+        if self.strategy != "hsdp":
+            del sizes["dp_replicate"]
+        if self.tensor_parallel == 1:
+            del sizes["tp"]
+        return sizes
+
     def describe(self) -> str:
         """`hsdp 2 x 2 (replicate x shard)`, `fsdp 2 x tp 2`, `fsdp 4`, `ddp 4`."""
         if self.strategy == "hsdp" and self.replicate > 1:
@@ -178,6 +191,21 @@ def resolve_shape(spec: TrainingJobSpec, dims: ModelDims, world_size: int,
     return shape, f"parallelism.strategy: {spec.parallelism.strategy}"
 
 
+def preflight_dimensions(spec: TrainingJobSpec, world_size: int) -> dict[str, int]:
+    """The dimensions (name: size, outermost first) whose collectives the preflight checks
+    before the mesh exists: the spec's mesh at `world_size` processes; under strategy auto,
+    hsdp's (pods x the processes of a pod, the two kinds of link any mesh auto picks
+    uses). {} for a 1-D mesh, or one the spec cannot lay out (build_mesh then says why)."""
+    procs = spec.workers.procs_per_worker
+    try:
+        if spec.parallelism.strategy == "auto":
+            return mesh_shape(spec.parallelism.model_copy(update={"tensor_parallel": 1}),
+                              procs, world_size, "hsdp").dimensions
+        return mesh_shape(spec.parallelism, procs, world_size).dimensions
+    except MeshError:
+        return {}
+
+
 @dataclass(frozen=True)
 class TrainingMesh:
     """The job's device mesh and its parts: what parallelize applies, what the data reads."""
@@ -227,12 +255,7 @@ def build_mesh(spec: TrainingJobSpec, dims: ModelDims, world: World) -> Training
         shape, why = resolve_shape(spec, dims, world.world_size, None)
     if shape.one_dimensional:
         return TrainingMesh(shape, why, world.mesh, world.mesh, None, world.rank)
-    sizes = {"dp_replicate": shape.replicate, "dp_shard": shape.shard,
-             "tp": shape.tensor_parallel}
-    if shape.strategy != "hsdp":
-        del sizes["dp_replicate"]
-    if shape.tensor_parallel == 1:
-        del sizes["tp"]
+    sizes = shape.dimensions
     mesh = init_device_mesh(world.device.type, tuple(sizes.values()),
                             mesh_dim_names=tuple(sizes))
     data_names = tuple(name for name in sizes if name.startswith("dp_"))

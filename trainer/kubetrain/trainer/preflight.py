@@ -20,6 +20,15 @@ a group that does not form (a rank stalled after its device check) fails the che
    measures each rank's bus bandwidth; reports and verdict go through the store again.
    A rank under `minBandwidthFraction` times the median rank's bandwidth fails. A group of
    one has nobody to all-reduce with and skips this stage.
+3. Mesh, under a mesh of two or more dimensions (HSDP, tensor parallelism; `mesh`, from
+   `mesh.preflight_dimensions`): the flat all-reduce may pass while a dimension's own
+   groups (the pairs across pods, the ranks of one pod) cannot form or all-reduce. Each
+   rank forms its group of each dimension (`dist.new_group`, group-local, bounded by the
+   deadline) and all-reduces over it as in stage 2, checking the sum; a failure names the
+   dimension and its group's ranks, and a rank that never reports is named with the
+   groups that waited on it. Each dimension's median bandwidth is printed; only the flat
+   all-reduce's is judged (groups measured at once on a shared host differ by more than
+   the fraction allows without any fault).
 
 A rank fails when its product is wrong, it raises, it has not reported by the deadline
 (a stalled or stopped process), or its bandwidth is too low. When some ranks never
@@ -73,6 +82,7 @@ class RankReport:
     agent: int  # torchrun's GROUP_RANK: the ranks of one agent share a pod and node
     problem: str = ""
     bandwidth: float = 0.0  # GB/s of bus bandwidth (group stage)
+    dimensions: dict[str, float] = field(default_factory=dict)  # GB/s by dimension (mesh)
 
     def named(self) -> str:
         return f"rank {self.rank} (pod {self.pod}, node {self.node})"
@@ -126,25 +136,42 @@ def matmul_error(device: torch.device) -> float:
     return float("inf") if math.isnan(error) else error  # garbage out fails the check
 
 
-def all_reduce_bandwidth(device: torch.device, deadline: float) -> float:
-    """Bus bandwidth in GB/s of the fastest of a few all-reduces over the default group,
-    each polled to `deadline`.
+def all_reduce_bandwidth(device: torch.device, deadline: float,
+                         group: dist.ProcessGroup | None = None) -> float:
+    """Bus bandwidth in GB/s of the fastest of a few all-reduces over `group` (default: the
+    world), each polled to `deadline`; raises when one does not sum what it should.
 
     The fastest, not the mean: a rank that arrives late at a round, or is descheduled
     for a moment on a busy host, makes its peers wait inside that round's timing and
     would mark them slow; a slow device or link slows every round.
     """
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     tensor = torch.ones(ALL_REDUCE_BYTES[device.type] // 4, dtype=torch.float32, device=device)
-    _finish(dist.all_reduce(tensor, async_op=True), deadline)
+    _finish(dist.all_reduce(tensor, group=group, async_op=True), deadline)
+    if float(tensor[0]) != world_size:  # ones summed over the group
+        raise ValueError(f"it summed {float(tensor[0]):g}, not {world_size}")
     fastest = math.inf
     for _ in range(ALL_REDUCE_ROUNDS):
         started = time.perf_counter()
-        _finish(dist.all_reduce(tensor, async_op=True), deadline)
+        _finish(dist.all_reduce(tensor, group=group, async_op=True), deadline)
         fastest = min(fastest, time.perf_counter() - started)
     # The bytes each rank sends and receives in a ring all-reduce (NCCL's "bus bandwidth").
     moved = 2 * (world_size - 1) / world_size * tensor.numel() * 4
     return moved / fastest / 1e9
+
+
+def mesh_groups(sizes: dict[str, int]) -> dict[str, list[list[int]]]:
+    """The process groups of each dimension of a row-major mesh of `sizes` (name: size,
+    outermost first), as init_device_mesh lays it out: the ranks that differ only in that
+    dimension's coordinate. {"dp_replicate": 2, "dp_shard": 2} gives dp_replicate
+    [[0, 2], [1, 3]] and dp_shard [[0, 1], [2, 3]]."""
+    grid = torch.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
+    return {name: grid.movedim(axis, -1).reshape(-1, size).tolist()
+            for axis, (name, size) in enumerate(sizes.items())}
+
+
+def _named_group(name: str, ranks: list[int]) -> str:
+    return f"{name} (ranks {', '.join(map(str, ranks))})"
 
 
 def _finish(work: dist.Work | None, deadline: float) -> None:
@@ -160,11 +187,13 @@ class Preflight:
     """The check of one attempt, on one rank: `check_device()`, join the group, `check_group()`.
 
     `store` is the attempt's store (None for a group of one); `rank` and `world_size`
-    come from torchrun's environment.
+    come from torchrun's environment; `mesh` the job's mesh dimensions (name: size,
+    outermost first; none for a 1-D mesh), whose groups `check_mesh()` all-reduces over.
     """
 
     def __init__(self, policy: PreflightPolicy, *, rank: int, world_size: int,
-                 device: torch.device, store: dist.Store | None) -> None:
+                 device: torch.device, store: dist.Store | None,
+                 mesh: dict[str, int] | None = None) -> None:
         self.policy = policy
         self.rank, self.world_size, self.device = rank, world_size, device
         self.store = dist.PrefixStore("preflight", store) if store is not None else None
@@ -174,6 +203,14 @@ class Preflight:
         self.me = RankReport(rank, pod, node, int(os.environ.get("GROUP_RANK", "0")))
         self.verdict: Verdict | None = None
         self.bandwidths: list[float] = []
+        # The groups of each dimension of several ranks, when two or more such dimensions
+        # lay out this world (one alone is the world, which the group stage checks).
+        sizes = mesh or {}
+        several = [name for name, size in sizes.items() if size > 1]
+        self.groups: dict[str, list[list[int]]] = (
+            {name: groups for name, groups in mesh_groups(sizes).items() if name in several}
+            if len(several) > 1 and math.prod(sizes.values()) == world_size else {})
+        self.mesh_bandwidths: dict[str, float] = {}  # median GB/s by dimension
         self.abandoned_join = False  # a thread still blocked joining the group (`join`)
 
     # --- the two stages -----------------------------------------------------------
@@ -207,6 +244,36 @@ class Preflight:
         except Exception as raised:
             mine = replace(self.me, problem=f"its all-reduce failed: {raised}")
         self._stage("group", mine, self._judge_group)
+
+    def check_mesh(self) -> None:
+        """The all-reduce over this rank's group of each mesh dimension (raises
+        PreflightFailed, naming the dimension and its ranks)."""
+        if self.store is None or not self.groups:
+            return
+        give_up = self.deadline - min(1.0, self.policy.timeout_seconds / 10)
+        measured: dict[str, float] = {}
+        formed: list[dist.ProcessGroup] = []
+        problem = ""
+        for name, ranks in self._my_groups().items():
+            try:
+                # Group-local: only its members form it, so a stalled rank holds no other group.
+                group = dist.new_group(ranks, use_local_synchronization=True, timeout=timedelta(
+                    seconds=max(0.1, give_up - time.monotonic())))
+                assert group is not None
+                formed.append(group)
+                measured[name] = all_reduce_bandwidth(self.device, give_up, group)
+            except Exception as raised:
+                problem = f"its all-reduce over {_named_group(name, ranks)} failed: {raised}"
+                break
+        if not problem:  # a group with an all-reduce left unfinished is left as it is
+            for group in formed:
+                dist.destroy_process_group(group)
+        self._stage("mesh", replace(self.me, problem=problem, dimensions=measured),
+                    self._judge_mesh)
+
+    def _my_groups(self) -> dict[str, list[int]]:
+        return {name: next(ranks for ranks in groups if self.rank in ranks)
+                for name, groups in self.groups.items()}
 
     def joining(self) -> None:
         """Say, through the store, that this rank passed the device stage and now joins the
@@ -272,9 +339,12 @@ class Preflight:
         if not self.bandwidths:
             return (f"preflight: {ranks} passed in {seconds:.2f}s (matmul ok, no all-reduce "
                     "in a group of one)")
+        mesh = "".join(f", {name} {bandwidth:.2f}"
+                       for name, bandwidth in self.mesh_bandwidths.items())
         return (f"preflight: {ranks} passed in {seconds:.2f}s (matmul ok, all-reduce "
                 f"{statistics.median(self.bandwidths):.2f} GB/s median, "
-                f"{min(self.bandwidths):.2f} min)")
+                f"{min(self.bandwidths):.2f} min" + (f"; by mesh dimension, GB/s median{mesh}"
+                                                     if mesh else "") + ")")
 
     # --- judging ------------------------------------------------------------------
 
@@ -299,6 +369,22 @@ class Preflight:
                         f"is under {self.policy.min_bandwidth_fraction:g} x the median "
                         f"{median:.2f} GB/s", report)
                 for report in present if report.bandwidth < floor]
+
+    def _judge_mesh(self, reports: list[RankReport | None]) -> list[Failure]:
+        missing = self._missing(reports)
+        if missing:  # named with the groups that could not all-reduce without them
+            return [Failure(failure.rank, f"{failure.why}: the all-reduces over " + ", ".join(
+                _named_group(name, ranks) for name, groups in self.groups.items()
+                for ranks in groups if failure.rank in ranks) + " waited on it")
+                for failure in missing]
+        present = [report for report in reports if report is not None]
+        failed = [Failure(report.rank, report.problem, report)
+                  for report in present if report.problem]
+        if not failed:
+            self.mesh_bandwidths = {
+                name: statistics.median(report.dimensions[name] for report in present)
+                for name in self.groups}
+        return failed
 
     def _missing(self, reports: list[RankReport | None]) -> list[Failure]:
         return [Failure(rank, f"did not report within {self.policy.timeout_seconds}s "
