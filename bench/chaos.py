@@ -68,6 +68,7 @@ from build_images import build_images  # noqa: E402
 from controllers import NodeLifecycle, Scheduler  # noqa: E402
 from emulator import EmulatedCluster  # noqa: E402
 from machine_state import left_behind, snapshot  # noqa: E402
+from pod_network import ensure_namespace_folder, remove_namespace_folder  # noqa: E402
 from whole_loop import (  # noqa: E402
     NAMESPACE,
     Cluster,
@@ -243,7 +244,7 @@ def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: f
             faulted, reached, again, back, redone = recover(cluster, name, inject, after)
             net = printed(cluster, name) - reached
             signal = watcher.first(faulted, time.monotonic() + 5, shown)
-            row = Row(fault, reached, signal and signal.at - faulted,
+            row = Row(fault, reached, signal.at - faulted if signal else None,
                       signal.what if signal else "not shown", again, redone,
                       back - faulted - net * step_s)
             rows.append(row)
@@ -270,7 +271,7 @@ def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: f
         back = time.monotonic()
         signal = watcher.first(faulted, back + 5, lambda what: "Straggler=True" in what
                                or what.startswith("event Straggler"))
-        rows.append(Row("straggler", reached, signal and signal.at - faulted,
+        rows.append(Row("straggler", reached, signal.at - faulted if signal else None,
                         signal.what if signal else "not shown", None, 0,
                         back - faulted - (printed(cluster, name) - reached) * step_s))
         say(f"  lifted at step {lifted}; {rows[-1].lost:.1f}s lost; shown as: "
@@ -334,7 +335,7 @@ def run_oom(cluster: Cluster) -> tuple[Row, str]:
     say(f"OOM baseline: the same job started at micro-batch {healed}")
     base_wall, _, _ = run_uninterrupted(cluster, f"{name}-base", out_of_memory_job(
         f"{name}-base", cluster.s3, healed, OOM_STEPS))
-    row = Row("OOM (second job)", None, signal and signal.at - faulted,
+    row = Row("OOM (second job)", None, signal.at - faulted if signal else None,
               signal.what if signal else "not shown", again, redone, wall - base_wall)
     note = (f"OOM job: {wall:.1f}s from apply to Succeeded (micro-batch 16 → {healed}, "
             f"failures {status.get('failures')}) against {base_wall:.1f}s started at "
@@ -502,6 +503,9 @@ def main() -> int:
 
     say("building or finding the images")
     images = build_images(("operator", "trainer"), log=lambda line: say(f"  {line}"))
+    # /run/netns as `ip netns` leaves it, made before the first look and removed after the
+    # last when this run made it, as the test session does (tests/conftest.py)
+    made_netns_folder = ensure_namespace_folder()
     before = snapshot()
     with tempfile.TemporaryDirectory(prefix="kubetrain-chaos-") as folder, \
             EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
@@ -523,6 +527,8 @@ def main() -> int:
             say(f"  {wall:.1f}s from apply to Succeeded")
             oom_row, oom_note = run_oom(cluster)
     left = left_behind(before, snapshot(), mine)
+    if made_netns_folder:
+        remove_namespace_folder()
     if args.memory_tier:
         if left:
             print("the run left this on the machine:\n" + "\n".join(left))
