@@ -1507,7 +1507,8 @@ class Condition(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
     type: str = Field(description="Created, Running, Restarting, Suspended, Succeeded, Failed, "
-                      "Straggler, NodesAvoided, and kstatus's Ready, Reconciling and Stalled.")
+                      "Straggler, NodesAvoided, MemoryCopiesShareNode, and kstatus's Ready, "
+                      "Reconciling and Stalled.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str | None = Field(default=None, description="One-word CamelCase reason.")
     message: str | None = Field(default=None, description="Human-readable detail.")
@@ -1549,6 +1550,20 @@ class Progress(ApiModel):
         "(restarts and other badput not included).")
 
 
+class CheckpointLoadSeconds(ApiModel):
+    """checkpointLoad split by the tier the resumed checkpoint came from."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    memory: float = Field(default=0.0, description="Restored from the ranks' own in-memory "
+                          "snapshots (spec.checkpoint.memory), after an in-place or container "
+                          "restart.")
+    partner: float = Field(default=0.0, description="Restored from memory with some ranks' "
+                           "parts from a partner's copy on another node (a lost pod or node).")
+    s3: float = Field(default=0.0, description="Loaded from the durable checkpoints "
+                      "(spec.checkpoint.uri).")
+
+
 class BadputSeconds(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -1556,6 +1571,10 @@ class BadputSeconds(ApiModel):
     checkpoint_save: float = Field(default=0.0, description="Blocking part of checkpoint saves "
                                    "and the final export.")
     checkpoint_load: float = Field(default=0.0, description="Loading checkpoints on resume.")
+    checkpoint_load_by_tier: CheckpointLoadSeconds | None = Field(
+        default=None, description="checkpointLoad by the tier each resume loaded from; a "
+        "load that found nothing to resume from (a fresh start) is in none, so the tiers sum "
+        "to at most checkpointLoad. Absent from trainers that do not report the split.")
     startup: float = Field(default=0.0, description="Process start to the first step: "
                            "rendezvous, model build, compilation.")
     evaluation: float = Field(default=0.0, description="Validation passes.")

@@ -110,6 +110,8 @@ class RunHistory:
     """The `finished` event, once the trainer has written it."""
     goodput: dict[str, float] = field(default_factory=dict)
     """Seconds by cause since the job first started, from the latest `goodput` event."""
+    checkpoint_load_tiers: dict[str, float] = field(default_factory=dict)
+    """The same event's checkpoint_load seconds by tier (memory, partner, s3)."""
 
     def apply(self, event: Event) -> None:
         """Fold one event into the history."""
@@ -144,6 +146,11 @@ class RunHistory:
         elif kind == "goodput" and isinstance(event.get("seconds"), dict):
             seconds = {str(cause): _number(value) for cause, value in event["seconds"].items()}
             self.goodput = {cause: value for cause, value in seconds.items() if value is not None}
+            tiers = event.get("checkpoint_load_tiers")
+            tiers = {str(tier): _number(value)
+                     for tier, value in (tiers.items() if isinstance(tiers, dict) else ())}
+            self.checkpoint_load_tiers = {tier: value for tier, value in tiers.items()
+                                          if value is not None}
 
     @property
     def best_val_loss(self) -> float | None:

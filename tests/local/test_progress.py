@@ -170,3 +170,15 @@ def test_a_distillation_runs_terms_show_in_the_bar_and_the_summary() -> None:
     assert "loss=4.2500, ce=6.5000, kd=2.0000" in out.getvalue()
     text = summary("x", history, Outcome(True, "max_steps", 5.0, [], 0), "c", "l")
     assert "distillation     cross-entropy 6.5000, KD term 2.0000 at step 10" in text
+
+
+def test_summary_says_which_tiers_the_checkpoint_load_came_from() -> None:
+    history = RunHistory()
+    for event in parse_lines(line(event="goodput", step=20, ratio=0.8, seconds={
+            "productive": 80.0, "checkpoint_load": 2.5, "downtime": 17.5},
+            checkpoint_load_tiers={"memory": 0.4, "partner": 0.0, "s3": 2.1})):
+        history.apply(event)
+    assert history.checkpoint_load_tiers == {"memory": 0.4, "partner": 0.0, "s3": 2.1}
+    text = summary("x", history, Outcome(True, "max_steps", 100.0, [], 0),
+                   "runs/x/checkpoints", "runs/x/logs/")
+    assert ("badput: downtime 17.5s, checkpoint load 2.5s (memory 0.4s, s3 2.1s)") in text

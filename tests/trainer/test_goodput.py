@@ -16,8 +16,11 @@ from kubetrain.trainer.goodput import (
     EVALUATION,
     HEARTBEAT_NAME,
     LOST_PROGRESS,
+    MEMORY_TIER,
     OUT_OF_MEMORY,
+    PARTNER_TIER,
     PRODUCTIVE,
+    S3_TIER,
     STARTUP,
     STRAGGLER,
     GoodputLedger,
@@ -376,3 +379,59 @@ def test_ranks_that_agree_on_the_start_book_rank_0s_heartbeat_on_rank_1s_checkpo
     stray.load_state_dict(alone.state_dict())
     stray.resume(heartbeat)
     assert stray.seconds[LOST_PROGRESS] == 0
+
+
+def test_checkpoint_load_is_split_by_tier_and_the_split_survives_restarts() -> None:
+    clock = FakeClock(0.0)
+    first = GoodputLedger(attempt_started=0.0, clock=clock)
+    clock.advance(1.0)
+    first.charge_load(None)  # a fresh start: looked for a checkpoint, found none
+    train(first, clock, range(1, 5))
+    clock.advance(0.5)
+    first.charge(CHECKPOINT_SAVE)
+    checkpoint, tiers = first.state_dict(), first.tier_state.state_dict()
+    assert "checkpoint_load_tiers" not in checkpoint, "the ledger's checkpoint keeps its shape"
+    train(first, clock, range(5, 7))
+    heartbeat = json.loads(json.dumps(first.snapshot()))
+
+    # Resumed from S3 (the step-4 checkpoint), killed again before its next checkpoint.
+    clock.advance(3.0)
+    second = GoodputLedger(attempt_started=clock.now, clock=clock)
+    second.load_state_dict(checkpoint)
+    second.tier_state.load_state_dict(tiers)
+    clock.advance(0.75)
+    second.charge_load(S3_TIER)
+    second.resume(heartbeat)
+    train(second, clock, range(5, 9))
+    heartbeat = json.loads(json.dumps(second.snapshot()))
+
+    # Resumed from memory: the S3 load lives only in the heartbeat of the attempt before.
+    clock.advance(2.0)
+    third = GoodputLedger(attempt_started=clock.now, clock=clock)
+    third.load_state_dict(checkpoint)
+    third.tier_state.load_state_dict(tiers)
+    clock.advance(0.25)
+    third.charge_load(MEMORY_TIER)
+    third.resume(heartbeat)
+    assert third.load_seconds == pytest.approx({MEMORY_TIER: 0.25, PARTNER_TIER: 0.0,
+                                                S3_TIER: 0.75})
+    assert third.seconds[CHECKPOINT_LOAD] == pytest.approx(1.0 + 0.75 + 0.25)
+    assert third.snapshot()["checkpoint_load_tiers"] == third.load_seconds
+    assert third.wall_seconds == pytest.approx(clock.now)
+
+
+def test_a_checkpoint_and_heartbeat_from_before_the_split_resume_with_no_tier_booked() -> None:
+    clock = FakeClock(0.0)
+    first = GoodputLedger(attempt_started=0.0, clock=clock)
+    train(first, clock, range(1, 4))
+    checkpoint = first.state_dict()
+    train(first, clock, range(4, 6))
+    heartbeat = {key: value for key, value in first.snapshot().items()
+                 if key != "checkpoint_load_tiers"}
+    clock.advance(1.0)
+    second = GoodputLedger(attempt_started=clock.now, clock=clock)
+    second.load_state_dict(checkpoint)  # no checkpoint_load_tiers entry: left as it is
+    clock.advance(0.5)
+    second.charge_load(PARTNER_TIER)
+    second.resume(heartbeat)
+    assert second.load_seconds == {MEMORY_TIER: 0.0, PARTNER_TIER: 0.5, S3_TIER: 0.0}

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from kubetrain.api.trainingjob import TrainingJobSpec
 from kubetrain.trainer.checkpoint import ModelState, RandomState
+from kubetrain.trainer.goodput import CHECKPOINT_LOAD, S3_TIER, STARTUP, GoodputLedger
 from kubetrain.trainer.memory_checkpoint import (
     FOLDER_ENV,
     NODE_ENV,
@@ -29,6 +30,7 @@ from kubetrain.trainer.memory_checkpoint import (
     _complete_step,
     _holders,
     copies_on_own_node,
+    load_tier,
     partners,
 )
 
@@ -276,6 +278,9 @@ def test_a_killed_trainer_resumes_from_its_own_memory_without_reading_s3(
     assert resumed["uri"].startswith("memory://memory/"), resumed
     assert killed_at - 2 <= resumed["step"] <= killed_at + 1
     assert f"resumed from {resumed['uri']}" in output  # the trainer's log names the tier
+    # Goodput books the load to the memory tier; the first attempt's fresh start to none.
+    tiers = launcher.events(job, "goodput")[-1]["checkpoint_load_tiers"]
+    assert tiers["memory"] > 0 and tiers["partner"] == tiers["s3"] == 0, tiers
     assert launcher.events(job, "finished")[-1]["step"] == 24
     assert not (tmp_path / "shm").exists() or not any((tmp_path / "shm").rglob("*.data")), \
         "a finished job frees its memory"
@@ -328,6 +333,8 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
     assert resumed and resumed[-1]["uri"].startswith("memory://partner/"), resumed
     assert killed_at - 2 <= resumed[-1]["step"] <= killed_at + 1
     assert f"resumed from {resumed[-1]['uri']}" in output + replaced
+    tiers = launcher.events(job, "goodput")[-1]["checkpoint_load_tiers"]
+    assert tiers["partner"] > 0 and tiers["s3"] == 0, tiers
     assert [e for e in launcher.events(job, "checkpoint") if e["step"] < 24] == [], \
         "no S3 checkpoint existed to resume from"
     assert _s3_checkpoints(job)[-1].parent.name == "step-00000024"
@@ -336,3 +343,50 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
 
 def _children(agent: int) -> list[int]:
     return [int(pid) for pid in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
+
+
+def test_a_restore_from_own_memory_books_the_memory_tier_and_from_s3_the_s3_tier(
+    tmp_path: Path, group_of_one: Any,
+) -> None:
+    """goodput's checkpoint_load by tier: the ledger rides in the snapshot (as in the
+    trainer's app_state) and the resume books its load to the tier the state came from."""
+    clock = [100.0]
+    ledger = GoodputLedger(attempt_started=100.0, clock=lambda: clock[0])
+    app_state, _, _ = _state(seed=1)
+    app_state |= {"goodput": ledger, "checkpoint_load_tiers": ledger.tier_state}
+    clock[0] += 2.0
+    ledger.charge_load(load_tier(None, None))  # a fresh start: nothing to resume from
+    clock[0] += 1.5
+    ledger.charge_load(S3_TIER)  # an earlier resume from S3, kept in the snapshot
+    tier = MemoryCheckpoints(_spec(tmp_path), rank=0, world_size=1, folder=tmp_path / "mem")
+    tier.save(4, app_state)
+    tier.close()
+
+    restarted = GoodputLedger(attempt_started=200.0, clock=lambda: clock[0])
+    fresh, _, _ = _state(seed=2)
+    fresh |= {"goodput": restarted, "checkpoint_load_tiers": restarted.tier_state}
+    clock[0] = 203.0
+    restarted.charge(STARTUP)
+    again = MemoryCheckpoints(_spec(tmp_path), rank=0, world_size=1, folder=tmp_path / "mem")
+    restored = again.load_latest(fresh)
+    again.close()
+    clock[0] = 203.25
+    restarted.charge_load(load_tier(restored, restored.step if restored else None))
+    restarted.resume(None)
+    assert restarted.load_seconds == pytest.approx({"memory": 0.25, "partner": 0.0,
+                                                     "s3": 1.5})
+    assert restarted.seconds[CHECKPOINT_LOAD] == pytest.approx(2.0 + 1.5 + 0.25)
+
+    # S3 holds a newer checkpoint than memory: the memory tier gives way and S3 is booked.
+    tier = MemoryCheckpoints(_spec(tmp_path), rank=0, world_size=1, folder=tmp_path / "mem")
+    tier.save(6, fresh)
+    tier.close()
+    behind = MemoryCheckpoints(_spec(tmp_path), rank=0, world_size=1, folder=tmp_path / "mem",
+                               s3_latest_step=lambda: 8)
+    later = GoodputLedger(attempt_started=300.0, clock=lambda: clock[0])
+    clock[0] = 300.5  # (its startup is not charged apart: all of it is the load's)
+    not_restored = behind.load_latest(app_state)
+    behind.close()
+    assert not_restored is None
+    later.charge_load(load_tier(not_restored, 8))
+    assert later.load_seconds == {"memory": 0.0, "partner": 0.0, "s3": 0.5}

@@ -73,7 +73,8 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
     assert families["kubetrain_latest_checkpoint_step"].samples[0].value == 41
     assert all(not sample.labels for f in families.values() for sample in f.samples
                if f.type != "histogram" and f.name not in {
-                   "kubetrain_wall_time_seconds", "kubetrain_rank_compute_seconds",
+                   "kubetrain_wall_time_seconds", "kubetrain_checkpoint_load_seconds",
+                   "kubetrain_rank_compute_seconds",
                    "kubetrain_rank_wait_seconds", "kubetrain_rank_compute_time_seconds"})
     per_rank = {(name, sample.labels["rank"], sample.labels["pod_name"], sample.labels["node"]):
                 sample.value for name in ("kubetrain_rank_compute_seconds",
@@ -162,3 +163,39 @@ def test_trainer_fits_in_process_as_a_group_of_one(tiny_job, tmp_path: Path) -> 
     if hung:
         child.kill()
     assert not hung and child.exitcode == 0, "a process forked after fit() hung collecting it"
+
+
+def test_checkpoint_load_by_tier_reaches_the_exposition_the_log_and_the_jobs_status(
+        tiny_job, tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from kubetrain.operator.observed import metrics_sample
+    from kubetrain.operator.reconcile import goodput_status
+    from kubetrain.trainer.metrics import REGISTRY
+
+    job = load_job(tiny_job("tiers"))
+    log = tmp_path / "metrics.jsonl"
+    reporter = Reporter(job.spec, enabled=True, metrics_log=log, job_name="tiers", serve=False)
+    # Beyond what any earlier test of this process booked: the counters are process-wide.
+    seconds = {**GOODPUT_SECONDS, "checkpoint_load": 4000.0}
+    tiers = {"memory": 1000.5, "partner": 0.0, "s3": 2999.5}
+    try:
+        reporter.accounted(50, seconds, tiers)
+    finally:
+        reporter.close()
+    exposition = generate_latest(REGISTRY).decode()
+    shown = {sample.labels["tier"]: sample.value
+             for family in text_string_to_metric_families(exposition)
+             if family.name == "kubetrain_checkpoint_load_seconds"
+             for sample in family.samples if sample.name.endswith("_total")}
+    assert shown == tiers
+    (event,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert event["checkpoint_load_tiers"] == tiers and event["seconds"] == seconds
+
+    sample = metrics_sample(exposition)
+    assert sample.checkpoint_load_seconds == tiers
+    status = goodput_status(sample.wall_seconds or {}, sample.checkpoint_load_seconds).wire()
+    assert status["badputSeconds"]["checkpointLoad"] == 4000.0
+    assert status["badputSeconds"]["checkpointLoadByTier"] == tiers
+    # A trainer that does not export the split leaves it out of the status.
+    assert "checkpointLoadByTier" not in goodput_status(seconds).wire()["badputSeconds"]

@@ -85,6 +85,7 @@ EXPORTED_METRICS = {
     "kubetrain_tokens",  # a counter: its sample is kubetrain_tokens_total
     "kubetrain_step_time_seconds", "kubetrain_goodput_ratio",
     "kubetrain_wall_time_seconds",  # a counter by cause: kubetrain_wall_time_seconds_total
+    "kubetrain_checkpoint_load_seconds",  # checkpoint_load's by tier, a counter as well
     # Every rank's compute and collective wait (rank 0 exports all of them), and the step
     # of the interval they describe: what the operator's straggler rule reads.
     "kubetrain_rank_compute_seconds", "kubetrain_rank_wait_seconds",

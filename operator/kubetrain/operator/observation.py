@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kubetrain import restart_rules as rules
 from kubetrain.api.trainingjob import (
     BadputSeconds,
     BestCheckpointStatus,
+    CheckpointLoadSeconds,
     CheckpointStatus,
     EffectiveBatch,
     GoodputStatus,
@@ -99,7 +100,7 @@ def record_metrics(status: TrainingJobStatus, sample: MetricsSample, checkpoint_
     """Write rank 0's metrics into status: progress, goodput and the checkpoints."""
     _progress(status.progress, sample, now)
     if sample.wall_seconds:
-        status.goodput = goodput_status(sample.wall_seconds)
+        status.goodput = goodput_status(sample.wall_seconds, sample.checkpoint_load_seconds)
     latest = status.latest_checkpoint
     # The trainer's gauges read step 0 and time 0 until it commits a checkpoint: only a
     # commit time shows that one exists.
@@ -141,8 +142,11 @@ def _progress(progress: Progress, sample: MetricsSample, now: datetime) -> None:
         progress.eta_seconds = sample.eta_seconds
 
 
-def goodput_status(wall_seconds: Mapping[str, float]) -> GoodputStatus:
-    """status.goodput from the trainer's seconds by cause (kubetrain_wall_time_seconds_total).
+def goodput_status(wall_seconds: Mapping[str, float],
+                   load_seconds: Mapping[str, float] | None = None) -> GoodputStatus:
+    """status.goodput from the trainer's seconds by cause (kubetrain_wall_time_seconds_total),
+    with checkpointLoad split by tier where the trainer exports the split
+    (`load_seconds`, kubetrain_checkpoint_load_seconds_total{tier}).
 
     The seconds as the trainer booked them, to the millisecond, so that short causes (a
     few redone steps' lostProgress) show and the causes add up to the wall time; the wall
@@ -152,8 +156,13 @@ def goodput_status(wall_seconds: Mapping[str, float]) -> GoodputStatus:
     """
     wall = sum(wall_seconds.values())
     productive = wall_seconds.get("productive", 0.0)
-    badput = {cause: round(seconds, 3) for cause, seconds in wall_seconds.items()
-              if cause in BadputSeconds.model_fields}
+    badput: dict[str, Any] = {cause: round(seconds, 3)
+                              for cause, seconds in wall_seconds.items()
+                              if cause in BadputSeconds.model_fields}
+    if load_seconds:
+        badput["checkpoint_load_by_tier"] = CheckpointLoadSeconds(**{
+            tier: round(seconds, 3) for tier, seconds in load_seconds.items()
+            if tier in CheckpointLoadSeconds.model_fields})
     return GoodputStatus(ratio=round(productive / wall, 4) if wall > 0 else 1.0,
                          productive_seconds=round(productive, 3), wall_seconds=round(wall, 3),
                          badput_seconds=BadputSeconds(**badput))

@@ -130,6 +130,8 @@ class MetricsSample:
     step_time: float | None = None
     # Seconds of the job's wall time by cause (kubetrain_wall_time_seconds_total{cause}).
     wall_seconds: Mapping[str, float] | None = None
+    # checkpoint_load's seconds by tier (kubetrain_checkpoint_load_seconds_total{tier}).
+    checkpoint_load_seconds: Mapping[str, float] | None = None
     # Every rank's compute time over the interval ending at logged step `ranks_step`.
     ranks: tuple[RankSample, ...] = ()
     ranks_step: int | None = None
@@ -324,6 +326,7 @@ def metrics_sample(exposition: str) -> MetricsSample:
     """Parse rank 0's /metrics text (the trainer's kubetrain_* gauges)."""
     values: dict[str, float] = {}
     wall_seconds: dict[str, float] = {}
+    load_seconds: dict[str, float] = {}
     ranks: list[RankSample] = []
     totals: dict[int, float] = {}
     for family in text_string_to_metric_families(exposition):
@@ -335,6 +338,9 @@ def metrics_sample(exposition: str) -> MetricsSample:
                 values[sample.name] = sample.value
             elif sample.name == "kubetrain_wall_time_seconds_total" and "cause" in sample.labels:
                 wall_seconds[sample.labels["cause"]] = sample.value
+            elif sample.name == "kubetrain_checkpoint_load_seconds_total" \
+                    and "tier" in sample.labels:
+                load_seconds[sample.labels["tier"]] = sample.value
             elif sample.name == "kubetrain_rank_compute_seconds" and sample.labels.get(
                     "rank", "").isdigit():
                 ranks.append(RankSample(int(sample.labels["rank"]),
@@ -362,6 +368,7 @@ def metrics_sample(exposition: str) -> MetricsSample:
         best_checkpoint_val_loss=values.get("kubetrain_best_checkpoint_validation_loss"),
         step_time=values.get("kubetrain_step_time_seconds"),
         wall_seconds=wall_seconds or None,
+        checkpoint_load_seconds=load_seconds or None,
         ranks=tuple(sorted((replace(rank, compute_seconds_total=totals.get(rank.rank))
                             for rank in ranks), key=lambda rank: rank.rank)),
         ranks_step=whole("kubetrain_rank_timing_step"),

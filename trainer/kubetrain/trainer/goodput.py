@@ -8,7 +8,11 @@ defines it; the rest ("badput") is split by cause:
     productive        optimizer steps that the job keeps (goodput)
     data_wait         fetching a step's micro-batches
     checkpoint_save   the blocking part of checkpoint saves (and the final export)
-    checkpoint_load   loading the checkpoint a restart resumes from
+    checkpoint_load   loading the checkpoint a restart resumes from; split apart by the
+                      tier it came from (`load_seconds`): "memory" (the ranks' own
+                      in-memory snapshots), "partner" (some ranks' parts from a partner's
+                      copy), "s3" (the durable tier). A load that found nothing to resume
+                      from (a fresh start, pretrained weights) is in no tier
     startup           process start to the first step: imports, rendezvous, build, compile
     preflight         the health check before each attempt's first step (preflight.py)
     evaluation        validation passes
@@ -21,6 +25,11 @@ defines it; the rest ("badput") is split by cause:
     straggler         the group's step time lost while a rank is a straggler: per logged
                       interval, the group's step time over its healthy one times its
                       steps, moved out of productive (`move`; `StragglerBooking` decides)
+
+The split by tier is beside the causes, not one of them: `seconds` sums to the wall time,
+`load_seconds` sums to at most `seconds["checkpoint_load"]`. The checkpoint keeps it
+apart from the ledger's own state (`tier_state`, an app_state entry of its own), so that
+checkpoints written before the split existed still load.
 
 The ledger charges contiguous stretches: each `charge(cause)` books the time
 since the previous one, so the causes always sum to the wall time since the
@@ -73,6 +82,11 @@ PREFLIGHT = "preflight"
 STRAGGLER = "straggler"
 CAUSES = (PRODUCTIVE, DATA_WAIT, CHECKPOINT_SAVE, CHECKPOINT_LOAD, STARTUP, EVALUATION,
           LOST_PROGRESS, DOWNTIME, OUT_OF_MEMORY, PREFLIGHT, STRAGGLER)
+# Where a resumed checkpoint came from (checkpoint_load's split; memory_checkpoint.Restored).
+MEMORY_TIER = "memory"
+PARTNER_TIER = "partner"
+S3_TIER = "s3"
+LOAD_TIERS = (MEMORY_TIER, PARTNER_TIER, S3_TIER)
 
 HEARTBEAT_NAME = "goodput.json"
 # Set by `kubetrain run` to when it launched the attempt (unix seconds), so startup
@@ -108,6 +122,25 @@ def _zero() -> dict[str, float]:
     return dict.fromkeys(CAUSES, 0.0)
 
 
+def _tiers(seconds: Mapping[str, Any] | None) -> dict[str, float]:
+    return {tier: float((seconds or {}).get(tier, 0.0)) for tier in LOAD_TIERS}
+
+
+class LoadTierState(Stateful):
+    """The ledger's checkpoint_load seconds by tier as a checkpoint entry of its own
+    (app_state's `checkpoint_load_tiers`, optional: older checkpoints lack it)."""
+
+    def __init__(self, ledger: GoodputLedger) -> None:
+        self.ledger = ledger
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seconds": self.ledger.load_seconds}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Applied by the ledger's `resume`, with the rest of its checkpointed state.
+        self.ledger._restored_tiers = _tiers(state_dict.get("seconds"))
+
+
 class GoodputLedger(Stateful):
     """Seconds by cause since the job's first start; see the module docstring.
 
@@ -125,6 +158,10 @@ class GoodputLedger(Stateful):
         self._mark = attempt_started
         self._restored: dict[str, Any] | None = None
         self.out_of_memory_restarts = 0  # the job's OOM restarts this ledger has booked
+        self._tiers_before = _tiers(None)  # checkpoint_load by tier, as _before
+        self._tiers_attempt = _tiers(None)
+        self._restored_tiers: dict[str, float] | None = None
+        self.tier_state = LoadTierState(self)
 
     def agree(self, attempt_started: float) -> None:
         """Take the group's start of this attempt (rank 0's) as this ledger's, before
@@ -140,6 +177,14 @@ class GoodputLedger(Stateful):
         seconds = now - self._mark
         self._attempt[cause] += seconds
         self._mark = now
+        return seconds
+
+    def charge_load(self, tier: str | None) -> float:
+        """Book the time since the previous charge to `checkpoint_load`, and to `tier`
+        (one of LOAD_TIERS; None: nothing was resumed from); returns those seconds."""
+        seconds = self.charge(CHECKPOINT_LOAD)
+        if tier is not None:
+            self._tiers_attempt[tier] += seconds
         return seconds
 
     def move(self, source: str, target: str, seconds: float) -> float:
@@ -162,6 +207,12 @@ class GoodputLedger(Stateful):
         return {cause: self._before[cause] + self._attempt[cause] for cause in CAUSES}
 
     @property
+    def load_seconds(self) -> dict[str, float]:
+        """checkpoint_load's seconds by the tier the checkpoint came from (LOAD_TIERS)."""
+        return {tier: self._tiers_before[tier] + self._tiers_attempt[tier]
+                for tier in LOAD_TIERS}
+
+    @property
     def wall_seconds(self) -> float:
         """Wall time from the job's first start to the last charge (the sum of all causes)."""
         return sum(self.seconds.values())
@@ -173,14 +224,19 @@ class GoodputLedger(Stateful):
         return self.seconds[PRODUCTIVE] / wall if wall > 0 else 1.0
 
     def snapshot(self) -> dict[str, Any]:
-        """The totals as of the last charge: what the checkpoint and the heartbeat keep."""
+        """The totals as of the last charge: what the heartbeat keeps (the checkpoint the
+        same, with `checkpoint_load_tiers` in `tier_state`)."""
         return {"origin": self.origin, "time": self._mark, "step": self.step,
-                "seconds": self.seconds, "oom_restarts": self.out_of_memory_restarts}
+                "seconds": self.seconds, "oom_restarts": self.out_of_memory_restarts,
+                "checkpoint_load_tiers": self.load_seconds}
 
     # --- restarts -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return self.snapshot()
+        # The shape checkpoints have always had: the tiers are in `tier_state`.
+        snapshot = self.snapshot()
+        del snapshot["checkpoint_load_tiers"]
+        return snapshot
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Applied by `resume`, once the heartbeat is known too.
@@ -203,6 +259,7 @@ class GoodputLedger(Stateful):
         attempt being resumed ran out of memory and its lost time is charged to `oom`.
         """
         restored, self._restored = self._restored, None
+        restored_tiers, self._restored_tiers = self._restored_tiers, None
         booked = max(int((restored or {}).get("oom_restarts", 0)),
                      int((heartbeat or {}).get("oom_restarts", 0)))
         after_oom = out_of_memory_restarts > booked
@@ -218,19 +275,25 @@ class GoodputLedger(Stateful):
             # Killed before its first checkpoint: everything it trained is redone.
             restored = {"origin": float(heartbeat["origin"]), "time": float(heartbeat["origin"]),
                         "step": 0, "seconds": _zero()}
+            restored_tiers = None
         self.origin = restored["origin"]
         before = dict(restored["seconds"])
+        tiers = dict(restored_tiers or _tiers(None))
         gap_started = restored["time"]
         if heartbeat is not None and float(heartbeat["time"]) > gap_started:
             for cause in CAUSES:
                 spent = float(heartbeat["seconds"].get(cause, 0.0)) - restored["seconds"][cause]
                 lost = OUT_OF_MEMORY if after_oom else LOST_PROGRESS
                 before[lost if cause == PRODUCTIVE else cause] += spent
+            # A heartbeat of an older kubetrain has no split: nothing is added from it.
+            for tier, seconds in _tiers(heartbeat.get("checkpoint_load_tiers")).items():
+                tiers[tier] += max(0.0, seconds - (restored_tiers or {}).get(tier, 0.0))
             gap_started = float(heartbeat["time"])
         # Clocks of different machines may disagree a little; downtime is never negative.
         before[OUT_OF_MEMORY if after_oom else DOWNTIME] += max(
             0.0, self.attempt_started - gap_started)
         self._before = before
+        self._tiers_before = tiers
 
 
 class StragglerBooking:

@@ -116,7 +116,6 @@ from kubetrain.trainer.distributed import (
 )
 from kubetrain.trainer.export import export_format, export_model
 from kubetrain.trainer.goodput import (
-    CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
     DATA_WAIT,
     EVALUATION,
@@ -131,7 +130,7 @@ from kubetrain.trainer.goodput import (
 )
 from kubetrain.trainer.lifeline import Lifeline
 from kubetrain.trainer.loss import select_output_loss
-from kubetrain.trainer.memory_checkpoint import MemoryCheckpoints, open_memory_tier
+from kubetrain.trainer.memory_checkpoint import MemoryCheckpoints, load_tier, open_memory_tier
 from kubetrain.trainer.mesh import build_mesh, preflight_dimensions
 from kubetrain.trainer.metrics import (
     DynamicsReport,
@@ -458,6 +457,7 @@ class Trainer:
         app_state: dict[str, Any] = {
             "model": ModelState(parallel.module, optimizer), "scheduler": schedule,
             "data": train_data, "train": progress, "rng": RandomState(), "goodput": goodput,
+            "checkpoint_load_tiers": goodput.tier_state,
         }
         if parallel.scaler is not None:
             app_state["scaler"] = parallel.scaler
@@ -468,10 +468,12 @@ class Trainer:
             reporter.checkpointed(info.step, info.uri, info.time.timestamp(),
                                   val_loss=info.val_loss, best=info.best)
 
-        # Checkpoints written before goodput accounting existed still resume.
+        # Checkpoints written before goodput accounting (or its split by tier) existed
+        # still resume.
         checkpointer = Checkpointer(spec, rank=world.rank, world_size=world.world_size,
                                     model_dims=dims, on_commit=committed,
-                                    optional_state=frozenset({"goodput"}))
+                                    optional_state=frozenset({"goodput",
+                                                              "checkpoint_load_tiers"}))
         heartbeat = (Heartbeat(open_storage(spec.checkpoint.uri, spec.storage))
                      if world.is_main else None)
         return _Run(world=world, dims=dims, max_steps=max_steps, parallel=parallel,
@@ -559,7 +561,8 @@ class Trainer:
             except PretrainedError as error:
                 raise teacher_error(error) from None
         step = loaded or 0
-        goodput.charge(CHECKPOINT_LOAD)
+        # Booked by the tier it came from (a fresh start's look for one, by none).
+        goodput.charge_load(load_tier(restored, loaded))
         # A checkpoint of another job (resumeFrom) does not carry this job's time.
         goodput.resume(self._last_heartbeat(run),
                        from_this_job=(not step or restored is not None
@@ -733,7 +736,7 @@ class Trainer:
     def _account(run: _Run, step: int, *, final: bool = False) -> None:
         """Export the goodput totals and write the heartbeat (rank 0; `final` waits for it)."""
         snapshot = run.goodput.snapshot()
-        run.reporter.accounted(step, snapshot["seconds"])
+        run.reporter.accounted(step, snapshot["seconds"], snapshot["checkpoint_load_tiers"])
         if run.heartbeat is not None:
             run.heartbeat.write(snapshot, wait=final)
 

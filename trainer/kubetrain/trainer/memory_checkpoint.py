@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor
 from kubetrain.api.trainingjob import TrainingJobSpec
 from kubetrain.trainer.checkpoint import ModelState, RandomState, latest_checkpoint
 from kubetrain.trainer.distributed import all_ranks_agree, broadcast_from_rank0
+from kubetrain.trainer.goodput import MEMORY_TIER, PARTNER_TIER, S3_TIER
 from kubetrain.trainer.memory_budget import FOLDER_ENV
 
 log = logging.getLogger(__name__)
@@ -352,7 +353,7 @@ class Restored:
     its folder ("memory") or some came from a partner ("partner")."""
 
     step: int
-    tier: str  # "memory" or "partner"
+    tier: str  # MEMORY_TIER or PARTNER_TIER: goodput books checkpoint_load by it
     fetched: int  # ranks whose part came from another rank
     seconds: float
 
@@ -360,6 +361,14 @@ class Restored:
     def uri(self) -> str:
         """How the log and the resumed event name the source."""
         return f"memory://{self.tier}/step-{self.step:08d}"
+
+
+def load_tier(restored: Restored | None, s3_step: int | None) -> str | None:
+    """The tier goodput books a resume's checkpoint_load to: the memory tier's when it
+    restored, else S3's when a checkpoint was loaded from there (`s3_step`), else none."""
+    if restored is not None:
+        return restored.tier
+    return S3_TIER if s3_step is not None else None
 
 
 class MemoryCheckpoints:
@@ -562,7 +571,7 @@ class MemoryCheckpoints:
         fetched = sum(1 for owner, holder in holders.items() if holder != owner)
         self._forget(inventory, choice)
         seconds = time.perf_counter() - started
-        tier = "partner" if fetched else "memory"
+        tier = PARTNER_TIER if fetched else MEMORY_TIER
         log.info("rank %d restored step %d from %s in %.3f s", self.rank, step,
                  "its own memory" if holders[self.rank] == self.rank
                  else f"rank {holders[self.rank]}'s copy", seconds)
@@ -676,4 +685,5 @@ def _holders(inventory: list[list[Part]], step: int, lineage: str) -> dict[int, 
 
 
 __all__ = ["FOLDER_ENV", "NODE_ENV", "MemoryCheckpoints", "Part", "Restored",
-           "copies_on_own_node", "memory_folder", "node_name", "open_memory_tier", "partners"]
+           "copies_on_own_node", "load_tier", "memory_folder", "node_name", "open_memory_tier",
+           "partners"]

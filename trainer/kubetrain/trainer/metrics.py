@@ -106,6 +106,11 @@ STEP_TIME = Gauge("kubetrain_step_time_seconds", "Mean wall time of one step ove
 WALL_TIME = Counter("kubetrain_wall_time_seconds", "Wall time since the job first started, "
                     "by where it went: cause=\"productive\" is goodput, the others badput.",
                     ["cause"], registry=REGISTRY)
+CHECKPOINT_LOAD_TIME = Counter("kubetrain_checkpoint_load_seconds", "Wall time's "
+                               "cause=\"checkpoint_load\" by the tier the resumed checkpoint "
+                               "came from: memory (the ranks' own in-memory snapshots), "
+                               "partner (some parts from a partner's copy), s3.", ["tier"],
+                               registry=REGISTRY)
 GOODPUT = Gauge("kubetrain_goodput_ratio", "Productive step time over wall time since the job "
                 "first started (0..1), restarts included.", registry=REGISTRY)
 
@@ -394,8 +399,10 @@ class Reporter:
         BEST_CHECKPOINT_STEP.set(step)
         BEST_CHECKPOINT_VALIDATION_LOSS.set(val_loss)
 
-    def accounted(self, step: int, seconds: dict[str, float]) -> None:
-        """The goodput ledger's totals by cause (cumulative since the job first started)."""
+    def accounted(self, step: int, seconds: dict[str, float],
+                  load_tiers: dict[str, float] | None = None) -> None:
+        """The goodput ledger's totals by cause (cumulative since the job first started),
+        and `load_tiers`, checkpoint_load's seconds by the tier it loaded from."""
         if not self.enabled:
             return
         for cause, total in seconds.items():
@@ -403,10 +410,15 @@ class Reporter:
             shown = REGISTRY.get_sample_value("kubetrain_wall_time_seconds_total",
                                               {"cause": cause}) or 0.0
             WALL_TIME.labels(cause).inc(max(0.0, total - shown))
+        for tier, total in (load_tiers or {}).items():
+            shown = REGISTRY.get_sample_value("kubetrain_checkpoint_load_seconds_total",
+                                              {"tier": tier}) or 0.0
+            CHECKPOINT_LOAD_TIME.labels(tier).inc(max(0.0, total - shown))
         wall = sum(seconds.values())
         ratio = seconds.get("productive", 0.0) / wall if wall > 0 else 1.0
         GOODPUT.set(ratio)
-        self._event("goodput", step=step, ratio=ratio, seconds=seconds)
+        extra = {} if load_tiers is None else {"checkpoint_load_tiers": load_tiers}
+        self._event("goodput", step=step, ratio=ratio, seconds=seconds, **extra)
 
     def finished(self, step: int, reason: str, best_val_loss: float | None,
                  export_uri: str | None, export_step: int | None = None,
