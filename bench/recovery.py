@@ -263,14 +263,14 @@ def main() -> None:
     base = results["none"]["goodput"]
     print(f"whole loop, 2 workers x 1 process, tiny preset, {STEPS} steps, checkpoint every "
           f"{loop.EVERY}; fault at step {FAULT_AT}")
-    print(f"{'scenario':<38}{'fault→advancing':>16}{'redone':>8}{'wall':>8}{'goodput':>9}"
+    print(f"{'scenario':<42}{'fault→advancing':>16}{'redone':>8}{'wall':>8}{'goodput':>9}"
           f"{'/none':>7}{'operator':>10}")
     names = {"none": "none (uninterrupted)", "b": "b: kill -9 of worker 1's trainer",
              "b-pod": "b: kill -9 of worker 1's container",
              "f": "f: worker 1's node lost",
              "own": "own code: kill -9 of worker 1's container"}
     for label, figures in results.items():
-        print(f"{names[label]:<38}{figures['recovery']:>15.1f}s{figures['redone']:>8.0f}"
+        print(f"{names[label]:<42}{figures['recovery']:>15.1f}s{figures['redone']:>8.0f}"
               f"{figures['wall']:>7.0f}s{figures['goodput']:>9.2f}"
               f"{figures['goodput'] / base:>7.2f}{figures['operator_goodput']:>10.2f}")
 
