@@ -22,9 +22,10 @@ a group that does not form (a rank stalled after its device check) fails the che
    one has nobody to all-reduce with and skips this stage.
 3. Mesh, under a mesh of two or more dimensions (HSDP, tensor parallelism; `mesh`, from
    `mesh.preflight_dimensions`): the flat all-reduce may pass while a dimension's own
-   groups (the pairs across pods, the ranks of one pod) cannot form or all-reduce. Each
-   rank forms its group of each dimension (`dist.new_group`, group-local, bounded by the
-   deadline) and all-reduces over it as in stage 2, checking the sum; a failure names the
+   groups (the pairs across pods, the ranks of one pod) cannot form or all-reduce. Every
+   rank forms every dimension's groups as init_device_mesh does (`dist.new_group`, on a
+   thread bounded by the deadline) and all-reduces over its own as in stage 2, checking
+   the sum; a failure names the
    dimension and its group's ranks, and a rank that never reports is named with the
    groups that waited on it. Each dimension's median bandwidth is printed; only the flat
    all-reduce's is judged (groups measured at once on a shared host differ by more than
@@ -211,7 +212,8 @@ class Preflight:
             {name: groups for name, groups in mesh_groups(sizes).items() if name in several}
             if len(several) > 1 and math.prod(sizes.values()) == world_size else {})
         self.mesh_bandwidths: dict[str, float] = {}  # median GB/s by dimension
-        self.abandoned_join = False  # a thread still blocked joining the group (`join`)
+        # A thread still blocked joining the group (`join`) or forming the mesh's groups.
+        self.abandoned_join = False
 
     # --- the two stages -----------------------------------------------------------
 
@@ -251,29 +253,54 @@ class Preflight:
         if self.store is None or not self.groups:
             return
         give_up = self.deadline - min(1.0, self.policy.timeout_seconds / 10)
+        formed, problem = self._form_groups(give_up)
         measured: dict[str, float] = {}
-        formed: list[dist.ProcessGroup] = []
-        problem = ""
-        for name, ranks in self._my_groups().items():
+        for name, (ranks, group) in formed.items():
             try:
-                # Group-local: only its members form it, so a stalled rank holds no other group.
-                group = dist.new_group(ranks, use_local_synchronization=True, timeout=timedelta(
-                    seconds=max(0.1, give_up - time.monotonic())))
-                assert group is not None
-                formed.append(group)
                 measured[name] = all_reduce_bandwidth(self.device, give_up, group)
             except Exception as raised:
                 problem = f"its all-reduce over {_named_group(name, ranks)} failed: {raised}"
                 break
         if not problem:  # a group with an all-reduce left unfinished is left as it is
-            for group in formed:
+            for _, group in formed.values():
                 dist.destroy_process_group(group)
         self._stage("mesh", replace(self.me, problem=problem, dimensions=measured),
                     self._judge_mesh)
 
-    def _my_groups(self) -> dict[str, list[int]]:
-        return {name: next(ranks for ranks in groups if self.rank in ranks)
-                for name, groups in self.groups.items()}
+    def _form_groups(self, give_up: float) -> tuple[
+            dict[str, tuple[list[int], dist.ProcessGroup]], str]:
+        """This rank's group of each dimension, and what went wrong forming them ('').
+
+        Every rank forms every group, in the same order, as init_device_mesh does: NCCL
+        splits a subgroup's communicator from the whole group's, with every rank taking
+        part. On a thread given up at `give_up` (NCCL's split would wait on a stalled
+        rank with no deadline); a thread left behind sets `abandoned_join`."""
+        mine: dict[str, tuple[list[int], dist.ProcessGroup]] = {}
+        forming: list[str] = []
+        errors: list[Exception] = []
+
+        def form() -> None:
+            try:
+                for name, groups in self.groups.items():
+                    for ranks in groups:
+                        forming[:] = [_named_group(name, ranks)]
+                        group = dist.new_group(ranks, timeout=timedelta(
+                            seconds=max(0.1, give_up - time.monotonic())))
+                        if self.rank in ranks:
+                            assert group is not None
+                            mine[name] = (ranks, group)
+                forming.clear()
+            except Exception as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=form, name="preflight-mesh", daemon=True)
+        thread.start()
+        thread.join(max(0.0, give_up - time.monotonic()))
+        if not forming:
+            return mine, ""
+        self.abandoned_join = thread.is_alive()
+        why = errors[0] if errors else "not formed by the deadline"
+        return {}, f"forming the group {forming[0]} failed: {why}"
 
     def joining(self) -> None:
         """Say, through the store, that this rank passed the device stage and now joins the
