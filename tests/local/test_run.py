@@ -187,6 +187,10 @@ def _assert_goodput_books_the_kill(folder: Path, name: str, found: list[dict[str
     assert seconds["downtime"] > 0 and seconds["startup"] > 0
     assert seconds["checkpoint_load"] > 0 and seconds["evaluation"] > 0
     assert "goodput" in output and "lost progress" in output
+    # The resume loaded from S3 (no memory tier): its load is booked there, and only it.
+    tiers = of_kind(found, "goodput")[-1]["checkpoint_load_tiers"]
+    assert 0 < tiers["s3"] <= seconds["checkpoint_load"], tiers
+    assert tiers["memory"] == tiers["partner"] == 0, tiers
 
 
 def test_interrupted_run_saves_a_checkpoint_and_the_same_command_resumes_it(
