@@ -52,7 +52,7 @@ def pod(index: int, phase: str = "Running", **facts: Any) -> WorkerPod:
                      ready=phase == "Running", created_at=START, **facts)
 
 
-def report(step: int, **fields: Any) -> Report:
+def report(step: int | None, **fields: Any) -> Report:
     values: dict[str, Any] = dict(total_steps=100, loss=2.0, learning_rate=None, epoch=None,
                                   progress_percent=None, remaining_seconds=None, metrics={},
                                   reported_at=NOW, received_at=NOW)
@@ -79,6 +79,24 @@ def test_a_report_becomes_progress_with_the_codes_own_eta(minimal_manifest: dict
     assert (progress["step"], progress["maxSteps"], progress["etaSeconds"]) == (40, 100, 90)
     assert "loss" not in progress  # a diverged loss is left unreported
     assert progress["updatedAt"] == NOW.isoformat().replace("+00:00", "Z")
+
+
+def test_the_end_of_training_post_without_a_step_finishes_the_step_count(
+        minimal_manifest: dict) -> None:
+    # transformers' KubeflowCallback posts a step at most every 5 s; its on_train_end post is
+    # progress 100 % with no current_step.
+    job = own_job(minimal_manifest, running(progress={"step": 37, "maxSteps": 40}))
+    end = reported_sample(report(None, total_steps=None, progress_percent=100,
+                                 remaining_seconds=0))
+    status = status_after(job, Observed(pods=(pod(0), pod(1)), service=True,
+                                        config_generation=1, metrics=end))
+    progress = status["progress"]
+    assert (progress["step"], progress["maxSteps"], progress["etaSeconds"]) == (40, 40, 0)
+    # A report at 100 % that names its step keeps that step.
+    named = reported_sample(report(39, total_steps=40, progress_percent=100))
+    status = status_after(job, Observed(pods=(pod(0), pod(1)), service=True,
+                                        config_generation=1, metrics=named))
+    assert status["progress"]["step"] == 39
 
 
 def test_a_repeated_step_is_no_progress_and_the_hang_restarts_the_group(

@@ -126,6 +126,9 @@ def _progress(progress: Progress, sample: MetricsSample, now: datetime) -> None:
             progress.updated_at = min(sample.last_step_time or now, now)
     if sample.max_steps is not None:
         progress.max_steps = sample.max_steps
+    if sample.finished and progress.max_steps is not None and progress.step != progress.max_steps:
+        progress.step = progress.max_steps
+        progress.updated_at = now
     if sample.epoch is not None:
         progress.epoch = round(sample.epoch, 4)
     if sample.loss is not None:

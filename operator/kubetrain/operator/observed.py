@@ -140,6 +140,9 @@ class MetricsSample:
     # From an own-code job's status reports, which say nothing of wall time by cause:
     # its goodput is judged from when its step advanced (observation.step_goodput).
     reported: bool = False
+    # A report of progress 100 % with no step: the code's end-of-training post
+    # (transformers' KubeflowCallback sends one), so the step is the last one, maxSteps.
+    finished: bool = False
 
 
 # How a TrainerEnd's message ends: what status.lastFailure says of a restart in place.
@@ -295,12 +298,15 @@ def reported_sample(report: Report) -> MetricsSample:
 
     The step counts as advanced when the operator sees it change (the report's own time
     is the pod's clock, and a reporter may repeat an unchanged step): no last_step_time.
-    A loss that is not finite (a diverged run) is left unreported, as from rank 0.
+    A loss that is not finite (a diverged run) is left unreported, as from rank 0. An
+    end-of-training post (100 %, no step) finishes the step count at maxSteps, since
+    transformers posts steps at most every 5 s and its last post names none.
     """
     loss = report.loss if report.loss is not None and math.isfinite(report.loss) else None
     epoch = report.epoch if report.epoch is not None and math.isfinite(report.epoch) else None
     return MetricsSample(step=report.step, max_steps=report.total_steps, epoch=epoch,
-                         loss=loss, eta_seconds=report.remaining_seconds, reported=True)
+                         loss=loss, eta_seconds=report.remaining_seconds, reported=True,
+                         finished=report.step is None and report.progress_percent == 100)
 
 
 def final_metrics(pods: Iterable[WorkerPod]) -> MetricsSample | None:
