@@ -394,25 +394,25 @@ def test_checkpoint_load_is_split_by_tier_and_the_split_survives_restarts() -> N
     train(first, clock, range(5, 7))
     heartbeat = json.loads(json.dumps(first.snapshot()))
 
+    def resumed(down: float, load: float, tier: str) -> GoodputLedger:
+        """The next attempt, `down` seconds after the last beat, from the step-4 checkpoint
+        (its ledger and tiers) and the beat before, its load of `load` s from `tier`."""
+        clock.advance(down)
+        ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
+        ledger.load_state_dict(checkpoint)
+        ledger.tier_state.load_state_dict(tiers)
+        clock.advance(load)
+        ledger.charge_load(tier)
+        ledger.resume(heartbeat)
+        return ledger
+
     # Resumed from S3 (the step-4 checkpoint), killed again before its next checkpoint.
-    clock.advance(3.0)
-    second = GoodputLedger(attempt_started=clock.now, clock=clock)
-    second.load_state_dict(checkpoint)
-    second.tier_state.load_state_dict(tiers)
-    clock.advance(0.75)
-    second.charge_load(S3_TIER)
-    second.resume(heartbeat)
+    second = resumed(3.0, 0.75, S3_TIER)
     train(second, clock, range(5, 9))
     heartbeat = json.loads(json.dumps(second.snapshot()))
 
     # Resumed from memory: the S3 load lives only in the heartbeat of the attempt before.
-    clock.advance(2.0)
-    third = GoodputLedger(attempt_started=clock.now, clock=clock)
-    third.load_state_dict(checkpoint)
-    third.tier_state.load_state_dict(tiers)
-    clock.advance(0.25)
-    third.charge_load(MEMORY_TIER)
-    third.resume(heartbeat)
+    third = resumed(2.0, 0.25, MEMORY_TIER)
     assert third.load_seconds == pytest.approx({MEMORY_TIER: 0.25, PARTNER_TIER: 0.0,
                                                 S3_TIER: 0.75})
     assert third.seconds[CHECKPOINT_LOAD] == pytest.approx(1.0 + 0.75 + 0.25)
