@@ -995,6 +995,22 @@ def test_a_restart_in_place_with_max_restarts_spent_or_a_permanent_code_ends_the
     assert out.condition("Failed")["reason"] == "PermanentError"
 
 
+def test_under_max_restarts_0_a_trainer_end_is_left_to_its_pods_own_end(
+        minimal_manifest: dict) -> None:
+    from kubetrain.operator.observed import TrainerEnd
+
+    # torchrun gets PET_MAX_RESTARTS=0 and restarts nothing in place: the pod is ending, and
+    # its end names what the lifeline could not (the kernel's OOM kill is healed by halving
+    # the micro-batch, never failed as MaxRestartsExceeded).
+    killed = TrainerEnd(pod="demo-worker-0", time=NOW, failure_class="Unknown",
+                        message="the trainer ended without a word")
+    job = make_job(minimal_manifest, status=running_status(progress=TRAINING), maxRestarts=0)
+    out = _with_ends(job, pod(0), pod(1), ends=(killed,))
+    assert out.status is not None and out.status["phase"] == "Running"
+    assert out.status["failures"] == {"Unknown": 1} and out.status.get("restarts", 0) == 0
+    assert out.restarts == [] and ("Warning", "RestartedInPlace") not in out.events
+
+
 def test_a_trainer_end_in_a_pod_that_failed_or_goes_is_the_pods_own_story(
         minimal_manifest: dict) -> None:
     from kubetrain.operator.observed import TrainerEnd

@@ -355,13 +355,19 @@ def count_restart_in_place(decision: _Decision, end: TrainerEnd,
     restart with runPolicy.maxRestarts spent; any other counts in status.restarts, the
     backoff of later restarts and the progress deadline's start (status.lastRestartTime).
     Another rank's end in the same restart (`same_restart_in_place` with `previous`, the
-    status.lastFailure before `end`) is a failure recorded, not a restart. False when the
-    job ended.
+    status.lastFailure before `end`) is a failure recorded, not a restart, and so is an end
+    under maxRestarts 0, where torchrun restarts nothing in place. False when the job ended.
     """
     if same_restart_in_place(end, previous):
         return True
     status = decision.status
     policy = decision.job.spec.run_policy
+    if policy.max_restarts == 0:
+        # torchrun restarts in place only within its own budget, PET_MAX_RESTARTS =
+        # maxRestarts: with none, the pod is ending, and its own end decides (a trainer
+        # that ended without a word may be the kernel's OOM kill, which only the pod's end
+        # names, and out of memory is healed, not failed).
+        return True
     what = f"{end.pod}'s trainer: {end.failure_class}: {end.message}"
     kind = rules.retry_kind(end.exit_code, policy.permanent_exit_codes,
                             failure_class=end.failure_class)
