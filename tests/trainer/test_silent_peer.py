@@ -135,3 +135,28 @@ def test_a_step_many_times_longer_than_the_others_restarts_nothing(
     assert launcher.events(job, "resumed") == [], "the long step restarted the group"
     assert "stop not agreed" not in output
     assert launcher.events(job, "finished")[-1]["step"] == 30
+
+
+def test_the_stop_deadline_follows_the_latest_steps_not_a_slow_stretch_long_past() -> None:
+    # A straggler's slow steps (or a first evaluation) long before the signal must not keep
+    # the deadline long: after STOP_DEADLINE_RECENT short steps it is the floor again.
+    import torch
+    import torch.distributed as dist
+
+    from kubetrain.trainer.distributed import STOP_DEADLINE_RECENT, StopRequest
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stop = StopRequest()
+        cpu = torch.device("cpu")
+        stop.agreed(cpu)  # the first boundary: start-up is no step
+        time.sleep(1.0)
+        stop.agreed(cpu)  # one slow step
+        assert stop.longest_span >= 1.0 and stop.deadline() >= 4.0
+        for _ in range(STOP_DEADLINE_RECENT - 1):
+            stop.agreed(cpu)
+        assert stop.longest_span >= 1.0, "still among the latest steps"
+        stop.agreed(cpu)
+        assert stop.longest_span < 0.5 and stop.deadline() == STOP_DEADLINE_FLOOR
+    finally:
+        dist.destroy_process_group()

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -198,6 +199,9 @@ def all_ranks_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
 STOP_DEADLINE_SPANS = 4
 STOP_DEADLINE_FLOOR = 3.0
 STOP_DEADLINE_POLL = 0.1
+# The spans that count: the latest ones, so that a slow stretch long past (a straggler's,
+# a first evaluation's) does not keep the deadline long after the steps are short again.
+STOP_DEADLINE_RECENT = 16
 
 
 class StopRequest:
@@ -208,7 +212,7 @@ class StopRequest:
     agent, told to restart the group once the lost rank's replacement joins, would wait
     its shutdown timeout (30 s) before killing it. So once signalled, a rank that has been
     inside one collective (`inside_since`, rank_timing's clock) for longer than a deadline
-    derived from the steps measured so far (`deadline`) exits at once with EXIT_RESTART,
+    derived from the latest steps measured (`deadline`) exits at once with EXIT_RESTART,
     after `on_give_up` (the lifeline's last word). Python runs signal handlers only
     between bytecodes, which a rank blocked in a collective never reaches, so a thread
     reading the signal wakeup fd watches. Never before a whole step was measured (a first
@@ -229,7 +233,8 @@ class StopRequest:
         self._agreed = threading.Event()  # a stop was agreed: the peers are there
         self._boundary = time.monotonic()  # the last step boundary (`agreed`)
         self._boundaries = 0
-        self.longest_span = 0.0  # seconds between two boundaries, at most
+        # Seconds between two boundaries, the latest STOP_DEADLINE_RECENT of them.
+        self._spans: deque[float] = deque(maxlen=STOP_DEADLINE_RECENT)
 
     def install(self) -> None:
         """Catch SIGTERM and SIGINT (main thread only; a notebook's other threads skip it)."""
@@ -255,6 +260,11 @@ class StopRequest:
             os.close(self._pipe[1])  # the watcher reads end-of-file and closes the other end
             self._pipe = None
         self._agreed.set()
+
+    @property
+    def longest_span(self) -> float:
+        """The longest of the latest spans between two step boundaries; 0 before one."""
+        return max(self._spans, default=0.0)
 
     def deadline(self) -> float:
         """Seconds a signalled rank may take to reach the stop agreement."""
@@ -284,7 +294,7 @@ class StopRequest:
             else:
                 return
             why = (f"stop not agreed: inside one collective for over {deadline:.1f}s (4 of "
-                   f"its longest steps, {self.longest_span:.2f}s): a peer is gone, so no "
+                   f"its longest recent steps, {self.longest_span:.2f}s): a peer is gone, so no "
                    f"checkpoint can be saved; exiting for torchrun to re-form the group")
             print(f"rank {os.environ.get('RANK', '0')}: {why}", file=sys.stderr, flush=True)
             if self.on_give_up is not None:
@@ -297,7 +307,7 @@ class StopRequest:
         """True on every rank when any rank was signalled (a collective: call it on all ranks)."""
         now = time.monotonic()
         if self._boundaries:  # from the first boundary on: start-up is no step
-            self.longest_span = max(self.longest_span, now - self._boundary)
+            self._spans.append(now - self._boundary)
         self._boundaries += 1
         flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
