@@ -199,9 +199,10 @@ def all_ranks_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
 STOP_DEADLINE_SPANS = 4
 STOP_DEADLINE_FLOOR = 3.0
 STOP_DEADLINE_POLL = 0.1
-# The spans that count: the latest ones, so that a slow stretch long past (a straggler's,
-# a first evaluation's) does not keep the deadline long after the steps are short again.
-STOP_DEADLINE_RECENT = 16
+# The spans that count: the latest few, so that a slow stretch just past (a straggler's
+# steps and its checkpoint saves at a fraction of a CPU) does not keep the deadline long
+# once the steps are short again.
+STOP_DEADLINE_RECENT = 4
 
 
 class StopRequest:
