@@ -257,39 +257,9 @@ def test_a_rank_stalled_between_the_two_stages_fails_the_check_not_an_unknown_er
     deadline = 6
     job = tiny_job("joining", optimization={"maxSteps": 6},
                    runPolicy={"preflight": {"timeoutSeconds": deadline}})
-    termination_log = tmp_path / "termination-log"
-    termination_log.write_text("")
-    env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log),
-           "KUBETRAIN_NODE_NAME": "node-a", "KUBETRAIN_POD_NAME": "job-worker-0"}
-    command = launcher.command(job, 2)
-    command[command.index("--standalone"):command.index("--standalone")] = [
-        "--max-restarts=3", "--shutdown-timeout=3"]
-    agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    stalled = launcher.worker_pid(agent.pid, 1)
-    try:
-        # The attempt's store, where the verdict of the device stage appears.
-        environ = dict(item.split("=", 1) for item in Path(f"/proc/{stalled}/environ")
-                       .read_text().split("\0") if "=" in item)
-        store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
-                              is_master=False, timeout=timedelta(seconds=60))
-        verdict = "kubetrain/attempt-0/preflight/device/verdict"
-        started = time.monotonic()
-        while not store.check([verdict]):
-            assert time.monotonic() - started < 120, "the device stage never ended"
-            time.sleep(0.002)
-        os.kill(stalled, signal.SIGSTOP)
-        output, _ = agent.communicate(timeout=deadline + 60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(stalled, signal.SIGCONT)
-        agent.kill()
-    assert agent.returncode != 0
-    assert "rank 0: PreflightFailed: preflight failed" in output, output[-4000:]
+    output, line = _stop_a_rank_once(launcher, job, tmp_path, ranks=2, rank=1,
+                                     verdict="device", deadline=deadline)
     assert "preflight: 2 ranks passed" not in output
-    [line] = [line for line in termination_log.read_text().splitlines()
-              if line.startswith("kubetrain_worker_failure_info")]
-    print(line)
     assert 'class="PreflightFailed"' in line, line
     assert "did not join the group" in line or "stalled inside init_process_group" in line
 
@@ -362,25 +332,41 @@ def test_a_rank_stopped_before_the_mesh_stage_is_named_with_the_dimension_groups
     deadline = 10  # from the check's start: four ranks' device and flat stages come first
     job = _hsdp_2x2(tiny_job, "hsdp-stalled", optimization={"maxSteps": 6},
                     runPolicy={"preflight": {"timeoutSeconds": deadline}})
+    output, line = _stop_a_rank_once(launcher, job, tmp_path, ranks=4, rank=3,
+                                     verdict="group", deadline=deadline)
+    assert "preflight: 4 ranks passed" not in output
+    assert 'class="PreflightFailed"' in line and 'nodes="node-a"' in line, line
+    assert (f"rank 3 (pod job-worker-0, node node-a) did not report within {deadline}s "
+            "(stalled, stopped or gone): the all-reduces over dp_replicate (ranks 1, 3), "
+            "dp_shard (ranks 2, 3) waited on it") in line, line
+
+
+def _stop_a_rank_once(launcher: Any, job: Any, tmp_path: Path, *, ranks: int, rank: int,
+                      verdict: str, deadline: int) -> tuple[str, str]:
+    """Run `job` on `ranks` processes under torchrun and SIGSTOP `rank` once the preflight
+    stage `verdict`'s verdict is in the attempt's store; the agent's output and the
+    failure line its rank 0 wrote to the termination log, after checking the run failed
+    with PreflightFailed."""
     termination_log = tmp_path / "termination-log"
     termination_log.write_text("")
     env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log),
            "KUBETRAIN_NODE_NAME": "node-a", "KUBETRAIN_POD_NAME": "job-worker-0"}
-    command = launcher.command(job, 4)
+    command = launcher.command(job, ranks)
     command[command.index("--standalone"):command.index("--standalone")] = [
         "--max-restarts=3", "--shutdown-timeout=3"]
     agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    stalled = launcher.worker_pid(agent.pid, 3)
+    stalled = launcher.worker_pid(agent.pid, rank)
     try:
+        # The attempt's store, where each stage's verdict appears.
         environ = dict(item.split("=", 1) for item in Path(f"/proc/{stalled}/environ")
                        .read_text().split("\0") if "=" in item)
         store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
                               is_master=False, timeout=timedelta(seconds=60))
-        verdict = "kubetrain/attempt-0/preflight/group/verdict"
+        key = f"kubetrain/attempt-0/preflight/{verdict}/verdict"
         started = time.monotonic()
-        while not store.check([verdict]):
-            assert time.monotonic() - started < 180, "the group stage never ended"
+        while not store.check([key]):
+            assert time.monotonic() - started < 180, f"the {verdict} stage never ended"
             time.sleep(0.002)
         os.kill(stalled, signal.SIGSTOP)
         output, _ = agent.communicate(timeout=deadline + 60)
@@ -389,12 +375,8 @@ def test_a_rank_stopped_before_the_mesh_stage_is_named_with_the_dimension_groups
             os.kill(stalled, signal.SIGCONT)
         agent.kill()
     assert agent.returncode != 0
-    assert "preflight: 4 ranks passed" not in output
     assert "rank 0: PreflightFailed: preflight failed" in output, output[-4000:]
     [line] = [line for line in termination_log.read_text().splitlines()
               if line.startswith("kubetrain_worker_failure_info")]
     print(line)
-    assert 'class="PreflightFailed"' in line and 'nodes="node-a"' in line, line
-    assert (f"rank 3 (pod job-worker-0, node node-a) did not report within {deadline}s "
-            "(stalled, stopped or gone): the all-reduces over dp_replicate (ranks 1, 3), "
-            "dp_shard (ranks 2, 3) waited on it") in line, line
+    return output, line
