@@ -230,8 +230,11 @@ def run_own_code(cluster: loop.Cluster, name: str) -> dict[str, float]:
         marks = [i for i, line in enumerate(lines) if line.startswith("own-code resumed from")]
         return bool(marks) and bool(loop.own_code_steps(lines[marks[-1]:]))
 
-    cluster.wait_for(f"{name} at step {FAULT_AT}", lambda: max(
-        loop.own_code_steps(cluster.trainer_lines(name)), default=0) >= FAULT_AT, 300, every=0.1)
+    # At step FAULT_AT once a checkpoint is committed in S3: a pod lost before the upload
+    # pass (every second) restarts the group from nothing, and rank 0 prints no resume.
+    cluster.wait_for(f"{name} at step {FAULT_AT} with a checkpoint in S3", lambda: max(
+        loop.own_code_steps(cluster.trainer_lines(name)), default=0) >= FAULT_AT
+        and bool(loop.own_code_commits(cluster, name)), 300, every=0.1)
     _kill_container(cluster, name)
     faulted = time.monotonic()
     cluster.wait_for("own code to train again", trained_since_resume, 300, every=0.1)

@@ -400,6 +400,19 @@ def own_code_job(name: str, s3: str, *, steps: int, save_every: int, step_second
     }
 
 
+def own_code_commits(cluster: Cluster, name: str) -> dict[str, int]:
+    """The folders an own-code job has committed under its checkpoint.uri, with their steps:
+    what a new pod's entry could restore now."""
+    from kubetrain.api.trainingjob import StorageSpec
+    from kubetrain.trainer.checkpoint_sync import commits
+    from kubetrain.trainer.storage import open_storage
+
+    os.environ.update(CREDENTIALS)  # as the pods get them from s3-credentials
+    store = open_storage(f"s3://checkpoints/{name}",
+                         StorageSpec(endpoint=cluster.s3, region="us-east-1"))
+    return {commit.folder: commit.step for commit in commits(store)}
+
+
 def own_code_steps(lines: list[str]) -> list[int]:
     """The steps the own-code script's rank 0 trained, in order (a redone step twice)."""
     return [int(m.group(1)) for line in lines if (m := re.match(r"own-code step (\d+) ", line))]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import math
-import os
 import re
 import shutil
 import time
@@ -44,7 +43,6 @@ from typing import Any
 
 import pytest
 from whole_loop import (
-    CREDENTIALS,
     NAMESPACE,
     OWN_CODE_SCRIPTS,
     OWN_CODE_SYNC_SECONDS,
@@ -52,6 +50,7 @@ from whole_loop import (
     add_own_code_scripts,
     own_code_job,
 )
+from whole_loop import own_code_commits as committed
 from whole_loop import own_code_resumes as resumed
 from whole_loop import own_code_steps as trained
 
@@ -144,18 +143,6 @@ def trainer_script_job(name: str, s3: str, packages: Path, *, steps: int, save_e
     template["volumeMounts"].append({"name": "packages", "mountPath": PACKAGES_DIR,
                                      "readOnly": True})
     return manifest
-
-
-def committed(cluster: Cluster, name: str) -> dict[str, int]:
-    """The folders committed under the job's checkpoint.uri, with their steps."""
-    from kubetrain.api.trainingjob import StorageSpec
-    from kubetrain.trainer.checkpoint_sync import commits
-    from kubetrain.trainer.storage import open_storage
-
-    os.environ.update(CREDENTIALS)  # as the pods get them from s3-credentials
-    store = open_storage(f"s3://checkpoints/{name}",
-                         StorageSpec(endpoint=cluster.s3, region="us-east-1"))
-    return {commit.folder: commit.step for commit in commits(store)}
 
 
 def wait_for_trained(cluster: Cluster, name: str, step: int, timeout: float = 240) -> None:
