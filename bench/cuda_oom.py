@@ -52,8 +52,11 @@ def main() -> int:
                       and e["class"] != "CUDAOutOfMemory"]
         if unexpected:  # why the worker failed otherwise: the end of its logs
             for worker_log in sorted((Path(folder) / "runs" / "cuda-oom" / "logs").glob("*")):
-                print(f"--- {worker_log.name}, last lines:")
-                print("\n".join(worker_log.read_text(errors="replace").splitlines()[-25:]))
+                lines = worker_log.read_text(errors="replace").splitlines()
+                # the trainer's own traceback, not torchrun's agent's that follows it
+                first = next((i for i, line in enumerate(lines) if "Traceback" in line), 0)
+                print(f"--- {worker_log.name}, from its first traceback:")
+                print("\n".join(lines[first:first + 60]))
     failures = [e for e in events if e["event"] == "failure"]
     for failure in failures:
         print(f"failure class {failure['class']} at micro-batch {failure['micro_batch_size']}: "

@@ -5,7 +5,9 @@
 
 - `dynamics+compile`: INL dynamics (model.dynamics) in bf16 with torch.compile;
 - `distillation+compile`: a teacher trained and exported, then a student with INL
-  dynamics distilled from it (spec.distillation) with torch.compile.
+  dynamics distilled from it (spec.distillation) with torch.compile;
+- `ssm-student+compile`: a state-space student (model.architecture ssm, sized from
+  the teacher by model.fromTeacher) distilled from the same teacher with torch.compile.
 
 Each prints its first and last loss and tokens/s, or FAILED with the error. Sized to
 take seconds after compile: correctness of these paths on CUDA, not their speed.
@@ -86,6 +88,10 @@ def main() -> int:
                                                   {"preset": "llama-125m"}), folder),
             "distillation+compile": lambda: train(job(
                 "student", train_uri, folder, student,
+                {"teacher": str(folder / "teacher" / "export")}), folder),
+            "ssm-student+compile": lambda: train(job(
+                "ssm-student", train_uri, folder,
+                {"preset": "custom", "architecture": "ssm", "fromTeacher": True},
                 {"teacher": str(folder / "teacher" / "export")}), folder),
         }
         for name, check in checks.items():

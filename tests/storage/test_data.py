@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import StorageSpec
-from kubetrain.trainer.data import CorruptShard, TokenDataset
-from kubetrain.trainer.prepare import INDEX_NAME, PreparedDataset
+from kubetrain.trainer.data import CorruptShard, TokenDataset, build_datasets
+from kubetrain.trainer.prepare import INDEX_NAME, DatasetIndex, PreparedDataset
 from kubetrain.trainer.storage import open_storage
 
 SEQ, BATCH = 32, 2
@@ -190,3 +191,33 @@ def test_an_index_with_an_unknown_digest_is_refused_when_opened(
     with pytest.raises(ValueError, match=r"index.json: shard-00000.bin: unknown digest "
                                          r"algorithm 'md5'.*upgrade kubetrain"):
         TokenDataset(str(copy), seq_len=SEQ, micro_batch_size=BATCH)
+
+
+@pytest.mark.parametrize("every_steps", [0, 5])
+def test_a_validation_split_too_small_for_a_micro_batch_fails_only_a_job_that_evaluates(
+        prepared_corpus: PreparedDataset, every_steps: int) -> None:
+    """bench/cuda_oom.py on an H200: 64 sequences a micro-batch against an 11-sequence
+    validation split failed every attempt at step 0 although the job never evaluates."""
+    assert prepared_corpus.validation is not None
+    def sequences(index: DatasetIndex) -> int:
+        return sum((shard.tokens - 1) // SEQ for shard in index.shards)
+
+    micro = sequences(prepared_corpus.validation) + 1  # one more than the split holds
+    assert sequences(prepared_corpus.train) >= micro
+    spec = parse_job({
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "small-validation"},
+        "spec": {"image": "trainer", "model": {"preset": "tiny"},
+                 "data": {"train": prepared_corpus.train_uri, "seqLen": SEQ},
+                 "optimization": {"microBatchSize": micro},
+                 "evaluation": {"everySteps": every_steps},
+                 "checkpoint": {"uri": "file:///unused"}}}).spec
+    if every_steps:
+        with pytest.raises(ValueError, match=r"fewer than one micro-batch.*smaller seqLen"):
+            build_datasets(spec, rank=0, world_size=1)
+    else:
+        train, validation = build_datasets(spec, rank=0, world_size=1)
+        assert validation is None
+        inputs, _ = next(train)
+        assert inputs.shape == (micro, SEQ)
+        train.close()

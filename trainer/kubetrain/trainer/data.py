@@ -322,7 +322,9 @@ def build_datasets(
     """The training dataset of this rank and, if there is one, the validation dataset.
 
     Validation comes from `spec.data.validation`, else from the `validation` split
-    that `kubetrain prepare` wrote beside the training split; it is not shuffled.
+    that `kubetrain prepare` wrote beside the training split; it is not shuffled. With
+    evaluation off (`evaluation.everySteps: 0`) none is opened, so a validation split
+    smaller than one micro-batch of every rank cannot fail a job that never reads it.
     `micro_batch_size` overrides the spec's (an out-of-memory restart's smaller one): the
     position counts samples, so a step covers the same global samples at any split.
     """
@@ -334,7 +336,7 @@ def build_datasets(
         prefetch_shards=data.prefetch_shards, storage=spec.storage,
     )
     validation_uri = data.validation or _validation_beside(data.train, spec.storage)
-    if validation_uri is None:
+    if validation_uri is None or not spec.evaluation.every_steps:
         return train, None
     validation = TokenDataset(
         validation_uri, seq_len=data.seq_len, micro_batch_size=micro, rank=rank,
