@@ -29,7 +29,8 @@ _SCRIPT = """
 import os, sys, time
 from kubetrain import sdk
 rank = int(os.environ["RANK"])
-print(f"rank {rank} micro-batch {sdk.micro_batch_size(8)}", flush=True)
+# One write, so the ranks' lines never interleave (print writes the newline apart).
+os.write(1, f"rank {rank} micro-batch {sdk.micro_batch_size(8)}\\n".encode())
 if sys.argv[1] == "--oom-once":
     sys.exit(87 if os.environ["KUBETRAIN_OUT_OF_MEMORY_RESTARTS"] == "0" else 0)
 if rank == 1:
