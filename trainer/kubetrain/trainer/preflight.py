@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
-from typing import TypeVar
+from typing import Generic, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -184,6 +184,44 @@ def _finish(work: dist.Work | None, deadline: float) -> None:
     work.wait()  # raises the collective's own error, if it failed
 
 
+@dataclass(frozen=True)
+class Bounded(Generic[T]):
+    """How a call `run_bounded` gave a deadline ended: `finished` with its result or its
+    `error`, or not finished by then (its daemon thread left behind, still running)."""
+
+    finished: bool
+    result: T | None = None
+    error: Exception | None = None
+
+    def value(self, late: str) -> T:
+        """The call's result; its own error raised again, or TimeoutError(`late`) when it
+        had not finished."""
+        if not self.finished:
+            raise TimeoutError(late)
+        if self.error is not None:
+            raise self.error
+        return cast(T, self.result)
+
+
+def run_bounded(call: Callable[[], T], seconds: float, *, name: str) -> Bounded[T]:
+    """`call()` on a daemon thread called `name`, waited for at most `seconds`: the check's
+    joins, group splits and store connections wait on a stalled peer for their own
+    timeouts (30 minutes and more), which no caller can shorten, so the thread is left
+    behind at the deadline and the process ends without waiting for it."""
+    outcome: list[Bounded[T]] = []
+
+    def run() -> None:
+        try:
+            outcome.append(Bounded(True, result=call()))
+        except Exception as error:
+            outcome.append(Bounded(True, error=error))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(max(0.0, seconds))
+    return outcome[0] if outcome else Bounded(False)
+
+
 class Preflight:
     """The check of one attempt, on one rank: `check_device()`, join the group, `check_group()`.
 
@@ -276,30 +314,23 @@ class Preflight:
         part. On a thread given up at `give_up` (NCCL's split would wait on a stalled
         rank with no deadline); a thread left behind sets `abandoned_join`."""
         mine: dict[str, tuple[list[int], dist.ProcessGroup]] = {}
-        forming: list[str] = []
-        errors: list[Exception] = []
+        forming: list[str] = []  # the group being formed: the one a failure names
 
         def form() -> None:
-            try:
-                for name, groups in self.groups.items():
-                    for ranks in groups:
-                        forming[:] = [_named_group(name, ranks)]
-                        group = dist.new_group(ranks, timeout=timedelta(
-                            seconds=max(0.1, give_up - time.monotonic())))
-                        if self.rank in ranks:
-                            assert group is not None
-                            mine[name] = (ranks, group)
-                forming.clear()
-            except Exception as error:
-                errors.append(error)
+            for name, groups in self.groups.items():
+                for ranks in groups:
+                    forming[:] = [_named_group(name, ranks)]
+                    group = dist.new_group(ranks, timeout=timedelta(
+                        seconds=max(0.1, give_up - time.monotonic())))
+                    if self.rank in ranks:
+                        assert group is not None
+                        mine[name] = (ranks, group)
 
-        thread = threading.Thread(target=form, name="preflight-mesh", daemon=True)
-        thread.start()
-        thread.join(max(0.0, give_up - time.monotonic()))
-        if not forming:
+        outcome = run_bounded(form, give_up - time.monotonic(), name="preflight-mesh")
+        if outcome.finished and outcome.error is None:
             return mine, ""
-        self.abandoned_join = thread.is_alive()
-        why = errors[0] if errors else "not formed by the deadline"
+        self.abandoned_join = not outcome.finished
+        why = outcome.error or "not formed by the deadline"
         return {}, f"forming the group {forming[0]} failed: {why}"
 
     def joining(self) -> None:
@@ -316,27 +347,17 @@ class Preflight:
         connection to the attempt's store, as the one the join uses is not free."""
         if self.store is None:
             return init()
-        outcome: list[T | Exception] = []
-
-        def attempt() -> None:
-            try:
-                outcome.append(init())
-            except Exception as error:
-                outcome.append(error)
-
-        thread = threading.Thread(target=attempt, name="preflight-join", daemon=True)
-        thread.start()
-        thread.join(max(0.0, self.deadline - time.monotonic()) + VERDICT_GRACE_SECONDS)
-        if outcome and not isinstance(outcome[0], Exception):
-            return outcome[0]
-        self.abandoned_join = not outcome
-        error = (outcome[0] if outcome and isinstance(outcome[0], Exception)
-                 else TimeoutError("init_process_group did not return"))
+        outcome = run_bounded(init, max(0.0, self.deadline - time.monotonic())
+                              + VERDICT_GRACE_SECONDS, name="preflight-join")
         try:
-            store: dist.Store | None = dist.PrefixStore("preflight", reconnect())
-        except Exception:  # the store's host may be the one that stalled
-            store = None
-        raise self.failed_to_join(error, store) from error
+            return outcome.value("init_process_group did not return")
+        except Exception as error:
+            self.abandoned_join = not outcome.finished
+            try:
+                store: dist.Store | None = dist.PrefixStore("preflight", reconnect())
+            except Exception:  # the store's host may be the one that stalled
+                store = None
+            raise self.failed_to_join(error, store) from error
 
     def failed_to_join(self, error: Exception, store: dist.Store | None) -> PreflightFailed:
         """The failure of a group that did not form between the two stages (a rank stalled
@@ -532,23 +553,12 @@ def open_store(policy: PreflightPolicy, rank: int,
     turn): on a thread, left behind when it does not return in time. Raises
     PreflightFailed then, or when connecting fails."""
     timeout = store_timeout(policy)
-    outcome: list[dist.Store | Exception] = []
-
-    def attempt() -> None:
-        try:
-            outcome.append(connect(timeout))
-        except Exception as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=attempt, name="preflight-store", daemon=True)
-    thread.start()
-    thread.join(timeout.total_seconds())
-    if not outcome:
-        raise unreachable_store(rank, TimeoutError(
-            f"not connected within {timeout.total_seconds():g}s"))
-    if isinstance(outcome[0], Exception):
-        raise unreachable_store(rank, outcome[0]) from outcome[0]
-    return outcome[0]
+    outcome = run_bounded(lambda: connect(timeout), timeout.total_seconds(),
+                          name="preflight-store")
+    try:
+        return outcome.value(f"not connected within {timeout.total_seconds():g}s")
+    except Exception as error:
+        raise unreachable_store(rank, error) from error
 
 
 def unreachable_store(rank: int, error: Exception) -> PreflightFailed:
