@@ -995,6 +995,31 @@ def test_a_restart_in_place_with_max_restarts_spent_or_a_permanent_code_ends_the
     assert out.condition("Failed")["reason"] == "PermanentError"
 
 
+def test_a_restart_in_place_that_ends_the_job_ends_the_pass_there(
+        minimal_manifest: dict) -> None:
+    from kubetrain.operator.observed import TrainerEnd
+
+    invalid = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown",
+                         message="the trainer exited 2", exit_code=2)
+    # Worker 2 is missing and worker 0 failed: a running job would create the one and
+    # restart the other in this pass.
+    job = make_job(minimal_manifest, replicas=3, status=running_status(progress=TRAINING))
+    out = _with_ends(job, pod(0, phase="Failed", exit_code=1), pod(1), ends=(invalid,))
+    assert out.status is not None and out.status["phase"] == "Failed"
+    assert out.condition("Failed")["reason"] == "PermanentError"
+    # The end is recorded and nothing else acts: no pod created, deleted or cleaned up,
+    # no failure of worker 0 recorded, no restart.
+    assert [type(a).__name__ for a in out.actions] == [
+        "WriteStatus", "RecordEvent", "CountFailure", "RecordEvent"]
+    assert out.events == [("Warning", "WorkerFailure"), ("Warning", "PermanentError")]
+    assert out.status["failures"] == {"Unknown": 1} and out.status.get("restarts", 0) == 0
+    # The next pass finds the job finished and cleans up (cleanPodPolicy Running).
+    after = _with_ends(make_job(minimal_manifest, replicas=3, status=out.status),
+                       pod(0, phase="Failed", exit_code=1), pod(1), ends=(invalid,))
+    assert [(d.name, d.reason) for d in after.deleted] == [("demo-worker-1", "JobFinished")]
+    assert after.created == []
+
+
 def test_under_max_restarts_0_a_trainer_end_is_left_to_its_pods_own_end(
         minimal_manifest: dict) -> None:
     from kubetrain.operator.observed import TrainerEnd

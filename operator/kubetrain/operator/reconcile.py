@@ -33,6 +33,8 @@ Recovery policy, in the order it is checked:
 - while a restart is in progress, pods with an older restart-attempt label belong to
   it: they are replaced within it and never counted twice (also after an operator
   restart between recording a restart and deleting its pods);
+- a trainer that torchrun restarts in place (its pod runs on) is recorded and counted;
+  a job its end ends stops the pass there (kubetrain.operator.restarts);
 - a step that has not advanced for progressDeadlineSeconds restarts the group;
 - every restart counts against maxRestarts and waits an exponential backoff.
 
@@ -239,32 +241,42 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
         status.workers.desired = 0
         lifecycle.suspend(decision)
     else:
-        if status.phase == "Suspended":
-            lifecycle.resume(decision)
-        status.workers.desired = decision.replicas
-        nodes.expire_avoidance(decision)
-        nodes.lose_silent_pods(decision)
-        lifecycle.ensure_service_and_config(decision)
-        nodes.keep_schedulable(decision)
-        restarts.continue_restart(decision)
-        restarts.record_restarts_in_place(decision)
-        restarts.handle_failures(decision)
-        if status.phase not in FINISHED:
-            restarts.detect_hang(decision)
-            nodes.replace_stragglers(decision)
-        if status.phase not in FINISHED:
-            lifecycle.scale(decision,
-                            previous.workers.desired if previous.phase != "Suspended" else 0)
-            if not restarts.backing_off(decision):
-                lifecycle.create_missing(decision)
-            lifecycle.update_phase(decision)
-            nodes.report_avoidance(decision)
-            nodes.report_memory_copies(decision)
-        else:
-            lifecycle.clean_up(decision)
+        _run(decision, previous.workers.desired if previous.phase != "Suspended" else 0)
 
     kstatus.summarize(status, now)  # Ready, Reconciling, Stalled: from the phase just decided
     return _with_status(decision.actions, previous, status)
+
+
+def _run(decision: _Decision, previous_desired: int) -> None:
+    """The steps of a job that is neither finished nor suspended, in order."""
+    status = decision.status
+    if status.phase == "Suspended":
+        lifecycle.resume(decision)
+    status.workers.desired = decision.replicas
+    nodes.expire_avoidance(decision)
+    nodes.lose_silent_pods(decision)
+    lifecycle.ensure_service_and_config(decision)
+    nodes.keep_schedulable(decision)
+    restarts.continue_restart(decision)
+    restarts.record_restarts_in_place(decision)
+    if status.phase in FINISHED:
+        # A trainer's end ended the job (a permanent or repeated exit code): the pass stops
+        # with the end recorded; every later step was for a running job, and the next pass
+        # (the trainer's next end, a pod's event, the resync) cleans up the finished job.
+        return
+    restarts.handle_failures(decision)
+    if status.phase not in FINISHED:
+        restarts.detect_hang(decision)
+        nodes.replace_stragglers(decision)
+    if status.phase in FINISHED:
+        lifecycle.clean_up(decision)
+        return
+    lifecycle.scale(decision, previous_desired)
+    if not restarts.backing_off(decision):
+        lifecycle.create_missing(decision)
+    lifecycle.update_phase(decision)
+    nodes.report_avoidance(decision)
+    nodes.report_memory_copies(decision)
 
 
 def reject(job_status: dict[str, Any] | None, generation: int | None, message: str,

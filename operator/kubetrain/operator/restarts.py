@@ -219,8 +219,6 @@ def continue_restart(decision: _Decision) -> None:
 def handle_failures(decision: _Decision) -> None:
     """Fail the job or restart workers for failed, lost and stuck pods."""
     policy = decision.job.spec.run_policy
-    if decision.status.phase in ("Succeeded", "Failed"):
-        return  # a restart in place just ended the job
     failed, stuck = broken([pod for pod in decision.live_pods() if pod.index < decision.replicas],
                            policy, decision.held_back, decision.now)
     if not failed and not stuck:
