@@ -16,7 +16,12 @@ and the terminal for the local runner). In the order the runners check them:
 - the same `code` exit repeated with the training step not past where the streak began
   fails the job at runPolicy.repeatedFailureLimit (`next_streak`, `repeated`);
 - every other restart counts against runPolicy.maxRestarts (`restarts_spent`) and waits
-  a backoff that doubles per restart up to runPolicy.maxBackoffSeconds (`backoff_seconds`).
+  a backoff that doubles per restart up to runPolicy.maxBackoffSeconds (`backoff_seconds`);
+- on Kubernetes torchrun restarts a pod's trainers in place while that pod's own budget
+  (PET_MAX_RESTARTS = runPolicy.maxRestarts) lasts (`restarts_in_place`): such a restart
+  is counted and shown but ends no job for maxRestarts; past the budget the pod ends, and
+  its end is judged as above (out of memory halves, whatever restarts were spent).
+  `kubetrain run` runs torchrun with no budget, so every failure is the group's own.
 
 Torch-free and free of I/O and clocks. The exit codes and class names are
 `kubetrain.protocol`'s; the halving itself is `TrainingJobSpec.after_out_of_memory`.
@@ -86,6 +91,19 @@ def repeated(streak: FailureStreak, policy: RunPolicy) -> bool:
 def restarts_spent(policy: RunPolicy, restarts: int) -> bool:
     """Whether `restarts` counted restarts leave none for another (runPolicy.maxRestarts)."""
     return restarts >= policy.max_restarts
+
+
+def restarts_in_place(policy: RunPolicy, done_in_pod: int) -> bool:
+    """Whether torchrun restarts a pod's trainers in place after one failed, having done
+    `done_in_pod` restarts in place in that pod: its agent's budget is PET_MAX_RESTARTS =
+    runPolicy.maxRestarts, per pod (a new pod's agent starts with the whole budget).
+
+    True: the restart happens whatever `restarts_spent` says, so it is counted and shown
+    but does not end the job (a permanent or repeated exit code still does). False: the
+    pod's agent gives up and the pod ends; its end, a pod failure, is what the rules judge
+    (an out-of-memory kill then halves the micro-batch, which no restart in place can).
+    """
+    return done_in_pod < policy.max_restarts
 
 
 def backoff_seconds(policy: RunPolicy, restart: int) -> float:

@@ -12,7 +12,9 @@ agree on the micro-batch after out-of-memory restarts.
 A failure torchrun restarts in place on Kubernetes (`kubetrain run` runs it with no
 restarts of its own) reaches the operator as a trainer's end on its lifeline, the pods
 running on: both must still restart, or end the job for the same reason, and count the
-same restarts.
+same restarts. Past the pod's budget of restarts in place (PET_MAX_RESTARTS =
+maxRestarts) torchrun gives up and the pod ends: the operator judges the pod's end, as
+`kubetrain run` judges the same failure.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kubetrain.protocol import (
     OUT_OF_MEMORY_CLASSES,
     TRAINER_CLASSES,
     TRAINER_EXIT_CODES,
+    is_signal_exit,
 )
 from kubetrain.restart_rules import RetryKind
 
@@ -230,10 +233,16 @@ def operator_outcomes(minimal_manifest: dict, case: Case) -> list[Outcome]:
     return outcomes
 
 
-# Failures torchrun restarts in place on Kubernetes: the trainer process ends, its pod runs on.
-KILLED_IN_PLACE = Failure(-9, {})  # kill -9 of the trainer: its lifeline ends without a word
+# Failures torchrun restarts in place on Kubernetes: the trainer process ends, its pod runs
+# on. Killed (a signal exit), its lifeline ends without a word; `pod` is the pod's own end
+# once torchrun's budget is spent (torchrun exits 1, the container's reason says the rest).
+KILLED_IN_PLACE = Failure(-9, {"exit_code": 1})  # kill -9 of the trainer
+OOM_KILLED_IN_PLACE = Failure(-9, {"exit_code": 1, "reason": "OOMKilled"}, "OOMKilled")
 IN_PLACE_CASES = {
     "kills-in-place-until-max-restarts": Case([KILLED_IN_PLACE] * 4),
+    "an-oom-kill-past-the-pods-budget-halves": Case([KILLED_IN_PLACE] * 3
+                                                    + [OOM_KILLED_IN_PLACE]),
+    "an-oom-kill-under-max-restarts-0-halves": Case([OOM_KILLED_IN_PLACE], {"maxRestarts": 0}),
     "the-same-crash-in-place-repeats": Case([crash(1)] * 3),
     "progress-between-crashes-in-place": Case(
         [crash(1), crash(1).at(5), crash(1).at(5), crash(1).at(5)], {"maxRestarts": 5}),
@@ -244,7 +253,9 @@ IN_PLACE_CASES = {
 
 def operator_in_place_outcomes(minimal_manifest: dict, case: Case) -> tuple[list[Outcome], int]:
     """The operator's decisions on the same failures seen on worker 1's lifeline, and the
-    restarts it counted (status.restarts). No backoff: torchrun restarts at once."""
+    restarts it counted (status.restarts). No backoff: torchrun restarts at once. A failure
+    the operator leaves to the pod (past its budget) is followed by the pod's end, and
+    what that leads to is the outcome: it must be the case's last."""
     job = _job(minimal_manifest, case.run_policy)
     now = START
     running = [_worker(0, 0), _worker(1, 0)]
@@ -256,19 +267,27 @@ def operator_in_place_outcomes(minimal_manifest: dict, case: Case) -> tuple[list
         status = copy.deepcopy(status)
         status["progress"] = {**status.get("progress", {}), "step": failure.step}
         job = _job(minimal_manifest, case.run_policy, status)
-        said = failure.local_exit is not None and failure.local_exit > 0
+        said = failure.local_exit is not None and not is_signal_exit(failure.local_exit)
         ends.append(TrainerEnd(pod="demo-worker-1", time=now,
-                               failure_class=failure.failure_class,  # type: ignore[arg-type]
-                               message="ended", exit_code=failure.local_exit if said else None))
+                               failure_class=failure.failure_class if said  # type: ignore[arg-type]
+                               else "Unknown", message="ended",
+                               exit_code=failure.local_exit if said else None))
+        restarts = status.get("restarts", 0)
         actions = reconcile(job, Observed(pods=tuple(running), service=True, config_generation=1,
                                           trainer_ends=tuple(ends)), now)
         status = next(a.status for a in actions if isinstance(a, WriteStatus))
+        if status["phase"] == "Running" and status.get("restarts", 0) == restarts:
+            assert failure is case.failures[-1], "left to the pod before the case's end"
+            failed = _worker(1, 0, "Failed", **failure.pod)
+            job = _job(minimal_manifest, case.run_policy, status)
+            _, status = _pass(job, [running[0], failed], now)
+            assert status["phase"] in ("Restarting", "Failed"), status["phase"]
         micro = status["effective"]["microBatchSize"]
         if status["phase"] == "Failed":
             ending = next(c["reason"] for c in status["conditions"] if c["type"] == "Failed")
             outcomes.append(Outcome(False, 0.0, ending, micro))
             break
-        assert status["phase"] == "Running" and status["restartAttempt"] == 0
+        assert status["phase"] in ("Running", "Restarting")
         outcomes.append(Outcome(True, 0.0, None, micro))
     return outcomes, status.get("restarts", 0)
 
@@ -280,7 +299,10 @@ def test_a_restart_in_place_counts_as_the_local_runners_restart(minimal_manifest
     local = local_outcomes(_job(minimal_manifest, case.run_policy), case.failures)
     operator, counted = operator_in_place_outcomes(minimal_manifest, case)
     assert operator == [Outcome(o.restart, 0.0, o.ending, o.micro_batch_size) for o in local]
-    assert counted == sum(o.restart for o in local)
+    # Out-of-memory restarts (a smaller micro-batch) spend no maxRestarts in either runner.
+    micro_batches = [MICRO_BATCH] + [o.micro_batch_size for o in local]
+    assert counted == sum(o.restart and micro_batches[i] == o.micro_batch_size
+                          for i, o in enumerate(local))
 
 
 @pytest.mark.parametrize("name", CASES)

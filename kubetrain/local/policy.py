@@ -7,7 +7,11 @@ exponentially growing delay, until `maxRestarts` is spent; a permanent exit code
 or the same exit code repeating with the training step not past where it first
 failed, fails the job at once. A worker out of memory (OOMKilled, CUDAOutOfMemory)
 restarts the group at once with half the micro-batch and twice the accumulation
-(`after_out_of_memory`, spec.runPolicy.outOfMemory), outside maxRestarts.
+(`after_out_of_memory`, spec.runPolicy.outOfMemory), outside maxRestarts, however
+many restarts were spent. torchrun runs here with no budget of restarts in place
+(`--max-restarts 0`), so every failure is the group's own: the operator judges the same
+one at a pod's end once that pod's torchrun has spent its budget
+(`restart_rules.restarts_in_place`), and counts the restarts in place before it as these.
 `kubetrain.local.runner` acts on these decisions; nothing here touches a process or
 a clock.
 """

@@ -975,24 +975,66 @@ def test_the_ranks_of_one_restart_in_place_count_one_restart(minimal_manifest: d
     assert third.status is not None and third.status["restarts"] == 2
 
 
-def test_a_restart_in_place_with_max_restarts_spent_or_a_permanent_code_ends_the_job(
+def test_a_restart_in_place_within_its_pods_budget_counts_though_max_restarts_are_spent(
         minimal_manifest: dict) -> None:
     from kubetrain.operator.observed import TrainerEnd
 
+    # The job's two restarts were spent replacing pods; worker 1 is a new pod, whose
+    # torchrun has its own budget (PET_MAX_RESTARTS=2) and restarts in place whatever
+    # status.restarts says: counted and shown, and the job runs on.
     killed = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown",
-                        message="the trainer ended without a word")
+                        message="the trainer ended without a word; torchrun restarts the "
+                                "group in place")
     spent = make_job(minimal_manifest, status=running_status(progress=TRAINING, restarts=2),
                      maxRestarts=2)
     out = _with_ends(spent, pod(0), pod(1), ends=(killed,))
-    assert out.status is not None and out.status["phase"] == "Failed"
-    assert out.condition("Failed")["reason"] == "MaxRestartsExceeded"
+    assert out.status is not None and out.status["phase"] == "Running"
+    assert out.status["restarts"] == 3 and out.status["failures"] == {"Unknown": 1}
+    assert [r.reason for r in out.restarts] == ["RestartedInPlace"]
+    [shown] = [a.message for a in out.actions
+               if isinstance(a, RecordEvent) and a.reason == "RestartedInPlace"]
+    assert "demo-worker-1's restart in place 1 of 2" in shown, shown
+    assert out.deleted == [] and out.created == []
+
+
+def test_an_out_of_memory_kill_past_the_pods_budget_is_left_to_the_pod_which_halves(
+        minimal_manifest: dict) -> None:
+    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.restarts import LEFT_TO_THE_POD
+
+    # maxRestarts 2, both spent, and worker 1's torchrun restarted in place twice already:
+    # its budget is spent too. The kernel's OOM kill of its trainer (no word on the
+    # lifeline) ends the pod, not the job: the pod's OOMKilled end halves the micro-batch.
+    in_place = "; torchrun restarts the group in place"
+    earlier = tuple(TrainerEnd(pod="demo-worker-1", time=NOW - timedelta(seconds=seconds),
+                               failure_class="Unknown", message=f"killed{in_place}")
+                    for seconds in (60, 30))
+    oom = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown",
+                     message=f"the trainer ended without a word{in_place}")
+    status = running_status(progress=TRAINING, restarts=2, failures={"Unknown": 2},
+                            lastFailure={"class": "Unknown", "pod": "demo-worker-1",
+                                         "message": f"killed{in_place}",
+                                         "time": (NOW - timedelta(seconds=30)).isoformat()})
+    job = make_job(minimal_manifest, status=status, maxRestarts=2)
+    out = _with_ends(job, pod(0), pod(1), ends=(*earlier, oom))
+    assert out.status is not None and out.status["phase"] == "Running"
     assert out.status["restarts"] == 2 and out.restarts == []
-    invalid = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown",
-                         message="the trainer exited 2", exit_code=2)
-    out = _with_ends(make_job(minimal_manifest, status=running_status(progress=TRAINING)),
-                     pod(0), pod(1), ends=(invalid,))
-    assert out.status is not None and out.status["phase"] == "Failed"
-    assert out.condition("Failed")["reason"] == "PermanentError"
+    assert out.status["failures"] == {"Unknown": 3}
+    assert out.status["lastFailure"]["message"] == (
+        f"the trainer ended without a word; {LEFT_TO_THE_POD}")
+    assert ("Warning", "RestartedInPlace") not in out.events
+    assert out.deleted == [] and out.created == []
+    # torchrun gives up; the pod's own end names the OOM kill, and out of memory heals
+    # (it spends no maxRestarts); the trainer's end is retracted for it.
+    failed = pod(1, phase="Failed", exit_code=1, reason="OOMKilled")
+    after = _with_ends(make_job(minimal_manifest, status=out.status, maxRestarts=2), pod(0),
+                       failed, ends=(*earlier, oom))
+    assert after.status is not None and after.status["phase"] == "Restarting"
+    assert after.status["restart"]["reason"] == "OutOfMemory"
+    assert after.status["effective"]["microBatchSize"] < make_job(
+        minimal_manifest).spec.optimization.micro_batch_size
+    assert after.status["restarts"] == 2
+    assert after.status["failures"] == {"Unknown": 2, "OOMKilled": 1}
 
 
 def test_a_restart_in_place_that_ends_the_job_ends_the_pass_there(

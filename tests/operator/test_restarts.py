@@ -137,3 +137,22 @@ def test_a_failed_preflight_names_its_nodes_and_those_no_rank_reported_from() ->
              pod(3, attempt=0, node="node-d")]  # worker 3's node is an older attempt's
     assert preflight_nodes(failed, group, attempt=1) == ["node-b", "node-c"]
     assert preflight_nodes(failed, group, attempt=2) == ["node-b"]
+
+
+def test_a_pods_restarts_in_place_are_its_own_earlier_ends_one_per_restart() -> None:
+    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.restarts import restarts_in_place_done
+
+    def end(name: str, seconds: int) -> TrainerEnd:
+        return TrainerEnd(pod=name, time=NOW + timedelta(seconds=seconds),
+                          failure_class="Unknown", message="ended")
+
+    # Worker 1 (created at NOW): its two ranks ended together at 10 s (one restart), then
+    # one at 60 s; worker 0's end and one from worker 1's previous pod are not its own.
+    ends = [end("demo-worker-1", -30), end("demo-worker-1", 10), end("demo-worker-1", 11),
+            end("demo-worker-0", 40), end("demo-worker-1", 60), end("demo-worker-1", 90)]
+    worker_1 = pod(1, created_at=NOW)
+    assert [restarts_in_place_done(worker_1, ends, seen) for seen in ends
+            if seen.pod == "demo-worker-1" and seen.time >= NOW] == [0, 0, 1, 2]
+    # A pod whose creation is unknown counts every end of its name.
+    assert restarts_in_place_done(pod(1, created_at=None), ends, ends[-1]) == 3

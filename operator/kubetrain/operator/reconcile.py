@@ -33,8 +33,10 @@ Recovery policy, in the order it is checked:
 - while a restart is in progress, pods with an older restart-attempt label belong to
   it: they are replaced within it and never counted twice (also after an operator
   restart between recording a restart and deleting its pods);
-- a trainer that torchrun restarts in place (its pod runs on) is recorded and counted;
-  a job its end ends stops the pass there (kubetrain.operator.restarts);
+- a trainer that torchrun restarts in place (its pod runs on) is recorded and counted
+  while its pod's budget of restarts in place lasts, and ends the job only for a
+  permanent or repeated exit code, which stops the pass there; past the budget its pod's
+  own end is judged (kubetrain.operator.restarts);
 - a step that has not advanced for progressDeadlineSeconds restarts the group;
 - every restart counts against maxRestarts and waits an exponential backoff.
 

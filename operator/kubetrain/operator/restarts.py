@@ -7,9 +7,12 @@ hung workers, and the pure functions that decide them.
 - every failed pod is classed (`kubetrain.operator.failures`) and recorded in
   status.lastFailure and status.failures, with an event and a metric; so is every trainer
   failure that torchrun restarted in place, which only its lifeline shows
-  (`record_restarts_in_place`, `kubetrain.operator.lifelines`), and that restart is counted
-  in status.restarts under the same rules as the group's own (`count_restart_in_place`):
-  `kubetrain run` runs torchrun with no restarts of its own and counts the same failure;
+  (`record_restarts_in_place`, `kubetrain.operator.lifelines`). torchrun restarts a pod's
+  trainers in place while that pod's budget (PET_MAX_RESTARTS = runPolicy.maxRestarts,
+  `restart_rules.restarts_in_place`) lasts: such a restart is counted in status.restarts
+  and shown, and ends the job only for a permanent or repeated exit code, never for
+  maxRestarts (`count_restart_in_place`); past the budget the pod ends, and its own end is
+  judged as any failed pod's (an out-of-memory kill halves the micro-batch);
 - then, in order: a permanent exit code fails the job; out of memory restarts the
   group with half the micro-batch or fails it; a failed preflight avoids the nodes it
   named and restarts the group; repeated failures on one node avoid it; the same exit
@@ -26,7 +29,7 @@ Kubernetes, no clock but the pass's `now`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Final
 
@@ -69,6 +72,10 @@ WHOLE_GROUP_REASONS: Final = ("ProgressDeadlineExceeded", "OutOfMemory", "Prefli
 # Restarts with their own limit instead of maxRestarts, and no backoff (nothing to wait
 # out). Read only for a restart recorded before status.restart, as above.
 UNCOUNTED_REASONS: Final = ("OutOfMemory", "StragglerReplaced")
+# How status.lastFailure's message ends for a trainer's end past its pod's budget of
+# restarts in place, instead of the lifeline's IN_PLACE: the pod's own end follows.
+LEFT_TO_THE_POD: Final = ("torchrun has no restart in place left in this pod "
+                          "(runPolicy.maxRestarts): the pod ends")
 
 
 # --- pure rules ---------------------------------------------------------------------------
@@ -293,7 +300,7 @@ def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: da
     failed once: the pod's own record replaces that one in status.failures, and the restart
     that follows it replaces the in-place one in status.restarts and the streak."""
     last = status.last_failure
-    if (last is None or last.pod != pod.name or last.time is None or IN_PLACE not in last.message
+    if (last is None or last.pod != pod.name or last.time is None or not _trainer_end(last)
             or now - last.time > timedelta(seconds=IN_PLACE_RETRACT_SECONDS)):
         return
     left = status.failures.get(last.class_, 0) - 1
@@ -301,6 +308,8 @@ def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: da
         status.failures[last.class_] = left
     else:
         status.failures.pop(last.class_, None)
+    if IN_PLACE not in last.message:
+        return  # left to the pod (`LEFT_TO_THE_POD`): no restart was counted
     status.restarts = max(0, status.restarts - 1)
     streak = status.failure_streak
     if streak is not None and last.exit_code == streak.exit_code:
@@ -311,61 +320,87 @@ def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: da
 def record_restarts_in_place(decision: _Decision) -> None:
     """Record the trainer failures torchrun restarted in place, as `record_failures` does a
     failed pod's: status.lastFailure and the count by class, an event and a metric; and
-    count each restart (`count_restart_in_place`).
+    count each restart (`count_restart_in_place`) while the pod's budget of restarts in
+    place lasts (`restart_rules.restarts_in_place`). Past it, the pod ends: the failure is
+    shown as the lifeline told it, and the pod's own end is judged when it comes
+    (`handle_failures`, which retracts this record then).
 
     The lifelines (`kubetrain.operator.lifelines`) saw them; a pod's end is news while its
     pod still runs (a pod that failed, or is being deleted, is the pod's own story) and
     while it is newer than status.lastFailure, which records it once.
     """
     status = decision.status
+    policy = decision.job.spec.run_policy
     running = {pod.name: pod for pod in decision.live_pods()
                if pod.phase == "Running" and pod.exit_code is None and not pod.node_lost}
-    for end in decision.observed.trainer_ends:
+    ends = decision.observed.trainer_ends
+    for end in ends:
         pod = running.get(end.pod)
         last = status.last_failure
         if pod is None or (last is not None and last.time is not None and end.time <= last.time):
             continue
+        done = restarts_in_place_done(pod, ends, end)
+        in_place = rules.restarts_in_place(policy, done)
+        message = (end.message if in_place else
+                   f"{end.message.replace(IN_PLACE, '').rstrip('; ')}; {LEFT_TO_THE_POD}")
         status.failures[end.failure_class] = status.failures.get(end.failure_class, 0) + 1
         status.last_failure = WorkerFailure(
             class_=end.failure_class, pod=pod.name, node=pod.node, exit_code=end.exit_code,
-            message=end.message[:FAILURE_MESSAGE_LIMIT], time=end.time)
+            message=message[:FAILURE_MESSAGE_LIMIT], time=end.time)
         decision.event("WorkerFailure", f"{pod.name} on {pod.node or 'an unknown node'}: "
-                       f"{end.failure_class}: {end.message}", warning=True)
+                       f"{end.failure_class}: {message}", warning=True)
         decision.actions.append(CountFailure(end.failure_class))
-        if not count_restart_in_place(decision, end, last):
+        if in_place and not count_restart_in_place(decision, end, last, done):
             return
 
 
+def restarts_in_place_done(pod: WorkerPod, ends: Sequence[TrainerEnd], end: TrainerEnd) -> int:
+    """The restarts in place torchrun did in `pod` before the one `end` belongs to, from its
+    trainers' ends since the pod was created: ends within IN_PLACE_INCIDENT_SECONDS of the
+    first of a restart are its other ranks (one restart, one of the budget). Only ends the
+    lifelines still keep count (300 s; none from before an operator restart): an end then
+    taken as within the budget is retracted when the pod's own end follows
+    (`_retract_restart_in_place`)."""
+    times = sorted({seen.time for seen in ends
+                    if seen.pod == pod.name and seen.time < end.time
+                    and (pod.created_at is None or seen.time >= pod.created_at)} | {end.time})
+    done, first = -1, times[0]
+    for time in times:
+        if done < 0 or time - first > timedelta(seconds=IN_PLACE_INCIDENT_SECONDS):
+            done, first = done + 1, time
+    return done
+
+
+def _trainer_end(failure: WorkerFailure) -> bool:
+    """Whether status.lastFailure records a trainer's end its pod outlived, restarted in
+    place or left to the pod."""
+    return IN_PLACE in failure.message or LEFT_TO_THE_POD in failure.message
+
+
 def same_restart_in_place(end: TrainerEnd, previous: WorkerFailure | None) -> bool:
-    """Whether `end` belongs to the restart in place the previous status.lastFailure
-    recorded: another rank's end within IN_PLACE_INCIDENT_SECONDS of it."""
-    return (previous is not None and previous.time is not None and IN_PLACE in previous.message
+    """Whether `end` belongs to the restart the previous status.lastFailure recorded (in
+    place, or its pod's end): another rank's end within IN_PLACE_INCIDENT_SECONDS of it."""
+    return (previous is not None and previous.time is not None and _trainer_end(previous)
             and timedelta(0) <= end.time - previous.time
             <= timedelta(seconds=IN_PLACE_INCIDENT_SECONDS))
 
 
 def count_restart_in_place(decision: _Decision, end: TrainerEnd,
-                           previous: WorkerFailure | None = None) -> bool:
-    """Count the group restart torchrun did in place after `end`, or end the job: the
-    rules `handle_failures` applies to a failed pod, in its order, and `kubetrain run` to
-    the same failure (it runs torchrun with no restarts of its own). A permanent exit code
-    fails the job, so does the same exit code repeated with no progress, and so does a
-    restart with runPolicy.maxRestarts spent; any other counts in status.restarts, the
-    backoff of later restarts and the progress deadline's start (status.lastRestartTime).
-    Another rank's end in the same restart (`same_restart_in_place` with `previous`, the
-    status.lastFailure before `end`) is a failure recorded, not a restart, and so is an end
-    under maxRestarts 0, where torchrun restarts nothing in place. False when the job ended.
+                           previous: WorkerFailure | None = None, done_in_pod: int = 0) -> bool:
+    """Count the group restart torchrun did in place after `end`, within its pod's budget
+    (`done_in_pod` before it), or end the job: a permanent exit code fails it, and so does
+    the same exit code repeated with no progress, as `handle_failures` and `kubetrain run`
+    judge the same failure. Spent maxRestarts do not: torchrun restarts within its pod's
+    budget whatever the job's count, so the restart counts in status.restarts, the backoff
+    of later restarts and the progress deadline's start (status.lastRestartTime), and
+    maxRestarts is judged at a pod's own end. Another rank's end in the same restart
+    (`same_restart_in_place` with `previous`, the status.lastFailure before `end`) is a
+    failure recorded, not a restart. False when the job ended.
     """
     if same_restart_in_place(end, previous):
         return True
     status = decision.status
     policy = decision.job.spec.run_policy
-    if policy.max_restarts == 0:
-        # torchrun restarts in place only within its own budget, PET_MAX_RESTARTS =
-        # maxRestarts: with none, the pod is ending, and its own end decides (a trainer
-        # that ended without a word may be the kernel's OOM kill, which only the pod's end
-        # names, and out of memory is healed, not failed).
-        return True
     what = f"{end.pod}'s trainer: {end.failure_class}: {end.message}"
     kind = rules.retry_kind(end.exit_code, policy.permanent_exit_codes,
                             failure_class=end.failure_class)
@@ -377,16 +412,12 @@ def count_restart_in_place(decision: _Decision, end: TrainerEnd,
         return False
     if kind == "code" and repeated_failure(decision, end.exit_code, what):
         return False
-    if rules.restarts_spent(policy, status.restarts):
-        decision.finish("Failed", "MaxRestartsExceeded",
-                        f"{what}; the job already restarted {status.restarts} times "
-                        f"(runPolicy.maxRestarts: {policy.max_restarts})")
-        return False
     status.restarts += 1
     status.last_restart_time = end.time
-    decision.event(RESTARTED_IN_PLACE, f"{what}: restart {status.restarts} of "
-                   f"{policy.max_restarts}, done by torchrun inside the running pods",
-                   warning=True)
+    decision.event(RESTARTED_IN_PLACE, f"{what}: restart {status.restarts} "
+                   f"(runPolicy.maxRestarts: {policy.max_restarts}), done by torchrun inside "
+                   f"the running pods: {end.pod}'s restart in place {done_in_pod + 1} of "
+                   f"{policy.max_restarts}", warning=True)
     decision.actions.append(CountRestart(RESTARTED_IN_PLACE))
     return True
 
