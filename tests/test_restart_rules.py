@@ -262,7 +262,7 @@ def operator_in_place_outcomes(minimal_manifest: dict, case: Case) -> tuple[list
     _, status = _pass(job, running, now)
     ends: list[TrainerEnd] = []
     outcomes = []
-    for failure in case.failures:
+    for number, failure in enumerate(case.failures, 1):
         now += timedelta(minutes=1)
         status = copy.deepcopy(status)
         status["progress"] = {**status.get("progress", {}), "step": failure.step}
@@ -277,7 +277,7 @@ def operator_in_place_outcomes(minimal_manifest: dict, case: Case) -> tuple[list
                                           trainer_ends=tuple(ends)), now)
         status = next(a.status for a in actions if isinstance(a, WriteStatus))
         if status["phase"] == "Running" and status.get("restarts", 0) == restarts:
-            assert failure is case.failures[-1], "left to the pod before the case's end"
+            assert number == len(case.failures), "left to the pod before the case's end"
             failed = _worker(1, 0, "Failed", **failure.pod)
             job = _job(minimal_manifest, case.run_policy, status)
             _, status = _pass(job, [running[0], failed], now)
