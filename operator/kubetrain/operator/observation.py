@@ -206,15 +206,17 @@ def _ranks(decision: _Decision) -> None:
     previous = decision.status.ranks
     if previous is not None and previous.step == sample.ranks_step:
         return  # the same interval, scraped again
+    tensor_parallel = decision.job.spec.parallelism.tensor_parallel  # judged as groups
     judged = stragglers.judge(previous, sample.ranks_step, sample.ranks, policy.threshold,
-                              policy.window)
+                              policy.window, tensor_parallel)
     decision.status.ranks = judged
     slow = stragglers.stragglers(judged)
     if not slow:
         decision.condition("Straggler", False, "NoSlowRank", "every rank's compute time is "
                            f"within {policy.threshold:g}x the median rank's")
         return
-    said = {(rank.rank, rank.pod): stragglers.describe(rank, policy.window) for rank in slow}
+    said = {(rank.rank, rank.pod): stragglers.describe(rank, policy.window, tensor_parallel)
+            for rank in slow}
     decision.condition("Straggler", True, "SlowRank", "; ".join(said.values()) + (
         f" (runPolicy.stragglers: threshold {policy.threshold:g}, window {policy.window}, "
         f"action {policy.action})"))

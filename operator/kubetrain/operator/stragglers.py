@@ -18,6 +18,22 @@ difference between two scrapes is what each rank computed in between. Only where
 counter is missing or went back (a new process) does the rule fall back on the last
 logged interval alone, which with short steps is a small, noisy sample of the span.
 
+Under tensor parallelism the unit judged is the tensor-parallel group, not the rank: the
+ranks of one group wait on each other inside every layer (DTensor's collectives, which
+rank timing does not time), so a slow rank's group peers count that wait as compute and
+the group runs, and looks, as slow as its slowest rank; which rank of it is slow cannot
+be told from the figures (the peer often shows the larger compute). So the group is
+judged as one, and every rank of a slow group is named. A group's compute is its
+smallest rank's: each rank of a group counts its waits for the others as compute, so the
+smallest figure is the group's own pace with the least of other groups' lateness in it (a
+rank that waited for a slow rank elsewhere in a timed collective makes its group peer
+wait for it in an untimed one). The median is the median group's. The ranks of one
+group are consecutive and inside one pod (the mesh keeps tensor parallelism within a
+pod), so what is named is one pod on one node, which is what Replace moves. The operator
+knows the spec's tensorParallel; a degree that `strategy: auto` chose is the trainer's
+alone, and such a mesh is judged rank by rank, where the peers' like figures mostly name
+the group anyway.
+
 Pure: no Kubernetes, no clock. `kubetrain.operator.observation` keeps the result in
 status.ranks, which carries each rank's streak from one scrape to the next and across
 operator restarts; `kubetrain.operator.nodes` replaces a straggler.
@@ -33,20 +49,23 @@ from kubetrain.operator.observed import RankSample
 
 
 def judge(previous: RanksStatus | None, step: int, ranks: Sequence[RankSample],
-          threshold: float, window: int) -> RanksStatus:
+          threshold: float, window: int, tensor_parallel: int = 1) -> RanksStatus:
     """Every rank's slowness in the interval ending at `step`, how long it has been slow
     (or, a straggler, back to normal), and whether it is a straggler.
 
     The same `step` as `previous` is the same interval, scraped again: nothing changes.
     A rank's streaks go on only while the same pod holds that rank; after a membership
-    change the ranks are new processes and start again from 0.
+    change the ranks are new processes and start again from 0. With `tensor_parallel`
+    above 1, each rank is judged by its tensor-parallel group's compute against the median
+    group's (`_by_group`).
     """
     if previous is not None and previous.step == step:
         return previous
     before = {(rank.rank, rank.pod): rank
               for rank in (previous.ranks if previous is not None else [])}
     computes = _since(before, ranks) or [rank.compute_seconds for rank in ranks]
-    median = statistics.median(computes) if computes else 0.0
+    computes, judged_ones = _by_group(ranks, computes, tensor_parallel)
+    median = statistics.median(judged_ones) if judged_ones else 0.0
     judged = []
     for rank, compute in zip(ranks, computes, strict=True):
         slowness = compute / median if median > 0 else 1.0
@@ -78,6 +97,23 @@ def _since(before: dict[tuple[int, str], RankSlowness],
     return spans
 
 
+def _by_group(ranks: Sequence[RankSample], computes: list[float],
+              tensor_parallel: int) -> tuple[list[float], list[float]]:
+    """Each rank's compute as judged, and the figures the median is taken over: the ranks'
+    own without tensor parallelism; under it, each rank's tensor-parallel group's smallest
+    (the group of rank r is r // tensor_parallel), with one figure per group. Ranks that
+    do not fill whole groups (a group mid-rescale) are judged one by one."""
+    if tensor_parallel <= 1 or len(ranks) % tensor_parallel:
+        return computes, computes
+    groups: dict[int, float] = {}
+    for rank, compute in zip(ranks, computes, strict=True):
+        group = rank.rank // tensor_parallel
+        groups[group] = min(groups.get(group, compute), compute)
+    if len(groups) * tensor_parallel != len(ranks):
+        return computes, computes
+    return [groups[rank.rank // tensor_parallel] for rank in ranks], list(groups.values())
+
+
 def stragglers(status: RanksStatus) -> list[RankSlowness]:
     """The ranks that are stragglers now, slowest first."""
     return sorted((rank for rank in status.ranks if rank.straggler),
@@ -91,11 +127,19 @@ def newly(previous: RanksStatus | None, status: RanksStatus) -> list[RankSlownes
     return [rank for rank in stragglers(status) if (rank.rank, rank.pod) not in before]
 
 
-def describe(rank: RankSlowness, window: int) -> str:
+def describe(rank: RankSlowness, window: int, tensor_parallel: int = 1) -> str:
     """A straggler in words: where it runs, how slow, for how long (or, slow no more, how
-    far it is through the `window` of normal intervals that ends its report)."""
-    where = (f"rank {rank.rank} in pod {rank.pod} on node {rank.node} computes "
-             f"{rank.slowness:.2f}x the median rank's time per step")
+    far it is through the `window` of normal intervals that ends its report). Under tensor
+    parallelism it is the rank's group that is slow, and the words say so."""
+    if tensor_parallel > 1:
+        first = rank.rank - rank.rank % tensor_parallel
+        where = (f"rank {rank.rank} in pod {rank.pod} on node {rank.node}, of the "
+                 f"tensor-parallel group of ranks {first}-{first + tensor_parallel - 1} "
+                 "(they run at one pace: which of them is slow cannot be told), computes "
+                 f"{rank.slowness:.2f}x the median group's time per step")
+    else:
+        where = (f"rank {rank.rank} in pod {rank.pod} on node {rank.node} computes "
+                 f"{rank.slowness:.2f}x the median rank's time per step")
     if rank.slow_intervals:
         return f"{where}, for {rank.slow_intervals} intervals"
     return (f"{where}, at or under the threshold for {rank.normal_intervals} of the "

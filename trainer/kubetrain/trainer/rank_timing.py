@@ -11,7 +11,16 @@ What is measured, per step, on each rank's host clock:
   gradient reduce-scatters, which FSDP lets a caller replace (`set_custom_all_gather`,
   `set_custom_reduce_scatter`): the replacements here are FSDP's defaults with a clock
   around them.
+  Under HSDP, FSDP2 also all-reduces each gradient shard across the replicate dimension
+  with a plain `dist.all_reduce` it offers no hook for: `time_fsdp_collectives` puts the
+  clock around that call too (`_TimedAllReduce`), or a rank waiting there for a slow
+  replica in the other pod would count the wait as its compute, and the rule would name
+  the healthy pod's ranks instead of the slow one.
 - compute: the rest of the step (data fetch, forward, backward, optimizer).
+  Tensor parallelism's collectives (DTensor's, inside every layer) are not timed: the
+  ranks of one tensor-parallel group wait on each other there, so a slow rank's group
+  peers count that wait as compute and the whole group looks slow; the straggler rule
+  judges a tensor-parallel group as one (`kubetrain.operator.stragglers`).
 On CPU (gloo) these collectives block the host, so the clock sees the wait. On a GPU,
 NCCL work runs on its own streams and the host does not wait in it: there the clock
 records a pair of CUDA events on the current stream around each collective, and reads
@@ -41,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
@@ -154,12 +164,42 @@ class _TimedReduceScatter(DefaultReduceScatter):
         return _timed(work, self.clock)  # type: ignore[return-value]
 
 
+class _TimedAllReduce:
+    """`torch.distributed` as FSDP2's gradient reduction sees it, with `all_reduce` timed.
+
+    FSDP2 calls `dist.all_reduce` there only for HSDP's all-reduce across the replicate
+    dimension (`foreach_reduce`), and lets a caller replace its all-gather and
+    reduce-scatter but not that: so its module's `dist` is this, which hands every other
+    name to torch.distributed unchanged.
+    """
+
+    def __init__(self, clock: WaitClock) -> None:
+        self.clock = clock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work | None:
+        with self.clock.waiting():
+            work = dist.all_reduce(tensor, *args, **kwargs)
+        return _timed(work, self.clock)
+
+
 def time_fsdp_collectives(model: torch.nn.Module, clock: WaitClock) -> None:
-    """Put `clock` around every FSDP2 all-gather and reduce-scatter of `model` (if sharded)."""
+    """Put `clock` around every FSDP2 all-gather and reduce-scatter of `model` (if sharded),
+    and around HSDP's all-reduce across replicas.
+
+    The all-reduce's clock is the process's (FSDP2's module is shared): the latest model
+    timed, which is the one training, since a process trains one model at a time.
+    """
+    sharded = False
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_custom_all_gather(_TimedAllGather(clock))
             module.set_custom_reduce_scatter(_TimedReduceScatter(clock))
+            sharded = True
+    if sharded:
+        _fsdp_collectives.dist = _TimedAllReduce(clock)  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
