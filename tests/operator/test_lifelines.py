@@ -206,6 +206,122 @@ def test_a_trainer_whose_node_stops_answering_is_silent_and_a_stopped_one_is_not
     asyncio.run(scenario())
 
 
+def _never_silent(lifelines: Lifelines, key: tuple[str, str], seconds: float) -> bool:
+    """Whether the job's pods stay out of `silent` for `seconds` (looked at every 10 ms)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        if lifelines.silent(key):
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _beats_then_one_late(listener: socket.socket, late: float) -> None:
+    """A lifeline whose new connections go unanswered (the accept queue full): beats to
+    its one follower every 0.1 s for 0.5 s, then one more after `late` seconds, then
+    ends in order."""
+    follower, _ = listener.accept()
+    queued = _fill_accept_queue(listener.getsockname()[1])
+    try:
+        for _ in range(5):
+            follower.sendall(b"beat\n")
+            time.sleep(0.1)
+        time.sleep(late)
+        follower.sendall(b"beat\n")
+        time.sleep(0.3)
+        follower.sendall(end_line(0, "max_steps"))
+    finally:
+        follower.close()
+        for client in queued:
+            client.close()
+
+
+def test_a_beat_that_comes_while_the_probe_is_out_keeps_the_pod_and_a_lost_one_is_quick(
+        ) -> None:
+    port = free_port()
+    key = ("default", "job")
+    pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
+                    ip="127.0.0.1")
+
+    async def scenario() -> None:
+        news: list[tuple[str, str]] = []
+        loop = asyncio.get_running_loop()
+        # Silent 0.5 s after the last beat, then a probe that nothing answers, given 1.5 s:
+        # the late beat comes 1 s after the last, while it is out.
+        lifelines = Lifelines(news.append, retry_seconds=0.1, silence_seconds=0.5,
+                              probe_seconds=1.5)
+        listener = socket.create_server(("127.0.0.1", port), backlog=0)
+        try:
+            lifelines.start(loop)
+            lifelines.follow(key, [pod], [port])
+            node = loop.run_in_executor(None, _beats_then_one_late, listener, 1.0)
+            kept = await loop.run_in_executor(None, _never_silent, lifelines, key, 3.0)
+            await node
+            assert kept and news == [], "a beat came before the probe gave up: not lost"
+        finally:
+            listener.close()
+            await lifelines.close()
+
+        # With the operator's own thresholds, a lost node (no beat, no handshake) is silent
+        # within 1.5 s of silence and 1 s of probe.
+        lifelines = Lifelines(news.append, retry_seconds=0.1)
+        lifelines.start(loop)
+        lifelines.follow(key, [pod], [port])
+        process = await loop.run_in_executor(None, followed_trainer, port)
+        queued: list[socket.socket] = []
+        try:
+            await asyncio.sleep(0.6)
+            os.kill(process.pid, signal.SIGSTOP)
+            queued = _fill_accept_queue(port)
+            lost = time.monotonic()
+            while not lifelines.silent(key):
+                assert time.monotonic() - lost < 10, "never taken for silent"
+                await asyncio.sleep(0.01)
+            noticed = time.monotonic() - lost
+            print(f"silent {noticed:.2f}s after its node stopped answering")
+            assert noticed < 2.8, noticed  # it was 3 s of silence and 1 s of probe
+        finally:
+            for client in queued:
+                client.close()
+            process.kill()
+            await loop.run_in_executor(None, process.wait)
+            await lifelines.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stopped_trainer_probed_again_and_again_is_never_taken_for_a_lost_node() -> None:
+    # Each probe waits in the stopped process's accept queue (16) until it is accepted: probed
+    # at every silence, the queue would fill in under 2 s here and answer nothing.
+    port = free_port()
+    key = ("default", "job")
+    pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
+                    ip="127.0.0.1")
+
+    async def scenario() -> None:
+        news: list[tuple[str, str]] = []
+        loop = asyncio.get_running_loop()
+        lifelines = Lifelines(news.append, retry_seconds=0.1, silence_seconds=0.1,
+                              probe_seconds=0.5)
+        lifelines.start(loop)
+        lifelines.follow(key, [pod], [port])
+        process = await loop.run_in_executor(None, followed_trainer, port)
+        try:
+            os.kill(process.pid, signal.SIGSTOP)
+            kept = await loop.run_in_executor(None, _never_silent, lifelines, key, 4.0)
+            assert kept and news == [], "a hang is not a loss, however long"
+            os.kill(process.pid, signal.SIGCONT)
+            await asyncio.sleep(0.6)
+            assert lifelines.silent(key) == frozenset() and lifelines.ends(key) == ()
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+            process.kill()
+            await loop.run_in_executor(None, process.wait)
+            await lifelines.close()
+
+    asyncio.run(scenario())
+
+
 # --- the real operator ---------------------------------------------------------------------
 
 

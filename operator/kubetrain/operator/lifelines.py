@@ -17,13 +17,16 @@ says what happened:
   the pod's own status arrives first when the container ended too.
 
 A connection that stays open with no beat for `silence_seconds`, to an address that then
-does not answer a new connection within `probe_seconds` either (a node or its network
-lost: no reset comes, no handshake), makes the pod *silent* (`silent`) until a beat comes
-again; the reconcile replaces a silent pod as one of a lost node
-(`kubetrain.operator.nodes`), long before the node is marked NotReady. A stopped or stuck
-process whose node still completes the handshake is not silent: that is a hang, for the
-progress deadline. Beats come from a thread of their own, so a long step does not stop
-them.
+does not answer a new connection within `probe_seconds` either, while still no beat comes
+(a node or its network lost: no reset comes, no handshake), makes the pod *silent*
+(`silent`) until a beat comes again; the reconcile replaces a silent pod as one of a lost
+node (`kubetrain.operator.nodes`), long before the node is marked NotReady. A stopped or
+stuck process whose node still completes the handshake is not silent: that is a hang, for
+the progress deadline. Each probe it answers doubles the silence before the next one (up
+to `MAX_SILENCE_SECONDS`): a probe waits in the stopped process's accept queue until it is
+accepted, and a full queue (16) answers nothing, as a lost node. Beats come from a thread
+of their own, so a long step does not stop them; the threshold is a few missed beats, not
+a step time.
 
 It keeps the ends it saw for a while (`ends`) and asks for a reconcile of the job
 (`on_news`), at once when a pod goes silent; reconcile
@@ -37,9 +40,9 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime, timedelta
-from typing import cast
+from typing import Any, cast
 
 from kubetrain.operator.observed import IN_PLACE, TrainerEnd, WorkerPod
 from kubetrain.protocol import (
@@ -57,11 +60,15 @@ log = logging.getLogger(__name__)
 
 JobKey = tuple[str, str]  # (namespace, name)
 ORDERLY_EXITS = frozenset({EXIT_COMPLETE, EXIT_RESTART, EXIT_SIGNALLED})
-# Beats come every LIFELINE_BEAT_SECONDS: this long without one, the trainer's node or its
-# network is taken as lost.
-SILENCE_SECONDS = 3.0
-# Then a new connection to the same address, given this long: a node that answers it is up.
+# Beats come every LIFELINE_BEAT_SECONDS from a thread of their own: this long without one
+# (three missed), the pod's address is probed.
+SILENCE_SECONDS = 1.5
+# A new connection to the same address, given this long (a lost node completes none; a
+# live one in well under a millisecond on a cluster network, and its kernel answers even
+# for a stopped process): unanswered, with still no beat, the node or its network is lost.
 PROBE_SECONDS = 1.0
+# The longest silence between two probes of a stopped or stuck process (see the module).
+MAX_SILENCE_SECONDS = 60.0
 NO_WORD = ("the trainer process ended without a word (kill -9, a crash or the kernel's OOM "
            "killer)")
 
@@ -202,25 +209,7 @@ class Lifelines:
                 continue
             last: bytes | None = None
             try:
-                while True:
-                    try:
-                        line = await asyncio.wait_for(reader.readline(), self.silence_seconds)
-                    except TimeoutError:
-                        if await self._answers(host, port):
-                            # Its node answers: the process is stopped or stuck, not lost
-                            # (the progress deadline is for a hung group).
-                            if self._beating(key, pod, port):
-                                self.on_news(key)
-                        elif self._beating(key, pod, port, beating=False):
-                            log.warning("%s/%s: no beat from its trainer for %gs, and its "
-                                        "node does not answer", key[0], pod,
-                                        self.silence_seconds)
-                            self.on_news(key)
-                        continue
-                    if not line:
-                        break
-                    if self._beating(key, pod, port):
-                        self.on_news(key)  # it beats again (a process resumed)
+                async for line in self._lines(key, pod, host, port, reader):
                     if line.startswith(b"end"):
                         last = line
             except OSError:
@@ -236,3 +225,43 @@ class Lifelines:
                     self._ends.setdefault(key, []).append(end)
                 asyncio.get_running_loop().call_later(self.settle_seconds, self.on_news, key)
             await asyncio.sleep(self.retry_seconds)
+
+    async def _lines(self, key: JobKey, pod: str, host: str, port: int,
+                     reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+        """The lines of one connection until it ends, marking the pod silent or beating on
+        the way (see the module docstring)."""
+        silence = self.silence_seconds
+        line = asyncio.ensure_future(reader.readline())
+        try:
+            while True:
+                done, _ = await asyncio.wait({line}, timeout=silence)
+                if not done:
+                    probe = asyncio.ensure_future(self._answers(host, port))
+                    either: set[asyncio.Future[Any]] = {line, probe}
+                    try:  # a beat that comes while the probe is out settles it
+                        first, _ = await asyncio.wait(either,
+                                                      return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        probe.cancel()
+                    if line not in first:
+                        if probe.result():
+                            # Its node answers: the process is stopped or stuck, not lost
+                            # (the progress deadline is for a hung group).
+                            silence = min(2 * silence, MAX_SILENCE_SECONDS)
+                            if self._beating(key, pod, port):
+                                self.on_news(key)
+                        elif self._beating(key, pod, port, beating=False):
+                            log.warning("%s/%s: no beat from its trainer for %gs, and its "
+                                        "node does not answer", key[0], pod, silence)
+                            self.on_news(key)
+                        continue
+                got = line.result()
+                if not got:
+                    return
+                silence = self.silence_seconds
+                if self._beating(key, pod, port):
+                    self.on_news(key)  # it beats again (a process resumed)
+                line = asyncio.ensure_future(reader.readline())
+                yield got
+        finally:
+            line.cancel()
