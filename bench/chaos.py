@@ -30,7 +30,8 @@ goodput lost: the seconds from the fault until rank 0 printed a step past the on
 reached, less the uninterrupted run's time for the steps made meanwhile. Overall:
 goodput as the uninterrupted wall time over the faulted wall time (apply to Succeeded),
 and the operator's own status.goodput. Every status change the job showed is printed at
-the end. Needs root, containerd, runc and the images (`make images`; built here when not
+the end, and so is what the operator logged from the node loss until training again.
+Needs root, containerd, runc and the images (`make images`; built here when not
 cached, about a minute more); skips, saying why, without them. About 4 minutes on 2 cores.
 
     sudo .venv/bin/python bench/chaos.py --memory-tier [--s3-every 50] [--memory-every 2]
@@ -69,6 +70,7 @@ from controllers import NodeLifecycle, Scheduler  # noqa: E402
 from emulator import EmulatedCluster  # noqa: E402
 from machine_state import left_behind, snapshot  # noqa: E402
 from pod_network import ensure_namespace_folder, remove_namespace_folder  # noqa: E402
+from recovery import operator_lines, print_timeline  # noqa: E402
 from whole_loop import (  # noqa: E402
     NAMESPACE,
     Cluster,
@@ -188,20 +190,25 @@ def run_uninterrupted(cluster: Cluster, name: str, manifest: dict[str, Any]
 
 
 def recover(cluster: Cluster, name: str, inject: Callable[[], None],
-            after: Callable[[], None] | None = None) -> tuple[float, int, float, float, int]:
+            after: Callable[[], None] | None = None,
+            logged: list[tuple[float, str]] | None = None
+            ) -> tuple[float, int, float, float, int]:
     """Inject a crash-like fault; wait until training is back past the step it had reached.
 
     Returns (the fault's time, the step reached then, seconds until training again,
     the time back past that step, steps redone); `after` runs once training is again.
+    With `logged`, what the operator logged until then goes there (seconds after the fault).
     """
     before = cluster.trainer_lines(name)
     known = len(resumes(before))
     reached = max(steps_printed(before), default=0)
-    faulted = time.monotonic()
+    faulted, faulted_at = time.monotonic(), time.time()
     inject()
     wait(cluster, f"{name} to train again",
          lambda: advanced_after_resume(cluster.trainer_lines(name), resumes=known + 1), 400)
     again = time.monotonic() - faulted
+    if logged is not None:
+        logged += operator_lines(cluster, faulted_at, time.time())
     if after is not None:
         after()
 
@@ -226,7 +233,9 @@ def lose_node(cluster: Cluster, name: str, lost: list[str]) -> None:
 
 
 def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: float,
-                straggle_s: float) -> tuple[float, list[Row], Watcher, dict[str, Any]]:
+                straggle_s: float, logged: list[tuple[float, str]]
+                ) -> tuple[float, list[Row], Watcher, dict[str, Any]]:
+    """The job under the faults; what the operator logged after the node loss to `logged`."""
     rows: list[Row] = []
     applied = time.monotonic()
     with Watcher(cluster, name) as watcher:
@@ -238,10 +247,11 @@ def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: f
             wait(cluster, f"{name} at step {target}", lambda: printed(cluster, name) >= target)
 
         def crash(fault: str, inject: Callable[[], None], shown: Callable[[str], bool],
-                  after: Callable[[], None] | None = None) -> None:
+                  after: Callable[[], None] | None = None,
+                  logs: list[tuple[float, str]] | None = None) -> None:
             settle()
             say(f"{fault} at step {printed(cluster, name)}")
-            faulted, reached, again, back, redone = recover(cluster, name, inject, after)
+            faulted, reached, again, back, redone = recover(cluster, name, inject, after, logs)
             net = printed(cluster, name) - reached
             signal = watcher.first(faulted, time.monotonic() + 5, shown)
             row = Row(fault, reached, signal.at - faulted if signal else None,
@@ -284,7 +294,7 @@ def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: f
 
             crash("node loss", lose,
                   lambda what: "NodeLost" in what or "lastFailure" in what,
-                  after=lambda: cluster.agent.restore_node(lost_node[0]))
+                  after=lambda: cluster.agent.restore_node(lost_node[0]), logs=logged)
         finally:
             for node in lost_node:
                 cluster.agent.restore_node(node)
@@ -507,6 +517,7 @@ def main() -> int:
     # last when this run made it, as the test session does (tests/conftest.py)
     made_netns_folder = ensure_namespace_folder()
     before = snapshot()
+    code = 0
     with tempfile.TemporaryDirectory(prefix="kubetrain-chaos-") as folder, \
             EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
             NodeLifecycle(api=api.api_client()), \
@@ -522,21 +533,29 @@ def main() -> int:
                                                                job("chaos-base"))
             say(f"  {base_wall:.1f}s from apply to Succeeded, {step_s * 1000:.0f} ms per step")
             say("the same job under faults")
+            logged: list[tuple[float, str]] = []
             wall, rows, watcher, status = run_faulted(cluster, "chaos", job("chaos"), step_s,
-                                                      args.straggle_seconds)
+                                                      args.straggle_seconds, logged)
             say(f"  {wall:.1f}s from apply to Succeeded")
             oom_row, oom_note = run_oom(cluster)
+            # Printed before the whole loop stops: its figures survive a failed tear-down.
+            report(args.steps, rows, oom_row, oom_note, base_wall, wall, base_status, status,
+                   watcher, logged)
     left = left_behind(before, snapshot(), mine)
     if made_netns_folder:
         remove_namespace_folder()
-    if args.memory_tier:
-        if left:
-            print("the run left this on the machine:\n" + "\n".join(left))
-            return 1
-        print(f"\nthe whole benchmark took {time.monotonic() - STARTED:.0f}s")
-        return code
+    if left:
+        print("the run left this on the machine:\n" + "\n".join(left))
+        return 1
+    print(f"\nthe whole benchmark took {time.monotonic() - STARTED:.0f}s")
+    return code
 
-    print(f"\nwhole loop, 2 workers x 1 process, tiny preset, {args.steps} steps, checkpoint "
+
+def report(steps: int, rows: list[Row], oom_row: Row, oom_note: str, base_wall: float,
+           wall: float, base_status: dict[str, Any], status: dict[str, Any], watcher: Watcher,
+           logged: list[tuple[float, str]]) -> None:
+    """The fault mix's table, goodput, issue 33's goals and what the job showed."""
+    print(f"\nwhole loop, 2 workers x 1 process, tiny preset, {steps} steps, checkpoint "
           f"every {EVERY}; faults on worker {WORKER}")
     print(f"{'fault':<18}{'at step':>8}{'detected':>10}{'training again':>16}{'redone':>8}"
           f"{'lost':>8}  shown as")
@@ -577,11 +596,7 @@ def main() -> int:
     start = watcher.signals[0].at if watcher.signals else 0.0
     for signal in watcher.signals:
         print(f"  {signal.at - start:7.1f}s  {signal.what}")
-    if left:
-        print("the run left this on the machine:\n" + "\n".join(left))
-        return 1
-    print(f"\nthe whole benchmark took {time.monotonic() - STARTED:.0f}s")
-    return 0
+    print_timeline("the node loss: what the operator logged until training again", logged)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,21 @@ trainer's lifeline stopped beating, or the node was marked NotReady); the group 
 (worker 0's trainer, blocked in a collective with the lost rank, has exited); the
 replacement pod runs; rank 0 resumed; the first step.
 
+After the node loss's stages it prints what explains them: each line rank 0's pod printed
+(torchrun's and the trainer's) and each line the operator logged, from the fault until the
+first step, with the seconds after the fault at which it was seen or logged.
+
 Run: `.venv/bin/python bench/recovery.py` (as root: containers and network namespaces;
-builds the images first if they are not cached; about 5 minutes on 2 cores).
+builds the images first if they are not cached; about 5 minutes on 2 cores);
+`--rows none,f` runs only those rows (none, b, b-pod, f, own; none is the baseline of the
+goodput ratio, and is always run).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import datetime
 import logging
 import os
 import re
@@ -122,11 +130,13 @@ def _alive(pid: int) -> bool:
 
 
 def _node_loss_stages(cluster: loop.Cluster, name: str, old_uid: str, survivor: int,
-                      faulted: float) -> dict[str, float]:
-    """Seconds from the node going silent to each of NODE_LOSS_STAGES."""
+                      faulted: float, timeline: list[tuple[float, str]]) -> dict[str, float]:
+    """Seconds from the node going silent to each of NODE_LOSS_STAGES; each line rank 0's
+    pod prints meanwhile goes to `timeline` with the seconds at which it was first seen."""
     worker = f"{name}-worker-1"
     seen: dict[str, float] = {"silent": 0.0}
     deadline = faulted + 300
+    printed = len(cluster.trainer_lines(name))
     while "first step" not in seen and time.monotonic() < deadline:
         pods = {pod["metadata"]["name"]: pod for pod in cluster.pods(name)}
         pod = pods.get(worker)
@@ -136,6 +146,8 @@ def _node_loss_stages(cluster: loop.Cluster, name: str, old_uid: str, survivor: 
         failure = (cluster.job(name).get("status") or {}).get("lastFailure") or {}
         lines = cluster.trainer_lines(name)
         resumed = [i for i, line in enumerate(lines) if line.startswith("resumed from ")]
+        timeline += [(time.monotonic() - faulted, line) for line in lines[printed:]]
+        printed = len(lines)
         checks = {
             "noticed": replaced or failure.get("class") == "NodeLost"
             or bool((pod or {}).get("metadata", {}).get("deletionTimestamp")),
@@ -164,6 +176,27 @@ def _print_stages(title: str, order: tuple[str, ...], stages: dict[str, float]) 
             print(f"  {stage:<20}{'not seen':>8}")
 
 
+def operator_lines(cluster: loop.Cluster, since: float, until: float) -> list[tuple[float, str]]:
+    """The operator's log lines stamped between `since` and `until` (seconds since the
+    epoch), each with its seconds after `since` (its stamps are UTC, to the millisecond)."""
+    found = []
+    for line in cluster.operator.log_tail(5000).splitlines():
+        try:
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").replace(
+                tzinfo=datetime.UTC).timestamp()
+        except ValueError:
+            continue
+        if since - 1 <= stamp <= until:
+            found.append((stamp - since, line[24:]))
+    return found
+
+
+def print_timeline(title: str, lines: list[tuple[float, str]], width: int = 150) -> None:
+    print(f"\n{title} (seconds after the fault):")
+    for at, line in lines:
+        print(f"  {at:>7.2f}s  {line[:width]}")
+
+
 def _kept_step_seconds(lines: list[str]) -> float:
     """The duration of each step as rank 0 printed it, the last time it ran."""
     kept: dict[int, float] = {}
@@ -174,10 +207,12 @@ def _kept_step_seconds(lines: list[str]) -> float:
 
 
 def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], None] | None,
-        stages: dict[str, float] | None = None) -> dict[str, float]:
+        stages: dict[str, float] | None = None,
+        timeline: dict[str, list[tuple[float, str]]] | None = None) -> dict[str, float]:
     """One job, with `fault` at step FAULT_AT; its recovery figures.
 
-    With `stages`, the fault is a container kill or a node loss and its path is timed into it.
+    With `stages`, the fault is a container kill or a node loss and its path is timed into
+    it; for a node loss, rank 0's pod's lines and the operator's go to `timeline`.
     """
     started = time.monotonic()
     cluster.apply(loop.training_job(name, cluster.s3, optimization={"maxSteps": STEPS}))
@@ -188,9 +223,13 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
                        if pod["metadata"]["name"].endswith("-1"))
         survivor = cluster.trainer_pid(f"{name}-worker-0")
         fault(cluster, name)
-        faulted = time.monotonic()
+        faulted, faulted_at = time.monotonic(), time.time()
         if stages is not None and fault is _lose_node:
-            stages.update(_node_loss_stages(cluster, name, old_uid, survivor, faulted))
+            rank0: list[tuple[float, str]] = []
+            stages.update(_node_loss_stages(cluster, name, old_uid, survivor, faulted, rank0))
+            if timeline is not None:
+                timeline["rank 0's pod"] = rank0
+                timeline["the operator"] = operator_lines(cluster, faulted_at, time.time())
         elif stages is not None:
             stages.update(_container_kill_stages(cluster, name, old_uid, faulted))
         cluster.wait_for("training to advance again",
@@ -249,7 +288,16 @@ def run_own_code(cluster: loop.Cluster, name: str) -> dict[str, float]:
             "operator_goodput": float((status.get("goodput") or {}).get("ratio") or "nan")}
 
 
+ROWS = ("none", "b", "b-pod", "f", "own")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help="the rows to run, comma-separated (none is always run)")
+    rows = {"none", *parser.parse_args().rows.split(",")}
+    if unknown := rows - set(ROWS):
+        parser.error(f"--rows: no row {', '.join(sorted(unknown))} (rows: {', '.join(ROWS)})")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
     with tempfile.TemporaryDirectory(prefix="kubetrain-recovery-") as folder, \
             EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
@@ -257,15 +305,18 @@ def main() -> None:
             loop.whole_loop(api, Path(folder) / "loop", build_images()) as cluster:
         stages: dict[str, float] = {}
         node_loss: dict[str, float] = {}
+        timeline: dict[str, list[tuple[float, str]]] = {}
         breakdowns = {"b-pod": stages, "f": node_loss}
-        results = {label: run(cluster, f"bench-{label}", fault, breakdowns.get(label))
+        results = {label: run(cluster, f"bench-{label}", fault, breakdowns.get(label), timeline)
                    for label, fault in (("none", None), ("b", _kill_trainer),
-                                        ("b-pod", _kill_container), ("f", _lose_node))}
-        loop.add_own_code_scripts(cluster)
-        try:
-            results["own"] = run_own_code(cluster, "bench-own")
-        except AssertionError as error:  # the other rows still print
-            print(f"own code: {str(error).splitlines()[0]}", flush=True)
+                                        ("b-pod", _kill_container), ("f", _lose_node))
+                   if label in rows}
+        if "own" in rows:
+            loop.add_own_code_scripts(cluster)
+            try:
+                results["own"] = run_own_code(cluster, "bench-own")
+            except AssertionError as error:  # the other rows still print
+                print(f"own code: {str(error).splitlines()[0]}", flush=True)
     base = results["none"]["goodput"]
     print(f"whole loop, 2 workers x 1 process, tiny preset, {STEPS} steps, checkpoint every "
           f"{loop.EVERY}; fault at step {FAULT_AT}")
@@ -280,8 +331,12 @@ def main() -> None:
               f"{figures['wall']:>7.0f}s{figures['goodput']:>9.2f}"
               f"{figures['goodput'] / base:>7.2f}{figures['operator_goodput']:>10.2f}")
 
-    _print_stages("the container kill", STAGES, stages)
-    _print_stages("the node loss", NODE_LOSS_STAGES, node_loss)
+    if "b-pod" in rows:
+        _print_stages("the container kill", STAGES, stages)
+    if "f" in rows:
+        _print_stages("the node loss", NODE_LOSS_STAGES, node_loss)
+        for source, lines in timeline.items():
+            print_timeline(f"the node loss: what {source} printed", lines)
 
 
 if __name__ == "__main__":
