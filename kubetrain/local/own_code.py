@@ -9,6 +9,12 @@ checkpoint shown is one a restart would restore). Each simulated node has its ow
 checkpoint folder, runs/JOB/nodes/worker-I/checkpoints, emptied at every attempt as a new
 pod's emptyDir is: every attempt resumes from what was uploaded, never from a node's
 leftovers. Step events come from the local status endpoint (kubetrain.local.status_endpoint).
+
+Own code's goodput (`ReportedGoodput`) is judged from those steps by the operator's rule
+(kubetrain.operator.observation.step_goodput): the time between two reported steps of one
+attempt is productive, except its share spent on steps an earlier attempt had reported,
+which is lost progress; the rest of the wall time is downtime. The runner appends it as a
+`goodput` event after each attempt, which the summary and the report read.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.local.metrics_log import Event
+from kubetrain.local.metrics_log import Event, parse_lines
 from kubetrain.local.workspace import Workspace
 
 # How often the runner lists the checkpoint URI for new commits while the group runs.
@@ -95,3 +101,72 @@ class CommittedCheckpoints:
             events.append({"event": "checkpoint", "step": commit.step,
                            "uri": f"{self.remote.uri}/{commit.folder}", "time": time.time()})
         return events
+
+
+class ReportedGoodput:
+    """Own code's goodput in `kubetrain run`, from the steps it reported, across attempts and
+    runs of the job (a `goodput` event carries the totals and the furthest step to the next).
+
+    `attempt` at each launch, `stepped` at each step event, `event` for the totals now.
+    """
+
+    def __init__(self, seconds: dict[str, float] | None = None, since: float | None = None,
+                 furthest: int | None = None) -> None:
+        self.productive = (seconds or {}).get("productive", 0.0)
+        self.lost = (seconds or {}).get("lost_progress", 0.0)
+        self.wall_before = sum((seconds or {}).values())
+        self.since = since  # when the wall time before ends: the last event, else the launch
+        self.furthest = furthest  # the furthest step reported by any attempt
+        self.redone_until: int | None = None  # ... by the attempts before this one
+        self._last: tuple[int, float] | None = None  # this attempt's last step and its time
+
+    @classmethod
+    def resumed(cls, metrics_log: Path) -> ReportedGoodput:
+        """The accounting as the job's last own-code `goodput` event left it (none: fresh)."""
+        text = metrics_log.read_text() if metrics_log.exists() else ""
+        last = next((event for event in reversed(parse_lines(text))
+                     if event["event"] == "goodput" and "furthest_step" in event), None)
+        if last is None:
+            return cls()
+        seconds = {str(cause): float(value) for cause, value in last["seconds"].items()}
+        furthest = last["furthest_step"]
+        return cls(seconds, float(last["time"]), furthest if isinstance(furthest, int) else None)
+
+    def attempt(self, launched_at: float) -> None:
+        """A new attempt of the group was launched at `launched_at` (unix seconds)."""
+        if self.since is None:
+            self.since = launched_at
+        self.redone_until = self.furthest
+        self._last = None
+
+    def stepped(self, event: Event) -> None:
+        """A `step` event of the current attempt: the time since its previous one is booked."""
+        from kubetrain.operator.observation import redone_share
+
+        step, at = event.get("step"), event.get("time")
+        if not isinstance(step, int) or not isinstance(at, int | float):
+            return
+        if self._last is not None and step > self._last[0] and at >= self._last[1]:
+            share = redone_share(self._last[0], step, self.redone_until)
+            self.productive += (at - self._last[1]) * (1.0 - share)
+            self.lost += (at - self._last[1]) * share
+        if self._last is None or step > self._last[0]:
+            self._last = (step, float(at))
+        self.furthest = max(step, self.furthest or 0)
+
+    def seconds(self, now: float) -> dict[str, float]:
+        """Seconds by cause from the job's first launch to `now`: productive, lost progress
+        (redone steps) and downtime (start-up, restarts, backoff)."""
+        wall = self.wall_before + max(0.0, now - (self.since if self.since is not None else now))
+        productive = min(self.productive, wall)
+        lost = min(self.lost, wall - productive)
+        return {"productive": round(productive, 3), "lost_progress": round(lost, 3),
+                "downtime": round(wall - productive - lost, 3)}
+
+    def event(self, now: float) -> Event:
+        """The metrics log's `goodput` event of the totals at `now`."""
+        seconds = self.seconds(now)
+        wall = sum(seconds.values())
+        return {"event": "goodput", "seconds": seconds, "furthest_step": self.furthest,
+                "ratio": round(seconds["productive"] / wall, 4) if wall > 0 else 1.0,
+                "time": now}

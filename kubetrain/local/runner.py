@@ -42,7 +42,7 @@ from kubetrain.local.launch import AgentLaunch, Rendezvous, agent_launch, free_p
 from kubetrain.local.memory import oom_kills
 from kubetrain.local.metrics_log import Event, MetricsLogReader, RunHistory, append_event
 from kubetrain.local.node import Node
-from kubetrain.local.own_code import CommittedCheckpoints, fresh_node_dirs
+from kubetrain.local.own_code import CommittedCheckpoints, ReportedGoodput, fresh_node_dirs
 from kubetrain.local.policy import (
     GroupFailure,
     ProgressClock,
@@ -119,6 +119,9 @@ class LocalRun:
                                        and not own_code else None)
         # Own code: its commits under checkpoint.uri, and its reports' endpoint while it runs.
         self.commits = CommittedCheckpoints(self.job) if own_code else None
+        # ...and its goodput, from the steps it reports (kubetrain's trainer logs its own).
+        self.goodput = (ReportedGoodput.resumed(self.workspace.metrics_log) if own_code
+                        else None)
         self.endpoint: LocalStatusEndpoint | None = None
         self.out_of_memory_failures = 0
         self.pending_kills = sorted(set(self.options.kill_at_steps))
@@ -214,6 +217,8 @@ class LocalRun:
         rendezvous = Rendezvous(free_port(), f"{self.job.metadata.name}-{os.getpid()}-{attempt}")
         launched_at = f"{time.time():.3f}"
         self.oom_kills_before = oom_kills()
+        if self.goodput is not None:
+            self.goodput.attempt(float(launched_at))
         node_dirs: list[Path] = []
         if self.commits is not None:
             resumed = self.commits.resumed()
@@ -249,6 +254,9 @@ class LocalRun:
             elif result.failure is not None:
                 self._stop_all(nodes, FAILED_GROUP_GRACE_SECONDS)
             self._read_events()
+            if self.goodput is not None:
+                self._append(self.goodput.event(time.time()))
+                self._read_events()
             self.display.close()
         return result
 
@@ -299,6 +307,8 @@ class LocalRun:
             if clock is not None and event["event"] in {"step", "start", "resumed"}:
                 clock.observe(self.history.step, time.monotonic())
             if event["event"] == "step":
+                if self.goodput is not None:
+                    self.goodput.stepped(event)
                 if self.out_of_memory_at is not None:
                     self.oom_recovery_seconds.append(
                         float(event.get("time", time.time())) - self.out_of_memory_at)

@@ -27,7 +27,8 @@ import pytest
 import yaml
 
 from kubetrain.local.launch import OWN_CODE_SYNC_SECONDS
-from kubetrain.local.metrics_log import parse_lines
+from kubetrain.local.metrics_log import append_event, parse_lines
+from kubetrain.local.own_code import ReportedGoodput
 from kubetrain.local.status_endpoint import MAX_BODY_BYTES, LocalStatusEndpoint
 from kubetrain.sdk.progress import Reporter
 
@@ -142,6 +143,31 @@ def test_reports_of_the_sdk_become_step_events_and_bad_requests_get_4xx(tmp_path
     assert endpoint.accepted == 3 and endpoint.refused == 4
 
 
+def test_goodput_books_the_steps_a_resumed_attempt_trains_again_as_lost_progress(
+        tmp_path: Path) -> None:
+    log = tmp_path / "metrics.jsonl"
+    goodput = ReportedGoodput.resumed(log)  # no log yet: a fresh job
+    goodput.attempt(1000.0)
+    for step, at in ((1, 1002.0), (10, 1011.0), (20, 1021.0)):
+        goodput.stepped({"event": "step", "step": step, "time": at})
+    # Lost at step 20; the next attempt resumes from step 15 and reports 16, 20 and 24.
+    goodput.attempt(1030.0)
+    for step, at in ((16, 1040.0), (20, 1044.0), (24, 1048.0)):
+        goodput.stepped({"event": "step", "step": step, "time": at})
+    event = goodput.event(1050.0)
+    assert event["seconds"] == {"productive": 19 + 4, "lost_progress": 4, "downtime": 23}
+    assert event["ratio"] == round(23 / 50, 4) and event["furthest_step"] == 24
+    # The next run of the job (stopped at step 24, saved on SIGTERM) picks the totals up and
+    # redoes nothing: its wait between the runs is downtime.
+    append_event(log, event)
+    again = ReportedGoodput.resumed(log)
+    again.attempt(1060.0)
+    for step, at in ((25, 1065.0), (30, 1070.0)):
+        again.stepped({"event": "step", "step": step, "time": at})
+    assert again.event(1070.0)["seconds"] == {"productive": 28, "lost_progress": 4,
+                                              "downtime": 38}
+
+
 def test_a_command_that_does_not_exist_fails_as_a_user_error_without_a_retry(
         tmp_path: Path) -> None:
     job = own_code_job("missing", str(tmp_path / "no-such-train.py"), steps=5, save_every=5,
@@ -175,6 +201,14 @@ def test_plain_torch_script_resumes_from_its_uploaded_checkpoint_after_a_lost_wo
     # The progress came from sdk.report: step events with the loss, the last one at the end.
     reported = [e for e in logged if e["event"] == "step"]
     assert reported[-1]["step"] == 40 and all("loss" in e for e in reported)
+    # The steps redone past the last one reported before the kill are lost progress, not
+    # goodput, in the metrics log and the summary.
+    failure = next(i for i, e in enumerate(logged) if e["event"] == "failure")
+    if max(e["step"] for e in logged[:failure] if e["event"] == "step") > resumed + 1:
+        seconds = [e for e in logged if e["event"] == "goodput"][-1]["seconds"]
+        assert 0 < seconds["lost_progress"] < seconds["productive"], seconds
+        assert "lost progress" in next(line for line in output.splitlines()
+                                       if line.strip().startswith("goodput")), output
     assert commits(tmp_path, "plain") == {"step-000035": 35, "step-000040": 40}  # keepLast 2
 
 

@@ -18,7 +18,7 @@ from kubetrain.operator.observed import (
     unmarked_checkpoints,
 )
 from kubetrain.operator.reconcile import RecordEvent, WriteStatus, reconcile
-from kubetrain.operator.status_endpoint import Report
+from kubetrain.operator.status_endpoint import Report, StatusReports
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 START = NOW - timedelta(minutes=10)
@@ -139,6 +139,45 @@ def test_reported_steps_become_goodput_in_status(minimal_manifest: dict) -> None
     goodput = status["goodput"]
     assert goodput["productiveSeconds"] == 30 and goodput["wallSeconds"] == 600
     assert goodput["badputSeconds"]["downtime"] == 570
+
+
+def test_steps_a_resumed_attempt_trains_again_are_lost_progress_not_goodput(
+        minimal_manifest: dict) -> None:
+    # Attempt 1 reports steps 10 and 20 and is lost; attempt 2 resumed from the checkpoint at
+    # step 15 and reports 16, 20 and 24: its 4 s from 16 to 20 redo attempt 1's steps.
+    reports = StatusReports(b"k" * 32)
+    served = reports.admission("ml", "demo", f"Bearer {reports.admit('ml', 'demo', 'uid-1')}")
+    job = own_job(minimal_manifest, running())
+    for seconds, step in ((100, 10), (110, 20), (130, 16), (134, 20), (138, 24)):
+        at = START + timedelta(seconds=seconds)
+        reports.record(served, report(step, received_at=at))
+        latest = reports.latest("ml", "demo")
+        assert latest is not None
+        job = own_job(minimal_manifest, status_after(job, Observed(
+            pods=(pod(0), pod(1)), service=True, config_generation=1,
+            metrics=reported_sample(latest)), at))
+    assert latest is not None and latest.redone_until == 20
+    assert job.status is not None and job.status.goodput is not None
+    goodput = job.status.goodput.wire()
+    # Productive: 10 -> 20 in attempt 1 (10 s) and 20 -> 24 in attempt 2 (4 s); the jump back
+    # to 16 is downtime (the restart), 16 -> 20 lost progress.
+    assert (goodput["productiveSeconds"], goodput["wallSeconds"]) == (14, 138)
+    assert goodput["badputSeconds"]["lostProgress"] == 4
+    assert goodput["badputSeconds"]["downtime"] == 120
+    assert goodput["ratio"] == round(14 / 138, 4)
+
+
+def test_a_report_below_the_step_in_status_went_back_after_an_operator_restart() -> None:
+    # The operator restarted while attempt 1 ran (status showed step 30); attempt 2's first
+    # report (step 26) went back, so steps up to 30 are redone.
+    reports = StatusReports(b"k" * 32)
+    token = reports.admit("ml", "demo", "uid-1", step=30)
+    job = reports.admission("ml", "demo", f"Bearer {token}")
+    reports.record(job, report(26))
+    assert reports.latest("ml", "demo").redone_until == 30  # type: ignore[union-attr]
+    reports.record(job, report(40))
+    reports.record(job, report(None, progress_percent=100))
+    assert reports.latest("ml", "demo").redone_until == 30  # type: ignore[union-attr]
 
 
 def test_own_code_failures_are_classed_and_retried_as_ours(minimal_manifest: dict) -> None:

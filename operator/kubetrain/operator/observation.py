@@ -47,12 +47,14 @@ def observe(decision: _Decision) -> None:
     _effective(decision)
     sample = decision.observed.metrics
     if sample is not None:
-        advanced_from = status.progress.updated_at
+        advanced_from, from_step = status.progress.updated_at, status.progress.step
         record_metrics(status, sample, decision.job.spec.checkpoint.uri, decision.now)
         advanced_to = status.progress.updated_at
         if sample.reported and advanced_to is not None and advanced_to != advanced_from:
             status.goodput = step_goodput(status.goodput, status.start_time,
-                                          status.last_restart_time, advanced_from, advanced_to)
+                                          status.last_restart_time, advanced_from, advanced_to,
+                                          from_step=from_step, to_step=status.progress.step,
+                                          redone_until=sample.redone_until)
     _ranks(decision)
 
 
@@ -171,30 +173,55 @@ def goodput_status(wall_seconds: Mapping[str, float],
                          badput_seconds=BadputSeconds(**badput))
 
 
+def redone_share(from_step: int, to_step: int, redone_until: int | None) -> float:
+    """The share of an advance from `from_step` to `to_step` spent on steps that an earlier
+    attempt had trained already, up to `redone_until` (None: none had): lost progress."""
+    if redone_until is None or to_step <= from_step:
+        return 0.0
+    redone = min(max(0, redone_until - from_step), to_step - from_step)
+    return redone / (to_step - from_step)
+
+
 def step_goodput(previous: GoodputStatus | None, start: datetime | None,
                  last_restart: datetime | None, advanced_from: datetime | None,
-                 advanced_to: datetime) -> GoodputStatus | None:
+                 advanced_to: datetime, *, from_step: int | None = None,
+                 to_step: int | None = None, redone_until: int | None = None
+                 ) -> GoodputStatus | None:
     """status.goodput of a job whose progress comes from its status reports, at the moment
-    its step advanced again (`advanced_to`, having last advanced at `advanced_from`).
+    its step advanced again (`advanced_to`, having last advanced at `advanced_from`), from
+    `from_step` to `to_step`.
 
     Own code reports steps, not where its time went: the time between two advances of the
-    step within one attempt is productive; the rest of the wall time since the job first
+    step within one attempt is productive, except its share spent redoing steps that an
+    earlier attempt had trained (up to `redone_until`, the furthest step an earlier attempt
+    reported: the status endpoint keeps it), which is lost progress, as kubetrain's trainer
+    books the steps a restart made it redo. The rest of the wall time since the job first
     started (start-up, replacement, scheduling and backoff around each restart, stalls
-    longer than a report interval) is downtime. The productive time adds up advance by
-    advance, so a pass that sees no new step changes nothing. None before the job started.
+    longer than a report interval) is downtime. A step that went back began a new attempt,
+    whether or not a restart was seen. The seconds add up advance by advance, so a pass that
+    sees no new step changes nothing. None before the job started.
     """
     if start is None:
         return previous
     productive = previous.productive_seconds if previous is not None else 0.0
-    same_attempt = advanced_from is not None and (
+    lost = previous.badput_seconds.lost_progress if previous is not None else 0.0
+    went_back = from_step is not None and to_step is not None and to_step < from_step
+    same_attempt = advanced_from is not None and not went_back and (
         last_restart is None or advanced_from >= last_restart)
     if same_attempt and advanced_from is not None and advanced_from >= start:
-        productive += max(timedelta(0), advanced_to - advanced_from).total_seconds()
+        seconds = max(timedelta(0), advanced_to - advanced_from).total_seconds()
+        share = (redone_share(from_step, to_step, redone_until)
+                 if from_step is not None and to_step is not None else 0.0)
+        productive += seconds * (1.0 - share)
+        lost += seconds * share
     wall = max(0.0, (advanced_to - start).total_seconds())
     productive = min(productive, wall)
+    lost = min(lost, wall - productive)
+    # To the millisecond, as goodput_status: a few redone steps' lost progress shows.
     return GoodputStatus(ratio=round(productive / wall, 4) if wall > 0 else 1.0,
-                         productive_seconds=round(productive), wall_seconds=round(wall),
-                         badput_seconds=BadputSeconds(downtime=round(wall - productive)))
+                         productive_seconds=round(productive, 3), wall_seconds=round(wall, 3),
+                         badput_seconds=BadputSeconds(lost_progress=round(lost, 3),
+                                                      downtime=round(wall - productive - lost, 3)))
 
 
 def _ranks(decision: _Decision) -> None:

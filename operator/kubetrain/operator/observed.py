@@ -140,6 +140,9 @@ class MetricsSample:
     # From an own-code job's status reports, which say nothing of wall time by cause:
     # its goodput is judged from when its step advanced (observation.step_goodput).
     reported: bool = False
+    # Own code: the furthest step an earlier attempt reported (status_endpoint keeps it), so
+    # the steps up to it that this attempt trains again are lost progress; None: no restart.
+    redone_until: int | None = None
     # A report of progress 100 % with no step: the code's end-of-training post
     # (transformers' KubeflowCallback sends one), so the step is the last one, maxSteps.
     finished: bool = False
@@ -306,7 +309,8 @@ def reported_sample(report: Report) -> MetricsSample:
     epoch = report.epoch if report.epoch is not None and math.isfinite(report.epoch) else None
     return MetricsSample(step=report.step, max_steps=report.total_steps, epoch=epoch,
                          loss=loss, eta_seconds=report.remaining_seconds, reported=True,
-                         finished=report.step is None and report.progress_percent == 100)
+                         finished=report.step is None and report.progress_percent == 100,
+                         redone_until=report.redone_until)
 
 
 def final_metrics(pods: Iterable[WorkerPod]) -> MetricsSample | None:

@@ -51,7 +51,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -108,6 +108,8 @@ class Report:
     `step` and `total_steps` come from the metrics `current_step` and `total_steps`;
     `loss` may be NaN or infinite (a diverged run still reports its step). `reported_at`
     is the pod's `lastUpdatedTime`, on its own clock; `received_at` is the operator's.
+    `redone_until` is set by `StatusReports.record`: the furthest step an earlier attempt
+    of the job reported, which this attempt trains again (None: no step went back yet).
     """
 
     step: int | None
@@ -120,6 +122,7 @@ class Report:
     metrics: Mapping[str, str]
     reported_at: datetime
     received_at: datetime
+    redone_until: int | None = None
 
 
 class Refused(Exception):
@@ -259,6 +262,8 @@ class _Job:
     tokens_left: float
     refilled_at: float
     latest: Report | None = None
+    last_step: int | None = None  # of the latest report that named one
+    redone_until: int | None = None  # the furthest step before a report's step went back
 
 
 @dataclass
@@ -279,9 +284,11 @@ class StatusReports:
         if len(self.key) < 32:
             raise ValueError("the status endpoint's key must be at least 32 bytes")
 
-    def admit(self, namespace: str, name: str, uid: str) -> str:
+    def admit(self, namespace: str, name: str, uid: str, step: int | None = None) -> str:
         """Serve this job from now on (idempotent); returns the token its pods must send.
 
+        `step` is the job's status.progress.step when it is first admitted (an operator that
+        restarted mid-job): a report below it went back, as one below a reported step does.
         A new uid under the same name (the job was deleted and created again) starts afresh.
         """
         token = job_token(self.key, namespace, name, uid)
@@ -289,7 +296,7 @@ class StatusReports:
             job = self._jobs.get((namespace, name))
             if job is None or job.uid != uid:
                 self._jobs[namespace, name] = _Job(uid, token.encode(), float(self.rate.burst),
-                                                   self.clock())
+                                                   self.clock(), last_step=step)
         return token
 
     def forget(self, namespace: str, name: str) -> None:
@@ -341,9 +348,16 @@ class StatusReports:
         return job
 
     def record(self, job: _Job, report: Report) -> None:
-        """Keep `report` as the job's latest (a job forgotten meanwhile keeps nothing)."""
+        """Keep `report` as the job's latest (a job forgotten meanwhile keeps nothing), with
+        the furthest step reported before the step last went back (`Report.redone_until`):
+        within an attempt the step only grows, so a step below the last one is a new
+        attempt, resumed from an earlier checkpoint, redoing the steps up to there."""
         with self._lock:
-            job.latest = report
+            if report.step is not None:
+                if job.last_step is not None and report.step < job.last_step:
+                    job.redone_until = max(job.redone_until or 0, job.last_step)
+                job.last_step = report.step
+            job.latest = replace(report, redone_until=job.redone_until)
 
 
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",

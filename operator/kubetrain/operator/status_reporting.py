@@ -176,9 +176,11 @@ class StatusReporting:
     url: str  # https://host:port, what pods dial
 
     def admit(self, job: TrainingJob) -> None:
-        """Serve this job's reports (idempotent)."""
+        """Serve this job's reports (idempotent), from the step its status shows (an operator
+        that restarts mid-job still tells a report that went back)."""
         meta = job.metadata
-        self.reports.admit(meta.namespace or "default", meta.name, meta.uid or "")
+        self.reports.admit(meta.namespace or "default", meta.name, meta.uid or "",
+                           job.status.progress.step if job.status is not None else None)
 
     def forget(self, namespace: str, name: str) -> None:
         """Stop serving a finished or deleted job and drop its report."""
