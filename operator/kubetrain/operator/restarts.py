@@ -50,6 +50,7 @@ from kubetrain.operator.observed import (
     TrainerFailure,
     WorkerPod,
 )
+from kubetrain.trainer.memory_budget import out_of_memory_note  # torch-free
 
 if TYPE_CHECKING:
     from kubetrain.operator.reconcile import _Decision
@@ -443,6 +444,9 @@ def heal_out_of_memory(decision: _Decision, pod: WorkerPod, kind: str,
     assert effective is not None  # observation set it
     current = effective.micro_batch_size
     what = f"{describe(pod, kind)}: out of memory at micro-batch {current}"
+    # The in-memory tier's tmpfs counts against the cgroup; halving never shrinks it.
+    tier = out_of_memory_note(spec) if kind == "OOMKilled" else ""
+    what += f"; {tier}" if tier else ""
     verdict = rules.after_out_of_memory(
         spec, current, effective.out_of_memory_restarts, observation.world_size(decision.job),
         reason=f"{pod.name} {kind} at micro-batch {current}", now=decision.now)
@@ -459,7 +463,7 @@ def heal_out_of_memory(decision: _Decision, pod: WorkerPod, kind: str,
                    f"accumulation {smaller.gradient_accumulation_steps} (global batch "
                    "unchanged; the spec is not changed, status.effective holds the values; "
                    f"out-of-memory restart {smaller.out_of_memory_restarts} of at most "
-                   f"{verdict.limit})")
+                   f"{verdict.limit})" + (f"; {tier}" if tier else ""))
     decision.restart("OutOfMemory", what, broken_pods, whole_group=True, counted=False)
     # Before any replacement exists: the new pods read the new micro-batch.
     as_run = lifecycle.job_as_run(decision.job, decision.status)

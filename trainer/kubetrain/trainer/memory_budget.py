@@ -130,5 +130,39 @@ def tier_budget(spec: TrainingJobSpec, world_size: int | None = None,
                       procs_per_worker=workers.procs_per_worker)
 
 
-__all__ = ["FOLDER_ENV", "VERSIONS", "TierBudget", "format_quantity", "model_parameters",
-           "parse_quantity", "state_bytes", "tier_budget"]
+# Of the container's memory limit, the tier's share from which an out-of-memory kill names
+# it: below that, the trainer's own use is most of the limit and the failure is its as before.
+LARGE_SHARE = 0.25
+
+
+def out_of_memory_note(spec: TrainingJobSpec) -> str:
+    """What a worker killed by its memory cgroup (OOMKilled) should also say about the tier:
+    its tmpfs pages count against the container's memory limit, and the operator's healing,
+    half the micro-batch, shrinks only the trainer's own use, never the tier. "" without a
+    tier or a memory limit, or where the tier is less than LARGE_SHARE of the limit."""
+    limit = spec.workers.resources.limits.get("memory")
+    if spec.checkpoint.memory is None or limit is None:
+        return ""
+    own = parse_quantity(limit)
+    budget = tier_budget(spec)
+    if budget is None:
+        return (f"the in-memory checkpoints (spec.checkpoint.memory) of a model sized by its "
+                f"config.json were given no memory of their own: their tmpfs pages count "
+                f"against the container's memory limit ({_gib(own)}) and a smaller "
+                "micro-batch does not shrink them; add the tier's size (kubetrain estimate) "
+                "to spec.workers.resources.limits.memory")
+    whole = own + budget.per_worker
+    share = budget.per_worker / whole
+    if share < LARGE_SHARE:
+        return ""
+    return (f"{_gib(budget.per_worker)} of the container's {_gib(whole)} memory limit "
+            f"({share:.0%}) is the in-memory checkpoint tier's (spec.checkpoint.memory: "
+            f"{budget.describe()}), added for it: its tmpfs pages count against the "
+            f"container's memory, and a smaller micro-batch shrinks only the trainer's own "
+            f"{_gib(own)}, never the tier; if halving does not help, lower "
+            "spec.checkpoint.memory.replicas or raise spec.workers.resources.limits.memory")
+
+
+__all__ = ["FOLDER_ENV", "LARGE_SHARE", "VERSIONS", "TierBudget", "format_quantity",
+           "model_parameters", "out_of_memory_note", "parse_quantity", "state_bytes",
+           "tier_budget"]
