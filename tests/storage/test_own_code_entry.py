@@ -1,4 +1,5 @@
-"""python -m kubetrain.trainer.own_code: restore first, sync alongside, SIGTERM passed through."""
+"""python -m kubetrain.trainer.own_code: restore first (beside the preflight and torchrun's
+import), sync alongside, SIGTERM passed through."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kubetrain import sdk
+from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import StorageSpec
-from kubetrain.trainer.checkpoint_sync import commits
+from kubetrain.trainer.checkpoint_sync import CheckpointSync, commits
+from kubetrain.trainer.own_code import prepare
 from kubetrain.trainer.storage import open_storage
 
 # The user's code: resumes from the restored folder, saves one more step, and on SIGTERM
@@ -87,3 +91,47 @@ def test_sigterm_reaches_the_command_and_its_last_checkpoint_is_uploaded(
     assert run.wait(timeout=120) == 143
     remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
     assert [c.step for c in commits(remote)] == [1]
+
+
+def test_the_entry_module_loads_no_torch_so_the_restore_starts_first() -> None:
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, kubetrain.trainer.own_code; "
+         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"],
+        capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
+
+
+@pytest.mark.timeout(180)
+def test_the_restore_preflight_and_torchruns_import_are_done_before_the_command(
+        tmp_path: Path, s3_bucket: str, s3_spec: StorageSpec,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "1"),
+                        ("GROUP_RANK", "0"), ("GROUP_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)  # pod 0 of 2 writes its part of a sharded save
+    remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
+    shards = {f"__{rank}_0.distcp": os.urandom(2000 + rank) for rank in range(12)}
+    folder = tmp_path / "old-pod" / "step-40"
+    folder.mkdir(parents=True)
+    for name, data in shards.items():
+        (folder / name).write_bytes(data)
+    sdk.mark_complete(folder, 40, sharded=True)
+    monkeypatch.setenv("GROUP_RANK", "1")  # ...and pod 1, an empty part, commits it
+    other = tmp_path / "other-pod" / "step-40"
+    other.mkdir(parents=True)
+    sdk.mark_complete(other, 40, sharded=True)
+    monkeypatch.setenv("GROUP_RANK", "0")
+    CheckpointSync(tmp_path / "other-pod", remote, keep_last=2).sync_once()
+    CheckpointSync(tmp_path / "old-pod", remote, keep_last=2).sync_once()
+    assert [c.step for c in commits(remote)] == [40]
+
+    job = parse_job({"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                     "metadata": {"name": "mine"},
+                     "spec": {"trainer": {"image": "me/train:1", "command": ["train.py"]},
+                              "checkpoint": {"uri": f"s3://{s3_bucket}/mine"}}})
+    pod = tmp_path / "new-pod"
+    prepared = prepare(job, ["torchrun", "train.py"], pod, remote, None)
+    assert prepared.exit_code is None and prepared.restored == pod / "step-40"
+    assert {path.name: path.read_bytes() for path in prepared.restored.glob("*.distcp")
+            } == shards
+    assert prepared.seconds is not None
+    assert set(prepared.seconds) == {"torchrun import", "preflight", "restore"}

@@ -29,6 +29,7 @@ import json
 import logging
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from kubetrain.sdk.checkpoints import (
     ready_part,
     restored_step,
 )
-from kubetrain.trainer.storage import Storage
+from kubetrain.trainer.storage import TRANSFER_CONCURRENCY, Storage
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +101,26 @@ def commits(remote: Storage) -> list[Commit]:
 
 def download(remote: Storage, commit: Commit, local_dir: Path) -> Path:
     """Make `local_dir/<folder>` a whole copy of `commit`: fetch the files it lacks (or holds
-    at another size), check every size, then mark it restored, last."""
+    at another size), several at once (a sharded checkpoint has a file per rank, and each
+    fetch waits mostly on the network), check every size, then mark it restored, last."""
     target = local_dir / commit.folder
-    for name, size in commit.files.items():
+    folder = remote.join(commit.folder)
+
+    def fetch(name: str, size: int) -> None:
         path = target / name
-        if path.is_file() and path.stat().st_size == size:
-            continue
         partial = path.with_name(f".{path.name}.partial")
-        remote.join(commit.folder).download_file(name, partial)
+        folder.download_file(name, partial)
         if partial.stat().st_size != size:
             raise OSError(f"{remote.uri}/{commit.folder}/{name}: {partial.stat().st_size} "
                           f"bytes downloaded, the commit says {size}")
         partial.replace(path)
+
+    missing = {name: size for name, size in commit.files.items()
+               if not ((target / name).is_file() and (target / name).stat().st_size == size)}
+    with ThreadPoolExecutor(min(TRANSFER_CONCURRENCY, max(1, len(missing))),
+                            thread_name_prefix="restore") as fetching:
+        for fetched in [fetching.submit(fetch, name, size) for name, size in missing.items()]:
+            fetched.result()  # the first error is raised, once every fetch has ended
     mark_restored(target, commit.step)
     return target
 

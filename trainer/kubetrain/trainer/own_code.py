@@ -3,7 +3,9 @@
 Runs in each worker pod of an own-code job (spec.trainer), around torchrun and the user's
 command (kubetrain.operator.own_code_launch builds the line):
 1. restores the newest committed checkpoint (checkpoint.uri, else checkpoint.resumeFrom)
-   into KUBETRAIN_CHECKPOINT_DIR before COMMAND starts;
+   into KUBETRAIN_CHECKPOINT_DIR before COMMAND starts, side by side with the preflight
+   and with loading torchrun's agent (`prepare`): all three are done before COMMAND starts,
+   and the log's `ready` line says how long each took;
 2. runs COMMAND, and beside it kubetrain.trainer.checkpoint_sync every
    KUBETRAIN_SYNC_SECONDS (10 s by default; `--sync-interval` wins);
 3. passes SIGTERM and SIGINT through to COMMAND (torchrun gives them to the workers);
@@ -28,10 +30,15 @@ run` read those classes. An uncaught exception is exit 1 (Unknown) whatever it w
 
 When runPolicy.preflight is enabled, the device stage of kubetrain's preflight
 (`kubetrain.trainer.preflight`: a float32 matmul checked against float64) runs on each of
-the pod's procsPerWorker devices before anything else, in a child process so that no
-device context stays in this one; a failure writes the PreflightFailed line naming this
-node and exits 89, and the operator avoids the node. The group stage (all-reduce
-bandwidth) needs the process group your code forms, and is the trainer's only.
+the pod's procsPerWorker devices before COMMAND starts: in a child process where the pod
+sees a GPU, so that no device context stays in this one, else here on a thread (torch is
+loaded here for torchrun's agent anyway, and a child would load it a second time); a
+failure writes the PreflightFailed line naming this node and exits 89, and the operator
+avoids the node. The group stage (all-reduce bandwidth) needs the process group your
+code forms, and is the trainer's only.
+
+torch is imported only where it is needed (the preflight, torchrun's agent, a failure
+line), never by importing this module: the restore starts before torch has loaded.
 """
 
 from __future__ import annotations
@@ -39,19 +46,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from kubetrain.api.manifest import InvalidManifest, load_job
-from kubetrain.api.trainingjob import PreflightPolicy
+from kubetrain.api.trainingjob import PreflightPolicy, TrainingJob
 from kubetrain.protocol import (
     EXIT_INVALID_MANIFEST,
     EXIT_PREFLIGHT_FAILED,
@@ -61,10 +70,10 @@ from kubetrain.protocol import (
 )
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
-from kubetrain.trainer.metrics import record_failure, termination_log
-from kubetrain.trainer.storage import open_storage
+from kubetrain.trainer.storage import Storage, open_storage
 
 log = logging.getLogger("kubetrain.own_code")
+ENTRY_STARTED = time.monotonic()  # as the module loads: the `ready` line counts from here
 
 SYNC_INTERVAL_SECONDS = 10.0
 # How often marked folders are uploaded: a pod lost between two passes loses the folders
@@ -192,7 +201,8 @@ def _uploading(signum: int, frame: FrameType | None) -> None:
 
 
 def _check_devices(policy: PreflightPolicy, count: int, answer: Any) -> None:
-    """The preflight's device stage on each of `count` local devices (in a child process)."""
+    """The preflight's device stage on each of `count` local devices; the verdict goes to
+    `answer` (a queue): ("", []) or why and the nodes at fault."""
     import torch
 
     from kubetrain.trainer.preflight import Preflight, PreflightFailed
@@ -208,31 +218,143 @@ def _check_devices(policy: PreflightPolicy, count: int, answer: Any) -> None:
     answer.put(("", []))
 
 
-def preflight(policy: PreflightPolicy, devices: int) -> tuple[str, list[str]]:
-    """The device stage of kubetrain's preflight on this pod's `devices`, within the
-    policy's timeout: ("", []) when it passed, else why and the node at fault."""
+def gpu_visible() -> bool:
+    """Whether this pod sees a GPU device (NVIDIA's or AMD's device files): only then can a
+    device check leave a device context behind in the process that runs it."""
+    dev = Path("/dev")
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+
+
+def start_preflight(policy: PreflightPolicy, devices: int, in_child: bool
+                    ) -> Callable[[], tuple[str, list[str]]]:
+    """Start the device stage of kubetrain's preflight on this pod's `devices`, in a child
+    process or on a thread here (while no other thread imports torch: torch's import is not
+    thread-safe); the returned call waits for it, within the policy's timeout: ("", [])
+    when it passed, else why and the node at fault."""
     import multiprocessing
 
-    from kubetrain.trainer.rank_timing import where_am_i
-
-    context = multiprocessing.get_context("spawn")
-    answer = context.Queue()
-    check = context.Process(target=_check_devices, args=(policy, devices, answer),
-                            name="preflight", daemon=True)
+    answer: Any
+    if in_child:
+        context = multiprocessing.get_context("spawn")
+        answer = context.Queue()
+        check: Any = context.Process(target=_check_devices, args=(policy, devices, answer),
+                                     name="preflight", daemon=True)
+    else:
+        answer = queue.Queue()
+        check = threading.Thread(target=_check_devices, args=(policy, devices, answer),
+                                 name="preflight", daemon=True)
     check.start()
-    check.join(policy.timeout_seconds)
-    node = where_am_i()[1]
-    if check.is_alive():
-        check.kill()
-        check.join()
-        return (f"preflight failed: the devices of node {node} did not finish a matmul "
-                f"within {policy.timeout_seconds}s"), [node]
+    deadline = time.monotonic() + policy.timeout_seconds
+
+    def verdict() -> tuple[str, list[str]]:
+        check.join(max(0.0, deadline - time.monotonic()))
+        from kubetrain.trainer.rank_timing import where_am_i  # once the check has loaded torch
+
+        node = where_am_i()[1]
+        if check.is_alive():
+            if in_child:  # (a thread cannot be stopped: it is left behind, the entry exits)
+                check.kill()
+                check.join()
+            return (f"preflight failed: the devices of node {node} did not finish a matmul "
+                    f"within {policy.timeout_seconds}s"), [node]
+        try:
+            problem, nodes = answer.get(timeout=1.0)
+        except Exception:  # queue.Empty: the check died before it answered
+            how = f"died with exit code {check.exitcode}" if in_child else "raised"
+            return f"preflight failed: the check on node {node} {how}", [node]
+        return str(problem), list(nodes)
+
+    return verdict
+
+
+class Beside:
+    """`call()` on a daemon thread: `result()` waits for its return value or raises its
+    error. A daemon, so an entry that gives up (a failed preflight) does not wait for it."""
+
+    def __init__(self, call: Callable[[], Any], name: str) -> None:
+        self._outcome: list[Any] = []
+        self.seconds = 0.0
+
+        def run() -> None:
+            started = time.monotonic()
+            try:
+                self._outcome.append((call(), None))
+            except BaseException as error:  # re-raised by result()
+                self._outcome.append((None, error))
+            self.seconds = time.monotonic() - started
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        """What the call returned (its error is raised here), once it has."""
+        self._thread.join()
+        value, error = self._outcome[0]
+        if error is not None:
+            raise error
+        return value
+
+
+@dataclass
+class Prepared:
+    """What `prepare` did before COMMAND starts: the exit status to stop with (None: go
+    on), the folder restored, and each stage's seconds (they ran side by side)."""
+
+    exit_code: int | None
+    restored: Path | None = None
+    seconds: dict[str, float] | None = None
+
+
+def prepare(job: TrainingJob, command: list[str], local_dir: Path, remote: Storage,
+            fallback: Storage | None) -> Prepared:
+    """Everything before COMMAND starts, side by side: the restore of the newest committed
+    checkpoint (I/O, on a thread, torch-free) beside the import of torchrun's agent and the
+    preflight's device stage (in a child process started first where a GPU is visible, else
+    on a thread once torch has loaded here). COMMAND starts only once all are done: a
+    preflight that failed exits 89 (the restore is left behind), a restore that failed
+    exits 1."""
+    spec = job.spec
+    started = time.monotonic()
+    seconds: dict[str, float] = {}
+    restoring = Beside(lambda: restore(local_dir, remote, fallback), "restore")
+    policy, devices = spec.run_policy.preflight, spec.workers.procs_per_worker
+    in_child = gpu_visible()
+    checking = start_preflight(policy, devices, True) if policy.enabled and in_child else None
+    if agent_arguments(command) is not None:
+        import torch.distributed.run  # noqa: F401  (what run_torchrun needs, loaded meanwhile)
+
+        seconds["torchrun import"] = time.monotonic() - started
+    if policy.enabled and not in_child:
+        checking = start_preflight(policy, devices, False)
+    if checking is not None:
+        problem, nodes = checking()
+        seconds["preflight"] = time.monotonic() - started
+        if problem:
+            log.error("%s (exit %d)", problem, EXIT_PREFLIGHT_FAILED)
+            _record_failure("PreflightFailed", problem, job.micro_batch_size, nodes=nodes)
+            return Prepared(EXIT_PREFLIGHT_FAILED)
+        log.info("preflight: %d device(s) passed", spec.workers.procs_per_worker)
     try:
-        problem, nodes = answer.get(timeout=1.0)
-    except Exception:  # queue.Empty: the check died before it answered
-        return (f"preflight failed: the check on node {node} died with exit code "
-                f"{check.exitcode}"), [node]
-    return str(problem), list(nodes)
+        restored = restoring.result()
+    except Exception as error:  # storage unreachable, a commit naming a lost file
+        log.error("could not restore the latest checkpoint from %s: %s", remote.uri, error)
+        return Prepared(1)
+    seconds["restore"] = restoring.seconds
+    if restored:
+        log.info("restored %s", restored)
+    else:
+        log.info("no checkpoint to restore: starting fresh")
+    log.info("ready to start the command %.2f s after the entry began (side by side: %s)",
+             time.monotonic() - ENTRY_STARTED,
+             ", ".join(f"{stage} {value:.2f} s" for stage, value in seconds.items()))
+    return Prepared(None, restored, seconds)
+
+
+def _record_failure(failure_class: str, message: str, micro_batch_size: int,
+                    nodes: list[str] | None = None) -> None:
+    from kubetrain.trainer.metrics import record_failure
+
+    record_failure(failure_class, message, micro_batch_size, nodes=nodes or ())
 
 
 def write_failure(exit_code: int, micro_batch_size: int) -> None:
@@ -240,8 +362,8 @@ def write_failure(exit_code: int, micro_batch_size: int) -> None:
     failure_class = next((name for name, code in TRAINER_EXIT_CODES.items()
                           if code == exit_code), None)
     if failure_class is not None:
-        record_failure(failure_class, f"a process of the command exited with {exit_code}",
-                       micro_batch_size)
+        _record_failure(failure_class, f"a process of the command exited with {exit_code}",
+                        micro_batch_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,27 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: no such file or program: check spec.trainer.command (exit %d: the "
                   "job is not retried)", missing, EXIT_COMMAND_NOT_FOUND)
         return EXIT_COMMAND_NOT_FOUND
-    if spec.run_policy.preflight.enabled:
-        problem, nodes = preflight(spec.run_policy.preflight, spec.workers.procs_per_worker)
-        if problem:
-            log.error("%s (exit %d)", problem, EXIT_PREFLIGHT_FAILED)
-            record_failure("PreflightFailed", problem, job.micro_batch_size, nodes=nodes)
-            return EXIT_PREFLIGHT_FAILED
-        log.info("preflight: %d device(s) passed", spec.workers.procs_per_worker)
     local_dir = Path(os.environ.get(CHECKPOINT_DIR_ENV) or DEFAULT_CHECKPOINT_DIR)
     local_dir.mkdir(parents=True, exist_ok=True)
     remote = open_storage(spec.checkpoint.uri, spec.storage)
     fallback = (open_storage(spec.checkpoint.resume_from, spec.storage)
                 if spec.checkpoint.resume_from else None)
-    try:
-        restored = restore(local_dir, remote, fallback)
-    except Exception as error:  # storage unreachable, a commit naming a lost file
-        log.error("could not restore the latest checkpoint from %s: %s", remote.uri, error)
-        return 1
-    if restored:
-        log.info("restored %s", restored)
-    else:
-        log.info("no checkpoint to restore: starting fresh")
+    prepared = prepare(job, args.command, local_dir, remote, fallback)
+    if prepared.exit_code is not None:
+        return prepared.exit_code
 
     sync = CheckpointSync(local_dir, remote, spec.checkpoint.keep_last)
     stopping = threading.Event()
@@ -301,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                     "call kubetrain.sdk.mark_complete(path, step) once it is written",
                     folder)
     if report.unmarked:  # the operator turns this line into a warning event on the job
+        from kubetrain.trainer.metrics import termination_log
+
         names = ",".join(Path(folder).name for folder in report.unmarked)
         try:
             termination_log().write_text(
