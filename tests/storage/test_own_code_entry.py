@@ -14,9 +14,9 @@ import yaml
 
 from kubetrain import sdk
 from kubetrain.api.manifest import parse_job
-from kubetrain.api.trainingjob import StorageSpec
+from kubetrain.api.trainingjob import PreflightPolicy, StorageSpec
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, commits
-from kubetrain.trainer.own_code import prepare
+from kubetrain.trainer.own_code import prepare, start_preflight
 from kubetrain.trainer.storage import open_storage
 
 # The user's code: resumes from the restored folder, saves one more step, and on SIGTERM
@@ -135,3 +135,11 @@ def test_the_restore_preflight_and_torchruns_import_are_done_before_the_command(
             } == shards
     assert prepared.seconds is not None
     assert set(prepared.seconds) == {"torchrun import", "preflight", "restore"}
+
+
+@pytest.mark.timeout(120)
+def test_where_a_gpu_is_visible_the_preflight_runs_in_a_child_process_and_passes() -> None:
+    # The path a GPU pod takes (so that no device context stays in the entry), run on this
+    # machine's devices: a spawned child that checks them and answers through a queue.
+    verdict = start_preflight(PreflightPolicy(timeout_seconds=60), 1, in_child=True)
+    assert verdict() == ("", [])
