@@ -6,11 +6,14 @@ the same steps without one, in one run.
 One process, one thread, the trainer's own model (the preset's dimensions), AdamW and the
 tier (`MemoryCheckpoints`, as the loop drives it: a snapshot of the model, the optimizer's
 state, RNG and a data position, into a memory-mapped file under /dev/shm, committed by
-its meta file) over a group of one. Steps alternate, one with a snapshot after it and one without,
-so machine noise hits both; the median step of each is
-compared. Prints the step time of both, the ratio (goal <= 1.03 on CPU) and the blocking
-time per snapshot (median and max). A partner copy runs in the background over gloo and
-is not part of the blocking time; with one process there is no partner.
+its meta file) over a group of one. Steps alternate, one with a snapshot after it and one
+without, and which of the two goes first alternates too, so machine noise hits both and
+neither always follows a snapshot; the median step of each is compared. Prints the step
+time of both, the train part of the steps with a snapshot apart from the snapshot's
+blocking part (median and max), the ratio (goal <= 1.03 on CPU) and, as the run's own
+noise floor, the ratio between the steps without a snapshot of alternate pairs (nothing
+differs between them but noise). The commit and a partner copy run in the background and
+are not part of the blocking time; with one process there is no partner.
 """
 
 from __future__ import annotations
@@ -85,12 +88,16 @@ def main() -> None:
             tier.save(step, app_state)
         plain: list[float] = []
         tiered: list[float] = []
+        trained: list[float] = []  # the train part of the steps with a snapshot
         blocking: list[float] = []
-        for _ in range(args.rounds * args.steps):
-            for with_tier in (False, True):  # step by step, so drift hits both alike
+        for pair in range(args.rounds * args.steps):
+            # Step by step, so drift hits both alike; which goes first alternates, so
+            # neither always follows the other (a snapshot's copy leaves the caches cold).
+            for with_tier in (False, True) if pair % 2 == 0 else (True, False):
                 started = time.perf_counter()
                 train_step()
                 if with_tier:
+                    trained.append(time.perf_counter() - started)
                     blocking.append(tier.save(step, app_state))
                 (tiered if with_tier else plain).append(time.perf_counter() - started)
         tier.close()
@@ -98,11 +105,16 @@ def main() -> None:
     dist.destroy_process_group()
 
     base, snapshotted = statistics.median(plain), statistics.median(tiered)
+    noise = statistics.median(plain[0::2]) / statistics.median(plain[1::2])
     print(f"model {args.preset}: {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{size / 2 ** 20:.1f} MiB in the tier's two slots")
     print(f"step without the tier   {base * 1000:8.2f} ms (median of {len(plain)})")
     print(f"step with a snapshot    {snapshotted * 1000:8.2f} ms (median of {len(tiered)})")
+    print(f"  of which training     {statistics.median(trained) * 1000:8.2f} ms "
+          f"({statistics.median(trained) / base:.3f} of a step without)")
     print(f"ratio                   {snapshotted / base:8.3f}  (goal <= 1.03)")
+    print(f"noise floor             {noise:8.3f}  (steps without, alternate pairs against "
+          "each other)")
     print(f"blocking per snapshot   {statistics.median(blocking) * 1000:8.2f} ms median, "
           f"{max(blocking) * 1000:.2f} ms max")
 

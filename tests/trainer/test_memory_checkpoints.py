@@ -170,6 +170,39 @@ def test_a_snapshot_restores_weights_optimizer_rng_and_position_exactly(
     restarted.close()
 
 
+def test_snapshots_after_the_first_reuse_its_layout_and_still_hold_each_steps_state(
+    tmp_path: Path, group_of_one: Any,
+) -> None:
+    """From the second snapshot on, the model's part is not walked afresh (its plan); it must
+    still copy each step's values, and follow the optimizer when its state is replaced
+    (as a restore from S3 does)."""
+    app_state, model, optimizer = _state(seed=1)
+    folder = tmp_path / "mem"
+    tier = MemoryCheckpoints(_spec(tmp_path), rank=0, world_size=1, folder=folder)
+    for step in (1, 2, 3):
+        _train(model, optimizer, 1)
+        tier.save(step, app_state)
+    # The optimizer's state swapped for new tensors of other values, then one more step.
+    for param in model.parameters():
+        optimizer.state[param] = {key: value.clone() + 1 if key != "step" else value.clone()
+                                  for key, value in optimizer.state[param].items()}
+    _train(model, optimizer, 1)
+    tier.save(4, app_state)
+    expected_weights = [p.detach().clone() for p in model.parameters()]
+    expected_moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+    tier.close()
+
+    fresh_state, fresh_model, fresh_optimizer = _state(seed=2)
+    restarted = MemoryCheckpoints(_spec(tmp_path), rank=0, world_size=1, folder=folder)
+    restored = restarted.load_latest(fresh_state)
+    restarted.close()
+    assert restored is not None and restored.step == 4
+    for got, want in zip(fresh_model.parameters(), expected_weights, strict=True):
+        assert torch.equal(got, want)
+    for param, want in zip(fresh_model.parameters(), expected_moments, strict=True):
+        assert torch.equal(fresh_optimizer.state[param]["exp_avg_sq"], want)
+
+
 def test_a_torn_snapshot_falls_back_to_the_one_before_it_and_then_to_nothing(
     tmp_path: Path, group_of_one: Any,
 ) -> None:

@@ -22,18 +22,21 @@ bytes of every tensor of the rank's state (its FSDP shards of the parameters and
 optimizer's state, as they are: no gathering), and `<owner>-<slot>.meta`, the pickled rest
 (data position, schedule, RNG, goodput, early stopping; where each tensor lies in the data
 file; step, world size, lineage). The blocking part of `save` copies each tensor into the
-data file, mapped in memory (`torch.from_file`), and writes the meta file last, by rename:
+data file, mapped in memory (`torch.from_file`), and pickles the rest; the model's part of
+that skeleton is built and pickled once and kept while the model and optimizer hold the
+same tensors (`_ModelPlan`). A background thread then writes the meta file, by rename:
 the meta file is the commit, and a part without one is torn and never read. Two slots per
 owner: a snapshot is written into the slot not holding the newest committed part, so a
-rank killed in the middle of a snapshot leaves the one before it intact.
+rank killed in the middle of a snapshot, or before its commit, leaves the one before it
+intact.
 
 Partners. Each rank's part is sent to `replicas` partner ranks, chosen on other nodes
 (`partners`: ranks ordered by node, each sending to the rank one largest node further on,
 so every rank holds the same number of copies) over a gloo group of the job's own
 processes: the copy moves through torch.distributed's connections between the job's
 ranks, which are formed through the job's rendezvous, and nothing new listens on a
-port. The copy runs in a background thread after the blocking part; the next snapshot
-waits for it. Where every rank is on one node the copies survive a trainer restart but
+port. The copy runs in the background thread after the commit; the next snapshot waits
+for both. Where every rank is on one node the copies survive a trainer restart but
 not a node loss, and the log says so (docs/memory-checkpoints.md).
 
 Restore order (`load_latest`, collective). Every rank lists the committed parts it holds
@@ -60,6 +63,7 @@ import shutil
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -174,17 +178,14 @@ class _Ref:
     sharded: bool  # a DTensor: its local shard is stored
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Layout:
-    """The tensors of one snapshot, in order, and their offsets in the data file."""
+    """Where the tensors of a snapshot lie in the data file: each one's dtype and shape, in
+    order, its offset, and the file's size."""
 
-    tensors: list[torch.Tensor]
+    signature: tuple[tuple[torch.dtype, torch.Size], ...]
     offsets: list[int]
     size: int
-
-    @property
-    def signature(self) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
-        return tuple((tensor.dtype, tuple(tensor.shape)) for tensor in self.tensors)
 
 
 def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -203,17 +204,36 @@ def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
-def _model_entry(state: ModelState) -> dict[str, Any]:
-    """A rank's model and optimizer state as they are: local shards, no gathering."""
+def _model_entry(state: ModelState,
+                 modules: Sequence[torch.nn.Module] | None = None) -> dict[str, Any]:
+    """A rank's model and optimizer state as they are: local shards, no gathering.
+    `modules`: the model's `modules()`, where the caller kept them (a snapshot does not walk
+    the module tree each time); its parameters and buffers are read from them as they are
+    now, in the order of `parameters()` and `buffers()`."""
     optimizer = state.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if modules is None:
+        modules = list(state.model.modules())
     return {
-        "parameters": list(state.model.parameters()),
-        "buffers": list(state.model.buffers()),
+        "parameters": _members(modules, "_parameters"),
+        "buffers": _members(modules, "_buffers"),
         "optimizer": [dict(optimizer.state.get(p, {})) for p in params],
         "groups": [{key: value for key, value in group.items() if key != "params"}
                    for group in optimizer.param_groups],
     }
+
+
+def _members(modules: Sequence[torch.nn.Module], kind: str) -> list[torch.Tensor]:
+    """The parameters or buffers (`kind`) of `modules`, each once, as `Module.parameters()`
+    and `buffers()` list them."""
+    seen: set[torch.Tensor] = set()
+    members = []
+    for module in modules:
+        for tensor in getattr(module, kind).values():
+            if tensor is not None and tensor not in seen:
+                seen.add(tensor)
+                members.append(tensor)
+    return members
 
 
 def _rng_entry() -> dict[str, Any]:
@@ -221,18 +241,122 @@ def _rng_entry() -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
-def _capture(app_state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The skeleton of a rank's state (tensors as `_Ref`s) and its tensors."""
-    tensors: list[torch.Tensor] = []
-    skeleton: dict[str, Any] = {}
-    for key, value in app_state.items():
-        if isinstance(value, ModelState):
-            skeleton[key] = ("model", _flatten(_model_entry(value), tensors))
-        elif isinstance(value, RandomState):  # this rank's own generators: same world size
-            skeleton[key] = ("rng", _flatten(_rng_entry(), tensors))
+_PLANNED = ("parameters", "buffers", "optimizer")  # a model entry's parts a plan covers
+PLANNED = "planned"  # in a model's skeleton: those parts, pickled by its `_ModelPlan`
+
+
+def _model_tensors(entry: dict[str, Any]) -> tuple[list[torch.Tensor],
+                                                   list[tuple[str, ...]]] | None:
+    """The tensors of a model entry's parameters, buffers and optimizer state, in
+    `_flatten`'s order, and the keys of each parameter's optimizer state; None where that
+    state holds anything but tensors (no plan then: every snapshot flattens it)."""
+    tensors = [*entry["parameters"], *entry["buffers"]]
+    keys = []
+    for state in entry["optimizer"]:
+        for value in state.values():
+            if not isinstance(value, torch.Tensor):
+                return None
+            tensors.append(value)
+        keys.append(tuple(state))
+    return tensors, keys
+
+
+@dataclass
+class _ModelPlan:
+    """A model's part of the skeleton (its parameters, buffers and optimizer state as
+    `_Ref`s), kept from one snapshot to the next while the model and its optimizer hold the
+    same tensor objects, as they do between steps (both update them in place). A snapshot
+    then neither walks that nested state nor builds and pickles a `_Ref` for each tensor,
+    which was most of its blocking time (bench/memory_checkpoints.py): the meta file holds
+    the plan's skeleton as it was pickled once (`PLANNED`). Weak references: a restore that
+    replaces the optimizer's state frees the old tensors and the plan no longer matches."""
+
+    sources: list[weakref.ref[torch.Tensor]]
+    keys: list[tuple[str, ...]]
+    start: int  # the index of its first tensor in the snapshot's list
+    pickled: bytes  # the skeleton of the model's parameters, buffers and optimizer state
+
+    def matches(self, tensors: list[torch.Tensor], keys: list[tuple[str, ...]],
+                start: int) -> bool:
+        return (start == self.start and keys == self.keys
+                and len(tensors) == len(self.sources)
+                and all(ref() is tensor for ref, tensor in zip(self.sources, tensors,
+                                                                 strict=True)))
+
+
+class _Capture:
+    """A rank's state as a skeleton (tensors as `_Ref`s), its tensors in order and their
+    layout in the data file. Each model's part comes from its `_ModelPlan` while that
+    matches, and the layout is the last one while no plan changed and the rest of the
+    state's tensors (RNG states and the like) have the same dtypes and shapes."""
+
+    def __init__(self) -> None:
+        self._plans: dict[str, _ModelPlan] = {}
+        # Each model's modules: the tree is taken as fixed while the model is the same.
+        self._modules: dict[str, tuple[weakref.ref[torch.nn.Module],
+                                       list[torch.nn.Module]]] = {}
+        self._layout: _Layout | None = None
+
+    def forget(self) -> None:
+        """Drop the plans and the layout: the next snapshot builds them afresh."""
+        self._plans.clear()
+        self._modules.clear()
+        self._layout = None
+
+    @torch.no_grad()  # a DTensor's local shard without an autograd node (to_local)
+    def __call__(self, app_state: dict[str, Any]) -> tuple[dict[str, Any],
+                                                          list[torch.Tensor], _Layout]:
+        tensors: list[torch.Tensor] = []
+        skeleton: dict[str, Any] = {}
+        planned = True
+        # Models first: their tensors keep their places from one snapshot to the next.
+        for key, value in app_state.items():
+            if isinstance(value, ModelState):
+                saved, reused = self._model(key, value, tensors)
+                skeleton[key] = ("model", saved)
+                planned = planned and reused
+        modelled = len(tensors)
+        for key, value in app_state.items():
+            if isinstance(value, ModelState):
+                continue
+            if isinstance(value, RandomState):  # this rank's own generators: same world size
+                skeleton[key] = ("rng", _flatten(_rng_entry(), tensors))
+            else:
+                skeleton[key] = ("state", _flatten(value.state_dict(), tensors))
+        layout = self._layout
+        if (not planned or layout is None or len(layout.signature) != len(tensors)
+                or any(have != (tensor.dtype, tensor.shape) for have, tensor in
+                       zip(layout.signature[modelled:], tensors[modelled:], strict=True))):
+            layout = self._layout = _layout(tensors)
+        return skeleton, tensors, layout
+
+    def _model(self, key: str, state: ModelState,
+               tensors: list[torch.Tensor]) -> tuple[dict[str, Any], bool]:
+        """The model entry's skeleton, its tensors appended to `tensors`; True when its
+        plan was used."""
+        modules = self._modules.get(key)
+        if modules is None or modules[0]() is not state.model:
+            modules = self._modules[key] = (weakref.ref(state.model),
+                                            list(state.model.modules()))
+        entry = _model_entry(state, modules[1])
+        found = _model_tensors(entry)
+        plan = self._plans.get(key)
+        start = len(tensors)
+        if found is not None and plan is not None and plan.matches(*found, start):
+            tensors.extend(tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                           for tensor in found[0])
+            saved, reused = {PLANNED: plan.pickled}, True
         else:
-            skeleton[key] = ("state", _flatten(value.state_dict(), tensors))
-    return skeleton, tensors
+            saved, reused = _flatten({part: entry[part] for part in _PLANNED}, tensors), False
+            if found is None:
+                self._plans.pop(key, None)
+            else:
+                pickled = pickle.dumps(saved)
+                self._plans[key] = _ModelPlan([weakref.ref(tensor) for tensor in found[0]],
+                                              found[1], start, pickled)
+                saved = {PLANNED: pickled}
+        saved["groups"] = _flatten(entry["groups"], tensors)
+        return saved, reused
 
 
 def _layout(tensors: list[torch.Tensor]) -> _Layout:
@@ -240,7 +364,8 @@ def _layout(tensors: list[torch.Tensor]) -> _Layout:
     for tensor in tensors:
         offsets.append(size)
         size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    return _Layout(tensors, offsets, max(size, _ALIGN))
+    return _Layout(tuple((tensor.dtype, tensor.shape) for tensor in tensors), offsets,
+                   max(size, _ALIGN))
 
 
 def _view(data: torch.Tensor, offset: int, ref: _Ref) -> torch.Tensor:
@@ -281,6 +406,8 @@ class _Restorer:
         local.copy_(self.tensor(ref))
 
     def model(self, state: ModelState, saved: dict[str, Any]) -> None:
+        if PLANNED in saved:
+            saved = {**pickle.loads(saved[PLANNED]), "groups": saved["groups"]}
         live = _model_entry(state)
         for kind in ("parameters", "buffers"):
             if len(live[kind]) != len(saved[kind]):
@@ -400,7 +527,8 @@ class MemoryCheckpoints:
                                             self._group)
         self._slots: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # mapped data files
         self._header_sizes: dict[tuple[int, int, int], int] = {}  # (holder, owner, slot)
-        self._views: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        self._views: dict[int, tuple[torch.Tensor, _Layout, list[torch.Tensor]]] = {}
+        self._capture = _Capture()
         self._newest: dict[int, tuple[int, int]] = {}  # owner -> (step, slot) newest committed
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-ckpt")
         self._in_flight: Future[None] | None = None
@@ -413,23 +541,33 @@ class MemoryCheckpoints:
         return step % self.every_steps == 0
 
     def save(self, step: int, app_state: dict[str, Any]) -> float:
-        """Snapshot this rank's state at `step` into its folder and start copying it to the
-        partners (collective only in the background copy); the seconds it blocked."""
+        """Snapshot this rank's state at `step` into its folder (collective only in the
+        background); the seconds it blocked.
+
+        The blocking part is what must see the state of `step`: its tensors copied into the
+        mapped data file and the rest pickled. Committing the part (its meta file) and the
+        copies to and from partners follow in the background; the next snapshot, `wait`
+        and `close` wait for them. A rank killed before the commit leaves the slot torn,
+        and the snapshot before it is used.
+        """
         started = time.perf_counter()
         self.wait()
-        skeleton, tensors = _capture(app_state)
-        layout = _layout(tensors)
+        skeleton, tensors, layout = self._capture(app_state)
         slot = self._free_slot(self.rank)
         data = self._mapped(self.rank, slot, layout.size)
         self._uncommit(self.rank, slot)
-        destinations = self._destinations(slot, data, layout)
-        torch._foreach_copy_(destinations, layout.tensors)
+        with torch.no_grad():
+            torch._foreach_copy_(self._destinations(slot, data, layout), tensors)
         meta = self._meta(step, skeleton, layout)
-        self._commit(self.rank, slot, meta, step)
-        if self._group is not None and (self.partners[self.rank] or self.sources):
-            self._in_flight = self._copier.submit(self._replicate, step, data, meta)
+        self._in_flight = self._copier.submit(self._publish, step, slot, data, meta)
         self.last_blocking = time.perf_counter() - started
         return self.last_blocking
+
+    def _publish(self, step: int, slot: int, data: torch.Tensor, meta: bytes) -> None:
+        """Commit this rank's part, then copy it to its partners (the background part)."""
+        self._commit(self.rank, slot, meta, step)
+        if self._group is not None and (self.partners[self.rank] or self.sources):
+            self._replicate(step, data, meta)
 
     def _meta(self, step: int, skeleton: dict[str, Any], layout: _Layout) -> bytes:
         return pickle.dumps({"format": FORMAT, "owner": self.rank, "step": step,
@@ -439,14 +577,14 @@ class MemoryCheckpoints:
 
     def _destinations(self, slot: int, data: torch.Tensor,
                       layout: _Layout) -> list[torch.Tensor]:
-        """Views of the data file for each tensor, kept while the layout stays the same."""
+        """Views of the data file for each tensor, kept while the file and layout stay."""
         cached = self._views.get(slot)
-        if cached is not None and cached[0] == (id(data), layout.signature):
-            return cached[1]
-        views = [data[offset:offset + tensor.numel() * tensor.element_size()]
-                 .view(tensor.dtype).view(tensor.shape)
-                 for tensor, offset in zip(layout.tensors, layout.offsets, strict=True)]
-        self._views[slot] = ((id(data), layout.signature), views)
+        if cached is not None and cached[0] is data and cached[1] is layout:
+            return cached[2]
+        views = [data[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                 for (dtype, shape), offset in zip(layout.signature, layout.offsets,
+                                                   strict=True)]
+        self._views[slot] = (data, layout, views)
         return views
 
     def _replicate(self, step: int, data: torch.Tensor, meta: bytes) -> None:
@@ -519,6 +657,7 @@ class MemoryCheckpoints:
             self._copier.shutdown(wait=True)
             self._slots.clear()
             self._views.clear()
+            self._capture.forget()
             if discard:
                 shutil.rmtree(self.folder, ignore_errors=True)
 
