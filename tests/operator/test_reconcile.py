@@ -307,6 +307,22 @@ def test_pod_on_a_lost_node_is_force_deleted_and_replaced(minimal_manifest: dict
     assert [r.reason for r in out.restarts] == ["NodeLost"]
 
 
+def test_a_lost_node_s_pod_is_replaced_with_no_backoff_though_the_restart_counts(
+        minimal_manifest: dict) -> None:
+    # Its second counted restart: any other failure would wait 2 x backoffSeconds (20 s).
+    job = make_job(minimal_manifest, status=running_status(restarts=1))
+    out = run(job, pod(0), pod(1, "Running", node_lost=True))
+    assert out.status is not None and out.status["restarts"] == 2
+    assert "(restart 2 of 3, in 0s)" in out.condition("Restarting")["message"]
+    # The pod is gone (force-deleted): its replacement comes in the same second.
+    again = run(make_job(minimal_manifest, status=out.status), pod(0))
+    assert again.created == [("Pod", "demo-worker-1", "1")]
+    # A failure of the pod's own still waits its backoff.
+    failed = run(job, pod(0), pod(1, "Failed", exit_code=137, reason="Error"))
+    assert failed.status is not None
+    assert run(make_job(minimal_manifest, status=failed.status), pod(0)).created == []
+
+
 def test_pod_pending_past_its_deadline_is_recreated(minimal_manifest: dict) -> None:
     job = make_job(minimal_manifest, status=running_status(phase="Pending"),
                    pendingDeadlineSeconds=60)

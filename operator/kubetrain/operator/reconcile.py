@@ -38,7 +38,8 @@ Recovery policy, in the order it is checked:
   permanent or repeated exit code, which stops the pass there; past the budget its pod's
   own end is judged (kubetrain.operator.restarts);
 - a step that has not advanced for progressDeadlineSeconds restarts the group;
-- every restart counts against maxRestarts and waits an exponential backoff.
+- every restart counts against maxRestarts and waits an exponential backoff, but one
+  for a lost node: its pods go to another node at once.
 
 Slow and broken nodes (kubetrain.operator.nodes, with the rules of stragglers and
 avoidance):
@@ -187,7 +188,7 @@ class _Decision:
         """Count a restart and delete the pods to replace (all of them for a whole-group one).
 
         An uncounted restart (out of memory: its own limit) spends no maxRestarts and waits
-        no backoff.
+        no backoff; nor does a lost node's (`restarts.restart_delay`).
         """
         policy = self.job.spec.run_policy
         if counted and restart_rules.restarts_spent(policy, self.status.restarts):
@@ -204,7 +205,7 @@ class _Decision:
                                             whole_group=whole_group)
         self.status.phase = "Restarting"
         scope = "the whole group" if whole_group else ", ".join(pod.name for pod in broken)
-        delay = restart_rules.backoff_seconds(policy, self.status.restarts) if counted else 0.0
+        delay = restarts.restart_delay(policy, self.status.restarts, reason, counted)
         which = (f"restart {self.status.restarts} of {policy.max_restarts}" if counted
                  else "not counted in runPolicy.maxRestarts")
         text = (f"{message}: restarting {scope} ({which}, in {delay:g}s); workers resume "

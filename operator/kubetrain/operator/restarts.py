@@ -73,6 +73,9 @@ WHOLE_GROUP_REASONS: Final = ("ProgressDeadlineExceeded", "OutOfMemory", "Prefli
 # Restarts with their own limit instead of maxRestarts, and no backoff (nothing to wait
 # out). Read only for a restart recorded before status.restart, as above.
 UNCOUNTED_REASONS: Final = ("OutOfMemory", "StragglerReplaced")
+# Counted restarts that wait no backoff: a lost node's pods are replaced on another node
+# (the lost one is avoided), so there is nothing to wait out, and the survivors wait too.
+NO_BACKOFF_REASONS: Final = ("NodeLost",)
 # How status.lastFailure's message ends for a trainer's end past its pod's budget of
 # restarts in place, instead of the lifeline's IN_PLACE: the pod's own end follows.
 LEFT_TO_THE_POD: Final = ("torchrun has no restart in place left in this pod "
@@ -123,13 +126,21 @@ def restart_in_progress(status: TrainingJobStatus) -> RestartStatus | None:
                          whole_group=reason in WHOLE_GROUP_REASONS)
 
 
+def restart_delay(policy: RunPolicy, restarts: int, reason: str, counted: bool) -> float:
+    """Seconds a restart waits before it creates its pods: the backoff of the `restarts`-th
+    counted restart, none for an uncounted one or a lost node (`NO_BACKOFF_REASONS`)."""
+    if not counted or reason in NO_BACKOFF_REASONS:
+        return 0.0
+    return rules.backoff_seconds(policy, restarts)
+
+
 def replacements_due(status: TrainingJobStatus, policy: RunPolicy) -> datetime | None:
-    """When the restart in progress may create its pods: after its backoff if it is
-    counted, at once if not; None when no restart is in progress."""
+    """When the restart in progress may create its pods: after its `restart_delay`; None
+    when no restart is in progress."""
     restart = restart_in_progress(status)
     if restart is None:
         return None
-    delay = rules.backoff_seconds(policy, status.restarts) if restart.counted else 0.0
+    delay = restart_delay(policy, status.restarts, restart.reason, restart.counted)
     return restart.time + timedelta(seconds=delay)
 
 
