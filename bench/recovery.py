@@ -31,7 +31,8 @@ replacement pod runs; rank 0 resumed; the first step.
 
 After the node loss's stages it prints what explains them: each line rank 0's pod printed
 (torchrun's and the trainer's) and each line the operator logged, from the fault until the
-first step, with the seconds after the fault at which it was seen or logged.
+first step, with the seconds after the fault at which it was seen or logged; and so for
+the trainer kill, rank 0's pod's lines (torchrun's timestamps and the trainer's start-up).
 
 Run: `.venv/bin/python bench/recovery.py` (as root: containers and network namespaces;
 builds the images first if they are not cached; about 5 minutes on 2 cores);
@@ -176,6 +177,22 @@ def _print_stages(title: str, order: tuple[str, ...], stages: dict[str, float]) 
             print(f"  {stage:<20}{'not seen':>8}")
 
 
+def _rank0_until_advancing(cluster: loop.Cluster, name: str, faulted: float,
+                           before: int) -> list[tuple[float, str]]:
+    """Until training advances after a resume: each line rank 0's pod printed after its
+    first `before` (those of before the fault), with the seconds after the fault at which
+    it was first seen (polled every 0.05 s)."""
+    seen: list[tuple[float, str]] = []
+    deadline = faulted + 300
+    while time.monotonic() < deadline:
+        lines = cluster.trainer_lines(name)
+        seen += [(time.monotonic() - faulted, line) for line in lines[before + len(seen):]]
+        if loop.advanced_after_resume(lines):
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"waited 300s for training to advance again\n{cluster.report()}")
+
+
 def operator_lines(cluster: loop.Cluster, since: float, until: float) -> list[tuple[float, str]]:
     """The operator's log lines stamped between `since` and `until` (seconds since the
     epoch), each with its seconds after `since` (its stamps are UTC, to the millisecond)."""
@@ -212,7 +229,8 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
     """One job, with `fault` at step FAULT_AT; its recovery figures.
 
     With `stages`, the fault is a container kill or a node loss and its path is timed into
-    it; for a node loss, rank 0's pod's lines and the operator's go to `timeline`.
+    it; for a node loss, rank 0's pod's lines and the operator's go to `timeline`, and for a
+    trainer kill rank 0's pod's.
     """
     started = time.monotonic()
     cluster.apply(loop.training_job(name, cluster.s3, optimization={"maxSteps": STEPS}))
@@ -222,20 +240,22 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
         old_uid = next(pod["metadata"]["uid"] for pod in cluster.pods(name)
                        if pod["metadata"]["name"].endswith("-1"))
         survivor = cluster.trainer_pid(f"{name}-worker-0")
+        before = len(cluster.trainer_lines(name))
         fault(cluster, name)
         faulted, faulted_at = time.monotonic(), time.time()
         if stages is not None and fault is _lose_node:
             rank0: list[tuple[float, str]] = []
             stages.update(_node_loss_stages(cluster, name, old_uid, survivor, faulted, rank0))
             if timeline is not None:
-                timeline["rank 0's pod"] = rank0
-                timeline["the operator"] = operator_lines(cluster, faulted_at, time.time())
+                timeline["the node loss: what rank 0's pod printed"] = rank0
+                timeline["the node loss: what the operator printed"] = operator_lines(
+                    cluster, faulted_at, time.time())
         elif stages is not None:
             stages.update(_container_kill_stages(cluster, name, old_uid, faulted))
-        cluster.wait_for("training to advance again",
-                         lambda: loop.advanced_after_resume(cluster.trainer_lines(name)), 300,
-                         every=0.1)
+        printed = _rank0_until_advancing(cluster, name, faulted, before)
         recovery = time.monotonic() - faulted
+        if fault is _kill_trainer and timeline is not None:
+            timeline["the trainer kill: what rank 0's pod printed"] = printed
     cluster.wait_for_phase(name, "Succeeded", timeout=600)
     wall = time.monotonic() - started
     lines = cluster.trainer_lines(name)
@@ -335,8 +355,8 @@ def main() -> None:
         _print_stages("the container kill", STAGES, stages)
     if "f" in rows:
         _print_stages("the node loss", NODE_LOSS_STAGES, node_loss)
-        for source, lines in timeline.items():
-            print_timeline(f"the node loss: what {source} printed", lines)
+    for title, lines in timeline.items():
+        print_timeline(title, lines)
 
 
 if __name__ == "__main__":
