@@ -241,7 +241,7 @@ def _rng_entry() -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
-_PLANNED = ("parameters", "buffers", "optimizer")  # a model entry's parts a plan covers
+_PLAN_PARTS = ("parameters", "buffers", "optimizer")  # a model entry's parts a plan covers
 PLANNED = "planned"  # in a model's skeleton: those parts, pickled by its `_ModelPlan`
 
 
@@ -347,7 +347,7 @@ class _Capture:
                            for tensor in found[0])
             saved, reused = {PLANNED: plan.pickled}, True
         else:
-            saved, reused = _flatten({part: entry[part] for part in _PLANNED}, tensors), False
+            saved, reused = _flatten({part: entry[part] for part in _PLAN_PARTS}, tensors), False
             if found is None:
                 self._plans.pop(key, None)
             else:
