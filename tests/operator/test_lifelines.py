@@ -308,7 +308,7 @@ def test_a_stopped_trainer_probed_again_and_again_is_never_taken_for_a_lost_node
         process = await loop.run_in_executor(None, followed_trainer, port)
         try:
             os.kill(process.pid, signal.SIGSTOP)
-            kept = await loop.run_in_executor(None, _never_silent, lifelines, key, 4.0)
+            kept = await loop.run_in_executor(None, _never_silent, lifelines, key, 3.0)
             assert kept and news == [], "a hang is not a loss, however long"
             os.kill(process.pid, signal.SIGCONT)
             await asyncio.sleep(0.6)
