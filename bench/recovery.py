@@ -10,7 +10,9 @@ the node agent in containerd; moto's S3 over HTTP) and, for the same
 - b: kill -9 of worker 1's trainer at step 6 (torchrun restarts it in place);
 - b-pod: kill -9 of worker 1's whole container (trainer and torchrun) at step 6: the
   pod fails and the operator replaces it;
-- f: worker 1's node loses power at step 6 (heartbeats stop, its processes die).
+- f: worker 1's node loses power at step 6 (heartbeats stop, its processes die);
+- f0: worker 0's node instead, the rendezvous host's: the whole group is recreated (not
+  run unless --rows names it).
 - own: an own-code job (spec.trainer: the whole loop's FSDP2 + DCP script, a save every 4
   steps, uploads every second), worker 1's container killed at step 6; the steps redone
   are the script's own (its goodput column is blank: it prints no step times).
@@ -36,8 +38,8 @@ the trainer kill, rank 0's pod's lines (torchrun's timestamps and the trainer's 
 
 Run: `.venv/bin/python bench/recovery.py` (as root: containers and network namespaces;
 builds the images first if they are not cached; about 5 minutes on 2 cores);
-`--rows none,f` runs only those rows (none, b, b-pod, f, own; none is the baseline of the
-goodput ratio, and is always run).
+`--rows none,f` runs only those rows (none, b, b-pod, f, f0, own; none is the baseline of
+the goodput ratio, and is always run).
 """
 
 from __future__ import annotations
@@ -77,9 +79,13 @@ def _kill_container(cluster: loop.Cluster, name: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _lose_node(cluster: loop.Cluster, name: str) -> None:
-    worker = next(p for p in cluster.pods(name) if p["metadata"]["name"].endswith("-1"))
+def _lose_node(cluster: loop.Cluster, name: str, index: int = 1) -> None:
+    worker = next(p for p in cluster.pods(name) if p["metadata"]["name"].endswith(f"-{index}"))
     cluster.agent.lose_node(worker["spec"]["nodeName"])
+
+
+def _lose_node_of_worker_0(cluster: loop.Cluster, name: str) -> None:
+    _lose_node(cluster, name, 0)
 
 
 # The container-kill path, stage by stage: each is the first moment its check holds.
@@ -256,6 +262,10 @@ def run(cluster: loop.Cluster, name: str, fault: Callable[[loop.Cluster, str], N
         recovery = time.monotonic() - faulted
         if fault is _kill_trainer and timeline is not None:
             timeline["the trainer kill: what rank 0's pod printed"] = printed
+        if fault is _lose_node_of_worker_0 and timeline is not None:
+            timeline["worker 0's node lost: what rank 0's pods printed"] = printed
+            timeline["worker 0's node lost: what the operator printed"] = operator_lines(
+                cluster, faulted_at, time.time())
     cluster.wait_for_phase(name, "Succeeded", timeout=600)
     wall = time.monotonic() - started
     lines = cluster.trainer_lines(name)
@@ -308,12 +318,12 @@ def run_own_code(cluster: loop.Cluster, name: str) -> dict[str, float]:
             "operator_goodput": float((status.get("goodput") or {}).get("ratio") or "nan")}
 
 
-ROWS = ("none", "b", "b-pod", "f", "own")
+ROWS = ("none", "b", "b-pod", "f", "f0", "own")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default=",".join(ROWS),
+    parser.add_argument("--rows", default=",".join(row for row in ROWS if row != "f0"),
                         help="the rows to run, comma-separated (none is always run)")
     rows = {"none", *parser.parse_args().rows.split(",")}
     if unknown := rows - set(ROWS):
@@ -329,7 +339,8 @@ def main() -> None:
         breakdowns = {"b-pod": stages, "f": node_loss}
         results = {label: run(cluster, f"bench-{label}", fault, breakdowns.get(label), timeline)
                    for label, fault in (("none", None), ("b", _kill_trainer),
-                                        ("b-pod", _kill_container), ("f", _lose_node))
+                                        ("b-pod", _kill_container), ("f", _lose_node),
+                                        ("f0", _lose_node_of_worker_0))
                    if label in rows}
         if "own" in rows:
             loop.add_own_code_scripts(cluster)
@@ -344,7 +355,7 @@ def main() -> None:
           f"{'/none':>7}{'operator':>10}")
     names = {"none": "none (uninterrupted)", "b": "b: kill -9 of worker 1's trainer",
              "b-pod": "b: kill -9 of worker 1's container",
-             "f": "f: worker 1's node lost",
+             "f": "f: worker 1's node lost", "f0": "f0: worker 0's node lost",
              "own": "own code: kill -9 of worker 1's container"}
     for label, figures in results.items():
         print(f"{names[label]:<42}{figures['recovery']:>15.1f}s{figures['redone']:>8.0f}"
