@@ -145,14 +145,22 @@ def test_the_lifelines_see_a_killed_trainer_at_once_and_its_successors_last_word
 def _fill_accept_queue(port: int) -> list[socket.socket]:
     """Connections to a stopped process's listening socket until its accept queue is full:
     the kernel then drops new handshakes, and the address answers nothing, as a lost
-    node's does."""
-    queued = []
-    for _ in range(64):
-        client = socket.socket()
-        client.setblocking(False)
-        client.connect_ex(("127.0.0.1", port))
-        queued.append(client)
-    return queued
+    node's does. Checked with a connection of its own, so a scenario never starts from a
+    queue with room left (a probe would then be answered, as a stopped process's is)."""
+    queued: list[socket.socket] = []
+    for _ in range(4):
+        for _ in range(64):
+            client = socket.socket()
+            client.setblocking(False)
+            client.connect_ex(("127.0.0.1", port))
+            queued.append(client)
+        with socket.socket() as check:
+            check.settimeout(0.3)
+            try:
+                check.connect(("127.0.0.1", port))
+            except TimeoutError:
+                return queued
+    raise AssertionError(f"port {port} still completes new connections after {len(queued)}")
 
 
 def test_a_trainer_whose_node_stops_answering_is_silent_and_a_stopped_one_is_not() -> None:
