@@ -188,7 +188,8 @@ sdk.stop_requested()
 if dist.get_rank() == 1:
     os.kill(os.getpid(), signal.SIGTERM)  # only rank 1's pod is being drained
 agreed = [sdk.stop_agreed() for _ in range(2)]
-print(f"rank {dist.get_rank()} agreed {agreed}", flush=True)
+# One write, so the ranks' lines never interleave (print writes the newline apart).
+os.write(1, f"rank {dist.get_rank()} agreed {agreed}\\n".encode())
 dist.destroy_process_group()
 """
 

@@ -7,12 +7,16 @@ notebook gets), each with one CPU thread so two ranks share the two cores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +103,41 @@ class Launcher:
                     return int(entry.name)
             time.sleep(0.02)
         raise AssertionError(f"torchrun (pid {agent}) started no worker for rank {rank}")
+
+    @staticmethod
+    @contextlib.contextmanager
+    def paused(pid: int, stopped: tuple[float, float], running: tuple[float, float],
+               once_logged: Path | None = None) -> Iterator[None]:
+        """Stop `pid` on a duty cycle (a throttled node), from outside: SIGSTOP for a random
+        period drawn from `stopped` seconds, then SIGCONT for one drawn from `running`.
+        Random periods, so the pauses do not keep landing in the same part of each step.
+        With `once_logged`, only once that metrics log has its first event: the start-up
+        (imports, rendezvous, the model) is then not what is judged."""
+        done = threading.Event()
+
+        def pause_and_resume() -> None:
+            while once_logged is not None and not done.is_set() and not (
+                    once_logged.exists() and once_logged.stat().st_size):
+                time.sleep(0.02)
+            draw = random.Random(0)
+            while not done.is_set():
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(draw.uniform(*stopped))
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    return
+                time.sleep(draw.uniform(*running))
+
+        pauser = threading.Thread(target=pause_and_resume, daemon=True)
+        pauser.start()
+        try:
+            yield
+        finally:
+            done.set()
+            pauser.join()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def events(self, job: Path, kind: str | None = None) -> list[dict[str, Any]]:
         """The metrics-log events of `job` (only those of `kind` when given)."""

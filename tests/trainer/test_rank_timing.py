@@ -5,15 +5,9 @@ smallest wait, and the operator's straggler rule names it."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import random
-import signal
 import socket
 import statistics
 import subprocess
-import threading
-import time
 
 import pytest
 
@@ -68,32 +62,11 @@ def test_a_rank_paused_on_a_duty_cycle_computes_longest_waits_least_and_is_named
                    metrics={"logEverySteps": 6}, runPolicy={"preflight": {"enabled": False}})
     agent = subprocess.Popen(launcher.command(job, 2), env=launcher.env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    slowed = launcher.worker_pid(agent.pid, 1)
-    done = threading.Event()
-
-    def pause_and_resume() -> None:
-        # Stopped three quarters of the time: rank 1 runs at about a quarter of its speed, as
-        # on a throttled node.
-        # Random periods, so the pauses do not keep landing in the same part of each step.
-        draw = random.Random(0)
-        while not done.is_set():
-            try:
-                os.kill(slowed, signal.SIGSTOP)
-                time.sleep(draw.uniform(0.06, 0.18))
-                os.kill(slowed, signal.SIGCONT)
-            except ProcessLookupError:
-                return
-            time.sleep(draw.uniform(0.02, 0.06))
-
-    pauser = threading.Thread(target=pause_and_resume, daemon=True)
-    pauser.start()
-    try:
+    # Stopped three quarters of the time: rank 1 runs at about a quarter of its speed, as on
+    # a throttled node.
+    with launcher.paused(launcher.worker_pid(agent.pid, 1), stopped=(0.06, 0.18),
+                         running=(0.02, 0.06)):
         output, _ = agent.communicate(timeout=300)
-    finally:
-        done.set()
-        pauser.join()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(slowed, signal.SIGCONT)
     assert agent.returncode == 0, output[-4000:]
 
     logged = launcher.events(job, "step")
