@@ -3,10 +3,11 @@ fault-injecting proxy in front of moto.
 
 `faulty_s3(fault_ratio=..., delay=..., seed=...)` starts a `FaultyProxy` (stopped at
 the end of the test) and returns it; its `endpoint` is what the code under test
-gets. Some requests then get a 500, a TCP reset, or half a body followed by a reset;
-faults are drawn from a seeded generator, and `delay` slows requests that carry data
-(PUT/POST) so that a test can act while an upload is in flight. `injected` counts
-what was injected, `served` the bytes of the GET answers it forwarded.
+gets. Some requests then get a 500, a TCP reset, or half a body followed by a reset
+(`faults` narrows the draw, or makes it a 403); faults are drawn from a seeded
+generator, and `delay` slows requests that carry data (PUT/POST) so that a test can act
+while an upload is in flight. `injected` counts what was injected, `served` the bytes of
+the GET answers it forwarded.
 """
 
 from __future__ import annotations
@@ -60,18 +61,24 @@ def faulty_s3(s3_endpoint: str) -> Iterator[Callable[..., FaultyProxy]]:
         proxy.stop()
 
 
-_ERROR = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
-          b"<Message>injected by the test proxy</Message></Error>")
+# The S3 error answers it injects, by status: botocore retries a 500, not a 403.
+_ERRORS = {status: (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>' + code
+                    + b"</Code><Message>injected by the test proxy</Message></Error>")
+           for status, code in ((500, b"InternalError"), (403, b"AccessDenied"))}
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
 
 
 class FaultyProxy:
-    """Forwards to `target` (http://host:port), failing `fault_ratio` of the requests."""
+    """Forwards to `target` (http://host:port), failing `fault_ratio` of the requests with
+    a fault drawn from `faults`: "500", "reset", "truncate", or "403" (access denied,
+    which botocore does not retry: a failure that costs no backoff)."""
 
     def __init__(self, target: str, *, fault_ratio: float = 0.1, delay: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, faults: tuple[str, ...] = ("500", "reset", "truncate"),
+                 ) -> None:
         self.target = target.removeprefix("http://")
         self.fault_ratio = fault_ratio
+        self.faults = faults
         self.delay = delay
         self.injected: Counter[str] = Counter()
         self.forwarded = 0
@@ -99,7 +106,7 @@ class FaultyProxy:
             if self._random.random() >= self.fault_ratio:
                 self.forwarded += 1
                 return None
-            fault = self._random.choice(["500", "reset", "truncate"])
+            fault = self._random.choice(self.faults)
             self.injected[fault] += 1
             return fault
 
@@ -135,12 +142,13 @@ class FaultyProxy:
                 fault = proxy._draw()
                 if fault == "reset":
                     return self._reset()
-                if fault == "500":
-                    self.send_response(500)
+                if fault in {"500", "403"}:
+                    error = _ERRORS[int(fault)]
+                    self.send_response(int(fault))
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(_ERROR)))
+                    self.send_header("Content-Length", str(len(error)))
                     self.end_headers()
-                    self.wfile.write(_ERROR)
+                    self.wfile.write(error)
                     return None
                 if proxy.delay and self.command in {"PUT", "POST"}:
                     threading.Event().wait(proxy.delay)

@@ -91,7 +91,9 @@ def test_a_failed_upload_keeps_the_previous_good_checkpoint(
     mark_complete(_save(tmp_path / "pod", 1, good), 1)
     CheckpointSync(tmp_path / "pod", remote, keep_last=1).sync_once()
 
-    broken = faulty_s3(fault_ratio=1.0)  # every request to S3 fails from here on
+    # Every request to S3 fails from here on: refused, so that no retry's backoff is waited
+    # out (with 500s botocore's 10 attempts took a minute).
+    broken = faulty_s3(fault_ratio=1.0, faults=("403",))
     unreachable = open_storage(f"s3://{s3_bucket}/jobs/mine",
                                StorageSpec(endpoint=broken.endpoint, region="us-east-1"))
     mark_complete(_save(tmp_path / "pod", 2, {"model.pt": os.urandom(500)}), 2)
