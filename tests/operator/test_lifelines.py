@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -75,6 +75,38 @@ def ends_as(process: subprocess.Popen[str], line: str) -> None:
     process.wait(10)
 
 
+KEY = ("default", "job")
+POD = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
+                ip="127.0.0.1")
+
+
+@contextlib.asynccontextmanager
+async def following(news: list[tuple[str, str]], port: int,
+                    **thresholds: float) -> AsyncIterator[Lifelines]:
+    """The operator's lifelines, started and following POD's trainer at `port`."""
+    lifelines = Lifelines(news.append, **thresholds)
+    lifelines.start(asyncio.get_running_loop())
+    lifelines.follow(KEY, [POD], [port])
+    try:
+        yield lifelines
+    finally:
+        await lifelines.close()
+
+
+@contextlib.asynccontextmanager
+async def trainer_process(port: int) -> AsyncIterator[subprocess.Popen[str]]:
+    """`followed_trainer`, from a coroutine; killed at the end, even while stopped."""
+    loop = asyncio.get_running_loop()
+    process = await loop.run_in_executor(None, followed_trainer, port)
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+        process.kill()
+        await loop.run_in_executor(None, process.wait)
+
+
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
@@ -97,26 +129,20 @@ def test_how_a_lifeline_ends_says_whether_torchrun_restarts_a_failure_in_place(
 
 
 def test_the_lifelines_see_a_killed_trainer_at_once_and_its_successors_last_words() -> None:
-    port = free_port()
-    key = ("default", "job")
-    pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
-                    ip="127.0.0.1")
+    port, key = free_port(), KEY
 
     async def scenario() -> None:
         news: list[tuple[str, str]] = []
-        lifelines = Lifelines(news.append, settle_seconds=0.1, retry_seconds=0.1)
-        lifelines.start(asyncio.get_running_loop())
-        lifelines.follow(key, [pod], [port])
-
-        async def until(count: int) -> float:
-            started = time.monotonic()
-            while len(lifelines.ends(key)) < count:
-                assert time.monotonic() - started < 10, lifelines.ends(key)
-                await asyncio.sleep(0.01)
-            return time.monotonic() - started
-
         loop = asyncio.get_running_loop()
-        try:
+        async with following(news, port, settle_seconds=0.1, retry_seconds=0.1) as lifelines:
+
+            async def until(count: int) -> float:
+                started = time.monotonic()
+                while len(lifelines.ends(key)) < count:
+                    assert time.monotonic() - started < 10, lifelines.ends(key)
+                    await asyncio.sleep(0.01)
+                return time.monotonic() - started
+
             killed = await loop.run_in_executor(None, followed_trainer, port)
             os.kill(killed.pid, signal.SIGKILL)
             seen = await until(1)
@@ -136,49 +162,55 @@ def test_the_lifelines_see_a_killed_trainer_at_once_and_its_successors_last_word
                 ("Unknown", None), ("CollectiveTimeout", 88)]
             assert "gloo timed out after 30s" in lifelines.ends(key)[1].message
             assert news == [key, key]  # a reconcile asked for each
-        finally:
-            await lifelines.close()
 
     asyncio.run(scenario())
 
 
-def _fill_accept_queue(port: int) -> list[socket.socket]:
+@contextlib.contextmanager
+def answering_nothing(port: int) -> Iterator[None]:
     """Connections to a stopped process's listening socket until its accept queue is full:
     the kernel then drops new handshakes, and the address answers nothing, as a lost
     node's does. Checked with a connection of its own, so a scenario never starts from a
     queue with room left (a probe would then be answered, as a stopped process's is)."""
     queued: list[socket.socket] = []
-    for _ in range(4):
-        for _ in range(64):
-            client = socket.socket()
-            client.setblocking(False)
-            client.connect_ex(("127.0.0.1", port))
-            queued.append(client)
-        with socket.socket() as check:
-            check.settimeout(0.3)
-            try:
-                check.connect(("127.0.0.1", port))
-            except TimeoutError:
-                return queued
-    raise AssertionError(f"port {port} still completes new connections after {len(queued)}")
+    try:
+        for _ in range(4):
+            for _ in range(64):
+                client = socket.socket()
+                client.setblocking(False)
+                client.connect_ex(("127.0.0.1", port))
+                queued.append(client)
+            with socket.socket() as check:
+                check.settimeout(0.3)
+                try:
+                    check.connect(("127.0.0.1", port))
+                except TimeoutError:
+                    break
+        else:
+            raise AssertionError(
+                f"port {port} still completes new connections after {len(queued)}")
+        yield
+    finally:
+        for client in queued:
+            client.close()
+
+
+async def until_silent(lifelines: Lifelines, since: float) -> float:
+    """Seconds from `since` (time.monotonic) until the job has a silent pod."""
+    while not lifelines.silent(KEY):
+        assert time.monotonic() - since < 10, "never taken for silent"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - since
 
 
 def test_a_trainer_whose_node_stops_answering_is_silent_and_a_stopped_one_is_not() -> None:
-    port = free_port()
-    key = ("default", "job")
-    pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
-                    ip="127.0.0.1")
+    port, key = free_port(), KEY
 
     async def scenario() -> None:
         news: list[tuple[str, str]] = []
-        lifelines = Lifelines(news.append, retry_seconds=0.1, silence_seconds=1.0,
-                              probe_seconds=0.5)
-        lifelines.start(asyncio.get_running_loop())
-        lifelines.follow(key, [pod], [port])
-        loop = asyncio.get_running_loop()
-        process = await loop.run_in_executor(None, followed_trainer, port)
-        queued: list[socket.socket] = []
-        try:
+        async with (following(news, port, retry_seconds=0.1, silence_seconds=1.0,
+                              probe_seconds=0.5) as lifelines,
+                    trainer_process(port) as process):
             await asyncio.sleep(1.5)  # beating: not silent
             assert lifelines.silent(key) == frozenset() and news == []
             # Stopped, as a hung or SIGSTOPped trainer: its node still completes handshakes.
@@ -186,30 +218,22 @@ def test_a_trainer_whose_node_stops_answering_is_silent_and_a_stopped_one_is_not
             await asyncio.sleep(3.5)
             assert lifelines.silent(key) == frozenset() and news == [], "a hang is not a loss"
             # Now its address answers nothing either: as a node that lost power or network.
-            queued = _fill_accept_queue(port)
-            stopped = time.monotonic()
-            while not lifelines.silent(key):
-                assert time.monotonic() - stopped < 10, "never taken for silent"
-                await asyncio.sleep(0.01)
-            print(f"silent {time.monotonic() - stopped:.2f}s after its address stopped "
-                  "answering (threshold 1s, probe 0.5s)")
-            assert lifelines.silent(key) == {"job-worker-1"} and news == [key]
-            os.kill(process.pid, signal.SIGCONT)
-            while lifelines.silent(key):
-                assert time.monotonic() - stopped < 20, "never beat again"
-                await asyncio.sleep(0.01)
+            with answering_nothing(port):
+                stopped = time.monotonic()
+                noticed = await until_silent(lifelines, stopped)
+                print(f"silent {noticed:.2f}s after its address stopped answering "
+                      "(threshold 1s, probe 0.5s)")
+                assert lifelines.silent(key) == {"job-worker-1"} and news == [key]
+                os.kill(process.pid, signal.SIGCONT)
+                while lifelines.silent(key):
+                    assert time.monotonic() - stopped < 20, "never beat again"
+                    await asyncio.sleep(0.01)
             assert news == [key, key] and lifelines.ends(key) == ()
             # Its replacement (a new restart attempt of the pod) starts with a clean slate.
             lifelines.follow(key, [WorkerPod(name="job-worker-1", index=1, restart_attempt=1,
                                              phase="Pending")], [port])
             await asyncio.sleep(0.1)
             assert lifelines.silent(key) == frozenset()
-        finally:
-            for client in queued:
-                client.close()
-            process.kill()
-            await loop.run_in_executor(None, process.wait)
-            await lifelines.close()
 
     asyncio.run(scenario())
 
@@ -229,71 +253,49 @@ def _beats_then_one_late(listener: socket.socket, late: float) -> None:
     its one follower every 0.1 s for 0.5 s, then one more after `late` seconds, then
     ends in order."""
     follower, _ = listener.accept()
-    queued = _fill_accept_queue(listener.getsockname()[1])
-    try:
-        for _ in range(5):
+    with answering_nothing(listener.getsockname()[1]):
+        try:
+            for _ in range(5):
+                follower.sendall(b"beat\n")
+                time.sleep(0.1)
+            time.sleep(late)
             follower.sendall(b"beat\n")
-            time.sleep(0.1)
-        time.sleep(late)
-        follower.sendall(b"beat\n")
-        time.sleep(0.3)
-        follower.sendall(end_line(0, "max_steps"))
-    finally:
-        follower.close()
-        for client in queued:
-            client.close()
+            time.sleep(0.3)
+            follower.sendall(end_line(0, "max_steps"))
+        finally:
+            follower.close()
 
 
 def test_a_beat_that_comes_while_the_probe_is_out_keeps_the_pod_and_a_lost_one_is_quick(
         ) -> None:
-    port = free_port()
-    key = ("default", "job")
-    pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
-                    ip="127.0.0.1")
+    port, key = free_port(), KEY
 
     async def scenario() -> None:
         news: list[tuple[str, str]] = []
         loop = asyncio.get_running_loop()
         # Silent 0.5 s after the last beat, then a probe that nothing answers, given 1.5 s:
         # the late beat comes 1 s after the last, while it is out.
-        lifelines = Lifelines(news.append, retry_seconds=0.1, silence_seconds=0.5,
-                              probe_seconds=1.5)
         listener = socket.create_server(("127.0.0.1", port), backlog=0)
         try:
-            lifelines.start(loop)
-            lifelines.follow(key, [pod], [port])
-            node = loop.run_in_executor(None, _beats_then_one_late, listener, 1.0)
-            kept = await loop.run_in_executor(None, _never_silent, lifelines, key, 3.0)
-            await node
-            assert kept and news == [], "a beat came before the probe gave up: not lost"
+            async with following(news, port, retry_seconds=0.1, silence_seconds=0.5,
+                                 probe_seconds=1.5) as lifelines:
+                node = loop.run_in_executor(None, _beats_then_one_late, listener, 1.0)
+                kept = await loop.run_in_executor(None, _never_silent, lifelines, key, 3.0)
+                await node
+                assert kept and news == [], "a beat came before the probe gave up: not lost"
         finally:
             listener.close()
-            await lifelines.close()
 
         # With the operator's own thresholds, a lost node (no beat, no handshake) is silent
         # within 1.5 s of silence and 1 s of probe.
-        lifelines = Lifelines(news.append, retry_seconds=0.1)
-        lifelines.start(loop)
-        lifelines.follow(key, [pod], [port])
-        process = await loop.run_in_executor(None, followed_trainer, port)
-        queued: list[socket.socket] = []
-        try:
+        async with following(news, port, retry_seconds=0.1) as lifelines, \
+                trainer_process(port) as process:
             await asyncio.sleep(0.6)
             os.kill(process.pid, signal.SIGSTOP)
-            queued = _fill_accept_queue(port)
-            lost = time.monotonic()
-            while not lifelines.silent(key):
-                assert time.monotonic() - lost < 10, "never taken for silent"
-                await asyncio.sleep(0.01)
-            noticed = time.monotonic() - lost
+            with answering_nothing(port):
+                noticed = await until_silent(lifelines, time.monotonic())
             print(f"silent {noticed:.2f}s after its node stopped answering")
             assert noticed < 2.8, noticed  # it was 3 s of silence and 1 s of probe
-        finally:
-            for client in queued:
-                client.close()
-            process.kill()
-            await loop.run_in_executor(None, process.wait)
-            await lifelines.close()
 
     asyncio.run(scenario())
 
@@ -301,36 +303,22 @@ def test_a_beat_that_comes_while_the_probe_is_out_keeps_the_pod_and_a_lost_one_i
 def test_a_stopped_trainer_probed_again_and_again_is_never_taken_for_a_lost_node() -> None:
     # Each probe waits in the stopped process's accept queue (16) until it is accepted: probed
     # at every silence, the queue would fill in under 2 s here and answer nothing.
-    port = free_port()
-    key = ("default", "job")
-    pod = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running",
-                    ip="127.0.0.1")
+    port, key = free_port(), KEY
 
     async def scenario() -> None:
         news: list[tuple[str, str]] = []
         loop = asyncio.get_running_loop()
-        lifelines = Lifelines(news.append, retry_seconds=0.1, silence_seconds=0.1,
-                              probe_seconds=0.5)
-        lifelines.start(loop)
-        lifelines.follow(key, [pod], [port])
-        process = await loop.run_in_executor(None, followed_trainer, port)
-        try:
+        async with (following(news, port, retry_seconds=0.1, silence_seconds=0.1,
+                              probe_seconds=0.5) as lifelines,
+                    trainer_process(port) as process):
             os.kill(process.pid, signal.SIGSTOP)
             kept = await loop.run_in_executor(None, _never_silent, lifelines, key, 3.0)
             assert kept and news == [], "a hang is not a loss, however long"
             os.kill(process.pid, signal.SIGCONT)
             await asyncio.sleep(0.6)
             assert lifelines.silent(key) == frozenset() and lifelines.ends(key) == ()
-        finally:
-            os.kill(process.pid, signal.SIGCONT)
-            process.kill()
-            await loop.run_in_executor(None, process.wait)
-            await lifelines.close()
 
     asyncio.run(scenario())
-
-
-# --- the real operator ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
