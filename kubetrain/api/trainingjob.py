@@ -887,7 +887,9 @@ class StragglerPolicy(ApiModel):
     threshold: float = Field(
         default=1.3, gt=1,
         description="A rank whose compute time per step is more than this many times the "
-        "median rank's is slow (a rank's slowness is its compute time over the median).",
+        "median rank's is slow (a rank's slowness is its compute time over the median; "
+        "under tensorParallel, its tensor-parallel group's: the group's smallest rank's "
+        "compute over the median group's).",
     )
     window: int = Field(
         default=3, ge=1,
@@ -1584,8 +1586,10 @@ class BadputSeconds(ApiModel):
                             "the start of the next: replacement, scheduling, backoff.")
     oom: float = Field(default=0.0, description="Lost progress and downtime of attempts that "
                        "ran out of memory (runPolicy.outOfMemory's restarts).")
-    straggler: float = Field(default=0.0, description="Step time lost waiting for the slowest "
-                             "rank: its compute time over the median rank's, per step.")
+    straggler: float = Field(default=0.0, description="Step time lost while a rank was a "
+                             "straggler (runPolicy.stragglers), from the first slow interval "
+                             "that made it one: the group's step time over its healthy step "
+                             "time, since every rank waits for the slowest.")
     preflight: float = Field(default=0.0, description="The health check before each attempt's "
                              "first step (runPolicy.preflight).")
 
@@ -1697,7 +1701,9 @@ class RankSlowness(ApiModel):
     pod: str = Field(description="The worker pod the rank runs in.")
     node: str = Field(description="The node that pod runs on.")
     slowness: float = Field(description="The rank's compute time per step over the median "
-                            "rank's (1: as fast as the median).")
+                            "rank's (1: as fast as the median); under tensorParallel, its "
+                            "group's smallest rank's over the median group's, the same for "
+                            "every rank of the group.")
     slow_intervals: int = Field(description="Consecutive judged intervals the rank has been "
                                 "above runPolicy.stragglers.threshold (a straggler from "
                                 "runPolicy.stragglers.window on).")
@@ -1800,7 +1806,8 @@ class TrainingJobStatus(ApiModel):
     )
     ranks: RanksStatus | None = Field(
         default=None, description="Each rank's slowness (compute time over the median "
-        "rank's), as the straggler rule judged it last (runPolicy.stragglers).",
+        "rank's; under tensorParallel, its group's over the median group's), as the "
+        "straggler rule judged it last (runPolicy.stragglers).",
     )
     avoided_nodes: list[AvoidedNode] = Field(
         default_factory=list, description="Nodes this job's pods keep off until each one's "

@@ -435,3 +435,24 @@ def test_a_checkpoint_and_heartbeat_from_before_the_split_resume_with_no_tier_bo
     second.charge_load(PARTNER_TIER)
     second.resume(heartbeat)
     assert second.load_seconds == {MEMORY_TIER: 0.0, PARTNER_TIER: 0.5, S3_TIER: 0.0}
+
+
+def test_under_tensor_parallelism_a_group_is_judged_by_its_smallest_rank_as_the_operator_does(
+        ) -> None:
+    # Two tensor-parallel groups of two. A group's compute is its smallest rank's (each
+    # counts its untimed waits for its peer as compute): rank 0's 0.30 is not its group's
+    # pace while rank 1 keeps 0.12, so as groups nothing is slow; rank by rank it would be.
+    one_rank = ([0.30, 0.12, 0.12, 0.12], [0.02, 0.20, 0.20, 0.20])
+    # Rank 1 slow, rank 0 waiting for it inside the layers: the whole group is slow.
+    slow_group = ([0.40, 0.36, 0.12, 0.12], [0.02, 0.06, 0.30, 0.30])
+
+    def booked(intervals: list[tuple[list[float], list[float]]], tensor_parallel: int,
+               ) -> list[float]:
+        booking = StragglerBooking(1.3, 2, tensor_parallel=tensor_parallel)
+        return [booking.lost(computes, waits, 10) for computes, waits in intervals]
+
+    assert booked([one_rank] * 3, tensor_parallel=2) == [0.0] * 3
+    assert booked([one_rank] * 3, tensor_parallel=1)[1] > 0
+    as_groups = booked([slow_group] * 3, tensor_parallel=2)
+    assert as_groups[0] == 0.0 and as_groups[1] > 0 and as_groups == booked(
+        [slow_group] * 3, tensor_parallel=1)  # the group's loss, whoever is named

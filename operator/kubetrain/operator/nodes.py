@@ -79,7 +79,9 @@ def replace_stragglers(decision: _Decision) -> None:
     chosen = _replaceable(decision)
     if not chosen:
         return
-    said = [stragglers.describe(rank, policy.stragglers.window) for rank, _ in chosen]
+    tensor_parallel = decision.job.spec.parallelism.tensor_parallel  # a group is named as one
+    said = [stragglers.describe(rank, policy.stragglers.window, tensor_parallel)
+            for rank, _ in chosen]
     for (rank, _), what in zip(chosen, said, strict=True):
         avoid_node(decision, rank.node, "Straggler", what)
     status.straggler_replacements += len(chosen)

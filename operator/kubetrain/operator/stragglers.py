@@ -46,6 +46,7 @@ from collections.abc import Sequence
 
 from kubetrain.api.trainingjob import RankSlowness, RanksStatus
 from kubetrain.operator.observed import RankSample
+from kubetrain.straggler_groups import by_group
 
 
 def judge(previous: RanksStatus | None, step: int, ranks: Sequence[RankSample],
@@ -57,14 +58,15 @@ def judge(previous: RanksStatus | None, step: int, ranks: Sequence[RankSample],
     A rank's streaks go on only while the same pod holds that rank; after a membership
     change the ranks are new processes and start again from 0. With `tensor_parallel`
     above 1, each rank is judged by its tensor-parallel group's compute against the median
-    group's (`_by_group`).
+    group's (`kubetrain.straggler_groups`).
     """
     if previous is not None and previous.step == step:
         return previous
     before = {(rank.rank, rank.pod): rank
               for rank in (previous.ranks if previous is not None else [])}
     computes = _since(before, ranks) or [rank.compute_seconds for rank in ranks]
-    computes, judged_ones = _by_group(ranks, computes, tensor_parallel)
+    computes, judged_ones = by_group([rank.rank for rank in ranks], computes,
+                                     tensor_parallel)
     median = statistics.median(judged_ones) if judged_ones else 0.0
     judged = []
     for rank, compute in zip(ranks, computes, strict=True):
@@ -95,23 +97,6 @@ def _since(before: dict[tuple[int, str], RankSlowness],
             return None
         spans.append(rank.compute_seconds_total - last.compute_seconds_total)
     return spans
-
-
-def _by_group(ranks: Sequence[RankSample], computes: list[float],
-              tensor_parallel: int) -> tuple[list[float], list[float]]:
-    """Each rank's compute as judged, and the figures the median is taken over: the ranks'
-    own without tensor parallelism; under it, each rank's tensor-parallel group's smallest
-    (the group of rank r is r // tensor_parallel), with one figure per group. Ranks that
-    do not fill whole groups (a group mid-rescale) are judged one by one."""
-    if tensor_parallel <= 1 or len(ranks) % tensor_parallel:
-        return computes, computes
-    groups: dict[int, float] = {}
-    for rank, compute in zip(ranks, computes, strict=True):
-        group = rank.rank // tensor_parallel
-        groups[group] = min(groups.get(group, compute), compute)
-    if len(groups) * tensor_parallel != len(ranks):
-        return computes, computes
-    return [groups[rank.rank // tensor_parallel] for rank in ranks], list(groups.values())
 
 
 def stragglers(status: RanksStatus) -> list[RankSlowness]:

@@ -65,6 +65,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
+from kubetrain.straggler_groups import by_group
 from kubetrain.trainer.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -314,13 +315,18 @@ class StragglerBooking:
     before there is one (a rank slow from the start), the ranks within the threshold's
     compute plus the least wait (the slow rank's, which waits for nobody).
 
+    Under tensor parallelism (`tensor_parallel` above 1) a tensor-parallel group is
+    judged as one, as the operator judges it (`kubetrain.straggler_groups`).
+
     Every rank books the same figures, since all of them are computed from the same
     gathered figures.
     """
 
-    def __init__(self, threshold: float, window: int, remembered: int = 8) -> None:
+    def __init__(self, threshold: float, window: int, remembered: int = 8,
+                 tensor_parallel: int = 1) -> None:
         self.threshold = threshold
         self.window = max(1, window)
+        self.tensor_parallel = tensor_parallel
         self.straggling = False
         self.slow_intervals = 0
         self.normal_intervals = 0
@@ -330,11 +336,12 @@ class StragglerBooking:
     def lost(self, computes: Sequence[float], waits: Sequence[float], steps: int) -> float:
         """The seconds of this interval (and of the slow streak that made a rank a straggler
         in it) to book as `straggler`: 0 unless a rank is judged one. `computes` and
-        `waits` are each rank's seconds per step over the interval."""
+        `waits` are each rank's seconds per step over the interval, in rank order."""
         if len(computes) < 2 or steps <= 0:
             return 0.0
-        median = statistics.median(computes)
-        slowness = [compute / median if median > 0 else 1.0 for compute in computes]
+        judged, medians = by_group(range(len(computes)), computes, self.tensor_parallel)
+        median = statistics.median(medians)
+        slowness = [compute / median if median > 0 else 1.0 for compute in judged]
         slow = max(slowness) > self.threshold
         step = statistics.median(c + w for c, w in zip(computes, waits, strict=True))
         self.slow_intervals = self.slow_intervals + 1 if slow else 0

@@ -924,7 +924,9 @@ class _Meter:
         time_fsdp_collectives(run.parallel.module, self.clock)
         self.computed = 0.0  # this process's seconds of compute so far (a counter for the operator)
         policy = spec.run_policy.stragglers
-        self.stragglers = StragglerBooking(policy.threshold, policy.window)  # goodput's
+        # goodput's, judging a tensor-parallel group as one as the operator does
+        self.stragglers = StragglerBooking(policy.threshold, policy.window,
+                                           tensor_parallel=spec.parallelism.tensor_parallel)
         self._step_started = self._waited_before = self._fetch_started = self._data_wait = 0.0
 
     def begin_step(self) -> None:
