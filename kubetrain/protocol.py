@@ -17,6 +17,11 @@ from __future__ import annotations
 
 from typing import Final, Literal, get_args
 
+# torchrun's rendezvous backend in every launch kubetrain makes (a worker pod's
+# PET_RDZV_BACKEND, `kubetrain run`'s --rdzv-backend): c10d, polled every 0.1 s
+# (kubetrain.trainer.rendezvous).
+RENDEZVOUS_BACKEND: Final = "kubetrain"
+
 # --- exit codes of a trainer process ----------------------------------------------------
 
 EXIT_COMPLETE: Final = 0  # training finished (maxSteps or early stopping), exported

@@ -2,10 +2,10 @@
 
 A local run stands in for the operator's worker pods: node `i` is a `torchrun`
 agent (`python -m torch.distributed.run`) with the settings of worker pod `i`
-(procs per worker, c10d rendezvous, elastic nnodes), but the rendezvous is on
-loopback, the group never grows past `replicas`, and the trainer reads the run
-folder's copy of the manifest. Pure: the runner starts what `agent_launch`
-describes, and `--dry-run` prints the same thing.
+(procs per worker, the `kubetrain` rendezvous: c10d polled every 0.1 s, elastic
+nnodes), but the rendezvous is on loopback, the group never grows past `replicas`,
+and the trainer reads the run folder's copy of the manifest. Pure: the runner starts
+what `agent_launch` describes, and `--dry-run` prints the same thing.
 
 An own-code job (spec.trainer) runs as its worker pods do
 (kubetrain.operator.own_code_launch): `python -m kubetrain.trainer.own_code`, which restores
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubetrain.api.trainingjob import EnvVar, TrainingJob
+from kubetrain.protocol import RENDEZVOUS_BACKEND
 from kubetrain.sdk.batch import OUT_OF_MEMORY_RESTARTS_ENV
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV
 
@@ -119,7 +120,7 @@ def _torchrun(job: TrainingJob, rendezvous: Rendezvous) -> list[str]:
         # have all joined instead of waiting for maxReplicas that will never come.
         "--nnodes", f"{workers.min_workers}:{workers.replicas}",
         "--nproc-per-node", str(workers.procs_per_worker),
-        "--rdzv-backend", "c10d",
+        "--rdzv-backend", RENDEZVOUS_BACKEND,
         "--rdzv-endpoint", rendezvous.endpoint,
         "--rdzv-id", rendezvous.run_id,
         # The runner owns restarts: a failed process ends the agent, and the runner

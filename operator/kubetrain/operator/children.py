@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
+from kubetrain.protocol import RENDEZVOUS_BACKEND
 from kubetrain.trainer.memory_budget import (  # torch-free
     FOLDER_ENV,
     format_quantity,
@@ -158,7 +159,9 @@ def torchrun_env(job: TrainingJob) -> list[dict[str, Any]]:
     return [
         {"name": "PET_NNODES", "value": f"{workers.min_workers}:{workers.max_workers}"},
         {"name": "PET_NPROC_PER_NODE", "value": str(workers.procs_per_worker)},
-        {"name": "PET_RDZV_BACKEND", "value": "c10d"},
+        # c10d, polling its state every 0.1 s: restarts rejoin sooner
+        # (kubetrain.trainer.rendezvous).
+        {"name": "PET_RDZV_BACKEND", "value": RENDEZVOUS_BACKEND},
         {"name": "PET_RDZV_ENDPOINT", "value": f"{pod_name(name, 0)}.{name}:{RENDEZVOUS_PORT}"},
         # The uid, not the name: a re-created job of the same name must not join stale rendezvous.
         {"name": "PET_RDZV_ID", "value": job.metadata.uid or name},

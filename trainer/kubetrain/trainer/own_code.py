@@ -70,6 +70,7 @@ from kubetrain.protocol import (
 )
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
+from kubetrain.trainer.rendezvous import register_rendezvous
 from kubetrain.trainer.storage import Storage, open_storage
 
 log = logging.getLogger("kubetrain.own_code")
@@ -165,6 +166,8 @@ def run_torchrun(arguments: list[str]) -> tuple[int, list[WorkerExit]]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    register_rendezvous()  # in case the image's kubetrain is no installed distribution
 
     def stop(signum: int, frame: FrameType | None) -> None:
         # What the agent's own handler does once its processes run: until then (the
