@@ -423,3 +423,15 @@ def test_a_restore_from_own_memory_books_the_memory_tier_and_from_s3_the_s3_tier
     assert not_restored is None
     later.charge_load(load_tier(not_restored, 8))
     assert later.load_seconds == {"memory": 0.0, "partner": 0.0, "s3": 0.5}
+
+
+def test_a_copy_blocked_on_a_rank_that_is_gone_never_holds_up_the_trainers_exit() -> None:
+    # The background part of a snapshot, stuck (as in a send to a lost node's rank): the
+    # process still ends when its main thread does, and its future says it is not done.
+    script = ("import threading, sys\n"
+              "from kubetrain.trainer.memory_checkpoint import in_background\n"
+              "stuck = in_background(threading.Event().wait)\n"
+              "print('done' if stuck.done() else 'in flight', flush=True)\n")
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=60)
+    assert ended.returncode == 0 and ended.stdout.strip() == "in flight", ended.stderr

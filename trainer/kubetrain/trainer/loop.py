@@ -221,11 +221,12 @@ class _Run:
     teacher: Teacher | None = None  # spec.distillation's frozen teacher
     memory: MemoryCheckpoints | None = None  # spec.checkpoint.memory's in-memory tier
 
-    def close(self) -> None:
-        """Wait for a checkpoint in flight, stop prefetching, stop serving metrics."""
+    def close(self, *, failed: bool = False) -> None:
+        """Wait for a checkpoint in flight, stop prefetching, stop serving metrics. After a
+        `failed` attempt an in-memory copy in flight is not waited for (a peer may be gone)."""
         try:
             if self.memory is not None:
-                self.memory.close()
+                self.memory.close(abandon=failed)
             self.checkpointer.close()
         finally:
             if self.heartbeat is not None:
@@ -323,9 +324,12 @@ class Trainer:
         with contextlib.ExitStack() as cleanup:
             # Last, after closing: until closed, a SIGTERM (the agent stopping) only sets the flag.
             cleanup.callback(stop.uninstall)
-            cleanup.callback(run.close)
+            failed = True  # until _train returns
+            cleanup.callback(lambda: run.close(failed=failed))
             try:
-                return self._train(run, stop)
+                result = self._train(run, stop)
+                failed = False
+                return result
             except RuntimeError as error:
                 if is_out_of_memory(error):
                     # The ledger as of now in the heartbeat: the restart with half the

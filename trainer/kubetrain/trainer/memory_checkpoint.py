@@ -61,11 +61,12 @@ import os
 import pickle
 import shutil
 import socket
+import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -530,8 +531,7 @@ class MemoryCheckpoints:
         self._views: dict[int, tuple[torch.Tensor, _Layout, list[torch.Tensor]]] = {}
         self._capture = _Capture()
         self._newest: dict[int, tuple[int, int]] = {}  # owner -> (step, slot) newest committed
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-ckpt")
-        self._in_flight: Future[None] | None = None
+        self._in_flight: Future[None] | None = None  # the last snapshot's background part
         self.last_blocking = 0.0  # seconds the last save held the loop
 
     # --- saving ---------------------------------------------------------------------
@@ -559,7 +559,7 @@ class MemoryCheckpoints:
         with torch.no_grad():
             torch._foreach_copy_(self._destinations(slot, data, layout), tensors)
         meta = self._meta(step, skeleton, layout)
-        self._in_flight = self._copier.submit(self._publish, step, slot, data, meta)
+        self._in_flight = in_background(self._publish, step, slot, data, meta)
         self.last_blocking = time.perf_counter() - started
         return self.last_blocking
 
@@ -648,13 +648,19 @@ class MemoryCheckpoints:
             in_flight, self._in_flight = self._in_flight, None
             in_flight.result()
 
-    def close(self, *, discard: bool = False) -> None:
-        """Wait for a copy in flight and stop its thread; `discard` (the job finished)
-        deletes this rank's folder."""
+    def close(self, *, discard: bool = False, abandon: bool = False) -> None:
+        """Wait for a copy in flight; `discard` (the job finished) deletes this rank's folder.
+
+        `abandon` (the attempt failed: a peer may be gone) does not wait: a copy to or from
+        a lost rank would block until the group's timeout, or until torchrun's SIGKILL 30 s
+        after its SIGTERM, and hold up the restart (bench/chaos.py --memory-tier's node
+        loss took 36.7 s so). The part it was copying stays uncommitted at its partner,
+        which a restore never uses."""
         try:
-            self.wait()
+            if not abandon:
+                self.wait()
         finally:
-            self._copier.shutdown(wait=True)
+            self._in_flight = None
             self._slots.clear()
             self._views.clear()
             self._capture.forget()
@@ -792,6 +798,26 @@ class MemoryCheckpoints:
                               for (owner, slot), size in held.items()}
         return [held for held, _ in every]
 
+
+
+def in_background(function: Callable[..., None], *args: Any) -> Future[None]:
+    """Run `function(*args)` in a daemon thread; its future holds the outcome.
+
+    Not a ThreadPoolExecutor: the interpreter joins an executor's threads at exit, so a copy
+    blocked on a rank that is gone would keep a failed trainer from exiting."""
+    done: Future[None] = Future()
+
+    def run() -> None:
+        done.set_running_or_notify_cancel()
+        try:
+            function(*args)
+        except BaseException as error:
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=run, name="memory-ckpt", daemon=True).start()
+    return done
 
 
 def _wait_all(pending: list[Any]) -> None:
