@@ -339,8 +339,8 @@ class StragglerBooking:
         `waits` are each rank's seconds per step over the interval, in rank order."""
         if len(computes) < 2 or steps <= 0:
             return 0.0
-        judged, medians = by_group(range(len(computes)), computes, self.tensor_parallel)
-        median = statistics.median(medians)
+        judged, compared = by_group(range(len(computes)), computes, self.tensor_parallel)
+        median = statistics.median(compared)
         slowness = [compute / median if median > 0 else 1.0 for compute in judged]
         slow = max(slowness) > self.threshold
         step = statistics.median(c + w for c, w in zip(computes, waits, strict=True))

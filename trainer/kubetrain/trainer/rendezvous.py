@@ -54,9 +54,8 @@ def register_rendezvous() -> None:
     was not found (own code's image may hold kubetrain as files, not as a distribution)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    registry: Any = rendezvous_handler_registry
-    if registry._registry.get(BACKEND) is None:
-        registry.register(BACKEND, create_handler)
+    # Registering the creator the entry point registered already is no error.
+    rendezvous_handler_registry.register(BACKEND, create_handler)
 
 
 def poll_seconds(max_nodes: int) -> float:
@@ -67,6 +66,7 @@ def poll_seconds(max_nodes: int) -> float:
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The c10d backend's handler (torch's `_create_c10d_handler`), polling every
     `poll_seconds(params.max_nodes)`."""
+    import torch
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
@@ -76,7 +76,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if not hasattr(dynamic_rendezvous, "_delay") or not hasattr(holder, "_cache_duration"):
         log.warning("kubetrain rendezvous: this torch (%s) has no dynamic_rendezvous._delay or "
                     "state holder cache to shorten: polling every %gs as c10d does",
-                    _torch_version(), TORCH_POLL_SECONDS)
+                    torch.__version__, TORCH_POLL_SECONDS)
         return created
     poll = poll_seconds(params.max_nodes)
     holder._cache_duration = poll  # type: ignore[union-attr]
@@ -113,9 +113,3 @@ def _poll_every(module: Any, poll: float) -> None:
         original(seconds=poll if seconds == TORCH_POLL_SECONDS else seconds)
 
     module._delay = _delay
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
