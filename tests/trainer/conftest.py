@@ -104,23 +104,29 @@ class Launcher:
             time.sleep(0.02)
         raise AssertionError(f"torchrun (pid {agent}) started no worker for rank {rank}")
 
-    @staticmethod
     @contextlib.contextmanager
-    def paused(pid: int, stopped: tuple[float, float], running: tuple[float, float],
-               once_logged: Path | None = None) -> Iterator[None]:
+    def paused(self, pid: int, stopped: tuple[float, float], running: tuple[float, float],
+               between: tuple[Path, int, int] | None = None) -> Iterator[None]:
         """Stop `pid` on a duty cycle (a throttled node), from outside: SIGSTOP for a random
         period drawn from `stopped` seconds, then SIGCONT for one drawn from `running`.
         Random periods, so the pauses do not keep landing in the same part of each step.
-        With `once_logged`, only once that metrics log has its first event: the start-up
-        (imports, rendezvous, the model) is then not what is judged."""
+        With `between=(job, first, last)`, only from when that job's metrics log has step
+        `first` until it has step `last`: the start-up (imports, rendezvous, the model) and
+        the shutdown are then neither judged nor slowed down twelvefold."""
         done = threading.Event()
 
+        def logged(step: int) -> bool:
+            assert between is not None
+            try:
+                return any(event["step"] >= step for event in self.events(between[0], "step"))
+            except ValueError:  # a line half written
+                return False
+
         def pause_and_resume() -> None:
-            while once_logged is not None and not done.is_set() and not (
-                    once_logged.exists() and once_logged.stat().st_size):
+            while between is not None and not done.is_set() and not logged(between[1]):
                 time.sleep(0.02)
             draw = random.Random(0)
-            while not done.is_set():
+            while not done.is_set() and not (between is not None and logged(between[2])):
                 try:
                     os.kill(pid, signal.SIGSTOP)
                     time.sleep(draw.uniform(*stopped))
