@@ -106,14 +106,28 @@ class Launcher:
 
     @contextlib.contextmanager
     def paused(self, pid: int, stopped: tuple[float, float], running: tuple[float, float],
-               between: tuple[Path, int, int] | None = None) -> Iterator[None]:
+               between: tuple[Path, int, int] | None = None,
+               computing_only: bool = False) -> Iterator[None]:
         """Stop `pid` on a duty cycle (a throttled node), from outside: SIGSTOP for a random
         period drawn from `stopped` seconds, then SIGCONT for one drawn from `running`.
         Random periods, so the pauses do not keep landing in the same part of each step.
         With `between=(job, first, last)`, only from when that job's metrics log has step
         `first` until it has step `last`: the start-up (imports, rendezvous, the model) and
-        the shutdown are then neither judged nor slowed down twelvefold."""
+        the shutdown are then neither judged nor slowed down twelvefold.
+        With `computing_only`, each stop waits (up to 50 ms) until the process's main thread
+        is on or waiting for a CPU (state R), not blocked in a collective: a slow GPU or a
+        throttled CPU slows a rank's compute, while a stop inside a collective would book
+        the pause as the rank's own wait (once most of an interval, under the other
+        worker's load). Not longer: the whole group can be blocked for half a second on a
+        loaded machine, and an interval without a stop is not slow."""
         done = threading.Event()
+        main_thread = Path(f"/proc/{pid}/task/{pid}/stat")
+
+        def computing() -> bool:
+            try:
+                return main_thread.read_text().rsplit(")", 1)[1].split()[0] == "R"
+            except (OSError, IndexError):
+                return True  # gone: the kill below says so
 
         def logged(step: int) -> bool:
             assert between is not None
@@ -127,6 +141,9 @@ class Launcher:
                 time.sleep(0.02)
             draw = random.Random(0)
             while not done.is_set() and not (between is not None and logged(between[2])):
+                waited_until = time.monotonic() + 0.05
+                while computing_only and not computing() and time.monotonic() < waited_until:
+                    time.sleep(0.001)
                 try:
                     os.kill(pid, signal.SIGSTOP)
                     time.sleep(draw.uniform(*stopped))

@@ -50,14 +50,16 @@ def train_on_two_pods(tiny_job, launcher, name: str, parallelism: dict[str, Any]
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with contextlib.ExitStack() as stack:
         if paused_rank is not None:
-            # Stopped about eleven twelfths of the time, through the judged intervals. With
+            # Stopped about eleven twelfths of the time, through the judged intervals, each
+            # time while it computes (a pause in a collective is its own wait). With
             # two tensor-parallel groups the median is their mean, so a group at most twice
             # as slow as the other would be under the bar; and on a loaded machine (the
             # other pytest worker) the healthy ranks are slowed too, so the pause must
             # dwarf that.
             stack.enter_context(launcher.paused(
                 launcher.worker_pid(agent.pid, paused_rank), stopped=(0.2, 0.4),
-                running=(0.02, 0.04), between=(job, LOG_EVERY, steps)))
+                running=(0.02, 0.04), between=(job, LOG_EVERY, steps),
+                computing_only=True))
         output, _ = agent.communicate(timeout=300)
     assert agent.returncode == 0, output[-4000:]
     logged = launcher.events(job, "step")
