@@ -42,8 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"invalid TrainingJob: {error}", file=sys.stderr)
         return EXIT_INVALID_MANIFEST
 
-    from kubetrain.trainer.loop import Trainer  # torch loads only once the manifest is valid
+    # torch loads only once the manifest is valid; without the collector's passes over the
+    # objects it creates (0.3-0.5 s of 2 s), and they are then left out of every later pass.
+    gc.disable()
+    from kubetrain.trainer.loop import Trainer
     from kubetrain.trainer.pretrained_config import PretrainedError
+    gc.freeze()
+    gc.enable()
 
     try:
         return Trainer(job, metrics_log=args.metrics_log).fit().exit_code
