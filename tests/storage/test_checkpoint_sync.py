@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,7 @@ def test_a_sharded_folder_commits_once_every_pod_uploaded_its_part_and_each_pod_
     first = sync0.sync_once()  # pod 1's part is not up yet: nothing to restore
     assert first.uploaded == ["step-50"] and first.waiting == ["step-50"]
     assert not remote.join("step-50").exists(COMMIT) and restore(tmp_path / "x", remote) is None
-    assert sync1.sync_once().waiting == ["step-50"]  # uploaded, waits for the commit
+    assert sync1.sync_once().handed_over == ["step-50"]  # uploaded: the commit is pod 0's
     assert sync0.sync_once().committed == ["step-50"]
     sync1.sync_once()  # sees the commit, fetches pod 0's files
     sync0.sync_once()  # and pod 0 fetches pod 1's
@@ -138,6 +139,28 @@ def test_a_sharded_folder_commits_once_every_pod_uploaded_its_part_and_each_pod_
         assert checkpoints.complete_here(pod / "step-50") == 50
     restored = restore(tmp_path / "new-pod", remote)
     assert restored is not None and set(_contents(restored)) == whole
+
+
+def test_a_pod_whose_part_is_up_ends_its_drain_when_only_part_0s_pod_can_commit(
+        tmp_path: Path, remote: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 0 killed after the save, before its upload (the group is recreated): worker 1's
+    entry uploads its part and ends its final sync, rather than wait out the deadline for a
+    commit only pod 0 could write (90 s more in a CI run of tests/e2e/test_own_code.py's
+    worker-0 kill). Pod 0, when it is the one left, waits for the missing part."""
+    _shard(tmp_path / "pod0", 50, monkeypatch, group_rank=0)  # never uploaded: pod 0 is gone
+    _shard(tmp_path / "pod1", 50, monkeypatch, group_rank=1)
+    started = time.monotonic()
+    report = CheckpointSync(tmp_path / "pod1", remote, 2).drain(started + 60, interval=0.05)
+    assert time.monotonic() - started < 30, "pod 1 waited for a commit it cannot write"
+    assert report.uploaded == ["step-50"] and report.handed_over == ["step-50"]
+    assert report.waiting == [] and not remote.join("step-50").exists(COMMIT)
+
+    _shard(tmp_path / "pod1", 60, monkeypatch, group_rank=1)  # never uploaded: pod 1 is gone
+    _shard(tmp_path / "pod0", 60, monkeypatch, group_rank=0)
+    started = time.monotonic()
+    report = CheckpointSync(tmp_path / "pod0", remote, 2).drain(started + 0.5, interval=0.05)
+    assert time.monotonic() - started >= 0.5  # part 1 might still come: until the deadline
+    assert "step-60" in report.waiting and not remote.join("step-60").exists(COMMIT)
 
 
 def test_rank_zeros_checkpoint_reaches_the_pods_that_did_not_write_it(

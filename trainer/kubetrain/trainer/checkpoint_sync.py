@@ -66,14 +66,20 @@ class Commit:
 @dataclass
 class SyncReport:
     """What one pass did: parts uploaded, folders committed and copied whole here, failures
-    (the folder and why; retried at the next pass), and marked-never folders seen."""
+    (the folder and why; retried at the next pass), and marked-never folders seen.
+
+    Of the folders marked here and not committed yet, `waiting` are part 0's, whose commit
+    this pod writes once the other pods' parts are up; `handed_over` are another part's,
+    uploaded: their commit is part 0's pod's to write, and nothing this pod does helps it.
+    """
 
     uploaded: list[str] = field(default_factory=list)
     committed: list[str] = field(default_factory=list)
     completed_here: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     unmarked: list[str] = field(default_factory=list)
-    waiting: list[str] = field(default_factory=list)  # marked here, not committed yet
+    waiting: list[str] = field(default_factory=list)
+    handed_over: list[str] = field(default_factory=list)
 
 
 def _files(folder: Path) -> dict[str, int]:
@@ -201,6 +207,8 @@ class CheckpointSync:
                     report.committed.append(folder.name)
                 elif part.index != 0 and self.remote.join(folder.name).exists(COMMIT):
                     self._committed.add(folder.name)
+                elif part.index != 0:
+                    report.handed_over.append(folder.name)
                 else:
                     report.waiting.append(folder.name)
             except Exception as error:  # the next pass retries; the previous commit stays
@@ -266,8 +274,11 @@ class CheckpointSync:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def drain(self, deadline: float, interval: float = 1.0) -> SyncReport:
-        """Passes until nothing marked here waits for an upload or a commit, or `deadline`
-        (time.monotonic()); the last pass's report, with every failure seen."""
+        """Passes until nothing marked here waits for an upload or for a commit this pod
+        writes, or `deadline` (time.monotonic()); the last pass's report, with every failure
+        seen. A pod whose part is up does not wait for part 0's pod to commit it: when that
+        pod is gone (a killed worker 0, the group recreated), the commit never comes, and
+        waiting for it held this pod's end, and so the group's recreation, to the deadline."""
         failed: list[tuple[str, str]] = []
         while True:
             report = self.sync_once()
