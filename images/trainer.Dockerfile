@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # The kubetrain trainer image: the official PyTorch CUDA runtime plus kubetrain.
-# Worker pods run `torchrun -m kubetrain.trainer /etc/kubetrain/job.yaml` in it.
+# Worker pods run `python -m kubetrain.trainer.launch /etc/kubetrain/job.yaml` in it
+# (torchrun, its options in PET_* variables, with warm restarts in place).
 #
 #   docker build -f images/trainer.Dockerfile -t ghcr.io/kubetrain/trainer:0.1.0 .
 #

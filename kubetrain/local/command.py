@@ -207,13 +207,15 @@ def _side_by_side(argv: list[str], pod: dict[str, Any]) -> list[str]:
     container = pod["spec"]["containers"][0]
     in_pod = {var["name"]: var.get("value", "") for var in container["env"]
               if var["name"].startswith("PET_")}
-    module = argv.index("-m", 3)  # `python -m torch.distributed.run OPTIONS -m kubetrain...`
-    options = argv[3:module]
+    # `python -m kubetrain.trainer.launch --option value ... JOB.yaml [trainer options]`
+    program = next(index for index in range(3, len(argv), 2) if not argv[index].startswith("-"))
+    options = argv[3:program]
     rows = [("torchrun option", "here", "in the Pod")]
     for flag, value in zip(options[::2], options[1::2], strict=True):
         pet = "PET_" + flag.removeprefix("--").replace("-", "_").upper()
         rows.append((flag, value, in_pod.get(pet, "-")))
-    rows.append(("trainer", " ".join(argv[module:module + 3]), " ".join(container["command"][1:])))
+    rows.append(("program", " ".join([*argv[1:3], argv[program]]),
+                 " ".join(container["command"][1:])))
     widths = [max(len(row[column]) for row in rows) for column in range(2)]
     return [f"#   {a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
 
@@ -222,10 +224,11 @@ def _shell_lines(env: dict[str, str], argv: list[str]) -> str:
     """`env` and `argv` as one shell command, an option and its value per line."""
     parts = [f"{name}={shlex.quote(value)}" for name, value in env.items()]
     words = [shlex.quote(word) for word in argv]
-    # Start a new line at each option so the command reads like the Pod's PET_* list.
+    # Start a new line at each option so the command reads like the Pod's PET_* list, and
+    # at the program after them.
     command = [" ".join(words[:3])]
     for word in words[3:]:
-        if word.startswith("-") or not command[-1].startswith("-"):
+        if word.startswith("-") or not command[-1].startswith("-") or " " in command[-1]:
             command.append(word)
         else:
             command[-1] += f" {word}"

@@ -1,7 +1,8 @@
 """How `kubetrain run` starts one simulated node: the torchrun command line and its environment.
 
 A local run stands in for the operator's worker pods: node `i` is a `torchrun`
-agent (`python -m torch.distributed.run`) with the settings of worker pod `i`
+agent (`python -m kubetrain.trainer.launch`, torchrun for the trainer, as in a
+pod) with the settings of worker pod `i`
 (procs per worker, the `kubetrain` rendezvous: c10d polled every 0.1 s, elastic
 nnodes), but the rendezvous is on loopback, the group never grows past `replicas`,
 and the trainer reads the run folder's copy of the manifest. Pure: the runner starts
@@ -97,9 +98,8 @@ def agent_launch(
 ) -> AgentLaunch:
     """The torchrun agent of simulated node `index` for one attempt of the group."""
     argv = [
-        *_torchrun(job, rendezvous),
-        "-m", "kubetrain.trainer", str(manifest),
-        "--metrics-log", str(metrics_log),
+        sys.executable, "-m", "kubetrain.trainer.launch", *_torchrun_options(job, rendezvous),
+        str(manifest), "--metrics-log", str(metrics_log),
     ]
     env = {
         # Literal variables of the pod template apply locally too; valueFrom ones
@@ -111,11 +111,10 @@ def agent_launch(
     return AgentLaunch(index, argv, env)
 
 
-def _torchrun(job: TrainingJob, rendezvous: Rendezvous) -> list[str]:
-    """torchrun's agent with the options of a worker pod, up to the program it runs."""
+def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous) -> list[str]:
+    """torchrun's options of a worker pod, each with its value."""
     workers = job.spec.workers
     return [
-        sys.executable, "-m", "torch.distributed.run",
         # At most `replicas` nodes ever start here, so the rendezvous closes as soon as they
         # have all joined instead of waiting for maxReplicas that will never come.
         "--nnodes", f"{workers.min_workers}:{workers.replicas}",
@@ -153,7 +152,8 @@ def own_code_launch(job: TrainingJob, manifest: Path, index: int, rendezvous: Re
     argv = [
         sys.executable, "-m", "kubetrain.trainer.own_code",
         "--sync-interval", f"{OWN_CODE_SYNC_SECONDS:g}", str(manifest), "--",
-        *_torchrun(job, rendezvous), *trainer.torchrun_arguments(),
+        sys.executable, "-m", "torch.distributed.run", *_torchrun_options(job, rendezvous),
+        *trainer.torchrun_arguments(),
     ]
     env = {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(job))),

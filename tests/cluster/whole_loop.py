@@ -235,12 +235,9 @@ class Cluster:
         """The pid of the trainer process (torchrun's worker) of a running pod."""
         running = self.agent.pod(pod, NAMESPACE)
         for pid in running.processes():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"kubetrain.trainer" in cmdline and b"torchrun" not in b" ".join(cmdline[:2]):
-                return pid
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().startswith("kt-rank-"):
+                    return pid
         raise AssertionError(f"no trainer process in {pod}: {running.processes()}")
 
     def wait_for_printed_step(self, name: str, step: int, timeout: float = 180) -> None:

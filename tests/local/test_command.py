@@ -44,7 +44,8 @@ def test_dry_run_shows_each_node_and_the_operators_pod(
     # Locally the group never grows past replicas; the pod allows up to maxReplicas.
     assert local.count("\n  --nnodes 2:3 ") == 3
     assert local.count("--nproc-per-node 2") == 3
-    assert "-m kubetrain.trainer runs/demo/job.yaml" in local
+    assert "-m kubetrain.trainer.launch runs/demo/job.yaml" in local
+    assert "\n  runs/demo/job.yaml \\\n  --metrics-log" in local
     pod = yaml.safe_load(pod_text.partition("\n")[2])
     assert pod["kind"] == "Pod"
     assert pod["metadata"]["name"] == "demo-worker-0"

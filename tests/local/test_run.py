@@ -91,16 +91,15 @@ def wait_for_step(run: subprocess.Popen[str], folder: Path, name: str, step: int
 
 
 def training_processes(folder: Path) -> list[int]:
-    """The trainer ranks (not the torchrun agents) of runs started in `folder`."""
+    """The trainer ranks (kt-rank-N, not the torchrun agents) of runs started in `folder`."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            name = (entry / "comm").read_text()
             cwd = os.readlink(entry / "cwd")
         except (OSError, ValueError):
             continue
-        if b"kubetrain.trainer" in argv and b"torch.distributed.run" not in argv[:3] \
-                and Path(cwd) == folder:
+        if name.startswith("kt-rank-") and Path(cwd) == folder:
             found.append(int(entry.name))
     return found
 

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from kubetrain.local.launch import free_port
+from kubetrain.local.node import descendants
 
 JobFactory = Callable[..., Path]
 
@@ -90,17 +91,14 @@ class Launcher:
         return self.events(job)
 
     def worker_pid(self, agent: int, rank: int, timeout: float = 60) -> int:
-        """The pid of torchrun `agent`'s worker for `rank` (its RANK variable), once it runs."""
+        """The pid of torchrun `agent`'s worker for `rank` (named kt-rank-N), once it runs:
+        the agent's child, or under kubetrain.trainer.launch its fork server's."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for entry in Path("/proc").iterdir():
-                try:
-                    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                    environ = (entry / "environ").read_bytes().split(b"\0")
-                except (OSError, ValueError, IndexError):
-                    continue
-                if parent == agent and f"RANK={rank}".encode() in environ:
-                    return int(entry.name)
+            for pid in descendants(agent):
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{pid}/comm").read_text().strip() == f"kt-rank-{rank}":
+                        return pid
             time.sleep(0.02)
         raise AssertionError(f"torchrun (pid {agent}) started no worker for rank {rank}")
 

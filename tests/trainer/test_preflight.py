@@ -239,6 +239,7 @@ def test_the_agent_is_never_signalled_outside_torchrun(monkeypatch) -> None:
     (["python", "-u", "-m", "torch.distributed.run", "train.py"], True),
     (["/venv/bin/torchrun", "--nnodes=1:2", "-m", "kubetrain.trainer"], True),
     (["/venv/bin/python", "/venv/bin/torchrun", "train.py"], True),
+    (["/venv/bin/python", "-m", "kubetrain.trainer.launch", "/config/job.yaml"], True),
     (["timeout", "600", "pytest", "-k", "torchrun"], False),
     (["python", "-m", "pytest", "tests/trainer", "-k", "torch.distributed.run"], False),
     (["python", "-m", "kubetrain", "run", "job.yaml"], False),

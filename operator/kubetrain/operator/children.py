@@ -249,7 +249,8 @@ def _trainer_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str,
     container: dict[str, Any] = {
         "name": TRAINER_CONTAINER,
         "image": spec.image,
-        "command": ["torchrun", "-m", "kubetrain.trainer", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        # torchrun with its options from PET_*, whose restarts in place skip the imports.
+        "command": ["python", "-m", "kubetrain.trainer.launch", f"{CONFIG_DIR}/{CONFIG_KEY}"],
         "env": [
             *torchrun_env(job),
             *placement_env(),

@@ -19,9 +19,19 @@ import gc
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.protocol import EXIT_INVALID_MANIFEST
+
+
+def name_process() -> None:
+    """Name this process after its rank (`kt-rank-N` in ps, top and /proc/PID/comm):
+    under kubetrain.trainer.launch every training process has its fork server's
+    command line."""
+    rank = os.environ.get("RANK")
+    if rank is not None and sys.platform == "linux":
+        Path("/proc/self/comm").write_text(f"kt-rank-{rank}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "default ./metrics.jsonl)",
     )
     args = parser.parse_args(argv)
+    name_process()
     try:
         job = load_job(args.job)
     except InvalidManifest as error:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kubetrain.protocol import EXIT_RESTART
+from kubetrain.trainer.launch import AGENT_PID
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,11 @@ def stop_torchrun_agent() -> bool:
     """Ask this worker's torchrun agent to stop instead of restarting the group in place.
 
     Only under torchrun (TORCHELASTIC_RUN_ID), when the agent would restart in place
-    (TORCHELASTIC_RESTART_COUNT under TORCHELASTIC_MAX_RESTARTS) and the parent process
-    is the agent itself: a test runner, a notebook or `kubetrain run`'s own process is
-    never signalled. The agent stops every worker and exits non-zero, so the pod fails
-    with the termination message. From here on this worker ignores SIGTERM, the agent's
+    (TORCHELASTIC_RESTART_COUNT under TORCHELASTIC_MAX_RESTARTS) and the agent is torchrun
+    or kubetrain.trainer.launch (the parent process, or the launcher's pid it names): a
+    test runner, a notebook or `kubetrain run`'s own process is never signalled. The
+    agent stops every worker and exits non-zero, so the pod fails with the termination
+    message. From here on this worker ignores SIGTERM, the agent's
     included, so that it finishes writing why it failed and exits by itself: call this
     before writing. One signal per agent and attempt, however many of its workers fail
     (a second one would interrupt the agent's own shutdown). Returns whether this call
@@ -137,7 +139,7 @@ def stop_torchrun_agent() -> bool:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
         return False  # no restart in place is left: the agent exits by itself
-    agent = os.getppid()
+    agent = int(os.environ.get(AGENT_PID, os.getppid()))
     try:
         with open(f"/proc/{agent}/cmdline", "rb") as cmdline:
             command = [arg.decode(errors="replace") for arg in cmdline.read().split(b"\0")]
@@ -157,13 +159,15 @@ def stop_torchrun_agent() -> bool:
 
 
 def _is_torchrun(command: list[str]) -> bool:
-    """Whether a command line runs torchrun: `torchrun ...`, `python .../torchrun ...` or
-    `python [options] -m torch.distributed.run ...` (not merely mentions it)."""
+    """Whether a command line runs torchrun: `torchrun ...`, `python .../torchrun ...`,
+    `python [options] -m torch.distributed.run ...` or `-m kubetrain.trainer.launch ...`
+    (not merely mentions it)."""
     if command and os.path.basename(command[0]) == "torchrun":
         return True
     for index, arg in enumerate(command[1:], start=1):
         if arg == "-m":
-            return command[index + 1:index + 2] == ["torch.distributed.run"]
+            return command[index + 1:index + 2] in (["torch.distributed.run"],
+                                                    ["kubetrain.trainer.launch"])
         if not arg.startswith("-"):  # the script python runs
             return os.path.basename(arg) == "torchrun"
     return False

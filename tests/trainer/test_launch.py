@@ -1,0 +1,107 @@
+"""kubetrain.trainer.launch: torchrun whose training processes fork from a server that
+imported the training loop once, so that a restart in place imports nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubetrain.local.node import descendants
+
+
+def parent_of(pid: int) -> int:
+    # Field 4 of /proc/PID/stat; the command name before it may hold spaces.
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def ranks_below(agent: int) -> dict[int, int]:
+    """The training processes (named kt-rank-N) below torchrun agent `agent`: pid → parent."""
+    found = {}
+    for pid in descendants(agent):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("kt-rank-"):
+                found[pid] = parent_of(pid)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def launch_command(launcher: Any, job: Path, *options: str) -> list[str]:
+    return [sys.executable, "-m", "kubetrain.trainer.launch", "--standalone",
+            "--nproc-per-node=2", *options, str(job), "--metrics-log", str(launcher.log(job))]
+
+
+@pytest.mark.slow
+def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_loop(
+    tiny_job: Any, launcher: Any,
+) -> None:
+    """kill -9 of one rank: torchrun restarts the group in place, and the new ranks are
+    forked by the same server as the first ones (a child of the agent, started once),
+    resume from the checkpoint and finish; the agent exits 0."""
+    job = tiny_job("warm", optimization={"maxSteps": 30, "microBatchSize": 8, "warmupSteps": 5},
+                   checkpoint={"everySteps": 4, "export": False})
+    agent = subprocess.Popen(launch_command(launcher, job, "--max-restarts=1"),
+                             env=launcher.env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["step"] >= 8 for e in launcher.events(job, "step")):
+            assert agent.poll() is None and time.monotonic() < deadline, "training never began"
+            time.sleep(0.05)
+        first = ranks_below(agent.pid)
+        (server,) = set(first.values())
+        assert server != agent.pid and parent_of(server) == agent.pid, "no fork server"
+        os.kill(max(first), signal.SIGKILL)
+        second: dict[int, int] = {}
+        while len(second) < 2:
+            assert agent.poll() is None and time.monotonic() < deadline, "no restart in place"
+            second = {pid: parent for pid, parent in ranks_below(agent.pid).items()
+                      if pid not in first}
+            time.sleep(0.02)
+        output, _ = agent.communicate(timeout=150)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, output[-4000:]
+
+    assert set(second.values()) == {server}, "the second attempt's ranks came from elsewhere"
+    resumed = launcher.events(job, "resumed")
+    assert len(resumed) == 1 and resumed[0]["step"] >= 4
+    assert launcher.events(job, "finished")[-1]["step"] == 30
+
+
+def test_a_failure_no_restart_can_cure_ends_the_launcher_without_one(
+    tiny_job: Any, launcher: Any, tmp_path: Path,
+) -> None:
+    """Rank 1 stopped at its start fails the preflight: rank 0 asks its agent to stop (the
+    launcher, named by KUBETRAIN_AGENT_PID: its parent is the fork server), and the group
+    is not restarted in place although 3 restarts are allowed."""
+    deadline = 4
+    job = tiny_job("stalled", optimization={"maxSteps": 6},
+                   runPolicy={"preflight": {"timeoutSeconds": deadline}})
+    termination_log = tmp_path / "termination-log"
+    termination_log.write_text("")  # the kubelet creates it in a pod
+    env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log)}
+    agent = subprocess.Popen(
+        launch_command(launcher, job, "--max-restarts=3", "--shutdown-timeout=3"),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = launcher.worker_pid(agent.pid, 1)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        output, _ = agent.communicate(timeout=deadline + 90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGCONT)
+        agent.kill()
+    assert agent.returncode != 0
+    assert output.count("PreflightFailed: preflight failed") == 1, output[-4000:]
+    assert "Received 15 death signal" in output, output[-4000:]
+    assert 'class="PreflightFailed"' in termination_log.read_text()
