@@ -22,6 +22,11 @@ from typing import Final, Literal, get_args
 # (kubetrain.trainer.rendezvous).
 RENDEZVOUS_BACKEND: Final = "kubetrain"
 
+# Set by kubetrain.trainer.launch for the training processes it starts: the pid of their
+# torchrun agent, which is not their parent (a fork server is). A trainer that must end its
+# pod signals it (kubetrain.trainer.distributed.stop_torchrun_agent).
+AGENT_PID_ENV: Final = "KUBETRAIN_AGENT_PID"
+
 # --- exit codes of a trainer process ----------------------------------------------------
 
 EXIT_COMPLETE: Final = 0  # training finished (maxSteps or early stopping), exported

@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from kubetrain.protocol import EXIT_RESTART
-from kubetrain.trainer.launch import AGENT_PID
+from kubetrain.protocol import AGENT_PID_ENV, EXIT_RESTART
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,7 @@ def stop_torchrun_agent() -> bool:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
         return False  # no restart in place is left: the agent exits by itself
-    agent = int(os.environ.get(AGENT_PID, os.getppid()))
+    agent = int(os.environ.get(AGENT_PID_ENV, os.getppid()))
     try:
         with open(f"/proc/{agent}/cmdline", "rb") as cmdline:
             command = [arg.decode(errors="replace") for arg in cmdline.read().split(b"\0")]

@@ -5,58 +5,79 @@ torchrun starts each training process as a new interpreter, which imports torch 
 the training loop again: about 2 s of a CPU core, in every restart of the group,
 while the group waits. This launcher is torchrun itself (its options, its PET_*
 variables, its elastic agent and rendezvous) with its start method `forkserver`:
-a fork server imports the loop once, beside the agent's first rendezvous, and each
-training process, in every attempt, is forked from it ready to train. The trainer
-runs as `python -m kubetrain.trainer JOB.yaml [trainer options]` would.
+a fork server, started before anything else, imports the loop once while the agent
+imports torch and meets its peers, and each training process, in every attempt, is
+forked from it ready to train. The trainer runs as `python -m kubetrain.trainer
+JOB.yaml [trainer options]` would.
 
 The fork server never initialises a device or starts a thread, so forking it is
 safe; its children are the agent's workers as before (the agent signals and
-reaps them), a level further down the process tree.
+reaps them), a level further down the process tree. Torch-free until the fork
+server runs.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+from kubetrain.protocol import AGENT_PID_ENV
 
 # The fork server imports this module before it forks anything (see kubetrain.trainer.preload).
 PRELOAD = "kubetrain.trainer.preload"
 
-# Set in each training process: the pid of the torchrun agent that started it, which
-# is not its parent process here (kubetrain.trainer.distributed.stop_torchrun_agent).
-AGENT_PID = "KUBETRAIN_AGENT_PID"
-
 _TRAINER = Path(__file__).with_name("__main__.py")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from torch.distributed.run import determine_local_world_size, parse_args, run
+def start_fork_server(argv: Sequence[str]) -> None:
+    """Start the fork server the training processes will come from, with the environment
+    they need: whatever it has when it starts, every one of them inherits."""
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ["PYTHONUNBUFFERED"] = "1"  # as torchrun's `python -u`: logs as they happen
+    if _processes_per_node(argv) != "1":
+        # torchrun sets this default later, in the agent only; OpenMP reads it as torch loads.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    multiprocessing.set_forkserver_preload([PRELOAD])
+    multiprocessing.forkserver.ensure_running()
 
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+
+def _processes_per_node(argv: Sequence[str]) -> str:
+    """torchrun's --nproc-per-node as it will read it, without importing torch."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node",
+                        default=os.environ.get("PET_NPROC_PER_NODE", "1"))
+    known, _ = parser.parse_known_args(argv)
+    return str(known.nproc_per_node)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    start_fork_server(argv)
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
     # torchrun's --run-path runs the program in the training process's own interpreter:
     # the trainer's __main__, with the job and its options as the command line.
     args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script = str(_TRAINER)
     args.run_path, args.module, args.no_python = True, False, False
     args.start_method = "forkserver"
-
-    # Whatever the fork server has when it starts, every training process inherits.
-    os.environ[AGENT_PID] = str(os.getpid())
-    os.environ["PYTHONUNBUFFERED"] = "1"  # as torchrun's `python -u`: logs as they happen
-    if determine_local_world_size(args.nproc_per_node) > 1:
-        # torchrun's own default, which it sets later; OpenMP reads it as torch loads.
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    multiprocessing.set_forkserver_preload([PRELOAD])
-    # Started now, its imports overlap the first rendezvous instead of following it.
-    multiprocessing.forkserver.ensure_running()
-    run(args)
+    # The agent logs a failed training process's exception through torch's log formatter,
+    # which imports torch._dynamo (1.6 s of a core): at the first failure, between the
+    # group's end and its restart. Imported beside the first rendezvous instead.
+    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
+                     name="kubetrain-import-dynamo").start()
+    record(run)(args)
 
 
 if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    record(main)()
+    main()
