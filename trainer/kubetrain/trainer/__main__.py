@@ -1,4 +1,5 @@
-"""`python -m kubetrain.trainer JOB.yaml`: train one TrainingJob (run under torchrun).
+"""`python -m kubetrain.trainer JOB.yaml`: train one TrainingJob (run under torchrun: in a
+worker pod, `python -m kubetrain.trainer.launch` runs this module in forked processes).
 
 Exit codes, read by the operator and the local runner: 0 training complete
 (maxSteps or early stopping); 143 stopped by SIGTERM/SIGINT after saving a
