@@ -71,11 +71,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.training_script = str(_TRAINER)
     args.run_path, args.module, args.no_python = True, False, False
     args.start_method = "forkserver"
-    # The agent logs a failed training process's exception through torch's log formatter,
-    # which imports torch._dynamo (1.6 s of a core): at the first failure, between the
-    # group's end and its restart. Imported beside the first rendezvous instead.
-    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
-                     name="kubetrain-import-dynamo").start()
+    if args.max_restarts > 0:
+        # The agent logs a failed training process's exception through torch's log
+        # formatter, which imports torch._dynamo (1.6 s of a core): at the first failure,
+        # between the group's end and its restart in place. Imported beside the first
+        # rendezvous instead; an agent that restarts nothing (`kubetrain run`'s) just exits.
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
+                         daemon=True, name="kubetrain-import-dynamo").start()
     record(run)(args)
 
 
