@@ -9,6 +9,7 @@ importing torch and the loop) and under `python -m kubetrain.trainer.launch` (ea
 forked from the server that imported them once), alternating, `--runs` times each.
 
     .venv/bin/python -u bench/restart_in_place.py [--runs 3]
+    python -u bench/restart_in_place.py --processes 1 --precision bf16   # one GPU: NCCL
 
 Prints each run's two figures and the medians, and the launcher's median over plain
 torchrun's (goal for issue 33: the trainer kill under 4 s on the whole loop, where this
@@ -50,7 +51,7 @@ def corpus(folder: Path) -> str:
                    shard_tokens=16 * 1024, validation_fraction=0.1, progress=False).train_uri
 
 
-def write_job(folder: Path, train: str) -> Path:
+def write_job(folder: Path, train: str, precision: str) -> Path:
     from kubetrain.local.launch import free_port
 
     spec = {
@@ -59,7 +60,7 @@ def write_job(folder: Path, train: str) -> Path:
         "data": {"train": train, "seqLen": 64},
         "optimization": {"maxSteps": 16, "microBatchSize": 8, "warmupSteps": 5},
         "evaluation": {"everySteps": 0},
-        "parallelism": {"precision": "fp32"},
+        "parallelism": {"precision": precision},
         "checkpoint": {"uri": str(folder / "checkpoints"), "everySteps": 4, "export": False},
         "metrics": {"port": free_port(), "logEverySteps": 1},
     }
@@ -83,11 +84,13 @@ def ranks(agent: int) -> list[int]:
     return found
 
 
-def one_run(launcher: str, folder: Path, train: str) -> tuple[float, float]:
+def one_run(launcher: str, folder: Path, train: str, processes: int,
+            precision: str, trace: bool) -> tuple[float, float]:
     """Seconds from the kill to rank 0's resume and to its first step after it."""
-    job = write_job(folder, train)
+    job = write_job(folder, train, precision)
     log = folder / "metrics.jsonl"
-    command = [*COMMANDS[launcher], "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+    command = [*COMMANDS[launcher], "--standalone", f"--nproc-per-node={processes}",
+               "--max-restarts=1",
                *(["-m", "kubetrain.trainer"] if launcher == "torchrun" else []),
                str(job), "--metrics-log", str(log)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -118,6 +121,8 @@ def one_run(launcher: str, folder: Path, train: str) -> tuple[float, float]:
             agent.kill()
     reader.join(timeout=10)
     after = [(at - killed, line) for at, line in lines if at >= killed]
+    if trace:
+        print("".join(f"  {at:6.2f}s  {line[:160].rstrip()}\n" for at, line in after), end="")
     resumed = next(at for at, line in after if line.startswith("resumed from "))
     stepped = next(at for at, line in after if at >= resumed and line.startswith("step "))
     if agent.returncode != 0:
@@ -134,6 +139,12 @@ def events(log: Path) -> list[dict[str, object]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each launcher (default 3)")
+    parser.add_argument("--processes", type=int, default=2,
+                        help="training processes under the agent (default 2; 1 on one GPU)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="the job's parallelism.precision (default fp32; bf16 on a GPU)")
+    parser.add_argument("--trace", action="store_true",
+                        help="print every output line after the kill, with its time")
     args = parser.parse_args()
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in COMMANDS}
     with tempfile.TemporaryDirectory(prefix="kubetrain-restart-") as tmp:
@@ -143,13 +154,15 @@ def main() -> int:
             for launcher in COMMANDS:
                 folder = Path(tmp) / f"{launcher}-{run}"
                 folder.mkdir()
-                resumed, stepped = one_run(launcher, folder, train)
+                resumed, stepped = one_run(launcher, folder, train, args.processes,
+                                           args.precision, args.trace)
                 results[launcher].append((resumed, stepped))
                 print(f"run {run + 1} {launcher:<8}  kill → resumed {resumed:5.2f}s  "
                       f"→ first step {stepped:5.2f}s", flush=True)
     medians = {name: (statistics.median(r for r, _ in runs), statistics.median(s for _, s in runs))
                for name, runs in results.items()}
-    print(f"\nkill -9 of one of 2 ranks, restart in place ({args.runs} runs each, medians):")
+    print(f"\nkill -9 of one of {args.processes} ranks, restart in place "
+          f"({args.runs} runs each, medians):")
     for name, (resumed, stepped) in medians.items():
         print(f"  {name:<8}  resumed {resumed:5.2f}s  first step {stepped:5.2f}s")
     ratio = medians["launch"][1] / medians["torchrun"][1]

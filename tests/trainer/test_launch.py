@@ -105,3 +105,28 @@ def test_a_failure_no_restart_can_cure_ends_the_launcher_without_one(
     assert output.count("PreflightFailed: preflight failed") == 1, output[-4000:]
     assert "Received 15 death signal" in output, output[-4000:]
     assert 'class="PreflightFailed"' in termination_log.read_text()
+
+
+# kubetrain on the path but not installed (PYTHONPATH, an image that copies the source):
+# no distribution, so no `torchrun.handlers` entry point names the kubetrain backend.
+WITHOUT_ENTRY_POINT = """
+import importlib.metadata, runpy
+found = importlib.metadata.entry_points
+importlib.metadata.entry_points = lambda **select: (
+    () if select.get("group") == "torchrun.handlers" else found(**select))
+runpy.run_module("kubetrain.trainer.launch", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_the_launcher_registers_the_kubetrain_rendezvous_where_no_entry_point_does(
+    tiny_job: Any, launcher: Any,
+) -> None:
+    job = tiny_job("path-only", optimization={"maxSteps": 3, "warmupSteps": 1})
+    port = launcher.free_port()
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_ENTRY_POINT, "--nnodes=1", "--nproc-per-node=2",
+         "--rdzv-backend=kubetrain", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=path-only",
+         str(job), "--metrics-log", str(launcher.log(job))],
+        env=launcher.env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert launcher.events(job, "finished")[-1]["step"] == 3

@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import parse_args, run
 
+    from kubetrain.trainer.rendezvous import register_rendezvous
+
+    register_rendezvous()  # where kubetrain is on the path but not installed: no entry point
     args = parse_args(argv)
     # torchrun's --run-path runs the program in the training process's own interpreter:
     # the trainer's __main__, with the job and its options as the command line.
