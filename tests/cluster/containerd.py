@@ -299,7 +299,8 @@ class Container:
     def set_cpu_limit(self, cores: float | None) -> None:
         """Change the running container's CFS quota to `cores` CPUs (None: no limit), as
         `runc update --cpu-quota` does, written straight into its cgroup: `cpu.cfs_quota_us`
-        in cgroup v1's cpu hierarchy (this hybrid machine), `cpu.max` in v2."""
+        in cgroup v1's cpu hierarchy (this hybrid machine), `cpu.max` in v2. No-op when
+        the container has exited, or is exiting: its cgroup goes before `ctr` ends."""
         quota = None if cores is None else max(1000, round(cores * CPU_PERIOD_US))
         below = Path(self.runtime.cgroup_parent, self.id)
         v1 = [path for path in CGROUP_ROOT.glob(f"cpu*/{below}/cpu.cfs_quota_us")
@@ -311,6 +312,9 @@ class Container:
             return
         cpu_max = CGROUP_ROOT / below / "cpu.max"
         if not cpu_max.exists():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+                return
             raise ContainerdError(f"container {self.id}: no CPU cgroup at {cpu_max} or in "
                                   f"{CGROUP_ROOT}/cpu*/{below}")
         cpu_max.write_text(f"{'max' if quota is None else quota} {CPU_PERIOD_US}")
