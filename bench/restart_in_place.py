@@ -72,16 +72,9 @@ def write_job(folder: Path, train: str, precision: str) -> Path:
 
 def ranks(agent: int) -> list[int]:
     """The agent's training processes (named kt-rank-N), children or grandchildren."""
-    from kubetrain.local.node import descendants
+    from kubetrain.local.node import descendants, rank_processes
 
-    found = []
-    for pid in descendants(agent):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().startswith("kt-rank-"):
-                found.append(pid)
-        except OSError:
-            continue
-    return found
+    return list(rank_processes(descendants(agent)))
 
 
 def one_run(launcher: str, folder: Path, train: str, processes: int,

@@ -27,6 +27,10 @@ RENDEZVOUS_BACKEND: Final = "kubetrain"
 # pod signals it (kubetrain.trainer.distributed.stop_torchrun_agent).
 AGENT_PID_ENV: Final = "KUBETRAIN_AGENT_PID"
 
+# Each training process names itself PREFIX + its rank (/proc/PID/comm, what ps and top
+# show): under the launcher they all have the fork server's command line.
+RANK_PROCESS_PREFIX: Final = "kt-rank-"
+
 # --- exit codes of a trainer process ----------------------------------------------------
 
 EXIT_COMPLETE: Final = 0  # training finished (maxSteps or early stopping), exported

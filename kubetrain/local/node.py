@@ -15,10 +15,12 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
 from kubetrain.local.launch import AgentLaunch
+from kubetrain.protocol import RANK_PROCESS_PREFIX
 
 _PR_SET_PDEATHSIG = 1
 
@@ -49,6 +51,18 @@ def descendants(pid: int) -> list[int]:
         below = children.get(frontier.pop(), [])
         found.extend(below)
         frontier.extend(below)
+    return found
+
+
+def rank_processes(pids: Iterable[int]) -> dict[int, int]:
+    """The training processes among `pids`, pid → rank, by the name each gives itself
+    (`kt-rank-N`); processes gone meanwhile are left out."""
+    found = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError):
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            if name.startswith(RANK_PROCESS_PREFIX):
+                found[pid] = int(name.removeprefix(RANK_PROCESS_PREFIX))
     return found
 
 

@@ -51,6 +51,8 @@ from kubernetes import client
 from node_agent import Node, NodeAgent
 from operator_process import RELEASE_NAMESPACE, OperatorPod
 
+from kubetrain.local.node import rank_processes
+
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "whole-loop"
 MAX_STEPS = 24
@@ -234,10 +236,9 @@ class Cluster:
     def trainer_pid(self, pod: str) -> int:
         """The pid of the trainer process (torchrun's worker) of a running pod."""
         running = self.agent.pod(pod, NAMESPACE)
-        for pid in running.processes():
-            with contextlib.suppress(OSError):
-                if Path(f"/proc/{pid}/comm").read_text().startswith("kt-rank-"):
-                    return pid
+        trainers = rank_processes(running.processes())
+        if trainers:
+            return next(iter(trainers))
         raise AssertionError(f"no trainer process in {pod}: {running.processes()}")
 
     def wait_for_printed_step(self, name: str, step: int, timeout: float = 180) -> None:

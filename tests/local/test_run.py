@@ -7,6 +7,7 @@ metrics log, the checkpoints and the exported model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.local.launch import free_port
 from kubetrain.local.metrics_log import parse_lines
+from kubetrain.local.node import rank_processes
 
 pytestmark = pytest.mark.slow
 
@@ -93,14 +95,11 @@ def wait_for_step(run: subprocess.Popen[str], folder: Path, name: str, step: int
 def training_processes(folder: Path) -> list[int]:
     """The trainer ranks (kt-rank-N, not the torchrun agents) of runs started in `folder`."""
     found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            name = (entry / "comm").read_text()
-            cwd = os.readlink(entry / "cwd")
-        except (OSError, ValueError):
-            continue
-        if name.startswith("kt-rank-") and Path(cwd) == folder:
-            found.append(int(entry.name))
+    everything = (int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+    for pid in rank_processes(everything):
+        with contextlib.suppress(OSError):
+            if Path(os.readlink(f"/proc/{pid}/cwd")) == folder:
+                found.append(pid)
     return found
 
 

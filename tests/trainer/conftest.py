@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from kubetrain.local.launch import free_port
-from kubetrain.local.node import descendants
+from kubetrain.local.node import descendants, rank_processes
 
 JobFactory = Callable[..., Path]
 
@@ -95,10 +95,9 @@ class Launcher:
         the agent's child, or under kubetrain.trainer.launch its fork server's."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for pid in descendants(agent):
-                with contextlib.suppress(OSError):
-                    if Path(f"/proc/{pid}/comm").read_text().strip() == f"kt-rank-{rank}":
-                        return pid
+            for pid, its_rank in rank_processes(descendants(agent)).items():
+                if its_rank == rank:
+                    return pid
             time.sleep(0.02)
         raise AssertionError(f"torchrun (pid {agent}) started no worker for rank {rank}")
 

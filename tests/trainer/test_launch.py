@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kubetrain.local.node import descendants
+from kubetrain.local.node import descendants, rank_processes
 
 
 def parent_of(pid: int) -> int:
@@ -25,12 +25,9 @@ def parent_of(pid: int) -> int:
 def ranks_below(agent: int) -> dict[int, int]:
     """The training processes (named kt-rank-N) below torchrun agent `agent`: pid → parent."""
     found = {}
-    for pid in descendants(agent):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().startswith("kt-rank-"):
-                found[pid] = parent_of(pid)
-        except (OSError, ValueError):
-            continue
+    for pid in rank_processes(descendants(agent)):
+        with contextlib.suppress(OSError):
+            found[pid] = parent_of(pid)
     return found
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kubetrain.api.manifest import InvalidManifest, load_job
-from kubetrain.protocol import EXIT_INVALID_MANIFEST
+from kubetrain.protocol import EXIT_INVALID_MANIFEST, RANK_PROCESS_PREFIX
 
 
 def name_process() -> None:
@@ -32,7 +32,7 @@ def name_process() -> None:
     command line."""
     rank = os.environ.get("RANK")
     if rank is not None and sys.platform == "linux":
-        Path("/proc/self/comm").write_text(f"kt-rank-{rank}")
+        Path("/proc/self/comm").write_text(f"{RANK_PROCESS_PREFIX}{rank}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
