@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -160,3 +161,49 @@ def test_the_stop_deadline_follows_the_latest_steps_not_a_slow_stretch_long_past
         assert stop.longest_span < 0.5 and stop.deadline() == STOP_DEADLINE_FLOOR
     finally:
         dist.destroy_process_group()
+
+
+# Rank 0 and rank 1 measure two steps together; then rank 1 goes silent (alive, never
+# answering: no connection reset) and rank 0 enters a collective between two steps, as
+# the logged interval's gathers are.
+_BETWEEN_STEPS = """
+import sys, time, torch, torch.distributed as dist
+from kubetrain.trainer.distributed import StopRequest
+from kubetrain.trainer.rank_timing import WaitClock
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+clock = WaitClock()
+stop = StopRequest(inside_since=lambda: clock.inside_since)
+stop.install()
+for _ in range(3):
+    stop.agreed(torch.device("cpu"))
+if rank == 1:
+    time.sleep(600)
+print("blocked", flush=True)
+with clock.inside():
+    dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_rank_blocked_between_steps_on_a_silent_peer_exits_within_its_stop_deadline(
+        launcher: Any) -> None:
+    from kubetrain.protocol import EXIT_RESTART
+
+    port = launcher.free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", _BETWEEN_STEPS, str(rank), str(port)],
+                              env=launcher.env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        assert ranks[0].stdout is not None
+        assert ranks[0].stdout.readline().strip() == "blocked"
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        ranks[0].send_signal(signal.SIGTERM)
+        output, _ = ranks[0].communicate(timeout=60)
+        exited = time.monotonic() - signalled
+    finally:
+        for process in ranks:
+            process.kill()
+    assert ranks[0].returncode == EXIT_RESTART, output
+    assert "stop not agreed" in output, output
+    assert exited < STOP_DEADLINE_FLOOR + 5, exited

@@ -519,7 +519,10 @@ class Trainer:
             run.goodput.charge(PRODUCTIVE)
             run.goodput.stepped(step)
             if step % spec.metrics.log_every_steps == 0 or step == run.max_steps:
-                self._log_interval(run, meter, step, result)
+                # Its gathers wait on every rank: a rank signalled while blocked in one on a
+                # lost peer gives up as in a step's collectives (StopRequest), not in 30 s.
+                with meter.clock.inside():
+                    self._log_interval(run, meter, step, result)
 
             # Evaluation and early stopping.
             every, val_loss = spec.evaluation.every_steps, None

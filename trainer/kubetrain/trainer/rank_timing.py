@@ -85,13 +85,23 @@ class WaitClock:
                 self._pending.append((start, end))
             return
         started = time.perf_counter()
-        outermost = self.inside_since is None
+        try:
+            with self.inside():
+                yield
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """Mark the block as inside collectives (`inside_since`, on CPU) without counting
+        its time as a step's wait: for those between two steps, which block on a lost peer
+        as any other does."""
+        outermost = not self.cuda and self.inside_since is None
         if outermost:
             self.inside_since = time.monotonic()
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - started
             if outermost:
                 self.inside_since = None
 
