@@ -177,6 +177,7 @@ def test_uncommitted_saves_are_ignored_and_rotation_keeps_the_newest(
     for step in (1, 2, 3):
         _train(app, 1)
         checkpointer.save(step, app)
+    checkpointer.wait()  # step 1's rotation, in the background, before the folders change
     at_three = _snapshot(app)
     # A save that crashed before its manifest: files but no commit, older and newer.
     for step in (2, 9):
