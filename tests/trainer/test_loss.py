@@ -24,12 +24,14 @@ from kubetrain.trainer.loss import (
     OutputLoss,
     chunked_cross_entropy,
     full_cross_entropy,
+    preload_fused_loss,
     select_output_loss,
 )
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.sizing import loss_chunk_tokens
 
 WORKER = Path(__file__).with_name("fsdp_loss_worker.py")
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def _dims(tie: bool) -> ModelDims:
@@ -188,3 +190,53 @@ def test_every_loss_equals_the_full_logits_under_fsdp2_with_nccl(tmp_path: Path)
         assert_close_in("bf16", result["loss"], results["full"]["loss"], name)
         for key, grad in results["full"]["grads"].items():
             assert_close_in("bf16", result["grads"][key], grad, f"{name}: {key}")
+
+
+@pytest.fixture
+def fake_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder on sys.path for stand-ins of Liger Kernel, and NVML's check unset."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(NVML_CHECK, "")  # recorded, so that the deletion is undone after
+    monkeypatch.delenv(NVML_CHECK)
+    return tmp_path
+
+
+def _package(folder: Path, name: str, body: str) -> str:
+    (folder / name).mkdir()
+    (folder / name / "__init__.py").write_text("")
+    (folder / name / "functional.py").write_text(body)
+    return f"{name}.functional"
+
+
+def test_the_fork_server_preloads_a_loss_whose_import_leaves_cuda_alone(
+        fake_packages: Path) -> None:
+    module = _package(fake_packages, "kt_fake_liger_clean",
+                      "import torch\nAVAILABLE = torch.cuda.is_available()\n")
+    assert preload_fused_loss(module) is True
+    assert module in sys.modules
+    assert os.environ[NVML_CHECK] == "1"  # is_available() asks NVML, which forks safely
+
+
+def test_a_loss_import_that_initialises_cuda_is_refused_and_left_to_the_rank(
+        fake_packages: Path) -> None:
+    lazy_init = torch.cuda._lazy_init
+    module = _package(fake_packages, "kt_fake_liger_device",
+                      "import torch\nDEVICE = torch.cuda.current_device()\n")
+    assert preload_fused_loss(module) is False
+    assert module not in sys.modules  # the rank imports it again, after its preflight
+    assert torch.cuda._lazy_init is lazy_init
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_refusal_that_a_library_catches_still_reports_the_preload_as_degraded(
+        fake_packages: Path) -> None:
+    module = _package(fake_packages, "kt_fake_liger_catches", (
+        "import torch\ntry:\n    FITS = torch.cuda.get_device_properties(0).major >= 7\n"
+        "except ImportError:\n    FITS = False\n"))
+    assert preload_fused_loss(module) is False
+    assert sys.modules[module].FITS is False  # what the library decided without the GPU
+
+
+def test_nothing_is_preloaded_where_liger_is_not_installed(fake_packages: Path) -> None:
+    assert preload_fused_loss("kt_no_such_package.functional") is False
+    assert NVML_CHECK not in os.environ

@@ -38,6 +38,7 @@ the loss arithmetic only: the model calls it, the loop chooses it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,6 +152,41 @@ def select_output_loss(device: torch.device) -> tuple[OutputLoss, str]:
         return (OutputLoss("chunked", chunked_cross_entropy),
                 f"liger-kernel is not importable ({error}); pip install 'kubetrain[gpu]'")
     return OutputLoss("liger", liger_cross_entropy), "liger-kernel is installed"
+
+
+def preload_fused_loss(module: str = LIGER_MODULE) -> bool:
+    """Import Liger Kernel's loss in a process that must leave CUDA untouched (the fork
+    server, kubetrain.trainer.preload), where it is installed; True if it imported
+    without asking for CUDA.
+
+    Liger asks `torch.cuda.is_available()` as it loads: NVML's answer
+    (PYTORCH_NVML_BASED_CUDA_CHECK) leaves CUDA untouched, the driver's would not, and a
+    fork server that touched CUDA forks ranks that cannot use it. Anything that goes on
+    to initialise CUDA during the import is refused with an ImportError: with peft
+    installed, liger_kernel.utils imports it, and through transformers torchao asks
+    Triton whether the GPU fits (seen on an H100). The libraries on that path catch the
+    refusal and load on, so Liger is still imported, but False says a library decided
+    without the GPU; where the refusal is not caught, Liger is left for the rank to
+    import after its preflight (5 s of a restart in that image).
+    """
+    if importlib.util.find_spec(module.partition(".")[0]) is None:
+        return False
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    lazy_init = torch.cuda._lazy_init
+    refused: list[str] = []
+
+    def refuse() -> None:
+        refused.append(module)
+        raise ImportError(f"{module} is imported where CUDA must stay uninitialised")
+
+    torch.cuda._lazy_init = refuse  # torch.cuda's functions look it up as a module global
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    finally:
+        torch.cuda._lazy_init = lazy_init
+    return not refused
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
