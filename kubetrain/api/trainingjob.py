@@ -1586,10 +1586,10 @@ class BadputSeconds(ApiModel):
                             "the start of the next: replacement, scheduling, backoff.")
     oom: float = Field(default=0.0, description="Lost progress and downtime of attempts that "
                        "ran out of memory (runPolicy.outOfMemory's restarts).")
-    straggler: float = Field(default=0.0, description="Step time lost while a rank was a "
+    straggler: float = Field(default=0.0, description="Time lost while a rank was a "
                              "straggler (runPolicy.stragglers), from the first slow interval "
-                             "that made it one: the group's step time over its healthy step "
-                             "time, since every rank waits for the slowest.")
+                             "of its episode: the group's steps and saves over their healthy "
+                             "pace, since every rank waits for the slowest.")
     preflight: float = Field(default=0.0, description="The health check before each attempt's "
                              "first step (runPolicy.preflight).")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -254,9 +255,21 @@ JITTER = ([0.08, 0.11], [0.05, 0.02])
 SLOW = ([0.08, 0.24], [0.18, 0.02])  # the group's step: 0.26 s, 0.16 over the healthy 0.10
 
 
-def _book(intervals: list[tuple[list[float], list[float]]], window: int = 3) -> list[float]:
+Interval = tuple[list[float], list[float]]
+
+
+def _wall(interval: Interval, outside: float = 0.0) -> float:
+    """The interval's productive seconds on a rank: the median rank's compute plus wait per
+    step, and `outside` per step between the steps (the log's gathers)."""
+    computes, waits = interval
+    return 10 * (statistics.median(c + w for c, w in zip(computes, waits, strict=True))
+                 + outside)
+
+
+def _book(intervals: list[Interval], window: int = 3) -> list[float]:
     booking = StragglerBooking(threshold=1.3, window=window)
-    return [booking.lost(computes, waits, 10) for computes, waits in intervals]
+    return [booking.lost(*interval, 10, _wall(interval)).get(PRODUCTIVE, 0.0)
+            for interval in intervals]
 
 
 def test_jitter_between_healthy_ranks_is_never_straggler_time() -> None:
@@ -294,8 +307,61 @@ def test_a_rank_slow_from_the_start_is_priced_against_the_healthy_ranks() -> Non
     assert _book([SLOW, SLOW, SLOW]) == pytest.approx([0.0, 0.0, 3 * 10 * 0.16])
 
 
+def test_a_straggler_books_the_time_the_log_between_steps_waited_for_it_too() -> None:
+    # Healthy: 0.01 s per step between the steps (the log's gathers). While rank 1 is slow
+    # it also reports late, and the others wait 0.05 s per step more for it there.
+    booking = StragglerBooking(threshold=1.3, window=1)
+    assert booking.lost(*HEALTHY, 10, _wall(HEALTHY, outside=0.01)) == {}
+    booked = booking.lost(*SLOW, 10, _wall(SLOW, outside=0.06))
+    assert booked == {PRODUCTIVE: pytest.approx(10 * (0.16 + 0.05))}
+
+
+# Rank 1 held up inside a collective: the pause counts as its wait, so its compute looks
+# healthy, while the group still takes 0.26 s per step.
+HIDDEN = ([0.08, 0.09], [0.18, 0.17])
+
+
+def test_an_episode_whose_streak_broke_while_the_group_stayed_slow_is_booked_whole() -> None:
+    booked = _book([HEALTHY, SLOW, SLOW, HIDDEN, SLOW, SLOW, SLOW])
+    assert booked[:6] == [0.0] * 6
+    assert booked[6] == pytest.approx(6 * 10 * 0.16)  # from the first slow interval
+
+
+def test_a_slow_group_without_a_judged_straggler_books_nothing() -> None:
+    assert _book([HEALTHY, HIDDEN, SLOW, SLOW, HIDDEN, HIDDEN, HEALTHY, SLOW]) == [0.0] * 8
+
+
+def test_a_judgement_that_ends_while_the_group_is_slow_keeps_the_episode_going() -> None:
+    booked = _book([HEALTHY, SLOW, SLOW, HIDDEN, HIDDEN, HIDDEN, SLOW, SLOW], window=2)
+    assert booked[2] == pytest.approx(2 * 10 * 0.16)
+    assert booked[3] == pytest.approx(10 * 0.16)  # still judged: one normal interval
+    assert booked[4:7] == [0.0, 0.0, 0.0]  # judged over, the group still slow: kept
+    assert booked[7] == pytest.approx(4 * 10 * 0.16)  # judged again: 4 to 7
+
+
+def test_a_save_while_a_rank_straggles_books_its_time_over_a_healthy_save() -> None:
+    booking = StragglerBooking(threshold=1.3, window=2)
+    booking.lost(*HEALTHY, 10, _wall(HEALTHY))
+    assert booking.saved("s3", 0.5) == 0.0  # the reference
+    booking.lost(*SLOW, 10, _wall(SLOW))
+    assert booking.saved("s3", 2.5) == 0.0  # in the episode, not judged yet: kept
+    assert booking.saved("memory", 0.2) == 0.0  # no healthy save of its kind to price it
+    assert booking.lost(*SLOW, 10, _wall(SLOW)) == {
+        PRODUCTIVE: pytest.approx(2 * 10 * 0.16), CHECKPOINT_SAVE: pytest.approx(2.0)}
+    assert booking.saved("s3", 1.5) == pytest.approx(1.0)
+    # An episode that ends unjudged drops what its saves were kept for.
+    other = StragglerBooking(threshold=1.3, window=3)
+    other.lost(*HEALTHY, 10, _wall(HEALTHY))
+    other.saved("s3", 0.5)
+    other.lost(*SLOW, 10, _wall(SLOW))
+    other.saved("s3", 2.5)
+    assert other.lost(*HEALTHY, 10, _wall(HEALTHY)) == {}
+    assert [other.lost(*SLOW, 10, _wall(SLOW)) for _ in range(3)][-1] == {
+        PRODUCTIVE: pytest.approx(3 * 10 * 0.16)}
+
+
 def test_a_group_of_one_has_no_straggler() -> None:
-    assert StragglerBooking(1.3, 1).lost([0.5], [0.0], 10) == 0.0
+    assert StragglerBooking(1.3, 1).lost([0.5], [0.0], 10, 5.0) == {}
 
 
 def test_an_attempt_killed_for_memory_before_its_first_step_books_its_time_to_oom() -> None:
@@ -449,7 +515,8 @@ def test_under_tensor_parallelism_a_group_is_judged_by_its_smallest_rank_as_the_
     def booked(intervals: list[tuple[list[float], list[float]]], tensor_parallel: int,
                ) -> list[float]:
         booking = StragglerBooking(1.3, 2, tensor_parallel=tensor_parallel)
-        return [booking.lost(computes, waits, 10) for computes, waits in intervals]
+        return [booking.lost(*interval, 10, _wall(interval)).get(PRODUCTIVE, 0.0)
+                for interval in intervals]
 
     assert booked([one_rank] * 3, tensor_parallel=2) == [0.0] * 3
     assert booked([one_rank] * 3, tensor_parallel=1)[1] > 0

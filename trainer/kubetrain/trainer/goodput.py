@@ -22,9 +22,10 @@ defines it; the rest ("badput") is split by cause:
     oom               lost progress and downtime of an attempt that ran out of memory:
                       the restart with half the micro-batch is counted apart, so a job
                       that keeps running out of memory shows it
-    straggler         the group's step time lost while a rank is a straggler: per logged
-                      interval, the group's step time over its healthy one times its
-                      steps, moved out of productive (`move`; `StragglerBooking` decides)
+    straggler         the group's time lost while a rank is a straggler: per logged
+                      interval, its wall time over the healthy pace, moved out of
+                      productive, and a save's time over a healthy save's, moved out of
+                      checkpoint_save (`move`; `StragglerBooking` decides)
 
 The split by tier is beside the causes, not one of them: `seconds` sums to the wall time,
 `load_seconds` sums to at most `seconds["checkpoint_load"]`. The checkpoint keeps it
@@ -298,28 +299,40 @@ class GoodputLedger(Stateful):
 
 
 class StragglerBooking:
-    """Which of a logged interval's step time is goodput's `straggler` cause.
+    """Which of a logged interval's time, and of a save's, is goodput's `straggler` cause.
 
     The operator's rule (`kubetrain.operator.stragglers`) applied to each logged interval
     on the figures every rank gathers (rank_timing): a rank's slowness is its compute time
     over the median rank's; above `threshold` for `window` consecutive intervals it is a
     straggler, and it stays one until it has been at or under the threshold for as many.
-    Time is booked only then: the jitter between healthy ranks is productive. The slow
-    intervals that made it one belong to the same episode and are booked when it is
-    judged; a streak that ends before is not.
+    Time is booked only once a rank is judged one: the jitter between healthy ranks is
+    productive.
 
-    While a rank is a straggler the group as a whole runs at its pace (the others wait for
-    it in the collectives), so what is booked is the group's loss: the interval's step
-    time (the median rank's compute plus wait) over the healthy step time, times its
-    steps. The healthy step time is the median of the last healthy intervals' step times;
-    before there is one (a rank slow from the start), the ranks within the threshold's
-    compute plus the least wait (the slow rank's, which waits for nobody).
+    While a rank is a straggler the group as a whole runs at its pace: the others wait for
+    it in the steps' collectives, in the logged interval's gathers and in checkpoint
+    saves. So what is booked is the group's loss, priced on this rank's clock:
+    - an interval: its productive wall time (`wall`: the steps and the log between them,
+      not data waits or saves, which are booked apart) over the healthy pace, the median
+      of the last healthy intervals' wall time per step, times its steps. Before there is
+      a healthy interval (a rank slow from the start) the pace is this interval's less what
+      the slow rank cost it: the ranks within the threshold's compute plus the least wait
+      (the slow rank's, which waits for nobody), for the median rank's compute plus wait;
+    - a save (`saved`): its seconds over the median of the last healthy saves of the same
+      kind; nothing before there is one.
+
+    An episode is longer than its judgement. A slow rank's compute does not look slow in
+    every interval (where it was held up inside a collective, the time counts as its wait),
+    so its streaks break while the whole group stays slow. The episode is therefore the
+    stretch of intervals in which a rank is slow or the group's pace is over `threshold`
+    times the healthy one: what the stretch cost before the rank was judged (or between
+    two judgements of it) is booked when it is, and dropped if the stretch ends first.
 
     Under tensor parallelism (`tensor_parallel` above 1) a tensor-parallel group is
     judged as one, as the operator judges it (`kubetrain.straggler_groups`).
 
-    Every rank books the same figures, since all of them are computed from the same
-    gathered figures.
+    Every rank judges the same, from the same gathered figures; each prices the loss on
+    its own clock, and the ranks' clocks agree to within a step's jitter, since each step
+    ends in collectives that all of them wait for.
     """
 
     def __init__(self, threshold: float, window: int, remembered: int = 8,
@@ -330,42 +343,66 @@ class StragglerBooking:
         self.straggling = False
         self.slow_intervals = 0
         self.normal_intervals = 0
-        self._pending = 0.0  # the current slow streak's loss, booked if it is judged one
-        self._healthy: deque[float] = deque(maxlen=remembered)
+        self._remembered = remembered
+        # the episode's loss so far, by the cause it is moved from, booked if it is judged
+        self._pending = {PRODUCTIVE: 0.0, CHECKPOINT_SAVE: 0.0}
+        self._healthy: deque[float] = deque(maxlen=remembered)  # wall seconds per step
+        self._saves: dict[str, deque[float]] = {}  # healthy saves' seconds, by kind
 
-    def lost(self, computes: Sequence[float], waits: Sequence[float], steps: int) -> float:
-        """The seconds of this interval (and of the slow streak that made a rank a straggler
-        in it) to book as `straggler`: 0 unless a rank is judged one. `computes` and
-        `waits` are each rank's seconds per step over the interval, in rank order."""
+    @property
+    def in_episode(self) -> bool:
+        return self.straggling or any(self._pending.values()) or self.slow_intervals > 0
+
+    def lost(self, computes: Sequence[float], waits: Sequence[float], steps: int,
+             wall: float) -> dict[str, float]:
+        """The seconds to book as `straggler` after this logged interval, by the cause they
+        move from (`productive`, and `checkpoint_save` for an episode's earlier saves):
+        nothing unless a rank is judged one. `computes` and `waits` are each rank's
+        seconds per step over the interval, in rank order; `wall` is the interval's
+        productive seconds on this rank."""
         if len(computes) < 2 or steps <= 0:
-            return 0.0
+            return {}
         judged, compared = by_group(range(len(computes)), computes, self.tensor_parallel)
         median = statistics.median(compared)
         slowness = [compute / median if median > 0 else 1.0 for compute in judged]
         slow = max(slowness) > self.threshold
-        step = statistics.median(c + w for c, w in zip(computes, waits, strict=True))
+        pace = wall / steps
         self.slow_intervals = self.slow_intervals + 1 if slow else 0
         self.normal_intervals = 0 if slow else self.normal_intervals + 1
-        if not slow and not self.straggling:
-            self._healthy.append(step)
-            self._pending = 0.0
-            return 0.0
-        healthy = statistics.median(self._healthy) if self._healthy else min(
-            waits) + statistics.median(
-            c for c, s in zip(computes, slowness, strict=True) if s <= self.threshold)
-        loss = max(0.0, step - healthy) * steps
+        healthy = statistics.median(self._healthy) if self._healthy else pace - (
+            statistics.median(c + w for c, w in zip(computes, waits, strict=True))
+            - min(waits) - statistics.median(
+                c for c, s in zip(computes, slowness, strict=True) if s <= self.threshold))
+        loss = max(0.0, pace - healthy) * steps
+        group_slow = bool(self._healthy) and pace > self.threshold * healthy
         if self.straggling:
-            if self.normal_intervals >= self.window:
-                self.straggling = False
-                self._healthy.append(step)
-                return 0.0
-            return loss
-        self._pending += loss
+            if self.normal_intervals < self.window:
+                return {PRODUCTIVE: loss} if loss else {}
+            self.straggling = False  # judged over; the episode goes on while the group is slow
+        if not (slow or group_slow):
+            self._healthy.append(pace)
+            self._pending = dict.fromkeys(self._pending, 0.0)
+            return {}
+        self._pending[PRODUCTIVE] += loss
         if self.slow_intervals < self.window:
-            return 0.0
+            return {}
         self.straggling = True
-        booked, self._pending = self._pending, 0.0
-        return booked
+        booked, self._pending = self._pending, dict.fromkeys(self._pending, 0.0)
+        return {source: seconds for source, seconds in booked.items() if seconds}
+
+    def saved(self, kind: str, seconds: float) -> float:
+        """The seconds of a save of `kind` (S3, memory) to book as `straggler` now: what it
+        took over the healthy saves while a rank is one. In an episode not yet judged that
+        is kept for the judgement; outside one the save becomes the reference."""
+        healthy = self._saves.setdefault(kind, deque(maxlen=self._remembered))
+        excess = max(0.0, seconds - statistics.median(healthy)) if healthy else 0.0
+        if self.straggling:
+            return excess
+        if self.in_episode:
+            self._pending[CHECKPOINT_SAVE] += excess
+        else:
+            healthy.append(seconds)
+        return 0.0
 
 
 class Heartbeat:

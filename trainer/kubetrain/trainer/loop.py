@@ -536,9 +536,12 @@ class Trainer:
             # Checkpoints every everySteps, and (keepBest) at each new best validation loss.
             if step % spec.checkpoint.every_steps == 0 or (
                     val_loss is not None and run.checkpointer.improves_best(val_loss)):
-                self._save(run, step, val_loss, blocking=False)
+                saved = self._save(run, step, val_loss, blocking=False)
+                run.goodput.move(CHECKPOINT_SAVE, STRAGGLER, meter.stragglers.saved("s3", saved))
             if run.memory is not None and run.memory.due(step):
-                self._snapshot(run, run.memory, step)
+                saved = self._snapshot(run, run.memory, step)
+                run.goodput.move(CHECKPOINT_SAVE, STRAGGLER,
+                                 meter.stragglers.saved("memory", saved))
         return self._finish(run, stop, step, reason, val_loss)
 
     def _resume(self, run: _Run) -> int:
@@ -650,11 +653,6 @@ class Trainer:
         ranks = gather_rank_timings(
             (interval.busy - interval.waited) / interval.steps,
             interval.waited / interval.steps, meter.computed)
-        # While a rank is a straggler the group runs at its pace: what that costs over the
-        # healthy step time is not goodput (every rank books the same, from the same figures).
-        run.goodput.move(PRODUCTIVE, STRAGGLER, meter.stragglers.lost(
-            [timing.compute_seconds for timing in ranks],
-            [timing.wait_seconds for timing in ranks], interval.steps))
         run.reporter.logged(StepReport(
             step=step, epoch=run.train_data.epochs_done,
             loss=_mean_over_ranks(result.loss), learning_rate=result.learning_rate,
@@ -669,6 +667,15 @@ class Trainer:
         ), device)
         meter.interval = interval.next()
         run.goodput.charge(PRODUCTIVE)  # the step's device work, waited for by the log
+        # While a rank is a straggler the group runs at its pace, the log's gathers too:
+        # what that cost over the healthy pace is not goodput (StragglerBooking).
+        productive = run.goodput.seconds[PRODUCTIVE]
+        for source, seconds in meter.stragglers.lost(
+                [timing.compute_seconds for timing in ranks],
+                [timing.wait_seconds for timing in ranks], interval.steps,
+                wall=productive - meter.productive_mark).items():
+            run.goodput.move(source, STRAGGLER, seconds)
+        meter.productive_mark = run.goodput.seconds[PRODUCTIVE]
         self._account(run, step)
 
     def _finish(self, run: _Run, stop: StopRequest, step: int, reason: FitReason,
@@ -698,21 +705,22 @@ class Trainer:
         return FitResult(step, reason, EXIT_COMPLETE, best, export_uri)
 
     @staticmethod
-    def _save(run: _Run, step: int, val_loss: float | None, *, blocking: bool) -> None:
+    def _save(run: _Run, step: int, val_loss: float | None, *, blocking: bool) -> float:
         """Save the checkpoint of `step` (collective): the step's device work until then is
-        productive, the save is not."""
+        productive, the save is not. Returns the save's seconds."""
         _synchronize(run.world.device)
         run.goodput.charge(PRODUCTIVE)
         run.checkpointer.save(step, run.app_state, blocking=blocking, val_loss=val_loss)
-        run.goodput.charge(CHECKPOINT_SAVE)
+        return run.goodput.charge(CHECKPOINT_SAVE)
 
     @staticmethod
-    def _snapshot(run: _Run, memory: MemoryCheckpoints, step: int) -> None:
-        """Snapshot `step` into the in-memory tier; its blocking part is a save's time."""
+    def _snapshot(run: _Run, memory: MemoryCheckpoints, step: int) -> float:
+        """Snapshot `step` into the in-memory tier; its blocking part is a save's time.
+        Returns its seconds."""
         _synchronize(run.world.device)
         run.goodput.charge(PRODUCTIVE)
         memory.save(step, run.app_state)
-        run.goodput.charge(CHECKPOINT_SAVE)
+        return run.goodput.charge(CHECKPOINT_SAVE)
 
     def _evaluate_and_record(self, run: _Run, step: int) -> float | None:
         """The validation loss at `step`, recorded for early stopping; None without data."""
@@ -934,6 +942,7 @@ class _Meter:
         # goodput's, judging a tensor-parallel group as one as the operator does
         self.stragglers = StragglerBooking(policy.threshold, policy.window,
                                            tensor_parallel=spec.parallelism.tensor_parallel)
+        self.productive_mark = run.goodput.seconds[PRODUCTIVE]  # at the last logged interval
         self._step_started = self._waited_before = self._fetch_started = self._data_wait = 0.0
 
     def begin_step(self) -> None:
