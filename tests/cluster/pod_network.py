@@ -12,7 +12,8 @@ start, DEL on teardown, the network configuration on stdin).
 The bridge has `isGateway: false` and the pods get no default route: the bridge and
 its address are made here beforehand, so the plugin never switches on
 net.ipv4.ip_forward, and a pod can reach nothing but the bridge's subnet: nothing in a
-pod reaches beyond this machine.
+pod reaches beyond this machine. For the same reason the plugin never pins the bridge's MAC
+address, so it is set here too (`bridge_mac`).
 
 What it does not: no kube-proxy, no Service IPs, no NetworkPolicy, no NAT. All nodes
 of one agent share the bridge: a flat pod network, as CNIs without overlay give.
@@ -107,6 +108,22 @@ class PodNetwork:
         """The host's address on the pod network: pods reach host services here."""
         return str(self.subnet.network_address + 1)
 
+    @property
+    def bridge_mac(self) -> str:
+        """The bridge's MAC address, fixed for its life and derived from the gateway's IP.
+
+        A Linux bridge without an address of its own takes the lowest MAC of its ports,
+        and takes another when that port leaves: then every pod's ARP entry for the gateway
+        names a MAC nothing answers, and each connection to the host (the API server, S3,
+        cluster DNS) stalls until the neighbour entry is probed again, from seconds to over
+        a minute. A pod torn down after a container kill or a node loss did that to its
+        peers and to the operator at random (containernetworking/cni#285). So the bridge
+        gets its address at creation, which the kernel then keeps, as the CNI bridge plugin
+        does where it sets up the gateway itself: locally administered, 0a:58 and the IP.
+        """
+        return "0a:58:" + ":".join(f"{byte:02x}" for byte in
+                                   ipaddress.IPv4Address(self.gateway).packed)
+
     def create(self) -> None:
         """Create the bridge with the gateway address; pick a /24 no interface uses."""
         missing = [plugin for plugin in ("bridge", "host-local", "loopback")
@@ -118,7 +135,7 @@ class PodNetwork:
         number = next(n for n in range(10, 250) if f"10.244.{n}.0/24" not in used)
         self.subnet = ipaddress.IPv4Network(f"10.244.{number}.0/24")
         self.bridge = f"ktbr{self.tag}"[:15]
-        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "add", self.bridge, "address", self.bridge_mac, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
 
