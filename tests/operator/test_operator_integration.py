@@ -116,3 +116,30 @@ def test_restarted_operator_neither_duplicates_nor_orphans_pods(tmp_path: Path) 
         assert set(kube.pods("again")) == {f"again-worker-{i}" for i in range(3)}
         assert cluster.operator_requests("pods", kmock.action.CREATE) == 4
         assert (kube.job("again") or {})["status"]["restarts"] == 1
+
+
+def test_replacements_are_created_when_the_backoff_ends_not_at_the_next_resync(
+        tmp_path: Path) -> None:
+    """The operator wakes the job when its restart's backoff ends: with a resync of a
+    minute, a worker failed under a 2 s backoff is replaced within seconds, and not before
+    the backoff (nothing else happens to the job meanwhile)."""
+    with EmulatedCluster(tmp_path) as cluster, running_operator(cluster, resync_seconds=60):
+        kube = Kube(cluster)
+        kube.create_job(job_manifest("woken", backoffSeconds=2))
+        eventually(lambda: len(kube.pods("woken")) == 2)
+        kube.run_all("woken")
+        eventually(lambda: kube.phase("woken") == "Running")
+        failed = time.monotonic()
+        kube.set_pod_status("woken-worker-1", "Failed", exit_code=137, reason="Error")
+
+        def replaced() -> bool:
+            labels = (kube.pods("woken").get("woken-worker-1", {}).get("metadata", {})
+                      .get("labels", {}))
+            return labels.get("kubetrain.io/restart-attempt") == "1"
+
+        eventually(replaced, timeout=20, what="the replacement, before the next resync")
+        waited = time.monotonic() - failed
+        restart = (kube.job("woken") or {})["status"]["restart"]
+    # The restart's time has whole seconds, so its 2 s end up 1 to 2 s after the failure.
+    assert 1.0 <= waited < 20, waited
+    assert restart["counted"] and restart["reason"] == "WorkerFailed"

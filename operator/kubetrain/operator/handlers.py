@@ -3,10 +3,11 @@
 What is observed comes from kopf indexes (in-memory views kept current by watches),
 so a reconcile costs no API reads: only the creates, deletes and status patches
 that `reconcile` decided. A reconcile of a job runs on its own events, on its pods'
-events and on one operator-wide resync loop over the job index (which also scrapes
-rank 0's /metrics). The loop is not a kopf timer on purpose: a per-object timer makes
-kopf put a finalizer on every TrainingJob, an extra write per job that GitOps tools
-would see as drift.
+events, when its restart's backoff ends, on a trainer's end its lifeline saw, and on
+one operator-wide resync loop over the job index (which also scrapes rank 0's
+/metrics). The loop is not a kopf timer on purpose: a per-object timer makes kopf put a
+finalizer on every TrainingJob, an extra write per job that GitOps tools would see as
+drift.
 
 With leader election (not --standalone) every replica watches, but only the one
 holding the Lease (`kubetrain.operator.leader`) reconciles.
@@ -41,8 +42,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kubetrain.api.manifest import InvalidManifest, parse_job
-from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJob
+from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJob, TrainingJobStatus
 from kubetrain.operator import children
+from kubetrain.operator.actions import Action, WriteStatus
 from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
 from kubetrain.operator.expectations import ConfigMapVersion, Expectations, config_map_version
@@ -58,6 +60,7 @@ from kubetrain.operator.observed import (
     worker_pod,
 )
 from kubetrain.operator.reconcile import FINISHED, reconcile, reject
+from kubetrain.operator.restarts import replacements_due
 from kubetrain.operator.status_reporting import StatusReporting, advertise
 from kubetrain.operator.writer import ApiWriter
 from kubetrain.protocol import lifeline_port
@@ -147,6 +150,9 @@ class TrainingJobController:
         # Trainer restarts in place, which only each pod's lifeline shows (issue 33).
         self.lifelines = Lifelines(self._trainer_ended)
         self._news: set[asyncio.Future[None]] = set()
+        # Jobs to reconcile again at a set time, with no news: a restart's backoff ends.
+        self._wakes: dict[JobKey, asyncio.TimerHandle] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._indexes: Indexes | None = None
         self._executor: concurrent.futures.Executor | None = None
 
@@ -210,6 +216,8 @@ class TrainingJobController:
             if self.status is not None:
                 self.status.forget(namespace, name)
             self.lifelines.forget((namespace, name))
+            if wake := self._wakes.pop((namespace, name), None):
+                wake.cancel()
             return
         if type == "MODIFIED" and self._own_status_echo(uid, body):
             return
@@ -227,13 +235,17 @@ class TrainingJobController:
         """Keep the indexes and kopf's thread pool (startup runs before any watch), then resync."""
         self._indexes = Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes)
         self._executor = settings.execution.executor
-        self.lifelines.start(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        self.lifelines.start(self._loop)
         if self.election is None:  # standalone: this replica acts from now on
             await asyncio.get_running_loop().run_in_executor(self._executor, self._advertise)
         self._resync = asyncio.create_task(self.resync())
 
     async def stop_resync(self, **_: Any) -> None:
         await self.lifelines.close()
+        for wake in self._wakes.values():
+            wake.cancel()
+        self._wakes.clear()
         if self._resync is not None:
             self._resync.cancel()
             await asyncio.gather(self._resync, return_exceptions=True)
@@ -372,10 +384,44 @@ class TrainingJobController:
                         lifeline_port(job.spec.metrics.port, local_rank)
                         for local_rank in range(job.spec.workers.procs_per_worker)))
                 actions = reconcile(job, observed, now)
+                self._wake_when_backoff_ends(key, job, actions)
             self.applier.apply(body, expected, actions)
+
+    def _wake_when_backoff_ends(self, key: JobKey, job: TrainingJob,
+                                actions: list[Action]) -> None:
+        """Reconcile the job again when the backoff of its restart ends: its replacements
+        are created then, not at the next resync (up to resyncSeconds later, 10 s by
+        default) or whatever event comes first. From the pass's thread; the status this
+        pass writes, else the job's own."""
+        written = next((action.status for action in reversed(actions)
+                        if isinstance(action, WriteStatus)), None)
+        if written is None:
+            status = job.status
+        elif written.get("phase") == "Restarting":  # the only phase with a backoff
+            status = TrainingJobStatus.model_validate(written)
+        else:
+            return
+        due = replacements_due(status, job.spec.run_policy) if status is not None else None
+        delay = (due - datetime.now(UTC)).total_seconds() if due is not None else 0.0
+        if delay > 0 and self._loop is not None:  # still backing off
+            self._loop.call_soon_threadsafe(self._wake_in, key, delay)
+
+    def _wake_in(self, key: JobKey, delay: float) -> None:
+        """On the event loop: reconcile `key` in `delay` seconds (replacing an earlier wake)."""
+        if wake := self._wakes.pop(key, None):
+            wake.cancel()
+        self._wakes[key] = asyncio.get_running_loop().call_later(delay, self._woken, key)
+
+    def _woken(self, key: JobKey) -> None:
+        del self._wakes[key]
+        self._reconcile_soon(key)
 
     def _trainer_ended(self, key: JobKey) -> None:
         """A lifeline saw a trainer end (on the event loop): reconcile the job now."""
+        self._reconcile_soon(key)
+
+    def _reconcile_soon(self, key: JobKey) -> None:
+        """From the event loop: a pass over the job in a worker thread, held until done."""
         task = asyncio.ensure_future(self._reconcile_in_thread(key))
         self._news.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._news.discard)
