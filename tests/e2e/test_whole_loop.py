@@ -348,8 +348,11 @@ def test_scale_down_and_up_checkpoint_on_sigterm_and_redo_no_step(cluster: Clust
 
 def test_a_hung_rank_makes_the_progress_deadline_restart_the_group(cluster: Cluster) -> None:
     name = "hung"
+    # The deadline must outlast a healthy group's start on a loaded 2-core machine: at 10 s,
+    # a CI run of 2026-11-26 (two xdist workers, a slower machine) passed it before the first
+    # step and then after every restart, until maxRestarts failed the job.
     cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": 60},
-                               runPolicy={"progressDeadlineSeconds": 10}))
+                               runPolicy={"progressDeadlineSeconds": 30}))
     _wait_for_printed_step(cluster, name, EVERY + 2)
     before = {pod["metadata"]["uid"] for pod in cluster.pods(name)}
     hung = cluster.trainer_pid(f"{name}-worker-1")
