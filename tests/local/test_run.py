@@ -234,7 +234,9 @@ def test_a_frozen_worker_is_detected_as_a_hang_and_the_group_restarts(
         tmp_path: Path, corpus: Path) -> None:
     name = "frozen"
     manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=60,
-                        run_policy={"progressDeadlineSeconds": 15})
+                        # Long enough for a restarted group to start and resume under CI load
+                        # (two test workers on two cores): the deadline counts startup too.
+                        run_policy={"progressDeadlineSeconds": 30})
     run = start_run(tmp_path, manifest)
     wait_for_step(run, tmp_path, name, 25)
     # SIGSTOP one rank: the others block in their next collective, so no step advances.
