@@ -21,6 +21,7 @@ from kubetrain.operator.reconcile import (
     CreateObject,
     DeleteJob,
     DeletePod,
+    ReconcileAt,
     RecordEvent,
     UpdateConfigMap,
     WriteStatus,
@@ -80,6 +81,7 @@ class Outcome:
     status: dict[str, Any] | None = None
     restarts: list[CountRestart] = field(default_factory=list)
     job_deleted: bool = False
+    wakes: list[datetime] = field(default_factory=list)  # ReconcileAt: a pass asked for
 
     @classmethod
     def of(cls, actions: list[Any]) -> Outcome:
@@ -99,6 +101,8 @@ class Outcome:
                 out.restarts.append(action)
             elif isinstance(action, DeleteJob):
                 out.job_deleted = True
+            elif isinstance(action, ReconcileAt):
+                out.wakes.append(action.time)
         return out
 
     @property
@@ -206,13 +210,20 @@ def test_failed_worker_is_replaced_alone_after_backoff(minimal_manifest: dict) -
     assert out.events == [("Warning", "WorkerFailure"), ("Warning", "WorkerFailed")]
     assert [r.reason for r in out.restarts] == ["WorkerFailed"]
 
+    # A pass when the backoff ends, asked for by the pass that began it: no API event
+    # would come then.
+    due = NOW + timedelta(seconds=backoff_seconds(job.spec.run_policy, 1))
+    assert out.wakes == [due]
+
     # Once the old pod is gone: nothing during the backoff, the replacement after it.
     job = make_job(minimal_manifest, status=out.status)
     during = run(job, pod(0), now=NOW + timedelta(seconds=5))
     assert during.created == []
-    after = run(job, pod(0), now=NOW + timedelta(seconds=backoff_seconds(job.spec.run_policy, 1)))
+    assert during.wakes == [due]
+    after = run(job, pod(0), now=due)
     assert after.created == [("Pod", "demo-worker-1", "1")]
     assert after.restarts == []
+    assert after.wakes == []
 
 
 def test_losing_worker_zero_restarts_the_whole_group(minimal_manifest: dict) -> None:
@@ -314,6 +325,7 @@ def test_a_lost_node_s_pod_is_replaced_with_no_backoff_though_the_restart_counts
     out = run(job, pod(0), pod(1, "Running", node_lost=True))
     assert out.status is not None and out.status["restarts"] == 2
     assert "(restart 2 of 3, in 0s)" in out.condition("Restarting")["message"]
+    assert out.wakes == []  # nothing to wait for
     # The pod is gone (force-deleted): its replacement comes in the same second.
     again = run(make_job(minimal_manifest, status=out.status), pod(0))
     assert again.created == [("Pod", "demo-worker-1", "1")]

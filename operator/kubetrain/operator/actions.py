@@ -7,6 +7,7 @@ build them; `kubetrain.operator.applier` performs them. Nothing here decides or 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 
@@ -75,5 +76,13 @@ class CountFailure:
     failure_class: str
 
 
+@dataclass(frozen=True)
+class ReconcileAt:
+    """Reconcile the job again at `time`, when a restart's backoff ends: no event of the
+    API's comes then (controller-runtime's RequeueAfter). The kopf handlers schedule it."""
+
+    time: datetime
+
+
 Action = (CreateObject | UpdateConfigMap | DeletePod | DeleteJob | WriteStatus | RecordEvent
-          | CountRestart | CountFailure)
+          | CountRestart | CountFailure | ReconcileAt)

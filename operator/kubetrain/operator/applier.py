@@ -28,6 +28,7 @@ from kubetrain.operator.actions import (
     CreateObject,
     DeleteJob,
     DeletePod,
+    ReconcileAt,
     RecordEvent,
     UpdateConfigMap,
     WriteStatus,
@@ -153,6 +154,8 @@ class ActionApplier:
                 self.metrics.hang_restarts.inc()
         elif isinstance(action, CountFailure):
             self.metrics.worker_failures.labels(action.failure_class).inc()
+        elif isinstance(action, ReconcileAt):
+            pass  # no API call: the handlers schedule the pass (`_wake_when_asked`)
 
     def _event(self, job: Mapping[str, Any], action: RecordEvent) -> dict[str, Any]:
         """A core/v1 Event about the job (what `kubectl describe tj` lists)."""

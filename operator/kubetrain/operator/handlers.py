@@ -42,9 +42,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kubetrain.api.manifest import InvalidManifest, parse_job
-from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJob, TrainingJobStatus
+from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJob
 from kubetrain.operator import children
-from kubetrain.operator.actions import Action, WriteStatus
+from kubetrain.operator.actions import Action, ReconcileAt
 from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
 from kubetrain.operator.expectations import ConfigMapVersion, Expectations, config_map_version
@@ -60,7 +60,6 @@ from kubetrain.operator.observed import (
     worker_pod,
 )
 from kubetrain.operator.reconcile import FINISHED, reconcile, reject
-from kubetrain.operator.restarts import replacements_due
 from kubetrain.operator.status_reporting import StatusReporting, advertise
 from kubetrain.operator.writer import ApiWriter
 from kubetrain.protocol import lifeline_port
@@ -384,27 +383,17 @@ class TrainingJobController:
                         lifeline_port(job.spec.metrics.port, local_rank)
                         for local_rank in range(job.spec.workers.procs_per_worker)))
                 actions = reconcile(job, observed, now)
-                self._wake_when_backoff_ends(key, job, actions)
+                self._wake_when_asked(key, actions)
             self.applier.apply(body, expected, actions)
 
-    def _wake_when_backoff_ends(self, key: JobKey, job: TrainingJob,
-                                actions: list[Action]) -> None:
-        """Reconcile the job again when the backoff of its restart ends: its replacements
-        are created then, not at the next resync (up to resyncSeconds later, 10 s by
-        default) or whatever event comes first. From the pass's thread; the status this
-        pass writes, else the job's own."""
-        written = next((action.status for action in reversed(actions)
-                        if isinstance(action, WriteStatus)), None)
-        if written is None:
-            status = job.status
-        elif written.get("phase") == "Restarting":  # the only phase with a backoff
-            status = TrainingJobStatus.model_validate(written)
-        else:
-            return
-        due = replacements_due(status, job.spec.run_policy) if status is not None else None
-        delay = (due - datetime.now(UTC)).total_seconds() if due is not None else 0.0
-        if delay > 0 and self._loop is not None:  # still backing off
-            self._loop.call_soon_threadsafe(self._wake_in, key, delay)
+    def _wake_when_asked(self, key: JobKey, actions: list[Action]) -> None:
+        """Schedule the pass a ReconcileAt asks for (a restart's backoff ends then): its
+        replacements are created then, not at the next resync (up to resyncSeconds later,
+        10 s by default) or whatever event comes first. From the pass's thread."""
+        for action in actions:
+            if isinstance(action, ReconcileAt) and self._loop is not None:
+                delay = (action.time - datetime.now(UTC)).total_seconds()
+                self._loop.call_soon_threadsafe(self._wake_in, key, max(delay, 0.0))
 
     def _wake_in(self, key: JobKey, delay: float) -> None:
         """On the event loop: reconcile `key` in `delay` seconds (replacing an earlier wake)."""

@@ -79,6 +79,7 @@ from kubetrain.operator.actions import (
     CreateObject,
     DeleteJob,
     DeletePod,
+    ReconcileAt,
     RecordEvent,
     UpdateConfigMap,
     WriteStatus,
@@ -90,7 +91,8 @@ from kubetrain.operator.observed import Observed, WorkerPod
 # The actions (kubetrain.operator.actions) are read from here by the handlers and tests.
 __all__ = [
     "HUNG_GROUP_GRACE_SECONDS", "Action", "CountFailure", "CountRestart", "CreateObject",
-    "DeleteJob", "DeletePod", "RecordEvent", "UpdateConfigMap", "WriteStatus", "goodput_status",
+    "DeleteJob", "DeletePod", "ReconcileAt", "RecordEvent", "UpdateConfigMap", "WriteStatus",
+    "goodput_status",
     "merge_patch", "reconcile", "reject",
 ]
 
@@ -275,7 +277,7 @@ def _run(decision: _Decision, previous_desired: int) -> None:
         lifecycle.clean_up(decision)
         return
     lifecycle.scale(decision, previous_desired)
-    if not restarts.backing_off(decision):
+    if not restarts.wait_out_backoff(decision):
         lifecycle.create_missing(decision)
     lifecycle.update_phase(decision)
     nodes.report_avoidance(decision)

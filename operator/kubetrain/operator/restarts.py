@@ -3,7 +3,7 @@ hung workers, and the pure functions that decide them.
 
 - a restart in progress (status.restart) covers the pods of older restart attempts that
   break while the group re-forms: they are replaced within it, never counted twice
-  (`continue_restart`), and its replacements wait out its backoff (`backing_off`);
+  (`continue_restart`), and its replacements wait out its backoff (`wait_out_backoff`);
 - every failed pod is classed (`kubetrain.operator.failures`) and recorded in
   status.lastFailure and status.failures, with an event and a metric; so is every trainer
   failure that torchrun restarted in place, which only its lifeline shows
@@ -41,7 +41,7 @@ from kubetrain.api.trainingjob import (
     WorkerFailure,
 )
 from kubetrain.operator import children, lifecycle, nodes, observation
-from kubetrain.operator.actions import CountFailure, CountRestart, UpdateConfigMap
+from kubetrain.operator.actions import CountFailure, CountRestart, ReconcileAt, UpdateConfigMap
 from kubetrain.operator.failures import classify, describe
 from kubetrain.operator.observed import (
     DISRUPTION_REASONS,
@@ -209,10 +209,14 @@ def restart_cause(failed: list[WorkerPod], stuck: list[WorkerPod], kinds: Mappin
 # --- the steps ------------------------------------------------------------------------------
 
 
-def backing_off(decision: _Decision) -> bool:
-    """Whether the restart in progress still waits out its backoff: no pods yet."""
+def wait_out_backoff(decision: _Decision) -> bool:
+    """Whether the restart in progress still waits out its backoff: then it creates no pods
+    yet, and asks for the pass that will, when the backoff ends."""
     due = replacements_due(decision.status, decision.job.spec.run_policy)
-    return due is not None and decision.now < due
+    if due is None or decision.now >= due:
+        return False
+    decision.actions.append(ReconcileAt(due))
+    return True
 
 
 def continue_restart(decision: _Decision) -> None:
