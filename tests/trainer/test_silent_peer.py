@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import yaml
 
 from kubetrain.operator.lifelines import Lifelines
@@ -163,14 +164,19 @@ def test_the_stop_deadline_follows_the_latest_steps_not_a_slow_stretch_long_past
         dist.destroy_process_group()
 
 
-# Rank 0 and rank 1 measure two steps together; then rank 1 goes silent (alive, never
-# answering: no connection reset) and rank 0 enters a collective between two steps, as
-# the logged interval's gathers are.
-_BETWEEN_STEPS = """
-import sys, time, torch, torch.distributed as dist
+# Rank 0 and rank 1 measure three steps together; then rank 1 goes silent (alive, never
+# answering: no connection reset) and rank 0 enters a collective between two steps: the
+# logged interval's gathers (as the loop marks them), or evaluation's closing sum.
+_BLOCKED = """
+import contextlib, sys, time, torch, torch.distributed as dist
+from kubetrain.api.presets import PRESETS
+from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.distributed import StopRequest
+from kubetrain.trainer.loop import evaluate
+from kubetrain.trainer.model import Transformer
+from kubetrain.trainer.parallelize import ParallelModel
 from kubetrain.trainer.rank_timing import WaitClock
-rank, port = int(sys.argv[1]), int(sys.argv[2])
+rank, port, where, validation = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 clock = WaitClock()
 stop = StopRequest(inside_since=lambda: clock.inside_since)
@@ -179,18 +185,27 @@ for _ in range(3):
     stop.agreed(torch.device("cpu"))
 if rank == 1:
     time.sleep(600)
-print("blocked", flush=True)
-with clock.inside():
-    dist.all_reduce(torch.ones(1))
+if where == "evaluation":
+    model = ParallelModel(Transformer(PRESETS["tiny"].dims, max_seq_len=64),
+                          contextlib.nullcontext, None, contextlib.nullcontext)
+    data = TokenDataset(validation, seq_len=64, micro_batch_size=2, rank=0, world_size=2)
+    print("blocked", flush=True)
+    evaluate(model, data, 2, torch.device("cpu"), clock)
+else:
+    print("blocked", flush=True)
+    with clock.inside():
+        dist.all_reduce(torch.ones(1))
 """
 
 
-def test_a_rank_blocked_between_steps_on_a_silent_peer_exits_within_its_stop_deadline(
-        launcher: Any) -> None:
+@pytest.mark.parametrize("where", ["between-steps", "evaluation"])
+def test_a_rank_blocked_outside_a_step_on_a_silent_peer_exits_within_its_stop_deadline(
+        launcher: Any, prepared_corpus: Any, where: str) -> None:
     from kubetrain.protocol import EXIT_RESTART
 
     port = launcher.free_port()
-    ranks = [subprocess.Popen([sys.executable, "-c", _BETWEEN_STEPS, str(rank), str(port)],
+    ranks = [subprocess.Popen([sys.executable, "-c", _BLOCKED, str(rank), str(port), where,
+                               prepared_corpus.validation_uri],
                               env=launcher.env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:

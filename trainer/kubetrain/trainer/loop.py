@@ -496,7 +496,7 @@ class Trainer:
         meter = _Meter(run, spec, self.micro_batch_size)
         stop.inside_since = lambda: meter.clock.inside_since  # its deadline (distributed.py)
         if step == 0 and spec.evaluation.every_steps:
-            self._evaluate_and_record(run, step)  # the baseline the run improves on
+            self._evaluate_and_record(run, step, meter.clock)  # the baseline to improve on
         reason: FitReason = "max_steps"
         val_loss: float | None = None  # of an evaluation at this step
         while step < run.max_steps:
@@ -527,7 +527,7 @@ class Trainer:
             # Evaluation and early stopping.
             every, val_loss = spec.evaluation.every_steps, None
             if every and (step % every == 0 or step == run.max_steps):
-                val_loss = self._evaluate_and_record(run, step)
+                val_loss = self._evaluate_and_record(run, step, meter.clock)
                 patience = spec.evaluation.early_stopping.patience
                 if patience and run.progress.evals_without_improvement >= patience:
                     reason = "early_stopping"
@@ -722,7 +722,7 @@ class Trainer:
         memory.save(step, run.app_state)
         return run.goodput.charge(CHECKPOINT_SAVE)
 
-    def _evaluate_and_record(self, run: _Run, step: int) -> float | None:
+    def _evaluate_and_record(self, run: _Run, step: int, clock: WaitClock) -> float | None:
         """The validation loss at `step`, recorded for early stopping; None without data."""
         if run.validation_data is None:
             return None
@@ -731,8 +731,8 @@ class Trainer:
         # The same validation samples at any micro-batch: more, smaller batches after an OOM.
         batches = self.spec.evaluation.batches * (
             self.spec.optimization.micro_batch_size // self.micro_batch_size)
-        val_loss = evaluate(run.parallel, run.validation_data, batches,
-                            run.world.device)
+        val_loss = evaluate(run.parallel, run.validation_data, batches, run.world.device,
+                            clock)
         run.goodput.charge(EVALUATION)
         run.progress.record(val_loss, self.spec.evaluation.early_stopping.min_delta)
         run.reporter.evaluated(step, val_loss)
@@ -860,8 +860,13 @@ def _estimate_advice(spec: TrainingJobSpec, micro_batch_size: int, world: World)
 
 
 def evaluate(parallel: ParallelModel, data: TokenDataset, batches: int,
-             device: torch.device) -> float:
-    """Mean token loss over the same `batches` micro-batches per rank each time (collective)."""
+             device: torch.device, clock: WaitClock) -> float:
+    """Mean token loss over the same `batches` micro-batches per rank each time (collective).
+
+    Its closing sum is marked inside a collective on `clock`, as FSDP's gathers in the
+    forward already are (`time_fsdp_collectives`): a rank blocked there on a lost peer gives
+    up when signalled (StopRequest), not after torchrun's 30 s. The forward itself is not
+    marked, so a long but healthy evaluation still ends in a checkpoint when signalled."""
     model = parallel.module
     model.eval()
     data.rewind()
@@ -872,7 +877,8 @@ def evaluate(parallel: ParallelModel, data: TokenDataset, batches: int,
             totals[0] += model(inputs.to(device), targets.to(device))
             totals[1] += targets.numel()
     model.train()
-    dist.all_reduce(totals)
+    with clock.inside():
+        dist.all_reduce(totals)
     return float(totals[0] / totals[1])
 
 
