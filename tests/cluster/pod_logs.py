@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -107,12 +107,14 @@ class ContainerLog:
     """One container's output file (`path`, written by its runtime) read as stamped lines.
 
     `collect` reads what was written since it last read and stamps each complete line
-    with the time of reading; the node agent calls it on every tick, and each reader
-    before it reads. `finish` marks the container ended: the last partial line counts.
-    Safe to use from the agent's thread and the API server's event loop at once.
+    with the time of reading (`clock`, Unix nanoseconds); the node agent calls it on every
+    tick, and each reader before it reads. `finish` marks the container ended: the last
+    partial line counts. Safe to use from the agent's thread and the API server's event
+    loop at once.
     """
 
     path: Path
+    clock: Callable[[], int] = time.time_ns
     _lines: list[tuple[int, str]] = field(default_factory=list)
     _offset: int = 0
     _partial: bytes = b""
@@ -157,5 +159,5 @@ class ContainerLog:
     def _stamp(self, raw: list[bytes]) -> None:
         for line in raw:
             # Strictly increasing, as a reader resuming after its last line's time relies on.
-            self._last_ns = max(time.time_ns(), self._last_ns + 1)
+            self._last_ns = max(self.clock(), self._last_ns + 1)
             self._lines.append((self._last_ns, line.decode(errors="replace")))

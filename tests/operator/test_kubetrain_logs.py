@@ -25,12 +25,20 @@ from kubetrain.logs import since_seconds
 
 
 class Node:
-    """The test's node: starts a pod (Running, an empty output file) and writes its output."""
+    """The test's node: starts a pod (Running, an empty output file) and writes its output.
+
+    Its log lines are stamped `behind` seconds before now when they are collected: lines
+    written long ago, without a test waiting that long.
+    """
 
     def __init__(self, kube: Kube, folder: Path) -> None:
         self.kube, self.folder = kube, folder
         self.logs: dict[str, ContainerLog] = {}
         self.outputs: dict[str, Path] = {}
+        self.behind = 0.0
+
+    def clock(self) -> int:
+        return time.time_ns() - int(self.behind * 1e9)
 
     def __call__(self, namespace: str, name: str, uid: str) -> ContainerLog | None:
         return self.logs.get(uid)
@@ -39,7 +47,7 @@ class Node:
         uid = self.kube.pods(pod.rsplit("-worker-", 1)[0])[pod]["metadata"]["uid"]
         self.outputs[pod] = self.folder / uid
         self.outputs[pod].write_text("")
-        self.logs[uid] = ContainerLog(self.outputs[pod])
+        self.logs[uid] = ContainerLog(self.outputs[pod], clock=self.clock)
         self.kube.set_pod_status(pod, "Running")
         return uid
 
@@ -141,15 +149,17 @@ def test_one_worker_now_and_only_recent_lines(cluster: EmulatedCluster, node: No
         "has not started yet\n")
     node.start(f"{name}-worker-1")
     node.write(f"{name}-worker-1", "rank 1: old")
+    node.behind = 600  # the old lines were written 10 minutes ago
     for log in node.logs.values():
-        log.collect()  # stamped now, as the node agent's next tick does
-    # Long enough that the old lines are older than --since even with a slow start below.
-    time.sleep(10)
+        log.collect()  # stamped, as the node agent's next tick does
+    node.behind = 0
     node.write(f"{name}-worker-1", "rank 1: new")
     for log in node.logs.values():
         log.collect()
 
-    code, out, _ = finished(kubetrain_logs(cluster, name, "--since", "8s"))
+    # 5 minutes: the new line is inside it however slowly the command starts on a busy
+    # machine (8 s was not, in CI), the old ones 5 minutes outside it.
+    code, out, _ = finished(kubetrain_logs(cluster, name, "--since", "5m"))
     assert (code, out) == (0, f"[{name}-worker-1 attempt 0] rank 1: new\n")
     code, out, _ = finished(kubetrain_logs(cluster, name, "--worker", "1"))
     assert (code, out) == (0, f"[{name}-worker-1 attempt 0] rank 1: old\n"
