@@ -159,7 +159,8 @@ def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Worksp
              "rendezvous port 0 = a free port per attempt"]
     for index in range(job.spec.workers.replicas):
         launch = own_code_launch(local_job, workspace.manifest, index, rendezvous,
-                                 node_checkpoint_dir(workspace, index), reporter)
+                                 node_checkpoint_dir(workspace, index), reporter,
+                                 workspace.torchrun_logs)
         lines.append(f"\n# simulated node {index} (output: {workspace.worker_log(index)})")
         lines.append(_shell_lines(launch.env, launch.argv))
     container = pod_launch(job)
@@ -183,7 +184,8 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
 
     rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")
     launches = [agent_launch(local_job, workspace.manifest, workspace.metrics_log, index,
-                             rendezvous) for index in range(job.spec.workers.replicas)]
+                             rendezvous, workspace.torchrun_logs)
+                for index in range(job.spec.workers.replicas)]
     pod: dict[str, Any] = worker_pod(job, 0, 0)
     lines = [f"# {job.metadata.name}: torchrun here (kubetrain run) and on Kubernetes "
              "(the operator's worker Pod)",

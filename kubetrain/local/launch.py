@@ -94,11 +94,14 @@ def threads_per_process(job: TrainingJob, cpus: int | None = None) -> int:
 
 
 def agent_launch(
-    job: TrainingJob, manifest: Path, metrics_log: Path, index: int, rendezvous: Rendezvous
+    job: TrainingJob, manifest: Path, metrics_log: Path, index: int, rendezvous: Rendezvous,
+    log_dir: Path
 ) -> AgentLaunch:
-    """The torchrun agent of simulated node `index` for one attempt of the group."""
+    """The torchrun agent of simulated node `index` for one attempt of the group; torchrun's
+    own files under `log_dir`."""
     argv = [
-        sys.executable, "-m", "kubetrain.trainer.launch", *_torchrun_options(job, rendezvous),
+        sys.executable, "-m", "kubetrain.trainer.launch",
+        *_torchrun_options(job, rendezvous, log_dir),
         str(manifest), "--metrics-log", str(metrics_log),
     ]
     env = {
@@ -111,8 +114,8 @@ def agent_launch(
     return AgentLaunch(index, argv, env)
 
 
-def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous) -> list[str]:
-    """torchrun's options of a worker pod, each with its value."""
+def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous, log_dir: Path) -> list[str]:
+    """torchrun's options of a worker pod, each with its value, and where its files go."""
     workers = job.spec.workers
     return [
         # At most `replicas` nodes ever start here, so the rendezvous closes as soon as they
@@ -125,6 +128,10 @@ def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous) -> list[str]:
         # The runner owns restarts: a failed process ends the agent, and the runner
         # restarts the whole group under spec.runPolicy, counting each restart once.
         "--max-restarts", "0",
+        # Its files (a failed worker's error.json) in the run folder: by default each agent
+        # makes a /tmp/torchelastic_* folder of its own that nothing removes (a pod's /tmp
+        # goes with its container; this machine's stays).
+        "--log-dir", str(log_dir),
     ]
 
 
@@ -141,18 +148,19 @@ OWN_CODE_SYNC_SECONDS = 1.0
 
 
 def own_code_launch(job: TrainingJob, manifest: Path, index: int, rendezvous: Rendezvous,
-                    checkpoint_dir: Path, reporter_env: dict[str, str],
+                    checkpoint_dir: Path, reporter_env: dict[str, str], log_dir: Path,
                     out_of_memory_restarts: int = 0) -> AgentLaunch:
     """Simulated node `index` of an own-code job: kubetrain's entry around torchrun and the
-    user's command, with the node's own checkpoint folder (a pod's emptyDir) and the local
-    status endpoint's variables."""
+    user's command, with the node's own checkpoint folder (a pod's emptyDir), the local
+    status endpoint's variables and torchrun's files under `log_dir`."""
     trainer = job.spec.trainer
     if trainer is None:
         raise ValueError(f"{job.metadata.name} runs kubetrain's trainer: use agent_launch")
     argv = [
         sys.executable, "-m", "kubetrain.trainer.own_code",
         "--sync-interval", f"{OWN_CODE_SYNC_SECONDS:g}", str(manifest), "--",
-        sys.executable, "-m", "torch.distributed.run", *_torchrun_options(job, rendezvous),
+        sys.executable, "-m", "torch.distributed.run",
+        *_torchrun_options(job, rendezvous, log_dir),
         *trainer.torchrun_arguments(),
     ]
     env = {

@@ -235,7 +235,7 @@ class LocalRun:
                 launch = (self._own_code_launch(manifest, index, rendezvous, node_dirs[index])
                           if self.commits is not None else
                           agent_launch(self.job, manifest, self.workspace.metrics_log, index,
-                                       rendezvous))
+                                       rendezvous, self.workspace.torchrun_logs))
                 launch.env[ATTEMPT_STARTED_ENV] = launched_at
                 termination_log = self.workspace.logs / f"worker-{index}.termination-log"
                 termination_log.write_text("")  # fresh each attempt, as a new container's
@@ -264,7 +264,8 @@ class LocalRun:
                          checkpoint_dir: Path) -> AgentLaunch:
         assert self.endpoint is not None
         return own_code_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
-                               self.endpoint.reporter_env(), self.out_of_memory_failures)
+                               self.endpoint.reporter_env(), self.workspace.torchrun_logs,
+                               self.out_of_memory_failures)
 
     def _watch(self, nodes: list[Node]) -> _Attempt:
         clock = ProgressClock(step=-1, since=time.monotonic())

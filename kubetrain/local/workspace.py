@@ -6,6 +6,7 @@ Everything a `kubetrain run` of job NAME writes locally lives in `runs/NAME/`
     runs/NAME/job.yaml          the manifest the trainer reads, relative paths resolved
     runs/NAME/metrics.jsonl     the trainer's metrics log (the progress bar reads it)
     runs/NAME/logs/worker-I.log the output of simulated node I, all attempts appended
+    runs/NAME/logs/torchrun/    torchrun's own files (`--log-dir`), a folder per agent
     runs/NAME/corpus/           the demo corpus, when the job prepares one (below)
 
 Relative paths in the manifest's URIs (`spec.model.init`, `spec.data.*`,
@@ -63,6 +64,11 @@ class Workspace:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def torchrun_logs(self) -> Path:
+        """torchrun's own files (`--log-dir`): a folder per agent, named by its rendezvous."""
+        return self.logs / "torchrun"
 
     def worker_log(self, index: int) -> Path:
         return self.logs / f"worker-{index}.log"

@@ -44,6 +44,10 @@ def test_dry_run_shows_each_node_and_the_operators_pod(
     # Locally the group never grows past replicas; the pod allows up to maxReplicas.
     assert local.count("\n  --nnodes 2:3 ") == 3
     assert local.count("--nproc-per-node 2") == 3
+    # torchrun's files go to the run folder here; in the Pod, to the container's /tmp.
+    (log_dir_row,) = [line.split() for line in local.splitlines()
+                      if line.startswith("#   --log-dir")]
+    assert log_dir_row == ["#", "--log-dir", "runs/demo/logs/torchrun", "-"]
     assert "-m kubetrain.trainer.launch runs/demo/job.yaml" in local
     assert "\n  runs/demo/job.yaml \\\n  --metrics-log" in local
     pod = yaml.safe_load(pod_text.partition("\n")[2])

@@ -248,6 +248,8 @@ def test_a_frozen_worker_is_detected_as_a_hang_and_the_group_restarts(
     assert len(of_kind(found, "resumed")) == 1
     assert of_kind(found, "finished")[0]["step"] == 60
     assert training_processes(tmp_path) == []
+    # torchrun's own folders are in the run folder, one per node and attempt, not in /tmp.
+    assert len(list((tmp_path / "runs" / name / "logs" / "torchrun").iterdir())) == 4
 
 
 def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus: Path) -> None:
