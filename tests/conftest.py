@@ -22,6 +22,21 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _torchrun_files_in_the_sessions_folder(
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """torchrun's own files (PET_LOG_DIR: its --log-dir) in the session's temporary folder,
+    for every torchrun the tests start: by default each one leaves a /tmp/torchelastic_*
+    folder behind. An explicit --log-dir (`kubetrain run`'s) still wins."""
+    before = os.environ.get("PET_LOG_DIR")
+    os.environ["PET_LOG_DIR"] = str(tmp_path_factory.mktemp("torchrun"))
+    yield
+    if before is None:
+        del os.environ["PET_LOG_DIR"]
+    else:
+        os.environ["PET_LOG_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's S3 server over real HTTP on a random loopback port."""
