@@ -147,14 +147,26 @@ def stop_torchrun_agent() -> bool:
     if not _is_torchrun(command):
         return False
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    run = os.environ["TORCHELASTIC_RUN_ID"]
-    marker = os.path.join(tempfile.gettempdir(), f"kubetrain-stop-agent-{run}-{agent}-{attempt}")
     try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(_stop_marker(agent, attempt), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return False  # another worker of this agent asked already
     os.kill(agent, signal.SIGTERM)
     return True
+
+
+def _stop_marker(agent: int, attempt: int) -> str:
+    """The file whose creation claims the one signal of an agent's attempt.
+
+    In torchrun's folder for the attempt (the one above each worker's error file), which
+    its --log-dir keeps or the container takes with it; in the temporary folder only
+    where torchrun names no error file.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        return os.path.join(os.path.dirname(os.path.dirname(error_file)), "kubetrain-stop-agent")
+    run = os.environ["TORCHELASTIC_RUN_ID"]
+    return os.path.join(tempfile.gettempdir(), f"kubetrain-stop-agent-{run}-{agent}-{attempt}")
 
 
 def _is_torchrun(command: list[str]) -> bool:
