@@ -28,13 +28,9 @@ def _torchrun_files_in_the_sessions_folder(
     """torchrun's own files (PET_LOG_DIR: its --log-dir) in the session's temporary folder,
     for every torchrun the tests start: by default each one leaves a /tmp/torchelastic_*
     folder behind. An explicit --log-dir (`kubetrain run`'s) still wins."""
-    before = os.environ.get("PET_LOG_DIR")
-    os.environ["PET_LOG_DIR"] = str(tmp_path_factory.mktemp("torchrun"))
-    yield
-    if before is None:
-        del os.environ["PET_LOG_DIR"]
-    else:
-        os.environ["PET_LOG_DIR"] = before
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PET_LOG_DIR", str(tmp_path_factory.mktemp("torchrun")))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -92,8 +92,7 @@ from kubetrain.operator.observed import Observed, WorkerPod
 __all__ = [
     "HUNG_GROUP_GRACE_SECONDS", "Action", "CountFailure", "CountRestart", "CreateObject",
     "DeleteJob", "DeletePod", "ReconcileAt", "RecordEvent", "UpdateConfigMap", "WriteStatus",
-    "goodput_status",
-    "merge_patch", "reconcile", "reject",
+    "goodput_status", "merge_patch", "reconcile", "reject",
 ]
 
 FINISHED = ("Succeeded", "Failed")
