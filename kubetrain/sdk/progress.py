@@ -11,7 +11,10 @@ with the step in `current_step` / `total_steps`, beside `loss`, `tokens` and
 
 Only rank 0 reports (RANK), at most once per `MIN_INTERVAL_SECONDS` except the first and
 the last step; without the URL, or on any network error, `report` returns False and
-training goes on: progress is never worth a failed step.
+training goes on: progress is never worth a failed step. A report that failed is not
+counted as sent: the next call posts again, so the report after a failure (which may be the
+last before a crash) arrives. Only when that retry fails too does the interval apply again,
+so an endpoint that is down costs at most one post per interval, not one per step.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class Reporter:
 
     min_interval: float = MIN_INTERVAL_SECONDS
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _last_sent: float | None = None
+    _last_sent: float | None = None  # when the last post was made that counts against the interval
+    _failures: int = 0  # posts failed in a row
     _first: tuple[float, int] | None = None  # (monotonic time, step) of the first report
     _tokens: tuple[float, int] | None = None  # (monotonic time, tokens) at the last send
 
@@ -73,7 +77,9 @@ class Reporter:
 
     def due(self, step: int, total_steps: int | None, now: float) -> bool:
         last = step == total_steps
-        return self._last_sent is None or last or now - self._last_sent >= self.min_interval
+        retry = self._failures == 1  # the first failure is retried at once, a second is not
+        return (self._last_sent is None or last or retry
+                or now - self._last_sent >= self.min_interval)
 
     def report(self, step: int, total_steps: int | None = None, loss: float | None = None,
                tokens: int | None = None) -> bool:
@@ -86,7 +92,10 @@ class Reporter:
                 return False
             self._last_sent = now
             body = self.body(step, total_steps, loss, tokens, now)
-        return _post(url, body)
+        sent = _post(url, body)
+        with self._lock:
+            self._failures = 0 if sent else self._failures + 1
+        return sent
 
 
 def _post(url: str, body: dict[str, object]) -> bool:

@@ -30,6 +30,7 @@ def test_importing_the_sdk_loads_neither_torch_nor_transformers() -> None:
 class _Received:
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+        self.refuse = 0  # answer this many of the next requests with 503
 
 
 @pytest.fixture
@@ -40,6 +41,11 @@ def status_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
+            if received.refuse:
+                received.refuse -= 1
+                self.send_response(503)
+                self.end_headers()
+                return
             received.requests.append((self.path, dict(self.headers), json.loads(body)))
             self.send_response(200)
             self.end_headers()
@@ -88,6 +94,27 @@ def test_report_is_throttled_except_for_the_last_step(status_server: _Received) 
     assert not reporter.report(2, total_steps=3)  # within the interval
     assert reporter.report(3, total_steps=3)  # the last step always goes
     assert status_server.requests[-1][2]["trainerStatus"]["progressPercentage"] == 100
+
+
+def test_a_report_after_a_failed_one_is_sent_at_once_and_arrives(
+        status_server: _Received) -> None:
+    reporter = progress.Reporter(min_interval=3600)
+    status_server.refuse = 1
+    assert not reporter.report(1, total_steps=10)  # refused: not counted as sent
+    assert reporter.report(2, total_steps=10)  # within the interval, but the last one failed
+    assert [r[2]["trainerStatus"]["metrics"][0] for r in status_server.requests] == [
+        {"name": "current_step", "value": "2"}]
+    assert not reporter.report(3, total_steps=10)  # a success: the interval applies again
+
+
+def test_an_endpoint_that_keeps_failing_costs_one_post_per_interval_not_one_per_step(
+        status_server: _Received) -> None:
+    reporter = progress.Reporter(min_interval=3600)
+    status_server.refuse = 10
+    assert not reporter.report(1, total_steps=10)
+    assert not reporter.report(2, total_steps=10)  # the retry, refused too
+    assert not reporter.report(3, total_steps=10)  # not posted: within the interval
+    assert status_server.refuse == 8 and status_server.requests == []
 
 
 def test_report_sends_nothing_from_other_ranks_or_outside_a_cluster(
