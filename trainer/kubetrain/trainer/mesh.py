@@ -173,7 +173,7 @@ def auto_shape(spec: TrainingJobSpec, dims: ModelDims, world_size: int,
 
 def tensor_parallel_allowed(spec: TrainingJobSpec, dims: ModelDims, degree: int) -> bool:
     """Whether the API would accept `spec` with tensorParallel `degree`, for auto's
-    candidates: the same rules (trainingjob.py), on the model's final dimensions."""
+    candidates: the same rules (kubetrain/api/parallelism.py), on the model's final dimensions."""
     tp = spec.parallelism.model_copy(update={"tensor_parallel": degree, "strategy": "fsdp"})
     try:
         spec.model_validate(spec.model_copy(update={"parallelism": tp}).model_dump())
