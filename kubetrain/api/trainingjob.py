@@ -94,6 +94,7 @@ from kubetrain.api.workers import (
     SecretKeySelector,
     Workers,
 )
+from kubetrain.memory_budget import parse_quantity, tier_budget
 
 GROUP = "kubetrain.io"
 VERSION = "v1alpha1"
@@ -285,9 +286,6 @@ class TrainingJobSpec(ApiModel):
         memory = self.checkpoint.memory
         if memory is None or memory.max_worker_memory is None or self.trainer is not None:
             return self
-        # Torch-free; imported here because it sizes the model from this module's types.
-        from kubetrain.trainer.memory_budget import parse_quantity, tier_budget
-
         try:
             allowed = parse_quantity(memory.max_worker_memory)
         except ValueError as error:

@@ -133,7 +133,7 @@ def test_the_halving_under_tensor_parallelism_keeps_the_global_batch_over_data_p
     from kubetrain.api.trainingjob import TrainingJobSpec
     from kubetrain.operator.observation import effective_batch
     from kubetrain.restart_rules import after_out_of_memory
-    from kubetrain.trainer.mesh import mesh_shape
+    from kubetrain.trainer.mesh_shape import mesh_shape
 
     spec = TrainingJobSpec.model_validate({
         "image": "kubetrain/trainer:test", "model": {"preset": "tiny"},

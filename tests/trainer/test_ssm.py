@@ -19,11 +19,11 @@ import yaml
 from kubetrain.api.manifest import InvalidManifest, parse_job
 from kubetrain.api.presets import PRESETS
 from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.sizing import ssm_parameter_count, ssm_state_elements
 from kubetrain.trainer.export import export_model
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.pretrained import load_embeddings
 from kubetrain.trainer.pretrained_config import PretrainedError, read_config, trained_model
-from kubetrain.trainer.sizing import ssm_parameter_count, ssm_state_elements
 from kubetrain.trainer.ssm import StateSpaceModel
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -15,13 +15,13 @@ from typing import Any
 import yaml
 
 from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
-from kubetrain.protocol import RENDEZVOUS_BACKEND
-from kubetrain.trainer.memory_budget import (  # torch-free
+from kubetrain.memory_budget import (
     FOLDER_ENV,
     format_quantity,
     parse_quantity,
     tier_budget,
 )
+from kubetrain.protocol import RENDEZVOUS_BACKEND
 
 JOB_LABEL = "kubetrain.io/job-name"
 INDEX_LABEL = "kubetrain.io/worker-index"

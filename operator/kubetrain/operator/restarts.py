@@ -40,6 +40,7 @@ from kubetrain.api.trainingjob import (
     TrainingJobStatus,
     WorkerFailure,
 )
+from kubetrain.memory_budget import out_of_memory_note
 from kubetrain.operator import children, lifecycle, nodes, observation
 from kubetrain.operator.actions import CountFailure, CountRestart, ReconcileAt, UpdateConfigMap
 from kubetrain.operator.failures import classify, describe
@@ -50,7 +51,6 @@ from kubetrain.operator.observed import (
     TrainerFailure,
     WorkerPod,
 )
-from kubetrain.trainer.memory_budget import out_of_memory_note  # torch-free
 
 if TYPE_CHECKING:
     from kubetrain.operator.reconcile import _Decision

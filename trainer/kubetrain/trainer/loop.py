@@ -94,6 +94,7 @@ from kubetrain.protocol import (  # the exit codes and classes the operator read
     PEER_LOST,
     TrainerFailureClass,
 )
+from kubetrain.sizing import flops_per_token, ssm_flops_per_token
 from kubetrain.trainer.architecture import build_model
 from kubetrain.trainer.checkpoint import (
     Checkpointer,
@@ -155,7 +156,6 @@ from kubetrain.trainer.rank_timing import (
     gather_rank_timings,
     time_fsdp_collectives,
 )
-from kubetrain.trainer.sizing import flops_per_token, ssm_flops_per_token
 from kubetrain.trainer.storage import open_storage
 
 # Why `fit` returned: the run finished (maxSteps, early stopping), a stop signal was agreed,

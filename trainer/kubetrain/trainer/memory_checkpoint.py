@@ -76,10 +76,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.memory_budget import FOLDER_ENV
 from kubetrain.trainer.checkpoint import ModelState, RandomState, latest_checkpoint
 from kubetrain.trainer.distributed import all_ranks_agree, broadcast_from_rank0
 from kubetrain.trainer.goodput import MEMORY_TIER, PARTNER_TIER, S3_TIER
-from kubetrain.trainer.memory_budget import FOLDER_ENV
 
 log = logging.getLogger(__name__)
 
