@@ -36,7 +36,7 @@ from kubetrain.local.policy import (
     is_out_of_memory,
 )
 from kubetrain.operator.actions import CreateObject, WriteStatus
-from kubetrain.operator.observed import Observed, TrainerEnd, TrainerFailure, WorkerPod
+from kubetrain.operator.observed import Observed, TrainerEnd, WorkerPod
 from kubetrain.operator.reconcile import reconcile
 from kubetrain.operator.restarts import retry_kind_of
 from kubetrain.protocol import (
@@ -45,6 +45,7 @@ from kubetrain.protocol import (
     OUT_OF_MEMORY_CLASSES,
     TRAINER_CLASSES,
     TRAINER_EXIT_CODES,
+    TrainerFailure,
     is_signal_exit,
 )
 from kubetrain.restart_rules import RetryKind

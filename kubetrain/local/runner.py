@@ -54,7 +54,7 @@ from kubetrain.local.progress import Outcome, ProgressDisplay, summary
 from kubetrain.local.report import write_after_run
 from kubetrain.local.status_endpoint import LocalStatusEndpoint
 from kubetrain.local.workspace import Workspace
-from kubetrain.protocol import TRAINER_CLASSES
+from kubetrain.protocol import TRAINER_CLASSES, trainer_failure
 
 # Exit statuses of `kubetrain run`.
 EXIT_SUCCEEDED = 0
@@ -343,8 +343,6 @@ class LocalRun:
 
     def _failure_class(self, node: Node, code: int) -> str:
         """The class the operator would give this node's pod (kubetrain.operator.failures)."""
-        from kubetrain.operator.observed import trainer_failure
-
         log = self.workspace.logs / f"worker-{node.index}.termination-log"
         said = trainer_failure(log.read_text() if log.exists() else None)
         if said is not None and said.failure_class in TRAINER_CLASSES:

@@ -23,8 +23,9 @@ from kubetrain.operator.children import (
 )
 from kubetrain.operator.children import worker_pod as render_pod
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import metrics_sample, trainer_failure, worker_pod
+from kubetrain.operator.observed import metrics_sample, worker_pod
 from kubetrain.operator.reconcile import HUNG_GROUP_GRACE_SECONDS, CreateObject, RecordEvent
+from kubetrain.protocol import trainer_failure
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconcile import NOW, Outcome, _failed_pod, make_job, pod, run, running_status

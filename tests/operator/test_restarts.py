@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from kubetrain.api.trainingjob import RestartStatus, TrainingJobStatus
-from kubetrain.operator.observed import TrainerFailure
 from kubetrain.operator.restarts import (
     covered_by_restart,
     preflight_nodes,
     replacements_due,
     restart_in_progress,
 )
+from kubetrain.protocol import TrainerFailure
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconcile import NOW, make_job, pod, run, running_status

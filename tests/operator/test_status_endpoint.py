@@ -24,9 +24,6 @@ from host_tools import unavailable
 
 from kubetrain.operator.status_certificates import CertificateAuthority
 from kubetrain.operator.status_endpoint import (
-    ENV_CA_CERT,
-    ENV_SERVER_URL,
-    ENV_TOKEN,
     MAX_BODY_BYTES,
     RateLimit,
     StatusEndpoint,
@@ -34,6 +31,7 @@ from kubetrain.operator.status_endpoint import (
     job_token,
     status_path,
 )
+from kubetrain.protocol import CA_CERT_ENV, SERVER_URL_ENV, TOKEN_ENV
 
 KEY = bytes(range(32))
 
@@ -98,9 +96,9 @@ def test_transformers_kubeflow_callback_reports_step_loss_and_eta_unchanged(
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
     # What the operator gives every pod of the job, exactly as Kubeflow names it.
-    monkeypatch.setenv(ENV_SERVER_URL, endpoint.url("team-a", "llama"))
-    monkeypatch.setenv(ENV_CA_CERT, str(endpoint.ca_file))
-    monkeypatch.setenv(ENV_TOKEN, str(token_file))
+    monkeypatch.setenv(SERVER_URL_ENV, endpoint.url("team-a", "llama"))
+    monkeypatch.setenv(CA_CERT_ENV, str(endpoint.ca_file))
+    monkeypatch.setenv(TOKEN_ENV, str(token_file))
 
     callback = KubeflowCallback()
     state = TrainerState(max_steps=40, is_world_process_zero=True)
@@ -162,9 +160,9 @@ def test_kubeflow_sdk_update_trainjob_status_where_the_sdk_is_installed(
     utils = importlib.import_module("kubeflow.trainer.backends.kubernetes.utils")
     token_file = tmp_path / "token"
     token_file.write_text(endpoint.reports.admit("team-a", "sdk", "uid-3"))
-    monkeypatch.setenv(ENV_SERVER_URL, endpoint.url("team-a", "sdk"))
-    monkeypatch.setenv(ENV_CA_CERT, str(endpoint.ca_file))
-    monkeypatch.setenv(ENV_TOKEN, str(token_file))
+    monkeypatch.setenv(SERVER_URL_ENV, endpoint.url("team-a", "sdk"))
+    monkeypatch.setenv(CA_CERT_ENV, str(endpoint.ca_file))
+    monkeypatch.setenv(TOKEN_ENV, str(token_file))
     assert utils.update_trainjob_status(progress_percent=30, estimated_remaining_seconds=70,
                                         metrics={"current_step": 3, "total_steps": 10,
                                                  "loss": 0.5})

@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 
 from kubetrain.operator.failures import classify
-from kubetrain.operator.observed import WorkerPod, trainer_failure
+from kubetrain.operator.observed import WorkerPod
+from kubetrain.protocol import trainer_failure
 from kubetrain.trainer.loop import EXIT_OUT_OF_MEMORY
 
 WORKER = Path(__file__).with_name("oom_worker.py")

@@ -67,6 +67,7 @@ from kubetrain.protocol import (
     SIGNAL_EXIT_BASE,
     TRAINER_EXIT_CODES,
     is_signal_exit,
+    unmarked_checkpoints_line,
 )
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
@@ -415,11 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     if report.unmarked:  # the operator turns this line into a warning event on the job
         from kubetrain.trainer.metrics import termination_log
 
-        names = ",".join(Path(folder).name for folder in report.unmarked)
+        names = [Path(folder).name for folder in report.unmarked]
         try:
-            termination_log().write_text(
-                f'kubetrain_unmarked_checkpoints_info{{folders="{names}"}} '
-                f"{len(report.unmarked)}\n")
+            termination_log().write_text(unmarked_checkpoints_line(names) + "\n")
         except OSError as error:
             log.warning("could not write the termination message: %s", error)
     for folder in report.waiting:
