@@ -158,3 +158,14 @@ def estimate_advice(trainer_message: str = "") -> str:
     if "kubetrain estimate" in trainer_message:
         return "see kubetrain estimate's advice above"
     return ESTIMATE_ADVICE
+
+
+def redone_share(from_step: int, to_step: int, redone_until: int | None) -> float:
+    """The share of an advance from `from_step` to `to_step` spent on steps that an earlier
+    attempt had trained already, up to `redone_until` (None: none had): lost progress, what
+    the restart cost. Both runners book own code's reported steps by it (the operator's
+    `observation.step_goodput`, `kubetrain run`'s `local.own_code.ReportedGoodput`)."""
+    if redone_until is None or to_step <= from_step:
+        return 0.0
+    redone = min(max(0, redone_until - from_step), to_step - from_step)
+    return redone / (to_step - from_step)

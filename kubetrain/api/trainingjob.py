@@ -65,6 +65,7 @@ from kubetrain.api.run_policy import (
     StragglerPolicy,
 )
 from kubetrain.api.status import (
+    FINISHED,
     AvoidedNode,
     BadputSeconds,
     BestCheckpointStatus,
@@ -448,7 +449,7 @@ class TrainingJob(ApiModel):
 
 __all__ = [
     "API_VERSION", "CHECKPOINT_TYPED_ONLY", "CHECKPOINT_WHY", "CREDENTIAL_ENV_NAMES",
-    "DEFAULT_MAX_STEPS", "DNS_LABEL", "GROUP", "KIND", "KUBETRAIN_TORCHRUN_OPTIONS",
+    "DEFAULT_MAX_STEPS", "DNS_LABEL", "FINISHED", "GROUP", "KIND", "KUBETRAIN_TORCHRUN_OPTIONS",
     "MAX_JOB_NAME_LENGTH", "PLURAL", "PRESETS", "PRESET_NAMES", "TENSOR_PARALLEL_REFUSALS",
     "TP_NEEDS_SHARDING", "TP_WITHOUT_FP8", "TYPED_ONLY", "URI_MAX_LENGTH", "URI_RULES",
     "VERSION", "ApiModel", "AvoidedNode", "BadputSeconds", "BestCheckpointStatus",

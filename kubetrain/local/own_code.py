@@ -27,6 +27,7 @@ from typing import Any
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.metrics_log import Event, parse_lines
 from kubetrain.local.workspace import Workspace
+from kubetrain.restart_rules import redone_share
 
 # How often the runner lists the checkpoint URI for new commits while the group runs.
 COMMIT_POLL_SECONDS = 2.0
@@ -141,8 +142,6 @@ class ReportedGoodput:
 
     def stepped(self, event: Event) -> None:
         """A `step` event of the current attempt: the time since its previous one is booked."""
-        from kubetrain.operator.observation import redone_share
-
         step, at = event.get("step"), event.get("time")
         if not isinstance(step, int) or not isinstance(at, int | float):
             return

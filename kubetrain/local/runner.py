@@ -38,7 +38,13 @@ from pathlib import Path
 from types import FrameType
 
 from kubetrain.api.trainingjob import TrainingJob, TrainingJobStatus
-from kubetrain.local.launch import AgentLaunch, Rendezvous, agent_launch, free_port, own_code_launch
+from kubetrain.local.launch import (
+    AgentLaunch,
+    Rendezvous,
+    agent_launch,
+    free_port,
+    own_code_agent_launch,
+)
 from kubetrain.local.memory import oom_kills
 from kubetrain.local.metrics_log import Event, MetricsLogReader, RunHistory, append_event
 from kubetrain.local.node import Node
@@ -54,6 +60,7 @@ from kubetrain.local.progress import Outcome, ProgressDisplay, summary
 from kubetrain.local.report import write_after_run
 from kubetrain.local.status_endpoint import LocalStatusEndpoint
 from kubetrain.local.workspace import Workspace
+from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV, TERMINATION_LOG_ENV
 from kubetrain.protocol import TRAINER_CLASSES, trainer_failure
 
 # Exit statuses of `kubetrain run`.
@@ -66,11 +73,6 @@ FAILED_GROUP_GRACE_SECONDS = 5.0
 # A stopping group saves a checkpoint first (torchrun gives its workers 30 s after SIGTERM).
 STOPPING_GROUP_GRACE_SECONDS = 120.0
 POLL_SECONDS = 0.2
-# When the runner launched the attempt (unix seconds): the trainer's goodput ledger counts
-# startup from here, torchrun's own start included (kubetrain.trainer.goodput reads it).
-ATTEMPT_STARTED_ENV = "KUBETRAIN_ATTEMPT_STARTED_AT"
-# Where each node's trainer leaves its termination message (kubetrain.trainer.metrics).
-TERMINATION_LOG_ENV = "KUBETRAIN_TERMINATION_LOG"
 LOG_TAIL_LINES = 20
 
 
@@ -263,7 +265,7 @@ class LocalRun:
     def _own_code_launch(self, manifest: Path, index: int, rendezvous: Rendezvous,
                          checkpoint_dir: Path) -> AgentLaunch:
         assert self.endpoint is not None
-        return own_code_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
+        return own_code_agent_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
                                self.endpoint.reporter_env(), self.workspace.torchrun_logs,
                                self.out_of_memory_failures)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.pod_conventions import job_snapshot
 
 RUNS_DIR = Path("runs")
 PREPARE_FROM_ANNOTATION = "kubetrain.io/prepare-from"
@@ -112,8 +113,6 @@ class Workspace:
 
     def write_manifest(self, job: TrainingJob) -> Path:
         """Write the manifest the trainer reads: the same snapshot the operator mounts in pods."""
-        from kubetrain.operator.children import job_snapshot
-
         self.logs.mkdir(parents=True, exist_ok=True)
         self.manifest.write_text(job_snapshot(job))
         return self.manifest

@@ -366,8 +366,8 @@ def test_a_model_init_job_from_the_export_builds_the_ssm_and_starts_from_its_wei
     leaves them as they were, so its export is the source export."""
     from safetensors.torch import load_file
 
+    from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV
     from kubetrain.trainer import Trainer
-    from kubetrain.trainer.goodput import ATTEMPT_STARTED_ENV
 
     spec = _job_spec({"init": str(trained["export"])},
                      data={"train": trained["corpus"].train_uri, "seqLen": 64},

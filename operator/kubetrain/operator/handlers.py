@@ -41,9 +41,9 @@ import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from kubetrain import pod_conventions
 from kubetrain.api.manifest import InvalidManifest, parse_job
 from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJob
-from kubetrain.operator import children
 from kubetrain.operator.actions import Action, ReconcileAt
 from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
@@ -158,7 +158,7 @@ class TrainingJobController:
     def register(self, registry: kopf.OperatorRegistry) -> None:
         """Attach the handlers to a kopf registry."""
         job = (GROUP, VERSION, PLURAL)
-        owned = {children.JOB_LABEL: kopf.PRESENT}
+        owned = {pod_conventions.JOB_LABEL: kopf.PRESENT}
         _attach(kopf.index(*job, id="tj_jobs", registry=registry), self.index_job)
         _attach(kopf.index("v1", "pods", id="tj_pods", labels=owned, registry=registry),
                 self.index_pod)
@@ -187,18 +187,18 @@ class TrainingJobController:
     @staticmethod
     async def index_pod(namespace: str, labels: kopf.Labels, body: kopf.Body,
                         **_: Any) -> dict[JobKey, Any]:
-        return {(namespace, labels[children.JOB_LABEL]): dict(body)}
+        return {(namespace, labels[pod_conventions.JOB_LABEL]): dict(body)}
 
     @staticmethod
     async def index_service(namespace: str, labels: kopf.Labels, body: kopf.Body,
                             **_: Any) -> dict[JobKey, str]:
-        return {(namespace, labels[children.JOB_LABEL]): body["kind"]}
+        return {(namespace, labels[pod_conventions.JOB_LABEL]): body["kind"]}
 
     @staticmethod
     async def index_config_map(namespace: str, labels: kopf.Labels,
                                annotations: kopf.Annotations,
                                **_: Any) -> dict[JobKey, ConfigMapVersion]:
-        return {(namespace, labels[children.JOB_LABEL]): config_map_version(annotations)}
+        return {(namespace, labels[pod_conventions.JOB_LABEL]): config_map_version(annotations)}
 
     @staticmethod
     async def index_node(name: str, **_: Any) -> dict[str, bool]:
@@ -226,7 +226,7 @@ class TrainingJobController:
                            labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
         if type == "ADDED" and self._own_echo(name, body):
             return
-        await self._reconcile_in_thread((namespace, labels[children.JOB_LABEL]))
+        await self._reconcile_in_thread((namespace, labels[pod_conventions.JOB_LABEL]))
 
     async def start(self, settings: kopf.OperatorSettings, tj_jobs: kopf.Index,
                     tj_pods: kopf.Index, tj_services: kopf.Index, tj_configmaps: kopf.Index,

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from kubetrain import pod_conventions
 from kubetrain import restart_rules as rules
 from kubetrain.api.trainingjob import (
     BadputSeconds,
@@ -30,7 +31,7 @@ from kubetrain.api.trainingjob import (
     TrainingJobStatus,
     step_folder,
 )
-from kubetrain.operator import children, stragglers
+from kubetrain.operator import stragglers
 from kubetrain.operator.observed import MetricsSample
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def observe(decision: _Decision) -> None:
     """The status as observed: generation, workers, effective batch, progress, ranks."""
     status = decision.status
     status.observed_generation = decision.job.metadata.generation
-    status.workers.selector = children.worker_selector(decision.name)
+    status.workers.selector = pod_conventions.worker_selector(decision.name)
     status.workers.ready = sum(
         1 for pod in decision.live_pods() if pod.ready and pod.index < decision.replicas)
     _effective(decision)
@@ -173,15 +174,6 @@ def goodput_status(wall_seconds: Mapping[str, float],
                          badput_seconds=BadputSeconds(**badput))
 
 
-def redone_share(from_step: int, to_step: int, redone_until: int | None) -> float:
-    """The share of an advance from `from_step` to `to_step` spent on steps that an earlier
-    attempt had trained already, up to `redone_until` (None: none had): lost progress."""
-    if redone_until is None or to_step <= from_step:
-        return 0.0
-    redone = min(max(0, redone_until - from_step), to_step - from_step)
-    return redone / (to_step - from_step)
-
-
 def step_goodput(previous: GoodputStatus | None, start: datetime | None,
                  last_restart: datetime | None, advanced_from: datetime | None,
                  advanced_to: datetime, *, from_step: int | None = None,
@@ -210,7 +202,7 @@ def step_goodput(previous: GoodputStatus | None, start: datetime | None,
         last_restart is None or advanced_from >= last_restart)
     if same_attempt and advanced_from is not None and advanced_from >= start:
         seconds = max(timedelta(0), advanced_to - advanced_from).total_seconds()
-        share = (redone_share(from_step, to_step, redone_until)
+        share = (rules.redone_share(from_step, to_step, redone_until)
                  if from_step is not None and to_step is not None else 0.0)
         productive += seconds * (1.0 - share)
         lost += seconds * share

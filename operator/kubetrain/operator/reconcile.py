@@ -65,6 +65,7 @@ from typing import Any, Literal
 
 from kubetrain import restart_rules
 from kubetrain.api.trainingjob import (
+    FINISHED,
     Condition,
     RankSlowness,
     RestartStatus,
@@ -95,7 +96,6 @@ __all__ = [
     "goodput_status", "merge_patch", "reconcile", "reject",
 ]
 
-FINISHED = ("Succeeded", "Failed")
 # Seconds a hung group's pods get between SIGTERM and SIGKILL: enough to flush logs.
 HUNG_GROUP_GRACE_SECONDS = 5
 

@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 
+from kubetrain.pod_conventions import POD_NAME_ENV
 from kubetrain.protocol import LIFELINE_BEAT_SECONDS, end_line, lifeline_port
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Lifeline:
     @classmethod
     def for_this_process(cls, metrics_port: int) -> Lifeline | None:
         """The lifeline this process serves, in a worker pod only (none elsewhere)."""
-        if not os.environ.get("KUBETRAIN_POD_NAME"):
+        if not os.environ.get(POD_NAME_ENV):
             return None
         port = lifeline_port(metrics_port, int(os.environ.get("LOCAL_RANK", "0")))
         return cls(port) if port <= 65535 else None

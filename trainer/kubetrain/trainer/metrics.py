@@ -53,6 +53,7 @@ from prometheus_client.registry import Collector
 
 from kubetrain import protocol
 from kubetrain.api.trainingjob import DEFAULT_MAX_STEPS, TrainingJobSpec
+from kubetrain.pod_conventions import DEFAULT_TERMINATION_LOG, TERMINATION_LOG_ENV
 from kubetrain.protocol import FAILURE_INFO, TERMINATION_MESSAGE_LIMIT, failure_line
 from kubetrain.trainer.rank_timing import RankTiming
 
@@ -463,7 +464,7 @@ class Reporter:
 
 def termination_log() -> Path:
     """The container's terminationMessagePath: Kubernetes' default unless the env names one."""
-    return Path(os.environ.get("KUBETRAIN_TERMINATION_LOG", "/dev/termination-log"))
+    return Path(os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
 
 
 # The line a failed trainer puts first in its termination message (any rank, not only 0),

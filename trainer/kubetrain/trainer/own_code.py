@@ -1,7 +1,7 @@
 """`python -m kubetrain.trainer.own_code JOB.yaml -- COMMAND...`: own code's container entry.
 
 Runs in each worker pod of an own-code job (spec.trainer), around torchrun and the user's
-command (kubetrain.operator.own_code_launch builds the line):
+command (kubetrain.operator.own_code_container builds the line):
 1. restores the newest committed checkpoint (checkpoint.uri, else checkpoint.resumeFrom)
    into KUBETRAIN_CHECKPOINT_DIR before COMMAND starts, side by side with the preflight
    and with loading torchrun's agent (`prepare`): all three are done before COMMAND starts,
@@ -61,6 +61,7 @@ from typing import Any
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import PreflightPolicy, TrainingJob
+from kubetrain.pod_conventions import FINAL_SYNC_SECONDS_ENV
 from kubetrain.protocol import (
     EXIT_INVALID_MANIFEST,
     EXIT_PREFLIGHT_FAILED,
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     status = _run(args.command)
     stopping.set()
     syncer.join()
-    final_seconds = float(os.environ.get("KUBETRAIN_FINAL_SYNC_SECONDS",
+    final_seconds = float(os.environ.get(FINAL_SYNC_SECONDS_ENV,
                                          DEFAULT_FINAL_SYNC_SECONDS))
     report = sync.drain(time.monotonic() + final_seconds)
     for folder in report.unmarked:

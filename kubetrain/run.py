@@ -20,6 +20,10 @@ through kubetrain.sdk or transformers' KubeflowCallback drive the progress bar.
 
 Ctrl-C saves a checkpoint and stops; the same command again resumes from it.
 `--dry-run` shows what would run here next to the Pod the operator would create.
+
+The command sits above both runners: it runs the local runner (`kubetrain.local`), and its
+dry run shows that runner's launch beside the operator's Pod (`kubetrain.operator`), which
+neither runner may import of the other.
 """
 
 from __future__ import annotations
@@ -143,12 +147,12 @@ def _own_code_plan(job: TrainingJob, workspace: Workspace) -> str:
 
 def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> str:
     """What `kubetrain run` would start here for an own-code job, and the worker container
-    the operator would run instead (kubetrain.operator.own_code_launch)."""
+    the operator would run instead (kubetrain.operator.own_code_container)."""
     import yaml
 
-    from kubetrain.local.launch import own_code_launch
+    from kubetrain.local.launch import own_code_agent_launch
     from kubetrain.local.own_code import node_checkpoint_dir
-    from kubetrain.operator.own_code_launch import own_code_launch as pod_launch
+    from kubetrain.operator.own_code_container import own_code_container
 
     rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")
     reporter = {"KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:<port>/status",
@@ -158,12 +162,12 @@ def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Worksp
              "restores the newest commit of spec.checkpoint.uri first, as a new pod does; "
              "rendezvous port 0 = a free port per attempt"]
     for index in range(job.spec.workers.replicas):
-        launch = own_code_launch(local_job, workspace.manifest, index, rendezvous,
-                                 node_checkpoint_dir(workspace, index), reporter,
-                                 workspace.torchrun_logs)
+        launch = own_code_agent_launch(local_job, workspace.manifest, index, rendezvous,
+                                       node_checkpoint_dir(workspace, index), reporter,
+                                       workspace.torchrun_logs)
         lines.append(f"\n# simulated node {index} (output: {workspace.worker_log(index)})")
         lines.append(_shell_lines(launch.env, launch.argv))
-    container = pod_launch(job)
+    container = own_code_container(job)
     lines.append(f"\n# on Kubernetes: {job.spec.workers.replicas} worker Pods, each running")
     lines.append(yaml.safe_dump({"image": container.image, "command": container.command,
                                  "env": container.env}, sort_keys=False).rstrip())
