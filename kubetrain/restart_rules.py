@@ -106,6 +106,16 @@ def restarts_in_place(policy: RunPolicy, done_in_pod: int) -> bool:
     return done_in_pod < policy.max_restarts
 
 
+def restart_delay(policy: RunPolicy, restart: int, *, counted: bool, node_lost: bool) -> float:
+    """Seconds the `restart`-th counted restart waits before its workers start again: its
+    backoff (`backoff_seconds`); none for an uncounted restart (out of memory: the cause is
+    fixed, not waited out) or one after a lost node (its workers go to another node, so
+    there is nothing to wait out)."""
+    if not counted or node_lost:
+        return 0.0
+    return backoff_seconds(policy, restart)
+
+
 def backoff_seconds(policy: RunPolicy, restart: int) -> float:
     """Delay before the `restart`-th counted restart (1 for the first): doubles each time,
     capped at runPolicy.maxBackoffSeconds; none before the first."""

@@ -38,7 +38,7 @@ from kubetrain.local.policy import (
 from kubetrain.operator.actions import CreateObject, WriteStatus
 from kubetrain.operator.observed import Observed, TrainerEnd, WorkerPod
 from kubetrain.operator.reconcile import reconcile
-from kubetrain.operator.restarts import retry_kind_of
+from kubetrain.operator.recovery import retry_kind_of
 from kubetrain.protocol import (
     ENDS_THE_POD,
     FAILURE_CLASSES,

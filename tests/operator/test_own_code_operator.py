@@ -9,9 +9,10 @@ from typing import Any
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.operator.actions import RecordEvent, WriteStatus
 from kubetrain.operator.observation import step_goodput
 from kubetrain.operator.observed import Observed, WorkerPod, reported_sample
-from kubetrain.operator.reconcile import RecordEvent, WriteStatus, reconcile
+from kubetrain.operator.reconcile import reconcile
 from kubetrain.operator.status_endpoint import StatusReports
 from kubetrain.protocol import Report, TrainerFailure, unmarked_checkpoints
 

@@ -12,10 +12,7 @@ import yaml
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.operator.failures import classify
-from kubetrain.operator.observed import MetricsSample, Observed, WorkerPod, worker_pod
-from kubetrain.operator.reconcile import (
-    HUNG_GROUP_GRACE_SECONDS,
+from kubetrain.operator.actions import (
     CountFailure,
     CountRestart,
     CreateObject,
@@ -25,11 +22,12 @@ from kubetrain.operator.reconcile import (
     RecordEvent,
     UpdateConfigMap,
     WriteStatus,
-    merge_patch,
-    reconcile,
-    reject,
 )
-from kubetrain.operator.restarts import retry_kind_of
+from kubetrain.operator.failures import classify
+from kubetrain.operator.observed import MetricsSample, Observed, WorkerPod, worker_pod
+from kubetrain.operator.reconcile import merge_patch, reconcile, reject
+from kubetrain.operator.reconcile_pass import HUNG_GROUP_GRACE_SECONDS
+from kubetrain.operator.recovery import retry_kind_of
 from kubetrain.restart_rules import backoff_seconds
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -1028,7 +1026,7 @@ def test_a_restart_in_place_within_its_pods_budget_counts_though_max_restarts_ar
 def test_an_out_of_memory_kill_past_the_pods_budget_is_left_to_the_pod_which_halves(
         minimal_manifest: dict) -> None:
     from kubetrain.operator.observed import TrainerEnd
-    from kubetrain.operator.restarts import LEFT_TO_THE_POD
+    from kubetrain.operator.recovery import LEFT_TO_THE_POD
 
     # maxRestarts 2, both spent, and worker 1's torchrun restarted in place twice already:
     # its budget is spent too. The kernel's OOM kill of its trainer (no word on the

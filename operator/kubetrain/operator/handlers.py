@@ -43,7 +43,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubetrain import pod_conventions
 from kubetrain.api.manifest import InvalidManifest, parse_job
-from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJob
+from kubetrain.api.trainingjob import FINISHED, GROUP, PLURAL, VERSION, TrainingJob
 from kubetrain.operator.actions import Action, ReconcileAt
 from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
@@ -59,7 +59,7 @@ from kubetrain.operator.observed import (
     node_reachable,
     worker_pod,
 )
-from kubetrain.operator.reconcile import FINISHED, reconcile, reject
+from kubetrain.operator.reconcile import reconcile, reject
 from kubetrain.operator.status_reporting import StatusReporting, advertise
 from kubetrain.operator.writer import ApiWriter
 from kubetrain.protocol import lifeline_port

@@ -30,7 +30,7 @@ a step time.
 
 It keeps the ends it saw for a while (`ends`) and asks for a reconcile of the job
 (`on_news`), at once when a pod goes silent; reconcile
-(`kubetrain.operator.restarts.record_restarts_in_place`) decides whether an end is news,
+(`kubetrain.operator.recovery.record_restarts_in_place`) decides whether an end is news,
 and records it. It keeps no status and decides nothing itself.
 """
 

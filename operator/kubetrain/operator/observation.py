@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kubetrain import pod_conventions
 from kubetrain import restart_rules as rules
@@ -33,12 +33,10 @@ from kubetrain.api.trainingjob import (
 )
 from kubetrain.operator import stragglers
 from kubetrain.operator.observed import MetricsSample
-
-if TYPE_CHECKING:
-    from kubetrain.operator.reconcile import _Decision
+from kubetrain.operator.reconcile_pass import ReconcilePass
 
 
-def observe(decision: _Decision) -> None:
+def observe(decision: ReconcilePass) -> None:
     """The status as observed: generation, workers, effective batch, progress, ranks."""
     status = decision.status
     status.observed_generation = decision.job.metadata.generation
@@ -86,7 +84,7 @@ def effective_batch(spec: TrainingJobSpec, previous: EffectiveBatch | None,
     return effective, reset
 
 
-def _effective(decision: _Decision) -> None:
+def _effective(decision: ReconcilePass) -> None:
     previous = decision.status.effective
     effective, reset = effective_batch(decision.job.spec, previous, world_size(decision.job))
     if reset:
@@ -216,7 +214,7 @@ def step_goodput(previous: GoodputStatus | None, start: datetime | None,
                                                       downtime=round(wall - productive - lost, 3)))
 
 
-def _ranks(decision: _Decision) -> None:
+def _ranks(decision: ReconcilePass) -> None:
     """Judge each rank's slowness once per logged interval; name a straggler."""
     sample = decision.observed.metrics
     if sample is None or not sample.ranks or sample.ranks_step is None:

@@ -23,7 +23,7 @@ hung workers, and the pure functions that decide them.
 
 The rules themselves (retry kinds, the streak, backoff, maxRestarts, halving, the advice)
 are `kubetrain.restart_rules`, which `kubetrain run` applies too. The steps read and write
-the pass's `_Decision` (`kubetrain.operator.reconcile`) through its primitives; no
+the pass's `ReconcilePass` (`kubetrain.operator.reconcile_pass`) through its primitives; no
 Kubernetes, no clock but the pass's `now`.
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from kubetrain import restart_rules as rules
 from kubetrain.api.trainingjob import (
@@ -51,9 +51,7 @@ from kubetrain.operator.observed import (
     TrainerFailure,
     WorkerPod,
 )
-
-if TYPE_CHECKING:
-    from kubetrain.operator.reconcile import _Decision
+from kubetrain.operator.reconcile_pass import NO_BACKOFF_REASONS, ReconcilePass
 
 # status.lastFailure.message is cut here: a termination message may hold 4 KiB.
 FAILURE_MESSAGE_LIMIT: Final = 1024
@@ -73,9 +71,6 @@ WHOLE_GROUP_REASONS: Final = ("ProgressDeadlineExceeded", "OutOfMemory", "Prefli
 # Restarts with their own limit instead of maxRestarts, and no backoff (nothing to wait
 # out). Read only for a restart recorded before status.restart, as above.
 UNCOUNTED_REASONS: Final = ("OutOfMemory", "StragglerReplaced")
-# Counted restarts that wait no backoff: a lost node's pods are replaced on another node
-# (the lost one is avoided), so there is nothing to wait out, and the survivors wait too.
-NO_BACKOFF_REASONS: Final = ("NodeLost",)
 # How status.lastFailure's message ends for a trainer's end past its pod's budget of
 # restarts in place, instead of the lifeline's IN_PLACE: the pod's own end follows.
 LEFT_TO_THE_POD: Final = ("torchrun has no restart in place left in this pod "
@@ -126,21 +121,15 @@ def restart_in_progress(status: TrainingJobStatus) -> RestartStatus | None:
                          whole_group=reason in WHOLE_GROUP_REASONS)
 
 
-def restart_delay(policy: RunPolicy, restarts: int, reason: str, counted: bool) -> float:
-    """Seconds a restart waits before it creates its pods: the backoff of the `restarts`-th
-    counted restart, none for an uncounted one or a lost node (`NO_BACKOFF_REASONS`)."""
-    if not counted or reason in NO_BACKOFF_REASONS:
-        return 0.0
-    return rules.backoff_seconds(policy, restarts)
-
-
 def replacements_due(status: TrainingJobStatus, policy: RunPolicy) -> datetime | None:
-    """When the restart in progress may create its pods: after its `restart_delay`; None
+    """When the restart in progress may create its pods: after its delay
+    (`restart_rules.restart_delay`); None
     when no restart is in progress."""
     restart = restart_in_progress(status)
     if restart is None:
         return None
-    delay = restart_delay(policy, status.restarts, restart.reason, restart.counted)
+    delay = rules.restart_delay(policy, status.restarts, counted=restart.counted,
+                                node_lost=restart.reason in NO_BACKOFF_REASONS)
     return restart.time + timedelta(seconds=delay)
 
 
@@ -209,7 +198,7 @@ def restart_cause(failed: list[WorkerPod], stuck: list[WorkerPod], kinds: Mappin
 # --- the steps ------------------------------------------------------------------------------
 
 
-def wait_out_backoff(decision: _Decision) -> bool:
+def wait_out_backoff(decision: ReconcilePass) -> bool:
     """Whether the restart in progress still waits out its backoff: then it creates no pods
     yet, and asks for the pass that will, when the backoff ends."""
     due = replacements_due(decision.status, decision.job.spec.run_policy)
@@ -219,7 +208,7 @@ def wait_out_backoff(decision: _Decision) -> bool:
     return True
 
 
-def continue_restart(decision: _Decision) -> None:
+def continue_restart(decision: ReconcilePass) -> None:
     """Delete, without counting again, the pods the restart in progress already covers.
 
     A restart is recorded in status (restarts, restartAttempt, restart) before its pods
@@ -239,7 +228,7 @@ def continue_restart(decision: _Decision) -> None:
         decision.delete(pod, restart.reason)
 
 
-def handle_failures(decision: _Decision) -> None:
+def handle_failures(decision: ReconcilePass) -> None:
     """Fail the job or restart workers for failed, lost and stuck pods."""
     policy = decision.job.spec.run_policy
     failed, stuck = broken([pod for pod in decision.live_pods() if pod.index < decision.replicas],
@@ -276,7 +265,7 @@ def handle_failures(decision: _Decision) -> None:
                      whole_group=any(pod.index == 0 for pod in broken_pods))
 
 
-def record_failures(decision: _Decision, failed: list[WorkerPod],
+def record_failures(decision: ReconcilePass, failed: list[WorkerPod],
                     kinds: Mapping[str, str]) -> None:
     """status.lastFailure and the counts by class, an event and a metric per failed pod.
 
@@ -298,7 +287,7 @@ def record_failures(decision: _Decision, failed: list[WorkerPod],
     warn_unmarked_checkpoints(decision, failed)
 
 
-def warn_unmarked_checkpoints(decision: _Decision, ended: list[WorkerPod]) -> None:
+def warn_unmarked_checkpoints(decision: ReconcilePass, ended: list[WorkerPod]) -> None:
     """A warning per ended own-code pod whose entry found checkpoint folders nobody marked
     complete, and so uploaded none of them (called once per ending pod)."""
     for pod in ended:
@@ -333,7 +322,7 @@ def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: da
                                  if streak.count > 1 else None)
 
 
-def record_restarts_in_place(decision: _Decision) -> None:
+def record_restarts_in_place(decision: ReconcilePass) -> None:
     """Record the trainer failures torchrun restarted in place, as `record_failures` does a
     failed pod's: status.lastFailure and the count by class, an event and a metric; and
     count each restart (`count_restart_in_place`) while the pod's budget of restarts in
@@ -401,7 +390,7 @@ def same_restart_in_place(end: TrainerEnd, previous: WorkerFailure | None) -> bo
             <= timedelta(seconds=IN_PLACE_INCIDENT_SECONDS))
 
 
-def count_restart_in_place(decision: _Decision, end: TrainerEnd,
+def count_restart_in_place(decision: ReconcilePass, end: TrainerEnd,
                            previous: WorkerFailure | None = None, done_in_pod: int = 0) -> bool:
     """Count the group restart torchrun did in place after `end`, within its pod's budget
     (`done_in_pod` before it), or end the job: a permanent exit code fails it, and so does
@@ -438,7 +427,7 @@ def count_restart_in_place(decision: _Decision, end: TrainerEnd,
     return True
 
 
-def fail_preflight(decision: _Decision, failed: list[WorkerPod], kinds: Mapping[str, str],
+def fail_preflight(decision: ReconcilePass, failed: list[WorkerPod], kinds: Mapping[str, str],
                    broken_pods: list[WorkerPod]) -> None:
     """Avoid the nodes the preflight check named and restart the whole group without
     them: a counted restart, so a check that fails on every node ends the job."""
@@ -451,7 +440,7 @@ def fail_preflight(decision: _Decision, failed: list[WorkerPod], kinds: Mapping[
                      broken_pods, whole_group=True)
 
 
-def heal_out_of_memory(decision: _Decision, pod: WorkerPod, kind: str,
+def heal_out_of_memory(decision: ReconcilePass, pod: WorkerPod, kind: str,
                        broken_pods: list[WorkerPod]) -> None:
     """Restart the group with half the micro-batch, or fail with reason OutOfMemory."""
     spec = decision.job.spec
@@ -485,7 +474,7 @@ def heal_out_of_memory(decision: _Decision, pod: WorkerPod, kind: str,
     decision.actions.append(UpdateConfigMap(children.config_map(as_run)))
 
 
-def repeated_failure(decision: _Decision, exit_code: int | None, what: str) -> bool:
+def repeated_failure(decision: ReconcilePass, exit_code: int | None, what: str) -> bool:
     """Lengthen the streak of a failure's exit code (`what` says which failure); True when
     it failed the job."""
     assert exit_code is not None  # "code" failures always have one
@@ -502,7 +491,7 @@ def repeated_failure(decision: _Decision, exit_code: int | None, what: str) -> b
     return True
 
 
-def detect_hang(decision: _Decision) -> None:
+def detect_hang(decision: ReconcilePass) -> None:
     """Restart the whole group when the step has not advanced for progressDeadlineSeconds
     (since the last step, the last restart, or the group running)."""
     status = decision.status
