@@ -5,7 +5,7 @@
 `torchrun` agent running the real trainer, and watches them. A failed or lost
 node, or a step that stops advancing for `progressDeadlineSeconds`, tears the
 group down and starts it again on a fresh rendezvous after the backoff that
-`kubetrain.local.policy` decides; the trainer resumes from its newest
+`kubetrain.local.recovery` decides; the trainer resumes from its newest
 checkpoint. `activeDeadlineSeconds` and Ctrl-C (SIGINT or SIGTERM) stop the
 group the way a planned change does on Kubernetes: SIGTERM to every agent, the
 trainer saves a checkpoint and exits, and running the same job again resumes.
@@ -49,19 +49,20 @@ from kubetrain.local.memory import oom_kills
 from kubetrain.local.metrics_log import Event, MetricsLogReader, RunHistory, append_event
 from kubetrain.local.node import Node
 from kubetrain.local.own_code import CommittedCheckpoints, ReportedGoodput, fresh_node_dirs
-from kubetrain.local.policy import (
+from kubetrain.local.progress import Outcome, ProgressDisplay, summary
+from kubetrain.local.recovery import (
+    Decision,
     GroupFailure,
     ProgressClock,
-    after_failure,
-    after_out_of_memory,
+    after_attempt,
     is_out_of_memory,
+    node_failure_class,
 )
-from kubetrain.local.progress import Outcome, ProgressDisplay, summary
 from kubetrain.local.report import write_after_run
 from kubetrain.local.status_endpoint import LocalStatusEndpoint
 from kubetrain.local.workspace import Workspace
 from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV, TERMINATION_LOG_ENV
-from kubetrain.protocol import TRAINER_CLASSES, trainer_failure
+from kubetrain.protocol import trainer_failure
 
 # Exit statuses of `kubetrain run`.
 EXIT_SUCCEEDED = 0
@@ -97,7 +98,7 @@ class _Attempt:
     """What one run of the worker group came to."""
 
     finished: bool = False
-    failure: GroupFailure | None = None
+    failures: list[GroupFailure] = field(default_factory=list)  # the nodes that failed
     stop: _Stop | None = None
 
 
@@ -135,6 +136,7 @@ class LocalRun:
         self.signals: list[int] = []  # SIGINT / SIGTERM received, in order
         self.started = time.monotonic()
         self.oom_kills_before: int | None = None  # in the run's cgroup, when the attempt began
+        self.lost_nodes: set[int] = set()  # nodes this attempt lost on purpose (kill at step)
 
     def run(self) -> int:
         """Run the group until the job finishes, fails or is stopped; print the summary."""
@@ -156,19 +158,22 @@ class LocalRun:
                 return self._finish(True, self._finished_reason(), EXIT_SUCCEEDED)
             if result.stop is not None:
                 return self._finish(False, result.stop.reason, result.stop.exit_code)
-            assert result.failure is not None
-            self._log_failure(result.failure)
-            if self.job.spec.own_code and is_out_of_memory(self.job.spec.run_policy,
-                                                           result.failure):
-                self.out_of_memory_failures += 1  # the code halves by it (sdk.batch)
-            elif is_out_of_memory(self.job.spec.run_policy, result.failure):
-                if not self._halve_micro_batch(result.failure):
+            assert result.failures
+            self._log_failure(result.failures[0])
+            spec = self.job.spec
+            decision = after_attempt(
+                spec, failures, result.failures, micro_batch_size=self.job.micro_batch_size,
+                out_of_memory_restarts=len(self.micro_batches) - 1,
+                world_size=spec.workers.replicas * spec.workers.procs_per_worker)
+            if decision.counted is None:  # out of memory: a smaller micro-batch, or the end
+                if not self._halve_micro_batch(decision):
                     return self._finish(False, self.restarts.pop(), EXIT_FAILED)
                 manifest = self.workspace.write_manifest(self.job)
                 attempt += 1
                 continue
-            failures.append(result.failure)
-            decision = after_failure(self.job.spec.run_policy, failures)
+            if spec.own_code and is_out_of_memory(spec.run_policy, decision.counted):
+                self.out_of_memory_failures += 1  # the code halves by it (sdk.batch)
+            failures.append(decision.counted)
             if not decision.restart:
                 return self._finish(False, decision.reason, EXIT_FAILED)
             self.restarts.append(decision.reason)
@@ -193,12 +198,8 @@ class LocalRun:
     def _append(self, event: Event) -> None:
         append_event(self.workspace.metrics_log, event)
 
-    def _halve_micro_batch(self, failure: GroupFailure) -> bool:
+    def _halve_micro_batch(self, decision: Decision) -> bool:
         """Take the out-of-memory decision into self.job (status.effective); False: fail."""
-        spec = self.job.spec
-        world_size = spec.workers.replicas * spec.workers.procs_per_worker
-        decision = after_out_of_memory(spec, failure, self.job.micro_batch_size,
-                                       len(self.micro_batches) - 1, world_size)
         self.restarts.append(decision.reason)
         effective = decision.effective
         if not decision.restart or effective is None:
@@ -217,6 +218,7 @@ class LocalRun:
 
     def _run_group(self, manifest: Path, attempt: int) -> _Attempt:
         rendezvous = Rendezvous(free_port(), f"{self.job.metadata.name}-{os.getpid()}-{attempt}")
+        self.lost_nodes = set()
         launched_at = f"{time.time():.3f}"
         self.oom_kills_before = oom_kills()
         if self.goodput is not None:
@@ -253,7 +255,7 @@ class LocalRun:
                 self.display.say(f"{result.stop.reason}: stopping the workers, which save a "
                                  "checkpoint first (Ctrl-C again to kill them now)")
                 self._stop_all(nodes, STOPPING_GROUP_GRACE_SECONDS)
-            elif result.failure is not None:
+            elif result.failures:
                 self._stop_all(nodes, FAILED_GROUP_GRACE_SECONDS)
             self._read_events()
             if self.goodput is not None:
@@ -279,19 +281,18 @@ class LocalRun:
                 return _Attempt(stop=_Stop(f"interrupted by {name}", EXIT_INTERRUPTED))
             statuses = [node.poll() for node in nodes]
             failed = [(node, code) for node, code in zip(nodes, statuses, strict=True)
-                      if code not in (None, 0)]
+                      if code is not None and code != 0]
             if failed:
-                node, code = failed[0]
-                assert code is not None
-                return _Attempt(failure=self._node_failure(node, code))
+                return _Attempt(failures=[self._node_failure(node, code)
+                                          for node, code in failed])
             if all(code == 0 for code in statuses):
                 self._read_events(clock, nodes)
                 return _Attempt(finished=True)
             now = time.monotonic()
             if clock.is_hung(policy, now):
-                return _Attempt(failure=GroupFailure(
+                return _Attempt(failures=[GroupFailure(
                     f"no training progress for {clock.stalled_for(now):.0f}s "
-                    "(spec.runPolicy.progressDeadlineSeconds)", None, self.history.step))
+                    "(spec.runPolicy.progressDeadlineSeconds)", None, self.history.step)])
             deadline = policy.active_deadline_seconds
             if deadline is not None and now - self.started > deadline:
                 return _Attempt(stop=_Stop(f"running longer than {deadline}s "
@@ -328,6 +329,7 @@ class LocalRun:
             self.display.say(f"step {self.history.step}: killing worker {victim.index} "
                              f"(--kill-worker-at-step {at})")
             victim.lose()
+            self.lost_nodes.add(victim.index)
 
     def _node_failure(self, node: Node, code: int) -> GroupFailure:
         kind = self._failure_class(node, code)
@@ -341,21 +343,19 @@ class LocalRun:
             for line in self._log_tail(node.index):
                 self.display.say(f"  | {line}")
         step = self.history.step
-        return GroupFailure(f"{what} at step {step}", code, step, kind)
+        return GroupFailure(f"{what} at step {step}", code, step, kind,
+                            node_lost=node.index in self.lost_nodes)
 
     def _failure_class(self, node: Node, code: int) -> str:
-        """The class the operator would give this node's pod (kubetrain.operator.failures)."""
+        """The class the operator would give this node's pod (kubetrain.operator.failures),
+        from its termination log and the run's OOM-kill count since the attempt began."""
         log = self.workspace.logs / f"worker-{node.index}.termination-log"
         said = trainer_failure(log.read_text() if log.exists() else None)
-        if said is not None and said.failure_class in TRAINER_CLASSES:
-            return said.failure_class
         after = oom_kills()
-        if after is not None and self.oom_kills_before is not None and (
-                after > self.oom_kills_before):
-            return "OOMKilled"
-        if code in self.job.spec.run_policy.permanent_exit_codes:
-            return "UserError"
-        return "NodeLost" if code < 0 else "Unknown"
+        oom_killed = (after is not None and self.oom_kills_before is not None
+                      and after > self.oom_kills_before)
+        return node_failure_class(code, said.failure_class if said is not None else None,
+                                  oom_killed, self.job.spec.run_policy.permanent_exit_codes)
 
     def _log_tail(self, index: int) -> list[str]:
         text = self.workspace.worker_log(index).read_text(errors="replace")

@@ -18,11 +18,12 @@ a clock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 
 from kubetrain import restart_rules as rules
 from kubetrain.api.trainingjob import EffectiveBatch, FailureStreak, RunPolicy, TrainingJobSpec
+from kubetrain.protocol import TRAINER_CLASSES
 from kubetrain.restart_rules import Ending, RetryKind
 
 
@@ -38,6 +39,22 @@ class GroupFailure:
     """The training step when it failed (the newest the run logged; 0 before any)."""
     failure_class: str = "Unknown"
     """The class the operator would give the pod (kubetrain.operator.failures)."""
+    node_lost: bool = False
+    """The runner lost the node itself (--kill-worker-at-step), as a machine is lost."""
+
+
+def node_failure_class(exit_code: int, said: str | None, oom_killed: bool,
+                       permanent_exit_codes: Collection[int]) -> str:
+    """The class the operator would give a failed node's pod: the trainer's class from its
+    termination message (`said`), OOMKilled when the run's cgroup counted an OOM kill during
+    the attempt, UserError for a permanent exit code, NodeLost for a signal's death."""
+    if said is not None and said in TRAINER_CLASSES:
+        return said
+    if oom_killed:
+        return "OOMKilled"
+    if exit_code in permanent_exit_codes:
+        return "UserError"
+    return "NodeLost" if exit_code < 0 else "Unknown"
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,8 @@ class Decision:
     """An out-of-memory restart's batch split, as the operator writes it to status.effective."""
     ending: Ending | None = None
     """Why the job fails, as the operator's Failed condition says it."""
+    counted: GroupFailure | None = None
+    """The failure this decision counted against maxRestarts (None: none was)."""
 
 
 def kind_of(policy: RunPolicy, failure: GroupFailure) -> RetryKind:
@@ -117,6 +136,21 @@ def after_out_of_memory(spec: TrainingJobSpec, failure: GroupFailure, micro_batc
                         effective=effective)
     return Decision(False, 0.0, f"{what}, and {verdict.why_not}: {rules.estimate_advice()}",
                     ending="OutOfMemory")
+
+
+def after_attempt(spec: TrainingJobSpec, counted: Sequence[GroupFailure],
+                  ended: Sequence[GroupFailure], *, micro_batch_size: int,
+                  out_of_memory_restarts: int, world_size: int) -> Decision:
+    """What follows an attempt of the group that ended with `ended` (its failed nodes, by
+    index), after `counted` failures counted against maxRestarts (oldest first), at
+    `micro_batch_size` with `out_of_memory_restarts` behind: the runner's one question."""
+    policy = spec.run_policy
+    failure = ended[0]
+    if is_out_of_memory(policy, failure) and not spec.own_code:
+        return after_out_of_memory(spec, failure, micro_batch_size, out_of_memory_restarts,
+                                   world_size)
+    decision = after_failure(policy, [*counted, failure])
+    return replace(decision, counted=failure)
 
 
 @dataclass
