@@ -96,7 +96,8 @@ def trainer(failure_class: str, code: int = 1) -> Failure:
     return Failure(code, {"exit_code": code, "trainer_failure": said}, failure_class)
 
 
-KILLED = Failure(-9, {"exit_code": 137, "reason": "Error"}, "NodeLost")  # SIGKILL from outside
+# SIGKILL from outside: Unknown to both (a lost node is the runner's own kill, LOST_NODE).
+KILLED = Failure(-9, {"exit_code": 137, "reason": "Error"})
 EVICTED = Failure(None, {"exit_code": None, "reason": "Evicted"})  # no exit code (a hang locally)
 OOM_KILLED = Failure(137, {"exit_code": 137, "reason": "OOMKilled"}, "OOMKilled")
 # The runner lost the node itself (--kill-worker-at-step); on Kubernetes its node was lost.
@@ -184,7 +185,8 @@ def _seen_locally(failure: Failure, index: int, job: TrainingJob) -> GroupFailur
         assert failure.local_exit is not None
         kind = node_failure_class(failure.local_exit, failure.local.said,
                                   failure.local.oom_killed,
-                                  job.spec.run_policy.permanent_exit_codes)
+                                  job.spec.run_policy.permanent_exit_codes,
+                                  lost=failure.local.lost)
         lost = failure.local.lost
     return GroupFailure(f"worker {index} failed at step {failure.step}", failure.local_exit,
                         failure.step, kind, node_lost=lost)
@@ -353,15 +355,7 @@ def test_a_restart_in_place_counts_as_the_local_runners_restart(minimal_manifest
                           for i, o in enumerate(local))
 
 
-# The runners decide these differently until the rulebook is one (the next commit).
-DIFFER_TODAY = {"an-oom-kill-outranks-a-crash-on-another-worker",
-                "an-oom-kill-outranks-the-trainers-collective-timeout",
-                "a-lost-node-is-replaced-without-a-backoff"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="two rulebooks today"))
-    if name in DIFFER_TODAY else name for name in CASES])
+@pytest.mark.parametrize("name", CASES)
 def test_both_runners_take_the_same_decisions(minimal_manifest: dict, name: str) -> None:
     case = CASES[name]
     local = local_outcomes(_job(minimal_manifest, case.run_policy), case.failures)
@@ -379,7 +373,6 @@ def test_the_cases_cover_every_ending(minimal_manifest: dict) -> None:
                        "OutOfMemory"}
 
 
-@pytest.mark.xfail(strict=True, reason="two hang boundaries today")
 def test_both_runners_call_a_group_hung_at_the_same_moment(minimal_manifest: dict) -> None:
     """The hang boundary: a step that has not advanced for exactly progressDeadlineSeconds
     is not yet a hang in either runner; a second more is, in both."""

@@ -10,20 +10,24 @@ checkpoint. `activeDeadlineSeconds` and Ctrl-C (SIGINT or SIGTERM) stop the
 group the way a planned change does on Kubernetes: SIGTERM to every agent, the
 trainer saves a checkpoint and exits, and running the same job again resumes.
 
-A failed node gets the operator's failure class: from the trainer's termination
-message (each node has its own termination log, as each pod does), the kernel's
-OOM-kill count in the run's memory cgroup (`kubetrain.local.memory`), or its exit
-code. Out of memory, the group restarts at once with half the micro-batch: the
-manifest the trainer reads carries it in status.effective, as the operator's
-ConfigMap does, and the summary says what changed and why.
+A failed node gets the operator's failure class, decided by the same rule
+(`kubetrain.restart_rules.failure_class`): a node the runner lost itself, the kernel's
+OOM-kill count in the run's memory cgroup (`kubetrain.local.memory`), the trainer's
+termination message (each node has its own termination log, as each pod does), or its
+exit code. Every node that failed in one poll is judged together, as the operator judges
+the pods that failed by one pass. Out of memory, the group restarts at once with half
+the micro-batch: the manifest the trainer reads carries it in status.effective, as the
+operator's ConfigMap does, and the summary says what changed and why.
 
 Own code (spec.trainer) runs under the same policy, as its pods do: each node runs
 kubetrain's own-code entry around torchrun and the user's command, progress comes from the
 code's reports to a status endpoint served here (kubetrain.local.status_endpoint), and
 checkpoints from the commits the entry uploads (kubetrain.local.own_code); every attempt
-resumes from the newest commit. The runner cannot halve a script's micro-batch: an
-out-of-memory failure counts as a restart and reaches the code as
-KUBETRAIN_OUT_OF_MEMORY_RESTARTS, which kubetrain.sdk.micro_batch_size halves by.
+resumes from the newest commit. The runner cannot halve a script's micro-batch itself: an
+out-of-memory restart is decided as for kubetrain's trainer (not counted, no backoff, at
+most log2 of the spec's micro-batch) and reaches the code as
+KUBETRAIN_OUT_OF_MEMORY_RESTARTS, which kubetrain.sdk.micro_batch_size halves by, as on
+Kubernetes.
 """
 
 from __future__ import annotations
@@ -55,7 +59,6 @@ from kubetrain.local.recovery import (
     GroupFailure,
     ProgressClock,
     after_attempt,
-    is_out_of_memory,
     node_failure_class,
 )
 from kubetrain.local.report import write_after_run
@@ -126,7 +129,6 @@ class LocalRun:
         self.goodput = (ReportedGoodput.resumed(self.workspace.metrics_log) if own_code
                         else None)
         self.endpoint: LocalStatusEndpoint | None = None
-        self.out_of_memory_failures = 0
         self.pending_kills = sorted(set(self.options.kill_at_steps))
         self.restarts: list[str] = []
         # The micro-batch of each attempt that changed it (out of memory), the spec's first.
@@ -171,8 +173,6 @@ class LocalRun:
                 manifest = self.workspace.write_manifest(self.job)
                 attempt += 1
                 continue
-            if spec.own_code and is_out_of_memory(spec.run_policy, decision.counted):
-                self.out_of_memory_failures += 1  # the code halves by it (sdk.batch)
             failures.append(decision.counted)
             if not decision.restart:
                 return self._finish(False, decision.reason, EXIT_FAILED)
@@ -269,7 +269,7 @@ class LocalRun:
         assert self.endpoint is not None
         return own_code_agent_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
                                self.endpoint.reporter_env(), self.workspace.torchrun_logs,
-                               self.out_of_memory_failures)
+                               len(self.micro_batches) - 1)
 
     def _watch(self, nodes: list[Node]) -> _Attempt:
         clock = ProgressClock(step=-1, since=time.monotonic())
@@ -355,7 +355,8 @@ class LocalRun:
         oom_killed = (after is not None and self.oom_kills_before is not None
                       and after > self.oom_kills_before)
         return node_failure_class(code, said.failure_class if said is not None else None,
-                                  oom_killed, self.job.spec.run_policy.permanent_exit_codes)
+                                  oom_killed, self.job.spec.run_policy.permanent_exit_codes,
+                                  lost=node.index in self.lost_nodes)
 
     def _log_tail(self, index: int) -> list[str]:
         text = self.workspace.worker_log(index).read_text(errors="replace")

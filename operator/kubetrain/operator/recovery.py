@@ -229,7 +229,8 @@ def continue_restart(decision: ReconcilePass) -> None:
 
 
 def handle_failures(decision: ReconcilePass) -> None:
-    """Fail the job or restart workers for failed, lost and stuck pods."""
+    """Fail the job or restart workers for failed, lost and stuck pods: the failed ones as
+    `kubetrain.restart_rules.judge` answers them, which `kubetrain run` asks too."""
     policy = decision.job.spec.run_policy
     failed, stuck = broken([pod for pod in decision.live_pods() if pod.index < decision.replicas],
                            policy, decision.held_back, decision.now)
@@ -237,29 +238,33 @@ def handle_failures(decision: ReconcilePass) -> None:
         return
     kinds = {pod.name: classify(pod, policy.permanent_exit_codes) for pod in failed}
     record_failures(decision, failed, kinds)
-    retries = {pod.name: retry_kind_of(pod, policy.permanent_exit_codes) for pod in failed}
-    permanent = [pod for pod in failed if retries[pod.name] == "permanent"]
-    if permanent:
-        decision.finish("Failed", "PermanentError",
-                        f"{describe(permanent[0], kinds[permanent[0].name])}, listed in "
-                        "runPolicy.permanentExitCodes: fix the configuration or code and "
-                        "create the job again")
-        return
     broken_pods = failed + stuck
-    out_of_memory = [pod for pod in failed
-                     if rules.heals_out_of_memory(kinds[pod.name], retries[pod.name])]
-    if out_of_memory:
-        heal_out_of_memory(decision, out_of_memory[0], kinds[out_of_memory[0].name], broken_pods)
-        return
-    preflight = [pod for pod in failed if kinds[pod.name] == "PreflightFailed"]
-    if preflight:
-        fail_preflight(decision, preflight, kinds, broken_pods)
-        return
-    nodes.count_node_failures(decision, failed, kinds)
-    coded = [pod for pod in failed if retries[pod.name] == "code"]
-    if coded and repeated_failure(decision, coded[0].exit_code,
-                                  describe(coded[0], kinds[coded[0].name])):
-        return
+    if failed:
+        ends = [rules.Ended(pod.exit_code, kinds[pod.name],
+                            retry_kind_of(pod, policy.permanent_exit_codes), pod.node_lost)
+                for pod in failed]
+        status = decision.status
+        judgement = rules.judge(ends, status.failure_streak, status.progress.step, policy)
+        pod = next(pod for pod, end in zip(failed, ends, strict=True)
+                   if end is judgement.ended)
+        if judgement.rule == "permanent":
+            decision.finish("Failed", "PermanentError",
+                            f"{describe(pod, kinds[pod.name])}, listed in "
+                            "runPolicy.permanentExitCodes: fix the configuration or code and "
+                            "create the job again")
+            return
+        if judgement.rule == "out_of_memory":
+            heal_out_of_memory(decision, pod, kinds[pod.name], broken_pods)
+            return
+        if judgement.rule == "preflight":
+            preflight = [one for one in failed if kinds[one.name] == "PreflightFailed"]
+            fail_preflight(decision, preflight, kinds, broken_pods)
+            return
+        nodes.count_node_failures(decision, failed, kinds)
+        status.failure_streak = judgement.streak
+        if judgement.rule == "repeated":
+            fail_repeated(decision, describe(pod, kinds[pod.name]))
+            return
     reason, message = restart_cause(failed, stuck, kinds, policy)
     decision.restart(reason, message, broken_pods,
                      whole_group=any(pod.index == 0 for pod in broken_pods))
@@ -481,19 +486,27 @@ def repeated_failure(decision: ReconcilePass, exit_code: int | None, what: str) 
     status = decision.status
     streak = status.failure_streak = rules.next_streak(status.failure_streak, exit_code,
                                                        status.progress.step)
-    policy = decision.job.spec.run_policy
-    if not rules.repeated(streak, policy):
+    if not rules.repeated(streak, decision.job.spec.run_policy):
         return False
+    fail_repeated(decision, what)
+    return True
+
+
+def fail_repeated(decision: ReconcilePass, what: str) -> None:
+    """Fail the job for the streak in status.failureStreak, which reached its limit."""
+    streak = decision.status.failure_streak
+    assert streak is not None
+    policy = decision.job.spec.run_policy
     decision.finish("Failed", "RepeatedFailure",
                     f"{what} in {streak.count} attempts in a row with no "
                     f"progress past step {streak.step} (runPolicy.repeatedFailureLimit: "
                     f"{policy.repeated_failure_limit}): check the trainer's logs (kubectl logs)")
-    return True
 
 
 def detect_hang(decision: ReconcilePass) -> None:
-    """Restart the whole group when the step has not advanced for progressDeadlineSeconds
-    (since the last step, the last restart, or the group running)."""
+    """Restart the whole group when the step has not advanced for longer than
+    progressDeadlineSeconds (`restart_rules.is_hung`; since the last step, the last
+    restart, or the group running)."""
     status = decision.status
     deadline = decision.job.spec.run_policy.progress_deadline_seconds
     if deadline is None or status.phase != "Running":
@@ -501,7 +514,7 @@ def detect_hang(decision: ReconcilePass) -> None:
     marks = [status.progress.updated_at, status.last_restart_time,
              decision.condition_since("Running")]
     since = max((mark for mark in marks if mark is not None), default=None)
-    if since is None or decision.now < since + timedelta(seconds=deadline):
+    if since is None or not rules.is_hung((decision.now - since).total_seconds(), deadline):
         return
     decision.restart("ProgressDeadlineExceeded",
                      f"the training step ({status.progress.step}) has not advanced for "
