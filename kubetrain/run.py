@@ -36,8 +36,9 @@ from typing import Any
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.local.launch import Rendezvous, agent_launch
+from kubetrain.local.launch import AgentLaunch, Rendezvous, agent_launch
 from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace
+from kubetrain.pod_conventions import pet_variable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,7 +194,7 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
     pod: dict[str, Any] = worker_pod(job, 0, 0)
     lines = [f"# {job.metadata.name}: torchrun here (kubetrain run) and on Kubernetes "
              "(the operator's worker Pod)",
-             *_side_by_side(launches[0].argv, pod),
+             *_side_by_side(launches[0], pod),
              "# here: rendezvous port 0 = a free port per attempt; torchrun's own restarts "
              "are off because the runner restarts the whole group under spec.runPolicy",
              f"# here: the trainer reads {workspace.manifest} (relative paths resolved under "
@@ -208,19 +209,19 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
     return "\n".join(lines)
 
 
-def _side_by_side(argv: list[str], pod: dict[str, Any]) -> list[str]:
+def _side_by_side(launch: AgentLaunch, pod: dict[str, Any]) -> list[str]:
     """One row per torchrun option: its value here and in the Pod (PET_<OPTION> variables)."""
     container = pod["spec"]["containers"][0]
     in_pod = {var["name"]: var.get("value", "") for var in container["env"]
               if var["name"].startswith("PET_")}
-    # `python -m kubetrain.trainer.launch --option value ... JOB.yaml [trainer options]`
-    program = next(index for index in range(3, len(argv), 2) if not argv[index].startswith("-"))
-    options = argv[3:program]
     rows = [("torchrun option", "here", "in the Pod")]
-    for flag, value in zip(options[::2], options[1::2], strict=True):
-        pet = "PET_" + flag.removeprefix("--").replace("-", "_").upper()
-        rows.append((flag, value, in_pod.get(pet, "-")))
-    rows.append(("program", " ".join([*argv[1:3], argv[program]]),
+    for option, value in launch.options.items():
+        rows.append((f"--{option}", value, in_pod.get(pet_variable(option), "-")))
+    # `python -m kubetrain.trainer.launch --option value ... JOB.yaml [trainer options]`:
+    # the program's manifest follows the options the launch says it has.
+    argv = launch.argv
+    program = argv[3 + 2 * len(launch.options)]
+    rows.append(("program", " ".join([*argv[1:3], program]),
                  " ".join(container["command"][1:])))
     widths = [max(len(row[column]) for row in rows) for column in range(2)]
     return [f"#   {a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]

@@ -23,7 +23,7 @@ import random
 import socket
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubetrain.api.trainingjob import EnvVar, TrainingJob
@@ -54,11 +54,14 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class AgentLaunch:
-    """One simulated node: its index, command line, and the variables added to the environment."""
+    """One simulated node: its index, command line, and the variables added to the
+    environment; `options`, torchrun's options on that command line, by name, in order
+    (each `--name value`, after the interpreter and its module)."""
 
     index: int
     argv: list[str]
     env: dict[str, str]
+    options: dict[str, str] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -106,9 +109,10 @@ def agent_launch(
 ) -> AgentLaunch:
     """The torchrun agent of simulated node `index` for one attempt of the group; torchrun's
     own files under `log_dir`."""
+    options = _torchrun_options(job, rendezvous, log_dir)
     argv = [
         sys.executable, "-m", TRAINER_LAUNCH_MODULE,
-        *_torchrun_options(job, rendezvous, log_dir),
+        *(word for option, value in options.items() for word in (f"--{option}", value)),
         str(manifest), "--metrics-log", str(metrics_log),
     ]
     env = {
@@ -118,10 +122,11 @@ def agent_launch(
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(job))),
         "PYTHONUNBUFFERED": "1",
     }
-    return AgentLaunch(index, argv, env)
+    return AgentLaunch(index, argv, env, options)
 
 
-def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous, log_dir: Path) -> list[str]:
+def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous, log_dir: Path
+                      ) -> dict[str, str]:
     """torchrun's options of a worker pod, each with its value, and where its files go."""
     settings = torchrun_settings(
         job, endpoint=rendezvous.endpoint, run_id=rendezvous.run_id,
@@ -131,13 +136,13 @@ def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous, log_dir: Path) -
         # The runner owns restarts: a failed process ends the agent, and the runner
         # restarts the whole group under spec.runPolicy, counting each restart once.
         max_restarts=0)
-    return [
-        *(word for option, value in settings.items() for word in (f"--{option}", value)),
+    return {
+        **settings,
         # Its files (a failed worker's error.json) in the run folder: by default each agent
         # makes a /tmp/torchelastic_* folder of its own that nothing removes (a pod's /tmp
         # goes with its container; this machine's stays).
-        "--log-dir", str(log_dir),
-    ]
+        "log-dir": str(log_dir),
+    }
 
 
 def _literal_env(variables: Iterable[EnvVar]) -> dict[str, str]:
@@ -166,7 +171,8 @@ def own_code_agent_launch(job: TrainingJob, manifest: Path, index: int,
         sys.executable, "-m", OWN_CODE_ENTRY_MODULE,
         "--sync-interval", f"{OWN_CODE_SYNC_SECONDS:g}", str(manifest), "--",
         sys.executable, "-m", "torch.distributed.run",
-        *_torchrun_options(job, rendezvous, log_dir),
+        *(word for option, value in _torchrun_options(job, rendezvous, log_dir).items()
+          for word in (f"--{option}", value)),
         *trainer.torchrun_arguments(),
     ]
     env = {

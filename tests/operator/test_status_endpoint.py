@@ -4,9 +4,11 @@ ETA come out as a `Report`, and every bad request gets its 4xx with the reason."
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib
 import json
+import logging
 import os
 import ssl
 import time
@@ -368,3 +370,28 @@ def test_a_serving_certificate_needs_a_name_and_the_key_is_long_enough() -> None
         StatusReports(b"short")
     assert job_token(KEY, "a", "b", "c") != job_token(os.urandom(32), "a", "b", "c")
     assert job_token(KEY, "a", "b", "c") != job_token(KEY, "a", "b", "d")
+
+
+def test_a_failure_after_start_up_is_reported_and_stop_still_returns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The serving loop dying once the endpoint runs (here: its event loop stopped under
+    it) is logged as an error and kept in `failure`, not left unread; stopping the dead
+    endpoint afterwards returns."""
+    caplog.set_level(logging.ERROR, logger="kubetrain.operator.status_endpoint")
+    served = serve(tmp_path, StatusReports(KEY))
+    endpoint = next(served)
+    loop = endpoint.server._loop
+    assert loop is not None
+    loop.call_soon_threadsafe(loop.stop)
+
+    def reported() -> bool:
+        return any("stopped serving" in record.getMessage() and record.exc_info
+                   for record in caplog.records)
+
+    deadline = time.monotonic() + 10
+    while not reported() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reported(), caplog.records
+    assert isinstance(endpoint.server.failure, RuntimeError), endpoint.server.failure
+    with contextlib.suppress(StopIteration):
+        next(served)  # leaves the `with`: stop() on the dead endpoint

@@ -28,6 +28,13 @@ from kubetrain.operator.observed import WorkerPod
 # A create or delete the watch has not reported after this long is presumed lost.
 EXPECTATION_TIMEOUT_SECONDS = 120.0
 
+
+def job_identity(uid: str | None, namespace: str, name: str) -> str:
+    """What this process remembers a job by: its uid (a job deleted and created again under
+    the same name is another job), or, for a job without one, its namespace and name, so
+    that two such jobs never share a memory. A uid has no slash."""
+    return uid or f"{namespace}/{name}"
+
 # What a ConfigMap was built from: (job generation, micro-batch size).
 ConfigMapVersion = tuple[int, int | None]
 

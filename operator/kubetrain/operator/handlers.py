@@ -47,7 +47,12 @@ from kubetrain.api.trainingjob import FINISHED, GROUP, PLURAL, VERSION, Training
 from kubetrain.operator.actions import Action, ReconcileAt
 from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
-from kubetrain.operator.expectations import ConfigMapVersion, Expectations, config_map_version
+from kubetrain.operator.expectations import (
+    ConfigMapVersion,
+    Expectations,
+    config_map_version,
+    job_identity,
+)
 from kubetrain.operator.leader import LeaderElection
 from kubetrain.operator.lifelines import Lifelines
 from kubetrain.operator.metrics import OperatorMetrics
@@ -140,7 +145,7 @@ class TrainingJobController:
         self.status = status
         self.metrics = OperatorMetrics()
         self.applier = ActionApplier(ApiWriter(api), self.metrics, USER_AGENT, config.identity)
-        self.memory: dict[str, JobMemory] = {}  # by job uid
+        self.memory: dict[str, JobMemory] = {}  # by job_identity
         self._memory_lock = threading.Lock()
         self.election = None if config.standalone else LeaderElection(
             api, config.lease_namespace, config.identity, lease_seconds=config.lease_seconds,
@@ -210,7 +215,7 @@ class TrainingJobController:
                            body: kopf.Body, **_: Any) -> None:
         if type == "DELETED":
             with self._memory_lock:
-                self.memory.pop(uid, None)
+                self.memory.pop(job_identity(uid, namespace, name), None)
             self.applier.job_gone(uid, namespace, name)
             if self.status is not None:
                 self.status.forget(namespace, name)
@@ -218,15 +223,17 @@ class TrainingJobController:
             if wake := self._wakes.pop((namespace, name), None):
                 wake.cancel()
             return
-        if type == "MODIFIED" and self._own_status_echo(uid, body):
+        if type == "MODIFIED" and self._own_status_echo(job_identity(uid, namespace, name),
+                                                        body):
             return
         await self._reconcile_in_thread((namespace, name))
 
     async def on_pod_event(self, type: str | None, name: str, namespace: str,
                            labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
-        if type == "ADDED" and self._own_echo(name, body):
+        job = labels[pod_conventions.JOB_LABEL]
+        if type == "ADDED" and self._own_echo(name, namespace, job, body):
             return
-        await self._reconcile_in_thread((namespace, labels[pod_conventions.JOB_LABEL]))
+        await self._reconcile_in_thread((namespace, job))
 
     async def start(self, settings: kopf.OperatorSettings, tj_jobs: kopf.Index,
                     tj_pods: kopf.Index, tj_services: kopf.Index, tj_configmaps: kopf.Index,
@@ -302,20 +309,20 @@ class TrainingJobController:
     # Events that only echo this process's own writes bring no news: skipping their
     # reconciles halves the passes while jobs start (the resync still visits every job).
 
-    def _own_status_echo(self, uid: str, job: kopf.Body) -> bool:
+    def _own_status_echo(self, identity: str, job: kopf.Body) -> bool:
         """The job as this process last wrote its status, with the spec it last saw."""
-        memory = self.memory.get(uid)
+        memory = self.memory.get(identity)
         return memory is not None and memory.expected.is_status_echo(job)
 
-    def _own_echo(self, name: str, pod: kopf.Body) -> bool:
+    def _own_echo(self, name: str, namespace: str, job: str, pod: kopf.Body) -> bool:
         """A pod this process created, seen for the first time and still Pending."""
         owners = pod.get("metadata", {}).get("ownerReferences") or [{}]
-        memory = self.memory.get(owners[0].get("uid", ""))
+        memory = self.memory.get(job_identity(owners[0].get("uid"), namespace, job))
         return memory is not None and memory.expected.is_created_echo(name, pod)
 
-    def _memory(self, uid: str) -> JobMemory:
+    def _memory(self, identity: str) -> JobMemory:
         with self._memory_lock:
-            return self.memory.setdefault(uid, JobMemory())
+            return self.memory.setdefault(identity, JobMemory())
 
     def reconcile(self, key: JobKey, indexes: Indexes, *, scrape: bool = False) -> None:
         """Bring one job towards its spec; safe to run any number of times, from any thread.
@@ -327,7 +334,7 @@ class TrainingJobController:
         bodies = _snapshot(indexes.jobs, key)
         if not bodies or not self.acting():
             return
-        memory = self._memory(bodies[0].get("metadata", {}).get("uid", ""))
+        memory = self._memory(job_identity(bodies[0].get("metadata", {}).get("uid"), *key))
         with memory.lock:
             memory.scrape |= scrape
             if memory.running:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -256,10 +257,18 @@ class StatusEndpoint:
             raise RuntimeError(f"the status endpoint could not start on "
                                f"{self.host}:{self.port}") from self._failure
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the endpoint stopped serving on its own (logged when it happened); None while
+        it serves, or after an orderly stop."""
+        return self._failure
+
     def stop(self) -> None:
-        """Stop serving and wait for the thread to end."""
-        if self._loop is not None and self._stopping is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
+        """Stop serving and wait for the thread to end (at once when it has ended already)."""
+        if self._loop is not None and self._stopping is not None and not self._loop.is_closed():
+            # Its loop may close between the check and the call, when the endpoint fails.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stopping.set)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -274,9 +283,13 @@ class StatusEndpoint:
     def _run(self) -> None:
         try:
             asyncio.run(self._serve())
-        except BaseException as error:  # reported to start(), which raises it
+        except BaseException as error:
             self._failure = error
-            self._started.set()
+            if self._started.is_set():  # serving already: nobody waits for it, say it here
+                log.error("the status endpoint stopped serving on %s:%s; own code's progress "
+                          "reports are refused until the operator restarts", self.host,
+                          self.port, exc_info=error)
+            self._started.set()  # before start-up: start() raises it
 
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
