@@ -26,6 +26,7 @@ from kubetrain.operator.actions import (
     CountFailure,
     CountRestart,
     CreateObject,
+    CreateStatusSecret,
     DeleteJob,
     DeletePod,
     ReconcileAt,
@@ -138,6 +139,13 @@ class ActionApplier:
                                   phase)
         elif isinstance(action, CreateObject):
             self._create(namespace, expected, action.manifest)
+        elif isinstance(action, CreateStatusSecret):
+            try:
+                self.writer.create(namespace, action.manifest)
+            except ApiException as error:
+                if error.status != 409:  # already there: made before an operator restart
+                    raise
+            expected.status_secret = True
         elif isinstance(action, UpdateConfigMap):
             meta = action.manifest["metadata"]
             self.writer.patch_config_map(namespace, meta["name"], {

@@ -80,6 +80,8 @@ class Expectations:
     # The API server's last refusal of a child, already reported as a FailedCreate event:
     # the same refusal comes back at each pass until someone changes something.
     refused: str = ""
+    # Own code: the job's Secret <job>-status exists (created, or found created).
+    status_secret: bool = False
     clock: Callable[[], float] = time.monotonic
 
     # --- what the applier wrote ------------------------------------------------------
