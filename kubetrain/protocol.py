@@ -97,7 +97,7 @@ ENDS_THE_POD: Final = frozenset({"CUDAOutOfMemory", "GPUError", "PreflightFailed
 # LIFELINE_BEAT_SECONDS and, when it ends in order, one last line `end <exit code> <class>
 # <words>`, then closes. A connection closed without an `end` line means the process died
 # (kill -9, a crash, the kernel's OOM killer); one that stays open without a beat means the
-# process or its node stopped (kubetrain.trainer.lifeline, kubetrain.operator.lifelines).
+# process or its node stopped (kubetrain.trainer.lifeline, kubetrain.operator.lifeline_watch).
 LIFELINE_BEAT_SECONDS: Final = 0.5
 # The `end` class of a rank that failed only because a peer vanished under a collective: a
 # consequence of another rank's failure, which the operator does not count again.

@@ -38,7 +38,7 @@ from kubetrain.local.recovery import (
     node_failure_class,
 )
 from kubetrain.operator.actions import CreateObject, WriteStatus
-from kubetrain.operator.observed import Observed, TrainerEnd, WorkerPod
+from kubetrain.operator.facts import Observed, TrainerEnd, WorkerPod
 from kubetrain.operator.reconcile import reconcile
 from kubetrain.operator.recovery import retry_kind_of
 from kubetrain.protocol import (

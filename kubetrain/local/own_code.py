@@ -8,7 +8,8 @@ checkpoint.uri since (the commits kubetrain.trainer.checkpoint_sync writes last,
 checkpoint shown is one a restart would restore). Each simulated node has its own
 checkpoint folder, runs/JOB/nodes/worker-I/checkpoints, emptied at every attempt as a new
 pod's emptyDir is: every attempt resumes from what was uploaded, never from a node's
-leftovers. Step events come from the local status endpoint (kubetrain.local.status_endpoint).
+leftovers. Step events come from the local status endpoint
+(kubetrain.local.trainer_status_endpoint).
 
 Own code's goodput (`ReportedGoodput`) is judged from those steps by the operator's rule
 (kubetrain.operator.observation.step_goodput): the time between two reported steps of one

@@ -21,7 +21,7 @@ operator's ConfigMap does, and the summary says what changed and why.
 
 Own code (spec.trainer) runs under the same policy, as its pods do: each node runs
 kubetrain's own-code entry around torchrun and the user's command, progress comes from the
-code's reports to a status endpoint served here (kubetrain.local.status_endpoint), and
+code's reports to a status endpoint served here (kubetrain.local.trainer_status_endpoint), and
 checkpoints from the commits the entry uploads (kubetrain.local.own_code); every attempt
 resumes from the newest commit. The runner cannot halve a script's micro-batch itself: an
 out-of-memory restart is decided as for kubetrain's trainer (not counted, no backoff, at
@@ -62,7 +62,7 @@ from kubetrain.local.recovery import (
     node_failure_class,
 )
 from kubetrain.local.report import write_after_run
-from kubetrain.local.status_endpoint import LocalStatusEndpoint
+from kubetrain.local.trainer_status_endpoint import LocalStatusEndpoint
 from kubetrain.local.workspace import Workspace
 from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV, TERMINATION_LOG_ENV
 from kubetrain.protocol import trainer_failure

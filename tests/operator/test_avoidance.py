@@ -23,8 +23,8 @@ from kubetrain.operator.children import (
     avoiding_affinity,
 )
 from kubetrain.operator.children import worker_pod as render_pod
+from kubetrain.operator.facts import metrics_sample, worker_pod
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import metrics_sample, worker_pod
 from kubetrain.operator.reconcile_pass import HUNG_GROUP_GRACE_SECONDS
 from kubetrain.protocol import trainer_failure
 

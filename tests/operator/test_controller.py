@@ -34,9 +34,9 @@ from kubetrain.operator.expectations import (
     config_map_version,
     held_version,
 )
+from kubetrain.operator.facts import worker_pod
 from kubetrain.operator.handlers import TrainingJobController
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import worker_pod
 from kubetrain.operator.writer import ApiWriter
 
 

@@ -140,7 +140,7 @@ def test_a_failed_preflight_names_its_nodes_and_those_no_rank_reported_from() ->
 
 
 def test_a_pods_restarts_in_place_are_its_own_earlier_ends_one_per_restart() -> None:
-    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.facts import TrainerEnd
     from kubetrain.operator.recovery import restarts_in_place_done
 
     def end(name: str, seconds: int) -> TrainerEnd:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kubetrain.api.trainingjob import RanksStatus, TrainingJobSpec
-from kubetrain.operator.observed import RankSample
+from kubetrain.operator.facts import RankSample
 from kubetrain.operator.stragglers import describe, judge, stragglers
 
 THRESHOLD, WINDOW = 1.3, 3  # runPolicy.stragglers' defaults

@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
+from kubetrain.operator.facts import WorkerPod
 from kubetrain.operator.failures import classify
-from kubetrain.operator.observed import WorkerPod
 from kubetrain.protocol import trainer_failure
 from kubetrain.trainer.loop import EXIT_OUT_OF_MEMORY
 

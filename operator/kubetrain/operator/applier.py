@@ -35,8 +35,8 @@ from kubetrain.operator.actions import (
     WriteStatus,
 )
 from kubetrain.operator.expectations import Expectations, job_identity
+from kubetrain.operator.facts import worker_pod
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import worker_pod
 from kubetrain.operator.writer import ApiWriter
 
 # The API server refuses longer event messages.

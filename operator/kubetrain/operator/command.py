@@ -116,7 +116,7 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
 
     status = None
     if config.status_port is not None:
-        from kubetrain.operator.status_reporting import start_status_reporting
+        from kubetrain.operator.trainer_status_setup import start_status_reporting
 
         status = start_status_reporting(api, config.status_namespace, config.status_dial_host(),
                                         config.status_port)

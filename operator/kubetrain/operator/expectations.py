@@ -23,7 +23,7 @@ from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJobStatus
 from kubetrain.operator import children
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
 
 # A create or delete the watch has not reported after this long is presumed lost.
 EXPECTATION_TIMEOUT_SECONDS = 120.0

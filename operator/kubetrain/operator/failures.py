@@ -1,6 +1,6 @@
 """Why a worker pod ended: its failure class, from what the API and the trainer report.
 
-Pure: a `WorkerPod` (the facts `kubetrain.operator.observed` read from the pod's
+Pure: a `WorkerPod` (the facts `kubetrain.operator.facts` read from the pod's
 status, the node it was bound to and its trainer's termination message) becomes the
 facts the class is decided from, and `kubetrain.restart_rules.failure_class` decides it
 in the same order as for `kubetrain run`'s nodes: a class, the one a user reads in
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kubetrain import restart_rules
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
 from kubetrain.protocol import EXIT_OOM_KILLED
 
 # DisruptionTarget condition reasons (Kubernetes 1.26+) and pod reasons, by class.

@@ -19,7 +19,7 @@ and the indexes, filled before any handler runs, are the truth again. The writes
 themselves are `kubetrain.operator.applier`'s.
 
 An own-code job (spec.trainer) reports its progress to the status endpoint
-(`kubetrain.operator.status_reporting`): the controller admits it, has its Secret
+(`kubetrain.operator.trainer_status_setup`): the controller admits it, has its Secret
 `<job>-status` created before its first pods (an action the applier carries out, first
 in the pass), reads its latest report where it would scrape rank 0, and forgets it once it
 finished or is deleted.
@@ -56,19 +56,19 @@ from kubetrain.operator.expectations import (
     config_map_version,
     job_identity,
 )
-from kubetrain.operator.leader import LeaderElection
-from kubetrain.operator.lifelines import Lifelines
-from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import (
+from kubetrain.operator.facts import (
     Observed,
     final_metrics,
     node_reachable,
     worker_pod,
 )
+from kubetrain.operator.leader import LeaderElection
+from kubetrain.operator.lifeline_watch import LifelineWatch
+from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.pass_scheduler import JobKey, JobMemory, PassScheduler
 from kubetrain.operator.rank0_scrape import scrape_rank0
 from kubetrain.operator.reconcile import reconcile, reject
-from kubetrain.operator.status_reporting import StatusReporting, advertise
+from kubetrain.operator.trainer_status_setup import StatusReporting, advertise
 from kubetrain.operator.writer import ApiWriter
 from kubetrain.protocol import lifeline_port
 
@@ -133,7 +133,7 @@ class TrainingJobController:
             retry_seconds=config.lease_retry_seconds, on_elected=self._elected)
         self._resync: asyncio.Task[None] | None = None
         # Trainer restarts in place, which only each pod's lifeline shows (issue 33).
-        self.lifelines = Lifelines(self._trainer_ended)
+        self.lifelines = LifelineWatch(self._trainer_ended)
         self._news: set[asyncio.Future[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._indexes: Indexes | None = None

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from kubetrain.api.trainingjob import TrainingJob, TrainingJobStatus
 from kubetrain.operator import children
 from kubetrain.operator.actions import CreateObject, DeleteJob, UpdateConfigMap
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
 from kubetrain.operator.reconcile_pass import ReconcilePass
 
 # The Failed condition's reason for a spec that does not parse (`reconcile.reject`).

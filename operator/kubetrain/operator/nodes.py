@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from kubetrain.api.trainingjob import RankSlowness
 from kubetrain.operator import avoidance, stragglers
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
 from kubetrain.operator.reconcile_pass import ReconcilePass
 
 

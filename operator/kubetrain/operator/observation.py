@@ -32,7 +32,7 @@ from kubetrain.api.trainingjob import (
     step_folder,
 )
 from kubetrain.operator import stragglers
-from kubetrain.operator.observed import MetricsSample
+from kubetrain.operator.facts import MetricsSample
 from kubetrain.operator.reconcile_pass import ReconcilePass
 
 

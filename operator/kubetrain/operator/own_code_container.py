@@ -10,7 +10,7 @@ checkpoint into KUBETRAIN_CHECKPOINT_DIR first, uploads marked folders while it 
 passes SIGTERM through. `children.worker_pod` builds the pod around this container for
 every job with spec.trainer.
 
-The status endpoint (`kubetrain.operator.status_endpoint`) reaches the container through
+The status endpoint (`kubetrain.operator.trainer_status_endpoint`) reaches the container through
 the job's Secret `<job>-status` (`status_secret_name`), which the operator creates before
 the job's pods: its `url`, `token` and `ca.crt` become Kubeflow Trainer's three
 KUBEFLOW_TRAINER_SERVER_* variables (the URL as a value, the other two as file paths).

@@ -1,7 +1,7 @@
 """Reading rank 0's /metrics: the one network read of a reconcile pass besides the indexes.
 
 The resync asks for it once per `resync_seconds` for each job that runs kubetrain's trainer
-(`TrainingJobController`); the text is parsed by `kubetrain.operator.observed.metrics_sample`
+(`TrainingJobController`); the text is parsed by `kubetrain.operator.facts.metrics_sample`
 into the progress reconcile reads. A rank 0 that is not up, or does not answer within
 the timeout, gives no sample: the pass goes on without one.
 """
@@ -12,7 +12,7 @@ import logging
 import urllib.request
 from collections.abc import Iterable
 
-from kubetrain.operator.observed import MetricsSample, WorkerPod, metrics_sample
+from kubetrain.operator.facts import MetricsSample, WorkerPod, metrics_sample
 
 log = logging.getLogger(__name__)
 

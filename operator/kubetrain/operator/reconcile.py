@@ -74,8 +74,8 @@ from kubetrain.operator.actions import (
     RecordEvent,
     WriteStatus,
 )
+from kubetrain.operator.facts import Observed
 from kubetrain.operator.lifecycle import INVALID_SPEC
-from kubetrain.operator.observed import Observed
 from kubetrain.operator.reconcile_pass import ReconcilePass
 
 

@@ -22,7 +22,7 @@ from kubetrain.api.trainingjob import (
     TrainingJobStatus,
 )
 from kubetrain.operator.actions import Action, CountRestart, DeletePod, RecordEvent
-from kubetrain.operator.observed import Observed, WorkerPod
+from kubetrain.operator.facts import Observed, WorkerPod
 
 # Seconds a hung group's pods get between SIGTERM and SIGKILL: enough to flush logs.
 HUNG_GROUP_GRACE_SECONDS: Final = 5

@@ -7,7 +7,7 @@ hung workers, and the pure functions that decide them.
 - every failed pod is classed (`kubetrain.operator.failures`) and recorded in
   status.lastFailure and status.failures, with an event and a metric; so is every trainer
   failure that torchrun restarted in place, which only its lifeline shows
-  (`record_restarts_in_place`, `kubetrain.operator.lifelines`). torchrun restarts a pod's
+  (`record_restarts_in_place`, `kubetrain.operator.lifeline_watch`). torchrun restarts a pod's
   trainers in place while that pod's budget (PET_MAX_RESTARTS = runPolicy.maxRestarts,
   `restart_rules.restarts_in_place`) lasts: such a restart is counted in status.restarts
   and shown, and ends the job only for a permanent or repeated exit code, never for
@@ -43,14 +43,14 @@ from kubetrain.api.trainingjob import (
 from kubetrain.memory_budget import out_of_memory_note
 from kubetrain.operator import children, lifecycle, nodes, observation
 from kubetrain.operator.actions import CountFailure, CountRestart, ReconcileAt, UpdateConfigMap
-from kubetrain.operator.failures import classify, describe
-from kubetrain.operator.observed import (
+from kubetrain.operator.facts import (
     DISRUPTION_REASONS,
     IN_PLACE,
     TrainerEnd,
     TrainerFailure,
     WorkerPod,
 )
+from kubetrain.operator.failures import classify, describe
 from kubetrain.operator.reconcile_pass import NO_BACKOFF_REASONS, ReconcilePass
 
 # status.lastFailure.message is cut here: a termination message may hold 4 KiB.
@@ -335,7 +335,7 @@ def record_restarts_in_place(decision: ReconcilePass) -> None:
     shown as the lifeline told it, and the pod's own end is judged when it comes
     (`handle_failures`, which retracts this record then).
 
-    The lifelines (`kubetrain.operator.lifelines`) saw them; a pod's end is news while its
+    The lifelines (`kubetrain.operator.lifeline_watch`) saw them; a pod's end is news while its
     pod still runs (a pod that failed, or is being deleted, is the pod's own story) and
     while it is newer than status.lastFailure, which records it once.
     """

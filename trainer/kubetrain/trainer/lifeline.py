@@ -6,7 +6,7 @@ process of a worker pod serves a lifeline on the metrics port + 1 + its local ra
 (`kubetrain.protocol`): a `beat` line every
 half second to each connection, and one `end` line with the exit code and the failure class
 when `fit` ends in order. A process that dies closes its connections without one: the
-kernel does that at once, even for kill -9, so the operator (`kubetrain.operator.lifelines`)
+kernel does that at once, even for kill -9, so the operator (`kubetrain.operator.lifeline_watch`)
 knows within milliseconds, and a node that goes silent stops the beats.
 
 Torch-free and self-contained: served only in a pod (KUBETRAIN_POD_NAME, which the operator

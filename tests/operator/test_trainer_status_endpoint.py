@@ -24,8 +24,7 @@ import pytest
 import requests
 from host_tools import unavailable
 
-from kubetrain.operator.status_certificates import CertificateAuthority
-from kubetrain.operator.status_endpoint import (
+from kubetrain.operator.trainer_status_endpoint import (
     MAX_BODY_BYTES,
     RateLimit,
     StatusEndpoint,
@@ -33,6 +32,7 @@ from kubetrain.operator.status_endpoint import (
     job_token,
     status_path,
 )
+from kubetrain.operator.trainer_status_tls import CertificateAuthority
 from kubetrain.protocol import CA_CERT_ENV, SERVER_URL_ENV, TOKEN_ENV
 
 KEY = bytes(range(32))
@@ -377,7 +377,7 @@ def test_a_failure_after_start_up_is_reported_and_stop_still_returns(
     """The serving loop dying once the endpoint runs (here: its event loop stopped under
     it) is logged as an error and kept in `failure`, not left unread; stopping the dead
     endpoint afterwards returns."""
-    caplog.set_level(logging.ERROR, logger="kubetrain.operator.status_endpoint")
+    caplog.set_level(logging.ERROR, logger="kubetrain.operator.trainer_status_endpoint")
     served = serve(tmp_path, StatusReports(KEY))
     endpoint = next(served)
     loop = endpoint.server._loop

@@ -1,7 +1,7 @@
 """The status endpoint of a local own-code run: progress reports become metrics-log events.
 
 On Kubernetes the operator serves Kubeflow Trainer's status endpoint
-(kubetrain.operator.status_endpoint) and own code's rank 0 POSTs `{"trainerStatus": {...}}`
+(kubetrain.operator.trainer_status_endpoint) and own code's rank 0 POSTs `{"trainerStatus": {...}}`
 to it: kubetrain.sdk.report and transformers' KubeflowCallback, unchanged. `kubetrain run`
 serves the same URL contract on loopback for the run's own processes: the three
 KUBEFLOW_TRAINER_SERVER_* variables (`reporter_env`), a bearer token in a file only this

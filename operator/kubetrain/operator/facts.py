@@ -125,8 +125,9 @@ class MetricsSample:
     # From an own-code job's status reports, which say nothing of wall time by cause:
     # its goodput is judged from when its step advanced (observation.step_goodput).
     reported: bool = False
-    # Own code: the furthest step an earlier attempt reported (status_endpoint keeps it), so
-    # the steps up to it that this attempt trains again are lost progress; None: no restart.
+    # Own code: the furthest step an earlier attempt reported (the trainer status endpoint
+    # keeps it), so the steps up to it that this attempt trains again are lost progress;
+    # None: no restart.
     redone_until: int | None = None
     # A report of progress 100 % with no step: the code's end-of-training post
     # (transformers' KubeflowCallback sends one), so the step is the last one, maxSteps.
@@ -141,7 +142,7 @@ IN_PLACE = "torchrun restarts the group in place"
 class TrainerEnd:
     """A trainer process of a running pod that ended, as its lifeline said (or did not say):
     torchrun restarts its group in place, and only the lifeline shows it
-    (`kubetrain.operator.lifelines`)."""
+    (`kubetrain.operator.lifeline_watch`)."""
 
     pod: str
     time: datetime  # when the operator saw it end, to the second

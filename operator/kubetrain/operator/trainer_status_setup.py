@@ -1,6 +1,6 @@
 """The operator's side of the status endpoint: its keys, each job's Secret, admission, progress.
 
-`kubetrain.operator.status_endpoint` serves reports and keeps them in memory; this module
+`kubetrain.operator.trainer_status_endpoint` serves reports and keeps them in memory; this module
 wires it into the operator:
 
 - at start, the endpoint's CA pair and HMAC key come from the Secret `ENDPOINT_SECRET` in
@@ -37,20 +37,20 @@ from kubernetes.client.exceptions import ApiException
 from kubetrain import pod_conventions
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.operator import children
-from kubetrain.operator.observed import MetricsSample, reported_sample
+from kubetrain.operator.facts import MetricsSample, reported_sample
 from kubetrain.operator.own_code_container import (
     STATUS_CA_KEY,
     STATUS_TOKEN_KEY,
     STATUS_URL_KEY,
     status_secret_name,
 )
-from kubetrain.operator.status_certificates import CertificateAuthority
-from kubetrain.operator.status_endpoint import (
+from kubetrain.operator.trainer_status_endpoint import (
     StatusEndpoint,
     StatusReports,
     job_token,
     status_path,
 )
+from kubetrain.operator.trainer_status_tls import CertificateAuthority
 
 # The Secret, in the operator's namespace, holding the endpoint's CA pair and HMAC key.
 ENDPOINT_SECRET = "kubetrain-status-endpoint"
