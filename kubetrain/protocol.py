@@ -48,7 +48,7 @@ EXIT_RESTART: Final = 75  # EX_TEMPFAIL: another rank was signalled; rejoin the 
 EXIT_OUT_OF_MEMORY: Final = 87  # the device ran out of memory at this micro-batch
 EXIT_COLLECTIVE_TIMEOUT: Final = 88  # a collective timed out (a peer hung or vanished)
 EXIT_PREFLIGHT_FAILED: Final = 89  # the preflight check failed (kubetrain.trainer.preflight)
-EXIT_GPU_ERROR: Final = 90  # the GPU itself failed (kubetrain.trainer.loop.is_gpu_error)
+EXIT_GPU_ERROR: Final = 90  # the GPU itself failed (kubetrain.trainer.failure_classes.is_gpu_error)
 # 128 + N is "killed by signal N" as shells and container runtimes report it (Python's
 # Popen reports -N); 128 itself is no signal.
 SIGNAL_EXIT_BASE: Final = 128

@@ -19,8 +19,7 @@ import yaml
 
 from kubetrain.operator.facts import WorkerPod
 from kubetrain.operator.failures import classify
-from kubetrain.protocol import trainer_failure
-from kubetrain.trainer.loop import EXIT_OUT_OF_MEMORY
+from kubetrain.protocol import EXIT_OUT_OF_MEMORY, trainer_failure
 
 WORKER = Path(__file__).with_name("oom_worker.py")
 # Losses of the same global batch split into micro-batches of 8 or of 4 x 2 differ only by

@@ -172,7 +172,7 @@ import contextlib, sys, time, torch, torch.distributed as dist
 from kubetrain.api.presets import PRESETS
 from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.distributed import StopRequest
-from kubetrain.trainer.loop import evaluate
+from kubetrain.trainer.evaluation import evaluate
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import ParallelModel
 from kubetrain.trainer.rank_timing import WaitClock
