@@ -37,7 +37,13 @@ from typing import Any
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.launch import AgentLaunch, Rendezvous, agent_launch
-from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace
+from kubetrain.local.own_code import Commit, CommitListing, OpenListing
+from kubetrain.local.workspace import (
+    PREPARE_FROM_ANNOTATION,
+    PYTHON_STDLIB,
+    Workspace,
+    copy_stdlib_sources,
+)
 from kubetrain.pod_conventions import pet_variable
 
 
@@ -78,7 +84,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     from kubetrain.local.runner import LocalRun, RunOptions
-    from kubetrain.local.workspace import ensure_data
 
     if job.spec.run_policy.suspend:
         print(f"kubetrain run: {job.metadata.name} is suspended (spec.runPolicy.suspend: true): "
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
     if job.spec.own_code:
         print(_own_code_plan(local_job, workspace), file=sys.stderr)
-        return LocalRun(local_job, workspace, options).run()
+        return LocalRun(local_job, workspace, options, _commit_listing(local_job)).run()
     if _port_in_use(job.spec.metrics.port):
         print(f"kubetrain run: spec.metrics.port {job.spec.metrics.port} is already in use on "
               "this machine (another run?): stop it or choose another port", file=sys.stderr)
@@ -102,6 +107,75 @@ def run(args: argparse.Namespace) -> int:
               f"(the {PREPARE_FROM_ANNOTATION} annotation)", file=sys.stderr)
     print(_plan(local_job, workspace), file=sys.stderr)
     return LocalRun(local_job, workspace, options).run()
+
+
+def _commit_listing(job: TrainingJob) -> OpenListing:
+    """Own code's commits under a URI, read with the trainer's storage layer for the local
+    runner (which imports nothing of the trainer)."""
+    from kubetrain.trainer.checkpoint_sync import commits
+    from kubetrain.trainer.storage import open_storage
+
+    def open_listing(uri: str) -> CommitListing:
+        storage = open_storage(uri, job.spec.storage)
+        return CommitListing(storage.uri, lambda: [Commit(commit.folder, commit.step)
+                                                   for commit in commits(storage)])
+
+    return open_listing
+
+
+# Demo-data shape: small shards so every data-parallel rank reads from several, and a
+# validation split large enough for a stable loss on a corpus of a few MB.
+DEMO_SHARD_TOKENS = 1 << 18
+DEMO_VALIDATION_FRACTION = 0.05
+
+
+def corpus_inputs(source: str, workspace: Workspace) -> list[str]:
+    """The inputs `kubetrain prepare` reads for a prepare-from annotation value."""
+    if source != PYTHON_STDLIB:
+        return [source]
+    # The top level of the standard library: a few MB of real Python, without the
+    # site-packages and test data that share its folder. Copied into one folder of
+    # the run, so the user can see what the model trains on.
+    return [str(copy_stdlib_sources(workspace.root / "corpus"))]
+
+
+def ensure_data(job: TrainingJob, workspace: Workspace) -> str | None:
+    """Make sure `spec.data.train` holds prepared data before any worker starts.
+
+    Prepares it from the job's prepare-from corpus when it is missing and returns
+    that corpus; returns None when the data was already there. Without the
+    annotation, missing data raises FileNotFoundError at once, rather than after
+    every restart the run policy allows. `job` must be localized
+    (`Workspace.localize`).
+    """
+    from kubetrain.trainer.prepare import INDEX_NAME, TOKENIZER_NAME, prepare
+    from kubetrain.trainer.storage import open_storage
+
+    source = job.metadata.annotations.get(PREPARE_FROM_ANNOTATION)
+    train = job.spec.data.train
+    if open_storage(train, job.spec.storage).exists(INDEX_NAME):
+        return None
+    if source is None:
+        raise FileNotFoundError(
+            f"spec.data.train ({train}) holds no prepared data: run `kubetrain prepare "
+            f"CORPUS -o {train.rstrip('/').removesuffix('/train')}`, or annotate the job with "
+            f"{PREPARE_FROM_ANNOTATION}: CORPUS to have `kubetrain run` prepare it")
+    output, _, split = train.rstrip("/").rpartition("/")
+    if split != "train" or not output:
+        raise ValueError(f"spec.data.train ({train}) must end in /train to be prepared from "
+                         f"the {PREPARE_FROM_ANNOTATION} annotation: `kubetrain prepare` writes "
+                         "OUTPUT/train and OUTPUT/validation")
+    init = job.spec.model.init
+    if job.spec.model.from_teacher and job.spec.distillation is not None:
+        init = job.spec.distillation.teacher  # a student sized from it shares its vocabulary
+    # A pretrained model reads token ids of its own tokenizer: the one its folder holds.
+    tokenizer: dict[str, Any] = (
+        {"tokenizer": f"{init.rstrip('/')}/{TOKENIZER_NAME}"} if init is not None
+        else {"vocab_size": job.spec.model.resolve().vocab_size})
+    prepare(corpus_inputs(source, workspace), output, **tokenizer,
+            shard_tokens=DEMO_SHARD_TOKENS, validation_fraction=DEMO_VALIDATION_FRACTION,
+            storage=job.spec.storage)
+    return source
 
 
 def _port_in_use(port: int) -> bool:

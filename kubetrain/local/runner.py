@@ -52,7 +52,12 @@ from kubetrain.local.launch import (
 from kubetrain.local.memory import oom_kills
 from kubetrain.local.metrics_log import Event, MetricsLogReader, RunHistory, append_event
 from kubetrain.local.node import Node
-from kubetrain.local.own_code import CommittedCheckpoints, ReportedGoodput, fresh_node_dirs
+from kubetrain.local.own_code import (
+    CommittedCheckpoints,
+    OpenListing,
+    ReportedGoodput,
+    fresh_node_dirs,
+)
 from kubetrain.local.progress import Outcome, ProgressDisplay, summary
 from kubetrain.local.recovery import (
     Decision,
@@ -112,6 +117,8 @@ class LocalRun:
     job: TrainingJob
     workspace: Workspace
     options: RunOptions = field(default_factory=RunOptions)
+    open_listing: OpenListing | None = None
+    """Own code: how to list the checkpoints committed under a URI (the command's)."""
 
     def __post_init__(self) -> None:
         self.history = RunHistory()
@@ -124,7 +131,10 @@ class LocalRun:
                                        if self.job.spec.optimization.epochs is None
                                        and not own_code else None)
         # Own code: its commits under checkpoint.uri, and its reports' endpoint while it runs.
-        self.commits = CommittedCheckpoints(self.job) if own_code else None
+        if own_code and self.open_listing is None:
+            raise ValueError("an own-code job's run needs open_listing to see its commits")
+        self.commits = (CommittedCheckpoints(self.job, self.open_listing)
+                        if own_code and self.open_listing is not None else None)
         # ...and its goodput, from the steps it reports (kubetrain's trainer logs its own).
         self.goodput = (ReportedGoodput.resumed(self.workspace.metrics_log) if own_code
                         else None)

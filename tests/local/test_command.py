@@ -16,7 +16,8 @@ from kubetrain.api.manifest import parse_job
 from kubetrain.cli import main
 from kubetrain.local.launch import AgentLaunch, free_port
 from kubetrain.local.node import Node, descendants
-from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace, ensure_data
+from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace
+from kubetrain.run import ensure_data
 from kubetrain.trainer.prepare import TOKENIZER_NAME
 
 
