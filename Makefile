@@ -28,9 +28,11 @@ $(KUBEFLOW_SDK)/.installed: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/kubetrain run examples/quickstart.yaml
 
+# ruff, mypy, and the tiers as import contracts (pyproject.toml's [tool.importlinter]).
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # The API, storage and operator tests against the lowest version of every direct
 # dependency that pyproject.toml allows, in .venv-lowest (a wrong lower bound fails here),

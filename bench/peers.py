@@ -40,8 +40,8 @@ import torch
 
 from kubetrain.api.presets import PRESETS
 from kubetrain.api.trainingjob import ModelDims
+from kubetrain.sizing import flops_per_token
 from kubetrain.trainer.metrics import peak_flops
-from kubetrain.trainer.sizing import flops_per_token
 
 LLAMA_1B = PRESETS["llama-1b"].dims
 CPU_DIMS = ModelDims(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, ffn_dim=192,

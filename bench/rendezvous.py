@@ -57,7 +57,7 @@ def restarts(backend: str, kills: int, script: Path) -> list[tuple[float, float]
              "--rdzv-id", "bench", "--max-restarts", str(kills), "--monitor-interval", "0.1",
              str(script)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            # A fresh store for the workers at each round, as in the pods (children.torchrun_env).
+            # A fresh store for the workers at each round, as in the pods (worker_env.torchrun_env).
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         agents.append(agent)

@@ -35,8 +35,7 @@ from typing import Any
 
 import requests
 
-from kubetrain.operator.status_certificates import CertificateAuthority, ServingCertificate
-from kubetrain.operator.status_endpoint import (
+from kubetrain.operator.trainer_status_endpoint import (
     HANDSHAKE_SECONDS,
     IDLE_SECONDS,
     SHUTDOWN_SECONDS,
@@ -46,6 +45,7 @@ from kubetrain.operator.status_endpoint import (
     job_token,
     status_path,
 )
+from kubetrain.operator.trainer_status_tls import CertificateAuthority, ServingCertificate
 
 KEY = bytes(range(32))
 NAMESPACE = "bench"

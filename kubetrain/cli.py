@@ -38,7 +38,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 COMMANDS: dict[str, Command] = {
-    "run": Command("kubetrain.local.command", "run a TrainingJob on this machine", "trainer"),
+    "run": Command("kubetrain.run", "run a TrainingJob on this machine", "trainer"),
     "validate": Command("kubetrain.validate", "check TrainingJob manifests"),
     "prepare": Command("kubetrain.trainer.prepare", "turn a text corpus into training shards",
                        "trainer"),

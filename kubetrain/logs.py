@@ -32,15 +32,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from kubetrain.operator.children import (
+from kubetrain.api.trainingjob import FINISHED, GROUP, PLURAL, VERSION
+from kubetrain.pod_conventions import (
     ATTEMPT_LABEL,
     INDEX_LABEL,
     TRAINER_CONTAINER,
     worker_selector,
 )
 
-GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
-FINISHED = ("Succeeded", "Failed")
 # How often --follow looks for new pods (a restart's replacements) and the job's phase.
 POLL_SECONDS = 1.0
 DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")

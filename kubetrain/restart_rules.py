@@ -3,7 +3,15 @@
 "The same manifest runs locally" means the same decisions: both runners ask these
 pure functions, over `spec.runPolicy` and what happened so far, and only word and
 apply the answer their own way (status, events and pods for the operator; processes
-and the terminal for the local runner). In the order the runners check them:
+and the terminal for the local runner).
+
+What happened, first: each failed worker's class (`failure_class`), in the order it is
+decided: its node lost, preempted, evicted, killed by the kernel's OOM killer, then what
+the trainer wrote (CUDAOutOfMemory, CollectiveTimeout, GPUError, PreflightFailed), a
+permanent exit code (UserError), else Unknown. The OOM kill outranks the trainer's words:
+a rank that timed out on a peer the kernel killed is the kill's consequence.
+
+What follows, in the order `judge` checks it over every worker that failed together:
 - a failure's retry kind (`retry_kind`): an exit code in runPolicy.permanentExitCodes
   is `permanent` and fails the job; a signal exit (128 + N, or Popen's -N), the
   trainer's restart-me code 75, no exit code at all (a hang, an eviction), a lost node
@@ -15,8 +23,13 @@ and the terminal for the local runner). In the order the runners check them:
   with `kubetrain estimate`'s advice;
 - the same `code` exit repeated with the training step not past where the streak began
   fails the job at runPolicy.repeatedFailureLimit (`next_streak`, `repeated`);
+- a failed preflight restarts the group (the operator also avoids the nodes it names);
 - every other restart counts against runPolicy.maxRestarts (`restarts_spent`) and waits
-  a backoff that doubles per restart up to runPolicy.maxBackoffSeconds (`backoff_seconds`);
+  a backoff that doubles per restart up to runPolicy.maxBackoffSeconds
+  (`restart_delay`), except after a lost node: its workers go to another node, so there
+  is nothing to wait out;
+- a group whose step has not advanced for longer than runPolicy.progressDeadlineSeconds
+  is hung (`is_hung`), and restarts as a whole;
 - on Kubernetes torchrun restarts a pod's trainers in place while that pod's own budget
   (PET_MAX_RESTARTS = runPolicy.maxRestarts) lasts (`restarts_in_place`): such a restart
   is counted and shown but ends no job for maxRestarts; past the budget the pod ends, and
@@ -29,13 +42,13 @@ Torch-free and free of I/O and clocks. The exit codes and class names are
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final, Literal
 
 from kubetrain.api.trainingjob import EffectiveBatch, FailureStreak, RunPolicy, TrainingJobSpec
-from kubetrain.protocol import EXIT_RESTART, OUT_OF_MEMORY_CLASSES, is_signal_exit
+from kubetrain.protocol import EXIT_RESTART, OUT_OF_MEMORY_CLASSES, TRAINER_CLASSES, is_signal_exit
 
 # What a failure is to the restart rules (not its failure class, which says what happened).
 RetryKind = Literal["permanent", "retryable", "code"]
@@ -49,6 +62,29 @@ ESTIMATE_ADVICE: Final = (
     "run `kubetrain estimate` on the job for a configuration that fits: activation "
     "checkpointing (parallelism.activationCheckpointing), more workers with strategy fsdp, "
     "or more memory per worker (spec.workers.resources.limits.memory)")
+
+
+def failure_class(*, exit_code: int | None, permanent_exit_codes: Collection[int],
+                  node_lost: bool = False, preempted: bool = False, evicted: bool = False,
+                  oom_killed: bool = False, trainer_class: str | None = None) -> str:
+    """A failed worker's class from what its runner saw, in the order of the module
+    docstring: `node_lost` (the node is gone, unreachable, or the runner lost it), then
+    `preempted`, `evicted`, `oom_killed` (the kernel's OOM killer, in the container's or
+    the run's memory cgroup), the class the trainer wrote (`trainer_class`, one of the
+    protocol's TRAINER_CLASSES), a permanent exit code, else Unknown."""
+    if node_lost:
+        return "NodeLost"
+    if preempted:
+        return "Preempted"
+    if evicted:
+        return "Evicted"
+    if oom_killed:
+        return "OOMKilled"
+    if trainer_class is not None and trainer_class in TRAINER_CLASSES:
+        return trainer_class
+    if exit_code is not None and exit_code in permanent_exit_codes:
+        return "UserError"
+    return "Unknown"
 
 
 def retry_kind(exit_code: int | None, permanent_exit_codes: Collection[int], *,
@@ -69,6 +105,66 @@ def retry_kind(exit_code: int | None, permanent_exit_codes: Collection[int], *,
 def heals_out_of_memory(failure_class: str, kind: RetryKind) -> bool:
     """Whether a failure goes to the out-of-memory rule (a permanent exit code still fails)."""
     return failure_class in OUT_OF_MEMORY_CLASSES and kind != "permanent"
+
+
+# The rule that answers the workers that failed together, in the order `judge` checks them.
+Rule = Literal["permanent", "out_of_memory", "preflight", "repeated", "restart"]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """One failed worker as the rules read it, whichever runner saw it."""
+
+    exit_code: int | None
+    failure_class: str
+    kind: RetryKind
+    node_lost: bool = False  # its node was lost (or the runner lost it)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What answers the workers that failed together: `rule`, for `ended` (the first of
+    them it answers, in the order given), with the streak of exit codes after them."""
+
+    rule: Rule
+    ended: Ended
+    streak: FailureStreak | None
+    node_lost: bool  # every one of them lost its node: a restart waits no backoff
+
+
+def judge(ends: Sequence[Ended], streak: FailureStreak | None, step: int,
+          policy: RunPolicy) -> Judgement:
+    """The one ordered decision both runners take over the workers that failed together
+    (`ends`, non-empty, in the runner's order), at training step `step`, after `streak`:
+    a permanent exit code on any of them fails the job; out of memory on any answers by its
+    own rule (`after_out_of_memory`); a failed preflight restarts the group; the same exit
+    code repeated with no progress (`next_streak`, `repeated`) fails the job; anything else
+    is a restart (`restarts_spent`, `restart_delay`). Only a `code` failure moves the streak."""
+    if not ends:
+        raise ValueError("judge needs at least one failed worker")
+    node_lost = all(end.node_lost for end in ends)
+    permanent = next((end for end in ends if end.kind == "permanent"), None)
+    if permanent is not None:
+        return Judgement("permanent", permanent, streak, node_lost)
+    out_of_memory = next((end for end in ends
+                          if heals_out_of_memory(end.failure_class, end.kind)), None)
+    if out_of_memory is not None:
+        return Judgement("out_of_memory", out_of_memory, streak, node_lost)
+    preflight = next((end for end in ends if end.failure_class == "PreflightFailed"), None)
+    if preflight is not None:
+        return Judgement("preflight", preflight, streak, node_lost)
+    coded = next((end for end in ends if end.kind == "code"), None)
+    if coded is not None and coded.exit_code is not None:
+        streak = next_streak(streak, coded.exit_code, step)
+        if repeated(streak, policy):
+            return Judgement("repeated", coded, streak, node_lost)
+    return Judgement("restart", ends[0], streak, node_lost)
+
+
+def is_hung(stalled_seconds: float, deadline_seconds: int | None) -> bool:
+    """Whether a group whose step has not advanced for `stalled_seconds` is hung: for longer
+    than runPolicy.progressDeadlineSeconds (None: never)."""
+    return deadline_seconds is not None and stalled_seconds > deadline_seconds
 
 
 def next_streak(streak: FailureStreak | None, exit_code: int, step: int) -> FailureStreak:
@@ -104,6 +200,16 @@ def restarts_in_place(policy: RunPolicy, done_in_pod: int) -> bool:
     (an out-of-memory kill then halves the micro-batch, which no restart in place can).
     """
     return done_in_pod < policy.max_restarts
+
+
+def restart_delay(policy: RunPolicy, restart: int, *, counted: bool, node_lost: bool) -> float:
+    """Seconds the `restart`-th counted restart waits before its workers start again: its
+    backoff (`backoff_seconds`); none for an uncounted restart (out of memory: the cause is
+    fixed, not waited out) or one after a lost node (its workers go to another node, so
+    there is nothing to wait out)."""
+    if not counted or node_lost:
+        return 0.0
+    return backoff_seconds(policy, restart)
 
 
 def backoff_seconds(policy: RunPolicy, restart: int) -> float:
@@ -158,3 +264,14 @@ def estimate_advice(trainer_message: str = "") -> str:
     if "kubetrain estimate" in trainer_message:
         return "see kubetrain estimate's advice above"
     return ESTIMATE_ADVICE
+
+
+def redone_share(from_step: int, to_step: int, redone_until: int | None) -> float:
+    """The share of an advance from `from_step` to `to_step` spent on steps that an earlier
+    attempt had trained already, up to `redone_until` (None: none had): lost progress, what
+    the restart cost. Both runners book own code's reported steps by it (the operator's
+    `observation.step_goodput`, `kubetrain run`'s `local.own_code.ReportedGoodput`)."""
+    if redone_until is None or to_step <= from_step:
+        return 0.0
+    redone = min(max(0, redone_until - from_step), to_step - from_step)
+    return redone / (to_step - from_step)

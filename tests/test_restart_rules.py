@@ -1,9 +1,11 @@
 """One rulebook, two runners: the same failures through `kubetrain run`'s policy and the
 operator's reconcile give the same decisions (kubetrain.restart_rules).
 
-Each case is a job's story of failed attempts. The local side asks the entry points the
-runner asks (`is_out_of_memory`, then `after_out_of_memory` or `after_failure` over the
-run's counted failures). The operator side plays the story through `reconcile`: worker 1
+Each case is a job's story of failed attempts. The local side asks what the runner asks:
+the class its runner gives each failed node (`node_failure_class`, from what the node left:
+its trainer's words, the run's OOM-kill count, whether the runner lost it itself) and what
+follows the attempt (`after_attempt`, over the run's counted failures). The operator side
+plays the story through `reconcile`: worker 1 (and, in some cases, worker 0 with it)
 fails at the case's step, the restart's replacement is created once its backoff is over
 (found by probing the clock, not computed), the group runs again, and the next failure
 comes. Both must restart after the same delay, or end the job for the same reason, and
@@ -29,22 +31,23 @@ import pytest
 import kubetrain.operator.reconcile as reconcile_module
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.local.policy import (
+from kubetrain.local.recovery import (
     GroupFailure,
-    after_failure,
-    after_out_of_memory,
-    is_out_of_memory,
+    ProgressClock,
+    after_attempt,
+    node_failure_class,
 )
 from kubetrain.operator.actions import CreateObject, WriteStatus
-from kubetrain.operator.observed import Observed, TrainerEnd, TrainerFailure, WorkerPod
+from kubetrain.operator.facts import Observed, TrainerEnd, WorkerPod
 from kubetrain.operator.reconcile import reconcile
-from kubetrain.operator.restarts import retry_kind_of
+from kubetrain.operator.recovery import retry_kind_of
 from kubetrain.protocol import (
     ENDS_THE_POD,
     FAILURE_CLASSES,
     OUT_OF_MEMORY_CLASSES,
     TRAINER_CLASSES,
     TRAINER_EXIT_CODES,
+    TrainerFailure,
     is_signal_exit,
 )
 from kubetrain.restart_rules import RetryKind
@@ -54,17 +57,32 @@ MICRO_BATCH = 8
 
 
 @dataclass(frozen=True)
+class Local:
+    """What a failed node left locally, from which the runner classes it: its trainer's
+    class in the termination log, the run's OOM-kill count going up, the runner's own kill."""
+
+    said: str | None = None
+    oom_killed: bool = False
+    lost: bool = False
+
+
+@dataclass(frozen=True)
 class Failure:
     """One failed attempt as each runner sees it: a process's exit status locally, a pod's
-    container status on Kubernetes."""
+    container status on Kubernetes. `failure_class` is the local runner's class, unless
+    `local` gives what the node left for the runner to class it. `also`: worker 0 failed in
+    the same moment (the same poll locally, the same pass on Kubernetes)."""
 
     local_exit: int | None
     pod: dict[str, Any]
     failure_class: str = "Unknown"
     step: int = 0
+    local: Local | None = None
+    also: Failure | None = None
 
     def at(self, step: int) -> Failure:
-        return Failure(self.local_exit, self.pod, self.failure_class, step)
+        return Failure(self.local_exit, self.pod, self.failure_class, step, self.local,
+                       self.also)
 
 
 def crash(code: int) -> Failure:
@@ -78,9 +96,18 @@ def trainer(failure_class: str, code: int = 1) -> Failure:
     return Failure(code, {"exit_code": code, "trainer_failure": said}, failure_class)
 
 
-KILLED = Failure(-9, {"exit_code": 137, "reason": "Error"}, "NodeLost")  # SIGKILL from outside
+# SIGKILL from outside: Unknown to both (a lost node is the runner's own kill, LOST_NODE).
+KILLED = Failure(-9, {"exit_code": 137, "reason": "Error"})
 EVICTED = Failure(None, {"exit_code": None, "reason": "Evicted"})  # no exit code (a hang locally)
 OOM_KILLED = Failure(137, {"exit_code": 137, "reason": "OOMKilled"}, "OOMKilled")
+# The runner lost the node itself (--kill-worker-at-step); on Kubernetes its node was lost.
+LOST_NODE = Failure(-9, {"exit_code": None, "node_lost": True}, local=Local(lost=True))
+# A rank killed by the kernel's OOM killer, and the pod's other rank timing out on it: the
+# container's reason (the cgroup's OOM count locally) and the trainer's words disagree.
+OOM_KILLED_AFTER_A_TIMEOUT = Failure(
+    1, {"exit_code": 1, "reason": "OOMKilled",
+        "trainer_failure": TrainerFailure("CollectiveTimeout", "a peer vanished")},
+    local=Local(said="CollectiveTimeout", oom_killed=True))
 
 
 @dataclass(frozen=True)
@@ -122,6 +149,14 @@ CASES = {
                                                      {"permanentExitCodes": [1]}),
     "failed-preflights-are-no-streak": Case([trainer("PreflightFailed")] * 4),
     "collective-timeouts-repeat-like-crashes": Case([trainer("CollectiveTimeout")] * 3),
+    # The check order: out of memory on one worker outranks a crash on another (its
+    # consequence), whichever worker has the lower index.
+    "an-oom-kill-outranks-a-crash-on-another-worker": Case(
+        [Failure(137, OOM_KILLED.pod, "OOMKilled", also=crash(1))]),
+    # The class precedence: the kernel's OOM kill outranks what the trainer wrote.
+    "an-oom-kill-outranks-the-trainers-collective-timeout": Case([OOM_KILLED_AFTER_A_TIMEOUT]),
+    # No backoff after a lost node: its workers go to another node, nothing to wait out.
+    "a-lost-node-is-replaced-without-a-backoff": Case([LOST_NODE] * 2),
 }
 
 
@@ -143,6 +178,20 @@ def _job(minimal_manifest: dict, run_policy: dict[str, Any],
 # --- kubetrain run ---------------------------------------------------------------------------
 
 
+def _seen_locally(failure: Failure, index: int, job: TrainingJob) -> GroupFailure:
+    """The GroupFailure the runner makes of simulated node `index` ending as `failure` says."""
+    kind, lost = failure.failure_class, False
+    if failure.local is not None:
+        assert failure.local_exit is not None
+        kind = node_failure_class(failure.local_exit, failure.local.said,
+                                  failure.local.oom_killed,
+                                  job.spec.run_policy.permanent_exit_codes,
+                                  lost=failure.local.lost)
+        lost = failure.local.lost
+    return GroupFailure(f"worker {index} failed at step {failure.step}", failure.local_exit,
+                        failure.step, kind, node_lost=lost)
+
+
 def local_outcomes(job: TrainingJob, failures: list[Failure]) -> list[Outcome]:
     """The decisions `kubetrain run` takes, failure by failure, as LocalRun.run asks them."""
     spec = job.spec
@@ -151,15 +200,14 @@ def local_outcomes(job: TrainingJob, failures: list[Failure]) -> list[Outcome]:
     micro, healed = MICRO_BATCH, 0
     outcomes = []
     for failure in failures:
-        seen = GroupFailure(f"worker 1 failed at step {failure.step}", failure.local_exit,
-                            failure.step, failure.failure_class)
-        if is_out_of_memory(spec.run_policy, seen):
-            decision = after_out_of_memory(spec, seen, micro, healed, world_size)
-            if decision.micro_batch_size is not None:
-                micro, healed = decision.micro_batch_size, healed + 1
-        else:
-            counted.append(seen)
-            decision = after_failure(spec.run_policy, counted)
+        ended = [_seen_locally(failure.also, 0, job)] if failure.also is not None else []
+        ended.append(_seen_locally(failure, 1, job))
+        decision = after_attempt(spec, counted, ended, micro_batch_size=micro,
+                                 out_of_memory_restarts=healed, world_size=world_size)
+        if decision.counted is not None:
+            counted.append(decision.counted)
+        elif decision.micro_batch_size is not None:
+            micro, healed = decision.micro_batch_size, healed + 1
         outcomes.append(Outcome(decision.restart, decision.delay, decision.ending, micro))
         if not decision.restart:
             break
@@ -201,7 +249,9 @@ def operator_outcomes(minimal_manifest: dict, case: Case) -> list[Outcome]:
         status["progress"] = {**status.get("progress", {}), "step": failure.step}
         job = _job(minimal_manifest, case.run_policy, status)
         failed = _worker(1, attempts[1], "Failed", **failure.pod)
-        actions, status = _pass(job, [_worker(0, attempts[0]), failed], now)
+        first = (_worker(0, attempts[0], "Failed", **failure.also.pod)
+                 if failure.also is not None else _worker(0, attempts[0]))
+        actions, status = _pass(job, [first, failed], now)
         micro = status["effective"]["microBatchSize"]
         if status["phase"] == "Failed":
             ending = next(c["reason"] for c in status["conditions"] if c["type"] == "Failed")
@@ -321,6 +371,25 @@ def test_the_cases_cover_every_ending(minimal_manifest: dict) -> None:
                                              case.failures)}
     assert endings >= {"PermanentError", "RepeatedFailure", "MaxRestartsExceeded",
                        "OutOfMemory"}
+
+
+def test_both_runners_call_a_group_hung_at_the_same_moment(minimal_manifest: dict) -> None:
+    """The hang boundary: a step that has not advanced for exactly progressDeadlineSeconds
+    is not yet a hang in either runner; a second more is, in both."""
+    deadline = 30
+    job = _job(minimal_manifest, {"progressDeadlineSeconds": deadline})
+    running = [_worker(0, 0), _worker(1, 0)]
+    _, status = _pass(job, running, START)
+    status = {**status, "progress": {"step": 5, "updatedAt": START.isoformat()}}
+    job = _job(minimal_manifest, {"progressDeadlineSeconds": deadline}, status)
+    operator, local = [], []
+    for seconds in (deadline - 1, deadline, deadline + 1):
+        after = _pass(job, running, START + timedelta(seconds=seconds))[1]
+        operator.append(after.get("restart", {}).get("reason") == "ProgressDeadlineExceeded")
+        clock = ProgressClock(step=5, since=0.0)  # as the runner's: reset at the step's advance
+        local.append(clock.is_hung(job.spec.run_policy, float(seconds)))
+    assert operator == local
+    assert local == [False, False, True]
 
 
 # --- the protocol and the names ---------------------------------------------------------------

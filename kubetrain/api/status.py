@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
@@ -11,6 +11,8 @@ from kubetrain.api.base import ApiModel
 from kubetrain.protocol import FailureClass
 
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+# The phases a job never leaves (a pod's last phases have the same names).
+FINISHED: Final = ("Succeeded", "Failed")
 
 
 class Condition(ApiModel):

@@ -65,6 +65,7 @@ from kubetrain.api.run_policy import (
     StragglerPolicy,
 )
 from kubetrain.api.status import (
+    FINISHED,
     AvoidedNode,
     BadputSeconds,
     BestCheckpointStatus,
@@ -94,6 +95,7 @@ from kubetrain.api.workers import (
     SecretKeySelector,
     Workers,
 )
+from kubetrain.memory_budget import parse_quantity, tier_budget
 
 GROUP = "kubetrain.io"
 VERSION = "v1alpha1"
@@ -285,9 +287,6 @@ class TrainingJobSpec(ApiModel):
         memory = self.checkpoint.memory
         if memory is None or memory.max_worker_memory is None or self.trainer is not None:
             return self
-        # Torch-free; imported here because it sizes the model from this module's types.
-        from kubetrain.trainer.memory_budget import parse_quantity, tier_budget
-
         try:
             allowed = parse_quantity(memory.max_worker_memory)
         except ValueError as error:
@@ -450,7 +449,7 @@ class TrainingJob(ApiModel):
 
 __all__ = [
     "API_VERSION", "CHECKPOINT_TYPED_ONLY", "CHECKPOINT_WHY", "CREDENTIAL_ENV_NAMES",
-    "DEFAULT_MAX_STEPS", "DNS_LABEL", "GROUP", "KIND", "KUBETRAIN_TORCHRUN_OPTIONS",
+    "DEFAULT_MAX_STEPS", "DNS_LABEL", "FINISHED", "GROUP", "KIND", "KUBETRAIN_TORCHRUN_OPTIONS",
     "MAX_JOB_NAME_LENGTH", "PLURAL", "PRESETS", "PRESET_NAMES", "TENSOR_PARALLEL_REFUSALS",
     "TP_NEEDS_SHARDING", "TP_WITHOUT_FP8", "TYPED_ONLY", "URI_MAX_LENGTH", "URI_RULES",
     "VERSION", "ApiModel", "AvoidedNode", "BadputSeconds", "BestCheckpointStatus",

@@ -9,10 +9,11 @@ and the trainer reads the run folder's copy of the manifest. Pure: the runner st
 what `agent_launch` describes, and `--dry-run` prints the same thing.
 
 An own-code job (spec.trainer) runs as its worker pods do
-(kubetrain.operator.own_code_launch): `python -m kubetrain.trainer.own_code`, which restores
-the newest checkpoint into the node's own KUBETRAIN_CHECKPOINT_DIR and uploads the folders
-the code marks complete, around the same torchrun agent running the user's command
-(`own_code_launch`).
+(kubetrain.operator.own_code_container): `python -m kubetrain.trainer.own_code`, which
+restores the newest checkpoint into the node's own KUBETRAIN_CHECKPOINT_DIR and uploads the
+folders the code marks complete, around the same torchrun agent running the user's command
+(`own_code_agent_launch`). torchrun's settings, the programs and the variables' names are
+the conventions both runners share (`kubetrain.pod_conventions`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,17 @@ import random
 import socket
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubetrain.api.trainingjob import EnvVar, TrainingJob
-from kubetrain.protocol import RENDEZVOUS_BACKEND
+from kubetrain.pod_conventions import (
+    FINAL_SYNC_SECONDS_ENV,
+    OWN_CODE_ENTRY_MODULE,
+    SHUTDOWN_TIMEOUT_ENV,
+    TRAINER_LAUNCH_MODULE,
+    torchrun_settings,
+)
 from kubetrain.sdk.batch import OUT_OF_MEMORY_RESTARTS_ENV
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV
 
@@ -47,11 +54,14 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class AgentLaunch:
-    """One simulated node: its index, command line, and the variables added to the environment."""
+    """One simulated node: its index, command line, and the variables added to the
+    environment; `options`, torchrun's options on that command line, by name, in order
+    (each `--name value`, after the interpreter and its module)."""
 
     index: int
     argv: list[str]
     env: dict[str, str]
+    options: dict[str, str] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -99,9 +109,10 @@ def agent_launch(
 ) -> AgentLaunch:
     """The torchrun agent of simulated node `index` for one attempt of the group; torchrun's
     own files under `log_dir`."""
+    options = _torchrun_options(job, rendezvous, log_dir)
     argv = [
-        sys.executable, "-m", "kubetrain.trainer.launch",
-        *_torchrun_options(job, rendezvous, log_dir),
+        sys.executable, "-m", TRAINER_LAUNCH_MODULE,
+        *(word for option, value in options.items() for word in (f"--{option}", value)),
         str(manifest), "--metrics-log", str(metrics_log),
     ]
     env = {
@@ -111,28 +122,27 @@ def agent_launch(
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(job))),
         "PYTHONUNBUFFERED": "1",
     }
-    return AgentLaunch(index, argv, env)
+    return AgentLaunch(index, argv, env, options)
 
 
-def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous, log_dir: Path) -> list[str]:
+def _torchrun_options(job: TrainingJob, rendezvous: Rendezvous, log_dir: Path
+                      ) -> dict[str, str]:
     """torchrun's options of a worker pod, each with its value, and where its files go."""
-    workers = job.spec.workers
-    return [
+    settings = torchrun_settings(
+        job, endpoint=rendezvous.endpoint, run_id=rendezvous.run_id,
         # At most `replicas` nodes ever start here, so the rendezvous closes as soon as they
         # have all joined instead of waiting for maxReplicas that will never come.
-        "--nnodes", f"{workers.min_workers}:{workers.replicas}",
-        "--nproc-per-node", str(workers.procs_per_worker),
-        "--rdzv-backend", RENDEZVOUS_BACKEND,
-        "--rdzv-endpoint", rendezvous.endpoint,
-        "--rdzv-id", rendezvous.run_id,
+        max_nodes=job.spec.workers.replicas,
         # The runner owns restarts: a failed process ends the agent, and the runner
         # restarts the whole group under spec.runPolicy, counting each restart once.
-        "--max-restarts", "0",
+        max_restarts=0)
+    return {
+        **settings,
         # Its files (a failed worker's error.json) in the run folder: by default each agent
         # makes a /tmp/torchelastic_* folder of its own that nothing removes (a pod's /tmp
         # goes with its container; this machine's stays).
-        "--log-dir", str(log_dir),
-    ]
+        "log-dir": str(log_dir),
+    }
 
 
 def _literal_env(variables: Iterable[EnvVar]) -> dict[str, str]:
@@ -147,9 +157,10 @@ OWN_CODE_FINAL_SYNC_SECONDS = 45
 OWN_CODE_SYNC_SECONDS = 1.0
 
 
-def own_code_launch(job: TrainingJob, manifest: Path, index: int, rendezvous: Rendezvous,
-                    checkpoint_dir: Path, reporter_env: dict[str, str], log_dir: Path,
-                    out_of_memory_restarts: int = 0) -> AgentLaunch:
+def own_code_agent_launch(job: TrainingJob, manifest: Path, index: int,
+                          rendezvous: Rendezvous, checkpoint_dir: Path,
+                          reporter_env: dict[str, str], log_dir: Path,
+                          out_of_memory_restarts: int = 0) -> AgentLaunch:
     """Simulated node `index` of an own-code job: kubetrain's entry around torchrun and the
     user's command, with the node's own checkpoint folder (a pod's emptyDir), the local
     status endpoint's variables and torchrun's files under `log_dir`."""
@@ -157,17 +168,18 @@ def own_code_launch(job: TrainingJob, manifest: Path, index: int, rendezvous: Re
     if trainer is None:
         raise ValueError(f"{job.metadata.name} runs kubetrain's trainer: use agent_launch")
     argv = [
-        sys.executable, "-m", "kubetrain.trainer.own_code",
+        sys.executable, "-m", OWN_CODE_ENTRY_MODULE,
         "--sync-interval", f"{OWN_CODE_SYNC_SECONDS:g}", str(manifest), "--",
         sys.executable, "-m", "torch.distributed.run",
-        *_torchrun_options(job, rendezvous, log_dir),
+        *(word for option, value in _torchrun_options(job, rendezvous, log_dir).items()
+          for word in (f"--{option}", value)),
         *trainer.torchrun_arguments(),
     ]
     env = {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(job))),
         "PYTHONUNBUFFERED": "1",
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(OWN_CODE_SHUTDOWN_SECONDS),
-        "KUBETRAIN_FINAL_SYNC_SECONDS": str(OWN_CODE_FINAL_SYNC_SECONDS),
+        SHUTDOWN_TIMEOUT_ENV: str(OWN_CODE_SHUTDOWN_SECONDS),
+        FINAL_SYNC_SECONDS_ENV: str(OWN_CODE_FINAL_SYNC_SECONDS),
         CHECKPOINT_DIR_ENV: str(checkpoint_dir.resolve()),
         OUT_OF_MEMORY_RESTARTS_ENV: str(out_of_memory_restarts),
         **reporter_env,

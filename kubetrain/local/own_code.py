@@ -8,7 +8,8 @@ checkpoint.uri since (the commits kubetrain.trainer.checkpoint_sync writes last,
 checkpoint shown is one a restart would restore). Each simulated node has its own
 checkpoint folder, runs/JOB/nodes/worker-I/checkpoints, emptied at every attempt as a new
 pod's emptyDir is: every attempt resumes from what was uploaded, never from a node's
-leftovers. Step events come from the local status endpoint (kubetrain.local.status_endpoint).
+leftovers. Step events come from the local status endpoint
+(kubetrain.local.trainer_status_endpoint).
 
 Own code's goodput (`ReportedGoodput`) is judged from those steps by the operator's rule
 (kubetrain.operator.observation.step_goodput): the time between two reported steps of one
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.metrics_log import Event, parse_lines
 from kubetrain.local.workspace import Workspace
+from kubetrain.restart_rules import redone_share
 
 # How often the runner lists the checkpoint URI for new commits while the group runs.
 COMMIT_POLL_SECONDS = 2.0
@@ -48,26 +51,46 @@ def fresh_node_dirs(workspace: Workspace, replicas: int) -> list[Path]:
     return folders
 
 
+@dataclass(frozen=True)
+class Commit:
+    """A checkpoint folder committed under a URI, and its step."""
+
+    folder: str
+    step: int
+
+
+@dataclass(frozen=True)
+class CommitListing:
+    """The checkpoints committed under one URI (`uri`, as the storage layer names it):
+    `commits()` lists them, oldest step first, and may raise OSError while the storage
+    is unreachable."""
+
+    uri: str
+    commits: Callable[[], Sequence[Commit]]
+
+
+# Opens the listing of a URI. The `kubetrain run` command gives it to the runner, reading
+# with the trainer's storage layer (kubetrain.trainer.checkpoint_sync.commits): the local
+# runner, like the operator, imports nothing of the trainer.
+OpenListing = Callable[[str], CommitListing]
+
+
 class CommittedCheckpoints:
     """The commits under the job's checkpoint URI (and resumeFrom), as metrics-log events."""
 
-    def __init__(self, job: TrainingJob) -> None:
-        from kubetrain.trainer.storage import open_storage
-
+    def __init__(self, job: TrainingJob, open_listing: OpenListing) -> None:
         spec = job.spec
-        self.remote: Any = open_storage(spec.checkpoint.uri, spec.storage)
-        self.fallback: Any = (open_storage(spec.checkpoint.resume_from, spec.storage)
-                              if spec.checkpoint.resume_from else None)
+        self.remote = open_listing(spec.checkpoint.uri)
+        self.fallback = (open_listing(spec.checkpoint.resume_from)
+                         if spec.checkpoint.resume_from else None)
         self.world_size = spec.workers.replicas * spec.workers.procs_per_worker
         # Commits from earlier runs of the job are in the metrics log already.
         self.seen = {commit.folder for commit in self._commits(self.remote)}
         self._polled = 0.0
 
     @staticmethod
-    def _commits(storage: Any) -> list[Any]:
-        from kubetrain.trainer.checkpoint_sync import commits
-
-        return commits(storage)
+    def _commits(listing: CommitListing) -> Sequence[Commit]:
+        return listing.commits()
 
     def resumed(self) -> Event | None:
         """The `resumed` event of an attempt about to start: the step kubetrain's entry will
@@ -141,8 +164,6 @@ class ReportedGoodput:
 
     def stepped(self, event: Event) -> None:
         """A `step` event of the current attempt: the time since its previous one is booked."""
-        from kubetrain.operator.observation import redone_share
-
         step, at = event.get("step"), event.get("time")
         if not isinstance(step, int) or not isinstance(at, int | float):
             return

@@ -5,25 +5,29 @@
 `torchrun` agent running the real trainer, and watches them. A failed or lost
 node, or a step that stops advancing for `progressDeadlineSeconds`, tears the
 group down and starts it again on a fresh rendezvous after the backoff that
-`kubetrain.local.policy` decides; the trainer resumes from its newest
+`kubetrain.local.recovery` decides; the trainer resumes from its newest
 checkpoint. `activeDeadlineSeconds` and Ctrl-C (SIGINT or SIGTERM) stop the
 group the way a planned change does on Kubernetes: SIGTERM to every agent, the
 trainer saves a checkpoint and exits, and running the same job again resumes.
 
-A failed node gets the operator's failure class: from the trainer's termination
-message (each node has its own termination log, as each pod does), the kernel's
-OOM-kill count in the run's memory cgroup (`kubetrain.local.memory`), or its exit
-code. Out of memory, the group restarts at once with half the micro-batch: the
-manifest the trainer reads carries it in status.effective, as the operator's
-ConfigMap does, and the summary says what changed and why.
+A failed node gets the operator's failure class, decided by the same rule
+(`kubetrain.restart_rules.failure_class`): a node the runner lost itself, the kernel's
+OOM-kill count in the run's memory cgroup (`kubetrain.local.memory`), the trainer's
+termination message (each node has its own termination log, as each pod does), or its
+exit code. Every node that failed in one poll is judged together, as the operator judges
+the pods that failed by one pass. Out of memory, the group restarts at once with half
+the micro-batch: the manifest the trainer reads carries it in status.effective, as the
+operator's ConfigMap does, and the summary says what changed and why.
 
 Own code (spec.trainer) runs under the same policy, as its pods do: each node runs
 kubetrain's own-code entry around torchrun and the user's command, progress comes from the
-code's reports to a status endpoint served here (kubetrain.local.status_endpoint), and
+code's reports to a status endpoint served here (kubetrain.local.trainer_status_endpoint), and
 checkpoints from the commits the entry uploads (kubetrain.local.own_code); every attempt
-resumes from the newest commit. The runner cannot halve a script's micro-batch: an
-out-of-memory failure counts as a restart and reaches the code as
-KUBETRAIN_OUT_OF_MEMORY_RESTARTS, which kubetrain.sdk.micro_batch_size halves by.
+resumes from the newest commit. The runner cannot halve a script's micro-batch itself: an
+out-of-memory restart is decided as for kubetrain's trainer (not counted, no backoff, at
+most log2 of the spec's micro-batch) and reaches the code as
+KUBETRAIN_OUT_OF_MEMORY_RESTARTS, which kubetrain.sdk.micro_batch_size halves by, as on
+Kubernetes.
 """
 
 from __future__ import annotations
@@ -38,23 +42,35 @@ from pathlib import Path
 from types import FrameType
 
 from kubetrain.api.trainingjob import TrainingJob, TrainingJobStatus
-from kubetrain.local.launch import AgentLaunch, Rendezvous, agent_launch, free_port, own_code_launch
+from kubetrain.local.launch import (
+    AgentLaunch,
+    Rendezvous,
+    agent_launch,
+    free_port,
+    own_code_agent_launch,
+)
 from kubetrain.local.memory import oom_kills
 from kubetrain.local.metrics_log import Event, MetricsLogReader, RunHistory, append_event
 from kubetrain.local.node import Node
-from kubetrain.local.own_code import CommittedCheckpoints, ReportedGoodput, fresh_node_dirs
-from kubetrain.local.policy import (
-    GroupFailure,
-    ProgressClock,
-    after_failure,
-    after_out_of_memory,
-    is_out_of_memory,
+from kubetrain.local.own_code import (
+    CommittedCheckpoints,
+    OpenListing,
+    ReportedGoodput,
+    fresh_node_dirs,
 )
 from kubetrain.local.progress import Outcome, ProgressDisplay, summary
+from kubetrain.local.recovery import (
+    Decision,
+    GroupFailure,
+    ProgressClock,
+    after_attempt,
+    node_failure_class,
+)
 from kubetrain.local.report import write_after_run
-from kubetrain.local.status_endpoint import LocalStatusEndpoint
+from kubetrain.local.trainer_status_endpoint import LocalStatusEndpoint
 from kubetrain.local.workspace import Workspace
-from kubetrain.protocol import TRAINER_CLASSES
+from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV, TERMINATION_LOG_ENV
+from kubetrain.protocol import trainer_failure
 
 # Exit statuses of `kubetrain run`.
 EXIT_SUCCEEDED = 0
@@ -66,11 +82,6 @@ FAILED_GROUP_GRACE_SECONDS = 5.0
 # A stopping group saves a checkpoint first (torchrun gives its workers 30 s after SIGTERM).
 STOPPING_GROUP_GRACE_SECONDS = 120.0
 POLL_SECONDS = 0.2
-# When the runner launched the attempt (unix seconds): the trainer's goodput ledger counts
-# startup from here, torchrun's own start included (kubetrain.trainer.goodput reads it).
-ATTEMPT_STARTED_ENV = "KUBETRAIN_ATTEMPT_STARTED_AT"
-# Where each node's trainer leaves its termination message (kubetrain.trainer.metrics).
-TERMINATION_LOG_ENV = "KUBETRAIN_TERMINATION_LOG"
 LOG_TAIL_LINES = 20
 
 
@@ -95,7 +106,7 @@ class _Attempt:
     """What one run of the worker group came to."""
 
     finished: bool = False
-    failure: GroupFailure | None = None
+    failures: list[GroupFailure] = field(default_factory=list)  # the nodes that failed
     stop: _Stop | None = None
 
 
@@ -106,6 +117,8 @@ class LocalRun:
     job: TrainingJob
     workspace: Workspace
     options: RunOptions = field(default_factory=RunOptions)
+    open_listing: OpenListing | None = None
+    """Own code: how to list the checkpoints committed under a URI (the command's)."""
 
     def __post_init__(self) -> None:
         self.history = RunHistory()
@@ -118,12 +131,14 @@ class LocalRun:
                                        if self.job.spec.optimization.epochs is None
                                        and not own_code else None)
         # Own code: its commits under checkpoint.uri, and its reports' endpoint while it runs.
-        self.commits = CommittedCheckpoints(self.job) if own_code else None
+        if own_code and self.open_listing is None:
+            raise ValueError("an own-code job's run needs open_listing to see its commits")
+        self.commits = (CommittedCheckpoints(self.job, self.open_listing)
+                        if own_code and self.open_listing is not None else None)
         # ...and its goodput, from the steps it reports (kubetrain's trainer logs its own).
         self.goodput = (ReportedGoodput.resumed(self.workspace.metrics_log) if own_code
                         else None)
         self.endpoint: LocalStatusEndpoint | None = None
-        self.out_of_memory_failures = 0
         self.pending_kills = sorted(set(self.options.kill_at_steps))
         self.restarts: list[str] = []
         # The micro-batch of each attempt that changed it (out of memory), the spec's first.
@@ -133,6 +148,7 @@ class LocalRun:
         self.signals: list[int] = []  # SIGINT / SIGTERM received, in order
         self.started = time.monotonic()
         self.oom_kills_before: int | None = None  # in the run's cgroup, when the attempt began
+        self.lost_nodes: set[int] = set()  # nodes this attempt lost on purpose (kill at step)
 
     def run(self) -> int:
         """Run the group until the job finishes, fails or is stopped; print the summary."""
@@ -154,19 +170,20 @@ class LocalRun:
                 return self._finish(True, self._finished_reason(), EXIT_SUCCEEDED)
             if result.stop is not None:
                 return self._finish(False, result.stop.reason, result.stop.exit_code)
-            assert result.failure is not None
-            self._log_failure(result.failure)
-            if self.job.spec.own_code and is_out_of_memory(self.job.spec.run_policy,
-                                                           result.failure):
-                self.out_of_memory_failures += 1  # the code halves by it (sdk.batch)
-            elif is_out_of_memory(self.job.spec.run_policy, result.failure):
-                if not self._halve_micro_batch(result.failure):
+            assert result.failures
+            self._log_failure(result.failures[0])
+            spec = self.job.spec
+            decision = after_attempt(
+                spec, failures, result.failures, micro_batch_size=self.job.micro_batch_size,
+                out_of_memory_restarts=len(self.micro_batches) - 1,
+                world_size=spec.workers.replicas * spec.workers.procs_per_worker)
+            if decision.counted is None:  # out of memory: a smaller micro-batch, or the end
+                if not self._halve_micro_batch(decision):
                     return self._finish(False, self.restarts.pop(), EXIT_FAILED)
                 manifest = self.workspace.write_manifest(self.job)
                 attempt += 1
                 continue
-            failures.append(result.failure)
-            decision = after_failure(self.job.spec.run_policy, failures)
+            failures.append(decision.counted)
             if not decision.restart:
                 return self._finish(False, decision.reason, EXIT_FAILED)
             self.restarts.append(decision.reason)
@@ -191,12 +208,8 @@ class LocalRun:
     def _append(self, event: Event) -> None:
         append_event(self.workspace.metrics_log, event)
 
-    def _halve_micro_batch(self, failure: GroupFailure) -> bool:
+    def _halve_micro_batch(self, decision: Decision) -> bool:
         """Take the out-of-memory decision into self.job (status.effective); False: fail."""
-        spec = self.job.spec
-        world_size = spec.workers.replicas * spec.workers.procs_per_worker
-        decision = after_out_of_memory(spec, failure, self.job.micro_batch_size,
-                                       len(self.micro_batches) - 1, world_size)
         self.restarts.append(decision.reason)
         effective = decision.effective
         if not decision.restart or effective is None:
@@ -215,6 +228,7 @@ class LocalRun:
 
     def _run_group(self, manifest: Path, attempt: int) -> _Attempt:
         rendezvous = Rendezvous(free_port(), f"{self.job.metadata.name}-{os.getpid()}-{attempt}")
+        self.lost_nodes = set()
         launched_at = f"{time.time():.3f}"
         self.oom_kills_before = oom_kills()
         if self.goodput is not None:
@@ -251,7 +265,7 @@ class LocalRun:
                 self.display.say(f"{result.stop.reason}: stopping the workers, which save a "
                                  "checkpoint first (Ctrl-C again to kill them now)")
                 self._stop_all(nodes, STOPPING_GROUP_GRACE_SECONDS)
-            elif result.failure is not None:
+            elif result.failures:
                 self._stop_all(nodes, FAILED_GROUP_GRACE_SECONDS)
             self._read_events()
             if self.goodput is not None:
@@ -263,9 +277,9 @@ class LocalRun:
     def _own_code_launch(self, manifest: Path, index: int, rendezvous: Rendezvous,
                          checkpoint_dir: Path) -> AgentLaunch:
         assert self.endpoint is not None
-        return own_code_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
+        return own_code_agent_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
                                self.endpoint.reporter_env(), self.workspace.torchrun_logs,
-                               self.out_of_memory_failures)
+                               len(self.micro_batches) - 1)
 
     def _watch(self, nodes: list[Node]) -> _Attempt:
         clock = ProgressClock(step=-1, since=time.monotonic())
@@ -277,19 +291,18 @@ class LocalRun:
                 return _Attempt(stop=_Stop(f"interrupted by {name}", EXIT_INTERRUPTED))
             statuses = [node.poll() for node in nodes]
             failed = [(node, code) for node, code in zip(nodes, statuses, strict=True)
-                      if code not in (None, 0)]
+                      if code is not None and code != 0]
             if failed:
-                node, code = failed[0]
-                assert code is not None
-                return _Attempt(failure=self._node_failure(node, code))
+                return _Attempt(failures=[self._node_failure(node, code)
+                                          for node, code in failed])
             if all(code == 0 for code in statuses):
                 self._read_events(clock, nodes)
                 return _Attempt(finished=True)
             now = time.monotonic()
             if clock.is_hung(policy, now):
-                return _Attempt(failure=GroupFailure(
+                return _Attempt(failures=[GroupFailure(
                     f"no training progress for {clock.stalled_for(now):.0f}s "
-                    "(spec.runPolicy.progressDeadlineSeconds)", None, self.history.step))
+                    "(spec.runPolicy.progressDeadlineSeconds)", None, self.history.step)])
             deadline = policy.active_deadline_seconds
             if deadline is not None and now - self.started > deadline:
                 return _Attempt(stop=_Stop(f"running longer than {deadline}s "
@@ -326,6 +339,7 @@ class LocalRun:
             self.display.say(f"step {self.history.step}: killing worker {victim.index} "
                              f"(--kill-worker-at-step {at})")
             victim.lose()
+            self.lost_nodes.add(victim.index)
 
     def _node_failure(self, node: Node, code: int) -> GroupFailure:
         kind = self._failure_class(node, code)
@@ -339,23 +353,20 @@ class LocalRun:
             for line in self._log_tail(node.index):
                 self.display.say(f"  | {line}")
         step = self.history.step
-        return GroupFailure(f"{what} at step {step}", code, step, kind)
+        return GroupFailure(f"{what} at step {step}", code, step, kind,
+                            node_lost=node.index in self.lost_nodes)
 
     def _failure_class(self, node: Node, code: int) -> str:
-        """The class the operator would give this node's pod (kubetrain.operator.failures)."""
-        from kubetrain.operator.observed import trainer_failure
-
+        """The class the operator would give this node's pod (kubetrain.operator.failures),
+        from its termination log and the run's OOM-kill count since the attempt began."""
         log = self.workspace.logs / f"worker-{node.index}.termination-log"
         said = trainer_failure(log.read_text() if log.exists() else None)
-        if said is not None and said.failure_class in TRAINER_CLASSES:
-            return said.failure_class
         after = oom_kills()
-        if after is not None and self.oom_kills_before is not None and (
-                after > self.oom_kills_before):
-            return "OOMKilled"
-        if code in self.job.spec.run_policy.permanent_exit_codes:
-            return "UserError"
-        return "NodeLost" if code < 0 else "Unknown"
+        oom_killed = (after is not None and self.oom_kills_before is not None
+                      and after > self.oom_kills_before)
+        return node_failure_class(code, said.failure_class if said is not None else None,
+                                  oom_killed, self.job.spec.run_policy.permanent_exit_codes,
+                                  lost=node.index in self.lost_nodes)
 
     def _log_tail(self, index: int) -> list[str]:
         text = self.workspace.worker_log(index).read_text(errors="replace")

@@ -1,4 +1,4 @@
-"""Where a local run keeps its files, and the demo data it prepares on first use.
+"""Where a local run keeps its files, and the corpus the demo data is prepared from.
 
 Everything a `kubetrain run` of job NAME writes locally lives in `runs/NAME/`
 (relative to the current directory):
@@ -17,10 +17,9 @@ from the environment, as on Kubernetes).
 
 The annotation `kubetrain.io/prepare-from` names a corpus to prepare when
 `spec.data.train` holds no prepared data yet: a path or URI given to `kubetrain
-prepare`, or `python-stdlib` for the Python standard library's own source files,
-a real corpus present on every machine. The quickstart uses it. A job with
-`spec.model.init` is prepared with the tokenizer.json of that model's folder (an
-export has one), so the token ids are the ones its embedding learned.
+prepare`, or `python-stdlib` for the Python standard library's own source files
+(`copy_stdlib_sources`), a real corpus present on every machine. The quickstart uses it;
+the `kubetrain run` command prepares it (`kubetrain.run.ensure_data`).
 """
 
 from __future__ import annotations
@@ -29,18 +28,14 @@ import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.pod_conventions import job_snapshot
 
 RUNS_DIR = Path("runs")
 PREPARE_FROM_ANNOTATION = "kubetrain.io/prepare-from"
 PYTHON_STDLIB = "python-stdlib"
 
-# Demo-data shape: small shards so every data-parallel rank reads from several, and a
-# validation split large enough for a stable loss on a corpus of a few MB.
-DEMO_SHARD_TOKENS = 1 << 18
-DEMO_VALIDATION_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -112,21 +107,9 @@ class Workspace:
 
     def write_manifest(self, job: TrainingJob) -> Path:
         """Write the manifest the trainer reads: the same snapshot the operator mounts in pods."""
-        from kubetrain.operator.children import job_snapshot
-
         self.logs.mkdir(parents=True, exist_ok=True)
         self.manifest.write_text(job_snapshot(job))
         return self.manifest
-
-
-def corpus_inputs(source: str, workspace: Workspace) -> list[str]:
-    """The inputs `kubetrain prepare` reads for a prepare-from annotation value."""
-    if source != PYTHON_STDLIB:
-        return [source]
-    # The top level of the standard library: a few MB of real Python, without the
-    # site-packages and test data that share its folder. Copied into one folder of
-    # the run, so the user can see what the model trains on.
-    return [str(copy_stdlib_sources(workspace.root / "corpus"))]
 
 
 def copy_stdlib_sources(folder: Path, *, max_bytes: int | None = None,
@@ -148,42 +131,3 @@ def copy_stdlib_sources(folder: Path, *, max_bytes: int | None = None,
         shutil.copyfile(path, folder / path.name)
         total += size
     return folder
-
-
-def ensure_data(job: TrainingJob, workspace: Workspace) -> str | None:
-    """Make sure `spec.data.train` holds prepared data before any worker starts.
-
-    Prepares it from the job's prepare-from corpus when it is missing and returns
-    that corpus; returns None when the data was already there. Without the
-    annotation, missing data raises FileNotFoundError at once, rather than after
-    every restart the run policy allows. `job` must be localized
-    (`Workspace.localize`).
-    """
-    from kubetrain.trainer.prepare import INDEX_NAME, TOKENIZER_NAME, prepare
-    from kubetrain.trainer.storage import open_storage
-
-    source = job.metadata.annotations.get(PREPARE_FROM_ANNOTATION)
-    train = job.spec.data.train
-    if open_storage(train, job.spec.storage).exists(INDEX_NAME):
-        return None
-    if source is None:
-        raise FileNotFoundError(
-            f"spec.data.train ({train}) holds no prepared data: run `kubetrain prepare "
-            f"CORPUS -o {train.rstrip('/').removesuffix('/train')}`, or annotate the job with "
-            f"{PREPARE_FROM_ANNOTATION}: CORPUS to have `kubetrain run` prepare it")
-    output, _, split = train.rstrip("/").rpartition("/")
-    if split != "train" or not output:
-        raise ValueError(f"spec.data.train ({train}) must end in /train to be prepared from "
-                         f"the {PREPARE_FROM_ANNOTATION} annotation: `kubetrain prepare` writes "
-                         "OUTPUT/train and OUTPUT/validation")
-    init = job.spec.model.init
-    if job.spec.model.from_teacher and job.spec.distillation is not None:
-        init = job.spec.distillation.teacher  # a student sized from it shares its vocabulary
-    # A pretrained model reads token ids of its own tokenizer: the one its folder holds.
-    tokenizer: dict[str, Any] = (
-        {"tokenizer": f"{init.rstrip('/')}/{TOKENIZER_NAME}"} if init is not None
-        else {"vocab_size": job.spec.model.resolve().vocab_size})
-    prepare(corpus_inputs(source, workspace), output, **tokenizer,
-            shard_tokens=DEMO_SHARD_TOKENS, validation_fraction=DEMO_VALIDATION_FRACTION,
-            storage=job.spec.storage)
-    return source

@@ -29,9 +29,17 @@ import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-SERVER_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
-CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
-TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
+from kubetrain.protocol import (
+    CA_CERT_ENV,
+    REPORT_LOSS,
+    REPORT_STEP,
+    REPORT_TOKENS,
+    REPORT_TOKENS_PER_SECOND,
+    REPORT_TOTAL_STEPS,
+    SERVER_URL_ENV,
+    TOKEN_ENV,
+)
+
 # As transformers' KubeflowCallback: the endpoint's rate limit allows one per 5 s per rank.
 MIN_INTERVAL_SECONDS = 5.0
 TIMEOUT_SECONDS = 5.0
@@ -51,12 +59,12 @@ class Reporter:
     def body(self, step: int, total_steps: int | None, loss: float | None,
              tokens: int | None, now: float) -> dict[str, object]:
         """The request body for this report (and the rates it updates)."""
-        metrics: dict[str, object] = {"current_step": step}
+        metrics: dict[str, object] = {REPORT_STEP: step}
         status: dict[str, object] = {"lastUpdatedTime": datetime.now(UTC).isoformat()}
         if self._first is None:
             self._first = (now, step)
         if total_steps:
-            metrics["total_steps"] = total_steps
+            metrics[REPORT_TOTAL_STEPS] = total_steps
             done = step >= total_steps
             status["progressPercentage"] = 100 if done else min(99, step * 100 // total_steps)
             started, first_step = self._first
@@ -64,12 +72,12 @@ class Reporter:
                 per_step = (now - started) / (step - first_step)
                 status["estimatedRemainingSeconds"] = max(0, int(per_step * (total_steps - step)))
         if loss is not None and math.isfinite(loss):
-            metrics["loss"] = f"{loss:.6g}"
+            metrics[REPORT_LOSS] = f"{loss:.6g}"
         if tokens is not None:
-            metrics["tokens"] = tokens
+            metrics[REPORT_TOKENS] = tokens
             if self._tokens is not None and now > self._tokens[0]:
                 rate = (tokens - self._tokens[1]) / (now - self._tokens[0])
-                metrics["tokens_per_second"] = f"{max(rate, 0.0):.6g}"
+                metrics[REPORT_TOKENS_PER_SECOND] = f"{max(rate, 0.0):.6g}"
             self._tokens = (now, tokens)
         status["metrics"] = [{"name": name, "value": str(value)}
                              for name, value in metrics.items()]

@@ -16,7 +16,8 @@ from kubetrain.api.manifest import parse_job
 from kubetrain.cli import main
 from kubetrain.local.launch import AgentLaunch, free_port
 from kubetrain.local.node import Node, descendants
-from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace, ensure_data
+from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace
+from kubetrain.run import ensure_data
 from kubetrain.trainer.prepare import TOKENIZER_NAME
 
 
@@ -185,3 +186,20 @@ def test_a_model_init_job_is_prepared_with_the_models_own_tokenizer(
     assert ensure_data(job, Workspace(tmp_path / "run")) == str(corpus)
     assert (tmp_path / "data" / TOKENIZER_NAME).read_bytes() == (
         model / TOKENIZER_NAME).read_bytes()
+
+
+def test_dry_run_lays_out_its_table_whatever_the_run_folder_is_named(
+        job_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The side-by-side table knows where torchrun's options end from the launch itself,
+    not by looking for the first word that is no option: a run folder whose name starts
+    with a dash (every path after the options then does) still gets its table."""
+    from kubetrain.run import dry_run
+
+    monkeypatch.chdir(tmp_path)
+    job = parse_job(yaml.safe_load(job_file.read_text()))
+    workspace = Workspace(Path("-runs") / "demo")
+    out = dry_run(job, workspace.localize(job), workspace)
+    (program_row,) = [line for line in out.splitlines() if line.startswith("#   program")]
+    assert "-m kubetrain.trainer.launch -runs/demo/job.yaml" in program_row
+    (nnodes_row,) = [line.split() for line in out.splitlines() if line.startswith("#   --nnodes")]
+    assert nnodes_row == ["#", "--nnodes", "2:3", "2:8"]

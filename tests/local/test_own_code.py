@@ -29,7 +29,7 @@ import yaml
 from kubetrain.local.launch import OWN_CODE_SYNC_SECONDS
 from kubetrain.local.metrics_log import append_event, parse_lines
 from kubetrain.local.own_code import ReportedGoodput
-from kubetrain.local.status_endpoint import MAX_BODY_BYTES, LocalStatusEndpoint
+from kubetrain.local.trainer_status_endpoint import MAX_BODY_BYTES, LocalStatusEndpoint
 from kubetrain.sdk.progress import Reporter
 
 SCRIPTS = Path(__file__).parents[1] / "own_code"

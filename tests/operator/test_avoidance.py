@@ -16,15 +16,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.api.trainingjob import AvoidedNode, NodeFailure, TrainingJob, TrainingJobStatus
 from kubetrain.operator import avoidance
+from kubetrain.operator.actions import CreateObject, RecordEvent
 from kubetrain.operator.children import (
     AVOIDED_NODES_ANNOTATION,
     HOSTNAME_LABEL,
     avoiding_affinity,
 )
 from kubetrain.operator.children import worker_pod as render_pod
+from kubetrain.operator.facts import metrics_sample, worker_pod
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import metrics_sample, trainer_failure, worker_pod
-from kubetrain.operator.reconcile import HUNG_GROUP_GRACE_SECONDS, CreateObject, RecordEvent
+from kubetrain.operator.reconcile_pass import HUNG_GROUP_GRACE_SECONDS
+from kubetrain.protocol import trainer_failure
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconcile import NOW, Outcome, _failed_pod, make_job, pod, run, running_status

@@ -34,9 +34,9 @@ from kubetrain.operator.expectations import (
     config_map_version,
     held_version,
 )
+from kubetrain.operator.facts import worker_pod
 from kubetrain.operator.handlers import TrainingJobController
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import worker_pod
 from kubetrain.operator.writer import ApiWriter
 
 
@@ -225,3 +225,27 @@ def test_a_refused_pod_is_reported_once_per_message_and_stops_the_pass() -> None
         assert not expected.created  # nothing was created: nothing is expected to show
     finally:
         server.shutdown()
+
+
+def test_jobs_without_a_uid_keep_what_the_operator_did_to_each_apart(
+        cluster: EmulatedCluster) -> None:
+    """A job whose body has no uid (an API that sets none) is remembered by its namespace
+    and name: one job's pods, just created and not yet in the index, are never taken for
+    another's, so each job gets every one of its workers."""
+    from kubetrain.operator.handlers import Indexes
+
+    controller = TrainingJobController(OperatorConfig(standalone=True), cluster.api_client())
+    kube = Kube(cluster)
+    jobs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for name in ("first", "second"):
+        kube.create_job(job_manifest(name, replicas=2))
+        body = kube.job(name)
+        assert body is not None
+        body["metadata"].pop("uid", None)
+        jobs[(NAMESPACE, name)] = [body]
+    indexes = Indexes(jobs=jobs, pods={}, services={}, config_maps={}, nodes={})  # type: ignore[arg-type]
+    for key in jobs:
+        controller.reconcile(key, indexes)
+    for name in ("first", "second"):
+        assert sorted(kube.pods(name)) == [f"{name}-worker-0", f"{name}-worker-1"], name
+        assert kube.phase(name) == "Pending", name

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_reconcile import NOW, Outcome, make_job, pod, run, running_status
 
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.operator.reconcile import RecordEvent
+from kubetrain.operator.actions import RecordEvent
 
 
 def _job(minimal_manifest: dict[str, Any], replicas: int, status: dict[str, Any],

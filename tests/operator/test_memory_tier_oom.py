@@ -25,9 +25,9 @@ from test_reconcile import (
 )
 
 from kubetrain.api.trainingjob import TrainingJob, TrainingJobSpec
-from kubetrain.operator.observed import worker_pod
-from kubetrain.operator.reconcile import CreateObject, RecordEvent
-from kubetrain.trainer.memory_budget import out_of_memory_note, parse_quantity, tier_budget
+from kubetrain.memory_budget import out_of_memory_note, parse_quantity, tier_budget
+from kubetrain.operator.actions import CreateObject, RecordEvent
+from kubetrain.operator.facts import worker_pod
 
 GIB = 2**30
 

@@ -12,8 +12,8 @@ import pytest
 
 from kubetrain.api import parse_job
 from kubetrain.api.manifest import InvalidManifest
+from kubetrain.memory_budget import FOLDER_ENV, VERSIONS, parse_quantity, tier_budget
 from kubetrain.operator.children import MEMORY_CHECKPOINTS_DIR, MEMORY_VOLUME, worker_pod
-from kubetrain.trainer.memory_budget import FOLDER_ENV, VERSIONS, parse_quantity, tier_budget
 
 
 def _job(minimal_manifest: dict[str, Any], memory: dict[str, Any] | None,

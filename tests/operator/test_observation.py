@@ -14,8 +14,8 @@ import pytest
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import EffectiveBatch, TrainingJobStatus
+from kubetrain.operator.facts import MetricsSample
 from kubetrain.operator.observation import effective_batch, record_metrics, world_size
-from kubetrain.operator.observed import MetricsSample
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconcile import EARLIER, NOW, make_job

@@ -9,16 +9,12 @@ from typing import Any
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.operator.actions import RecordEvent, WriteStatus
+from kubetrain.operator.facts import Observed, WorkerPod, reported_sample
 from kubetrain.operator.observation import step_goodput
-from kubetrain.operator.observed import (
-    Observed,
-    TrainerFailure,
-    WorkerPod,
-    reported_sample,
-    unmarked_checkpoints,
-)
-from kubetrain.operator.reconcile import RecordEvent, WriteStatus, reconcile
-from kubetrain.operator.status_endpoint import Report, StatusReports
+from kubetrain.operator.reconcile import reconcile
+from kubetrain.operator.trainer_status_endpoint import StatusReports
+from kubetrain.protocol import Report, TrainerFailure, unmarked_checkpoints
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 START = NOW - timedelta(minutes=10)

@@ -12,10 +12,7 @@ import yaml
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.operator.failures import classify
-from kubetrain.operator.observed import MetricsSample, Observed, WorkerPod, worker_pod
-from kubetrain.operator.reconcile import (
-    HUNG_GROUP_GRACE_SECONDS,
+from kubetrain.operator.actions import (
     CountFailure,
     CountRestart,
     CreateObject,
@@ -25,11 +22,12 @@ from kubetrain.operator.reconcile import (
     RecordEvent,
     UpdateConfigMap,
     WriteStatus,
-    merge_patch,
-    reconcile,
-    reject,
 )
-from kubetrain.operator.restarts import retry_kind_of
+from kubetrain.operator.facts import MetricsSample, Observed, WorkerPod, worker_pod
+from kubetrain.operator.failures import classify
+from kubetrain.operator.reconcile import merge_patch, reconcile, reject
+from kubetrain.operator.reconcile_pass import HUNG_GROUP_GRACE_SECONDS
+from kubetrain.operator.recovery import retry_kind_of
 from kubetrain.restart_rules import backoff_seconds
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -460,7 +458,7 @@ def test_metrics_become_progress_and_latest_checkpoint(minimal_manifest: dict) -
 
 
 def test_the_best_checkpoint_of_rank_0s_metrics_becomes_status(minimal_manifest: dict) -> None:
-    from kubetrain.operator.observed import metrics_sample
+    from kubetrain.operator.facts import metrics_sample
 
     sample = metrics_sample("kubetrain_step 130\nkubetrain_best_checkpoint_step 80\n"
                             "kubetrain_best_checkpoint_validation_loss 2.125\n")
@@ -630,7 +628,7 @@ def test_pod_terminating_on_a_lost_node_is_force_deleted_to_free_its_name(
     ("True", True), ("False", True), ("Unknown", False), (None, True)])
 def test_a_node_is_lost_once_its_ready_condition_is_unknown(ready: str | None,
                                                             reachable: bool) -> None:
-    from kubetrain.operator.observed import node_reachable, worker_pod
+    from kubetrain.operator.facts import node_reachable, worker_pod
 
     status = {"conditions": [{"type": "Ready", "status": ready}] if ready else []}
     assert node_reachable(status) is reachable
@@ -642,7 +640,7 @@ def test_a_node_is_lost_once_its_ready_condition_is_unknown(ready: str | None,
 
 def test_no_latest_checkpoint_before_the_trainer_commits_one(minimal_manifest: dict) -> None:
     # What rank 0's /metrics reads before its first checkpoint: step 0, timestamp 0.
-    from kubetrain.operator.observed import metrics_sample
+    from kubetrain.operator.facts import metrics_sample
 
     sample = metrics_sample("kubetrain_step 3\nkubetrain_latest_checkpoint_step 0\n"
                             "kubetrain_latest_checkpoint_timestamp_seconds 0\n")
@@ -655,7 +653,7 @@ def test_no_latest_checkpoint_before_the_trainer_commits_one(minimal_manifest: d
 def test_status_takes_the_last_step_and_checkpoint_from_rank_0s_termination_message(
         minimal_manifest: dict) -> None:
     # The run ended after the last scrape (step 20): rank 0's exit left its last gauges.
-    from kubetrain.operator.observed import final_metrics
+    from kubetrain.operator.facts import final_metrics
 
     last = ("kubetrain_step 24.0\nkubetrain_max_steps 24.0\nkubetrain_epoch 2.0\n"
             "kubetrain_loss 6.5\n"
@@ -674,7 +672,7 @@ def test_status_takes_the_last_step_and_checkpoint_from_rank_0s_termination_mess
 
 def test_a_distillation_jobs_progress_carries_both_terms_of_its_loss(
         minimal_manifest: dict) -> None:
-    from kubetrain.operator.observed import metrics_sample
+    from kubetrain.operator.facts import metrics_sample
 
     exposition = ("kubetrain_step 7\nkubetrain_loss 4.25\nkubetrain_ce_loss 6.5\n"
                   "kubetrain_kd_loss 2.0\n")
@@ -940,7 +938,7 @@ def _with_ends(job: TrainingJob, *pods: WorkerPod, ends: tuple[Any, ...]) -> Out
 def test_a_trainer_restarted_in_place_is_recorded_once_with_its_class(
         minimal_manifest: dict) -> None:
     from kubetrain.operator.actions import CountFailure
-    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.facts import TrainerEnd
 
     killed = TrainerEnd(pod="demo-worker-1", time=NOW - timedelta(seconds=1),
                         failure_class="Unknown", message="the trainer ended without a word")
@@ -980,7 +978,7 @@ def test_a_trainer_restarted_in_place_is_recorded_once_with_its_class(
 
 
 def test_the_ranks_of_one_restart_in_place_count_one_restart(minimal_manifest: dict) -> None:
-    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.facts import TrainerEnd
 
     # A hung group: both ranks time out of the same collective, a second apart.
     ends = tuple(TrainerEnd(pod=f"demo-worker-{index}", time=NOW + timedelta(seconds=index),
@@ -1005,7 +1003,7 @@ def test_the_ranks_of_one_restart_in_place_count_one_restart(minimal_manifest: d
 
 def test_a_restart_in_place_within_its_pods_budget_counts_though_max_restarts_are_spent(
         minimal_manifest: dict) -> None:
-    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.facts import TrainerEnd
 
     # The job's two restarts were spent replacing pods; worker 1 is a new pod, whose
     # torchrun has its own budget (PET_MAX_RESTARTS=2) and restarts in place whatever
@@ -1027,8 +1025,8 @@ def test_a_restart_in_place_within_its_pods_budget_counts_though_max_restarts_ar
 
 def test_an_out_of_memory_kill_past_the_pods_budget_is_left_to_the_pod_which_halves(
         minimal_manifest: dict) -> None:
-    from kubetrain.operator.observed import TrainerEnd
-    from kubetrain.operator.restarts import LEFT_TO_THE_POD
+    from kubetrain.operator.facts import TrainerEnd
+    from kubetrain.operator.recovery import LEFT_TO_THE_POD
 
     # maxRestarts 2, both spent, and worker 1's torchrun restarted in place twice already:
     # its budget is spent too. The kernel's OOM kill of its trainer (no word on the
@@ -1067,7 +1065,7 @@ def test_an_out_of_memory_kill_past_the_pods_budget_is_left_to_the_pod_which_hal
 
 def test_a_restart_in_place_that_ends_the_job_ends_the_pass_there(
         minimal_manifest: dict) -> None:
-    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.facts import TrainerEnd
 
     invalid = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown",
                          message="the trainer exited 2", exit_code=2)
@@ -1092,7 +1090,7 @@ def test_a_restart_in_place_that_ends_the_job_ends_the_pass_there(
 
 def test_under_max_restarts_0_a_trainer_end_is_left_to_its_pods_own_end(
         minimal_manifest: dict) -> None:
-    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.facts import TrainerEnd
 
     # torchrun gets PET_MAX_RESTARTS=0 and restarts nothing in place: the pod is ending, and
     # its end names what the lifeline could not (the kernel's OOM kill is healed by halving
@@ -1108,7 +1106,7 @@ def test_under_max_restarts_0_a_trainer_end_is_left_to_its_pods_own_end(
 
 def test_a_trainer_end_in_a_pod_that_failed_or_goes_is_the_pods_own_story(
         minimal_manifest: dict) -> None:
-    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.facts import TrainerEnd
 
     end = TrainerEnd(pod="demo-worker-1", time=NOW, failure_class="Unknown", message="gone")
     for gone in (pod(1, deleting=True), pod(1, phase="Failed", exit_code=137)):
@@ -1173,7 +1171,7 @@ def test_a_pod_that_fails_just_after_its_trainer_ended_failed_once(
         minimal_manifest: dict) -> None:
     # The kernel killed the whole container (memory): the lifeline closed first and the end
     # was recorded as a restart in place, then the pod's status came. One failure, the pod's.
-    from kubetrain.operator.observed import TrainerEnd
+    from kubetrain.operator.facts import TrainerEnd
 
     end = TrainerEnd(pod="demo-worker-1", time=NOW - timedelta(seconds=2),
                      failure_class="Unknown",

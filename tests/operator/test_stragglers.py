@@ -14,8 +14,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.api.trainingjob import RankSlowness, RanksStatus
+from kubetrain.operator.facts import RankSample, metrics_sample
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import RankSample, metrics_sample
 from kubetrain.operator.stragglers import describe, judge, stragglers
 
 sys.path.insert(0, str(Path(__file__).parent))

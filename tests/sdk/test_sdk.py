@@ -71,7 +71,7 @@ def status_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_
 
 def test_report_posts_kubeflow_trainer_status_that_the_operator_reads(
         status_server: _Received) -> None:
-    from kubetrain.operator.status_endpoint import parse_report
+    from kubetrain.protocol import parse_report
 
     reporter = progress.Reporter(min_interval=0)
     assert reporter.report(10, total_steps=100, loss=2.5, tokens=40_960)

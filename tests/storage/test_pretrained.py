@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import DynamicsSpec, StorageSpec, TrainingJobSpec
+from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV
 from kubetrain.trainer.export import _interleaved_to_halves, export_model
-from kubetrain.trainer.goodput import ATTEMPT_STARTED_ENV
 from kubetrain.trainer.loop import Trainer
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import PreparedDataset

@@ -13,12 +13,12 @@ import sys
 import textwrap
 from typing import Any
 
-from kubetrain.trainer.loop import is_collective_timeout
+from kubetrain.trainer.failure_classes import is_collective_timeout
 
 RANKS = textwrap.dedent("""
     import datetime, os, time
     import torch, torch.distributed as dist
-    from kubetrain.trainer.loop import is_collective_timeout
+    from kubetrain.trainer.failure_classes import is_collective_timeout
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
     if dist.get_rank() == 0:

@@ -24,9 +24,9 @@ from kubetrain.api.trainingjob import (
     ParallelismSpec,
     TrainingJobSpec,
 )
+from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV
 from kubetrain.trainer import Trainer
 from kubetrain.trainer.distill import Teacher, TokenizerMismatch, check_tokenizer
-from kubetrain.trainer.goodput import ATTEMPT_STARTED_ENV
 from kubetrain.trainer.loop import FitResult
 from kubetrain.trainer.loss import chunked_cross_entropy, distillation_loss
 from kubetrain.trainer.model import Transformer

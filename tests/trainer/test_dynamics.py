@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from kubetrain.api.trainingjob import DynamicsSpec, ModelSpec
+from kubetrain.sizing import parameter_count
 from kubetrain.trainer.model import Dynamics, Transformer
-from kubetrain.trainer.sizing import parameter_count
 
 sys.path.insert(0, str(Path(__file__).parent))
 from saved_tensors import bytes_saved_for_backward

@@ -12,6 +12,7 @@ import yaml
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.sizing import parameter_count
 from kubetrain.trainer.estimate import (
     EAGER_AUTOCAST_ACTIVATIONS,
     GIB,
@@ -20,7 +21,6 @@ from kubetrain.trainer.estimate import (
     job_plan,
     recommend,
 )
-from kubetrain.trainer.sizing import parameter_count
 
 
 def manifest(**spec: object) -> dict:
@@ -142,8 +142,8 @@ def test_the_command_reads_the_teachers_config_and_prints_its_row(
     their parameters too, 2 bytes each over the 8 shards."""
     from kubetrain.api.trainingjob import DynamicsSpec
     from kubetrain.cli import main
+    from kubetrain.sizing import dynamics_parameter_count
     from kubetrain.trainer.export import llama_config
-    from kubetrain.trainer.sizing import dynamics_parameter_count
 
     teacher = parse_job(manifest()).spec.model.resolve()  # llama-8b's dimensions
     (tmp_path / "teacher").mkdir()

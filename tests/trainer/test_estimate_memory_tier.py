@@ -16,8 +16,8 @@ import yaml
 
 from kubetrain.api.presets import PRESETS
 from kubetrain.cli import main
+from kubetrain.sizing import parameter_count
 from kubetrain.trainer.export import llama_config
-from kubetrain.trainer.sizing import parameter_count
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""How `fit` ends on a failure: `loop.FAILURES`, one table from the error to its failure
+"""How `fit` ends on a failure: `failure_classes.FAILURES`, one table from the error to its failure
 class, `FitResult.reason` and exit code, in agreement with kubetrain.protocol.
 
 The errors are the texts PyTorch, Triton, gloo and NCCL raise (see test_gpu_error.py and
@@ -21,7 +21,8 @@ from kubetrain.protocol import (
     TRAINER_CLASSES,
     TRAINER_EXIT_CODES,
 )
-from kubetrain.trainer.loop import FAILURES, FitReason, failure_of
+from kubetrain.trainer.failure_classes import FAILURES, failure_of
+from kubetrain.trainer.loop import FitReason
 from kubetrain.trainer.preflight import PreflightFailed
 
 OUT_OF_MEMORY = ("CUDAOutOfMemory", "out_of_memory", EXIT_OUT_OF_MEMORY)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubetrain.trainer.loop import is_collective_timeout, is_gpu_error, is_out_of_memory
+from kubetrain.trainer.failure_classes import is_collective_timeout, is_gpu_error, is_out_of_memory
 
 ASYNC = ("\nCUDA kernel errors might be asynchronously reported at some other API call, so "
          "the stacktrace below might be incorrect.\nFor debugging consider passing "

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kubetrain.api.trainingjob import ModelDims
+from kubetrain.sizing import loss_chunk_tokens
 from kubetrain.trainer.loss import (
     OUTPUT_LOSS_ENV,
     OutputLoss,
@@ -28,7 +29,6 @@ from kubetrain.trainer.loss import (
     select_output_loss,
 )
 from kubetrain.trainer.model import Transformer
-from kubetrain.trainer.sizing import loss_chunk_tokens
 
 WORKER = Path(__file__).with_name("fsdp_loss_worker.py")
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"

@@ -335,7 +335,7 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory-node-loss",
                    f"--max-restarts={restarts}", "-m", "kubetrain.trainer", str(job),
                    "--metrics-log", str(launcher.log(job))]
-        # As in a worker pod (children.torchrun_env): a fresh store at each rendezvous round.
+        # As in a worker pod (worker_env.torchrun_env): a fresh store at each rendezvous round.
         env = {**launcher.env(), FOLDER_ENV: str(tmp_path / name), NODE_ENV: name,
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,

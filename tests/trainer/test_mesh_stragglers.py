@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kubetrain.api.trainingjob import RanksStatus, TrainingJobSpec
-from kubetrain.operator.observed import RankSample
+from kubetrain.operator.facts import RankSample
 from kubetrain.operator.stragglers import describe, judge, stragglers
 
 THRESHOLD, WINDOW = 1.3, 3  # runPolicy.stragglers' defaults
@@ -214,7 +214,7 @@ def test_the_halving_under_fsdp_and_tensor_parallelism_counts_data_parallel_rank
     over the 4 processes: counted over 4 it would train half the tokens per step."""
     from kubetrain.operator.observation import effective_batch
     from kubetrain.restart_rules import after_out_of_memory
-    from kubetrain.trainer.mesh import MeshShape, mesh_shape
+    from kubetrain.trainer.mesh_shape import MeshShape, mesh_shape
 
     spec = TrainingJobSpec.model_validate({
         "image": "kubetrain/trainer:test", "model": {"preset": "tiny"},

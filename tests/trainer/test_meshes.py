@@ -20,8 +20,8 @@ import torch
 import yaml
 
 from kubetrain.api.manifest import parse_job
-from kubetrain.trainer.estimate import GIB, estimate_memory, job_plan
-from kubetrain.trainer.mesh import MeshError, MeshShape, auto_shape, mesh_shape
+from kubetrain.trainer.estimate import GIB, auto_shape, estimate_memory, job_plan
+from kubetrain.trainer.mesh_shape import MeshError, MeshShape, mesh_shape
 from kubetrain.trainer.model import Transformer
 
 sys.path.insert(0, str(Path(__file__).parent))

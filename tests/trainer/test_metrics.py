@@ -95,8 +95,8 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
         600 / sum(GOODPUT_SECONDS.values()))
 
     # The operator reads the same exposition into status.goodput and the ETA.
-    from kubetrain.operator.observed import metrics_sample
-    from kubetrain.operator.reconcile import goodput_status
+    from kubetrain.operator.facts import metrics_sample
+    from kubetrain.operator.observation import goodput_status
 
     sample = metrics_sample(exposition)
     assert sample.wall_seconds == GOODPUT_SECONDS and sample.step_time == 0.25
@@ -169,8 +169,8 @@ def test_checkpoint_load_by_tier_reaches_the_exposition_the_log_and_the_jobs_sta
         tiny_job, tmp_path: Path) -> None:
     from prometheus_client import generate_latest
 
-    from kubetrain.operator.observed import metrics_sample
-    from kubetrain.operator.reconcile import goodput_status
+    from kubetrain.operator.facts import metrics_sample
+    from kubetrain.operator.observation import goodput_status
     from kubetrain.trainer.metrics import REGISTRY
 
     job = load_job(tiny_job("tiers"))

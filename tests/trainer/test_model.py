@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kubetrain.api.trainingjob import ModelSpec
+from kubetrain.sizing import flops_per_token, parameter_count
 from kubetrain.trainer.model import Transformer
-from kubetrain.trainer.sizing import flops_per_token, parameter_count
 
 
 def test_flops_per_token_of_an_untied_gqa_model_matches_a_hand_count() -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
+from kubetrain.operator.facts import WorkerPod
 from kubetrain.operator.failures import classify
-from kubetrain.operator.observed import WorkerPod, trainer_failure
-from kubetrain.trainer.loop import EXIT_OUT_OF_MEMORY
+from kubetrain.protocol import EXIT_OUT_OF_MEMORY, trainer_failure
 
 WORKER = Path(__file__).with_name("oom_worker.py")
 # Losses of the same global batch split into micro-batches of 8 or of 4 x 2 differ only by
@@ -133,7 +133,7 @@ def test_the_halving_under_tensor_parallelism_keeps_the_global_batch_over_data_p
     from kubetrain.api.trainingjob import TrainingJobSpec
     from kubetrain.operator.observation import effective_batch
     from kubetrain.restart_rules import after_out_of_memory
-    from kubetrain.trainer.mesh import mesh_shape
+    from kubetrain.trainer.mesh_shape import mesh_shape
 
     spec = TrainingJobSpec.model_validate({
         "image": "kubetrain/trainer:test", "model": {"preset": "tiny"},

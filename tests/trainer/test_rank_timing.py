@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from kubetrain.api.manifest import load_job
-from kubetrain.operator.observed import RankSample
+from kubetrain.operator.facts import RankSample
 from kubetrain.operator.stragglers import judge, stragglers
 
 

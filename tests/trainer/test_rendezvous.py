@@ -47,7 +47,7 @@ def test_a_failed_worker_rejoins_through_the_backend_beside_an_agent_on_plain_c1
          "--max-restarts", "1", "--monitor-interval", "0.1", str(script),
          str(tmp_path / "failed-once")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        # A fresh store for the workers at each round, as in the pods (children.torchrun_env).
+        # A fresh store for the workers at each round, as in the pods (worker_env.torchrun_env).
         env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         for backend in (RENDEZVOUS_BACKEND, "c10d")]  # the rendezvous host on kubetrain's
     try:

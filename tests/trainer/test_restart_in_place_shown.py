@@ -1,6 +1,6 @@
 """A trainer killed under a real torchrun, which restarts the group in place: each trainer
 process's lifeline (kubetrain.trainer.lifeline) tells the operator's lifelines
-(kubetrain.operator.lifelines) at once, once, and goodput books the downtime and the steps
+(kubetrain.operator.lifeline_watch) at once, once, and goodput books the downtime and the steps
 redone (issue 33 item 2)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from kubetrain.operator.lifelines import Lifelines
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
+from kubetrain.operator.lifeline_watch import LifelineWatch
 from kubetrain.protocol import lifeline_port
 
 
@@ -26,7 +26,7 @@ class _Following:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.news: list[tuple[str, str]] = []
-        self.lifelines = Lifelines(self.news.append, settle_seconds=0.0, retry_seconds=0.1)
+        self.lifelines = LifelineWatch(self.news.append, settle_seconds=0.0, retry_seconds=0.1)
         self.lifelines.start(self.loop)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain.operator.lifelines import Lifelines
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
+from kubetrain.operator.lifeline_watch import LifelineWatch
 from kubetrain.protocol import lifeline_port
 from kubetrain.trainer.distributed import STOP_DEADLINE_FLOOR
 
@@ -100,7 +100,7 @@ def test_a_step_many_times_longer_than_the_others_restarts_nothing(
     # does not beat either (a long step does), so this is the harder case for them.
     port = yaml.safe_load(job.read_text())["spec"]["metrics"]["port"]
     loop = asyncio.new_event_loop()
-    lifelines = Lifelines(lambda key: None, retry_seconds=0.1)
+    lifelines = LifelineWatch(lambda key: None, retry_seconds=0.1)
     lifelines.start(loop)
     following = threading.Thread(target=loop.run_forever, daemon=True)
     following.start()
@@ -172,7 +172,7 @@ import contextlib, sys, time, torch, torch.distributed as dist
 from kubetrain.api.presets import PRESETS
 from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.distributed import StopRequest
-from kubetrain.trainer.loop import evaluate
+from kubetrain.trainer.evaluation import evaluate
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import ParallelModel
 from kubetrain.trainer.rank_timing import WaitClock

@@ -19,11 +19,11 @@ import yaml
 from kubetrain.api.manifest import InvalidManifest, parse_job
 from kubetrain.api.presets import PRESETS
 from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.sizing import ssm_parameter_count, ssm_state_elements
 from kubetrain.trainer.export import export_model
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.pretrained import load_embeddings
 from kubetrain.trainer.pretrained_config import PretrainedError, read_config, trained_model
-from kubetrain.trainer.sizing import ssm_parameter_count, ssm_state_elements
 from kubetrain.trainer.ssm import StateSpaceModel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -366,8 +366,8 @@ def test_a_model_init_job_from_the_export_builds_the_ssm_and_starts_from_its_wei
     leaves them as they were, so its export is the source export."""
     from safetensors.torch import load_file
 
+    from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV
     from kubetrain.trainer import Trainer
-    from kubetrain.trainer.goodput import ATTEMPT_STARTED_ENV
 
     spec = _job_spec({"init": str(trained["export"])},
                      data={"train": trained["corpus"].train_uri, "seqLen": 64},

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.operator.observed import metrics_sample
+from kubetrain.operator.facts import metrics_sample
 from kubetrain.trainer import metrics
 
 

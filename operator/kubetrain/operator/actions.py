@@ -1,7 +1,9 @@
 """What a reconcile pass can decide: the actions the kopf handlers apply, as plain data.
 
 `kubetrain.operator.reconcile` and its policy modules (lifecycle, nodes, observation)
-build them; `kubetrain.operator.applier` performs them. Nothing here decides or does I/O.
+build them, and the controller the one that needs the operator's own keys
+(`CreateStatusSecret`); `kubetrain.operator.applier` performs them. Nothing here decides
+or does I/O.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ from typing import Any, Literal
 @dataclass(frozen=True)
 class CreateObject:
     """Create a child (Service, ConfigMap or Pod); an existing one of that name is kept."""
+
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CreateStatusSecret:
+    """Create an own-code job's Secret `<job>-status` for the status endpoint, before its
+    pods; an existing one is kept. The controller asks for it (it holds the endpoint's keys),
+    not reconcile."""
 
     manifest: dict[str, Any]
 
@@ -84,5 +95,5 @@ class ReconcileAt:
     time: datetime
 
 
-Action = (CreateObject | UpdateConfigMap | DeletePod | DeleteJob | WriteStatus | RecordEvent
-          | CountRestart | CountFailure | ReconcileAt)
+Action = (CreateObject | CreateStatusSecret | UpdateConfigMap | DeletePod | DeleteJob
+          | WriteStatus | RecordEvent | CountRestart | CountFailure | ReconcileAt)

@@ -26,6 +26,7 @@ from kubetrain.operator.actions import (
     CountFailure,
     CountRestart,
     CreateObject,
+    CreateStatusSecret,
     DeleteJob,
     DeletePod,
     ReconcileAt,
@@ -33,9 +34,9 @@ from kubetrain.operator.actions import (
     UpdateConfigMap,
     WriteStatus,
 )
-from kubetrain.operator.expectations import Expectations
+from kubetrain.operator.expectations import Expectations, job_identity
+from kubetrain.operator.facts import worker_pod
 from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import worker_pod
 from kubetrain.operator.writer import ApiWriter
 
 # The API server refuses longer event messages.
@@ -69,7 +70,7 @@ class ActionApplier:
         self.metrics = metrics
         self.component = component
         self.instance = instance
-        self._phases: dict[str, str] = {}  # by job uid, for the jobs-by-phase gauge
+        self._phases: dict[str, str] = {}  # by job_identity, for the jobs-by-phase gauge
         self._phases_lock = threading.Lock()
 
     def apply(self, body: Mapping[str, Any], expected: Expectations,
@@ -91,10 +92,10 @@ class ActionApplier:
 
     def job_gone(self, uid: str, namespace: str, name: str) -> None:
         """Drop a deleted job from the gauges that follow jobs."""
-        self._count_phase(uid, None)
+        self._count_phase(job_identity(uid, namespace, name), None)
         self.metrics.show_job_status(namespace, name, None)
 
-    def _count_phase(self, uid: str, phase: str | None) -> None:
+    def _count_phase(self, job: str, phase: str | None) -> None:
         """Set (None: drop) the job's phase and recount the jobs gauge from a copy.
 
         Executor threads write phases while others count them: the table changes only under
@@ -103,9 +104,9 @@ class ActionApplier:
         """
         with self._phases_lock:
             if phase is None:
-                self._phases.pop(uid, None)
+                self._phases.pop(job, None)
             else:
-                self._phases[uid] = phase
+                self._phases[job] = phase
             self.metrics.count_phases(dict(self._phases))
 
     def _report_refusal(self, namespace: str, body: Mapping[str, Any], expected: Expectations,
@@ -134,9 +135,17 @@ class ActionApplier:
             self.metrics.show_job_status(namespace, name, action.status)
             phase = action.status.get("phase")
             if phase:
-                self._count_phase(body["metadata"].get("uid", ""), phase)
+                self._count_phase(job_identity(body["metadata"].get("uid"), namespace, name),
+                                  phase)
         elif isinstance(action, CreateObject):
             self._create(namespace, expected, action.manifest)
+        elif isinstance(action, CreateStatusSecret):
+            try:
+                self.writer.create(namespace, action.manifest)
+            except ApiException as error:
+                if error.status != 409:  # already there: made before an operator restart
+                    raise
+            expected.status_secret = True
         elif isinstance(action, UpdateConfigMap):
             meta = action.manifest["metadata"]
             self.writer.patch_config_map(namespace, meta["name"], {

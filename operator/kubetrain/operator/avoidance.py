@@ -3,7 +3,7 @@
 A node is avoided, for runPolicy.avoidNodesFor, after:
 - Straggler: a rank on it was a straggler and runPolicy.stragglers.action is Replace;
 - PreflightFailed: the trainer's preflight check named it (its ranks failed the check);
-- Unreachable: a trainer's lifeline on it went silent (`kubetrain.operator.lifelines`):
+- Unreachable: a trainer's lifeline on it went silent (`kubetrain.operator.lifeline_watch`):
   its pods are replaced at once, before the node is marked NotReady, and must not land
   there again;
 - RepeatedFailures: two failures of class Unknown, CollectiveTimeout or GPUError on it
@@ -37,7 +37,7 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from kubetrain.api.trainingjob import AvoidedNode, NodeFailure
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
 
 AvoidReason = Literal["Straggler", "PreflightFailed", "RepeatedFailures", "Unreachable"]
 # Classes that may mean a bad node (as opposed to the job, the scheduler or memory).

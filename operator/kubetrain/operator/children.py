@@ -2,8 +2,11 @@
 
 `worker_pod`, `service` and `config_map` build plain manifests (dicts) and touch no
 API: the operator creates what they return, `kubetrain run --dry-run` prints it, and
-tests validate it against the Kubernetes schema. Restart and scaling decisions live
-in `kubetrain.operator.reconcile`, not here.
+tests validate it against the Kubernetes schema. A worker's names, labels, snapshot and
+torchrun settings are the conventions both runners share (`kubetrain.pod_conventions`); the
+environment every worker container gets is `kubetrain.operator.worker_env`'s, and the
+container of own code `kubetrain.operator.own_code_container`'s. Restart and scaling
+decisions live in `kubetrain.operator.reconcile`, not here.
 """
 
 from __future__ import annotations
@@ -12,20 +15,33 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
 from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
-from kubetrain.protocol import RENDEZVOUS_BACKEND
-from kubetrain.trainer.memory_budget import (  # torch-free
+from kubetrain.memory_budget import (
     FOLDER_ENV,
     format_quantity,
     parse_quantity,
     tier_budget,
 )
+from kubetrain.operator.own_code_container import own_code_container
+from kubetrain.operator.worker_env import (
+    CONFIG_DIR,
+    CONFIG_KEY,
+    RENDEZVOUS_PORT,
+    TERMINATION_GRACE_SECONDS,
+    credentials_env,
+    placement_env,
+    torchrun_env,
+)
+from kubetrain.pod_conventions import (
+    ATTEMPT_LABEL,
+    INDEX_LABEL,
+    JOB_LABEL,
+    TRAINER_CONTAINER,
+    TRAINER_LAUNCH_MODULE,
+    job_snapshot,
+    pod_name,
+)
 
-JOB_LABEL = "kubetrain.io/job-name"
-INDEX_LABEL = "kubetrain.io/worker-index"
-ATTEMPT_LABEL = "kubetrain.io/restart-attempt"
 # On a worker pod: the nodes its required anti-affinity keeps it off (status.avoidedNodes).
 AVOIDED_NODES_ANNOTATION = "kubetrain.io/avoided-nodes"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -35,43 +51,17 @@ GENERATION_ANNOTATION = "kubetrain.io/job-generation"
 MICRO_BATCH_ANNOTATION = "kubetrain.io/micro-batch-size"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetrain"}
 
-TRAINER_CONTAINER = "trainer"
-RENDEZVOUS_PORT = 29400
-CONFIG_DIR = "/etc/kubetrain"
-CONFIG_KEY = "job.yaml"
-
-# A SIGTERM makes every rank agree on a step, save one checkpoint together and exit;
-# uploading a large sharded checkpoint can take minutes, so the kubelet must wait.
-TERMINATION_GRACE_SECONDS = 300
-
 # Kueue's plain-pod integration admits a group of pods as one workload.
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 
-# Keys of the Secret named by spec.storage.credentialsSecret; the session token is optional.
-_CREDENTIAL_KEYS = (
-    ("AWS_ACCESS_KEY_ID", False),
-    ("AWS_SECRET_ACCESS_KEY", False),
-    ("AWS_SESSION_TOKEN", True),
-)
-
 # The trainer image runs as this unprivileged user.
 _TRAINER_UID = 1000
 
 
-def pod_name(job_name: str, index: int) -> str:
-    """`<job>-worker-<index>`: stable across restarts so the rendezvous host keeps its DNS name."""
-    return f"{job_name}-worker-{index}"
-
-
 def config_map_name(job_name: str) -> str:
     return f"{job_name}-config"
-
-
-def worker_selector(job_name: str) -> str:
-    """Label selector of the job's worker pods (status.workers.selector, for `kubectl scale`)."""
-    return f"{JOB_LABEL}={job_name}"
 
 
 def owner_reference(job: TrainingJob) -> dict[str, Any]:
@@ -120,20 +110,6 @@ def service(job: TrainingJob) -> dict[str, Any]:
     }
 
 
-def job_snapshot(job: TrainingJob) -> str:
-    """The manifest the trainer reads at /etc/kubetrain/job.yaml: the spec, and of the status
-    only `effective` (the micro-batch an out-of-memory restart chose), never the spec changed."""
-    meta: dict[str, Any] = {"name": job.metadata.name}
-    if job.metadata.namespace:
-        meta["namespace"] = job.metadata.namespace
-    document: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
-                                "spec": job.spec.wire()}
-    if job.status is not None and job.status.effective is not None:
-        document["status"] = {"effective": job.status.effective.wire()}
-    # libyaml's emitter: the pure-Python one costs milliseconds per job at every create.
-    return yaml.dump(document, Dumper=yaml.CSafeDumper, sort_keys=False)
-
-
 def config_map(job: TrainingJob) -> dict[str, Any]:
     """The ConfigMap `<job>-config` holding the trainer's config snapshot.
 
@@ -150,49 +126,6 @@ def config_map(job: TrainingJob) -> dict[str, Any]:
         "metadata": metadata,
         "data": {CONFIG_KEY: job_snapshot(job)},
     }
-
-
-def torchrun_env(job: TrainingJob) -> list[dict[str, Any]]:
-    """torchrun's options as PET_* variables: elastic nnodes, c10d rendezvous at worker 0."""
-    workers = job.spec.workers
-    name = job.metadata.name
-    return [
-        {"name": "PET_NNODES", "value": f"{workers.min_workers}:{workers.max_workers}"},
-        {"name": "PET_NPROC_PER_NODE", "value": str(workers.procs_per_worker)},
-        # c10d, polling its state every 0.1 s: restarts rejoin sooner
-        # (kubetrain.trainer.rendezvous).
-        {"name": "PET_RDZV_BACKEND", "value": RENDEZVOUS_BACKEND},
-        {"name": "PET_RDZV_ENDPOINT", "value": f"{pod_name(name, 0)}.{name}:{RENDEZVOUS_PORT}"},
-        # The uid, not the name: a re-created job of the same name must not join stale rendezvous.
-        {"name": "PET_RDZV_ID", "value": job.metadata.uid or name},
-        {"name": "PET_MAX_RESTARTS", "value": str(job.spec.run_policy.max_restarts)},
-        # A fresh store for the trainers at each rendezvous round: in torchrun's shared store
-        # an earlier round's keys remain, and the agents count restarts differently (one
-        # whose worker failed counts it, one that restarts for the new membership does not),
-        # so no per-attempt prefix is the same on every rank (kubetrain.trainer.distributed).
-        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
-    ]
-
-
-def placement_env() -> list[dict[str, Any]]:
-    """The pod's and node's names (downward API): the trainer labels each rank's timing with
-    them, and the operator names the straggler's pod and node from that."""
-    return [
-        {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "KUBETRAIN_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-    ]
-
-
-def credentials_env(job: TrainingJob) -> list[dict[str, Any]]:
-    """S3 keys taken from the referenced Secret at run time; values never enter a manifest."""
-    secret = job.spec.storage.credentials_secret
-    if secret is None:
-        return []
-    return [
-        {"name": key, "valueFrom": {"secretKeyRef": {
-            "name": secret.name, "key": key, **({"optional": True} if optional else {})}}}
-        for key, optional in _CREDENTIAL_KEYS
-    ]
 
 
 def _kueue_metadata(job: TrainingJob) -> tuple[dict[str, str], dict[str, str]]:
@@ -250,7 +183,7 @@ def _trainer_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str,
         "name": TRAINER_CONTAINER,
         "image": spec.image,
         # torchrun with its options from PET_*, whose restarts in place skip the imports.
-        "command": ["python", "-m", "kubetrain.trainer.launch", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "command": ["python", "-m", TRAINER_LAUNCH_MODULE, f"{CONFIG_DIR}/{CONFIG_KEY}"],
         "env": [
             *torchrun_env(job),
             *placement_env(),
@@ -313,12 +246,9 @@ def memory_tier_spread(job: TrainingJob) -> list[dict[str, Any]] | None:
 
 
 def _own_code_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The user's command under the same launch (`kubetrain.operator.own_code_launch`)."""
-    # Imported here: own_code_launch builds on this module's launch (torchrun_env, ...).
-    from kubetrain.operator.own_code_launch import own_code_launch
-
+    """The user's command under the same launch (`kubetrain.operator.own_code_container`)."""
     effective = job.status.effective if job.status is not None else None
-    launch = own_code_launch(job, effective.out_of_memory_restarts if effective else 0)
+    launch = own_code_container(job, effective.out_of_memory_restarts if effective else 0)
     container: dict[str, Any] = {
         "name": TRAINER_CONTAINER,
         "image": launch.image,

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kubetrain import pod_conventions
 from kubetrain.operator.config import OperatorConfig
 
 # Allocations between collections of the youngest generation (Python's default: 700).
@@ -98,7 +99,6 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     from kubernetes import config as kube_config
     from prometheus_client import start_http_server
 
-    from kubetrain.operator import children
     from kubetrain.operator.handlers import USER_AGENT, TrainingJobController
 
     configuration = client.Configuration()
@@ -116,7 +116,7 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
 
     status = None
     if config.status_port is not None:
-        from kubetrain.operator.status_reporting import start_status_reporting
+        from kubetrain.operator.trainer_status_setup import start_status_reporting
 
         status = start_status_reporting(api, config.status_namespace, config.status_dial_host(),
                                         config.status_port)
@@ -141,7 +141,7 @@ def serve(config: OperatorConfig, stop_flag: threading.Event | None = None,
     # after every pod, service and config map of the cluster has been sent, decoded and
     # run through its machinery.
     for plural in ("pods", "services", "configmaps"):
-        settings.watching.label_selectors["v1", plural] = children.JOB_LABEL
+        settings.watching.label_selectors["v1", plural] = pod_conventions.JOB_LABEL
 
     metrics_server, metrics_thread = start_http_server(
         config.metrics_port, registry=controller.metrics.registry)

@@ -23,10 +23,17 @@ from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJobStatus
 from kubetrain.operator import children
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
 
 # A create or delete the watch has not reported after this long is presumed lost.
 EXPECTATION_TIMEOUT_SECONDS = 120.0
+
+
+def job_identity(uid: str | None, namespace: str, name: str) -> str:
+    """What this process remembers a job by: its uid (a job deleted and created again under
+    the same name is another job), or, for a job without one, its namespace and name, so
+    that two such jobs never share a memory. A uid has no slash."""
+    return uid or f"{namespace}/{name}"
 
 # What a ConfigMap was built from: (job generation, micro-batch size).
 ConfigMapVersion = tuple[int, int | None]
@@ -73,6 +80,8 @@ class Expectations:
     # The API server's last refusal of a child, already reported as a FailedCreate event:
     # the same refusal comes back at each pass until someone changes something.
     refused: str = ""
+    # Own code: the job's Secret <job>-status exists (created, or found created).
+    status_secret: bool = False
     clock: Callable[[], float] = time.monotonic
 
     # --- what the applier wrote ------------------------------------------------------

@@ -1,13 +1,14 @@
 """Why a worker pod ended: its failure class, from what the API and the trainer report.
 
-Pure: a `WorkerPod` (the facts `kubetrain.operator.observed` read from the pod's
-status, the node it was bound to and its trainer's termination message) becomes a
-class, the one a user reads in status.lastFailure.class, the events and the metric
-`kubetrain_worker_failures_total{class}`. What the operator does about a class is
-`kubetrain.operator.reconcile`'s: the two out-of-memory classes halve the micro-batch,
-PreflightFailed avoids the nodes it names and restarts the group, and Unknown,
-CollectiveTimeout and GPUError repeated on one node avoid that node
-(kubetrain.operator.avoidance); the rest keep the restart policy they had.
+Pure: a `WorkerPod` (the facts `kubetrain.operator.facts` read from the pod's
+status, the node it was bound to and its trainer's termination message) becomes the
+facts the class is decided from, and `kubetrain.restart_rules.failure_class` decides it
+in the same order as for `kubetrain run`'s nodes: a class, the one a user reads in
+status.lastFailure.class, the events and the metric `kubetrain_worker_failures_total{class}`.
+What the operator does about a class is `kubetrain.operator.reconcile`'s: the two
+out-of-memory classes halve the micro-batch, PreflightFailed avoids the nodes it names and
+restarts the group, and Unknown, CollectiveTimeout and GPUError repeated on one node avoid
+that node (kubetrain.operator.avoidance); the rest keep the restart policy they had.
 
 The classes, in the order they are decided:
 - NodeLost: the pod's node is gone or unreachable, or the taint manager deleted it;
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from kubetrain.operator.observed import WorkerPod
-from kubetrain.protocol import EXIT_OOM_KILLED, TRAINER_CLASSES
+from kubetrain import restart_rules
+from kubetrain.operator.facts import WorkerPod
+from kubetrain.protocol import EXIT_OOM_KILLED
 
 # DisruptionTarget condition reasons (Kubernetes 1.26+) and pod reasons, by class.
 _PREEMPTED = frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler", "Preempting",
@@ -40,20 +42,13 @@ _NODE_LOST = frozenset({"NodeLost", "DeletionByTaintManager", "DeletionByPodGC"}
 def classify(pod: WorkerPod, permanent_exit_codes: Collection[int]) -> str:
     """The failure class of a pod that failed or lost its node (see the module docstring)."""
     reasons = {pod.reason, pod.disruption, pod.pod_reason}
-    if pod.node_lost or reasons & _NODE_LOST:
-        return "NodeLost"
-    if reasons & _PREEMPTED:
-        return "Preempted"
-    if reasons & _EVICTED:
-        return "Evicted"
-    if "OOMKilled" in reasons or (
-            pod.exit_code == EXIT_OOM_KILLED and "oom" in (pod.pod_message or "").lower()):
-        return "OOMKilled"
-    if pod.trainer_failure is not None and pod.trainer_failure.failure_class in TRAINER_CLASSES:
-        return pod.trainer_failure.failure_class
-    if pod.exit_code is not None and pod.exit_code in permanent_exit_codes:
-        return "UserError"
-    return "Unknown"
+    return restart_rules.failure_class(
+        exit_code=pod.exit_code, permanent_exit_codes=permanent_exit_codes,
+        node_lost=pod.node_lost or bool(reasons & _NODE_LOST),
+        preempted=bool(reasons & _PREEMPTED), evicted=bool(reasons & _EVICTED),
+        oom_killed="OOMKilled" in reasons or (
+            pod.exit_code == EXIT_OOM_KILLED and "oom" in (pod.pod_message or "").lower()),
+        trainer_class=pod.trainer_failure.failure_class if pod.trainer_failure else None)
 
 
 def describe(pod: WorkerPod, failure_class: str) -> str:

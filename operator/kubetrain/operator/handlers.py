@@ -19,9 +19,14 @@ and the indexes, filled before any handler runs, are the truth again. The writes
 themselves are `kubetrain.operator.applier`'s.
 
 An own-code job (spec.trainer) reports its progress to the status endpoint
-(`kubetrain.operator.status_reporting`): the controller admits it, creates its Secret
-`<job>-status` before its first pods, reads its latest report where it would scrape rank
-0, and forgets it once it finished or is deleted.
+(`kubetrain.operator.trainer_status_setup`): the controller admits it, has its Secret
+`<job>-status` created before its first pods (an action the applier carries out, first
+in the pass), reads its latest report where it would scrape rank 0, and forgets it once it
+finished or is deleted.
+
+`TrainingJobController` wires kopf to the rest: when passes run is
+`kubetrain.operator.pass_scheduler`'s, reading rank 0's /metrics
+`kubetrain.operator.rank0_scrape`'s, the writes `kubetrain.operator.applier`'s.
 """
 
 from __future__ import annotations
@@ -30,10 +35,8 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import threading
-import urllib.request
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,33 +44,35 @@ import kopf
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from kubetrain import pod_conventions
 from kubetrain.api.manifest import InvalidManifest, parse_job
-from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION, TrainingJob
-from kubetrain.operator import children
-from kubetrain.operator.actions import Action, ReconcileAt
+from kubetrain.api.trainingjob import FINISHED, GROUP, PLURAL, VERSION, TrainingJob
+from kubetrain.operator.actions import Action, CreateStatusSecret, ReconcileAt
 from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
-from kubetrain.operator.expectations import ConfigMapVersion, Expectations, config_map_version
-from kubetrain.operator.leader import LeaderElection
-from kubetrain.operator.lifelines import Lifelines
-from kubetrain.operator.metrics import OperatorMetrics
-from kubetrain.operator.observed import (
+from kubetrain.operator.expectations import (
+    ConfigMapVersion,
+    Expectations,
+    config_map_version,
+    job_identity,
+)
+from kubetrain.operator.facts import (
     Observed,
-    WorkerPod,
     final_metrics,
-    metrics_sample,
     node_reachable,
     worker_pod,
 )
-from kubetrain.operator.reconcile import FINISHED, reconcile, reject
-from kubetrain.operator.status_reporting import StatusReporting, advertise
+from kubetrain.operator.leader import LeaderElection
+from kubetrain.operator.lifeline_watch import LifelineWatch
+from kubetrain.operator.metrics import OperatorMetrics
+from kubetrain.operator.pass_scheduler import JobKey, JobMemory, PassScheduler
+from kubetrain.operator.rank0_scrape import scrape_rank0
+from kubetrain.operator.reconcile import reconcile, reject
+from kubetrain.operator.trainer_status_setup import StatusReporting, advertise
 from kubetrain.operator.writer import ApiWriter
 from kubetrain.protocol import lifeline_port
 
 USER_AGENT = "kubetrain-operator"
-
-JobKey = tuple[str, str]  # (namespace, name)
-
 
 @dataclass(frozen=True)
 class Indexes:
@@ -78,24 +83,6 @@ class Indexes:
     services: kopf.Index  # (namespace, job name) -> ["Service"]
     config_maps: kopf.Index  # (namespace, job name) -> [(generation, micro-batch) held]
     nodes: kopf.Index  # node name -> [True]
-
-
-@dataclass
-class JobMemory:
-    """What this process keeps about one job between reconciles.
-
-    What it did that the watches may not show yet (`expected`); whether a reconcile of
-    the job is running (`running`), and whether triggers arrived meanwhile (`again`,
-    `scrape`): one thread at a time reconciles a job.
-    """
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    running: bool = False
-    again: bool = False
-    scrape: bool = False
-    expected: Expectations = field(default_factory=Expectations)
-    # Own code: the job's Secret <job>-status exists (created, or found created).
-    status_secret: bool = False
 
 
 def _snapshot(index: kopf.Index, key: Any) -> list[Any]:
@@ -140,17 +127,14 @@ class TrainingJobController:
         self.status = status
         self.metrics = OperatorMetrics()
         self.applier = ActionApplier(ApiWriter(api), self.metrics, USER_AGENT, config.identity)
-        self.memory: dict[str, JobMemory] = {}  # by job uid
-        self._memory_lock = threading.Lock()
+        self.passes = PassScheduler()
         self.election = None if config.standalone else LeaderElection(
             api, config.lease_namespace, config.identity, lease_seconds=config.lease_seconds,
             retry_seconds=config.lease_retry_seconds, on_elected=self._elected)
         self._resync: asyncio.Task[None] | None = None
         # Trainer restarts in place, which only each pod's lifeline shows (issue 33).
-        self.lifelines = Lifelines(self._trainer_ended)
+        self.lifelines = LifelineWatch(self._trainer_ended)
         self._news: set[asyncio.Future[None]] = set()
-        # Jobs to reconcile again at a set time, with no news: a restart's backoff ends.
-        self._wakes: dict[JobKey, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._indexes: Indexes | None = None
         self._executor: concurrent.futures.Executor | None = None
@@ -158,7 +142,7 @@ class TrainingJobController:
     def register(self, registry: kopf.OperatorRegistry) -> None:
         """Attach the handlers to a kopf registry."""
         job = (GROUP, VERSION, PLURAL)
-        owned = {children.JOB_LABEL: kopf.PRESENT}
+        owned = {pod_conventions.JOB_LABEL: kopf.PRESENT}
         _attach(kopf.index(*job, id="tj_jobs", registry=registry), self.index_job)
         _attach(kopf.index("v1", "pods", id="tj_pods", labels=owned, registry=registry),
                 self.index_pod)
@@ -187,18 +171,18 @@ class TrainingJobController:
     @staticmethod
     async def index_pod(namespace: str, labels: kopf.Labels, body: kopf.Body,
                         **_: Any) -> dict[JobKey, Any]:
-        return {(namespace, labels[children.JOB_LABEL]): dict(body)}
+        return {(namespace, labels[pod_conventions.JOB_LABEL]): dict(body)}
 
     @staticmethod
     async def index_service(namespace: str, labels: kopf.Labels, body: kopf.Body,
                             **_: Any) -> dict[JobKey, str]:
-        return {(namespace, labels[children.JOB_LABEL]): body["kind"]}
+        return {(namespace, labels[pod_conventions.JOB_LABEL]): body["kind"]}
 
     @staticmethod
     async def index_config_map(namespace: str, labels: kopf.Labels,
                                annotations: kopf.Annotations,
                                **_: Any) -> dict[JobKey, ConfigMapVersion]:
-        return {(namespace, labels[children.JOB_LABEL]): config_map_version(annotations)}
+        return {(namespace, labels[pod_conventions.JOB_LABEL]): config_map_version(annotations)}
 
     @staticmethod
     async def index_node(name: str, **_: Any) -> dict[str, bool]:
@@ -209,24 +193,24 @@ class TrainingJobController:
     async def on_job_event(self, type: str | None, uid: str, namespace: str, name: str,
                            body: kopf.Body, **_: Any) -> None:
         if type == "DELETED":
-            with self._memory_lock:
-                self.memory.pop(uid, None)
+            self.passes.forget(job_identity(uid, namespace, name))
             self.applier.job_gone(uid, namespace, name)
             if self.status is not None:
                 self.status.forget(namespace, name)
             self.lifelines.forget((namespace, name))
-            if wake := self._wakes.pop((namespace, name), None):
-                wake.cancel()
+            self.passes.cancel_wake((namespace, name))
             return
-        if type == "MODIFIED" and self._own_status_echo(uid, body):
+        if type == "MODIFIED" and self._own_status_echo(job_identity(uid, namespace, name),
+                                                        body):
             return
         await self._reconcile_in_thread((namespace, name))
 
     async def on_pod_event(self, type: str | None, name: str, namespace: str,
                            labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
-        if type == "ADDED" and self._own_echo(name, body):
+        job = labels[pod_conventions.JOB_LABEL]
+        if type == "ADDED" and self._own_echo(name, namespace, job, body):
             return
-        await self._reconcile_in_thread((namespace, labels[children.JOB_LABEL]))
+        await self._reconcile_in_thread((namespace, job))
 
     async def start(self, settings: kopf.OperatorSettings, tj_jobs: kopf.Index,
                     tj_pods: kopf.Index, tj_services: kopf.Index, tj_configmaps: kopf.Index,
@@ -242,9 +226,7 @@ class TrainingJobController:
 
     async def stop_resync(self, **_: Any) -> None:
         await self.lifelines.close()
-        for wake in self._wakes.values():
-            wake.cancel()
-        self._wakes.clear()
+        self.passes.cancel_wakes()
         if self._resync is not None:
             self._resync.cancel()
             await asyncio.gather(self._resync, return_exceptions=True)
@@ -277,13 +259,8 @@ class TrainingJobController:
         """True when this replica may write: standalone, or the leader."""
         return self.election is None or self.election.is_leader()
 
-    def _forget(self) -> None:
-        """Drop what an earlier term remembered: another leader may have acted since."""
-        with self._memory_lock:
-            self.memory.clear()
-
     def _elected(self) -> None:
-        self._forget()
+        self.passes.forget_all()  # another leader may have acted since this one remembered
         self._advertise()
 
     def _advertise(self) -> None:
@@ -302,53 +279,32 @@ class TrainingJobController:
     # Events that only echo this process's own writes bring no news: skipping their
     # reconciles halves the passes while jobs start (the resync still visits every job).
 
-    def _own_status_echo(self, uid: str, job: kopf.Body) -> bool:
+    def _own_status_echo(self, identity: str, job: kopf.Body) -> bool:
         """The job as this process last wrote its status, with the spec it last saw."""
-        memory = self.memory.get(uid)
+        memory = self.passes.known(identity)
         return memory is not None and memory.expected.is_status_echo(job)
 
-    def _own_echo(self, name: str, pod: kopf.Body) -> bool:
+    def _own_echo(self, name: str, namespace: str, job: str, pod: kopf.Body) -> bool:
         """A pod this process created, seen for the first time and still Pending."""
         owners = pod.get("metadata", {}).get("ownerReferences") or [{}]
-        memory = self.memory.get(owners[0].get("uid", ""))
+        memory = self.passes.known(job_identity(owners[0].get("uid"), namespace, job))
         return memory is not None and memory.expected.is_created_echo(name, pod)
 
-    def _memory(self, uid: str) -> JobMemory:
-        with self._memory_lock:
-            return self.memory.setdefault(uid, JobMemory())
-
     def reconcile(self, key: JobKey, indexes: Indexes, *, scrape: bool = False) -> None:
-        """Bring one job towards its spec; safe to run any number of times, from any thread.
-
-        Triggers that arrive while the job is being reconciled do not wait for it (and hold
-        a worker thread): they are folded into one more pass right after it, which reads
-        the job afresh from the index.
-        """
+        """Bring one job towards its spec; safe to run any number of times, from any thread:
+        one pass of a job at a time, triggers meanwhile folded into one more
+        (`kubetrain.operator.pass_scheduler`)."""
         bodies = _snapshot(indexes.jobs, key)
         if not bodies or not self.acting():
             return
-        memory = self._memory(bodies[0].get("metadata", {}).get("uid", ""))
-        with memory.lock:
-            memory.scrape |= scrape
-            if memory.running:
-                memory.again = True
-                return
-            memory.running = True
-        while True:
-            with memory.lock:
-                scrape, memory.scrape, memory.again = memory.scrape, False, False
-            try:
-                bodies = _snapshot(indexes.jobs, key)
-                if bodies and self.acting():
-                    self._reconcile_once(bodies[0], key, memory, indexes, scrape)
-            except BaseException:
-                with memory.lock:  # the next trigger or resync tries again
-                    memory.running = False
-                raise
-            with memory.lock:
-                if not memory.again:
-                    memory.running = False
-                    return
+        memory = self.passes.memory(job_identity(bodies[0].get("metadata", {}).get("uid"), *key))
+
+        def one_pass(scrape: bool) -> None:
+            bodies = _snapshot(indexes.jobs, key)  # afresh: the job may have changed
+            if bodies and self.acting():
+                self._reconcile_once(bodies[0], key, memory, indexes, scrape)
+
+        self.passes.run(memory, scrape, one_pass)
 
     def _reconcile_once(self, body: dict[str, Any], key: JobKey, memory: JobMemory,
                         indexes: Indexes, scrape: bool) -> None:
@@ -367,14 +323,15 @@ class TrainingJobController:
                 actions = reject(body.get("status"), meta.get("generation"), str(error), now)
             else:
                 observed = self.observe(key, expected, indexes, now)
+                before: list[Action] = []
                 if job.spec.trainer is not None:
                     observed = replace(observed, metrics=self.reported(key))
-                    if not self._prepare_own_code(job, memory):
-                        return
+                    before = self._own_code_reporting(job, expected)
                 else:
                     if scrape:
-                        observed = replace(observed, metrics=self.scrape(
-                            observed.pods, job.spec.metrics.port))
+                        observed = replace(observed, metrics=scrape_rank0(
+                            observed.pods, job.spec.metrics.port,
+                            self.config.scrape_timeout_seconds))
                     if observed.metrics is None:
                         observed = replace(observed, metrics=final_metrics(observed.pods))
                     observed = replace(observed, trainer_ends=self.lifelines.ends(key),
@@ -382,7 +339,7 @@ class TrainingJobController:
                     self.lifelines.follow(key, observed.pods, (
                         lifeline_port(job.spec.metrics.port, local_rank)
                         for local_rank in range(job.spec.workers.procs_per_worker)))
-                actions = reconcile(job, observed, now)
+                actions = [*before, *reconcile(job, observed, now)]
                 self._wake_when_asked(key, actions)
             self.applier.apply(body, expected, actions)
 
@@ -397,13 +354,7 @@ class TrainingJobController:
 
     def _wake_in(self, key: JobKey, delay: float) -> None:
         """On the event loop: reconcile `key` in `delay` seconds (replacing an earlier wake)."""
-        if wake := self._wakes.pop(key, None):
-            wake.cancel()
-        self._wakes[key] = asyncio.get_running_loop().call_later(delay, self._woken, key)
-
-    def _woken(self, key: JobKey) -> None:
-        del self._wakes[key]
-        self._reconcile_soon(key)
+        self.passes.wake_in(key, delay, self._reconcile_soon)
 
     def _trainer_ended(self, key: JobKey) -> None:
         """A lifeline saw a trainer end (on the event loop): reconcile the job now."""
@@ -419,30 +370,21 @@ class TrainingJobController:
         """An own-code job's latest report to the status endpoint, as observed progress."""
         return self.status.sample(*key) if self.status is not None else None
 
-    def _prepare_own_code(self, job: TrainingJob, memory: JobMemory) -> bool:
-        """Admit an own-code job to the status endpoint and create its Secret before its
-        pods (forget a finished one); False when the Secret could not be created (the
-        pods would run without reporting: the next pass tries again first)."""
+    def _own_code_reporting(self, job: TrainingJob, expected: Expectations) -> list[Action]:
+        """Admit an own-code job to the status endpoint (forget a finished one), and the
+        action that creates its Secret before its pods, until this process has: first in
+        the pass, so that when the Secret is refused the applier stops there and the pods
+        are not created to run without reporting (the next pass tries again first)."""
         if self.status is None:
-            return True
+            return []
         namespace, name = job.metadata.namespace or "default", job.metadata.name
         if job.status is not None and job.status.phase in FINISHED:
             self.status.forget(namespace, name)
-            return True
+            return []
         self.status.admit(job)
-        if memory.status_secret:
-            return True
-        try:
-            self.applier.writer.create(namespace, self.status.secret(job))
-        except ApiException as error:
-            if error.status != 409:  # already there: made before an operator restart
-                self.metrics.api_errors.inc()
-                logging.getLogger(__name__).warning(
-                    "%s/%s: Secret %s-status not created: %s %s", namespace, name, name,
-                    error.status, error.reason)
-                return False
-        memory.status_secret = True
-        return True
+        if expected.status_secret:
+            return []
+        return [CreateStatusSecret(self.status.secret(job))]
 
     def observe(self, key: JobKey, expected: Expectations, indexes: Indexes,
                 now: datetime) -> Observed:
@@ -455,17 +397,3 @@ class TrainingJobController:
         return Observed(pods=pods, service=service,
                         config_generation=config[0] if config is not None else None,
                         config_micro_batch=config[1] if config is not None else None)
-
-    def scrape(self, pods: Iterable[WorkerPod], port: int) -> Any:
-        """Rank 0's training metrics, or None when it is not up or not answering."""
-        rank0 = next((pod for pod in pods
-                      if pod.index == 0 and pod.phase == "Running" and pod.ip), None)
-        if rank0 is None:
-            return None
-        url = f"http://{rank0.ip}:{port}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=self.config.scrape_timeout_seconds) as reply:
-                return metrics_sample(reply.read().decode())
-        except (OSError, ValueError) as error:
-            logging.getLogger(__name__).info("no metrics from %s: %s", url, error)
-            return None

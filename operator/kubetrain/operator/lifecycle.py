@@ -4,9 +4,9 @@ Pending → Running as workers start; Suspended and back (runPolicy.suspend); sc
 (spec.workers.replicas); the children it needs (Service, ConfigMap, worker pods);
 completion, activeDeadlineSeconds and the clean-up of a finished job (cleanPodPolicy,
 ttlSecondsAfterFinished); and a job failed for an invalid spec trying again once its
-spec changed. Failures and restarts are not here: see `kubetrain.operator.restarts`.
+spec changed. Failures and restarts are not here: see `kubetrain.operator.recovery`.
 
-Each step reads and writes the pass's `_Decision` (`kubetrain.operator.reconcile`),
+Each step reads and writes the pass's `ReconcilePass` (`kubetrain.operator.reconcile_pass`),
 through its primitives; no Kubernetes, no clock but the pass's `now`.
 """
 
@@ -14,15 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
 
 from kubetrain.api.trainingjob import TrainingJob, TrainingJobStatus
 from kubetrain.operator import children
 from kubetrain.operator.actions import CreateObject, DeleteJob, UpdateConfigMap
-from kubetrain.operator.observed import WorkerPod
-
-if TYPE_CHECKING:
-    from kubetrain.operator.reconcile import _Decision
+from kubetrain.operator.facts import WorkerPod
+from kubetrain.operator.reconcile_pass import ReconcilePass
 
 # The Failed condition's reason for a spec that does not parse (`reconcile.reject`).
 INVALID_SPEC = "InvalidSpec"
@@ -30,7 +27,7 @@ SUSPENDED = "runPolicy.suspend is true: the workers checkpoint and stop; the job
 RESUMED = "runPolicy.suspend is false: the workers start again from the latest checkpoint"
 
 
-def retry_invalid_spec(decision: _Decision) -> None:
+def retry_invalid_spec(decision: ReconcilePass) -> None:
     """A job failed for an invalid spec gets another chance once its spec changed."""
     status = decision.status
     failed = decision.condition_of("Failed")
@@ -53,7 +50,7 @@ def rank0_succeeded(pods: Iterable[WorkerPod]) -> bool:
                for pod in pods)
 
 
-def clean_up(decision: _Decision) -> None:
+def clean_up(decision: ReconcilePass) -> None:
     """Apply cleanPodPolicy to a finished job and expire it after its TTL."""
     policy = decision.job.spec.run_policy
     for pod in decision.live_pods():
@@ -74,7 +71,7 @@ def to_clean_up(pod: WorkerPod, succeeded: bool, clean_pod_policy: str) -> bool:
     return clean_pod_policy == "All"
 
 
-def suspend(decision: _Decision) -> None:
+def suspend(decision: ReconcilePass) -> None:
     """runPolicy.suspend: delete every pod (each checkpoints on its SIGTERM), keep the job."""
     for pod in decision.live_pods():
         decision.delete(pod, "Suspended")
@@ -86,7 +83,7 @@ def suspend(decision: _Decision) -> None:
         decision.event("Suspended", SUSPENDED)
 
 
-def resume(decision: _Decision) -> None:
+def resume(decision: ReconcilePass) -> None:
     """runPolicy.suspend back to false: Pending, until the recreated workers run."""
     decision.status.phase = "Pending"
     decision.condition("Suspended", False, "Resumed", RESUMED)
@@ -98,7 +95,7 @@ def job_as_run(job: TrainingJob, status: TrainingJobStatus) -> TrainingJob:
     return job.model_copy(update={"status": status})
 
 
-def ensure_service_and_config(decision: _Decision) -> None:
+def ensure_service_and_config(decision: ReconcilePass) -> None:
     """Create the Service and ConfigMap when missing; rewrite the ConfigMap when its
     snapshot's micro-batch or generation is not the job's."""
     job, observed = decision.job, decision.observed
@@ -121,7 +118,7 @@ def ensure_service_and_config(decision: _Decision) -> None:
                        f"generation {generation} now; workers read it when they next start")
 
 
-def scale(decision: _Decision, previous_desired: int) -> None:
+def scale(decision: ReconcilePass, previous_desired: int) -> None:
     """Delete the workers past spec.workers.replicas; an event when the count changed."""
     for pod in decision.live_pods():
         if pod.index >= decision.replicas:
@@ -131,7 +128,7 @@ def scale(decision: _Decision, previous_desired: int) -> None:
                        "training resumes from a checkpoint in the new group")
 
 
-def create_missing(decision: _Decision) -> None:
+def create_missing(decision: ReconcilePass) -> None:
     """Create the worker pods missing from indices 0..replicas-1, under the current restart
     attempt (the Created condition and event the first time)."""
     status = decision.status
@@ -149,7 +146,7 @@ def create_missing(decision: _Decision) -> None:
         decision.event("Created", message)
 
 
-def update_phase(decision: _Decision) -> None:
+def update_phase(decision: ReconcilePass) -> None:
     """Running once worker 0 and enough workers run; Pending when a running group lost
     members without a failure."""
     status = decision.status

@@ -13,7 +13,7 @@
   pods share a node so that partner copies cannot all be elsewhere (one node, or more
   than half the pods on one).
 
-Each step reads and writes the pass's `_Decision` (`kubetrain.operator.reconcile`),
+Each step reads and writes the pass's `ReconcilePass` (`kubetrain.operator.reconcile_pass`),
 through its primitives; no Kubernetes, no clock but the pass's `now`.
 """
 
@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import collections
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from kubetrain.api.trainingjob import RankSlowness
 from kubetrain.operator import avoidance, stragglers
-from kubetrain.operator.observed import WorkerPod
-
-if TYPE_CHECKING:
-    from kubetrain.operator.reconcile import _Decision
+from kubetrain.operator.facts import WorkerPod
+from kubetrain.operator.reconcile_pass import ReconcilePass
 
 
-def lose_silent_pods(decision: _Decision) -> None:
+def lose_silent_pods(decision: ReconcilePass) -> None:
     """A running pod whose trainer's lifeline stopped beating is one of a lost node: the
     failure steps replace it at once (no grace: nothing there answers), and its node is
     avoided, since the scheduler still takes it for Ready until the node lifecycle
@@ -51,7 +48,7 @@ def lose_silent_pods(decision: _Decision) -> None:
             by_name.get(pod.name, pod) for pod in decision.observed.pods))
 
 
-def release_pods_of_lost_nodes(decision: _Decision) -> None:
+def release_pods_of_lost_nodes(decision: ReconcilePass) -> None:
     """Force-delete pods already terminating on a lost node.
 
     No kubelet will ever confirm their deletion (the taint eviction controller only
@@ -62,7 +59,7 @@ def release_pods_of_lost_nodes(decision: _Decision) -> None:
             decision.delete(pod, "NodeLost")
 
 
-def replace_stragglers(decision: _Decision) -> None:
+def replace_stragglers(decision: ReconcilePass) -> None:
     """runPolicy.stragglers.action Replace: avoid each new straggler's node and recreate
     its pod off it, the whole group when it is worker 0's (the rendezvous host).
 
@@ -96,7 +93,7 @@ def replace_stragglers(decision: _Decision) -> None:
             rank.straggler = False
 
 
-def _replaceable(decision: _Decision) -> list[tuple[RankSlowness, WorkerPod]]:
+def _replaceable(decision: ReconcilePass) -> list[tuple[RankSlowness, WorkerPod]]:
     """The new stragglers' live pods, each once, within the replacements left (an event
     for each one kept)."""
     policy = decision.job.spec.run_policy
@@ -118,7 +115,7 @@ def _replaceable(decision: _Decision) -> list[tuple[RankSlowness, WorkerPod]]:
     return chosen
 
 
-def avoid_node(decision: _Decision, node: str | None, reason: avoidance.AvoidReason,
+def avoid_node(decision: ReconcilePass, node: str | None, reason: avoidance.AvoidReason,
                message: str) -> None:
     """Add a node to status.avoidedNodes (once while it is avoided) with an event."""
     policy = decision.job.spec.run_policy
@@ -134,7 +131,7 @@ def avoid_node(decision: _Decision, node: str | None, reason: avoidance.AvoidRea
                    f"{policy.avoid_nodes_for})", warning=True)
 
 
-def expire_avoidance(decision: _Decision) -> None:
+def expire_avoidance(decision: ReconcilePass) -> None:
     """Drop the avoided nodes whose time is up."""
     live, expired = avoidance.expire(decision.status.avoided_nodes, decision.now)
     decision.status.avoided_nodes = live
@@ -145,7 +142,7 @@ def expire_avoidance(decision: _Decision) -> None:
                        "may run there again")
 
 
-def count_node_failures(decision: _Decision, failed: list[WorkerPod],
+def count_node_failures(decision: ReconcilePass, failed: list[WorkerPod],
                         kinds: dict[str, str]) -> None:
     """Avoid a node on its second Unknown, CollectiveTimeout or GPUError within an hour."""
     records, repeated = avoidance.count_failures(
@@ -160,7 +157,7 @@ def count_node_failures(decision: _Decision, failed: list[WorkerPod],
                    f"({second.failure_class}) at {avoidance.stamp(decision.now)}")
 
 
-def keep_schedulable(decision: _Decision) -> None:
+def keep_schedulable(decision: ReconcilePass) -> None:
     """Pods that avoidance leaves unschedulable: wait while the job runs elastic on
     minReplicas, or stop avoiding the oldest avoided node (see kubetrain.operator.avoidance).
     Pods not scheduled yet that avoid a node no longer avoided are recreated."""
@@ -187,7 +184,7 @@ def keep_schedulable(decision: _Decision) -> None:
         _avoid_less(decision, held, len(running), what)
 
 
-def _run_without(decision: _Decision, held: list[WorkerPod], running: int, what: str) -> None:
+def _run_without(decision: ReconcilePass, held: list[WorkerPod], running: int, what: str) -> None:
     """The job runs elastic on its running workers; the held-back pods wait."""
     needed = decision.job.spec.workers.min_workers
     previous = decision.condition_of("NodesAvoided")
@@ -200,7 +197,7 @@ def _run_without(decision: _Decision, held: list[WorkerPod], running: int, what:
     decision.condition("NodesAvoided", True, "TooFewNodes", message)
 
 
-def _avoid_less(decision: _Decision, held: list[WorkerPod], running: int, what: str) -> None:
+def _avoid_less(decision: ReconcilePass, held: list[WorkerPod], running: int, what: str) -> None:
     """Too few workers run: stop avoiding the node avoided longest and recreate the
     held-back pods (one node per grace period, until they schedule)."""
     # A held-back pod avoids only live entries (one avoiding any other is outdated).
@@ -217,7 +214,7 @@ def _avoid_less(decision: _Decision, held: list[WorkerPod], running: int, what: 
         decision.delete(pod, "TooFewNodes")
 
 
-def report_avoidance(decision: _Decision) -> None:
+def report_avoidance(decision: ReconcilePass) -> None:
     """The NodesAvoided condition: which nodes the job avoids, unless too few are left."""
     reported = decision.condition_of("NodesAvoided")
     too_few = (reported is not None and reported.status == "True"
@@ -236,7 +233,7 @@ def report_avoidance(decision: _Decision) -> None:
 MEMORY_COPIES = "MemoryCopiesShareNode"
 
 
-def report_memory_copies(decision: _Decision) -> None:
+def report_memory_copies(decision: ReconcilePass) -> None:
     """spec.checkpoint.memory: say when partner copies cannot all be on another node.
 
     The trainer places each rank's partner copy on another node wherever it can

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kubetrain import pod_conventions
 from kubetrain import restart_rules as rules
 from kubetrain.api.trainingjob import (
     BadputSeconds,
@@ -30,18 +31,16 @@ from kubetrain.api.trainingjob import (
     TrainingJobStatus,
     step_folder,
 )
-from kubetrain.operator import children, stragglers
-from kubetrain.operator.observed import MetricsSample
-
-if TYPE_CHECKING:
-    from kubetrain.operator.reconcile import _Decision
+from kubetrain.operator import stragglers
+from kubetrain.operator.facts import MetricsSample
+from kubetrain.operator.reconcile_pass import ReconcilePass
 
 
-def observe(decision: _Decision) -> None:
+def observe(decision: ReconcilePass) -> None:
     """The status as observed: generation, workers, effective batch, progress, ranks."""
     status = decision.status
     status.observed_generation = decision.job.metadata.generation
-    status.workers.selector = children.worker_selector(decision.name)
+    status.workers.selector = pod_conventions.worker_selector(decision.name)
     status.workers.ready = sum(
         1 for pod in decision.live_pods() if pod.ready and pod.index < decision.replicas)
     _effective(decision)
@@ -85,7 +84,7 @@ def effective_batch(spec: TrainingJobSpec, previous: EffectiveBatch | None,
     return effective, reset
 
 
-def _effective(decision: _Decision) -> None:
+def _effective(decision: ReconcilePass) -> None:
     previous = decision.status.effective
     effective, reset = effective_batch(decision.job.spec, previous, world_size(decision.job))
     if reset:
@@ -173,15 +172,6 @@ def goodput_status(wall_seconds: Mapping[str, float],
                          badput_seconds=BadputSeconds(**badput))
 
 
-def redone_share(from_step: int, to_step: int, redone_until: int | None) -> float:
-    """The share of an advance from `from_step` to `to_step` spent on steps that an earlier
-    attempt had trained already, up to `redone_until` (None: none had): lost progress."""
-    if redone_until is None or to_step <= from_step:
-        return 0.0
-    redone = min(max(0, redone_until - from_step), to_step - from_step)
-    return redone / (to_step - from_step)
-
-
 def step_goodput(previous: GoodputStatus | None, start: datetime | None,
                  last_restart: datetime | None, advanced_from: datetime | None,
                  advanced_to: datetime, *, from_step: int | None = None,
@@ -210,7 +200,7 @@ def step_goodput(previous: GoodputStatus | None, start: datetime | None,
         last_restart is None or advanced_from >= last_restart)
     if same_attempt and advanced_from is not None and advanced_from >= start:
         seconds = max(timedelta(0), advanced_to - advanced_from).total_seconds()
-        share = (redone_share(from_step, to_step, redone_until)
+        share = (rules.redone_share(from_step, to_step, redone_until)
                  if from_step is not None and to_step is not None else 0.0)
         productive += seconds * (1.0 - share)
         lost += seconds * share
@@ -224,7 +214,7 @@ def step_goodput(previous: GoodputStatus | None, start: datetime | None,
                                                       downtime=round(wall - productive - lost, 3)))
 
 
-def _ranks(decision: _Decision) -> None:
+def _ranks(decision: ReconcilePass) -> None:
     """Judge each rank's slowness once per logged interval; name a straggler."""
     sample = decision.observed.metrics
     if sample is None or not sample.ranks or sample.ranks_step is None:

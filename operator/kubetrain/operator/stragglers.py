@@ -45,7 +45,7 @@ import statistics
 from collections.abc import Sequence
 
 from kubetrain.api.trainingjob import RankSlowness, RanksStatus
-from kubetrain.operator.observed import RankSample
+from kubetrain.operator.facts import RankSample
 from kubetrain.straggler_groups import by_group
 
 

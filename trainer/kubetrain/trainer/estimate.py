@@ -84,16 +84,7 @@ from typing import Literal
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
-from kubetrain.trainer.mesh import (
-    TENSOR_PARALLEL_DEGREES,
-    MeshError,
-    MeshShape,
-    Strategy,
-    auto_shape,
-    mesh_shape,
-    tensor_parallel_allowed,
-)
-from kubetrain.trainer.sizing import (
+from kubetrain.sizing import (
     CONTROLLER_WIDTH,
     block_parameter_count,
     distillation_chunk_tokens,
@@ -103,6 +94,14 @@ from kubetrain.trainer.sizing import (
     ssm_block_parameter_count,
     ssm_parameter_count,
     ssm_state_elements,
+)
+from kubetrain.trainer.mesh_shape import (
+    TENSOR_PARALLEL_DEGREES,
+    MeshError,
+    MeshShape,
+    Strategy,
+    mesh_shape,
+    tensor_parallel_allowed,
 )
 
 GIB = 1024**3
@@ -420,7 +419,7 @@ def _memory_tier(spec: TrainingJobSpec, dims: ModelDims, world_size: int) -> boo
     size is known only here, from its config.json."""
     if spec.checkpoint.memory is None:
         return True
-    from kubetrain.trainer.memory_budget import parse_quantity, tier_budget
+    from kubetrain.memory_budget import parse_quantity, tier_budget
 
     parameters = (ssm_parameter_count(dims) if spec.model.architecture == "ssm"
                   else parameter_count(dims, spec.model.dynamics.enabled))
@@ -549,3 +548,32 @@ def _describe_ssm(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: Mode
             f"{plan.gradient_accumulation} accumulation steps\n"
             f"generation state {state / 1024**2:.2f} MiB per sequence (fp32), at any "
             f"context length\n{distilling}")
+
+
+def auto_shape(spec: TrainingJobSpec, dims: ModelDims, world_size: int,
+               gpu_bytes: int | None) -> tuple[MeshShape, str]:
+    """`strategy: auto`'s mesh for `world_size` processes and a GPU of `gpu_bytes` (None: no
+    bound, on CPU), and why: see `kubetrain.trainer.mesh`'s
+    docstring for the rule. Here, beside the estimate it asks, which asks it back for
+    `kubetrain estimate`'s report."""
+    procs = spec.workers.procs_per_worker
+    candidates: list[MeshShape] = []
+    if world_size > procs and world_size % procs == 0:
+        candidates.append(mesh_shape(spec.parallelism, procs, world_size, "hsdp"))
+    candidates.append(mesh_shape(spec.parallelism, procs, world_size, "fsdp"))
+    if spec.parallelism.tensor_parallel == 1:
+        for degree in TENSOR_PARALLEL_DEGREES:
+            if (degree <= procs and procs % degree == 0 and world_size % degree == 0
+                    and tensor_parallel_allowed(spec, dims, degree)):
+                tp = spec.parallelism.model_copy(update={"tensor_parallel": degree})
+                candidates.append(mesh_shape(tp, procs, world_size, "fsdp"))
+    if gpu_bytes is None:
+        return candidates[0], "no GPU memory bounds the choice"
+    for shape in candidates:
+        need = estimate_memory(spec, world_size, job_plan(spec, world_size, shape), dims=dims,
+                               mesh=shape).total
+        if need <= gpu_bytes:
+            return shape, (f"the first to fit: {need / 1024**3:.1f} of "
+                           f"{gpu_bytes / 1024**3:.0f} GiB per GPU")
+    return candidates[-1], (f"nothing fits {gpu_bytes / 1024**3:.0f} GiB per GPU at the job's "
+                            "micro-batch; the most sharded mesh")

@@ -66,6 +66,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
+from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV
 from kubetrain.straggler_groups import by_group
 from kubetrain.trainer.storage import Storage
 
@@ -91,9 +92,6 @@ S3_TIER = "s3"
 LOAD_TIERS = (MEMORY_TIER, PARTNER_TIER, S3_TIER)
 
 HEARTBEAT_NAME = "goodput.json"
-# Set by `kubetrain run` to when it launched the attempt (unix seconds), so startup
-# includes torchrun's own start; elsewhere the process's start time is used.
-ATTEMPT_STARTED_ENV = "KUBETRAIN_ATTEMPT_STARTED_AT"
 
 
 def process_started_at() -> float:

@@ -6,7 +6,7 @@ process of a worker pod serves a lifeline on the metrics port + 1 + its local ra
 (`kubetrain.protocol`): a `beat` line every
 half second to each connection, and one `end` line with the exit code and the failure class
 when `fit` ends in order. A process that dies closes its connections without one: the
-kernel does that at once, even for kill -9, so the operator (`kubetrain.operator.lifelines`)
+kernel does that at once, even for kill -9, so the operator (`kubetrain.operator.lifeline_watch`)
 knows within milliseconds, and a node that goes silent stops the beats.
 
 Torch-free and self-contained: served only in a pod (KUBETRAIN_POD_NAME, which the operator
@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 
+from kubetrain.pod_conventions import POD_NAME_ENV
 from kubetrain.protocol import LIFELINE_BEAT_SECONDS, end_line, lifeline_port
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Lifeline:
     @classmethod
     def for_this_process(cls, metrics_port: int) -> Lifeline | None:
         """The lifeline this process serves, in a worker pod only (none elsewhere)."""
-        if not os.environ.get("KUBETRAIN_POD_NAME"):
+        if not os.environ.get(POD_NAME_ENV):
             return None
         port = lifeline_port(metrics_port, int(os.environ.get("LOCAL_RANK", "0")))
         return cls(port) if port <= 65535 else None

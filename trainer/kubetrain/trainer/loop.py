@@ -14,7 +14,9 @@ readable top to bottom, as torchtitan's `train` reads:
 
 Its parts: `_resume` (the checkpoint, or the weights a job starts from), `_train_step`
 (one optimizer step, torchtitan's `train_step`), `_log_interval` (the reduced metrics
-of a logged interval) and `_finish` (the final checkpoint, the export).
+of a logged interval) and `_finish` (the final checkpoint, the export). Rooms of their own:
+what the loop measures (meters.py), validation (evaluation.py) and which failure class
+an exception is (failure_classes.py).
 
 Throughput: tokens/s, MFU and step time are measured over the wall time from
 one logged step to the next, read after synchronising the device. On a GPU the
@@ -48,12 +50,12 @@ dimension's group (preflight.py, `runPolicy.preflight`); rank 0 prints the resul
 goodput books the time as `preflight`.
 
 Failing: a device out of memory (torch.OutOfMemoryError), a GPU that failed
-(`is_gpu_error`), a collective that timed out or a failed preflight is written into
-the termination message with its class, the micro-batch and (out of memory on CUDA)
-`kubetrain estimate`'s advice, and `fit` returns 87, 90, 88 or 89 at once (`FAILURES`,
-one table from the error to its class, reason and exit code), without the collective
-goodbyes its peers may never answer. For out of memory, a GPU error and a failed
-preflight, a restart in place would meet the same micro-batch, the same GPU or the same
+(`failure_classes.is_gpu_error`), a collective that timed out or a failed preflight is
+written into the termination message with its class, the micro-batch and (out of memory on
+CUDA) `kubetrain estimate`'s advice, and `fit` returns 87, 90, 88 or 89 at once
+(`failure_classes.FAILURES`, one table from the error to its class, reason and exit code),
+without the collective goodbyes its peers may never answer. For out of memory, a GPU error
+and a failed preflight, a restart in place would meet the same micro-batch, the same GPU or the same
 stalled peer, so the worker first asks its torchrun agent to stop
 (`distributed.stop_torchrun_agent`) and the pod ends. The operator (or `kubetrain run`)
 reads the class and, for out of memory, restarts the group with half the micro-batch:
@@ -66,11 +68,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import sys
-import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -84,11 +83,7 @@ from kubetrain.api.manifest import load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJob, TrainingJobSpec
 from kubetrain.protocol import (  # the exit codes and classes the operator reads
     ENDS_THE_POD,
-    EXIT_COLLECTIVE_TIMEOUT,
     EXIT_COMPLETE,
-    EXIT_GPU_ERROR,
-    EXIT_OUT_OF_MEMORY,
-    EXIT_PREFLIGHT_FAILED,
     EXIT_RESTART,
     EXIT_SIGNALLED,
     PEER_LOST,
@@ -114,7 +109,15 @@ from kubetrain.trainer.distributed import (
     shutdown_world,
     stop_torchrun_agent,
 )
+from kubetrain.trainer.evaluation import evaluate
 from kubetrain.trainer.export import export_format, export_model
+from kubetrain.trainer.failure_classes import (
+    FAILURES,
+    failure_of,
+    is_out_of_memory,
+    is_peer_lost,
+    out_of_memory_advice,
+)
 from kubetrain.trainer.goodput import (
     CHECKPOINT_SAVE,
     DATA_WAIT,
@@ -125,21 +128,24 @@ from kubetrain.trainer.goodput import (
     STRAGGLER,
     GoodputLedger,
     Heartbeat,
-    StragglerBooking,
     attempt_started_at,
 )
 from kubetrain.trainer.lifeline import Lifeline
 from kubetrain.trainer.loss import select_output_loss
 from kubetrain.trainer.memory_checkpoint import MemoryCheckpoints, load_tier, open_memory_tier
 from kubetrain.trainer.mesh import build_mesh, preflight_dimensions
+from kubetrain.trainer.meters import (
+    StepMeter,
+    StepResult,
+    dynamics_over_ranks,
+    mean_over_ranks,
+    synchronize,
+)
 from kubetrain.trainer.metrics import (
-    DynamicsReport,
     Reporter,
     StepReport,
-    peak_flops,
     record_failure,
 )
-from kubetrain.trainer.model import Dynamics
 from kubetrain.trainer.optim import build_optimizer, build_schedule
 from kubetrain.trainer.parallelize import ParallelModel, parallelize
 from kubetrain.trainer.preflight import Preflight, PreflightFailed, open_store, store_timeout
@@ -153,13 +159,12 @@ from kubetrain.trainer.pretrained_config import (
 from kubetrain.trainer.rank_timing import (
     WaitClock,
     gather_rank_timings,
-    time_fsdp_collectives,
 )
-from kubetrain.trainer.sizing import flops_per_token, ssm_flops_per_token
 from kubetrain.trainer.storage import open_storage
 
 # Why `fit` returned: the run finished (maxSteps, early stopping), a stop signal was agreed,
 # or one of `FAILURES` ended the attempt.
+# (The failures' reasons are failure_classes.FailureReason's; a test checks the two agree.)
 FitReason = Literal["max_steps", "early_stopping", "signalled", "preflight_failed",
                     "out_of_memory", "gpu_error", "collective_timeout"]
 
@@ -397,7 +402,7 @@ class Trainer:
             stop_torchrun_agent()  # before writing: the agent's SIGTERM is ignored from here
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         if failure_class == "CUDAOutOfMemory":
-            message += _estimate_advice(self.spec, self.micro_batch_size, world)
+            message += out_of_memory_advice(self.spec, self.micro_batch_size, world)
         traceback.print_exception(error, file=sys.stderr)  # where it happened, for the logs
         print(f"rank {world.rank}: {failure_class} at micro-batch {self.micro_batch_size}: "
               f"{message}", file=sys.stderr, flush=True)
@@ -493,7 +498,8 @@ class Trainer:
         """The loop, one iteration per optimizer step, in the module docstring's order."""
         spec = self.spec
         step = self._resume(run)
-        meter = _Meter(run, spec, self.micro_batch_size)
+        meter = StepMeter(run.world, run.parallel, run.dims, run.goodput, spec,
+                          self.micro_batch_size)
         stop.inside_since = lambda: meter.clock.inside_since  # its deadline (distributed.py)
         if step == 0 and spec.evaluation.every_steps:
             self._evaluate_and_record(run, step, meter.clock)  # the baseline to improve on
@@ -593,8 +599,8 @@ class Trainer:
         self._account(run, step)
         return step
 
-    def _train_step(self, run: _Run, meter: _Meter,
-                    batches: list[tuple[torch.Tensor, torch.Tensor]]) -> _StepResult:
+    def _train_step(self, run: _Run, meter: StepMeter,
+                    batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """One optimizer step on the step's micro-batches: forward/backward with accumulation
         → clip → optimizer step → learning-rate schedule."""
         parallel, model, optimizer = run.parallel, run.parallel.module, run.optimizer
@@ -636,9 +642,9 @@ class Trainer:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         run.schedule.step()
-        return _StepResult(loss_sum, terms_sum, grad_norm, learning_rate)
+        return StepResult(loss_sum, terms_sum, grad_norm, learning_rate)
 
-    def _log_interval(self, run: _Run, meter: _Meter, step: int, result: _StepResult) -> None:
+    def _log_interval(self, run: _Run, meter: StepMeter, step: int, result: StepResult) -> None:
         """Report the interval since the last logged step, ending at `step` (collective):
         throughput over its wall time, `result`'s loss reduced over ranks, each rank's
         compute and wait, and the goodput totals."""
@@ -648,20 +654,20 @@ class Trainer:
         tokens_per_second = interval.tokens / seconds
         ce_loss = kd_loss = None
         if run.teacher is not None:
-            ce_loss, kd_loss = (_mean_over_ranks(term) for term in result.terms)
+            ce_loss, kd_loss = (mean_over_ranks(term) for term in result.terms)
         meter.computed += interval.busy - interval.waited
         ranks = gather_rank_timings(
             (interval.busy - interval.waited) / interval.steps,
             interval.waited / interval.steps, meter.computed)
         run.reporter.logged(StepReport(
             step=step, epoch=run.train_data.epochs_done,
-            loss=_mean_over_ranks(result.loss), learning_rate=result.learning_rate,
+            loss=mean_over_ranks(result.loss), learning_rate=result.learning_rate,
             grad_norm=float(result.grad_norm), tokens_per_second=tokens_per_second,
             mfu=(meter.model_flops * tokens_per_second / meter.flops_per_second_peak
                  if meter.flops_per_second_peak else 0.0),
             step_time=seconds / interval.steps,
             data_wait_ratio=interval.data_wait / seconds,
-            dynamics=(_dynamics_over_ranks(run.parallel.module, device)
+            dynamics=(dynamics_over_ranks(run.parallel.module, device)
                       if self.spec.model.dynamics.enabled else None),
             ce_loss=ce_loss, kd_loss=kd_loss, ranks=tuple(ranks),
         ), device)
@@ -708,7 +714,7 @@ class Trainer:
     def _save(run: _Run, step: int, val_loss: float | None, *, blocking: bool) -> float:
         """Save the checkpoint of `step` (collective): the step's device work until then is
         productive, the save is not. Returns the save's seconds."""
-        _synchronize(run.world.device)
+        synchronize(run.world.device)
         run.goodput.charge(PRODUCTIVE)
         run.checkpointer.save(step, run.app_state, blocking=blocking, val_loss=val_loss)
         return run.goodput.charge(CHECKPOINT_SAVE)
@@ -717,7 +723,7 @@ class Trainer:
     def _snapshot(run: _Run, memory: MemoryCheckpoints, step: int) -> float:
         """Snapshot `step` into the in-memory tier; its blocking part is a save's time.
         Returns its seconds."""
-        _synchronize(run.world.device)
+        synchronize(run.world.device)
         run.goodput.charge(PRODUCTIVE)
         memory.save(step, run.app_state)
         return run.goodput.charge(CHECKPOINT_SAVE)
@@ -726,7 +732,7 @@ class Trainer:
         """The validation loss at `step`, recorded for early stopping; None without data."""
         if run.validation_data is None:
             return None
-        _synchronize(run.world.device)  # the step's device work is productive, not evaluation
+        synchronize(run.world.device)  # the step's device work is productive, not evaluation
         run.goodput.charge(PRODUCTIVE)
         # The same validation samples at any micro-batch: more, smaller batches after an OOM.
         batches = self.spec.evaluation.batches * (
@@ -754,272 +760,3 @@ class Trainer:
         run.reporter.accounted(step, snapshot["seconds"], snapshot["checkpoint_load_tiers"])
         if run.heartbeat is not None:
             run.heartbeat.write(snapshot, wait=final)
-
-
-# How a device allocation failure reads when it does not arrive as torch.OutOfMemoryError:
-# Triton's kernels (Liger's fused loss) raise "Triton Error [CUDA]: out of memory", and
-# cuBLAS's workspace allocation fails as CUBLAS_STATUS_ALLOC_FAILED; both plain
-# RuntimeErrors.
-OUT_OF_MEMORY_WORDS = ("out of memory", "cublas_status_alloc_failed")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether an error is the device running out of memory, however it was raised."""
-    return isinstance(error, torch.OutOfMemoryError) or any(
-        words in str(error).lower() for words in OUT_OF_MEMORY_WORDS)
-
-
-# How the GPU itself failing reads: the CUDA runtime's and driver's messages, and NCCL's
-# wrapping of them ("unhandled cuda error"). Not in the list, because a restart meets them
-# again in the same code: "an illegal memory access was encountered", "device-side assert
-# triggered", "an illegal instruction was encountered" (kernel bugs, not hardware). The
-# driver's Xid events go to the kernel log, which node tools (DCGM, NVSentinel) read; the
-# trainer sees only the CUDA error that follows them.
-GPU_ERROR_PATTERN = re.compile(
-    r"uncorrectable ecc error|unspecified launch failure|gpu has fallen off the bus"
-    r"|uncorrectable nvlink error|unhandled cuda error|hardware stack error"
-    r"|cuda-capable device\(s\) is/are busy or unavailable|cuda error: unknown error")
-
-
-def is_gpu_error(error: BaseException) -> bool:
-    """Whether an error says the GPU itself (or its driver, or NVLink) failed."""
-    return GPU_ERROR_PATTERN.search(str(error).lower()) is not None
-
-
-# How a collective reads when a peer's process or connection vanished under it (gloo's
-# socket errors, NCCL's "remote process exited"): the rank failed because another did.
-PEER_LOST_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                   "remote process exited", "socket closed")
-
-
-def is_peer_lost(error: BaseException) -> bool:
-    """Whether an error says a peer of the group vanished under a collective."""
-    text = str(error).lower()
-    return any(words in text for words in PEER_LOST_WORDS)
-
-
-def is_collective_timeout(error: BaseException) -> bool:
-    """Whether a RuntimeError is a gloo or NCCL collective (or its store) timing out."""
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A failure that ends the attempt: what it is, and how `fit` reports it."""
-
-    matches: Callable[[BaseException], bool]
-    failure_class: TrainerFailureClass  # in the termination message, for the operator
-    reason: FitReason
-    exit_code: int
-
-
-# How `fit` ends on a failure, first match first. A failed preflight comes from joining the
-# group, the others from building the run or training; any other error propagates.
-FAILURES = (
-    Failure(lambda error: isinstance(error, PreflightFailed), "PreflightFailed",
-            "preflight_failed", EXIT_PREFLIGHT_FAILED),
-    Failure(is_out_of_memory, "CUDAOutOfMemory", "out_of_memory", EXIT_OUT_OF_MEMORY),
-    Failure(is_gpu_error, "GPUError", "gpu_error", EXIT_GPU_ERROR),
-    Failure(is_collective_timeout, "CollectiveTimeout", "collective_timeout",
-            EXIT_COLLECTIVE_TIMEOUT),
-)
-
-
-def failure_of(error: BaseException) -> Failure | None:
-    """The first of `FAILURES` that `error` matches, or None (an error that propagates)."""
-    return next((failure for failure in FAILURES if failure.matches(error)), None)
-
-
-def _estimate_advice(spec: TrainingJobSpec, micro_batch_size: int, world: World) -> str:
-    """`kubetrain estimate`'s recommendation for this device, as a sentence ('' if none)."""
-    if world.device.type != "cuda":
-        return ""
-    try:
-        from kubetrain.trainer.estimate import GIB, recommend
-
-        gpu_bytes = torch.cuda.get_device_properties(world.device).total_memory
-        asked = spec.optimization.model_copy(update={
-            "micro_batch_size": micro_batch_size,
-            # Over data-parallel processes: a tensor-parallel group reads one micro-batch.
-            "gradient_accumulation_steps": spec.gradient_accumulation(
-                world.world_size // spec.parallelism.tensor_parallel, micro_batch_size),
-            "global_batch_tokens": None})
-        plan = recommend(spec.model_copy(update={"optimization": asked}), world.world_size,
-                         gpu_bytes)
-    except Exception as error:  # the advice must never hide the failure itself
-        return f" (kubetrain estimate gave no advice: {error})"
-    if plan is None:
-        return (f"; kubetrain estimate: nothing fits {gpu_bytes / GIB:.0f} GiB with "
-                f"{world.world_size} processes: use more processes with strategy fsdp, or a "
-                "smaller model")
-    return (f"; kubetrain estimate recommends for {gpu_bytes / GIB:.0f} GiB: "
-            f"optimization.microBatchSize {plan.micro_batch_size}, "
-            f"gradientAccumulationSteps {plan.gradient_accumulation}, "
-            f"parallelism.activationCheckpointing {plan.activation_checkpointing}")
-
-
-def evaluate(parallel: ParallelModel, data: TokenDataset, batches: int,
-             device: torch.device, clock: WaitClock) -> float:
-    """Mean token loss over the same `batches` micro-batches per rank each time (collective).
-
-    Its closing sum is marked inside a collective on `clock`, as FSDP's gathers in the
-    forward already are (`time_fsdp_collectives`): a rank blocked there on a lost peer gives
-    up when signalled (StopRequest), not after torchrun's 30 s. The forward itself is not
-    marked, so a long but healthy evaluation still ends in a checkpoint when signalled."""
-    model = parallel.module
-    model.eval()
-    data.rewind()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
-    with torch.no_grad(), parallel.autocast():
-        for _ in range(batches):
-            inputs, targets = next(data)
-            totals[0] += model(inputs.to(device), targets.to(device))
-            totals[1] += targets.numel()
-    model.train()
-    with clock.inside():
-        dist.all_reduce(totals)
-    return float(totals[0] / totals[1])
-
-
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    total = value.detach().clone()
-    dist.all_reduce(total)  # SUM: gloo has no AVG
-    return float(total) / dist.get_world_size()
-
-
-def _dynamics_over_ranks(model: torch.nn.Module, device: torch.device) -> DynamicsReport:
-    """Mean mu over every block's channels; mean beta and velocity RMS over every block and
-    rank, from each rank's last forward pass (`Dynamics.stats`). Collective: one all-reduce."""
-    blocks = [module for module in model.modules() if isinstance(module, Dynamics)]
-    world_size = dist.get_world_size()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # mu sum, beta, mean square
-    for dynamics in blocks:
-        mu = dynamics.equilibrium.detach()
-        # Each rank adds 1/world_size of the whole mu (HSDP's shards repeat on every replica).
-        totals[0] += (mu.full_tensor() if isinstance(mu, DTensor) else mu).sum() / world_size
-        totals[1:] += dynamics.stats
-    dist.all_reduce(totals)
-    channels = len(blocks) * blocks[0].equilibrium.shape[0]  # a DTensor's shape is global
-    samples = len(blocks) * world_size
-    return DynamicsReport(equilibrium_mean=float(totals[0]) / channels,
-                          beta_mean=float(totals[1]) / samples,
-                          velocity_rms=math.sqrt(float(totals[2]) / samples))
-
-
-@dataclass(frozen=True)
-class _StepResult:
-    """What one optimizer step leaves for its logged interval (tensors, read when logged)."""
-
-    loss: torch.Tensor  # this rank's loss, summed over its micro-batches
-    terms: torch.Tensor  # distillation: its cross-entropy and KD terms, summed the same way
-    grad_norm: torch.Tensor
-    learning_rate: float  # the rate the step used
-
-
-class _Meter:
-    """What the loop measures: the shape of a step, its clocks, and the logged interval.
-
-    A step's busy time runs from `begin_step` (before the stop agreement) to `end_step`
-    (after the optimizer's step); the part of it inside collectives (`clock`) is its wait,
-    the rest its compute (rank_timing). Its data wait is `fetch`, and the host time the
-    reporter gets per step runs from the fetch on (on a GPU, enqueue time: throughput is
-    the interval's wall time).
-    """
-
-    def __init__(self, run: _Run, spec: TrainingJobSpec, micro_batch_size: int) -> None:
-        world, device = run.world, run.world.device
-        # The spec's global batch in micro-batches of the size in use (see `fit`), over the
-        # data-parallel ranks (a tensor-parallel group reads one micro-batch together).
-        data_parallel = run.parallel.dp_size
-        self.accumulation = spec.gradient_accumulation(data_parallel, micro_batch_size)
-        self.local_tokens = self.accumulation * micro_batch_size * spec.data.seq_len
-        self.global_tokens = self.local_tokens * data_parallel
-        self.flops_per_second_peak = peak_flops(device) * world.world_size
-        self.model_flops = (ssm_flops_per_token(run.dims) if spec.model.architecture == "ssm"
-                            else flops_per_token(run.dims, spec.data.seq_len,
-                                                 dynamics=spec.model.dynamics.enabled))
-        self.interval = _Interval(device)
-        # Each rank's time inside collectives, to tell its compute from its wait (rank_timing).
-        self.clock = WaitClock(device)
-        time_fsdp_collectives(run.parallel.module, self.clock)
-        self.computed = 0.0  # this process's seconds of compute so far (a counter for the operator)
-        policy = spec.run_policy.stragglers
-        # goodput's, judging a tensor-parallel group as one as the operator does
-        self.stragglers = StragglerBooking(policy.threshold, policy.window,
-                                           tensor_parallel=spec.parallelism.tensor_parallel)
-        self.productive_mark = run.goodput.seconds[PRODUCTIVE]  # at the last logged interval
-        self._step_started = self._waited_before = self._fetch_started = self._data_wait = 0.0
-
-    def begin_step(self) -> None:
-        """Start the step's clock (and, at the first step, the interval's)."""
-        self.interval.begin_step()
-        self._step_started, self._waited_before = time.perf_counter(), self.clock.seconds
-
-    def fetch(self, data: TokenDataset) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every micro-batch of the step; the wait is what the data pipeline costs."""
-        self._fetch_started = time.perf_counter()
-        batches = [next(data) for _ in range(self.accumulation)]
-        self._data_wait = time.perf_counter() - self._fetch_started
-        return batches
-
-    def end_step(self) -> float:
-        """Add the step to the interval; its host seconds from the fetch on."""
-        self.interval.add(self._data_wait, self.global_tokens,
-                          busy=time.perf_counter() - self._step_started,
-                          waited=self.clock.seconds - self._waited_before)
-        return time.perf_counter() - self._fetch_started
-
-
-class _Interval:
-    """Steps, data wait and tokens since the last logged step, and the wall time they took.
-
-    `busy` is the wall time of the steps themselves (from the stop agreement to the
-    optimizer's step), `waited` the part of it this rank spent inside collectives: the
-    rest is its compute (rank_timing).
-
-    The first interval's clock starts at the first step (`begin_step`); each later
-    one starts where the one before ended (`next`). `end` synchronises the device
-    before reading the clock, so an interval covers the device's work, not just
-    the host's enqueueing of it: one synchronisation per logged interval, none per step.
-    """
-
-    def __init__(self, device: torch.device, started: float | None = None) -> None:
-        self.device = device
-        self.steps = 0
-        self.data_wait = 0.0
-        self.tokens = 0
-        self.busy = 0.0
-        self.waited = 0.0
-        self._started = started
-        self._ended: float | None = None
-
-    def begin_step(self) -> None:
-        if self._started is None:
-            _synchronize(self.device)
-            self._started = time.perf_counter()
-
-    def add(self, data_wait: float, tokens: int, *, busy: float, waited: float) -> None:
-        self.steps += 1
-        self.data_wait += data_wait
-        self.tokens += tokens
-        self.busy += busy
-        self.waited += waited
-
-    def end(self) -> float:
-        """Wall seconds from the first step's start to now, once the device has caught up."""
-        assert self._started is not None, "end() before any begin_step()"
-        _synchronize(self.device)
-        self._ended = time.perf_counter()
-        return self._ended - self._started
-
-    def next(self) -> _Interval:
-        """The interval that starts where this one ended."""
-        assert self._ended is not None, "next() before end()"
-        return _Interval(self.device, started=self._ended)
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for every kernel queued on `device` (a no-op where work runs synchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from kubetrain.trainer.sizing import distillation_chunk_tokens, loss_chunk_tokens
+from kubetrain.sizing import distillation_chunk_tokens, loss_chunk_tokens
 
 OUTPUT_LOSS_ENV = "KUBETRAIN_OUTPUT_LOSS"
 LIGER_MODULE = "liger_kernel.transformers.functional"

@@ -76,15 +76,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.memory_budget import FOLDER_ENV
+from kubetrain.pod_conventions import NODE_NAME_ENV
 from kubetrain.trainer.checkpoint import ModelState, RandomState, latest_checkpoint
 from kubetrain.trainer.distributed import all_ranks_agree, broadcast_from_rank0
 from kubetrain.trainer.goodput import MEMORY_TIER, PARTNER_TIER, S3_TIER
-from kubetrain.trainer.memory_budget import FOLDER_ENV
 
 log = logging.getLogger(__name__)
 
 FORMAT = "kubetrain-memory-checkpoint-v1"
-NODE_ENV = "KUBETRAIN_NODE_NAME"  # the node's name, from the downward API (children.py)
+NODE_ENV = NODE_NAME_ENV  # the node's name, from the downward API in a pod
 DEFAULT_ROOT = Path("/dev/shm/kubetrain-memory-checkpoints")
 SLOTS = 2  # memory_budget.VERSIONS
 _ALIGN = 64  # every tensor's bytes start at a multiple of this, so any dtype view is aligned

@@ -51,17 +51,20 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kubetrain import protocol
 from kubetrain.api.trainingjob import DEFAULT_MAX_STEPS, TrainingJobSpec
+from kubetrain.pod_conventions import DEFAULT_TERMINATION_LOG, TERMINATION_LOG_ENV
+from kubetrain.protocol import FAILURE_INFO, TERMINATION_MESSAGE_LIMIT, failure_line
 from kubetrain.trainer.rank_timing import RankTiming
 
 REGISTRY = CollectorRegistry()
 
-STEP = Gauge("kubetrain_step", "Last completed optimizer step.", registry=REGISTRY)
-MAX_STEPS = Gauge("kubetrain_max_steps", "Optimizer steps the job trains for (maxSteps, or "
+STEP = Gauge(protocol.METRIC_STEP, "Last completed optimizer step.", registry=REGISTRY)
+MAX_STEPS = Gauge(protocol.METRIC_MAX_STEPS, "Optimizer steps the job trains for (maxSteps, or "
                   "epochs converted to steps).", registry=REGISTRY)
-EPOCH = Gauge("kubetrain_epoch", "Passes over the training data at the last logged step, with "
+EPOCH = Gauge(protocol.METRIC_EPOCH, "Passes over the training data at the last logged step, with "
               "the fraction of the current one.", registry=REGISTRY)
-LOSS = Gauge("kubetrain_loss", "Training loss (mean over the group's tokens) at the last "
+LOSS = Gauge(protocol.METRIC_LOSS, "Training loss (mean over the group's tokens) at the last "
              "logged step.", registry=REGISTRY)
 VALIDATION_LOSS = Gauge("kubetrain_validation_loss", "Validation loss of the last evaluation.",
                         registry=REGISTRY)
@@ -69,7 +72,7 @@ LEARNING_RATE = Gauge("kubetrain_learning_rate", "Learning rate of the last step
                       registry=REGISTRY)
 GRAD_NORM = Gauge("kubetrain_grad_norm", "Global gradient norm before clipping.",
                   registry=REGISTRY)
-TOKENS_PER_SECOND = Gauge("kubetrain_tokens_per_second", "Training throughput of the whole "
+TOKENS_PER_SECOND = Gauge(protocol.METRIC_TOKENS_PER_SECOND, "Training throughput of the whole "
                           "group over the last log interval.", registry=REGISTRY)
 MFU = Gauge("kubetrain_mfu_ratio", "Model FLOPs utilisation (0..1) against the devices' peak "
             "dense bf16 FLOP/s; 0 where the peak is unknown (CPU).", registry=REGISTRY)
@@ -84,29 +87,29 @@ MEMORY_ALLOCATED = Gauge("kubetrain_memory_allocated_bytes", "Peak device memory
                          "tensors on rank 0 (0 on CPU).", registry=REGISTRY)
 MEMORY_RESERVED = Gauge("kubetrain_memory_reserved_bytes", "Peak device memory reserved by the "
                         "caching allocator on rank 0 (0 on CPU).", registry=REGISTRY)
-LAST_STEP_TIME = Gauge("kubetrain_last_step_timestamp_seconds", "Unix time the last step "
+LAST_STEP_TIME = Gauge(protocol.METRIC_LAST_STEP_TIME, "Unix time the last step "
                        "finished: a stall shows as this not moving.", registry=REGISTRY)
 RESTARTS = Gauge("kubetrain_restarts", "Times torchrun restarted this worker group "
                  "(TORCHELASTIC_RESTART_COUNT).", registry=REGISTRY)
-CHECKPOINT_STEP = Gauge("kubetrain_latest_checkpoint_step", "Step of the newest committed "
+CHECKPOINT_STEP = Gauge(protocol.METRIC_CHECKPOINT_STEP, "Step of the newest committed "
                         "checkpoint.", registry=REGISTRY)
-CHECKPOINT_TIME = Gauge("kubetrain_latest_checkpoint_timestamp_seconds", "Unix time the newest "
+CHECKPOINT_TIME = Gauge(protocol.METRIC_CHECKPOINT_TIME, "Unix time the newest "
                         "checkpoint was committed.", registry=REGISTRY)
-BEST_CHECKPOINT_STEP = Gauge("kubetrain_best_checkpoint_step", "Step of the checkpoint with the "
-                             "lowest validation loss (checkpoint.keepBest); 0: none yet.",
-                             registry=REGISTRY)
-BEST_CHECKPOINT_VALIDATION_LOSS = Gauge("kubetrain_best_checkpoint_validation_loss",
+BEST_CHECKPOINT_STEP = Gauge(protocol.METRIC_BEST_CHECKPOINT_STEP, "Step of the checkpoint "
+                             "with the lowest validation loss (checkpoint.keepBest); 0: none "
+                             "yet.", registry=REGISTRY)
+BEST_CHECKPOINT_VALIDATION_LOSS = Gauge(protocol.METRIC_BEST_CHECKPOINT_VALIDATION_LOSS,
                                         "Validation loss of that checkpoint.", registry=REGISTRY)
 TOKENS = Counter("kubetrain_tokens", "Tokens trained on by the group since this process "
                  "started.", registry=REGISTRY)
-STEP_TIME = Gauge("kubetrain_step_time_seconds", "Mean wall time of one step over the last "
+STEP_TIME = Gauge(protocol.METRIC_STEP_TIME, "Mean wall time of one step over the last "
                   "log interval (the operator's ETA).", registry=REGISTRY)
 # Goodput (goodput.py): cumulative over the job's restarts, so after a restart the counter
 # starts again from the checkpoint's totals (a counter reset, which rate() handles).
-WALL_TIME = Counter("kubetrain_wall_time_seconds", "Wall time since the job first started, "
+WALL_TIME = Counter(protocol.METRIC_WALL_TIME, "Wall time since the job first started, "
                     "by where it went: cause=\"productive\" is goodput, the others badput.",
                     ["cause"], registry=REGISTRY)
-CHECKPOINT_LOAD_TIME = Counter("kubetrain_checkpoint_load_seconds", "Wall time's "
+CHECKPOINT_LOAD_TIME = Counter(protocol.METRIC_CHECKPOINT_LOAD_TIME, "Wall time's "
                                "cause=\"checkpoint_load\" by the tier the resumed checkpoint "
                                "came from: memory (the ranks' own in-memory snapshots), "
                                "partner (some parts from a partner's copy), s3.", ["tier"],
@@ -152,18 +155,18 @@ DYNAMICS = _JobGauges({
     "over every block, token and channel of the last logged step's last micro-batch.",
 })
 DISTILLATION = _JobGauges({
-    "kubetrain_ce_loss": "Knowledge distillation (spec.distillation): the cross-entropy on "
+    protocol.METRIC_CE_LOSS: "Knowledge distillation (spec.distillation): the cross-entropy on "
     "the labels at the last logged step.",
-    "kubetrain_kd_loss": "Knowledge distillation: T^2 x KL(teacher || student) at the last "
+    protocol.METRIC_KD_LOSS: "Knowledge distillation: T^2 x KL(teacher || student) at the last "
     "logged step; kubetrain_loss is (1 - alpha) x ce + alpha x kd.",
 })
 REGISTRY.register(DYNAMICS)
 REGISTRY.register(DISTILLATION)
 
-RANK_COMPUTE = "kubetrain_rank_compute_seconds"
-RANK_COMPUTE_TOTAL = "kubetrain_rank_compute_time_seconds_total"
-RANK_WAIT = "kubetrain_rank_wait_seconds"
-RANK_TIMING_STEP = "kubetrain_rank_timing_step"
+RANK_COMPUTE = protocol.METRIC_RANK_COMPUTE
+RANK_COMPUTE_TOTAL = protocol.METRIC_RANK_COMPUTE_TOTAL
+RANK_WAIT = protocol.METRIC_RANK_WAIT
+RANK_TIMING_STEP = protocol.METRIC_RANK_TIMING_STEP
 
 
 class _RankTimings(Collector):
@@ -407,11 +410,12 @@ class Reporter:
             return
         for cause, total in seconds.items():
             # The counter is process-wide: add what the ledger booked since the last call.
-            shown = REGISTRY.get_sample_value("kubetrain_wall_time_seconds_total",
+            shown = REGISTRY.get_sample_value(protocol.counter_sample(protocol.METRIC_WALL_TIME),
                                               {"cause": cause}) or 0.0
             WALL_TIME.labels(cause).inc(max(0.0, total - shown))
         for tier, total in (load_tiers or {}).items():
-            shown = REGISTRY.get_sample_value("kubetrain_checkpoint_load_seconds_total",
+            shown = REGISTRY.get_sample_value(
+                protocol.counter_sample(protocol.METRIC_CHECKPOINT_LOAD_TIME),
                                               {"tier": tier}) or 0.0
             CHECKPOINT_LOAD_TIME.labels(tier).inc(max(0.0, total - shown))
         wall = sum(seconds.values())
@@ -460,19 +464,13 @@ class Reporter:
 
 def termination_log() -> Path:
     """The container's terminationMessagePath: Kubernetes' default unless the env names one."""
-    return Path(os.environ.get("KUBETRAIN_TERMINATION_LOG", "/dev/termination-log"))
+    return Path(os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
 
 
-# The line a failed trainer puts first in its termination message (any rank, not only 0):
-# the operator reads its class (kubetrain.operator.observed.trainer_failure).
-FAILURE_INFO = "kubetrain_worker_failure_info"
-TERMINATION_MESSAGE_LIMIT = 4096  # bytes the kubelet keeps
+# The line a failed trainer puts first in its termination message (any rank, not only 0),
+# in the protocol's format: the operator and `kubetrain run` read its class
+# (kubetrain.protocol.trainer_failure).
 _failure_line: str | None = None
-
-
-def _label(value: str) -> str:
-    """A Prometheus label value, escaped (backslash, quote, newline)."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def record_failure(failure_class: str, message: str, micro_batch_size: int,
@@ -489,12 +487,8 @@ def record_failure(failure_class: str, message: str, micro_batch_size: int,
     or a `kubetrain run` node).
     """
     global _failure_line
-    _failure_line = (f'{FAILURE_INFO}{{class="{_label(failure_class)}",'
-                     f'message="{_label(message[:1500])}",'
-                     f'micro_batch_size="{micro_batch_size}"'
-                     + (f',nodes="{_label(",".join(nodes))}"' if nodes else "")
-                     + (f',reported_nodes="{_label(",".join(reported_nodes))}"'
-                        if reported_nodes else "") + "} 1")
+    _failure_line = failure_line(failure_class, message, micro_batch_size, nodes,
+                                 reported_nodes)
     path = termination_log()
     if not path.is_file():
         return
@@ -533,7 +527,8 @@ def write_termination_message() -> None:
         line for line in path.read_text().splitlines() if line.startswith(FAILURE_INFO)][:1]
     for line in generate_latest(REGISTRY).decode().splitlines():
         # Gauges and counters only: a histogram's buckets would not fit.
-        if line.startswith("kubetrain_") and not line.split("{")[0].split()[0].endswith(
+        name = line.split("{")[0].split()[0] if line.strip() else ""
+        if line.startswith(protocol.METRIC_PREFIX) and not name.endswith(
                 ("_bucket", "_sum", "_count", "_created")):
             lines.append(line)
     _write_lines(path, lines)

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubetrain.api.trainingjob import DynamicsSpec, ModelDims
+from kubetrain.sizing import CONTROLLER_WIDTH
 from kubetrain.trainer.loss import OutputLoss, chunked_cross_entropy
-from kubetrain.trainer.sizing import CONTROLLER_WIDTH
 
 
 class RMSNorm(nn.Module):

@@ -1,7 +1,7 @@
 """`python -m kubetrain.trainer.own_code JOB.yaml -- COMMAND...`: own code's container entry.
 
 Runs in each worker pod of an own-code job (spec.trainer), around torchrun and the user's
-command (kubetrain.operator.own_code_launch builds the line):
+command (kubetrain.operator.own_code_container builds the line):
 1. restores the newest committed checkpoint (checkpoint.uri, else checkpoint.resumeFrom)
    into KUBETRAIN_CHECKPOINT_DIR before COMMAND starts, side by side with the preflight
    and with loading torchrun's agent (`prepare`): all three are done before COMMAND starts,
@@ -61,12 +61,14 @@ from typing import Any
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import PreflightPolicy, TrainingJob
+from kubetrain.pod_conventions import FINAL_SYNC_SECONDS_ENV
 from kubetrain.protocol import (
     EXIT_INVALID_MANIFEST,
     EXIT_PREFLIGHT_FAILED,
     SIGNAL_EXIT_BASE,
     TRAINER_EXIT_CODES,
     is_signal_exit,
+    unmarked_checkpoints_line,
 )
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
@@ -405,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     status = _run(args.command)
     stopping.set()
     syncer.join()
-    final_seconds = float(os.environ.get("KUBETRAIN_FINAL_SYNC_SECONDS",
+    final_seconds = float(os.environ.get(FINAL_SYNC_SECONDS_ENV,
                                          DEFAULT_FINAL_SYNC_SECONDS))
     report = sync.drain(time.monotonic() + final_seconds)
     for folder in report.unmarked:
@@ -415,11 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     if report.unmarked:  # the operator turns this line into a warning event on the job
         from kubetrain.trainer.metrics import termination_log
 
-        names = ",".join(Path(folder).name for folder in report.unmarked)
+        names = [Path(folder).name for folder in report.unmarked]
         try:
-            termination_log().write_text(
-                f'kubetrain_unmarked_checkpoints_info{{folders="{names}"}} '
-                f"{len(report.unmarked)}\n")
+            termination_log().write_text(unmarked_checkpoints_line(names) + "\n")
         except OSError as error:
             log.warning("could not write the termination message: %s", error)
     for folder in report.waiting:

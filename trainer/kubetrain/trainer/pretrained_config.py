@@ -35,7 +35,7 @@ from kubetrain.api.trainingjob import (
     StorageSpec,
     TrainingJobSpec,
 )
-from kubetrain.trainer.sizing import (
+from kubetrain.sizing import (
     CONTROLLER_WIDTH,
     SSM_CONV_WIDTH,
     SSM_EXPAND,

@@ -56,6 +56,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 
+from kubetrain.pod_conventions import NODE_NAME_ENV, POD_NAME_ENV
+
 
 class WaitClock:
     """Seconds this process spent inside collectives since it started (a running total).
@@ -229,8 +231,7 @@ class RankTiming:
 def where_am_i() -> tuple[str, str]:
     """This process's pod and node: the downward API's (the operator sets both), else the host."""
     host = socket.gethostname()
-    return (os.environ.get("KUBETRAIN_POD_NAME") or host,
-            os.environ.get("KUBETRAIN_NODE_NAME") or host)
+    return (os.environ.get(POD_NAME_ENV) or host, os.environ.get(NODE_NAME_ENV) or host)
 
 
 def gather_rank_timings(compute_seconds: float, wait_seconds: float,

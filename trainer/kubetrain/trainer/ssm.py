@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubetrain.api.trainingjob import ModelDims
+from kubetrain.sizing import SSM_CHUNK_SIZE, SSM_CONV_WIDTH, ssm_shape
 from kubetrain.trainer.loss import OutputLoss, chunked_cross_entropy
 from kubetrain.trainer.model import FeedForward, RMSNorm, init_normal
-from kubetrain.trainer.sizing import SSM_CHUNK_SIZE, SSM_CONV_WIDTH, ssm_shape
 
 # Mamba-2's initial step sizes: softplus(dt_bias) log-uniform in [DT_MIN, DT_MAX]; A_h
 # uniform in [A_MIN, A_MAX] (negated), so heads start with a range of memory lengths.

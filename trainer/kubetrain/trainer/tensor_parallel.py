@@ -48,10 +48,10 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from kubetrain.api.trainingjob import tensor_parallel_problems
+from kubetrain.sizing import loss_chunk_tokens
 from kubetrain.trainer.loss import OutputLoss
-from kubetrain.trainer.mesh import MeshError
+from kubetrain.trainer.mesh_shape import MeshError
 from kubetrain.trainer.model import Transformer
-from kubetrain.trainer.sizing import loss_chunk_tokens
 
 VOCAB_PARALLEL = "vocab_parallel"
 

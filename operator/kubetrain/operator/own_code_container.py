@@ -1,7 +1,8 @@
 """The worker container of an own-code job (spec.trainer): its command, environment and volume.
 
-A pure function of the job, beside `children.worker_pod`, which builds the container of
-kubetrain's own trainer: the same elastic torchrun launch (`torchrun_env`: PET_* with
+A pure function of the job (`own_code_container`), beside `children.worker_pod`, which
+builds the container of kubetrain's own trainer: the same elastic torchrun launch
+(`worker_env.torchrun_env`: PET_* with
 nnodes min:max, c10d rendezvous at worker 0, the job's restart attempts), but torchrun
 runs the user's command (`TrainerSpec.torchrun_arguments`: a script, a module or
 --no-python), wrapped by `python3 -m kubetrain.trainer.own_code`, which restores the newest
@@ -9,7 +10,7 @@ checkpoint into KUBETRAIN_CHECKPOINT_DIR first, uploads marked folders while it 
 passes SIGTERM through. `children.worker_pod` builds the pod around this container for
 every job with spec.trainer.
 
-The status endpoint (`kubetrain.operator.status_endpoint`) reaches the container through
+The status endpoint (`kubetrain.operator.trainer_status_endpoint`) reaches the container through
 the job's Secret `<job>-status` (`status_secret_name`), which the operator creates before
 the job's pods: its `url`, `token` and `ca.crt` become Kubeflow Trainer's three
 KUBEFLOW_TRAINER_SERVER_* variables (the URL as a value, the other two as file paths).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.operator.children import (
+from kubetrain.operator.worker_env import (
     CONFIG_DIR,
     CONFIG_KEY,
     TERMINATION_GRACE_SECONDS,
@@ -31,18 +32,21 @@ from kubetrain.operator.children import (
     placement_env,
     torchrun_env,
 )
+from kubetrain.pod_conventions import (
+    FINAL_SYNC_SECONDS_ENV,
+    OWN_CODE_ENTRY_MODULE,
+    SHUTDOWN_TIMEOUT_ENV,
+)
+from kubetrain.protocol import CA_CERT_ENV, SERVER_URL_ENV, TOKEN_ENV
 from kubetrain.sdk.batch import OUT_OF_MEMORY_RESTARTS_ENV
 from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV
-from kubetrain.sdk.progress import CA_CERT_ENV, SERVER_URL_ENV, TOKEN_ENV
 
 # A pod-local folder: the user's code writes checkpoints there, kubetrain syncs it with S3.
 LOCAL_CHECKPOINT_DIR = "/var/lib/kubetrain/checkpoints"
 CHECKPOINT_VOLUME = "checkpoints"
-ENTRY_MODULE = "kubetrain.trainer.own_code"
 # Of the pod's grace period, what torchrun gives its workers to save after SIGTERM before
 # it kills them (its default is 30 s): the rest is for uploading that last checkpoint.
 WORKER_SHUTDOWN_SECONDS = TERMINATION_GRACE_SECONDS * 2 // 3
-FINAL_SYNC_SECONDS_ENV = "KUBETRAIN_FINAL_SYNC_SECONDS"
 # The job's Secret for the status endpoint, its keys, and where the pod mounts it.
 STATUS_VOLUME = "status-endpoint"
 STATUS_DIR = "/var/run/kubetrain/status"
@@ -68,7 +72,7 @@ def status_env(job: TrainingJob) -> list[dict[str, Any]]:
 
 
 @dataclass(frozen=True)
-class OwnCodeLaunch:
+class OwnCodeContainer:
     """What the worker container of an own-code job runs, and the volume it needs."""
 
     image: str
@@ -78,7 +82,7 @@ class OwnCodeLaunch:
     volume_mounts: list[dict[str, Any]]
 
 
-def own_code_launch(job: TrainingJob, out_of_memory_restarts: int = 0) -> OwnCodeLaunch:
+def own_code_container(job: TrainingJob, out_of_memory_restarts: int = 0) -> OwnCodeContainer:
     """The container of every worker pod of `job`, which must have spec.trainer.
 
     `out_of_memory_restarts` (status.effective's) reaches the user's code as
@@ -88,11 +92,11 @@ def own_code_launch(job: TrainingJob, out_of_memory_restarts: int = 0) -> OwnCod
     if trainer is None:
         raise ValueError(f"{job.metadata.name} runs kubetrain's trainer, not its own code: "
                          "build its container with children.worker_pod")
-    command = ["python3", "-m", ENTRY_MODULE, f"{CONFIG_DIR}/{CONFIG_KEY}", "--",
+    command = ["python3", "-m", OWN_CODE_ENTRY_MODULE, f"{CONFIG_DIR}/{CONFIG_KEY}", "--",
                "torchrun", *trainer.torchrun_arguments()]
     env = [
         *torchrun_env(job),
-        {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(WORKER_SHUTDOWN_SECONDS)},
+        {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(WORKER_SHUTDOWN_SECONDS)},
         *placement_env(),
         *credentials_env(job),
         {"name": CHECKPOINT_DIR_ENV, "value": LOCAL_CHECKPOINT_DIR},
@@ -105,7 +109,7 @@ def own_code_launch(job: TrainingJob, out_of_memory_restarts: int = 0) -> OwnCod
         *(var.wire() for var in job.spec.workers.template.env),
         *(var.wire() for var in trainer.env),
     ]
-    return OwnCodeLaunch(
+    return OwnCodeContainer(
         image=trainer.image,
         command=command,
         env=env,

@@ -30,7 +30,7 @@ a step time.
 
 It keeps the ends it saw for a while (`ends`) and asks for a reconcile of the job
 (`on_news`), at once when a pod goes silent; reconcile
-(`kubetrain.operator.restarts.record_restarts_in_place`) decides whether an end is news,
+(`kubetrain.operator.recovery.record_restarts_in_place`) decides whether an end is news,
 and records it. It keeps no status and decides nothing itself.
 """
 
@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from kubetrain.operator.observed import IN_PLACE, TrainerEnd, WorkerPod
+from kubetrain.operator.facts import IN_PLACE, TrainerEnd, WorkerPod
 from kubetrain.protocol import (
     ENDS_THE_POD,
     EXIT_COMPLETE,
@@ -90,7 +90,7 @@ def trainer_end(pod: str, last_line: bytes | None, now: datetime) -> TrainerEnd 
                               f"{': ' + words if words else ''}; {IN_PLACE}")
 
 
-class Lifelines:
+class LifelineWatch:
     """One follower task per trainer process of each running pod with an IP; see the
     module docstring.
 

@@ -4,9 +4,11 @@ ETA come out as a `Report`, and every bad request gets its 4xx with the reason."
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib
 import json
+import logging
 import os
 import ssl
 import time
@@ -22,11 +24,7 @@ import pytest
 import requests
 from host_tools import unavailable
 
-from kubetrain.operator.status_certificates import CertificateAuthority
-from kubetrain.operator.status_endpoint import (
-    ENV_CA_CERT,
-    ENV_SERVER_URL,
-    ENV_TOKEN,
+from kubetrain.operator.trainer_status_endpoint import (
     MAX_BODY_BYTES,
     RateLimit,
     StatusEndpoint,
@@ -34,6 +32,8 @@ from kubetrain.operator.status_endpoint import (
     job_token,
     status_path,
 )
+from kubetrain.operator.trainer_status_tls import CertificateAuthority
+from kubetrain.protocol import CA_CERT_ENV, SERVER_URL_ENV, TOKEN_ENV
 
 KEY = bytes(range(32))
 
@@ -98,9 +98,9 @@ def test_transformers_kubeflow_callback_reports_step_loss_and_eta_unchanged(
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
     # What the operator gives every pod of the job, exactly as Kubeflow names it.
-    monkeypatch.setenv(ENV_SERVER_URL, endpoint.url("team-a", "llama"))
-    monkeypatch.setenv(ENV_CA_CERT, str(endpoint.ca_file))
-    monkeypatch.setenv(ENV_TOKEN, str(token_file))
+    monkeypatch.setenv(SERVER_URL_ENV, endpoint.url("team-a", "llama"))
+    monkeypatch.setenv(CA_CERT_ENV, str(endpoint.ca_file))
+    monkeypatch.setenv(TOKEN_ENV, str(token_file))
 
     callback = KubeflowCallback()
     state = TrainerState(max_steps=40, is_world_process_zero=True)
@@ -162,9 +162,9 @@ def test_kubeflow_sdk_update_trainjob_status_where_the_sdk_is_installed(
     utils = importlib.import_module("kubeflow.trainer.backends.kubernetes.utils")
     token_file = tmp_path / "token"
     token_file.write_text(endpoint.reports.admit("team-a", "sdk", "uid-3"))
-    monkeypatch.setenv(ENV_SERVER_URL, endpoint.url("team-a", "sdk"))
-    monkeypatch.setenv(ENV_CA_CERT, str(endpoint.ca_file))
-    monkeypatch.setenv(ENV_TOKEN, str(token_file))
+    monkeypatch.setenv(SERVER_URL_ENV, endpoint.url("team-a", "sdk"))
+    monkeypatch.setenv(CA_CERT_ENV, str(endpoint.ca_file))
+    monkeypatch.setenv(TOKEN_ENV, str(token_file))
     assert utils.update_trainjob_status(progress_percent=30, estimated_remaining_seconds=70,
                                         metrics={"current_step": 3, "total_steps": 10,
                                                  "loss": 0.5})
@@ -370,3 +370,28 @@ def test_a_serving_certificate_needs_a_name_and_the_key_is_long_enough() -> None
         StatusReports(b"short")
     assert job_token(KEY, "a", "b", "c") != job_token(os.urandom(32), "a", "b", "c")
     assert job_token(KEY, "a", "b", "c") != job_token(KEY, "a", "b", "d")
+
+
+def test_a_failure_after_start_up_is_reported_and_stop_still_returns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The serving loop dying once the endpoint runs (here: its event loop stopped under
+    it) is logged as an error and kept in `failure`, not left unread; stopping the dead
+    endpoint afterwards returns."""
+    caplog.set_level(logging.ERROR, logger="kubetrain.operator.trainer_status_endpoint")
+    served = serve(tmp_path, StatusReports(KEY))
+    endpoint = next(served)
+    loop = endpoint.server._loop
+    assert loop is not None
+    loop.call_soon_threadsafe(loop.stop)
+
+    def reported() -> bool:
+        return any("stopped serving" in record.getMessage() and record.exc_info
+                   for record in caplog.records)
+
+    deadline = time.monotonic() + 10
+    while not reported() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reported(), caplog.records
+    assert isinstance(endpoint.server.failure, RuntimeError), endpoint.server.failure
+    with contextlib.suppress(StopIteration):
+        next(served)  # leaves the `with`: stop() on the dead endpoint

@@ -1,4 +1,4 @@
-"""The local runner's restart, backoff and hang decisions (kubetrain.local.policy).
+"""The local runner's restart, backoff and hang decisions (kubetrain.local.recovery).
 
 The same cases through the operator's reconcile: tests/test_restart_rules.py."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from kubetrain.api.trainingjob import RunPolicy, TrainingJobSpec
 from kubetrain.local.memory import memory_cgroup
-from kubetrain.local.policy import (
+from kubetrain.local.recovery import (
     GroupFailure,
     ProgressClock,
     after_failure,

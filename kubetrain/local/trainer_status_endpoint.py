@@ -1,7 +1,7 @@
 """The status endpoint of a local own-code run: progress reports become metrics-log events.
 
 On Kubernetes the operator serves Kubeflow Trainer's status endpoint
-(kubetrain.operator.status_endpoint) and own code's rank 0 POSTs `{"trainerStatus": {...}}`
+(kubetrain.operator.trainer_status_endpoint) and own code's rank 0 POSTs `{"trainerStatus": {...}}`
 to it: kubetrain.sdk.report and transformers' KubeflowCallback, unchanged. `kubetrain run`
 serves the same URL contract on loopback for the run's own processes: the three
 KUBEFLOW_TRAINER_SERVER_* variables (`reporter_env`), a bearer token in a file only this
@@ -9,9 +9,10 @@ user can read, and each report with a step appended to the run's metrics log as 
 event (`current_step`, `total_steps`, `loss`, `learning_rate`, `current_epoch`,
 `tokens_per_second`), so the progress bar, hang detection and the summary read own code as
 they read kubetrain's trainer. Plain HTTP: nothing leaves this machine, and the reporters
-verify TLS only for an https URL. Bad input gets a 4xx with the reason, as the operator's;
-the schema is read leniently (a metric that is not a number is left out), because the
-strict reading lives with the operator's aiohttp server, which `kubetrain run` does not need.
+verify TLS only for an https URL. Bad input gets a 4xx with the reason, as the operator's:
+a report is read by the one parser both endpoints call (`kubetrain.protocol.parse_report`),
+so one the operator refuses is refused here too; only lastUpdatedTime may be left out here
+(the operator requires it, as Kubeflow's schema does).
 """
 
 from __future__ import annotations
@@ -23,26 +24,31 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from kubetrain.local.launch import RENDEZVOUS_HOST
 from kubetrain.local.metrics_log import Event
+from kubetrain.protocol import (
+    MAX_REPORT_BYTES,
+    REPORT_EPOCH,
+    REPORT_LEARNING_RATE,
+    REPORT_LOSS,
+    REPORT_TOKENS_PER_SECOND,
+    SERVER_URL_ENV,
+    TOKEN_ENV,
+    Refused,
+    metric_number,
+    parse_report,
+)
 
-MAX_BODY_BYTES = 64 * 1024
+MAX_BODY_BYTES = MAX_REPORT_BYTES
 STATUS_PATH = "/status"
-# The metrics a report's step event carries, by the metrics log's names.
-_METRICS = {"loss": "loss", "learning_rate": "lr", "current_epoch": "epoch",
-            "epoch": "epoch", "tokens_per_second": "tokens_per_second"}
-
-
-def _number(text: object) -> float | None:
-    try:
-        value = float(str(text))
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
+# The metrics a report's step event carries, by the metrics log's names (the first found).
+_METRICS = {REPORT_LOSS: "loss", REPORT_LEARNING_RATE: "lr", REPORT_EPOCH: "epoch",
+            "epoch": "epoch", REPORT_TOKENS_PER_SECOND: "tokens_per_second"}
 
 
 def _whole(text: object) -> int | None:
@@ -55,34 +61,23 @@ def _whole(text: object) -> int | None:
 
 def step_event(body: bytes, received_at: float) -> Event | None:
     """The metrics-log `step` event a report body says; None for a report without a step
-    (transformers' first and last reports carry none). Raises ValueError with the reason
-    for a body that is not Kubeflow's `{"trainerStatus": {...}}`."""
-    try:
-        document = json.loads(body)
-    except (ValueError, RecursionError) as error:
-        raise ValueError(f"the body is not JSON: {error}"[:300]) from None
-    if not isinstance(document, dict) or not isinstance(document.get("trainerStatus", {}), dict):
-        raise ValueError('the body must be a JSON object: {"trainerStatus": {...}}')
-    status = document.get("trainerStatus") or {}
-    items = status.get("metrics") or []
-    if not isinstance(items, list):
-        raise ValueError("trainerStatus.metrics must be a list of {name, value} objects")
-    metrics = {str(item.get("name")): item.get("value") for item in items
-               if isinstance(item, dict)}
-    step = _whole(metrics.get("current_step"))
-    if step is None:
+    (transformers' first and last reports carry none). Raises `Refused` with the status and
+    reason for a body that is not Kubeflow's `{"trainerStatus": {...}}`."""
+    report = parse_report(body, datetime.fromtimestamp(received_at, UTC))
+    if report is None or report.step is None:
         return None
-    event: Event = {"event": "step", "step": step, "time": received_at}
-    total = _whole(metrics.get("total_steps"))
-    if total:
-        event["max_steps"] = total
+    event: Event = {"event": "step", "step": report.step, "time": received_at}
+    if report.total_steps:
+        event["max_steps"] = report.total_steps
     for name, field in _METRICS.items():
-        value = _number(metrics[name]) if name in metrics else None
-        if value is not None:
+        try:
+            value = metric_number(report.metrics, name)
+        except Refused:
+            continue  # a metric beyond the schema's (the parser checked those): left out
+        if value is not None and math.isfinite(value):
             event.setdefault(field, value)
-    remaining = status.get("estimatedRemainingSeconds")
-    if isinstance(remaining, int) and not isinstance(remaining, bool):
-        event["remaining_seconds"] = remaining
+    if report.remaining_seconds is not None:
+        event["remaining_seconds"] = report.remaining_seconds
     return event
 
 
@@ -127,8 +122,7 @@ class LocalStatusEndpoint:
 
     def reporter_env(self) -> dict[str, str]:
         """The variables the reporters read (no CA: the URL is plain HTTP on loopback)."""
-        return {"KUBEFLOW_TRAINER_SERVER_URL": self.url,
-                "KUBEFLOW_TRAINER_SERVER_TOKEN": str(self.token_file.resolve())}
+        return {SERVER_URL_ENV: self.url, TOKEN_ENV: str(self.token_file.resolve())}
 
     def handle(self, path: str, authorization: str | None, length: str | None,
                body: Any) -> tuple[int, str]:
@@ -148,8 +142,8 @@ class LocalStatusEndpoint:
                                 "are allowed")
         try:
             event = step_event(body.read(size), time.time())
-        except ValueError as error:
-            return self._refuse(400, str(error))
+        except Refused as refused:
+            return self._refuse(refused.status, refused.reason)
         if event is not None:
             self.on_event(event)
         self.accepted += 1

@@ -16,7 +16,9 @@ the middle of a snapshot still leaves a version every rank agrees on. `replicas`
 number of partner copies each rank's shard has on other ranks (at most world size - 1).
 
 Nothing here touches the model or the tier's files; Kubernetes quantities are parsed
-and written here for the operator's arithmetic on memory requests.
+and written here for the operator's arithmetic on memory requests. A spec is read through
+`SizedSpec`, the sections the figure depends on, so that the API's own validation
+(`TrainingJobSpec`) imports this module without a circle.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
-from kubetrain.api.trainingjob import TrainingJobSpec
-from kubetrain.trainer.sizing import parameter_count, ssm_parameter_count
+from kubetrain.api.checkpoint import CheckpointSpec
+from kubetrain.api.model import ModelSpec
+from kubetrain.api.optimization import OptimizationSpec
+from kubetrain.api.parallelism import ParallelismSpec
+from kubetrain.api.workers import Workers
+from kubetrain.sizing import parameter_count, ssm_parameter_count
 
 VERSIONS = 2  # the newest complete snapshot and the one being written beside it
 # Where the trainer keeps the tier: the operator mounts the pod's memory volume there.
@@ -38,6 +45,21 @@ _SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15
              "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
              "Ei": 2**60, "m": 10**-3}
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([-+]?[0-9]+))?([a-zA-Z]*)$")
+
+
+class SizedSpec(Protocol):
+    """The sections of a TrainingJobSpec the tier's size depends on (any TrainingJobSpec)."""
+
+    @property
+    def model(self) -> ModelSpec: ...
+    @property
+    def optimization(self) -> OptimizationSpec: ...
+    @property
+    def parallelism(self) -> ParallelismSpec: ...
+    @property
+    def workers(self) -> Workers: ...
+    @property
+    def checkpoint(self) -> CheckpointSpec: ...
 
 
 def parse_quantity(value: int | str) -> int:
@@ -87,7 +109,7 @@ def _gib(size: int) -> str:
     return f"{size / 2**30:.2f} GiB"
 
 
-def state_bytes(spec: TrainingJobSpec, parameters: int, world_size: int) -> int:
+def state_bytes(spec: SizedSpec, parameters: int, world_size: int) -> int:
     """Bytes of one process's snapshot of `parameters` fp32 parameters and their optimizer
     state at `world_size` processes."""
     opt = spec.optimization
@@ -99,7 +121,7 @@ def state_bytes(spec: TrainingJobSpec, parameters: int, world_size: int) -> int:
     return total + EXTRA_BYTES
 
 
-def model_parameters(spec: TrainingJobSpec) -> int | None:
+def model_parameters(spec: SizedSpec) -> int | None:
     """The model's parameter count from the spec; None when only its config.json knows it
     (model.init, model.fromTeacher)."""
     if spec.model.init is not None or spec.model.from_teacher:
@@ -110,7 +132,7 @@ def model_parameters(spec: TrainingJobSpec) -> int | None:
     return parameter_count(dims, dynamics=spec.model.dynamics.enabled)
 
 
-def tier_budget(spec: TrainingJobSpec, world_size: int | None = None,
+def tier_budget(spec: SizedSpec, world_size: int | None = None,
                 parameters: int | None = None) -> TierBudget | None:
     """The tier's memory at `world_size` processes (default: the fewest the job may run
     with, where each shard is largest); None without a tier or a known model size."""
@@ -135,7 +157,7 @@ def tier_budget(spec: TrainingJobSpec, world_size: int | None = None,
 LARGE_SHARE = 0.25
 
 
-def out_of_memory_note(spec: TrainingJobSpec) -> str:
+def out_of_memory_note(spec: SizedSpec) -> str:
     """What a worker killed by its memory cgroup (OOMKilled) should also say about the tier:
     its tmpfs pages count against the container's memory limit, and the operator's healing,
     half the micro-batch, shrinks only the trainer's own use, never the tier. "" without a
@@ -163,6 +185,6 @@ def out_of_memory_note(spec: TrainingJobSpec) -> str:
             "spec.checkpoint.memory.replicas or raise spec.workers.resources.limits.memory")
 
 
-__all__ = ["FOLDER_ENV", "LARGE_SHARE", "VERSIONS", "TierBudget", "format_quantity",
+__all__ = ["FOLDER_ENV", "LARGE_SHARE", "VERSIONS", "SizedSpec", "TierBudget", "format_quantity",
            "model_parameters", "out_of_memory_note", "parse_quantity", "state_bytes",
            "tier_budget"]

@@ -7,7 +7,7 @@ hung workers, and the pure functions that decide them.
 - every failed pod is classed (`kubetrain.operator.failures`) and recorded in
   status.lastFailure and status.failures, with an event and a metric; so is every trainer
   failure that torchrun restarted in place, which only its lifeline shows
-  (`record_restarts_in_place`, `kubetrain.operator.lifelines`). torchrun restarts a pod's
+  (`record_restarts_in_place`, `kubetrain.operator.lifeline_watch`). torchrun restarts a pod's
   trainers in place while that pod's budget (PET_MAX_RESTARTS = runPolicy.maxRestarts,
   `restart_rules.restarts_in_place`) lasts: such a restart is counted in status.restarts
   and shown, and ends the job only for a permanent or repeated exit code, never for
@@ -23,7 +23,7 @@ hung workers, and the pure functions that decide them.
 
 The rules themselves (retry kinds, the streak, backoff, maxRestarts, halving, the advice)
 are `kubetrain.restart_rules`, which `kubetrain run` applies too. The steps read and write
-the pass's `_Decision` (`kubetrain.operator.reconcile`) through its primitives; no
+the pass's `ReconcilePass` (`kubetrain.operator.reconcile_pass`) through its primitives; no
 Kubernetes, no clock but the pass's `now`.
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from kubetrain import restart_rules as rules
 from kubetrain.api.trainingjob import (
@@ -40,20 +40,18 @@ from kubetrain.api.trainingjob import (
     TrainingJobStatus,
     WorkerFailure,
 )
+from kubetrain.memory_budget import out_of_memory_note
 from kubetrain.operator import children, lifecycle, nodes, observation
 from kubetrain.operator.actions import CountFailure, CountRestart, ReconcileAt, UpdateConfigMap
-from kubetrain.operator.failures import classify, describe
-from kubetrain.operator.observed import (
+from kubetrain.operator.facts import (
     DISRUPTION_REASONS,
     IN_PLACE,
     TrainerEnd,
     TrainerFailure,
     WorkerPod,
 )
-from kubetrain.trainer.memory_budget import out_of_memory_note  # torch-free
-
-if TYPE_CHECKING:
-    from kubetrain.operator.reconcile import _Decision
+from kubetrain.operator.failures import classify, describe
+from kubetrain.operator.reconcile_pass import NO_BACKOFF_REASONS, ReconcilePass
 
 # status.lastFailure.message is cut here: a termination message may hold 4 KiB.
 FAILURE_MESSAGE_LIMIT: Final = 1024
@@ -73,9 +71,6 @@ WHOLE_GROUP_REASONS: Final = ("ProgressDeadlineExceeded", "OutOfMemory", "Prefli
 # Restarts with their own limit instead of maxRestarts, and no backoff (nothing to wait
 # out). Read only for a restart recorded before status.restart, as above.
 UNCOUNTED_REASONS: Final = ("OutOfMemory", "StragglerReplaced")
-# Counted restarts that wait no backoff: a lost node's pods are replaced on another node
-# (the lost one is avoided), so there is nothing to wait out, and the survivors wait too.
-NO_BACKOFF_REASONS: Final = ("NodeLost",)
 # How status.lastFailure's message ends for a trainer's end past its pod's budget of
 # restarts in place, instead of the lifeline's IN_PLACE: the pod's own end follows.
 LEFT_TO_THE_POD: Final = ("torchrun has no restart in place left in this pod "
@@ -126,21 +121,15 @@ def restart_in_progress(status: TrainingJobStatus) -> RestartStatus | None:
                          whole_group=reason in WHOLE_GROUP_REASONS)
 
 
-def restart_delay(policy: RunPolicy, restarts: int, reason: str, counted: bool) -> float:
-    """Seconds a restart waits before it creates its pods: the backoff of the `restarts`-th
-    counted restart, none for an uncounted one or a lost node (`NO_BACKOFF_REASONS`)."""
-    if not counted or reason in NO_BACKOFF_REASONS:
-        return 0.0
-    return rules.backoff_seconds(policy, restarts)
-
-
 def replacements_due(status: TrainingJobStatus, policy: RunPolicy) -> datetime | None:
-    """When the restart in progress may create its pods: after its `restart_delay`; None
+    """When the restart in progress may create its pods: after its delay
+    (`restart_rules.restart_delay`); None
     when no restart is in progress."""
     restart = restart_in_progress(status)
     if restart is None:
         return None
-    delay = restart_delay(policy, status.restarts, restart.reason, restart.counted)
+    delay = rules.restart_delay(policy, status.restarts, counted=restart.counted,
+                                node_lost=restart.reason in NO_BACKOFF_REASONS)
     return restart.time + timedelta(seconds=delay)
 
 
@@ -209,7 +198,7 @@ def restart_cause(failed: list[WorkerPod], stuck: list[WorkerPod], kinds: Mappin
 # --- the steps ------------------------------------------------------------------------------
 
 
-def wait_out_backoff(decision: _Decision) -> bool:
+def wait_out_backoff(decision: ReconcilePass) -> bool:
     """Whether the restart in progress still waits out its backoff: then it creates no pods
     yet, and asks for the pass that will, when the backoff ends."""
     due = replacements_due(decision.status, decision.job.spec.run_policy)
@@ -219,7 +208,7 @@ def wait_out_backoff(decision: _Decision) -> bool:
     return True
 
 
-def continue_restart(decision: _Decision) -> None:
+def continue_restart(decision: ReconcilePass) -> None:
     """Delete, without counting again, the pods the restart in progress already covers.
 
     A restart is recorded in status (restarts, restartAttempt, restart) before its pods
@@ -239,8 +228,9 @@ def continue_restart(decision: _Decision) -> None:
         decision.delete(pod, restart.reason)
 
 
-def handle_failures(decision: _Decision) -> None:
-    """Fail the job or restart workers for failed, lost and stuck pods."""
+def handle_failures(decision: ReconcilePass) -> None:
+    """Fail the job or restart workers for failed, lost and stuck pods: the failed ones as
+    `kubetrain.restart_rules.judge` answers them, which `kubetrain run` asks too."""
     policy = decision.job.spec.run_policy
     failed, stuck = broken([pod for pod in decision.live_pods() if pod.index < decision.replicas],
                            policy, decision.held_back, decision.now)
@@ -248,35 +238,39 @@ def handle_failures(decision: _Decision) -> None:
         return
     kinds = {pod.name: classify(pod, policy.permanent_exit_codes) for pod in failed}
     record_failures(decision, failed, kinds)
-    retries = {pod.name: retry_kind_of(pod, policy.permanent_exit_codes) for pod in failed}
-    permanent = [pod for pod in failed if retries[pod.name] == "permanent"]
-    if permanent:
-        decision.finish("Failed", "PermanentError",
-                        f"{describe(permanent[0], kinds[permanent[0].name])}, listed in "
-                        "runPolicy.permanentExitCodes: fix the configuration or code and "
-                        "create the job again")
-        return
     broken_pods = failed + stuck
-    out_of_memory = [pod for pod in failed
-                     if rules.heals_out_of_memory(kinds[pod.name], retries[pod.name])]
-    if out_of_memory:
-        heal_out_of_memory(decision, out_of_memory[0], kinds[out_of_memory[0].name], broken_pods)
-        return
-    preflight = [pod for pod in failed if kinds[pod.name] == "PreflightFailed"]
-    if preflight:
-        fail_preflight(decision, preflight, kinds, broken_pods)
-        return
-    nodes.count_node_failures(decision, failed, kinds)
-    coded = [pod for pod in failed if retries[pod.name] == "code"]
-    if coded and repeated_failure(decision, coded[0].exit_code,
-                                  describe(coded[0], kinds[coded[0].name])):
-        return
+    if failed:
+        ends = [rules.Ended(pod.exit_code, kinds[pod.name],
+                            retry_kind_of(pod, policy.permanent_exit_codes), pod.node_lost)
+                for pod in failed]
+        status = decision.status
+        judgement = rules.judge(ends, status.failure_streak, status.progress.step, policy)
+        pod = next(pod for pod, end in zip(failed, ends, strict=True)
+                   if end is judgement.ended)
+        if judgement.rule == "permanent":
+            decision.finish("Failed", "PermanentError",
+                            f"{describe(pod, kinds[pod.name])}, listed in "
+                            "runPolicy.permanentExitCodes: fix the configuration or code and "
+                            "create the job again")
+            return
+        if judgement.rule == "out_of_memory":
+            heal_out_of_memory(decision, pod, kinds[pod.name], broken_pods)
+            return
+        if judgement.rule == "preflight":
+            preflight = [one for one in failed if kinds[one.name] == "PreflightFailed"]
+            fail_preflight(decision, preflight, kinds, broken_pods)
+            return
+        nodes.count_node_failures(decision, failed, kinds)
+        status.failure_streak = judgement.streak
+        if judgement.rule == "repeated":
+            fail_repeated(decision, describe(pod, kinds[pod.name]))
+            return
     reason, message = restart_cause(failed, stuck, kinds, policy)
     decision.restart(reason, message, broken_pods,
                      whole_group=any(pod.index == 0 for pod in broken_pods))
 
 
-def record_failures(decision: _Decision, failed: list[WorkerPod],
+def record_failures(decision: ReconcilePass, failed: list[WorkerPod],
                     kinds: Mapping[str, str]) -> None:
     """status.lastFailure and the counts by class, an event and a metric per failed pod.
 
@@ -298,7 +292,7 @@ def record_failures(decision: _Decision, failed: list[WorkerPod],
     warn_unmarked_checkpoints(decision, failed)
 
 
-def warn_unmarked_checkpoints(decision: _Decision, ended: list[WorkerPod]) -> None:
+def warn_unmarked_checkpoints(decision: ReconcilePass, ended: list[WorkerPod]) -> None:
     """A warning per ended own-code pod whose entry found checkpoint folders nobody marked
     complete, and so uploaded none of them (called once per ending pod)."""
     for pod in ended:
@@ -333,7 +327,7 @@ def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: da
                                  if streak.count > 1 else None)
 
 
-def record_restarts_in_place(decision: _Decision) -> None:
+def record_restarts_in_place(decision: ReconcilePass) -> None:
     """Record the trainer failures torchrun restarted in place, as `record_failures` does a
     failed pod's: status.lastFailure and the count by class, an event and a metric; and
     count each restart (`count_restart_in_place`) while the pod's budget of restarts in
@@ -341,7 +335,7 @@ def record_restarts_in_place(decision: _Decision) -> None:
     shown as the lifeline told it, and the pod's own end is judged when it comes
     (`handle_failures`, which retracts this record then).
 
-    The lifelines (`kubetrain.operator.lifelines`) saw them; a pod's end is news while its
+    The lifelines (`kubetrain.operator.lifeline_watch`) saw them; a pod's end is news while its
     pod still runs (a pod that failed, or is being deleted, is the pod's own story) and
     while it is newer than status.lastFailure, which records it once.
     """
@@ -401,7 +395,7 @@ def same_restart_in_place(end: TrainerEnd, previous: WorkerFailure | None) -> bo
             <= timedelta(seconds=IN_PLACE_INCIDENT_SECONDS))
 
 
-def count_restart_in_place(decision: _Decision, end: TrainerEnd,
+def count_restart_in_place(decision: ReconcilePass, end: TrainerEnd,
                            previous: WorkerFailure | None = None, done_in_pod: int = 0) -> bool:
     """Count the group restart torchrun did in place after `end`, within its pod's budget
     (`done_in_pod` before it), or end the job: a permanent exit code fails it, and so does
@@ -438,7 +432,7 @@ def count_restart_in_place(decision: _Decision, end: TrainerEnd,
     return True
 
 
-def fail_preflight(decision: _Decision, failed: list[WorkerPod], kinds: Mapping[str, str],
+def fail_preflight(decision: ReconcilePass, failed: list[WorkerPod], kinds: Mapping[str, str],
                    broken_pods: list[WorkerPod]) -> None:
     """Avoid the nodes the preflight check named and restart the whole group without
     them: a counted restart, so a check that fails on every node ends the job."""
@@ -451,7 +445,7 @@ def fail_preflight(decision: _Decision, failed: list[WorkerPod], kinds: Mapping[
                      broken_pods, whole_group=True)
 
 
-def heal_out_of_memory(decision: _Decision, pod: WorkerPod, kind: str,
+def heal_out_of_memory(decision: ReconcilePass, pod: WorkerPod, kind: str,
                        broken_pods: list[WorkerPod]) -> None:
     """Restart the group with half the micro-batch, or fail with reason OutOfMemory."""
     spec = decision.job.spec
@@ -485,26 +479,34 @@ def heal_out_of_memory(decision: _Decision, pod: WorkerPod, kind: str,
     decision.actions.append(UpdateConfigMap(children.config_map(as_run)))
 
 
-def repeated_failure(decision: _Decision, exit_code: int | None, what: str) -> bool:
+def repeated_failure(decision: ReconcilePass, exit_code: int | None, what: str) -> bool:
     """Lengthen the streak of a failure's exit code (`what` says which failure); True when
     it failed the job."""
     assert exit_code is not None  # "code" failures always have one
     status = decision.status
     streak = status.failure_streak = rules.next_streak(status.failure_streak, exit_code,
                                                        status.progress.step)
-    policy = decision.job.spec.run_policy
-    if not rules.repeated(streak, policy):
+    if not rules.repeated(streak, decision.job.spec.run_policy):
         return False
+    fail_repeated(decision, what)
+    return True
+
+
+def fail_repeated(decision: ReconcilePass, what: str) -> None:
+    """Fail the job for the streak in status.failureStreak, which reached its limit."""
+    streak = decision.status.failure_streak
+    assert streak is not None
+    policy = decision.job.spec.run_policy
     decision.finish("Failed", "RepeatedFailure",
                     f"{what} in {streak.count} attempts in a row with no "
                     f"progress past step {streak.step} (runPolicy.repeatedFailureLimit: "
                     f"{policy.repeated_failure_limit}): check the trainer's logs (kubectl logs)")
-    return True
 
 
-def detect_hang(decision: _Decision) -> None:
-    """Restart the whole group when the step has not advanced for progressDeadlineSeconds
-    (since the last step, the last restart, or the group running)."""
+def detect_hang(decision: ReconcilePass) -> None:
+    """Restart the whole group when the step has not advanced for longer than
+    progressDeadlineSeconds (`restart_rules.is_hung`; since the last step, the last
+    restart, or the group running)."""
     status = decision.status
     deadline = decision.job.spec.run_policy.progress_deadline_seconds
     if deadline is None or status.phase != "Running":
@@ -512,7 +514,7 @@ def detect_hang(decision: _Decision) -> None:
     marks = [status.progress.updated_at, status.last_restart_time,
              decision.condition_since("Running")]
     since = max((mark for mark in marks if mark is not None), default=None)
-    if since is None or decision.now < since + timedelta(seconds=deadline):
+    if since is None or not rules.is_hung((decision.now - since).total_seconds(), deadline):
         return
     decision.restart("ProgressDeadlineExceeded",
                      f"the training step ({status.progress.step}) has not advanced for "

@@ -1,6 +1,6 @@
 """Restarts in place made visible (issue 33 item 2): each pod's trainer lifeline
 (kubetrain.trainer.lifeline, in a real process) followed by the operator's lifelines
-(kubetrain.operator.lifelines), alone and inside the real operator on the emulator.
+(kubetrain.operator.lifeline_watch), alone and inside the real operator on the emulator.
 
 A trainer process is stood in for by a process that serves the trainer's own Lifeline and
 ends as the trainer does: killed with SIGKILL (no word), or with the `end` line `fit` writes.
@@ -30,8 +30,8 @@ import harness
 from harness import EmulatedCluster, Kube, eventually, job_manifest, running_operator
 
 from kubetrain.local.launch import free_port
-from kubetrain.operator.lifelines import Lifelines, trainer_end
-from kubetrain.operator.observed import WorkerPod
+from kubetrain.operator.facts import WorkerPod
+from kubetrain.operator.lifeline_watch import LifelineWatch, trainer_end
 from kubetrain.protocol import end_line
 
 # A trainer's lifeline in its own process: says "followed" once the operator connected,
@@ -83,9 +83,9 @@ POD = WorkerPod(name="job-worker-1", index=1, restart_attempt=0, phase="Running"
 
 @contextlib.asynccontextmanager
 async def following(news: list[tuple[str, str]], port: int,
-                    **thresholds: float) -> AsyncIterator[Lifelines]:
+                    **thresholds: float) -> AsyncIterator[LifelineWatch]:
     """The operator's lifelines, started and following POD's trainer at `port`."""
-    lifelines = Lifelines(news.append, **thresholds)
+    lifelines = LifelineWatch(news.append, **thresholds)
     lifelines.start(asyncio.get_running_loop())
     lifelines.follow(KEY, [POD], [port])
     try:
@@ -210,7 +210,7 @@ def answering_nothing(port: int) -> Iterator[None]:
             client.close()
 
 
-async def until_silent(lifelines: Lifelines, since: float, port: int) -> float:
+async def until_silent(lifelines: LifelineWatch, since: float, port: int) -> float:
     """Seconds from `since` (time.monotonic) until the job has a silent pod."""
     while not lifelines.silent(KEY):
         assert time.monotonic() - since < 10, (
@@ -255,7 +255,7 @@ def test_a_trainer_whose_node_stops_answering_is_silent_and_a_stopped_one_is_not
     asyncio.run(scenario())
 
 
-def _never_silent(lifelines: Lifelines, key: tuple[str, str], seconds: float) -> bool:
+def _never_silent(lifelines: LifelineWatch, key: tuple[str, str], seconds: float) -> bool:
     """Whether the job's pods stay out of `silent` for `seconds` (looked at every 10 ms)."""
     until = time.monotonic() + seconds
     while time.monotonic() < until:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kubetrain.api.trainingjob import ModelDims
+from kubetrain.api.presets import ModelDims
 
 CONTROLLER_WIDTH = 64  # hidden width of the INL dynamics controller (model.Dynamics)
 

@@ -14,47 +14,32 @@ import math
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kubetrain import protocol
 from kubetrain.operator.children import (
     ATTEMPT_LABEL,
     AVOIDED_NODES_ANNOTATION,
     INDEX_LABEL,
     TRAINER_CONTAINER,
 )
-from kubetrain.protocol import FailureClass
-
-if TYPE_CHECKING:  # the endpoint's module needs aiohttp, which this one does not
-    from kubetrain.operator.status_endpoint import Report
+from kubetrain.protocol import (
+    METRIC_PREFIX,
+    FailureClass,
+    Report,
+    TrainerFailure,
+    counter_sample,
+    trainer_failure,
+    unmarked_checkpoints,
+)
 
 # Pod or container reasons that mean the infrastructure, not the training code, ended a pod.
 DISRUPTION_REASONS = frozenset({
     "OOMKilled", "Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated",
     "NodeShutdown", "UnexpectedAdmissionError", "DeadlineExceeded",
 })
-
-
-# The trainer's termination-message line that says why it failed (kubetrain.trainer.metrics).
-FAILURE_INFO = "kubetrain_worker_failure_info"
-# The own-code entry's termination-message line naming the checkpoint folders it found
-# but did not upload, because nobody marked them complete (kubetrain.trainer.own_code).
-UNMARKED_CHECKPOINTS_INFO = "kubetrain_unmarked_checkpoints_info"
-
-
-@dataclass(frozen=True)
-class TrainerFailure:
-    """What a trainer that failed said about it in its termination message."""
-
-    failure_class: str
-    message: str = ""
-    micro_batch_size: int | None = None
-    # PreflightFailed: the nodes (Kubernetes node names) whose ranks failed the check, and
-    # when some failing rank's node is unknown to the trainer (it never reported), the
-    # nodes of the ranks that did report: the failing ones are the group's other nodes.
-    nodes: tuple[str, ...] = ()
-    reported_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,8 +125,9 @@ class MetricsSample:
     # From an own-code job's status reports, which say nothing of wall time by cause:
     # its goodput is judged from when its step advanced (observation.step_goodput).
     reported: bool = False
-    # Own code: the furthest step an earlier attempt reported (status_endpoint keeps it), so
-    # the steps up to it that this attempt trains again are lost progress; None: no restart.
+    # Own code: the furthest step an earlier attempt reported (the trainer status endpoint
+    # keeps it), so the steps up to it that this attempt trains again are lost progress;
+    # None: no restart.
     redone_until: int | None = None
     # A report of progress 100 % with no step: the code's end-of-training post
     # (transformers' KubeflowCallback sends one), so the step is the last one, maxSteps.
@@ -156,7 +142,7 @@ IN_PLACE = "torchrun restarts the group in place"
 class TrainerEnd:
     """A trainer process of a running pod that ended, as its lifeline said (or did not say):
     torchrun restarts its group in place, and only the lifeline shows it
-    (`kubetrain.operator.lifelines`)."""
+    (`kubetrain.operator.lifeline_watch`)."""
 
     pod: str
     time: datetime  # when the operator saw it end, to the second
@@ -257,45 +243,6 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
     )
 
 
-def _names(listed: str) -> tuple[str, ...]:
-    """A label's comma-separated names."""
-    return tuple(name.strip() for name in listed.split(",") if name.strip())
-
-
-def trainer_failure(termination_message: str | None) -> TrainerFailure | None:
-    """The failure line of a trainer's termination message, if it wrote one."""
-    if not termination_message or FAILURE_INFO not in termination_message:
-        return None
-    try:
-        families = list(text_string_to_metric_families(termination_message))
-    except ValueError:
-        return None
-    for family in families:
-        for sample in family.samples:
-            if sample.name == FAILURE_INFO and "class" in sample.labels:
-                micro = sample.labels.get("micro_batch_size", "")
-                return TrainerFailure(sample.labels["class"], sample.labels.get("message", ""),
-                                      int(micro) if micro.isdigit() else None,
-                                      _names(sample.labels.get("nodes", "")),
-                                      _names(sample.labels.get("reported_nodes", "")))
-    return None
-
-
-def unmarked_checkpoints(termination_message: str | None) -> tuple[str, ...]:
-    """The folders an own-code pod's entry names as never marked complete, if any."""
-    if not termination_message or UNMARKED_CHECKPOINTS_INFO not in termination_message:
-        return ()
-    try:
-        families = list(text_string_to_metric_families(termination_message))
-    except ValueError:
-        return ()
-    for family in families:
-        for sample in family.samples:
-            if sample.name == UNMARKED_CHECKPOINTS_INFO:
-                return _names(sample.labels.get("folders", ""))
-    return ()
-
-
 def reported_sample(report: Report) -> MetricsSample:
     """An own-code job's latest status report as the progress reconcile reads.
 
@@ -342,21 +289,22 @@ def metrics_sample(exposition: str) -> MetricsSample:
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             # NaN (a diverged loss) has no JSON form; such a value is left unreported.
-            if not sample.name.startswith("kubetrain_") or not math.isfinite(sample.value):
+            if not sample.name.startswith(METRIC_PREFIX) or not math.isfinite(sample.value):
                 continue
             if not sample.labels:
                 values[sample.name] = sample.value
-            elif sample.name == "kubetrain_wall_time_seconds_total" and "cause" in sample.labels:
+            elif (sample.name == counter_sample(protocol.METRIC_WALL_TIME)
+                  and "cause" in sample.labels):
                 wall_seconds[sample.labels["cause"]] = sample.value
-            elif sample.name == "kubetrain_checkpoint_load_seconds_total" \
+            elif sample.name == counter_sample(protocol.METRIC_CHECKPOINT_LOAD_TIME) \
                     and "tier" in sample.labels:
                 load_seconds[sample.labels["tier"]] = sample.value
-            elif sample.name == "kubetrain_rank_compute_seconds" and sample.labels.get(
+            elif sample.name == protocol.METRIC_RANK_COMPUTE and sample.labels.get(
                     "rank", "").isdigit():
                 ranks.append(RankSample(int(sample.labels["rank"]),
                                         sample.labels.get("pod_name", ""),
                                         sample.labels.get("node", ""), sample.value))
-            elif sample.name == "kubetrain_rank_compute_time_seconds_total" and sample.labels.get(
+            elif sample.name == protocol.METRIC_RANK_COMPUTE_TOTAL and sample.labels.get(
                     "rank", "").isdigit():
                 totals[int(sample.labels["rank"])] = sample.value
 
@@ -364,22 +312,22 @@ def metrics_sample(exposition: str) -> MetricsSample:
         return int(values[name]) if name in values else None
 
     return MetricsSample(
-        step=whole("kubetrain_step"),
-        max_steps=whole("kubetrain_max_steps"),
-        epoch=values.get("kubetrain_epoch"),
-        loss=values.get("kubetrain_loss"),
-        ce_loss=values.get("kubetrain_ce_loss"),
-        kd_loss=values.get("kubetrain_kd_loss"),
-        tokens_per_second=values.get("kubetrain_tokens_per_second"),
-        last_step_time=_seconds(values.get("kubetrain_last_step_timestamp_seconds")),
-        checkpoint_step=whole("kubetrain_latest_checkpoint_step"),
-        checkpoint_time=_seconds(values.get("kubetrain_latest_checkpoint_timestamp_seconds")),
-        best_checkpoint_step=whole("kubetrain_best_checkpoint_step"),
-        best_checkpoint_val_loss=values.get("kubetrain_best_checkpoint_validation_loss"),
-        step_time=values.get("kubetrain_step_time_seconds"),
+        step=whole(protocol.METRIC_STEP),
+        max_steps=whole(protocol.METRIC_MAX_STEPS),
+        epoch=values.get(protocol.METRIC_EPOCH),
+        loss=values.get(protocol.METRIC_LOSS),
+        ce_loss=values.get(protocol.METRIC_CE_LOSS),
+        kd_loss=values.get(protocol.METRIC_KD_LOSS),
+        tokens_per_second=values.get(protocol.METRIC_TOKENS_PER_SECOND),
+        last_step_time=_seconds(values.get(protocol.METRIC_LAST_STEP_TIME)),
+        checkpoint_step=whole(protocol.METRIC_CHECKPOINT_STEP),
+        checkpoint_time=_seconds(values.get(protocol.METRIC_CHECKPOINT_TIME)),
+        best_checkpoint_step=whole(protocol.METRIC_BEST_CHECKPOINT_STEP),
+        best_checkpoint_val_loss=values.get(protocol.METRIC_BEST_CHECKPOINT_VALIDATION_LOSS),
+        step_time=values.get(protocol.METRIC_STEP_TIME),
         wall_seconds=wall_seconds or None,
         checkpoint_load_seconds=load_seconds or None,
         ranks=tuple(sorted((replace(rank, compute_seconds_total=totals.get(rank.rank))
                             for rank in ranks), key=lambda rank: rank.rank)),
-        ranks_step=whole("kubetrain_rank_timing_step"),
+        ranks_step=whole(protocol.METRIC_RANK_TIMING_STEP),
     )

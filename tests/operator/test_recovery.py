@@ -1,4 +1,4 @@
-"""The restart policy's own rules (kubetrain.operator.restarts): the restart in progress kept
+"""The restart policy's own rules (kubetrain.operator.recovery): the restart in progress kept
 as data in status.restart, what it covers, and the nodes a failed preflight names. The
 steps themselves run through `reconcile` in test_reconcile; the rules both runners share,
 in tests/test_restart_rules.py."""
@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from kubetrain.api.trainingjob import RestartStatus, TrainingJobStatus
-from kubetrain.operator.observed import TrainerFailure
-from kubetrain.operator.restarts import (
+from kubetrain.operator.recovery import (
     covered_by_restart,
     preflight_nodes,
     replacements_due,
     restart_in_progress,
 )
+from kubetrain.protocol import TrainerFailure
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reconcile import NOW, make_job, pod, run, running_status
@@ -140,8 +140,8 @@ def test_a_failed_preflight_names_its_nodes_and_those_no_rank_reported_from() ->
 
 
 def test_a_pods_restarts_in_place_are_its_own_earlier_ends_one_per_restart() -> None:
-    from kubetrain.operator.observed import TrainerEnd
-    from kubetrain.operator.restarts import restarts_in_place_done
+    from kubetrain.operator.facts import TrainerEnd
+    from kubetrain.operator.recovery import restarts_in_place_done
 
     def end(name: str, seconds: int) -> TrainerEnd:
         return TrainerEnd(pod=name, time=NOW + timedelta(seconds=seconds),

@@ -1,6 +1,6 @@
 """The operator's side of the status endpoint: its keys, each job's Secret, admission, progress.
 
-`kubetrain.operator.status_endpoint` serves reports and keeps them in memory; this module
+`kubetrain.operator.trainer_status_endpoint` serves reports and keeps them in memory; this module
 wires it into the operator:
 
 - at start, the endpoint's CA pair and HMAC key come from the Secret `ENDPOINT_SECRET` in
@@ -9,7 +9,7 @@ wires it into the operator:
   the serving certificate is issued afresh from it for the host pods dial (`--status-host`);
 - for each own-code job (spec.trainer) the controller admits the job and creates its
   Secret `<job>-status` (`job_secret`: the token, the CA and the URL), owned by the job
-  and mounted into its pods only (`kubetrain.operator.own_code_launch`); a finished or
+  and mounted into its pods only (`kubetrain.operator.own_code_container`); a finished or
   deleted job is forgotten;
 - the job's latest report becomes its observed progress (`StatusReporting.sample`).
 
@@ -34,22 +34,23 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from kubetrain import pod_conventions
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.operator import children
-from kubetrain.operator.observed import MetricsSample, reported_sample
-from kubetrain.operator.own_code_launch import (
+from kubetrain.operator.facts import MetricsSample, reported_sample
+from kubetrain.operator.own_code_container import (
     STATUS_CA_KEY,
     STATUS_TOKEN_KEY,
     STATUS_URL_KEY,
     status_secret_name,
 )
-from kubetrain.operator.status_certificates import CertificateAuthority
-from kubetrain.operator.status_endpoint import (
+from kubetrain.operator.trainer_status_endpoint import (
     StatusEndpoint,
     StatusReports,
     job_token,
     status_path,
 )
+from kubetrain.operator.trainer_status_tls import CertificateAuthority
 
 # The Secret, in the operator's namespace, holding the endpoint's CA pair and HMAC key.
 ENDPOINT_SECRET = "kubetrain-status-endpoint"
@@ -130,7 +131,7 @@ def job_secret(job: TrainingJob, key: bytes, ca_pem: bytes, url: str) -> dict[st
     namespace = meta.namespace or "default"
     metadata: dict[str, Any] = {
         "name": status_secret_name(meta.name),
-        "labels": {**children.MANAGED_BY, children.JOB_LABEL: meta.name},
+        "labels": {**children.MANAGED_BY, pod_conventions.JOB_LABEL: meta.name},
         "ownerReferences": [children.owner_reference(job)],
     }
     if meta.namespace:

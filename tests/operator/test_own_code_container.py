@@ -10,10 +10,10 @@ import pytest
 
 from kubetrain.api import parse_job
 from kubetrain.operator.children import torchrun_env, worker_pod
-from kubetrain.operator.own_code_launch import (
+from kubetrain.operator.own_code_container import (
     LOCAL_CHECKPOINT_DIR,
     WORKER_SHUTDOWN_SECONDS,
-    own_code_launch,
+    own_code_container,
 )
 
 
@@ -43,7 +43,7 @@ def test_the_users_command_runs_under_the_jobs_elastic_torchrun(
         minimal_manifest: dict[str, Any], command: list[str], args: list[str],
         workers: dict[str, Any], after_torchrun: list[str], nnodes: str) -> None:
     job = _job(minimal_manifest, command, args, workers)
-    launch = own_code_launch(job)
+    launch = own_code_container(job)
     assert launch.image == "me/train:2"
     assert launch.command == ["python3", "-m", "kubetrain.trainer.own_code",
                               "/etc/kubetrain/job.yaml", "--", "torchrun", *after_torchrun]
@@ -59,7 +59,7 @@ def test_the_users_command_runs_under_the_jobs_elastic_torchrun(
 
 
 def test_out_of_memory_restarts_reach_the_users_code(minimal_manifest: dict[str, Any]) -> None:
-    launch = own_code_launch(_job(minimal_manifest, ["python", "t.py"], [], {}),
+    launch = own_code_container(_job(minimal_manifest, ["python", "t.py"], [], {}),
                              out_of_memory_restarts=2)
     assert {"name": "KUBETRAIN_OUT_OF_MEMORY_RESTARTS", "value": "2"} in launch.env
 
@@ -67,7 +67,7 @@ def test_out_of_memory_restarts_reach_the_users_code(minimal_manifest: dict[str,
 def test_the_launch_fits_a_kubernetes_pod(minimal_manifest: dict[str, Any]) -> None:
     """Swapped into worker_pod's container, the result is a valid Pod."""
     job = _job(minimal_manifest, ["python", "t.py"], [], {"replicas": 2})
-    launch = own_code_launch(job)
+    launch = own_code_container(job)
     pod = worker_pod(job, 0, 0)
     container = pod["spec"]["containers"][0]
     container.update(image=launch.image, command=launch.command, env=launch.env)
@@ -76,7 +76,7 @@ def test_the_launch_fits_a_kubernetes_pod(minimal_manifest: dict[str, Any]) -> N
     kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
 
 
-def test_kubetrains_own_trainer_is_not_an_own_code_launch(
+def test_kubetrains_own_trainer_is_not_an_own_code_container(
         minimal_manifest: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"children\.worker_pod"):
-        own_code_launch(parse_job(minimal_manifest))
+        own_code_container(parse_job(minimal_manifest))

@@ -20,6 +20,10 @@ through kubetrain.sdk or transformers' KubeflowCallback drive the progress bar.
 
 Ctrl-C saves a checkpoint and stops; the same command again resumes from it.
 `--dry-run` shows what would run here next to the Pod the operator would create.
+
+The command sits above both runners: it runs the local runner (`kubetrain.local`), and its
+dry run shows that runner's launch beside the operator's Pod (`kubetrain.operator`), which
+neither runner may import of the other.
 """
 
 from __future__ import annotations
@@ -32,8 +36,15 @@ from typing import Any
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.local.launch import Rendezvous, agent_launch
-from kubetrain.local.workspace import PREPARE_FROM_ANNOTATION, Workspace
+from kubetrain.local.launch import AgentLaunch, Rendezvous, agent_launch
+from kubetrain.local.own_code import Commit, CommitListing, OpenListing
+from kubetrain.local.workspace import (
+    PREPARE_FROM_ANNOTATION,
+    PYTHON_STDLIB,
+    Workspace,
+    copy_stdlib_sources,
+)
+from kubetrain.pod_conventions import pet_variable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +84,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     from kubetrain.local.runner import LocalRun, RunOptions
-    from kubetrain.local.workspace import ensure_data
 
     if job.spec.run_policy.suspend:
         print(f"kubetrain run: {job.metadata.name} is suspended (spec.runPolicy.suspend: true): "
@@ -82,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
     if job.spec.own_code:
         print(_own_code_plan(local_job, workspace), file=sys.stderr)
-        return LocalRun(local_job, workspace, options).run()
+        return LocalRun(local_job, workspace, options, _commit_listing(local_job)).run()
     if _port_in_use(job.spec.metrics.port):
         print(f"kubetrain run: spec.metrics.port {job.spec.metrics.port} is already in use on "
               "this machine (another run?): stop it or choose another port", file=sys.stderr)
@@ -97,6 +107,75 @@ def run(args: argparse.Namespace) -> int:
               f"(the {PREPARE_FROM_ANNOTATION} annotation)", file=sys.stderr)
     print(_plan(local_job, workspace), file=sys.stderr)
     return LocalRun(local_job, workspace, options).run()
+
+
+def _commit_listing(job: TrainingJob) -> OpenListing:
+    """Own code's commits under a URI, read with the trainer's storage layer for the local
+    runner (which imports nothing of the trainer)."""
+    from kubetrain.trainer.checkpoint_sync import commits
+    from kubetrain.trainer.storage import open_storage
+
+    def open_listing(uri: str) -> CommitListing:
+        storage = open_storage(uri, job.spec.storage)
+        return CommitListing(storage.uri, lambda: [Commit(commit.folder, commit.step)
+                                                   for commit in commits(storage)])
+
+    return open_listing
+
+
+# Demo-data shape: small shards so every data-parallel rank reads from several, and a
+# validation split large enough for a stable loss on a corpus of a few MB.
+DEMO_SHARD_TOKENS = 1 << 18
+DEMO_VALIDATION_FRACTION = 0.05
+
+
+def corpus_inputs(source: str, workspace: Workspace) -> list[str]:
+    """The inputs `kubetrain prepare` reads for a prepare-from annotation value."""
+    if source != PYTHON_STDLIB:
+        return [source]
+    # The top level of the standard library: a few MB of real Python, without the
+    # site-packages and test data that share its folder. Copied into one folder of
+    # the run, so the user can see what the model trains on.
+    return [str(copy_stdlib_sources(workspace.root / "corpus"))]
+
+
+def ensure_data(job: TrainingJob, workspace: Workspace) -> str | None:
+    """Make sure `spec.data.train` holds prepared data before any worker starts.
+
+    Prepares it from the job's prepare-from corpus when it is missing and returns
+    that corpus; returns None when the data was already there. Without the
+    annotation, missing data raises FileNotFoundError at once, rather than after
+    every restart the run policy allows. `job` must be localized
+    (`Workspace.localize`).
+    """
+    from kubetrain.trainer.prepare import INDEX_NAME, TOKENIZER_NAME, prepare
+    from kubetrain.trainer.storage import open_storage
+
+    source = job.metadata.annotations.get(PREPARE_FROM_ANNOTATION)
+    train = job.spec.data.train
+    if open_storage(train, job.spec.storage).exists(INDEX_NAME):
+        return None
+    if source is None:
+        raise FileNotFoundError(
+            f"spec.data.train ({train}) holds no prepared data: run `kubetrain prepare "
+            f"CORPUS -o {train.rstrip('/').removesuffix('/train')}`, or annotate the job with "
+            f"{PREPARE_FROM_ANNOTATION}: CORPUS to have `kubetrain run` prepare it")
+    output, _, split = train.rstrip("/").rpartition("/")
+    if split != "train" or not output:
+        raise ValueError(f"spec.data.train ({train}) must end in /train to be prepared from "
+                         f"the {PREPARE_FROM_ANNOTATION} annotation: `kubetrain prepare` writes "
+                         "OUTPUT/train and OUTPUT/validation")
+    init = job.spec.model.init
+    if job.spec.model.from_teacher and job.spec.distillation is not None:
+        init = job.spec.distillation.teacher  # a student sized from it shares its vocabulary
+    # A pretrained model reads token ids of its own tokenizer: the one its folder holds.
+    tokenizer: dict[str, Any] = (
+        {"tokenizer": f"{init.rstrip('/')}/{TOKENIZER_NAME}"} if init is not None
+        else {"vocab_size": job.spec.model.resolve().vocab_size})
+    prepare(corpus_inputs(source, workspace), output, **tokenizer,
+            shard_tokens=DEMO_SHARD_TOKENS, validation_fraction=DEMO_VALIDATION_FRACTION,
+            storage=job.spec.storage)
+    return source
 
 
 def _port_in_use(port: int) -> bool:
@@ -143,12 +222,12 @@ def _own_code_plan(job: TrainingJob, workspace: Workspace) -> str:
 
 def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> str:
     """What `kubetrain run` would start here for an own-code job, and the worker container
-    the operator would run instead (kubetrain.operator.own_code_launch)."""
+    the operator would run instead (kubetrain.operator.own_code_container)."""
     import yaml
 
-    from kubetrain.local.launch import own_code_launch
+    from kubetrain.local.launch import own_code_agent_launch
     from kubetrain.local.own_code import node_checkpoint_dir
-    from kubetrain.operator.own_code_launch import own_code_launch as pod_launch
+    from kubetrain.operator.own_code_container import own_code_container
 
     rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")
     reporter = {"KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:<port>/status",
@@ -158,12 +237,12 @@ def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Worksp
              "restores the newest commit of spec.checkpoint.uri first, as a new pod does; "
              "rendezvous port 0 = a free port per attempt"]
     for index in range(job.spec.workers.replicas):
-        launch = own_code_launch(local_job, workspace.manifest, index, rendezvous,
-                                 node_checkpoint_dir(workspace, index), reporter,
-                                 workspace.torchrun_logs)
+        launch = own_code_agent_launch(local_job, workspace.manifest, index, rendezvous,
+                                       node_checkpoint_dir(workspace, index), reporter,
+                                       workspace.torchrun_logs)
         lines.append(f"\n# simulated node {index} (output: {workspace.worker_log(index)})")
         lines.append(_shell_lines(launch.env, launch.argv))
-    container = pod_launch(job)
+    container = own_code_container(job)
     lines.append(f"\n# on Kubernetes: {job.spec.workers.replicas} worker Pods, each running")
     lines.append(yaml.safe_dump({"image": container.image, "command": container.command,
                                  "env": container.env}, sort_keys=False).rstrip())
@@ -189,7 +268,7 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
     pod: dict[str, Any] = worker_pod(job, 0, 0)
     lines = [f"# {job.metadata.name}: torchrun here (kubetrain run) and on Kubernetes "
              "(the operator's worker Pod)",
-             *_side_by_side(launches[0].argv, pod),
+             *_side_by_side(launches[0], pod),
              "# here: rendezvous port 0 = a free port per attempt; torchrun's own restarts "
              "are off because the runner restarts the whole group under spec.runPolicy",
              f"# here: the trainer reads {workspace.manifest} (relative paths resolved under "
@@ -204,19 +283,19 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
     return "\n".join(lines)
 
 
-def _side_by_side(argv: list[str], pod: dict[str, Any]) -> list[str]:
+def _side_by_side(launch: AgentLaunch, pod: dict[str, Any]) -> list[str]:
     """One row per torchrun option: its value here and in the Pod (PET_<OPTION> variables)."""
     container = pod["spec"]["containers"][0]
     in_pod = {var["name"]: var.get("value", "") for var in container["env"]
               if var["name"].startswith("PET_")}
-    # `python -m kubetrain.trainer.launch --option value ... JOB.yaml [trainer options]`
-    program = next(index for index in range(3, len(argv), 2) if not argv[index].startswith("-"))
-    options = argv[3:program]
     rows = [("torchrun option", "here", "in the Pod")]
-    for flag, value in zip(options[::2], options[1::2], strict=True):
-        pet = "PET_" + flag.removeprefix("--").replace("-", "_").upper()
-        rows.append((flag, value, in_pod.get(pet, "-")))
-    rows.append(("program", " ".join([*argv[1:3], argv[program]]),
+    for option, value in launch.options.items():
+        rows.append((f"--{option}", value, in_pod.get(pet_variable(option), "-")))
+    # `python -m kubetrain.trainer.launch --option value ... JOB.yaml [trainer options]`:
+    # the program's manifest follows the options the launch says it has.
+    argv = launch.argv
+    program = argv[3 + 2 * len(launch.options)]
+    rows.append(("program", " ".join([*argv[1:3], program]),
                  " ".join(container["command"][1:])))
     widths = [max(len(row[column]) for row in rows) for column in range(2)]
     return [f"#   {a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]

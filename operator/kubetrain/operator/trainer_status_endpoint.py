@@ -41,26 +41,29 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import math
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
 
 from aiohttp import web
 
-# The variables every pod of a job gets (Kubeflow Trainer's names, which the reporters read).
-ENV_SERVER_URL = "KUBEFLOW_TRAINER_SERVER_URL"
-ENV_CA_CERT = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
-ENV_TOKEN = "KUBEFLOW_TRAINER_SERVER_TOKEN"
+from kubetrain.protocol import (
+    LAST_UPDATED_REQUIRED,
+    MAX_REPORT_BYTES,
+    TOKEN_ENV,
+    Refused,
+    Report,
+    parse_report,
+)
 
 DEFAULT_PORT = 8443
 # An idle connection is closed after this long, and a peer that does not answer the TLS
@@ -74,18 +77,7 @@ IDLE_SECONDS = 0.5
 SHUTDOWN_SECONDS = 0.25
 HANDSHAKE_SECONDS = 10.0
 # Kubeflow's own bound on the body (its reporters send well under 4 KiB).
-MAX_BODY_BYTES = 64 * 1024
-# Kubeflow's schema: at most 256 metrics, names and values 1-64 characters, int32 numbers.
-MAX_METRICS = 256
-MAX_METRIC_TEXT = 64
-MAX_INT32 = 2**31 - 1
-
-# The metric names transformers' KubeflowCallback reports, which the operator reads.
-STEP_METRIC = "current_step"
-TOTAL_STEPS_METRIC = "total_steps"
-LOSS_METRIC = "loss"
-LEARNING_RATE_METRIC = "learning_rate"
-EPOCH_METRIC = "current_epoch"
+MAX_BODY_BYTES = MAX_REPORT_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -99,147 +91,6 @@ def job_token(key: bytes, namespace: str, name: str, uid: str) -> str:
     """The bearer token of one job: HMAC-SHA256 of its namespace, name and uid under `key`."""
     digest = hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-
-
-@dataclass(frozen=True)
-class Report:
-    """One job's latest progress, as its pods reported it.
-
-    `step` and `total_steps` come from the metrics `current_step` and `total_steps`;
-    `loss` may be NaN or infinite (a diverged run still reports its step). `reported_at`
-    is the pod's `lastUpdatedTime`, on its own clock; `received_at` is the operator's.
-    `redone_until` is set by `StatusReports.record`: the furthest step an earlier attempt
-    of the job reported, which this attempt trains again (None: no step went back yet).
-    """
-
-    step: int | None
-    total_steps: int | None
-    loss: float | None
-    learning_rate: float | None
-    epoch: float | None
-    progress_percent: int | None
-    remaining_seconds: int | None
-    metrics: Mapping[str, str]
-    reported_at: datetime
-    received_at: datetime
-    redone_until: int | None = None
-
-
-class Refused(Exception):
-    """A request the endpoint answers with a 4xx: its HTTP status, reason and headers."""
-
-    def __init__(self, status: int, reason: str, headers: Mapping[str, str] | None = None
-                 ) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.headers = dict(headers or {})
-
-
-def _invalid(reason: str) -> Refused:
-    return Refused(422, reason)
-
-
-def _integer(status: Mapping[str, Any], name: str, high: int) -> int | None:
-    value = status.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
-        raise _invalid(f"trainerStatus.{name} must be an integer from 0 to {high}, "
-                       f"got {value!r}")
-    return value
-
-
-def _metrics(status: Mapping[str, Any]) -> dict[str, str]:
-    items = status.get("metrics")
-    if items is None:
-        return {}
-    if not isinstance(items, list):
-        raise _invalid("trainerStatus.metrics must be a list of {name, value} objects")
-    if len(items) > MAX_METRICS:
-        raise _invalid(f"trainerStatus.metrics has {len(items)} entries, "
-                       f"at most {MAX_METRICS} are allowed")
-    metrics: dict[str, str] = {}
-    for index, item in enumerate(items):
-        where = f"trainerStatus.metrics[{index}]"
-        if not isinstance(item, dict):
-            raise _invalid(f"{where} must be an object with string fields name and value")
-        for key in ("name", "value"):
-            text = item.get(key)
-            if not isinstance(text, str) or not 1 <= len(text) <= MAX_METRIC_TEXT:
-                raise _invalid(f"{where}.{key} must be a string of 1 to {MAX_METRIC_TEXT} "
-                               f"characters, got {text!r:.80}")
-        metrics[item["name"]] = item["value"]
-    return metrics
-
-
-def _metric_integer(metrics: Mapping[str, str], name: str) -> int | None:
-    text = metrics.get(name)
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise _invalid(f"metric {name} must be a whole number, got {text!r}") from None
-    if not 0 <= value <= MAX_INT32:
-        raise _invalid(f"metric {name} must be from 0 to {MAX_INT32}, got {value}")
-    return value
-
-
-def _metric_number(metrics: Mapping[str, str], name: str) -> float | None:
-    text = metrics.get(name)
-    if text is None:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise _invalid(f"metric {name} must be a number, got {text!r}") from None
-
-
-def _timestamp(status: Mapping[str, Any]) -> datetime:
-    text = status.get("lastUpdatedTime")
-    if not isinstance(text, str):
-        raise _invalid("trainerStatus.lastUpdatedTime is required: an RFC 3339 time such as "
-                       "2026-01-23T10:30:45Z")
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise _invalid(f"trainerStatus.lastUpdatedTime is not an RFC 3339 time: "
-                       f"{text!r:.80}") from None
-    if moment.tzinfo is None:
-        raise _invalid(f"trainerStatus.lastUpdatedTime must name its time zone "
-                       f"(Z or +00:00): {text!r}")
-    return moment.astimezone(UTC)
-
-
-def parse_report(body: bytes, received_at: datetime) -> Report | None:
-    """The `Report` in a request body; None for a body without `trainerStatus`, which
-    Kubeflow accepts and ignores. Raises `Refused` (400 or 422) with the reason."""
-    try:
-        document = json.loads(body)
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
-        raise Refused(400, f"the body is not JSON: {error}"[:300]) from None
-    if not isinstance(document, dict):
-        raise Refused(400, 'the body must be a JSON object: {"trainerStatus": {...}}')
-    status = document.get("trainerStatus")
-    if status is None:
-        return None
-    if not isinstance(status, dict):
-        raise _invalid("trainerStatus must be an object")
-    metrics = _metrics(status)
-    epoch = _metric_number(metrics, EPOCH_METRIC)
-    return Report(
-        step=_metric_integer(metrics, STEP_METRIC),
-        total_steps=_metric_integer(metrics, TOTAL_STEPS_METRIC),
-        loss=_metric_number(metrics, LOSS_METRIC),
-        learning_rate=_metric_number(metrics, LEARNING_RATE_METRIC),
-        epoch=epoch if epoch is not None else _metric_number(metrics, "epoch"),
-        progress_percent=_integer(status, "progressPercentage", 100),
-        remaining_seconds=_integer(status, "estimatedRemainingSeconds", MAX_INT32),
-        metrics=metrics,
-        reported_at=_timestamp(status),
-        received_at=received_at,
-    )
 
 
 @dataclass(frozen=True)
@@ -329,7 +180,7 @@ class StatusReports:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme != "Bearer" or not token.strip():
             raise Refused(401, "send the job's token as 'Authorization: Bearer <token>' (the "
-                          f"file that {ENV_TOKEN} names)", {"WWW-Authenticate": "Bearer"})
+                          f"file that {TOKEN_ENV} names)", {"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(token.strip().encode(), job.token):
             raise Refused(403, f"this token is not TrainingJob {namespace}/{name}'s: a pod may "
                           "report only its own job's status")
@@ -406,10 +257,18 @@ class StatusEndpoint:
             raise RuntimeError(f"the status endpoint could not start on "
                                f"{self.host}:{self.port}") from self._failure
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the endpoint stopped serving on its own (logged when it happened); None while
+        it serves, or after an orderly stop."""
+        return self._failure
+
     def stop(self) -> None:
-        """Stop serving and wait for the thread to end."""
-        if self._loop is not None and self._stopping is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
+        """Stop serving and wait for the thread to end (at once when it has ended already)."""
+        if self._loop is not None and self._stopping is not None and not self._loop.is_closed():
+            # Its loop may close between the check and the call, when the endpoint fails.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stopping.set)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -424,9 +283,13 @@ class StatusEndpoint:
     def _run(self) -> None:
         try:
             asyncio.run(self._serve())
-        except BaseException as error:  # reported to start(), which raises it
+        except BaseException as error:
             self._failure = error
-            self._started.set()
+            if self._started.is_set():  # serving already: nobody waits for it, say it here
+                log.error("the status endpoint stopped serving on %s:%s; own code's progress "
+                          "reports are refused until the operator restarts", self.host,
+                          self.port, exc_info=error)
+            self._started.set()  # before start-up: start() raises it
 
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -474,6 +337,8 @@ class StatusEndpoint:
             except web.HTTPRequestEntityTooLarge:
                 raise Refused(413, f"the body is over {MAX_BODY_BYTES} bytes") from None
             report = parse_report(body, self.wall_clock())
+            if report is not None and report.reported_at is None:
+                raise Refused(422, LAST_UPDATED_REQUIRED)  # Kubeflow's schema requires it
         except Refused as refused:
             return _status_response(refused)
         if report is not None:

@@ -1,0 +1,107 @@
+"""What a worker is to both runners: its names and labels, the manifest its trainer reads,
+the program it runs, torchrun's settings and the variables it is given.
+
+The operator builds worker pods from these (`kubetrain.operator.children`,
+`kubetrain.operator.worker_env`, `kubetrain.operator.own_code_container`), `kubetrain run`
+builds its simulated nodes from them (`kubetrain.local.launch`), `kubetrain logs` finds a
+job's pods by the labels, and the trainer reads the variables. One definition each, so a
+pod and a simulated node differ only where a runner must: pure, torch-free and free of the
+Kubernetes client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import yaml
+
+from kubetrain.api.trainingjob import API_VERSION, KIND, TrainingJob
+from kubetrain.protocol import RENDEZVOUS_BACKEND
+
+# --- names and labels of a job's worker pods --------------------------------------------
+
+JOB_LABEL: Final = "kubetrain.io/job-name"
+INDEX_LABEL: Final = "kubetrain.io/worker-index"
+ATTEMPT_LABEL: Final = "kubetrain.io/restart-attempt"
+TRAINER_CONTAINER: Final = "trainer"
+
+
+def pod_name(job_name: str, index: int) -> str:
+    """`<job>-worker-<index>`: stable across restarts so the rendezvous host keeps its DNS name."""
+    return f"{job_name}-worker-{index}"
+
+
+def worker_selector(job_name: str) -> str:
+    """Label selector of the job's worker pods (status.workers.selector, for `kubectl scale`)."""
+    return f"{JOB_LABEL}={job_name}"
+
+
+# --- what a worker runs -------------------------------------------------------------------
+
+# kubetrain's trainer: torchrun with its options, whose restarts in place skip the imports.
+TRAINER_LAUNCH_MODULE: Final = "kubetrain.trainer.launch"
+# Own code (spec.trainer): kubetrain's entry around torchrun and the user's command, which
+# restores the newest checkpoint first and uploads the folders the code marks complete.
+OWN_CODE_ENTRY_MODULE: Final = "kubetrain.trainer.own_code"
+
+
+def job_snapshot(job: TrainingJob) -> str:
+    """The manifest the trainer reads (a pod's /etc/kubetrain/job.yaml, a local run's
+    runs/NAME/job.yaml): the spec, and of the status only `effective` (the micro-batch an
+    out-of-memory restart chose), never the spec changed."""
+    meta: dict[str, Any] = {"name": job.metadata.name}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    document: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta,
+                                "spec": job.spec.wire()}
+    if job.status is not None and job.status.effective is not None:
+        document["status"] = {"effective": job.status.effective.wire()}
+    # libyaml's emitter: the pure-Python one costs milliseconds per job at every create.
+    return yaml.dump(document, Dumper=yaml.CSafeDumper, sort_keys=False)
+
+
+def torchrun_settings(job: TrainingJob, *, endpoint: str, run_id: str, max_nodes: int,
+                      max_restarts: int) -> dict[str, str]:
+    """torchrun's options that kubetrain sets, by option name, in order: a pod passes each
+    as PET_<NAME> (dashes as underscores, upper case), `kubetrain run` as --<name>.
+
+    Elastic between minReplicas and `max_nodes` nodes of procsPerWorker processes, meeting
+    at `endpoint` through the `kubetrain` rendezvous (c10d polled every 0.1 s); `run_id`
+    tells one group's rendezvous from another's; `max_restarts` is torchrun's own budget of
+    restarts in place. What differs between the runners is the caller's: a pod's group may
+    grow to maxReplicas and meets at worker 0 under the job's uid, with maxRestarts; a local
+    run never grows past replicas, meets on loopback, and restarts only as a whole.
+    """
+    workers = job.spec.workers
+    return {
+        "nnodes": f"{workers.min_workers}:{max_nodes}",
+        "nproc-per-node": str(workers.procs_per_worker),
+        "rdzv-backend": RENDEZVOUS_BACKEND,
+        "rdzv-endpoint": endpoint,
+        "rdzv-id": run_id,
+        "max-restarts": str(max_restarts),
+    }
+
+
+def pet_variable(option: str) -> str:
+    """The variable a pod sets torchrun's `option` with: `nproc-per-node` -> PET_NPROC_PER_NODE."""
+    return "PET_" + option.replace("-", "_").upper()
+
+
+# --- the variables the runners give a worker ----------------------------------------------
+
+# The pod's and node's names (the downward API in a pod): the trainer labels each rank's
+# timing with them, and the operator names a straggler's pod and node from that.
+POD_NAME_ENV: Final = "KUBETRAIN_POD_NAME"
+NODE_NAME_ENV: Final = "KUBETRAIN_NODE_NAME"
+# Where the trainer leaves its termination message: a pod's terminationMessagePath unless
+# this names another file (each of `kubetrain run`'s nodes has its own).
+TERMINATION_LOG_ENV: Final = "KUBETRAIN_TERMINATION_LOG"
+DEFAULT_TERMINATION_LOG: Final = "/dev/termination-log"
+# When `kubetrain run` launched the attempt (unix seconds): the trainer's goodput ledger
+# counts start-up from there, torchrun's own start included.
+ATTEMPT_STARTED_ENV: Final = "KUBETRAIN_ATTEMPT_STARTED_AT"
+# What torchrun gives own code's processes to save after SIGTERM (its default is 30 s), and
+# what the own-code entry then has left to upload the last checkpoint.
+SHUTDOWN_TIMEOUT_ENV: Final = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+FINAL_SYNC_SECONDS_ENV: Final = "KUBETRAIN_FINAL_SYNC_SECONDS"
