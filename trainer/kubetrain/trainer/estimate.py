@@ -6,7 +6,11 @@ fit, when that is larger), 1 (after printing a recommendation) when it does not.
 A job with the in-memory checkpoint tier (spec.checkpoint.memory) also gets the tier's
 host memory per worker pod on its own line (memory_budget.py: shard x versions kept x
 (1 + replicas) x processes per worker, at minReplicas as the operator sizes pods), and
-exits 1 with that arithmetic when it exceeds checkpoint.memory.maxWorkerMemory.
+exits 1 with that arithmetic when it exceeds checkpoint.memory.maxWorkerMemory. A job with
+either tier staging on the GPU (checkpoint.memory, checkpoint.async) gets the path each
+tier's snapshots will take (staging.py): a device-side first phase where the GPU memory this
+estimate leaves free keeps memory_budget's headroom after a state shard, else the overlapped
+host copy; with checkpoint.async, the S3 tier's staging buffer in host memory per pod too.
 
 For the job's model, micro-batch, sequence length, precision, activation
 checkpointing, strategy and world size it adds up, per training process:
@@ -382,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
     meshes = mesh_estimates(spec, world_size, dims, teacher, teacher_dynamics)
     print(_mesh_table(meshes, mesh, gpu_bytes))
     tier_fits = _memory_tier(spec, dims, world_size)
+    _checkpoint_staging(spec, dims, world_size, gpu_bytes - estimate.total, gpu_bytes)
     if fits:
         larger = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
                            teacher_dynamics=teacher_dynamics, grow=True, mesh=mesh)
@@ -440,6 +445,55 @@ def _memory_tier(spec: TrainingJobSpec, dims: ModelDims, world_size: int) -> boo
           "checkpoint.memory.replicas, run more workers (minReplicas) to shard the state "
           "further, or raise maxWorkerMemory.")
     return False
+
+
+def _checkpoint_staging(spec: TrainingJobSpec, dims: ModelDims, world_size: int, free: int,
+                        gpu_bytes: int) -> None:
+    """Print how each checkpoint tier will stage its snapshots on a GPU (staging.py): a
+    device-side first phase where the `free` GPU memory this estimate leaves keeps
+    memory_budget's headroom after a state shard (the tiers take theirs in the order they
+    first snapshot: S3 first on a tie, as the loop saves), else the overlapped host copy;
+    and, with checkpoint.async, the S3 tier's staging buffer in host memory per pod. The
+    trainer decides from the GPU's own free memory at each tier's first snapshot and logs it."""
+    from kubetrain.memory_budget import (
+        device_headroom,
+        device_phase_fits,
+        staging_budget,
+        state_bytes,
+    )
+
+    checkpoint = spec.checkpoint
+    tiers = [(every, name) for every, name, on in (
+        (checkpoint.every_steps, "S3 checkpoints (checkpoint.async)", checkpoint.async_),
+        (checkpoint.memory.every_steps if checkpoint.memory else 0,
+         "in-memory checkpoints (checkpoint.memory)", checkpoint.memory is not None),
+    ) if on]
+    if not tiers:
+        return
+    parameters = (ssm_parameter_count(dims) if spec.model.architecture == "ssm"
+                  else parameter_count(dims, spec.model.dynamics.enabled))
+    shard, headroom = state_bytes(spec, parameters, world_size), device_headroom(gpu_bytes)
+    print(f"\n  checkpoint staging on the GPU: {shard / GIB:.2f} GiB state shard per process, "
+          f"{headroom / GIB:.2f} GiB kept free\n  (the trainer decides from the GPU's free "
+          "memory at each tier's first snapshot, and logs it)")
+    for _, name in sorted(tiers, key=lambda tier: tier[0]):
+        if device_phase_fits(free, shard, gpu_bytes):
+            path = f"device-side first phase ({free / GIB:.2f} GiB free before it)"
+            free -= shard
+        else:
+            path = (f"overlapped host copy ({max(free, 0) / GIB:.2f} GiB free: too little for a "
+                    "device-side first phase)")
+        print(f"  {name}\n    {path}")
+    staged = staging_budget(spec, world_size=world_size, parameters=parameters)
+    if staged is not None:
+        sized = staging_budget(spec, parameters=parameters)  # at minReplicas, as the operator
+        assert sized is not None
+        print(f"\n  {'host memory per worker pod (not GPU)':<40}{'GiB':>8}\n"
+              f"  {'S3 staging buffer (checkpoint.async)':<40}{sized.per_worker / GIB:>8.2f}"
+              f"\n    {sized.describe()}")
+        if staged.per_worker != sized.per_worker:
+            print(f"  {'  at ' + str(world_size) + ' processes':<40}"
+                  f"{staged.per_worker / GIB:>8.2f}  (the operator sizes pods at minReplicas)")
 
 
 def mesh_estimates(spec: TrainingJobSpec, world_size: int, dims: ModelDims,
