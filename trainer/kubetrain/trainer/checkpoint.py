@@ -570,6 +570,12 @@ class Checkpointer:
         # The same on every rank: validation losses are reduced over the group.
         self.best: BestCheckpoint | None = None
 
+    @property
+    def staging_path(self) -> str | None:
+        """How the first asynchronous save was staged on a GPU ("device-side first phase"
+        or "overlapped host copy"); None in place (the CPU) or before the first."""
+        return self._stager.area.path
+
     # --- saving ---------------------------------------------------------------------
 
     def improves_best(self, val_loss: float) -> bool:

@@ -526,6 +526,12 @@ class MemoryCheckpoints:
         self._in_flight: Future[None] | None = None  # the last snapshot's background part
         self.last_blocking = 0.0  # seconds the last save held the loop
 
+    @property
+    def staging_path(self) -> str | None:
+        """How the first snapshot was staged on a GPU ("device-side first phase" or
+        "overlapped host copy"); None in place (the CPU) or before the first."""
+        return self._area.path
+
     # --- saving ---------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
