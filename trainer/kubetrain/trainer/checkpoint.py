@@ -610,6 +610,9 @@ class Checkpointer:
             if self.rank == 0:  # deleting old checkpoints need not hold training up
                 self._in_flight = self._finisher.submit(self._rotate, best)
         else:
+            # The staged state is in host memory already: no copying ahead from a device,
+            # as DCP's writer does when it stages itself (FileSystemWriter.stage).
+            writer.per_thread_copy_ahead = 0
             written = dcp.async_save(app_state, storage_writer=writer, process_group=self._group,
                                      async_stager=self._stager)
             if isinstance(written, AsyncSaveResponse):  # our stager's: a future of staging

@@ -239,15 +239,29 @@ class Staging:
         if not self.cuda or pointer in self._registered or host.nbytes == 0:
             return
         started = time.perf_counter()
-        _cuda_host_register(pointer, host.nbytes)
+        try:
+            _cuda_host_register(pointer, host.nbytes)
+        except RuntimeError as error:
+            # Still correct without it: copies into pageable memory hold the host until done.
+            log.warning("checkpoint staging: could not register %.2f GiB of host memory with "
+                        "CUDA (%s): snapshots copy into pageable memory, slower and holding "
+                        "the training thread", host.nbytes / GIB, error)
+            return
         self._registered[pointer] = host.nbytes
         log.info("checkpoint staging: registered %.2f GiB of host memory with CUDA in %.2f s",
                  host.nbytes / GIB, time.perf_counter() - started)
 
     def release(self, host: torch.Tensor) -> None:
-        """Undo `register` (nothing where it was not registered)."""
-        if self._registered.pop(host.data_ptr(), None) is not None:
+        """Undo `register` (nothing where it was not registered). Never raises: it runs
+        while an attempt closes, where a failed GPU's error must stay the one reported."""
+        if self._registered.pop(host.data_ptr(), None) is None:
+            return
+        try:
             _cuda_host_unregister(host.data_ptr())
+        except (RuntimeError, AssertionError) as error:
+            log.warning("checkpoint staging: could not unregister %.2f GiB of host memory "
+                        "from CUDA (%s); it stays page-locked until the process ends",
+                        host.nbytes / GIB, error)
 
 
 def _cuda_host_register(pointer: int, size: int) -> None:
@@ -440,8 +454,12 @@ class StateDictStaging(AsyncStager):
         return host
 
     def close(self) -> None:
-        """Release the host buffer (after the last save's staging has landed)."""
-        self.land()
+        """Release the host buffer, after the last save's staging has landed (a device that
+        failed raises its error in `land`, to the caller that waits; not here)."""
+        try:
+            self.land()
+        except RuntimeError:
+            log.debug("the last staged save did not land", exc_info=True)
         if self._host is not None:
             self.area.forget(self._host)
             self.area.staging.release(self._host)
