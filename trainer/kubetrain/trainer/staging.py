@@ -300,8 +300,11 @@ class StagingArea:
             with torch.no_grad():
                 torch._foreach_copy_([views[index] for index in layout.elsewhere],
                                      [sources[index] for index in layout.elsewhere])
-        targets = [views[index] for index in layout.on_device]
-        moved = [sources[index] for index in layout.on_device]
+        if layout.elsewhere:
+            targets = [views[index] for index in layout.on_device]
+            moved = [sources[index] for index in layout.on_device]
+        else:  # every tensor on the device (always on the CPU): no lists to build
+            targets, moved = views, list(sources)
         non_blocking = staging.cuda
         buffer = self._buffer(layout) if staging.cuda and moved else None
 
