@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import statistics
 import tempfile
 import time
@@ -129,8 +130,20 @@ def _build(args: argparse.Namespace, device: torch.device) -> _Training:
     return _Training(device, model, optimizer, app_state, inputs, position)
 
 
-def _memory_root() -> Path | None:
+def _memory_root(args: argparse.Namespace) -> Path | None:
+    if args.memory_folder:
+        return Path(args.memory_folder)
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+def _room(folder: Path | None, needed: int, what: str) -> bool:
+    """Whether `folder` (None: the temporary folder) has `needed` bytes free; says so if not."""
+    free = shutil.disk_usage(folder or tempfile.gettempdir()).free
+    if free >= needed:
+        return True
+    print(f"\n{what}: skipped, {folder or tempfile.gettempdir()} has {free / 2**30:.1f} GiB "
+          f"free and needs {needed / 2**30:.1f} GiB (--memory-folder, --s3-folder)")
+    return False
 
 
 # --- the in-memory tier on the CPU: alternate steps ------------------------------------
@@ -138,7 +151,7 @@ def _memory_root() -> Path | None:
 
 def _cpu_tier(args: argparse.Namespace, training: _Training) -> None:
     staging = Staging(training.device)
-    with tempfile.TemporaryDirectory(dir=_memory_root()) as folder:
+    with tempfile.TemporaryDirectory(dir=_memory_root(args)) as folder:
         tier = MemoryCheckpoints(_spec(Path(folder) / "s3"), rank=0, world_size=1,
                                  folder=Path(folder), staging=staging)
         for _ in range(3):  # warm up: allocator, optimizer state, the tier's mapped files
@@ -283,6 +296,8 @@ def _bit_for_bit(training: _Training, staging: Staging, tier: MemoryCheckpoints)
 
 
 def _s3_row(args: argparse.Namespace, training: _Training) -> None:
+    if not _room(args.s3_folder, 2 * training.state_bytes() + 2**30, "the S3 tier's row"):
+        return
     staging = Staging(training.device)
     window = max(args.steps, 10)
     with tempfile.TemporaryDirectory(dir=args.s3_folder) as folder:
@@ -353,6 +368,8 @@ def main() -> None:
     parser.add_argument("--s3-saves", type=int, default=None, help="default 5 (CPU), 2 (CUDA)")
     parser.add_argument("--s3-folder", default=None,
                         help="where the S3 tier's checkpoints go (default: a temporary folder)")
+    parser.add_argument("--memory-folder", default=None,
+                        help="where the in-memory tier's slots go (default: /dev/shm)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -376,9 +393,11 @@ def main() -> None:
         if cuda:
             for _ in range(3):  # warm up: the allocator, the optimizer's state
                 training.train_step(Staging(device))
+            root, size = _memory_root(args), training.state_bytes()
             for device_phase in (True, False):
-                with tempfile.TemporaryDirectory(dir=_memory_root()) as folder:
-                    _cuda_tier(args, training, device_phase, Path(folder))
+                if _room(root, 2 * size + 2**30, "the in-memory tier's two slots"):
+                    with tempfile.TemporaryDirectory(dir=root) as folder:
+                        _cuda_tier(args, training, device_phase, Path(folder))
         else:
             _cpu_tier(args, training)
         _s3_row(args, training)
