@@ -164,7 +164,10 @@ class CudaSideStream:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             copies()
-        return self.stream.record_event()
+        # Blocking: a thread waiting for it sleeps rather than spins on a core.
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.stream)
+        return event
 
     def hold(self, marker: torch.cuda.Event) -> None:
         torch.cuda.current_stream(self.device).wait_event(marker)
@@ -179,14 +182,19 @@ class CudaSideStream:
 class Staged:
     """One snapshot's copies in flight: `captured` once the state is off the tensors
     training updates (the device buffer, or the host), `landed` once all of it is in host
-    memory. The two are the same where there is no device-side phase."""
+    memory. The two are the same where there is no device-side phase. It keeps the source
+    tensors until landed: one the caller drops meanwhile (a state dict's temporary) must
+    not go back to the allocator, for the training stream to reuse, while the copy reads it."""
 
-    def __init__(self, stream: CopyStream, captured: Any, landed: Any) -> None:
+    def __init__(self, stream: CopyStream, captured: Any, landed: Any,
+                 sources: Sequence[torch.Tensor]) -> None:
         self._stream, self.captured, self.landed = stream, captured, landed
+        self._sources: Sequence[torch.Tensor] | None = sources
 
     def land(self) -> None:
         """Wait on the host until the snapshot is in host memory (any thread)."""
         self._stream.synchronize(self.landed)
+        self._sources = None
 
 
 class Staging:
@@ -327,7 +335,7 @@ class StagingArea:
             captured = staging.stream.enqueue(copy_within_device)
             landed = staging.stream.enqueue(send_to_host)
         staging.captured(captured)
-        return Staged(staging.stream, captured, landed)
+        return Staged(staging.stream, captured, landed, sources)
 
     def views(self, host: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
         """Views of `host` for each tensor, kept while the buffer and layout stay."""
