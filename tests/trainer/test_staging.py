@@ -309,3 +309,56 @@ def test_the_device_side_phase_is_taken_only_where_it_leaves_the_headroom_free(
     free: int, needed: int, total: int, fits: bool,
 ) -> None:
     assert device_phase_fits(free, needed, total) is fits
+
+
+# --- on a GPU: the real side stream --------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("device_phase", [True, False], ids=["device-phase", "host-copy"])
+def test_on_cuda_both_tiers_hold_their_steps_state_though_the_next_step_runs_first(
+    tmp_path: Path, group_of_one: Any, device_phase: bool,
+) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    staging = Staging(device, device_phase=device_phase)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 256)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    app_state = {"model": ModelState(model, optimizer), "rng": RandomState()}
+
+    def step() -> None:
+        model(torch.randn(64, 256, device=device)).square().mean().backward()
+        staging.before_update()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    tier = MemoryCheckpoints(_spec(tmp_path), rank=0, world_size=1, folder=tmp_path / "mem",
+                             staging=staging)
+    checkpointer = Checkpointer(_spec(tmp_path), rank=0, world_size=1, staging=staging)
+    for _ in range(2):
+        step()
+    tier.save(2, app_state)
+    checkpointer.save(2, app_state, blocking=False)
+    at_two = [tensor.cpu() for tensor in _state_of(model, optimizer)]
+    step()  # enqueued right behind the copies, which it waits for before its update
+    torch.cuda.synchronize()
+    assert not torch.equal(next(model.parameters()).cpu(), at_two[0])
+    assert tier.staging_path == ("device-side first phase" if device_phase
+                                 else "overlapped host copy")
+    tier.close()
+    checkpointer.close()
+
+    # Restored into the live model, which holds step 3's state.
+    restarted = MemoryCheckpoints(_spec(tmp_path), rank=0, world_size=1,
+                                  folder=tmp_path / "mem", staging=Staging(device))
+    restored = restarted.load_latest(app_state)
+    restarted.close()
+    assert restored is not None and restored.step == 2
+    _assert_bitwise([tensor.cpu() for tensor in _state_of(model, optimizer)], at_two)
+    loader = Checkpointer(_spec(tmp_path), rank=0, world_size=1)
+    step()  # the S3 checkpoint of step 2 must put the weights back, bit for bit
+    assert loader.load_latest(app_state) == 2
+    loader.close()
+    _assert_bitwise([tensor.cpu() for tensor in _state_of(model, optimizer)], at_two)
