@@ -222,13 +222,16 @@ def _edit_config(folder: Path, **changes: Any) -> None:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"model_type": "mistral"}, "has model_type 'mistral'"),
+    ({"model_type": "gemma2"}, "has model_type 'gemma2'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-     "rope_parameters with rope_type 'llama3'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling with rope_type 'linear'"),
+     "needs rope_parameters.low_freq_factor as a positive number for rope_type 'llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0}},
+     "rope_parameters with rope_type 'yarn'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     "has rope_parameters and rope_scaling that disagree"),
     ({"attention_bias": True}, "has attention_bias: true"),
     ({"hidden_act": "gelu"}, "has hidden_act 'gelu'"),
-    ({"head_dim": 32}, "has head_dim 32"),
+    ({"head_dim": 15}, "a head size of 15"),
     ({"kubetrain": {"mixtureOfExperts": {"experts": 8}}},
      "marks the model with kubetrain.mixtureOfExperts: it was exported by a kubetrain with a "
      "feature this version does not build"),
