@@ -205,9 +205,9 @@ def _windows(config: dict[str, Any], family: str, n_layers: int,
         return window, None
     every = kinds.index(GLOBAL) + 1
     if kinds != [LOCAL if (layer + 1) % every else GLOBAL for layer in range(n_layers)]:
-        raise refuse(f"has layer_types whose global layers are not every {every}th: "
-                     f"kubetrain builds {family}'s local and global layers as every Nth layer "
-                     "global, as the released models have them")
+        raise refuse(f"has layer_types {kinds}: kubetrain builds {family}'s local and global "
+                     "layers as every Nth layer global (layers N-1, 2N-1, ...), as the "
+                     "released models have them")
     return window, every
 
 
