@@ -66,7 +66,8 @@ class ModelSpec(ApiModel):
     )
     architecture: Literal["transformer", "ssm"] = Field(
         default="transformer",
-        description="transformer: the Llama-style decoder. ssm: a state-space model "
+        description="transformer: the Llama-style decoder, of model.family. ssm: a "
+        "state-space model "
         "(Mamba-2 style gated, selective SSM mixer in place of attention, the same SwiGLU "
         "feed-forward), whose generation costs the same per token at any context length; "
         "usually a distillation student (see fromTeacher). Its exports are marked "
@@ -78,7 +79,8 @@ class ModelSpec(ApiModel):
         description="Size the model from distillation.teacher's config.json: its width, "
         "depth, heads, feed-forward width and vocabulary, and start from the teacher's "
         "token embeddings (and output projection). Needs spec.distillation. Dimensions set "
-        "here must agree with the teacher's (one that differs is refused, naming both).",
+        "here must agree with the teacher's (one that differs is refused, naming both). A "
+        "transformer student is of the teacher's family; an SSM takes only its widths.",
     )
     preset: PresetName | Literal["custom"] = Field(
         default="llama-125m",
