@@ -250,6 +250,32 @@ def test_the_older_config_layout_of_hub_folders_reads_the_same_dimensions(
             str(hf_folders[family]), None).dims, family
 
 
+def test_a_gemma3_image_text_folder_imports_its_text_decoder_with_the_same_logits(
+        tmp_path: Path) -> None:
+    """Gemma 3 from 4B up is an image-text model on the hub (Gemma3ForConditionalGeneration,
+    text_config, tensors under language_model.*): model.init reads the text decoder and
+    leaves the vision tower."""
+    text = {key: value for key, value in COMMON.items() if key != "max_position_embeddings"}
+    config = transformers.Gemma3Config(
+        text_config={**text, "head_dim": 24, "sliding_window": WINDOW,
+                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+        mm_tokens_per_image=4)
+    torch.manual_seed(1)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "gemma3")
+    read = read_config(str(tmp_path / "gemma3"), None)
+    assert (read.image_text, read.dims.family, read.dims.sliding_window) == (True, "gemma3",
+                                                                              WINDOW)
+    model = Transformer(read.dims, max_seq_len=128)
+    load_pretrained(model, str(tmp_path / "gemma3"), None)
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "gemma3",
+                                                                 dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens()), hf(input_ids=_tokens()).logits,
+                                   rtol=LOGIT_TOLERANCE, atol=LOGIT_TOLERANCE)
+
+
 def test_students_distil_from_teachers_of_other_families_and_an_ssm_from_any(
         hf_folders: dict[str, Path], prepared_corpus: PreparedDataset, tmp_path: Path) -> None:
     """A Qwen3 student from a Gemma 3 teacher, and a state-space student sized from that

@@ -202,6 +202,7 @@ def _carried_tokenizer(spec: TrainingJobSpec,
         files = {name: store.read_bytes(name) for name in CARRIED_TOKENIZER_FILES
                  if store.exists(name)}
         config = json.loads(store.read_bytes(CONFIG_NAME))
+        config = {**(config.get("text_config") or {}), **config}  # an image-text model's too
         ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
                if config.get(key) is not None}
         return files, ids

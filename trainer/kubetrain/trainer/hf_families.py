@@ -55,6 +55,37 @@ HF_FAMILIES: dict[str, HfFamily] = {
 assert set(HF_FAMILIES) == set(FAMILY_NAMES), "every family needs its Hugging Face names"
 MODEL_TYPES = {hf.model_type: family for family, hf in HF_FAMILIES.items()}
 
+
+@dataclass(frozen=True)
+class ImageText:
+    """An image-text model whose text decoder is a family's model (Gemma 3 from 4B up is
+    one on the hub): model.init trains the decoder and leaves the vision tower in the folder."""
+
+    family: str
+    architecture: str
+    text_prefixes: dict[str, str]  # a text tensor's prefix in the folder -> the family's
+    vision_prefixes: tuple[str, ...]  # tensors of the vision tower and its projector
+
+
+IMAGE_TEXT = {"gemma3": ImageText(
+    "gemma3", "Gemma3ForConditionalGeneration",
+    # As transformers saves it (and the hub has it), and as its own classes name it.
+    {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+     "model.language_model.": "model."},
+    ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+     "model.multi_modal_projector."))}
+
+
+def text_tensor_name(name: str, image_text: ImageText) -> str | None:
+    """The family's name of an image-text folder's tensor; None for the vision tower's."""
+    if name.startswith(image_text.vision_prefixes):
+        return None
+    for prefix, replaced in image_text.text_prefixes.items():
+        if name.startswith(prefix):
+            return replaced + name.removeprefix(prefix)
+    return name
+
+
 # A block's tensors, after `layers.{i}.` (kubetrain) and `model.layers.{i}.` (transformers).
 _BLOCK_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",

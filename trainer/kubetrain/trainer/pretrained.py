@@ -32,6 +32,11 @@ q/k biases and per-head norms of the families that have them are permuted alike)
 unsharded model (one process, or DDP) reads every tensor whole. Weights stored in
 bf16 or fp16 are cast to the parameters' dtype (fp32 master weights).
 
+An image-text model whose text decoder is a family's (Gemma 3 from 4B up on the hub:
+Gemma3ForConditionalGeneration) loads its decoder: its tensors are read under the
+family's names (`hf_families.IMAGE_TEXT`), the vision tower's are left in the folder,
+and the export is the text model (Gemma3ForCausalLM).
+
 A kubetrain state-space model's export (model_type kubetrain_ssm, ssm.py) loads the same
 way into a `StateSpaceModel`: its mixer tensors keep kubetrain's names. `load_embeddings`
 reads only the token embeddings and output projection of a folder, the same way: how a
@@ -55,9 +60,9 @@ from torch.nn.parallel import DistributedDataParallel
 from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, StorageSpec
 from kubetrain.trainer.architecture import LanguageModel, architecture_of
 from kubetrain.trainer.export import hf_name
-from kubetrain.trainer.hf_families import ROTATED_ROWS
+from kubetrain.trainer.hf_families import IMAGE_TEXT, ROTATED_ROWS, text_tensor_name
 from kubetrain.trainer.model import Dynamics, Transformer
-from kubetrain.trainer.pretrained_config import PretrainedError, read_config
+from kubetrain.trainer.pretrained_config import PretrainedConfig, PretrainedError, read_config
 from kubetrain.trainer.ssm import StateSpaceModel
 from kubetrain.trainer.storage import Storage, open_storage
 
@@ -286,7 +291,7 @@ def load_pretrained(model: torch.nn.Module, uri: str, storage: StorageSpec | Non
         raise PretrainedError(f"model.init: the model was built as a {architecture}, but "
                               f"{config.where} describes a {config.architecture}: build it "
                               "with trained_model(spec)[0].model.architecture")
-    _load(model, uri, storage, config.dims)
+    _load(model, uri, storage, config)
 
 
 EMBEDDING_NAMES = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
@@ -303,13 +308,20 @@ def load_embeddings(model: torch.nn.Module, uri: str, storage: StorageSpec | Non
     if any(getattr(built, name) != getattr(config.dims, name) for name in shape):
         raise PretrainedError(f"model.init: the model was built with {built}, but "
                               f"{config.where} describes {config.dims}")
-    _load(model, uri, storage, config.dims, EMBEDDING_NAMES)
+    _load(model, uri, storage, config, EMBEDDING_NAMES)
 
 
-def _load(model: torch.nn.Module, uri: str, storage: StorageSpec | None, dims: ModelDims,
-          only: frozenset[str] | None = None) -> None:
+def _load(model: torch.nn.Module, uri: str, storage: StorageSpec | None,
+          config: PretrainedConfig, only: frozenset[str] | None = None) -> None:
     store = open_storage(uri, storage)
-    plan = _plan(model, dims, _tensor_entries(store), store.uri, only)
+    entries = _tensor_entries(store)
+    if config.image_text:  # the text decoder's tensors, under the family's own names
+        layout = IMAGE_TEXT[config.dims.family]
+        named = {name: text_tensor_name(name, layout) for name in entries}
+        log.info("model.init: %s is an image-text model: reading its text decoder, leaving "
+                 "its %d vision tensors", store.uri, sum(v is None for v in named.values()))
+        entries = {new: entries[name] for name, new in named.items() if new is not None}
+    plan = _plan(model, config.dims, entries, store.uri, only)
     with torch.no_grad(), ThreadPoolExecutor(READ_CONCURRENCY) as pool:
         # A bounded window of reads in flight, copied in order: memory stays a few slices.
         pending: deque[tuple[_Read, Future[torch.Tensor]]] = deque()

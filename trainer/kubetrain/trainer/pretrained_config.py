@@ -42,7 +42,7 @@ from kubetrain.sizing import (
     SSM_EXPAND,
     SSM_STATE_SIZE,
 )
-from kubetrain.trainer.hf_families import HF_FAMILIES, family_of, read_dims
+from kubetrain.trainer.hf_families import HF_FAMILIES, IMAGE_TEXT, family_of, read_dims
 from kubetrain.trainer.storage import open_storage
 
 CONFIG_NAME = "config.json"
@@ -85,6 +85,7 @@ class PretrainedConfig:
     markers: dict[str, Any]
     dynamics: DynamicsSpec
     architecture: str = "transformer"  # ModelSpec.architecture: "ssm" for a kubetrain_ssm
+    image_text: bool = False  # an image-text model's folder, of which the text decoder is read
 
     @property
     def where(self) -> str:
@@ -142,6 +143,15 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
     # kubetrain's own exports with dynamics and SSMs are Llama-shaped; the rest say their family.
     family = (LLAMA_FAMILY if model_type in (DYNAMICS_MODEL_TYPE, SSM_MODEL_TYPE)
               else family_of(model_type))
+    image_text = IMAGE_TEXT.get(model_type) if isinstance(model_type, str) else None
+    if image_text is not None:  # its text decoder, described by text_config
+        family, text = image_text.family, config.get("text_config")
+        if not isinstance(text, dict):
+            raise refuse(f"has model_type {model_type!r} but no text_config object: kubetrain "
+                         "reads an image-text model's text decoder from it")
+        config = {**text, "architectures": [
+            HF_FAMILIES[family].architecture if name == image_text.architecture else name
+            for name in config.get("architectures") or [image_text.architecture]]}
     if family is None:
         known = ", ".join(hf.model_type for hf in HF_FAMILIES.values())
         raise refuse(f"has model_type {model_type!r}: kubetrain builds the families {known} "
@@ -159,7 +169,8 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
     dims = read_dims(config, family, refuse)
     max_positions = config.get("max_position_embeddings")
     return PretrainedConfig(uri, dims, max_positions if isinstance(max_positions, int) else None,
-                            dict(markers), dynamics, "ssm" if ssm else "transformer")
+                            dict(markers), dynamics, "ssm" if ssm else "transformer",
+                            image_text=image_text is not None)
 
 
 def ssm_config() -> dict[str, Any]:
