@@ -163,17 +163,38 @@ def test_a_custom_model_of_a_family_and_its_head_size_resolve_from_the_spec() ->
     assert (dims.family, dims.head_size, dims.n_heads * dims.head_size) == ("qwen3", 32, 128)
 
 
-@pytest.mark.parametrize(("preset", "degrees"), [
-    ("qwen3-8b", {1, 2, 4, 8}),  # 32 heads, 8 key/value heads: up to 8 ways in a pod of 8
-    ("gemma3-12b", {1, 2, 4, 8}),  # 16 heads, 8 key/value heads
-    ("gemma3-1b", {1}),  # one key/value head: no tensor-parallel split
-])
-def test_the_estimate_offers_the_tensor_parallel_meshes_each_preset_allows(
-        preset: str, degrees: set[int]) -> None:
+# The tensor-parallel degrees a pod of 8 allows each preset: its heads and key/value heads
+# (and feed-forward width and sequence) split evenly.
+DEGREES = {"qwen3-0.6b": {1, 2, 4, 8}, "qwen3-1.7b": {1, 2, 4, 8}, "qwen3-4b": {1, 2, 4, 8},
+           "qwen3-8b": {1, 2, 4, 8}, "qwen2.5-7b": {1, 2, 4},  # 28 heads, 4 key/value heads
+           "mistral-7b": {1, 2, 4, 8}, "gemma3-1b": {1},  # one key/value head
+           "gemma3-4b": {1, 2, 4}, "gemma3-12b": {1, 2, 4, 8}}
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_kubetrain_estimate_sizes_each_preset_and_offers_the_meshes_it_allows(
+        preset: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from kubetrain.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "e"},
+        "spec": {"image": "x", "model": {"preset": preset},
+                 "data": {"train": "s3://d/train", "seqLen": 4096},
+                 "workers": {"replicas": 2, "procsPerWorker": 8},
+                 "checkpoint": {"uri": "s3://c/e"}}}))
+    assert main(["estimate", str(job)]) in (0, 1)  # fits an 80 GiB GPU, or says what would
+    shown = capsys.readouterr().out
+    dims = PRESETS[preset].dims
+    assert shown.startswith(f"{preset} ({dims.family}): "
+                            f"{parameter_count(dims) / 1e9:.2f}B parameters, 16 processes")
     spec = _spec({"preset": preset}, workers={"replicas": 2, "procsPerWorker": 8})
     found = mesh_estimates(spec, 16, spec.model.resolve())
-    assert {shape.tensor_parallel for shape, _ in found} == degrees
-    assert all(total > 0 for _, total in found)
+    assert {shape.tensor_parallel for shape, _ in found} == DEGREES[preset]
+    for shape, _ in found:
+        assert shape.describe() in shown
 
 
 class _OneProcess:
