@@ -24,7 +24,7 @@ from kubetrain.api.manifest import InvalidManifest, parse_job
 from kubetrain.api.presets import PRESETS, ModelDims, RopeScaling
 from kubetrain.api.trainingjob import ParallelismSpec, TrainingJobSpec
 from kubetrain.sizing import parameter_count
-from kubetrain.trainer.estimate import block_activations, mesh_estimates
+from kubetrain.trainer.estimate import block_activations, mesh_estimates, window_masks
 from kubetrain.trainer.export import hf_config, hf_name
 from kubetrain.trainer.hf_families import HF_FAMILIES, read_dims
 from kubetrain.trainer.model import Transformer, window_mask
@@ -89,6 +89,7 @@ VARIANTS = {
     "qwen2": ModelDims(**SMALL, family="qwen2"),
     "qwen3": ModelDims(**SMALL, family="qwen3"),
     "gemma3": ModelDims(**SMALL, family="gemma3"),
+    "mistral": ModelDims(**SMALL, family="mistral", sliding_window=8),
 }
 
 
@@ -114,15 +115,13 @@ def _kept_by_blocks(dims: ModelDims, tokens: torch.Tensor) -> int:
 @pytest.mark.parametrize("family", list(VARIANTS))
 def test_the_estimate_counts_what_each_familys_block_keeps_for_backward(family: str) -> None:
     """What a family's block keeps beyond a Llama block's, measured in fp32, is what
-    `block_activations` adds, within 3 % (left out: the norms' 1 + w, a few numbers per
-    layer rather than per token). A local layer's window mask is left out too: one
-    [seq, seq] of booleans per micro-batch, and how the attention kernel keeps it depends
-    on the device."""
+    `block_activations` and `window_masks` add, within 3 % (left out: the norms' 1 + w, a
+    few numbers per layer rather than per token)."""
     dims, llama = VARIANTS[family], ModelDims(**SMALL)
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     measured = _kept_by_blocks(dims, tokens) - _kept_by_blocks(llama, tokens)
-    estimated = 4 * (block_activations(dims) - block_activations(llama)) * tokens.numel() \
-        * dims.n_layers
+    estimated = (4 * (block_activations(dims, seq_len=32) - block_activations(llama))
+                 * tokens.numel() * dims.n_layers + window_masks(dims, 32, 4))
     print(f"{family}: measured {measured} bytes more than Llama's blocks, estimated {estimated}")
     assert estimated == pytest.approx(measured, rel=0.03, abs=4 * tokens.numel())
 

@@ -23,7 +23,10 @@ checkpointing, strategy and world size it adds up, per training process:
   attention keeps no seq-by-seq matrix - and b·d for a checkpointed block, which also
   recomputes one block's worth during backward. By family (`block_activations`):
   per-head q/k norms (Qwen3, Gemma 3) keep their input and output, b·(2q + 2k), and a
-  scale per head; Gemma 3's norms after attention and the feed-forward b·(4d + 2);
+  scale per head; Gemma 3's norms after attention and the feed-forward b·(4d + 2); a
+  local layer whose window is shorter than the sequence its keys and values repeated to
+  every query head (the masked kernel does not share them), b·2(q - k), and its mask as
+  scores to add, b·seq² per local layer and micro-batch (`window_masks`);
   counted with saved-tensor hooks in fp32 (tests/trainer/test_families.py), not yet
   measured on a GPU;
   INL dynamics (`model.dynamics`) add b·(8d + 2w) per token and block (w = the
@@ -200,7 +203,7 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
     compute = COMPUTE_BYTES[spec.parallelism.precision]
 
     tokens = plan.micro_batch_size * spec.data.seq_len
-    full_block = compute * block_activations(dims, dynamics) * tokens
+    full_block = compute * block_activations(dims, dynamics, spec.data.seq_len) * tokens
     block_input = compute * dims.dim * tokens * (2 if dynamics else 1)  # and the velocity
     if spec.model.architecture == "ssm":  # no attention, no dynamics: the SSM's own terms
         n_params, block_params = ssm_parameter_count(dims), ssm_block_parameter_count(dims)
@@ -225,7 +228,8 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         block_input //= tp
     checkpointed = {"none": 0, "selective": (dims.n_layers + 1) // 2,
                     "full": dims.n_layers}[plan.activation_checkpointing]
-    activations = (dims.n_layers - checkpointed) * full_block + checkpointed * block_input
+    activations = ((dims.n_layers - checkpointed) * full_block + checkpointed * block_input
+                   + window_masks(dims, spec.data.seq_len, compute))
     if checkpointed:
         # The block being recomputed during backward, counted as eager (not yet measured
         # compiled).
@@ -258,14 +262,18 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
     )
 
 
-def block_activations(dims: ModelDims, dynamics: bool = False) -> int:
+def block_activations(dims: ModelDims, dynamics: bool = False, seq_len: int = 0) -> int:
     """Numbers one transformer block keeps for backward per token (see the module docstring):
     8d + 3q + 3k + 4f, the dynamics' 8d + 2w, and by family the per-head q/k norms' input
-    and output (2q + 2k) with their per-head scales, and the post-branch norms' (4d + 2)."""
+    and output (2q + 2k) with their per-head scales, and the post-branch norms' (4d + 2).
+    Local layers whose window is shorter than `seq_len` keep their keys and values repeated
+    to every query head, 2(q - k) more, averaged over the blocks."""
     traits = FAMILIES[dims.family]
     d, f = dims.dim, dims.ffn_dim
     q, k = dims.n_heads * dims.head_size, dims.n_kv_heads * dims.head_size
     kept = 8 * d + 3 * q + 3 * k + 4 * f
+    if dims.sliding_window is not None and seq_len > dims.sliding_window:
+        kept += 2 * (q - k) * sum(dims.local_layers) // dims.n_layers
     if dynamics:
         kept += 8 * d + 2 * CONTROLLER_WIDTH
     if traits.qk_norm:
@@ -273,6 +281,15 @@ def block_activations(dims: ModelDims, dynamics: bool = False) -> int:
     if traits.post_norms:
         kept += 2 * (2 * d + 1)
     return kept
+
+
+def window_masks(dims: ModelDims, seq_len: int, compute: int) -> int:
+    """Bytes of the local layers' sliding-window masks, as attention keeps them for
+    backward: one [seq, seq] in the compute dtype per local layer (the boolean mask the
+    model passes is turned into scores to add, once per layer and shared by the batch)."""
+    if dims.sliding_window is None or seq_len <= dims.sliding_window:
+        return 0
+    return compute * seq_len * seq_len * sum(dims.local_layers)
 
 
 def _teacher_bytes(teacher: ModelDims, dynamics: bool, tokens: int, chunk: int, compute: int,

@@ -131,10 +131,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
+        grouped = self.n_kv_heads != self.n_heads
+        if mask is not None and grouped:
+            # With a mask, only the memory-efficient kernel avoids the [seq, seq] scores, and
+            # it does not broadcast key/value heads: give it one per query head.
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+            grouped = False
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=grouped, dropout_p=self.dropout if self.training else 0.0,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -329,7 +334,8 @@ class Transformer(nn.Module):
         scaled by 1/sqrt(2·layers) so the residual stream's variance stays flat
         with depth. The dynamics controller's weights are drawn the same way
         (in module order, so a model without dynamics draws exactly what it did
-        before the option existed); its biases and mu are constants.
+        before the option existed); its biases and mu are constants. The families' q/k/v
+        biases start at zero, their norms at a scale of one (a weight of zero for 1 + w).
         """
         with torch.no_grad():
             for name, table in self._rotary_tables().items():
