@@ -194,6 +194,9 @@ def _check_block(config: dict[str, Any], family: str, refuse: Refuse) -> None:
         if config.get(cap) is not None:
             raise refuse(f"has {cap} {config[cap]!r}: kubetrain's {family} has no logit "
                          "soft-capping (Gemma 3's released models have none)")
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(f"has partial_rotary_factor {config['partial_rotary_factor']!r}: "
+                     "kubetrain rotates every channel of a head")
     if config.get("use_bidirectional_attention"):
         raise refuse("has use_bidirectional_attention: true: kubetrain trains causal "
                      "language models")
