@@ -17,7 +17,7 @@ import yaml
 from kubetrain.api.presets import PRESETS
 from kubetrain.cli import main
 from kubetrain.sizing import parameter_count
-from kubetrain.trainer.export import llama_config
+from kubetrain.trainer.export import hf_config
 
 GIB = 2**30
 
@@ -94,7 +94,7 @@ def test_a_tier_over_max_worker_memory_is_refused_with_its_numbers(
     dims = PRESETS["llama-1b"].dims
     folder = tmp_path / "pretrained"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(llama_config(dims, 4096, 0)))
+    (folder / "config.json").write_text(json.dumps(hf_config(dims, 4096, 0)))
     model = {"init": str(folder), "preset": "custom"}
     needed = _per_worker_gib(parameter_count(dims), 4, 1, 2)
     too_small = _estimate(tmp_path, _manifest(model, {

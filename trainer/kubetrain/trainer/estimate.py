@@ -19,12 +19,20 @@ checkpointing, strategy and world size it adds up, per training process:
   by the world size under FSDP and whole under DDP;
 - FSDP's working set: two blocks' gathered parameters (the one computing and the
   one prefetched) and their unsharded fp32 gradients;
-- activations kept for backward, per token and layer (with `d` = dim, `k` = key/
-  value width, `f` = SwiGLU width, `b` = bytes of the compute dtype):
-  b·(11d + 3k + 4f) without checkpointing - block input, two norms (with their
-  fp32 intermediates), q, k, v, rotated q/k, attention output, residual, the
-  four SwiGLU tensors; fused attention keeps no seq-by-seq matrix - and b·d for a
-  checkpointed block, which also recomputes one block's worth during backward;
+- activations kept for backward, per token and layer (with `d` = dim, `q` = query
+  width (heads x head size: d unless the family sets headDim), `k` = key/value width,
+  `f` = feed-forward width, `b` = bytes of the compute dtype): b·(8d + 3q + 3k + 4f)
+  without checkpointing - block input, two norms (with their fp32 intermediates), q,
+  k, v, rotated q/k, attention output, residual, the four SwiGLU tensors; fused
+  attention keeps no seq-by-seq matrix - and b·d for a checkpointed block, which also
+  recomputes one block's worth during backward. By family (`block_activations`):
+  per-head q/k norms (Qwen3, Gemma 3) keep their input and output, b·(2q + 2k), and a
+  scale per head; Gemma 3's norms after attention and the feed-forward b·(4d + 2); a
+  local layer whose window is shorter than the sequence its keys and values repeated to
+  every query head (the masked kernel does not share them), b·2(q - k), and its mask as
+  scores to add, b·seq² per local layer and micro-batch (`window_masks`);
+  counted with saved-tensor hooks in fp32 (tests/trainer/test_families.py), not yet
+  measured on a GPU;
   INL dynamics (`model.dynamics`) add b·(8d + 2w) per token and block (w = the
   controller's width: its two hidden tensors; the three sigmoids, beta, the
   error, the velocity before and after its clamp, the new hidden state; counted
@@ -86,6 +94,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from kubetrain.api.families import FAMILIES
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
 from kubetrain.sizing import (
@@ -198,9 +207,7 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
     compute = COMPUTE_BYTES[spec.parallelism.precision]
 
     tokens = plan.micro_batch_size * spec.data.seq_len
-    kv_dim = dims.n_kv_heads * (dims.dim // dims.n_heads)
-    controller = 8 * dims.dim + 2 * CONTROLLER_WIDTH if dynamics else 0
-    full_block = compute * (11 * dims.dim + 3 * kv_dim + 4 * dims.ffn_dim + controller) * tokens
+    full_block = compute * block_activations(dims, dynamics, spec.data.seq_len) * tokens
     block_input = compute * dims.dim * tokens * (2 if dynamics else 1)  # and the velocity
     if spec.model.architecture == "ssm":  # no attention, no dynamics: the SSM's own terms
         n_params, block_params = ssm_parameter_count(dims), ssm_block_parameter_count(dims)
@@ -225,7 +232,8 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         block_input //= tp
     checkpointed = {"none": 0, "selective": (dims.n_layers + 1) // 2,
                     "full": dims.n_layers}[plan.activation_checkpointing]
-    activations = (dims.n_layers - checkpointed) * full_block + checkpointed * block_input
+    activations = ((dims.n_layers - checkpointed) * full_block + checkpointed * block_input
+                   + window_masks(dims, spec.data.seq_len, compute))
     if checkpointed:
         # The block being recomputed during backward, counted as eager (not yet measured
         # compiled).
@@ -256,6 +264,36 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         teacher=teacher_bytes,
         context=CONTEXT_BYTES + ALLOCATOR_BYTES_PER_PARAMETER * n_params // shards,
     )
+
+
+def block_activations(dims: ModelDims, dynamics: bool = False, seq_len: int = 0) -> int:
+    """Numbers one transformer block keeps for backward per token (see the module docstring):
+    8d + 3q + 3k + 4f, the dynamics' 8d + 2w, and by family the per-head q/k norms' input
+    and output (2q + 2k) with their per-head scales, and the post-branch norms' (4d + 2).
+    Local layers whose window is shorter than `seq_len` keep their keys and values repeated
+    to every query head, 2(q - k) more, averaged over the blocks."""
+    traits = FAMILIES[dims.family]
+    d, f = dims.dim, dims.ffn_dim
+    q, k = dims.n_heads * dims.head_size, dims.n_kv_heads * dims.head_size
+    kept = 8 * d + 3 * q + 3 * k + 4 * f
+    if dims.sliding_window is not None and seq_len > dims.sliding_window:
+        kept += 2 * (q - k) * sum(dims.local_layers) // dims.n_layers
+    if dynamics:
+        kept += 8 * d + 2 * CONTROLLER_WIDTH
+    if traits.qk_norm:
+        kept += 2 * (q + k) + dims.n_heads + dims.n_kv_heads
+    if traits.post_norms:
+        kept += 2 * (2 * d + 1)
+    return kept
+
+
+def window_masks(dims: ModelDims, seq_len: int, compute: int) -> int:
+    """Bytes of the local layers' sliding-window masks, as attention keeps them for
+    backward: one [seq, seq] in the compute dtype per local layer (the boolean mask the
+    model passes is turned into scores to add, once per layer and shared by the batch)."""
+    if dims.sliding_window is None or seq_len <= dims.sliding_window:
+        return 0
+    return compute * seq_len * seq_len * sum(dims.local_layers)
 
 
 def _teacher_bytes(teacher: ModelDims, dynamics: bool, tokens: int, chunk: int, compute: int,
@@ -544,6 +582,8 @@ def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDim
               teacher: ModelDims | None, teacher_dynamics: bool, mesh: MeshShape) -> str:
     name = (f"model.init {spec.model.init}" if spec.model.init
             else "custom model" if spec.model.preset == "custom" else spec.model.preset)
+    if spec.model.architecture != "ssm" and dims.family != "llama":
+        name += f" ({dims.family})"
     dynamics = " with INL dynamics" if spec.model.dynamics.enabled else ""
     if spec.model.architecture == "ssm":
         return _describe_ssm(spec, world_size, plan, dims, name, teacher, mesh)

@@ -719,7 +719,7 @@ class Trainer:
             run.memory.close(discard=True)  # finished: nothing will restore from memory
         self._account(run, step, final=True)
         run.reporter.finished(step, reason, best, export_uri, export_step=export_step,
-                              export_format=export_format(spec) if export_uri else None)
+                              export_format=export_format(spec, run.dims) if export_uri else None)
         return FitResult(step, reason, EXIT_COMPLETE, best, export_uri)
 
     @staticmethod
