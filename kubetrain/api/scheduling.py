@@ -223,5 +223,9 @@ class SchedulingStatus(ApiModel):
                                   "(a PodGroup's name).")
     min_count: int | None = Field(default=None, description="Workers the group needs placed "
                                   "at once (minCount / minMember).")
+    wanted_min_count: int | None = Field(
+        default=None, description="Workers the job needs placed at once now (minReplicas, "
+        "at most the workers it runs): differs from minCount while a group that cannot "
+        "change (a v1alpha2 PodGroup) keeps its size until the next whole-group restart.")
     kueue: KueueStatus | None = Field(default=None, description="Kueue's admission, for a "
                                       "job with a queue.")
