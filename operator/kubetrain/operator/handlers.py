@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -87,10 +88,19 @@ def _index_id(api: gang.Api) -> str:
 
 
 def discover_placement_apis(api: client.ApiClient) -> frozenset[str]:
-    """The gang mechanisms and "Kueue" whose APIs the API server's discovery lists."""
-    listed = client.ApisApi(api).get_api_versions()
-    served = {version.group_version for group in listed.groups or []
-              for version in group.versions or []}
+    """The gang mechanisms and "Kueue" whose APIs the API server's discovery lists.
+
+    GET /apis, the aggregated group list (as `kubectl api-versions` reads it); the client's
+    ApisApi asks for /apis/, which an API server answers alike and the test emulator not."""
+    request = api.param_serialize("GET", "/apis", header_params={"Accept": "application/json"},
+                                  auth_settings=["BearerToken"])
+    answer = api.call_api(*request)
+    answer.read()
+    if not 200 <= answer.status <= 299:
+        raise ApiException(status=answer.status, reason=answer.reason)
+    listed = json.loads(answer.data or b"{}")
+    served = {version.get("groupVersion", "") for group in listed.get("groups") or []
+              for version in group.get("versions") or []}
     kueue_served = {"Kueue"} if kueue.KUEUE_WORKLOAD.api_version in served else set()
     return gang.served_mechanisms(served) | kueue_served
 
