@@ -583,7 +583,10 @@ class EmulatedCluster:
         return client.ApiClient(configuration)
 
     def operator_calls(self) -> set[tuple[str, str]]:
-        """(verb, resource) of every request the operator (kopf or its client) made."""
+        """(verb, resource) of every request the operator (kopf or its client) made: the
+        resource as an RBAC rule names it, prefixed with its API group outside the core
+        group (`pods`, `kubetrain.io/trainingjobs/status`, `scheduling.volcano.sh/podgroups`),
+        since kinds of several groups share plurals."""
         calls = set()
         for request in self.emulator.requests():
             agent = request.headers.get("User-Agent", "")
@@ -594,6 +597,8 @@ class EmulatedCluster:
             resource = request.resource.plural or ""
             if request.subresource:
                 resource += "/" + request.subresource
+            if request.resource.group:
+                resource = f"{request.resource.group}/{resource}"
             calls.add((_rbac_verb(request), resource))
         return calls
 

@@ -159,8 +159,12 @@ class ActionApplier:
         elif isinstance(action, DeleteJob):
             self.writer.delete_job(namespace, name)
         elif isinstance(action, PatchObject):
-            self.writer.patch_object(namespace, action.api_version, action.kind, action.name,
-                                     action.patch, status=action.status)
+            try:
+                self.writer.patch_object(namespace, action.api_version, action.kind,
+                                         action.name, action.patch, status=action.status)
+            except ApiException as error:
+                if error.status != 404:  # gone meanwhile (its job deleted): nothing to do
+                    raise
         elif isinstance(action, DeleteObject):
             try:
                 self.writer.delete_object(namespace, action.api_version, action.kind,
