@@ -186,12 +186,11 @@ def test_a_job_requiring_one_rack_is_placed_within_it_in_host_order(
     placed = nodes_of(kube, "racked")
     assert set(placed.values()) == {"node-b1", "node-b2", "node-b3"}  # the rack it fits
     if queue:
-        # Kueue's assignment told the operator the hosts before the pods: worker index
-        # follows them, and torch's ranks (its agents sorted by host name) follow the index.
-        hosts = [placed[f"racked-worker-{index}"] for index in range(3)]
-        assert hosts == ["node-b1", "node-b2", "node-b3"]
-        by_rank = sorted(placed, key=lambda pod: f"{pod}.racked")
-        assert by_rank == [f"racked-worker-{index}" for index in range(3)]
+        # Kueue's assignment told the operator the hosts before the pods: they go out in
+        # torch's rank order (its agents sorted by host name), so rank follows the hosts.
+        by_rank = sorted(placed, key=lambda pod: f"{pod}.racked.default.svc.cluster.local")
+        assert [placed[pod] for pod in by_rank] == ["node-b1", "node-b2", "node-b3"]
+        assert by_rank == [f"racked-worker-{index}" for index in range(3)]  # index too
 
 
 def test_a_job_managed_by_another_controller_is_left_untouched(

@@ -37,7 +37,7 @@ def make_job(minimal_manifest: dict[str, Any], scheduling: dict[str, Any] | None
     manifest = copy.deepcopy(minimal_manifest)
     manifest["metadata"].update(namespace="ml", uid="uid-1", generation=1,
                                 labels=labels or {})
-    workers: dict[str, Any] = {"replicas": replicas, "maxReplicas": 8}
+    workers: dict[str, Any] = {"replicas": replicas, "maxReplicas": max(8, replicas)}
     if min_replicas is not None:
         workers["minReplicas"] = min_replicas
     if template is not None:
@@ -412,6 +412,25 @@ def test_kueues_topology_assignment_puts_adjacent_workers_in_one_domain(
     # Kueue's assignment places them: no pod affinity on top.
     assert all("affinity" not in m["spec"] or "podAffinity" not in m["spec"]["affinity"]
                for m in created(actions) if m["kind"] == "Pod")
+
+
+def test_topology_domains_follow_torchs_rank_order_past_ten_workers(
+        minimal_manifest: dict) -> None:
+    # torch ranks agents by host name as a string: worker 10 before worker 2.
+    job = kueue_job(minimal_manifest, replicas=12, min_replicas=12,
+                    topology={"level": "example.com/rack"})
+    first = run(job)
+    levels = ("example.com/rack",)
+    domains = ((("rack-a",), 6), (("rack-b",), 6))
+    actions = run(kueue_job(minimal_manifest, status=status_of(first), replicas=12,
+                            min_replicas=12, topology={"level": "example.com/rack"}),
+                  groups=(admitted(held(first)[0], 12, levels=levels, domains=domains),),
+                  flavors=FLAVORS)
+    rack = {m["metadata"]["name"]: m["spec"]["nodeSelector"]["example.com/rack"]
+            for m in created(actions) if m["kind"] == "Pod"}
+    by_rank = sorted(rack, key=lambda name: f"{name}.demo.ml.svc.cluster.local")
+    assert [rack[name] for name in by_rank] == ["rack-a"] * 6 + ["rack-b"] * 6
+    assert rack["demo-worker-10"] == rack["demo-worker-0"] == "rack-a"
 
 
 def test_an_evicted_job_stops_its_pods_then_gives_back_its_quota(

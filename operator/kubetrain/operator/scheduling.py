@@ -15,8 +15,8 @@
   runtime PodGroup (and the Workload, when the size changed): each scheduling of the whole
   group is a PodGroup of its own. A partial restart keeps the group; replacements join it.
 - `shape_pod`: what each worker pod carries: its group, Kueue's marks or admission (node
-  labels, tolerations, and the worker's topology domain), or pod affinity for the topology
-  level.
+  labels, tolerations, and the worker's topology domain, given in torch's rank order so
+  that the ranks of one domain are adjacent), or pod affinity for the topology level.
 - `release`: suspend, Kueue's queue and the job's end delete the gang objects (a Volcano
   PodGroup's minResources hold queue capacity even without pods); suspend deletes the Kueue
   Workload, the end marks it Finished.
@@ -30,13 +30,13 @@ from __future__ import annotations
 import copy
 from typing import Any, Final
 
+from kubetrain import pod_conventions
 from kubetrain.api.scheduling import KueueStatus, SchedulingStatus, kueue_path
 from kubetrain.api.trainingjob import FINISHED, TrainingJob
 from kubetrain.operator import children, gang, kueue
 from kubetrain.operator.actions import CreateObject, DeleteObject, PatchObject
 from kubetrain.operator.reconcile_pass import ReconcilePass
 from kubetrain.operator.scheduling_facts import GroupObject
-from kubetrain.pod_conventions import JOB_LABEL
 
 KUEUE_API: Final = (kueue.KUEUE_WORKLOAD.api_version, kueue.KUEUE_WORKLOAD.kind)
 GANG_API_KINDS: Final = frozenset((api.api_version, api.kind) for api in gang.GANG_APIS)
@@ -344,8 +344,9 @@ def shape_pod(decision: ReconcilePass, pod: dict[str, Any], index: int) -> None:
         if admitted is not None:
             placed = kueue.placement(admitted, decision.observed.flavors)
             selector = {**spec.get("nodeSelector", {}), **placed.node_selector}
-            if index < len(placed.per_worker):
-                selector.update(placed.per_worker[index])
+            position = rank_position(job.metadata.name, index, len(placed.per_worker))
+            if position is not None:
+                selector.update(placed.per_worker[position])
             if selector:
                 spec["nodeSelector"] = selector
             tolerations = list(spec.get("tolerations", []))
@@ -357,6 +358,21 @@ def shape_pod(decision: ReconcilePass, pod: dict[str, Any], index: int) -> None:
     if topology is not None:
         spec["affinity"] = topology_affinity(spec.get("affinity"), job.metadata.name,
                                              topology.level, topology.mode)
+
+
+def rank_position(job_name: str, index: int, count: int) -> int | None:
+    """Where worker `index` of `count` stands in torch's rank order; None past `count`.
+
+    torch's c10d rendezvous numbers the agents of a round in the order of their sorted node
+    descriptors, whose first field is the host's name (socket.getfqdn(): `<job>-worker-<i>.
+    <job>.<namespace>.svc...` in a pod): sorted as strings, so worker 10 comes before worker
+    2. Giving the k-th domain slot to the worker torch ranks k-th keeps the ranks of one
+    domain adjacent at any size, not only below ten workers.
+    """
+    if index >= count:
+        return None
+    order = sorted(range(count), key=lambda i: f"{pod_conventions.pod_name(job_name, i)}.")
+    return order.index(index)
 
 
 def _admission(decision: ReconcilePass) -> kueue.Admission | None:
@@ -373,7 +389,8 @@ def topology_affinity(affinity: dict[str, Any] | None, job_name: str, level: str
     pod affinity (Required) or a preferred one of the greatest weight (Preferred), which
     kube-scheduler's InterPodAffinity, Volcano and the gang plug-ins all honour."""
     merged = copy.deepcopy(affinity) if affinity else {}
-    term = {"labelSelector": {"matchLabels": {JOB_LABEL: job_name}}, "topologyKey": level}
+    term = {"labelSelector": {"matchLabels": {pod_conventions.JOB_LABEL: job_name}},
+            "topologyKey": level}
     pods = merged.setdefault("podAffinity", {})
     if mode == "Required":
         key = "requiredDuringSchedulingIgnoredDuringExecution"
