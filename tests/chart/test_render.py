@@ -235,5 +235,5 @@ def test_every_values_key_is_documented() -> None:
 def test_docs_exist_for_every_topic() -> None:
     docs = REPO / "docs"
     for page in ("install.md", "upgrade.md", "uninstall.md", "rbac.md", "monitoring.md",
-                 "troubleshooting.md", "gitops.md", "images.md"):
+                 "troubleshooting.md", "gitops.md", "images.md", "scheduling.md"):
         assert (docs / page).stat().st_size > 500, f"docs/{page} is missing or empty"
