@@ -179,13 +179,14 @@ def _quantity(resource: str, value: Any) -> float:
 
 
 def requests_of(pod: Manifest) -> Counter[str]:
-    """What a pod asks of a node: its containers' requests (else limits) and one pod slot."""
+    """What a pod asks of a node: its containers' requests (else limits) and one pod slot
+    (amounts as numbers: cpu in cores, memory in bytes)."""
     total: Counter[str] = Counter({"pods": 1})
     for container in (pod.get("spec") or {}).get("containers") or []:
         resources = container.get("resources") or {}
         merged = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
         for name, value in merged.items():
-            total[name] += _quantity(name, value)  # type: ignore[assignment]
+            total[name] += _quantity(name, value)
     return total
 
 
@@ -228,9 +229,8 @@ class Scheduler(_Loop):
         for unit in _queue(unbound, gangs):
             if isinstance(unit, Gang):
                 self._place_gang(round_, unit, [p for p in unbound if gang_of(p) == unit.key])
-            elif gang_of(unit) is not None:
-                round_.unschedulable(unit, f"its pod group {gang_of(unit)[2]} "  # type: ignore[index]
-                                     "does not exist")
+            elif (named := gang_of(unit)) is not None:
+                round_.unschedulable(unit, f"its pod group {named[2]} does not exist")
             else:
                 round_.place_one(unit)
 

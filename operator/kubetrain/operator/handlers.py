@@ -293,9 +293,8 @@ class TrainingJobController:
         log = logging.getLogger(__name__)
         try:
             served = discover_placement_apis(self.api)
-        except ApiException as error:
-            log.error("API discovery failed (%s %s): no gang or Kueue API is used",
-                      error.status, error.reason)
+        except (ApiException, OSError, ValueError) as error:
+            log.error("API discovery failed (%s): no gang or Kueue API is used", error)
             return frozenset()
         log.info("placement APIs served: %s", ", ".join(sorted(served)) or "none")
         return served
