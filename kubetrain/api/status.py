@@ -20,8 +20,8 @@ class Condition(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
     type: str = Field(description="Created, Running, Restarting, Suspended, Succeeded, Failed, "
-                      "Straggler, NodesAvoided, MemoryCopiesShareNode, and kstatus's Ready, "
-                      "Reconciling and Stalled.")
+                      "Straggler, NodesAvoided, MemoryCopiesShareNode, PlacementBlocked, and "
+                      "kstatus's Ready, Reconciling and Stalled.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str | None = Field(default=None, description="One-word CamelCase reason.")
     message: str | None = Field(default=None, description="Human-readable detail.")

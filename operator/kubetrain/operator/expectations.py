@@ -106,8 +106,11 @@ class Expectations:
         self.deleted[name] = self.clock()
 
     def created_group(self, group: GroupObject) -> None:
-        """The placement object `group` was created (or was already there)."""
-        self.created_groups[group.api_version, group.kind, group.name] = (group, self.clock())
+        """The placement object `group` was created (or was already there); a deletion of
+        the same name just before (a renewed Workload) is over."""
+        key = (group.api_version, group.kind, group.name)
+        self.deleted_groups.pop(key, None)
+        self.created_groups[key] = (group, self.clock())
 
     def deleted_group(self, key: GroupKey) -> None:
         """The placement object `key` was deleted (or was already gone)."""

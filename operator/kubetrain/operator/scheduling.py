@@ -253,8 +253,11 @@ def ensure_group(decision: ReconcilePass) -> bool:
     min_count = min(job.spec.workers.min_workers, decision.replicas)
     group = _group_name(decision, mechanism)
     renewed = scheduling.pod_group is not None and group != scheduling.pod_group
-    template = children.worker_pod(_as_run(decision), 0, decision.status.restart_attempt)
-    wanted = gang.group_objects(job, mechanism, group, min_count, gang.pod_requests(template))
+    per_pod: dict[str, int] = {}
+    if mechanism in ("Volcano", "Coscheduling"):  # their minResources: what a worker asks
+        per_pod = gang.pod_requests(children.worker_pod(_as_run(decision), 0,
+                                                        decision.status.restart_attempt))
+    wanted = gang.group_objects(job, mechanism, group, min_count, per_pod)
     have = {(obj.api_version, obj.kind, obj.name): obj
             for obj in _mine(decision, GANG_API_KINDS)}
     sized = min_count
