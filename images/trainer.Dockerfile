@@ -7,8 +7,8 @@
 #
 # PYTORCH_IMAGE picks the CUDA/PyTorch pair; it must match your drivers
 # (docs/images.md). The wheel goes in with its `trainer` extra; the extra's
-# `torch>=2.6` is satisfied by the base, so pip never replaces the CUDA build of torch.
-ARG PYTORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# `torch>=2.9` is satisfied by the base, so pip never replaces the CUDA build of torch.
+ARG PYTORCH_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 
 FROM ${PYTORCH_IMAGE} AS build
 WORKDIR /src

@@ -15,6 +15,16 @@ snapshot is written beside the newest complete one, never over it, so a rank kil
 the middle of a snapshot still leaves a version every rank agrees on. `replicas` is the
 number of partner copies each rank's shard has on other ranks (at most world size - 1).
 
+Checkpoint staging (the trainer's staging.py) has its figures here too. The S3 tier's
+asynchronous saves (`checkpoint.async`) stage into one host buffer per process that holds a
+state shard, allocated at the first save and kept (`staging_budget`): the operator adds it
+to the pod's memory request and limit beside the tier's, and `kubetrain estimate` shows it.
+The in-memory tier stages into its own slots' pages and needs nothing more. On a GPU, a
+tier's snapshots take a device-side first phase (a copy of the shard within the GPU) where
+the free device memory leaves `device_headroom` free after it (`device_phase_fits`): the
+trainer decides it from the GPU's free memory at the first snapshot, `kubetrain estimate`
+from its estimate.
+
 Nothing here touches the model or the tier's files; Kubernetes quantities are parsed
 and written here for the operator's arithmetic on memory requests. A spec is read through
 `SizedSpec`, the sections the figure depends on, so that the API's own validation
@@ -152,6 +162,63 @@ def tier_budget(spec: SizedSpec, world_size: int | None = None,
                       procs_per_worker=workers.procs_per_worker)
 
 
+@dataclass(frozen=True)
+class StagingBudget:
+    """The S3 tier's staging buffer in host memory at one world size (checkpoint.async)."""
+
+    world_size: int
+    shard_bytes: int  # one process's buffer: its state shard
+    procs_per_worker: int
+
+    @property
+    def per_worker(self) -> int:
+        """One worker pod's: what the operator adds to its memory request and limit."""
+        return self.shard_bytes * self.procs_per_worker
+
+    def describe(self) -> str:
+        """The arithmetic, for logs and `kubetrain estimate`."""
+        return (f"{_gib(self.shard_bytes)} state shard per process x {self.procs_per_worker} "
+                f"processes per worker = {_gib(self.per_worker)} per worker pod at "
+                f"{self.world_size} processes")
+
+
+def staging_budget(spec: SizedSpec, world_size: int | None = None,
+                   parameters: int | None = None) -> StagingBudget | None:
+    """The host memory the S3 tier's asynchronous saves stage into, at `world_size`
+    processes (default: the fewest the job may run with, where shards are largest); None
+    without `checkpoint.async` or a known model size."""
+    if not spec.checkpoint.async_:
+        return None
+    workers = spec.workers
+    if world_size is None:
+        world_size = workers.min_workers * workers.procs_per_worker
+    if parameters is None:
+        parameters = model_parameters(spec)
+    if parameters is None:
+        return None
+    return StagingBudget(world_size=world_size,
+                         shard_bytes=state_bytes(spec, parameters, world_size),
+                         procs_per_worker=workers.procs_per_worker)
+
+
+# A device-side first phase leaves at least this much device memory free, whichever is more:
+# the caching allocator may still grow after the first snapshot (an evaluation's batches,
+# fragmentation), and a snapshot's buffer must never be what runs the step out of memory.
+DEVICE_HEADROOM_BYTES = 4 << 30
+DEVICE_HEADROOM_SHARE = 0.05
+
+
+def device_headroom(total: int) -> int:
+    """The device memory a device-side first phase leaves free, of a device of `total`."""
+    return max(DEVICE_HEADROOM_BYTES, int(total * DEVICE_HEADROOM_SHARE))
+
+
+def device_phase_fits(free: int, needed: int, total: int) -> bool:
+    """Whether a snapshot of `needed` bytes takes a device-side first phase on a device of
+    `total` bytes with `free` bytes free: whether `device_headroom` is left after it."""
+    return free - needed >= device_headroom(total)
+
+
 # Of the container's memory limit, the tier's share from which an out-of-memory kill names
 # it: below that, the trainer's own use is most of the limit and the failure is its as before.
 LARGE_SHARE = 0.25
@@ -185,6 +252,7 @@ def out_of_memory_note(spec: SizedSpec) -> str:
             "spec.checkpoint.memory.replicas or raise spec.workers.resources.limits.memory")
 
 
-__all__ = ["FOLDER_ENV", "LARGE_SHARE", "VERSIONS", "SizedSpec", "TierBudget", "format_quantity",
-           "model_parameters", "out_of_memory_note", "parse_quantity", "state_bytes",
-           "tier_budget"]
+__all__ = ["DEVICE_HEADROOM_BYTES", "DEVICE_HEADROOM_SHARE", "FOLDER_ENV", "LARGE_SHARE",
+           "VERSIONS", "SizedSpec", "StagingBudget", "TierBudget", "device_headroom",
+           "device_phase_fits", "format_quantity", "model_parameters", "out_of_memory_note",
+           "parse_quantity", "staging_budget", "state_bytes", "tier_budget"]

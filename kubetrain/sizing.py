@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kubetrain.api.families import FAMILIES
 from kubetrain.api.presets import ModelDims
 
 CONTROLLER_WIDTH = 64  # hidden width of the INL dynamics controller (model.Dynamics)
@@ -36,14 +37,18 @@ def dynamics_parameter_count(dim: int) -> int:
 
 
 def block_parameter_count(dims: ModelDims, dynamics: bool = False) -> int:
-    """Parameters of one transformer block: attention, SwiGLU feed-forward, two RMSNorms
-    and, with `dynamics`, the INL controller."""
-    head_dim = dims.dim // dims.n_heads
-    attention = 2 * dims.dim * dims.dim + 2 * dims.dim * dims.n_kv_heads * head_dim
+    """Parameters of one transformer block: attention (with its family's q/k/v biases and
+    q/k norms), the gated feed-forward, two RMSNorms (four with post-norms) and, with
+    `dynamics`, the INL controller."""
+    traits = FAMILIES[dims.family]
+    queries, keys = dims.n_heads * dims.head_size, dims.n_kv_heads * dims.head_size
+    attention = 2 * dims.dim * queries + 2 * dims.dim * keys
+    biases = queries + 2 * keys if traits.qkv_bias else 0
+    head_norms = 2 * dims.head_size if traits.qk_norm else 0
     feed_forward = 3 * dims.dim * dims.ffn_dim
-    norms = 2 * dims.dim
+    norms = (4 if traits.post_norms else 2) * dims.dim
     controller = dynamics_parameter_count(dims.dim) if dynamics else 0
-    return attention + feed_forward + norms + controller
+    return attention + biases + head_norms + feed_forward + norms + controller
 
 
 def parameter_count(dims: ModelDims, dynamics: bool = False) -> int:
@@ -60,14 +65,16 @@ def flops_per_token(dims: ModelDims, seq_len: int, dynamics: bool = False) -> in
 
     6·N for the matrix multiplies of the N parameters that take part in one
     (an untied input embedding is a lookup, not a matmul, so it is left out),
-    plus 12·L·H·Q·T for the attention scores and their weighted sum
-    (L layers, H heads, Q head size, T sequence length).
+    plus 12·H·Q·T per layer for the attention scores and their weighted sum
+    (H heads, Q head size, T sequence length; a local layer's T is at most its
+    sliding window, the keys one query sees).
     """
     matmul_parameters = parameter_count(dims, dynamics)
     if not dims.tie_embeddings:
         matmul_parameters -= dims.vocab_size * dims.dim
-    head_dim = dims.dim // dims.n_heads
-    attention = 12 * dims.n_layers * dims.n_heads * head_dim * seq_len
+    window = min(seq_len, dims.sliding_window or seq_len)
+    keys = sum(window if local else seq_len for local in dims.local_layers)
+    attention = 12 * dims.n_heads * dims.head_size * keys
     return 6 * matmul_parameters + attention
 
 

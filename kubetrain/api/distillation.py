@@ -12,11 +12,12 @@ class DistillationSpec(ApiModel):
 
     teacher: str = Field(
         min_length=1, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
-        description="URI of the teacher: a Hugging Face Llama folder (config.json and "
-        "safetensors) or another job's export (<checkpoint uri>/export), whose INL dynamics, "
-        "if it has them, the teacher is built with: s3://bucket/prefix, file:///path or a "
-        "path. Its vocabulary must be the student's, and its tokenizer.json, when the folder "
-        "has one, the one the data was prepared with.",
+        description="URI of the teacher: a Hugging Face model folder of a family kubetrain "
+        "builds (as model.init reads: config.json and safetensors) or another job's export "
+        "(<checkpoint uri>/export), whose INL dynamics, if it has them, the teacher is "
+        "built with: s3://bucket/prefix, file:///path or a path. Its vocabulary must be the "
+        "student's, and its tokenizer.json, when the folder has one, the one the data was "
+        "prepared with.",
     )
     temperature: float = Field(
         default=2.0, gt=0, le=1000,

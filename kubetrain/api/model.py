@@ -8,7 +8,15 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kubetrain.api.base import URI_MAX_LENGTH, URI_RULES, ApiModel, check_uri, problem
-from kubetrain.api.presets import PRESET_NAMES, PRESETS, ModelDims, Preset, PresetName
+from kubetrain.api.families import FAMILY_NAMES, Family
+from kubetrain.api.presets import (
+    PRESET_NAMES,
+    PRESETS,
+    ModelDims,
+    Preset,
+    PresetName,
+    family_problems,
+)
 
 # --- model, data, optimisation -----------------------------------------------------
 
@@ -42,21 +50,24 @@ class ModelSpec(ApiModel):
 
     init: str | None = Field(
         default=None, max_length=URI_MAX_LENGTH, json_schema_extra=URI_RULES,
-        description="Start from pretrained weights: the URI of a Hugging Face Llama-format "
-        "model folder (config.json with model.safetensors, or sharded safetensors with "
-        "model.safetensors.index.json), such as another job's export "
-        "(<checkpoint.uri>/export): s3://bucket/prefix, file:///path or a path, read with "
-        "spec.storage. The architecture comes from its config.json: leave the dimensions "
-        "below unset (one set to a different value is refused, naming both); the preset "
-        "then only supplies the training defaults (set optimization.learningRate to "
-        "fine-tune). Only plain Llama models load: no rope scaling, no attention or MLP "
-        "bias, SiLU activation; and kubetrain's own exports with INL dynamics, which then "
-        "set model.dynamics. A checkpoint always wins: the weights are read only when "
-        "the job starts with no checkpoint of its own and none in checkpoint.resumeFrom.",
+        description="Start from pretrained weights: the URI of a Hugging Face model folder "
+        "(config.json with model.safetensors, or sharded safetensors with "
+        "model.safetensors.index.json) of a Llama, Qwen2/2.5, Qwen3, Mistral or Gemma 3 "
+        "causal language model, such as one downloaded from the hub or another job's "
+        "export (<checkpoint.uri>/export): s3://bucket/prefix, file:///path or a path, read "
+        "with spec.storage. The architecture and family come from its config.json: leave "
+        "the dimensions below unset (one set to a different value is refused, naming both); "
+        "the preset then only supplies the training defaults. A configuration kubetrain "
+        "cannot build exactly (a rope scaling, bias or attention pattern its family's block "
+        "does not have) is refused, naming the key; kubetrain's own exports with INL "
+        "dynamics load too, and then set model.dynamics. A checkpoint always wins: the "
+        "weights are read only when the job starts with no checkpoint of its own and none "
+        "in checkpoint.resumeFrom.",
     )
     architecture: Literal["transformer", "ssm"] = Field(
         default="transformer",
-        description="transformer: the Llama-style decoder. ssm: a state-space model "
+        description="transformer: the Llama-style decoder, of model.family. ssm: a "
+        "state-space model "
         "(Mamba-2 style gated, selective SSM mixer in place of attention, the same SwiGLU "
         "feed-forward), whose generation costs the same per token at any context length; "
         "usually a distillation student (see fromTeacher). Its exports are marked "
@@ -68,12 +79,29 @@ class ModelSpec(ApiModel):
         description="Size the model from distillation.teacher's config.json: its width, "
         "depth, heads, feed-forward width and vocabulary, and start from the teacher's "
         "token embeddings (and output projection). Needs spec.distillation. Dimensions set "
-        "here must agree with the teacher's (one that differs is refused, naming both).",
+        "here must agree with the teacher's (one that differs is refused, naming both). A "
+        "transformer student is of the teacher's family; an SSM takes only its widths.",
     )
     preset: PresetName | Literal["custom"] = Field(
         default="llama-125m",
         description="Architecture preset: " + ", ".join(PRESET_NAMES) + ". Dimensions set "
-        "below override the preset's; `custom` builds the model from the dimensions alone.",
+        "below override the preset's; `custom` builds the model from the dimensions alone. "
+        "The qwen, mistral and gemma presets carry fine-tuning defaults: start them from "
+        "the released weights with model.init.",
+    )
+    family: Family | None = Field(
+        default=None,
+        description="The block's family (" + ", ".join(FAMILY_NAMES) + "): llama; qwen2 "
+        "(Qwen2 and 2.5: biases on q, k and v); qwen3 (an RMSNorm on each query and key "
+        "head); mistral; gemma3 (GeGLU, norms before and after attention and the "
+        "feed-forward, 1 + w norm scales, embeddings scaled by sqrt(dim), q/k norms). "
+        "Default: the preset's (llama for custom). Set it with preset custom; a preset's "
+        "family is its own. A model.init job takes it from config.json's model_type.",
+    )
+    head_dim: int | None = Field(
+        default=None, ge=2,
+        description="Channels per attention head, where it is not dim / nHeads (Qwen3, "
+        "Mistral and Gemma set it); default: the preset's, or dim / nHeads.",
     )
     dim: int | None = Field(default=None, ge=8, description="Hidden size.")
     n_layers: int | None = Field(default=None, ge=1, description="Number of transformer blocks.")
@@ -124,6 +152,11 @@ class ModelSpec(ApiModel):
             raise problem("fromTeacher", "and model.init both say where the weights start: "
                           "remove one (fromTeacher takes the teacher's embeddings, model.init "
                           "a whole model)")
+        if (preset := self.preset_defaults) is not None and self.family not in (
+                None, preset.dims.family):
+            raise problem("family", f"({self.family}) is not preset {self.preset}'s "
+                          f"({preset.dims.family}): a preset's family is its own; set preset "
+                          f"custom to build a {self.family} model of your dimensions")
         if self.init is not None or self.from_teacher:
             # The dimensions are a config.json's, read by the trainer; it checks any set here.
             return self
@@ -134,13 +167,15 @@ class ModelSpec(ApiModel):
                 raise problem(to_camel(missing[0]),
                               f"a custom model needs {names}: set them or pick a preset")
         dims = self.resolve()
-        if dims.dim % dims.n_heads:
-            raise problem("nHeads", f"({dims.n_heads}) must divide dim ({dims.dim})")
+        if dims.head_dim is None and dims.dim % dims.n_heads:
+            raise problem("nHeads", f"({dims.n_heads}) must divide dim ({dims.dim}), or set "
+                          "headDim")
         if dims.n_heads % dims.n_kv_heads:
             raise problem("nKvHeads", f"({dims.n_kv_heads}) must divide nHeads ({dims.n_heads})")
-        if (dims.dim // dims.n_heads) % 2:
-            raise problem("nHeads", f"head size dim/nHeads ({dims.dim // dims.n_heads}) must be "
-                          "even for rotary embeddings")
+        if dims.head_size % 2:
+            raise problem("nHeads" if dims.head_dim is None else "headDim",
+                          f"head size ({dims.head_size}) must be even for rotary embeddings")
+        _check_family(self, dims)
         return self
 
     def resolve(self) -> ModelDims:
@@ -150,9 +185,9 @@ class ModelSpec(ApiModel):
         trainer reads (`kubetrain.trainer.pretrained_config.trained_model`).
         """
         overrides = {name: getattr(self, name) for name in ModelDims.model_fields
-                     if getattr(self, name) is not None}
+                     if getattr(self, name, None) is not None}
         if (preset := self.preset_defaults) is not None:
-            return preset.dims.model_copy(update=overrides)
+            return ModelDims.model_validate({**preset.dims.model_dump(), **overrides})
         dim, n_heads = overrides["dim"], overrides["n_heads"]
         return ModelDims(**{
             "n_kv_heads": n_heads, "vocab_size": 32_000, "ffn_dim": _swiglu_hidden(dim),
@@ -162,6 +197,25 @@ class ModelSpec(ApiModel):
     @property
     def preset_defaults(self) -> Preset | None:
         return PRESETS.get(self.preset)
+
+
+def _check_family(model: ModelSpec, dims: ModelDims) -> None:
+    """Refuse what the model's family cannot build or export, and the features that are
+    built on the Llama block alone."""
+    problems = family_problems(dims)
+    if problems:
+        field, _, message = problems[0].partition(": ")
+        raise problem(field, message)
+    if dims.family == "llama":
+        return
+    if model.architecture == "ssm":
+        raise problem("architecture", f"ssm builds its own block, with no attention for the "
+                      f"{dims.family} family to differ in: use a llama preset or preset "
+                      "custom, or size the SSM from a teacher of any family with fromTeacher")
+    if model.dynamics.enabled:
+        raise problem("dynamics.enabled", f"INL dynamics are built on the Llama block and "
+                      f"exported as a Llama, not on {dims.family}'s: set dynamics.enabled "
+                      "false or use a llama model")
 
 
 def _swiglu_hidden(dim: int, multiple_of: int = 256) -> int:

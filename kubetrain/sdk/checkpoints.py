@@ -7,14 +7,19 @@ Completeness is never guessed: only a marked folder is uploaded to spec.checkpoi
 the newest uploaded one here, where `latest_checkpoint()` finds it.
 
 Two kinds of folder:
-- written by rank 0 alone (`torch.save`, transformers' Trainer without FSDP): rank 0 marks it;
-  marks from other ranks are ignored;
+- written by rank 0 alone (`torch.save`, transformers' Trainer without FSDP): rank 0's mark
+  makes it complete; the other ranks' marks say only that they are done with it;
 - sharded, every rank writing its part (torch DCP): every rank marks it with `sharded=True`
-  after the save returned on all ranks. Each pod holds only its own ranks' files, so each pod
-  uploads its part, and the checkpoint counts once every pod's part is up.
+  as soon as its own part is written (for `dcp.save`, when the call returned on that rank).
+  No barrier is needed before the mark: a pod's part counts once every rank of that pod
+  marked it, and the checkpoint once every pod's part is up, so a rank that marks first
+  waits for nobody and a checkpoint is never taken before all of it is written.
 
 The marker is `<folder>/.kubetrain/complete-rank-<RANK>.json`, written atomically; a folder
-kubetrain restored or completed from the uploaded copy has `.kubetrain/restored.json`.
+kubetrain restored or completed from the uploaded copy has `.kubetrain/restored.json`. A
+mark made after `stop_agreed()` said yes is a stop mark (`Mark.stop`): it names the process,
+which has nothing left to save, so kubetrain's entry ends it if it has not exited
+`STOP_LINGER_SECONDS` later (kubetrain.trainer.own_code).
 Torch-free; this module's functions are the one reading of the markers.
 """
 
@@ -22,8 +27,11 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from kubetrain.sdk.stop import stopping
 
 CHECKPOINT_DIR_ENV = "KUBETRAIN_CHECKPOINT_DIR"
 # Outside a cluster (no KUBETRAIN_CHECKPOINT_DIR): a folder beside the script's working dir.
@@ -51,6 +59,40 @@ class Mark:
     group_rank: int  # torchrun's node rank: which pod of the group wrote this part
     group_world_size: int
     sharded: bool
+    stop: bool = False  # made after the stop was agreed: the process's last save
+    process: ProcessIdentity | None = None  # the process that marked (None: not known)
+    time: float = 0.0  # when, in seconds since the epoch
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process as the kernel knows it: its pid and its start time (clock ticks after
+    boot, /proc/PID/stat's 22nd field), which tells it apart from a later process that
+    reuses the pid."""
+
+    pid: int
+    started: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessIdentity | None:
+        """The process `pid` now, or None when there is none (or no /proc to ask)."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        # The command name (field 2) may hold spaces and parentheses: count after its end.
+        return cls(pid, int(stat.rsplit(")", 1)[1].split()[19]))
+
+    def alive(self) -> bool:
+        """Whether this very process still runs (not a zombie, not a newer one's pid)."""
+        now = ProcessIdentity.of(self.pid)
+        if now != self:
+            return False
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
 
 
 def checkpoint_dir() -> Path:
@@ -63,25 +105,28 @@ def checkpoint_dir() -> Path:
 def mark_complete(path: str | os.PathLike[str], step: int, *, sharded: bool = False) -> None:
     """Say that checkpoint folder `path`, of training step `step`, is fully written.
 
-    Call it after the save has returned: on rank 0 for a folder rank 0 wrote alone (a call
-    on another rank does nothing), or on every rank with `sharded=True` for a folder every
-    rank wrote part of (torch DCP), once the save returned on all of them.
+    Call it after the save has returned on this rank: for a folder rank 0 wrote alone, on
+    rank 0 (a call on another rank is allowed and only says that rank is done with it); for
+    a folder every rank wrote part of (torch DCP), on every rank with `sharded=True`, as
+    soon as that rank's save returned. No barrier is needed first.
     """
     if step < 0:
         raise ValueError(f"step must be 0 or more, got {step}")
     rank = _env_int("RANK", 0)
-    if not sharded and rank != 0:
-        return
     world_size = _env_int("WORLD_SIZE", 1)
     mark = Mark(step=step, rank=rank, world_size=world_size,
                 local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size),
                 group_rank=_env_int("GROUP_RANK", 0),
-                group_world_size=_env_int("GROUP_WORLD_SIZE", 1), sharded=sharded)
+                group_world_size=_env_int("GROUP_WORLD_SIZE", 1), sharded=sharded,
+                stop=stopping(), process=ProcessIdentity.of(os.getpid()), time=time.time())
     folder = Path(path)
     _write_json(folder / MARKER_DIR / f"{_RANK_MARKER_PREFIX}{rank}.json", {
         "step": mark.step, "rank": mark.rank, "worldSize": mark.world_size,
         "localWorldSize": mark.local_world_size, "groupRank": mark.group_rank,
-        "groupWorldSize": mark.group_world_size, "sharded": mark.sharded})
+        "groupWorldSize": mark.group_world_size, "sharded": mark.sharded,
+        "stop": mark.stop, "time": mark.time,
+        **({"pid": mark.process.pid, "processStarted": mark.process.started}
+           if mark.process is not None else {})})
 
 
 def mark_restored(folder: Path, step: int) -> None:
@@ -103,12 +148,15 @@ def marks(folder: Path) -> list[Mark]:
     for path in sorted((folder / MARKER_DIR).glob(f"{_RANK_MARKER_PREFIX}*.json")):
         try:
             data = json.loads(path.read_text())
+            process = (ProcessIdentity(int(data["pid"]), int(data["processStarted"]))
+                       if "pid" in data else None)
             found.append(Mark(step=int(data["step"]), rank=int(data["rank"]),
                               world_size=int(data["worldSize"]),
                               local_world_size=int(data["localWorldSize"]),
                               group_rank=int(data["groupRank"]),
                               group_world_size=int(data["groupWorldSize"]),
-                              sharded=bool(data["sharded"])))
+                              sharded=bool(data["sharded"]), stop=bool(data.get("stop")),
+                              process=process, time=float(data.get("time", 0.0))))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return found
@@ -174,3 +222,13 @@ def latest_checkpoint() -> Path | None:
         if step is not None and (best is None or step > best[0]):
             best = (step, folder)
     return best[1] if best else None
+
+
+def stop_marks(local_dir: Path) -> list[Mark]:
+    """Every stop mark in the folders under `local_dir`: the processes that saved their last
+    checkpoint (the one they marked after `stop_agreed()`)."""
+    if not local_dir.is_dir():
+        return []
+    return [mark for folder in local_dir.iterdir()
+            if folder.is_dir() and not folder.name.startswith(".")
+            for mark in marks(folder) if mark.stop]

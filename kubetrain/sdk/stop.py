@@ -7,6 +7,10 @@ torch.distributed one rank may be signalled before the others, and a checkpoint 
 collective: `stop_agreed()` all-reduces the flag (MAX), so every rank sees the same answer
 at the same step and they save together. Until the first call, SIGTERM keeps its default
 (the process ends), so importing the SDK changes nothing.
+
+Once `stop_agreed()` has said yes, the process is stopping: the checkpoint it marks next
+(`mark_complete`) is its stop checkpoint, and the marker says so, so that kubetrain's entry
+knows the process has nothing left to save (`stopping()`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import threading
 from types import FrameType
 
 _seen = threading.Event()
+_agreed = threading.Event()
 _installed = False
 
 
@@ -48,6 +53,8 @@ def stop_agreed() -> bool:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
+        if signalled:
+            _agreed.set()
         return signalled
     import torch
 
@@ -56,4 +63,12 @@ def stop_agreed() -> bool:
               if backend == "nccl" else torch.device("cpu"))
     flag = torch.tensor([1 if signalled else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        _agreed.set()
     return bool(flag.item())
+
+
+def stopping() -> bool:
+    """Whether `stop_agreed()` has said yes in this process: it is saving its last
+    checkpoint and then ends."""
+    return _agreed.is_set()

@@ -363,17 +363,19 @@ OWN_CODE_SYNC_SECONDS = 1.0
 
 def add_own_code_scripts(cluster: Cluster) -> None:
     """The ConfigMap `own_code_job`'s pods mount the test scripts from."""
-    scripts = [REPO / "tests" / "own_code" / name for name in ("plain_torch.py", "hf_trainer.py")]
+    scripts = [REPO / "tests" / "own_code" / name
+               for name in ("plain_torch.py", "ddp_from_the_docs.py", "hf_trainer.py")]
     cluster.core.create_namespaced_config_map(NAMESPACE, {
         "metadata": {"name": OWN_CODE_SCRIPTS},
         "data": {script.name: script.read_text() for script in scripts}})
 
 
 def own_code_job(name: str, s3: str, *, steps: int, save_every: int, step_seconds: float,
-                 script: str = "plain_torch.py", replicas: int = 2,
+                 script: str = "plain_torch.py", replicas: int = 2, procs_per_worker: int = 1,
                  run_policy: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An own-code job running `script` (from `add_own_code_scripts`) on `replicas` workers:
-    `steps` steps, a DCP checkpoint every `save_every`, each step `step_seconds` longer."""
+    """An own-code job running `script` (from `add_own_code_scripts`) on `replicas` workers
+    of `procs_per_worker` processes: `steps` steps, a DCP checkpoint every `save_every`,
+    each step `step_seconds` longer."""
     return {
         "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
         "metadata": {"name": name, "namespace": NAMESPACE},
@@ -386,7 +388,7 @@ def own_code_job(name: str, s3: str, *, steps: int, save_every: int, step_second
                 "env": [{"name": "KUBETRAIN_SYNC_SECONDS",
                          "value": f"{OWN_CODE_SYNC_SECONDS:g}"}],
             },
-            "workers": {"replicas": replicas, "template": {
+            "workers": {"replicas": replicas, "procsPerWorker": procs_per_worker, "template": {
                 "volumes": [{"name": "scripts", "configMap": {"name": OWN_CODE_SCRIPTS}}],
                 "volumeMounts": [{"name": "scripts", "mountPath": OWN_CODE_DIR,
                                   "readOnly": True}]}},

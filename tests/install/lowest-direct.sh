@@ -7,7 +7,7 @@
 #   bash tests/install/lowest-direct.sh [PYTEST ARGS...]     (`make lowest`)
 #
 # The environment is .venv-lowest/, synced exactly to the compiled pins on every run.
-# torch is the exception: its lowest allowed release (2.6) would pull several GB of
+# torch is the exception: its lowest allowed release (2.9) would pull several GB of
 # CUDA packages, so this run uses the same torch as .venv (the CPU build `make`
 # installs) and torch's own bound is not exercised here.
 set -euo pipefail

@@ -263,3 +263,58 @@ def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus:
     assert not of_kind(found, "finished")
     last_step = max(event["step"] for event in of_kind(found, "step"))
     assert max(event["step"] for event in of_kind(found, "checkpoint")) >= last_step
+
+
+def test_run_fine_tunes_a_qwen3_checkpoint_and_exports_what_transformers_loads(
+        tmp_path: Path, corpus: Path, prepared_corpus: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small Qwen3-shaped model made here by transformers (random weights, heads wider
+    than hidden / heads, per-head q/k norms), saved as a hub folder with its tokenizer:
+    `kubetrain run` prepares the corpus with that tokenizer, two FSDP ranks load it under
+    the qwen3-0.6b preset's training defaults, fine-tune, and export a Qwen3ForCausalLM that
+    transformers loads with no missing or unexpected key and the checkpoint's logits."""
+    import torch
+    import transformers
+
+    from kubetrain.trainer.generate import load_model
+
+    folder = tmp_path / "qwen3"
+    config = transformers.Qwen3Config(
+        vocab_size=prepared_corpus.train.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=prepared_corpus.train.eos_token_id,
+        eos_token_id=prepared_corpus.train.eos_token_id)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    tokenizer = Path(prepared_corpus.tokenizer_uri.removeprefix("file://"))
+    (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+
+    name = "qwen3"
+    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=12)
+    manifest["spec"]["model"] = {"preset": "qwen3-0.6b", "init": str(folder)}
+    manifest["spec"]["workers"] = {"replicas": 1, "procsPerWorker": 2}
+    manifest["spec"]["optimization"].update(learningRate=3e-3, warmupSteps=2)
+    manifest["spec"]["evaluation"] = {"everySteps": 12, "batches": 4}
+    code, output = finish(start_run(tmp_path, manifest))
+    assert code == 0, output
+
+    found = events(tmp_path, name)
+    assert [event["uri"] for event in of_kind(found, "initialised")] == [str(folder)]
+    val_losses = [event["val_loss"] for event in of_kind(found, "eval")]
+    assert val_losses[-1] < val_losses[0] - 0.5, val_losses  # it fine-tuned
+    (finished,) = of_kind(found, "finished")
+    exported = Path(finished["export_uri"].removeprefix("file://"))
+    assert json.loads((exported / "config.json").read_text())["model_type"] == "qwen3"
+    assert (exported / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+
+    hf, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        exported, dtype=torch.float32, output_loading_info=True)
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    assert not any(loading.values()), loading
+    monkeypatch.chdir(tmp_path)  # the spec the checkpoint records names runs/... paths
+    trained = load_model(f"runs/{name}/checkpoints").model
+    tokens = torch.randint(0, config.vocab_size, (2, 64),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, trained(tokens), rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """The in-memory checkpoint tier in a worker pod: its memory volume, sized by the tier's
 budget, and that size added to the pod's memory request and limit; a tier over
-maxWorkerMemory refused with the numbers."""
+maxWorkerMemory refused with the numbers. The S3 tier's staging buffer (checkpoint.async)
+added to the pod's memory the same way."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import pytest
 
 from kubetrain.api import parse_job
 from kubetrain.api.manifest import InvalidManifest
-from kubetrain.memory_budget import FOLDER_ENV, VERSIONS, parse_quantity, tier_budget
+from kubetrain.memory_budget import (
+    FOLDER_ENV,
+    VERSIONS,
+    parse_quantity,
+    staging_budget,
+    tier_budget,
+)
 from kubetrain.operator.children import MEMORY_CHECKPOINTS_DIR, MEMORY_VOLUME, worker_pod
 
 
@@ -97,3 +104,29 @@ def test_pods_with_partner_copies_are_spread_over_nodes_softly_and_others_are_no
     for memory in (None, {"everySteps": 2, "replicas": 0}):
         assert "topologySpreadConstraints" not in worker_pod(
             _job(minimal_manifest, memory), 1, 0)["spec"]
+
+
+def test_async_saves_add_their_staging_buffer_to_the_pods_memory_beside_the_tiers(
+    minimal_manifest: dict[str, Any],
+) -> None:
+    resources = {"requests": {"memory": "8Gi"}, "limits": {"memory": "16Gi"}}
+    memory = {"everySteps": 2, "replicas": 1}
+    tier_only = _job(minimal_manifest, memory, resources=resources, procsPerWorker=2)
+    document = copy.deepcopy(minimal_manifest)
+    document["spec"]["checkpoint"]["async"] = True
+    both = _job(document, memory, resources=resources, procsPerWorker=2)
+    budget = staging_budget(both.spec)
+    assert staging_budget(tier_only.spec) is None
+    assert budget is not None and budget.world_size == 4
+    assert budget.per_worker == budget.shard_bytes * 2  # one state shard per process
+    tier = tier_budget(both.spec)
+    assert tier is not None and budget.shard_bytes == tier.shard_bytes
+    got = _container(worker_pod(both, 0, 0))["resources"]
+    before = _container(worker_pod(tier_only, 0, 0))["resources"]
+    for kind in ("requests", "limits"):
+        added = parse_quantity(got[kind]["memory"]) - parse_quantity(before[kind]["memory"])
+        assert 0 <= added - budget.per_worker < 2**20, kind
+    (volume,) = [v for v in worker_pod(both, 0, 0)["spec"]["volumes"]
+                 if v["name"] == MEMORY_VOLUME]
+    assert 0 <= parse_quantity(volume["emptyDir"]["sizeLimit"]) - tier.per_worker < 2**20, \
+        "the staging buffer is the process's memory, not the tier's volume"

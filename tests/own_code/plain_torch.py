@@ -1,11 +1,12 @@
 """A plain PyTorch training script run as a job's own code (spec.trainer): FSDP2 and DCP.
 
-A test asset, never part of a product image (the whole-loop tests add it in a test image
-layer; `kubetrain run` tests run it from here). What a user's torchrun script looks like
+A test asset, never part of a product image (the whole-loop tests mount it from a
+ConfigMap; `kubetrain run` tests run it from here). What a user's torchrun script looks like
 with kubetrain.sdk: a tiny regression model sharded with FSDP2 on gloo (CPU), a sharded
 torch.distributed.checkpoint (DCP) folder every `--save-every` steps that every rank marks
 complete, resume from `sdk.latest_checkpoint()`, progress through `sdk.report`, and on
-SIGTERM a save at the step every rank agrees on, then exit 143.
+SIGTERM a save at the step every rank agrees on, then exit 143. Each rank marks its part as
+soon as its own dcp.save returned: no barrier is needed (docs/own-code.md).
 
 Rank 0 prints one `own-code step N loss L` line per step it trains and
 `own-code resumed from step N` when it loads a checkpoint, which the tests read to count the
@@ -53,7 +54,6 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optimizer_state, "step": torch.tensor(step)},
              checkpoint_id=str(folder))
-    dist.barrier()  # the save returned on every rank: each marks its own part
     sdk.mark_complete(folder, step, sharded=True)
 
 

@@ -186,6 +186,39 @@ def test_out_of_memory_restarts_halve_the_scripts_micro_batch_keeping_the_global
     assert micro * accumulation == yours * 2
 
 
+_STOP_MARK_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+from kubetrain import sdk
+from kubetrain.sdk import checkpoints
+root = Path(sys.argv[1])
+sdk.stop_requested()
+for step in (1, 2):
+    if step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+    if step == 2 and not sdk.stop_agreed():
+        sys.exit(1)
+    (root / f"step-{step}").mkdir()
+    sdk.mark_complete(root / f"step-{step}", step, sharded=True)
+"""
+
+
+def test_a_mark_made_after_the_stop_was_agreed_is_a_stop_mark_naming_its_process(
+        tmp_path: Path) -> None:
+    child = subprocess.run([sys.executable, "-c", _STOP_MARK_SCRIPT, str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    (periodic,) = checkpoints.marks(tmp_path / "step-1")
+    (stop,) = checkpoints.marks(tmp_path / "step-2")
+    assert not periodic.stop and stop.stop
+    assert checkpoints.stop_marks(tmp_path) == [stop]
+    assert stop.process is not None and stop.process == periodic.process
+    assert not stop.process.alive()  # the child has exited: its pid names no process now
+    this = checkpoints.ProcessIdentity.of(os.getpid())
+    assert this is not None and this.alive()
+
+
 _STOP_SCRIPT = """
 import os, signal, sys, time
 from kubetrain import sdk

@@ -1,8 +1,11 @@
 """A torchrun worker for the resharding test: FSDP2 training state saved on N ranks, loaded on M.
 
-    fsdp_checkpoint_worker.py save|load URI ENDPOINTS OUT [WIDTH]
+    fsdp_checkpoint_worker.py save|save-async|load URI ENDPOINTS OUT [WIDTH]
 
 `save`: train two steps of a small FSDP2 model and checkpoint at step 2.
+`save-async`: the same, asynchronously: the DTensor shards staged on a stand-in for a
+side stream (tests/trainer/deferred_stream.py) whose copy runs only before step 3's
+optimizer step, and step 3 trained before the save is waited for; OUT holds step 2's state.
 `load`: build the same model on this world size and load the newest checkpoint.
 Either way rank 0 then writes the full (unsharded) model and optimizer state to OUT.
 ENDPOINTS is one S3 endpoint, or a comma-separated one per rank; WIDTH (default 24)
@@ -11,8 +14,10 @@ sizes the model's three square layers.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +27,10 @@ from torch.distributed.fsdp import fully_shard
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.trainer.checkpoint import Checkpointer, ModelState
+from kubetrain.trainer.staging import Staging
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+from deferred_stream import DeferredStream
 
 
 def main(mode: str, uri: str, endpoints: str, out: str, width: str = "24") -> None:
@@ -44,23 +53,35 @@ def main(mode: str, uri: str, endpoints: str, out: str, width: str = "24") -> No
         "spec": {"image": "trainer", "model": {"preset": "tiny"},
                  "data": {"train": "s3://unused/train"},
                  "optimization": {"maxSteps": 10},
-                 "checkpoint": {"uri": uri},
+                 "checkpoint": {"uri": uri, "async": mode == "save-async"},
                  "storage": {"endpoint": endpoint, "region": "us-east-1"}},
     }).spec
-    checkpointer = Checkpointer(spec, rank=rank, world_size=world)
+    staging = Staging(torch.device("cpu"), DeferredStream() if mode == "save-async" else None)
+    checkpointer = Checkpointer(spec, rank=rank, world_size=world, staging=staging)
     app = {"model": ModelState(model, optimizer)}
-    if mode == "save":
+
+    def train(step: int) -> None:
+        seed = torch.Generator().manual_seed(step * world + rank)
+        inputs = torch.randn(8, size, generator=seed)
+        model(inputs).square().mean().backward()
+        staging.before_update()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    if mode.startswith("save"):
         for step in range(2):
-            seed = torch.Generator().manual_seed(step * world + rank)
-            inputs = torch.randn(8, size, generator=seed)
-            model(inputs).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        checkpointer.save(2, app)
+            train(step)
+        checkpointer.save(2, app, blocking=mode == "save")
     else:
         assert checkpointer.load_latest(app) == 2
     full_model, full_optimizer = get_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if mode == "save-async":
+        # Step 2's state as it is now: a CPU tensor (AdamW's step count) is not copied by
+        # get_state_dict, and step 3 would change it in place.
+        full_model, full_optimizer = copy.deepcopy((full_model, full_optimizer))
+        train(2)  # step 3 changes the weights the save's copy reads, after waiting for it
+        checkpointer.wait()
     if rank == 0:
         torch.save({"model": full_model, "optimizer": full_optimizer}, out)
     checkpointer.close()

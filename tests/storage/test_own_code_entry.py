@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,14 @@ import yaml
 from kubetrain import sdk
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import PreflightPolicy, StorageSpec
+from kubetrain.sdk.checkpoints import Mark, stop_marks
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, commits
-from kubetrain.trainer.own_code import prepare, start_preflight
+from kubetrain.trainer.own_code import (
+    STOP_LINGER_SECONDS,
+    end_lingering,
+    prepare,
+    start_preflight,
+)
 from kubetrain.trainer.storage import open_storage
 
 # The user's code: resumes from the restored folder, saves one more step, and on SIGTERM
@@ -33,11 +40,13 @@ def save(step):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "step.txt").write_text(str(step))
     sdk.mark_complete(folder, step)
-if sys.argv[1] == "wait":
+if sys.argv[1] in ("wait", "linger"):
     print("waiting", flush=True)
-    while not sdk.stop_requested():
+    while not sdk.stop_agreed():
         time.sleep(0.05)
     save(step + 1)
+    if sys.argv[1] == "linger":  # as a process whose teardown hangs: its thread never ends
+                threading.Thread(target=time.sleep, args=(600,)).start()
     sys.exit(143)
 save(step + 1)
 (sdk.checkpoint_dir() / "scratch").mkdir(exist_ok=True)  # never marked
@@ -91,6 +100,65 @@ def test_sigterm_reaches_the_command_and_its_last_checkpoint_is_uploaded(
     assert run.wait(timeout=120) == 143
     remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
     assert [c.step for c in commits(remote)] == [1]
+
+
+@pytest.mark.timeout(180)
+def test_a_process_that_lingers_after_its_stop_checkpoint_is_ended_and_the_pod_lets_go(
+        tmp_path: Path, job_file: Path, s3_bucket: str, s3_spec: StorageSpec) -> None:
+    run = _entry(job_file, tmp_path / "pod", "linger")
+    assert run.stdout is not None and run.stderr is not None
+    while "waiting" not in run.stdout.readline():
+        assert run.poll() is None, run.stderr.read()
+    signalled = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    # The command saved and marked its stop checkpoint at once, then would have run for
+    # 600 s more: it is ended STOP_LINGER_SECONDS after its mark, the checkpoint committed.
+    assert run.wait(timeout=STOP_LINGER_SECONDS + 60) == 143
+    released = time.monotonic() - signalled
+    assert released < STOP_LINGER_SECONDS + 30, released
+    assert "has not exited: ending it" in run.stderr.read()
+    remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
+    assert [c.step for c in commits(remote)] == [1]
+
+
+def test_only_a_process_past_its_stop_mark_is_ended(tmp_path: Path) -> None:
+    lingering = subprocess.Popen([sys.executable, "-c", _MARKS_AND_SLEEPS, str(tmp_path), "stop"],
+                                 stdout=subprocess.PIPE, text=True)
+    training = subprocess.Popen([sys.executable, "-c", _MARKS_AND_SLEEPS, str(tmp_path), "save"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        for child in (lingering, training):
+            assert child.stdout is not None and child.stdout.readline().strip() == "marked"
+        (stop,) = stop_marks(tmp_path)
+        assert stop.process is not None and stop.process.pid == lingering.pid
+        ended: set[Mark] = set()
+        # Within the linger time nothing is ended; after it only the stop mark's process.
+        assert end_lingering(tmp_path, stop.time + STOP_LINGER_SECONDS - 1, ended) == []
+        assert end_lingering(tmp_path, stop.time + STOP_LINGER_SECONDS + 1, ended) == [stop]
+        assert lingering.wait(timeout=10) == -signal.SIGKILL
+        assert training.poll() is None  # a periodic save's mark ends nobody
+        assert end_lingering(tmp_path, stop.time + 3600, ended) == []  # never twice
+    finally:
+        for child in (lingering, training):
+            child.kill()
+            child.wait()
+
+
+# Marks a checkpoint folder (after agreeing to stop, with "stop") and then sleeps.
+_MARKS_AND_SLEEPS = """
+import os, signal, sys, time
+from pathlib import Path
+from kubetrain import sdk
+sdk.stop_requested()
+if sys.argv[2] == "stop":
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert sdk.stop_agreed()
+folder = Path(sys.argv[1]) / f"{sys.argv[2]}-5"
+folder.mkdir()
+sdk.mark_complete(folder, 5)
+print("marked", flush=True)
+time.sleep(600)
+"""
 
 
 def test_the_entry_module_loads_no_torch_so_the_restore_starts_first() -> None:

@@ -28,6 +28,7 @@ from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import DynamicsSpec, StorageSpec, TrainingJobSpec
 from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV
 from kubetrain.trainer.export import _interleaved_to_halves, export_model
+from kubetrain.trainer.hf_families import ROTATED_ROWS
 from kubetrain.trainer.loop import Trainer
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.prepare import PreparedDataset
@@ -222,13 +223,16 @@ def _edit_config(folder: Path, **changes: Any) -> None:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"model_type": "mistral"}, "has model_type 'mistral'"),
+    ({"model_type": "gemma2"}, "has model_type 'gemma2'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-     "rope_parameters with rope_type 'llama3'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling with rope_type 'linear'"),
+     "needs rope_parameters.low_freq_factor as a positive number for rope_type 'llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0}},
+     "rope_parameters with rope_type 'yarn'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     "has rope_parameters and rope_scaling that disagree"),
     ({"attention_bias": True}, "has attention_bias: true"),
     ({"hidden_act": "gelu"}, "has hidden_act 'gelu'"),
-    ({"head_dim": 32}, "has head_dim 32"),
+    ({"head_dim": 15}, "a head size of 15"),
     ({"kubetrain": {"mixtureOfExperts": {"experts": 8}}},
      "marks the model with kubetrain.mixtureOfExperts: it was exported by a kubetrain with a "
      "feature this version does not build"),
@@ -315,51 +319,80 @@ def sharded_dynamics_model(hf_models: dict[str, Path],
     return folder
 
 
+@pytest.fixture(scope="module")
+def sharded_family_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The "sharded" shape as a Qwen2 (q/k/v biases: rows of one value each) and a Gemma 3
+    (per-head q/k norms, heads of 20 wider than hidden / heads), in uneven shards."""
+    root = tmp_path_factory.mktemp("families")
+    options = {key: value for key, value in MODELS["sharded"].items() if key != "rope_theta"}
+    configs = {"qwen2": transformers.Qwen2Config(**options),
+               "gemma3": transformers.Gemma3TextConfig(**options, head_dim=20,
+                                                       layer_types=["sliding_attention",
+                                                                    "full_attention"])}
+    folders = []
+    for family, config in configs.items():
+        torch.manual_seed(1)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(("norm.weight", ".bias")):
+                    parameter.uniform_(-0.5, 0.5)
+        model.save_pretrained(root / family, max_shard_size="20KB")
+        folders.append(root / family)
+    return folders
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dynamics", [False, True], ids=["llama", "dynamics"])
+@pytest.mark.parametrize("dynamics", [False, True], ids=["llama-qwen2-gemma3", "dynamics"])
 def test_two_fsdp_ranks_each_read_only_their_shards_and_equal_one_process(
         tmp_path: Path, hf_models: dict[str, Path], dynamics: bool,
         request: pytest.FixtureRequest) -> None:
-    folder = (request.getfixturevalue("sharded_dynamics_model") if dynamics
-              else hf_models["sharded"])
+    """For a Llama, and in the same launch a Qwen2 and a Gemma 3, whose biases and head
+    norms are permuted per head like the q/k projections; and for a dynamics export."""
+    folders = ([request.getfixturevalue("sharded_dynamics_model")] if dynamics
+               else [hf_models["sharded"], *request.getfixturevalue("sharded_family_models")])
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKER), str(folder), str(tmp_path)],
+         str(WORKER), str(tmp_path), *map(str, folders)],
         timeout=120, capture_output=True, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"the workers failed:\n{done.stdout}\n{done.stderr}"
+    for index, folder in enumerate(folders):
+        _check_sharded_load(folder, tmp_path / str(index), dynamics)
 
+
+def _check_sharded_load(folder: Path, written: Path, dynamics: bool) -> None:
     # The gathered state of the two ranks is the one-process import's.
     single = _imported(folder)
     assert single.has_dynamics == dynamics
-    sharded = torch.load(tmp_path / "state.pt")
+    sharded = torch.load(written / "state.pt")
     expected = single.state_dict()
     assert sharded.keys() == expected.keys()
     for name, value in sharded.items():
         assert torch.equal(value, expected[name]), name
 
     # Each rank read the rows of its own half of every tensor (FSDP2 splits dim 0 as
-    # torch.chunk does), widened to whole heads for the query/key projections only.
-    config = json.loads((folder / "config.json").read_text())
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    # torch.chunk does), widened to whole heads for the query/key projections (and their
+    # biases and head norms) only.
+    head_dim = single.dims.head_size
     shapes = {name: tensor.shape for name, tensor in _all_tensors(folder).items()}
     whole = sum(shape.numel() * 4 for name, shape in shapes.items()
                 if name != "lm_head.weight")
     covered: dict[str, set[int]] = {}
     for rank in range(2):
-        reads = json.loads((tmp_path / f"reads-{rank}.json").read_text())
+        reads = json.loads((written / f"reads-{rank}.json").read_text())
         assert {name for name, *_ in reads} <= shapes.keys()
         for name, start, stop, _bytes in reads:
             rows = shapes[name][0]
             chunk = -(-rows // 2)
             own_start, own_stop = rank * chunk, min(rows, (rank + 1) * chunk)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            if name.endswith(ROTATED_ROWS):
                 own_start = own_start // head_dim * head_dim
                 own_stop = -(-own_stop // head_dim) * head_dim
             assert (start, stop) == (own_start, own_stop), (rank, name, start, stop)
             covered.setdefault(name, set()).update(range(start, stop))
         read_bytes = sum(size for *_, size in reads)
-        print(f"rank {rank} read {read_bytes} of {whole} bytes")
+        print(f"{folder.name} rank {rank} read {read_bytes} of {whole} bytes")
         assert read_bytes < 0.6 * whole
     assert covered.keys() == shapes.keys() - {"lm_head.weight"}
     for name, rows in covered.items():

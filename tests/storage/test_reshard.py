@@ -52,6 +52,17 @@ def test_a_two_rank_fsdp_checkpoint_loads_on_one_rank(
 
 
 @pytest.mark.slow
+def test_an_async_two_rank_fsdp_save_holds_its_steps_sharded_state_though_the_next_step_ran(
+        s3_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:
+    """DTensor shards staged into the S3 tier's host buffer (staging.py) and rebuilt as
+    DTensors over it for DCP: loaded on one rank, the state is step 2's, not step 3's."""
+    uri = f"s3://{s3_bucket}/staged"
+    _torchrun(2, "save-async", uri, s3_endpoint, str(tmp_path / "saved.pt"))
+    _torchrun(1, "load", uri, s3_endpoint, str(tmp_path / "loaded.pt"))
+    _assert_equal_states(torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt"))
+
+
+@pytest.mark.slow
 def test_each_of_two_loading_ranks_reads_less_than_the_whole_checkpoint(
         s3_endpoint: str, s3_bucket: str, faulty_s3: Callable[..., Any], tmp_path: Path) -> None:
     uri = f"s3://{s3_bucket}/ranged"

@@ -143,11 +143,11 @@ def test_the_command_reads_the_teachers_config_and_prints_its_row(
     from kubetrain.api.trainingjob import DynamicsSpec
     from kubetrain.cli import main
     from kubetrain.sizing import dynamics_parameter_count
-    from kubetrain.trainer.export import llama_config
+    from kubetrain.trainer.export import hf_config
 
     teacher = parse_job(manifest()).spec.model.resolve()  # llama-8b's dimensions
     (tmp_path / "teacher").mkdir()
-    (tmp_path / "teacher" / "config.json").write_text(json.dumps(llama_config(
+    (tmp_path / "teacher" / "config.json").write_text(json.dumps(hf_config(
         teacher, 4096, eos_token_id=0, dynamics=DynamicsSpec(enabled=dynamics))))
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest(model={"preset": "llama-1b"},
@@ -173,12 +173,12 @@ def test_a_model_init_job_is_sized_from_its_config_json_without_torch(tmp_path: 
     import json
 
     from kubetrain.api.presets import PRESETS
-    from kubetrain.trainer.export import llama_config
+    from kubetrain.trainer.export import hf_config
 
     dims = PRESETS["llama-1b"].dims
     folder = tmp_path / "pretrained"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(llama_config(dims, 4096, 0)))
+    (folder / "config.json").write_text(json.dumps(hf_config(dims, 4096, 0)))
     for model, code in (({"init": str(folder), "preset": "custom"}, 0),
                         ({"init": str(folder), "dim": 1024}, 2)):
         path = tmp_path / "job.yaml"
@@ -201,12 +201,12 @@ def test_a_model_init_job_of_a_dynamics_export_counts_the_controllers(tmp_path: 
 
     from kubetrain.api.presets import PRESETS
     from kubetrain.api.trainingjob import DynamicsSpec
-    from kubetrain.trainer.export import llama_config
+    from kubetrain.trainer.export import hf_config
 
     dims = PRESETS["llama-1b"].dims
     folder = tmp_path / "pretrained"
     folder.mkdir()
-    config = llama_config(dims, 4096, 0, DynamicsSpec(enabled=True, beta_max=1.5))
+    config = hf_config(dims, 4096, 0, DynamicsSpec(enabled=True, beta_max=1.5))
     (folder / "config.json").write_text(json.dumps(config))
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest(model={"init": str(folder)})))

@@ -17,7 +17,7 @@ import yaml
 from kubetrain.api.presets import PRESETS
 from kubetrain.cli import main
 from kubetrain.sizing import parameter_count
-from kubetrain.trainer.export import llama_config
+from kubetrain.trainer.export import hf_config
 
 GIB = 2**30
 
@@ -94,7 +94,7 @@ def test_a_tier_over_max_worker_memory_is_refused_with_its_numbers(
     dims = PRESETS["llama-1b"].dims
     folder = tmp_path / "pretrained"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(llama_config(dims, 4096, 0)))
+    (folder / "config.json").write_text(json.dumps(hf_config(dims, 4096, 0)))
     model = {"init": str(folder), "preset": "custom"}
     needed = _per_worker_gib(parameter_count(dims), 4, 1, 2)
     too_small = _estimate(tmp_path, _manifest(model, {
@@ -107,3 +107,43 @@ def test_a_tier_over_max_worker_memory_is_refused_with_its_numbers(
         "everySteps": 2, "replicas": 1, "maxWorkerMemory": "30Gi"}), capsys)
     assert fits.returncode == 0, fits.stdout + fits.stderr
     assert "does NOT fit" not in fits.stdout
+
+
+
+def _staged(tmp_path: Path, gpu_memory: str, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """The estimate's lines for llama-1b on one process with both tiers: S3 saves every 500
+    steps, asynchronous, and the in-memory tier every 10 (it snapshots first)."""
+    manifest = {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                "metadata": {"name": "staged"},
+                "spec": {"image": "x", "model": {"preset": "llama-1b"},
+                         "workers": {"replicas": 1, "procsPerWorker": 1},
+                         "data": {"train": "s3://d/train", "seqLen": 2048},
+                         "optimization": {"microBatchSize": 4, "gradientAccumulationSteps": 1},
+                         "checkpoint": {"uri": "s3://c/staged", "async": True,
+                                        "everySteps": 500, "memory": {"everySteps": 10}}}}
+    path = tmp_path / "staged.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    assert main(["estimate", str(path), "--gpu-memory", gpu_memory]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def _path_of(lines: list[str], tier: str) -> str:
+    return lines[lines.index(f"  {tier}") + 1].strip()
+
+
+def test_estimate_says_how_each_tier_stages_on_the_gpu_and_counts_the_s3_staging_buffer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    memory, s3 = "in-memory checkpoints (checkpoint.memory)", "S3 checkpoints (checkpoint.async)"
+    roomy = _staged(tmp_path, "141", capsys)  # an H200: room for both shards on the GPU
+    assert _path_of(roomy, memory).startswith("device-side first phase")
+    assert _path_of(roomy, s3).startswith("device-side first phase")
+    # Less room: the tier that snapshots first takes it, the other copies to the host.
+    tight = _staged(tmp_path, "64", capsys)
+    assert _path_of(tight, memory).startswith("device-side first phase")
+    assert _path_of(tight, s3).startswith("overlapped host copy")
+    assert _path_of(_staged(tmp_path, "48", capsys), memory).startswith("overlapped host copy")
+
+    shard = -(-parameter_count(PRESETS["llama-1b"].dims) * 12 // 1) + 2**20
+    buffer = next(line for line in roomy if line.startswith("  S3 staging buffer"))
+    assert float(buffer.split()[-1]) == round(shard / GIB, 2)
+    assert "x 1 processes per worker" in roomy[roomy.index(buffer) + 1]

@@ -149,26 +149,29 @@ def test_estimate_says_which_mesh_fits_a_70b_model_on_8_nodes_of_8_gpus(tmp_path
 ])
 def test_each_mesh_computes_the_loss_and_gradients_of_one_process(
         tmp_path: Path, strategy: str, tp: int, tied: str, shape: str) -> None:
+    """For a Llama and, in the same launch, a Gemma 3 (per-head q/k norms on split heads,
+    norms after each branch on split sequences, a sliding window, wide heads)."""
     out = tmp_path / "result.pt"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-         str(WORKER), strategy, str(tp), tied, str(out)],
+         str(WORKER), strategy, str(tp), tied, str(out), "llama,gemma3"],
         env=Launcher().env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     got = torch.load(out)
     assert got["shape"] == shape
     assert got["dp_ranks"] == ([0, 0, 1, 1] if tp == 2 else [0, 1, 2, 3])
     assert got["dp_size"] == 4 // tp
-    torch.manual_seed(0)
-    alone = Transformer(dims(tied == "tied"), max_seq_len=SEQ)
     tokens = got["tokens"]
-    loss = alone(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
-    loss.backward()
-    assert float(got["loss"]) == pytest.approx(loss.item(), rel=1e-5)
-    for name, parameter in alone.named_parameters():
-        assert parameter.grad is not None
-        torch.testing.assert_close(got["grads"][name], parameter.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    for family, found in got["families"].items():
+        torch.manual_seed(0)
+        alone = Transformer(dims(tied == "tied", family), max_seq_len=SEQ)
+        loss = alone(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+        assert float(found["loss"]) == pytest.approx(loss.item(), rel=1e-5), family
+        for name, parameter in alone.named_parameters():
+            assert parameter.grad is not None
+            torch.testing.assert_close(found["grads"][name], parameter.grad, rtol=1e-4,
+                                       atol=1e-6, msg=lambda m, n=f"{family} {name}": f"{n}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from kubetrain.memory_budget import (
     FOLDER_ENV,
     format_quantity,
     parse_quantity,
+    staging_budget,
     tier_budget,
 )
 from kubetrain.operator.own_code_container import own_code_container
@@ -185,6 +186,7 @@ def _trainer_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str,
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
+    checkpoint_staging(job, container)
     return container, memory_tier(job, container)
 
 
@@ -210,14 +212,30 @@ def memory_tier(job: TrainingJob, container: dict[str, Any]) -> list[dict[str, A
     budget = tier_budget(job.spec)
     if budget is not None:
         volume["emptyDir"]["sizeLimit"] = format_quantity(budget.per_worker)
-        resources = container["resources"]
-        for kind in ("requests", "limits"):
-            current = resources.get(kind, {}).get("memory")
-            if kind == "limits" and current is None:
-                continue  # no limit is made where the user set none
-            resources.setdefault(kind, {})["memory"] = format_quantity(
-                parse_quantity(current or 0) + budget.per_worker)
+        _add_memory(container, budget.per_worker)
     return [volume]
+
+
+def checkpoint_staging(job: TrainingJob, container: dict[str, Any]) -> None:
+    """spec.checkpoint.async: the host buffer the S3 tier's asynchronous saves stage into,
+    a state shard per process allocated at the first save and kept (`memory_budget.
+    staging_budget`), added to the container's memory request and, when it has one, its
+    limit, as the in-memory tier's size is. A model sized only by its config.json adds none."""
+    budget = staging_budget(job.spec)
+    if budget is not None:
+        _add_memory(container, budget.per_worker)
+
+
+def _add_memory(container: dict[str, Any], size: int) -> None:
+    """Add `size` bytes to the container's memory request, and to its limit where it has one
+    (no limit is made where the user set none)."""
+    resources = container["resources"]
+    for kind in ("requests", "limits"):
+        current = resources.get(kind, {}).get("memory")
+        if kind == "limits" and current is None:
+            continue
+        resources.setdefault(kind, {})["memory"] = format_quantity(
+            parse_quantity(current or 0) + size)
 
 
 def memory_tier_spread(job: TrainingJob) -> list[dict[str, Any]] | None:

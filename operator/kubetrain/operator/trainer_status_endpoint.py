@@ -211,15 +211,16 @@ class StatusReports:
             job.latest = replace(report, redone_until=job.redone_until)
 
 
-_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
-            405: "MethodNotAllowed", 413: "RequestEntityTooLarge", 422: "Invalid",
-            429: "TooManyRequests"}
+# Every status the endpoint answers a refusal with, and its Kubernetes `Status` reason.
+REFUSAL_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden",
+                   404: "NotFound", 405: "MethodNotAllowed", 413: "RequestEntityTooLarge",
+                   422: "Invalid", 429: "TooManyRequests"}
 
 
 def _status_response(refused: Refused) -> web.Response:
     """A Kubernetes `Status` body, as Kubeflow's endpoint answers a refusal."""
     body = {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "message": refused.reason, "reason": _REASONS.get(refused.status, "Unknown"),
+            "message": refused.reason, "reason": REFUSAL_REASONS.get(refused.status, "Unknown"),
             "code": refused.status}
     return web.json_response(body, status=refused.status, headers=refused.headers)
 

@@ -18,9 +18,13 @@ Use (what the training loop does; every call is collective: all ranks, same orde
     checkpointer.close()                           # waits for an upload in flight
 
 `save` with `blocking=False` and `spec.checkpoint.async` returns once the state
-is staged (copied to host memory by `dcp.async_save`); uploading and committing
-run in background threads over a separate gloo group, so training continues.
-The next `save`, `wait()` and `close()` wait for it and re-raise its error.
+is staged: `dcp.async_save` through the staging both tiers share (staging.py,
+`StateDictStaging`), into one host buffer kept from save to save. On the CPU the copy
+is done on return; on a GPU it runs beside the next step's forward and backward, and
+the next optimizer step waits for it (the loop's `Staging.before_update`). Uploading
+and committing run in background threads over a separate gloo group, once the copy has
+landed, so training continues. The next `save`, `wait()` and `close()` wait for it and
+re-raise its error.
 Otherwise `save` returns after the commit, and only the `keepLast` rotation
 (deleting older checkpoints) runs on in the background, waited for the same way; a
 rotation that fails is logged and never raised, so a clean-up never stops training.
@@ -123,6 +127,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from kubetrain.api.trainingjob import ModelDims, StorageSpec, TrainingJobSpec, step_folder
 from kubetrain.trainer.distributed import all_ranks_agree, broadcast_from_rank0
+from kubetrain.trainer.staging import Staging, StateDictStaging
 from kubetrain.trainer.storage import (
     DIGEST,
     HASH_CHUNK,
@@ -537,12 +542,15 @@ class Checkpointer:
         model_dims: ModelDims | None = None,
         on_commit: Callable[[CheckpointInfo], None] | None = None,
         optional_state: frozenset[str] = frozenset(),
+        staging: Staging | None = None,
     ) -> None:
         """`model_dims` defaults to `spec.model.resolve()`; pass the dims actually built
         (e.g. with the tokenizer's vocabulary). `on_commit` runs on rank 0 after each
         commit (in the background thread for async saves). `optional_state` names the
         app_state entries that checkpoints of older kubetrain versions lack: loading such
-        a checkpoint leaves them as they are instead of refusing it."""
+        a checkpoint leaves them as they are instead of refusing it. `staging` is where
+        asynchronous saves stage (the attempt's, shared with the in-memory tier; default:
+        in place, on the caller's thread)."""
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
@@ -554,11 +562,19 @@ class Checkpointer:
         # own, so they never interleave with the training loop's collectives.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._staging = staging or Staging(torch.device("cpu"))
+        self._stager = StateDictStaging(self._staging.area("S3 checkpoints"))
         self._in_flight: Future[None] | None = None
         self.last_step: int | None = None
         self.latest: CheckpointInfo | None = None
         # The same on every rank: validation losses are reduced over the group.
         self.best: BestCheckpoint | None = None
+
+    @property
+    def staging_path(self) -> str | None:
+        """How the first asynchronous save was staged on a GPU ("device-side first phase"
+        or "overlapped host copy"); None in place (the CPU) or before the first."""
+        return self._stager.area.path
 
     # --- saving ---------------------------------------------------------------------
 
@@ -594,8 +610,12 @@ class Checkpointer:
             if self.rank == 0:  # deleting old checkpoints need not hold training up
                 self._in_flight = self._finisher.submit(self._rotate, best)
         else:
-            written = dcp.async_save(app_state, storage_writer=writer, process_group=self._group)
-            if isinstance(written, AsyncSaveResponse):  # only with an asynchronous stager
+            # The staged state is in host memory already: no copying ahead from a device,
+            # as DCP's writer does when it stages itself (FileSystemWriter.stage).
+            writer.per_thread_copy_ahead = 0
+            written = dcp.async_save(app_state, storage_writer=writer, process_group=self._group,
+                                     async_stager=self._stager)
+            if isinstance(written, AsyncSaveResponse):  # our stager's: a future of staging
                 written = written.upload_completion
             self._in_flight = self._finisher.submit(self._commit_after, written, step, writer,
                                                     val_loss, best)
@@ -674,6 +694,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until a background save has committed (and a rotation ended); re-raise the
         save's error."""
+        self._stager.land()
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             in_flight.result()
@@ -684,6 +705,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._finisher.shutdown(wait=True)
+            self._stager.close()
 
     # --- loading --------------------------------------------------------------------
 
@@ -736,6 +758,7 @@ class Checkpointer:
     def _load(self, uri: str, app_state: dict[str, Any]) -> dict[str, Any] | None:
         """Verify and load one checkpoint: its manifest, or None (on every rank) when it is
         corrupt."""
+        self._staging.before_update()  # a load writes what a snapshot in flight reads
         store = open_storage(uri, self.spec.storage)
         manifest = _read_manifest(store, "")
         if manifest is None:

@@ -6,7 +6,11 @@ fit, when that is larger), 1 (after printing a recommendation) when it does not.
 A job with the in-memory checkpoint tier (spec.checkpoint.memory) also gets the tier's
 host memory per worker pod on its own line (memory_budget.py: shard x versions kept x
 (1 + replicas) x processes per worker, at minReplicas as the operator sizes pods), and
-exits 1 with that arithmetic when it exceeds checkpoint.memory.maxWorkerMemory.
+exits 1 with that arithmetic when it exceeds checkpoint.memory.maxWorkerMemory. A job with
+either tier staging on the GPU (checkpoint.memory, checkpoint.async) gets the path each
+tier's snapshots will take (staging.py): a device-side first phase where the GPU memory this
+estimate leaves free keeps memory_budget's headroom after a state shard, else the overlapped
+host copy; with checkpoint.async, the S3 tier's staging buffer in host memory per pod too.
 
 For the job's model, micro-batch, sequence length, precision, activation
 checkpointing, strategy and world size it adds up, per training process:
@@ -15,12 +19,20 @@ checkpointing, strategy and world size it adds up, per training process:
   by the world size under FSDP and whole under DDP;
 - FSDP's working set: two blocks' gathered parameters (the one computing and the
   one prefetched) and their unsharded fp32 gradients;
-- activations kept for backward, per token and layer (with `d` = dim, `k` = key/
-  value width, `f` = SwiGLU width, `b` = bytes of the compute dtype):
-  b·(11d + 3k + 4f) without checkpointing - block input, two norms (with their
-  fp32 intermediates), q, k, v, rotated q/k, attention output, residual, the
-  four SwiGLU tensors; fused attention keeps no seq-by-seq matrix - and b·d for a
-  checkpointed block, which also recomputes one block's worth during backward;
+- activations kept for backward, per token and layer (with `d` = dim, `q` = query
+  width (heads x head size: d unless the family sets headDim), `k` = key/value width,
+  `f` = feed-forward width, `b` = bytes of the compute dtype): b·(8d + 3q + 3k + 4f)
+  without checkpointing - block input, two norms (with their fp32 intermediates), q,
+  k, v, rotated q/k, attention output, residual, the four SwiGLU tensors; fused
+  attention keeps no seq-by-seq matrix - and b·d for a checkpointed block, which also
+  recomputes one block's worth during backward. By family (`block_activations`):
+  per-head q/k norms (Qwen3, Gemma 3) keep their input and output, b·(2q + 2k), and a
+  scale per head; Gemma 3's norms after attention and the feed-forward b·(4d + 2); a
+  local layer whose window is shorter than the sequence its keys and values repeated to
+  every query head (the masked kernel does not share them), b·2(q - k), and its mask as
+  scores to add, b·seq² per local layer and micro-batch (`window_masks`);
+  counted with saved-tensor hooks in fp32 (tests/trainer/test_families.py), not yet
+  measured on a GPU;
   INL dynamics (`model.dynamics`) add b·(8d + 2w) per token and block (w = the
   controller's width: its two hidden tensors; the three sigmoids, beta, the
   error, the velocity before and after its clamp, the new hidden state; counted
@@ -82,6 +94,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from kubetrain.api.families import FAMILIES
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
 from kubetrain.sizing import (
@@ -194,9 +207,7 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
     compute = COMPUTE_BYTES[spec.parallelism.precision]
 
     tokens = plan.micro_batch_size * spec.data.seq_len
-    kv_dim = dims.n_kv_heads * (dims.dim // dims.n_heads)
-    controller = 8 * dims.dim + 2 * CONTROLLER_WIDTH if dynamics else 0
-    full_block = compute * (11 * dims.dim + 3 * kv_dim + 4 * dims.ffn_dim + controller) * tokens
+    full_block = compute * block_activations(dims, dynamics, spec.data.seq_len) * tokens
     block_input = compute * dims.dim * tokens * (2 if dynamics else 1)  # and the velocity
     if spec.model.architecture == "ssm":  # no attention, no dynamics: the SSM's own terms
         n_params, block_params = ssm_parameter_count(dims), ssm_block_parameter_count(dims)
@@ -221,7 +232,8 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         block_input //= tp
     checkpointed = {"none": 0, "selective": (dims.n_layers + 1) // 2,
                     "full": dims.n_layers}[plan.activation_checkpointing]
-    activations = (dims.n_layers - checkpointed) * full_block + checkpointed * block_input
+    activations = ((dims.n_layers - checkpointed) * full_block + checkpointed * block_input
+                   + window_masks(dims, spec.data.seq_len, compute))
     if checkpointed:
         # The block being recomputed during backward, counted as eager (not yet measured
         # compiled).
@@ -252,6 +264,36 @@ def estimate_memory(spec: TrainingJobSpec, world_size: int, plan: Plan,
         teacher=teacher_bytes,
         context=CONTEXT_BYTES + ALLOCATOR_BYTES_PER_PARAMETER * n_params // shards,
     )
+
+
+def block_activations(dims: ModelDims, dynamics: bool = False, seq_len: int = 0) -> int:
+    """Numbers one transformer block keeps for backward per token (see the module docstring):
+    8d + 3q + 3k + 4f, the dynamics' 8d + 2w, and by family the per-head q/k norms' input
+    and output (2q + 2k) with their per-head scales, and the post-branch norms' (4d + 2).
+    Local layers whose window is shorter than `seq_len` keep their keys and values repeated
+    to every query head, 2(q - k) more, averaged over the blocks."""
+    traits = FAMILIES[dims.family]
+    d, f = dims.dim, dims.ffn_dim
+    q, k = dims.n_heads * dims.head_size, dims.n_kv_heads * dims.head_size
+    kept = 8 * d + 3 * q + 3 * k + 4 * f
+    if dims.sliding_window is not None and seq_len > dims.sliding_window:
+        kept += 2 * (q - k) * sum(dims.local_layers) // dims.n_layers
+    if dynamics:
+        kept += 8 * d + 2 * CONTROLLER_WIDTH
+    if traits.qk_norm:
+        kept += 2 * (q + k) + dims.n_heads + dims.n_kv_heads
+    if traits.post_norms:
+        kept += 2 * (2 * d + 1)
+    return kept
+
+
+def window_masks(dims: ModelDims, seq_len: int, compute: int) -> int:
+    """Bytes of the local layers' sliding-window masks, as attention keeps them for
+    backward: one [seq, seq] in the compute dtype per local layer (the boolean mask the
+    model passes is turned into scores to add, once per layer and shared by the batch)."""
+    if dims.sliding_window is None or seq_len <= dims.sliding_window:
+        return 0
+    return compute * seq_len * seq_len * sum(dims.local_layers)
 
 
 def _teacher_bytes(teacher: ModelDims, dynamics: bool, tokens: int, chunk: int, compute: int,
@@ -382,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
     meshes = mesh_estimates(spec, world_size, dims, teacher, teacher_dynamics)
     print(_mesh_table(meshes, mesh, gpu_bytes))
     tier_fits = _memory_tier(spec, dims, world_size)
+    _checkpoint_staging(spec, dims, world_size, gpu_bytes - estimate.total, gpu_bytes)
     if fits:
         larger = recommend(spec, world_size, gpu_bytes, dims=dims, teacher=teacher,
                            teacher_dynamics=teacher_dynamics, grow=True, mesh=mesh)
@@ -442,6 +485,55 @@ def _memory_tier(spec: TrainingJobSpec, dims: ModelDims, world_size: int) -> boo
     return False
 
 
+def _checkpoint_staging(spec: TrainingJobSpec, dims: ModelDims, world_size: int, free: int,
+                        gpu_bytes: int) -> None:
+    """Print how each checkpoint tier will stage its snapshots on a GPU (staging.py): a
+    device-side first phase where the `free` GPU memory this estimate leaves keeps
+    memory_budget's headroom after a state shard (the tiers take theirs in the order they
+    first snapshot: S3 first on a tie, as the loop saves), else the overlapped host copy;
+    and, with checkpoint.async, the S3 tier's staging buffer in host memory per pod. The
+    trainer decides from the GPU's own free memory at each tier's first snapshot and logs it."""
+    from kubetrain.memory_budget import (
+        device_headroom,
+        device_phase_fits,
+        staging_budget,
+        state_bytes,
+    )
+
+    checkpoint = spec.checkpoint
+    tiers = [(every, name) for every, name, on in (
+        (checkpoint.every_steps, "S3 checkpoints (checkpoint.async)", checkpoint.async_),
+        (checkpoint.memory.every_steps if checkpoint.memory else 0,
+         "in-memory checkpoints (checkpoint.memory)", checkpoint.memory is not None),
+    ) if on]
+    if not tiers:
+        return
+    parameters = (ssm_parameter_count(dims) if spec.model.architecture == "ssm"
+                  else parameter_count(dims, spec.model.dynamics.enabled))
+    shard, headroom = state_bytes(spec, parameters, world_size), device_headroom(gpu_bytes)
+    print(f"\n  checkpoint staging on the GPU: {shard / GIB:.2f} GiB state shard per process, "
+          f"{headroom / GIB:.2f} GiB kept free\n  (the trainer decides from the GPU's free "
+          "memory at each tier's first snapshot, and logs it)")
+    for _, name in sorted(tiers, key=lambda tier: tier[0]):
+        if device_phase_fits(free, shard, gpu_bytes):
+            path = f"device-side first phase ({free / GIB:.2f} GiB free before it)"
+            free -= shard
+        else:
+            path = (f"overlapped host copy ({max(free, 0) / GIB:.2f} GiB free: too little for a "
+                    "device-side first phase)")
+        print(f"  {name}\n    {path}")
+    staged = staging_budget(spec, world_size=world_size, parameters=parameters)
+    if staged is not None:
+        sized = staging_budget(spec, parameters=parameters)  # at minReplicas, as the operator
+        assert sized is not None
+        print(f"\n  {'host memory per worker pod (not GPU)':<40}{'GiB':>8}\n"
+              f"  {'S3 staging buffer (checkpoint.async)':<40}{sized.per_worker / GIB:>8.2f}"
+              f"\n    {sized.describe()}")
+        if staged.per_worker != sized.per_worker:
+            print(f"  {'  at ' + str(world_size) + ' processes':<40}"
+                  f"{staged.per_worker / GIB:>8.2f}  (the operator sizes pods at minReplicas)")
+
+
 def mesh_estimates(spec: TrainingJobSpec, world_size: int, dims: ModelDims,
                    teacher: ModelDims | None = None, teacher_dynamics: bool = False
                    ) -> list[tuple[MeshShape, int]]:
@@ -490,6 +582,8 @@ def _describe(spec: TrainingJobSpec, world_size: int, plan: Plan, dims: ModelDim
               teacher: ModelDims | None, teacher_dynamics: bool, mesh: MeshShape) -> str:
     name = (f"model.init {spec.model.init}" if spec.model.init
             else "custom model" if spec.model.preset == "custom" else spec.model.preset)
+    if spec.model.architecture != "ssm" and dims.family != "llama":
+        name += f" ({dims.family})"
     dynamics = " with INL dynamics" if spec.model.dynamics.enabled else ""
     if spec.model.architecture == "ssm":
         return _describe_ssm(spec, world_size, plan, dims, name, teacher, mesh)

@@ -1,4 +1,4 @@
-"""The trained model as a Hugging Face Llama checkpoint: safetensors, config and tokenizer.
+"""The trained model as a Hugging Face checkpoint of its family: safetensors, config, tokenizer.
 
 Use (collective, every rank, at the end of training):
 
@@ -6,22 +6,29 @@ Use (collective, every rank, at the end of training):
 
 writes to `<spec.checkpoint.uri>/export`:
 
-    model.safetensors        fp32 weights under transformers' LlamaForCausalLM names
-    config.json              LlamaConfig (architectures: LlamaForCausalLM)
+    model.safetensors        fp32 weights under the family's *ForCausalLM names
+    config.json              the family's config (hf_families.py: LlamaForCausalLM,
+                             Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM or
+                             Gemma3ForCausalLM)
     generation_config.json
     tokenizer.json           the tokenizer the data was prepared with
     tokenizer_config.json    so AutoTokenizer loads it as a PreTrainedTokenizerFast
 
 so that `AutoModelForCausalLM.from_pretrained(folder)` and
 `AutoTokenizer.from_pretrained(folder)` load it (except a model with INL
-dynamics: see the end of this docstring). The weights are gathered from
-FSDP2 / DDP shards with DCP's full state dict (on every rank), then rank 0 maps
-the names and writes the files.
+dynamics: see the end of this docstring). When the data was prepared with the
+tokenizer of the model.init folder (the same tokenizer.json), the folder's own
+tokenizer files (tokenizer_config.json with its chat template and special tokens,
+special_tokens_map.json, chat_template.jinja) and its generation_config.json and
+token ids are carried into the export instead of the generic ones. The weights are
+gathered from FSDP2 / DDP shards with DCP's full state dict (on every rank), then
+rank 0 maps the names and writes the files.
 
 The one non-trivial mapping: kubetrain's rotary embedding rotates interleaved
 channel pairs (Meta's original Llama layout) while transformers rotates the two
-halves of each head, so the rows of the query and key projections are permuted
-per head - the same permutation as transformers' own Llama conversion script.
+halves of each head, so the rows of the query and key projections (and of their
+biases and per-head norms, where the family has them) are permuted per head - the
+same permutation as transformers' own Llama conversion script.
 
 A model with INL dynamics (`model.dynamics.enabled`) is not a Llama, and
 transformers has no class for it, so its export says so instead of passing for
@@ -89,8 +96,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, TrainingJobSpec
-from kubetrain.trainer.prepare import END_OF_TEXT, TOKENIZER_NAME
+from kubetrain.trainer.hf_families import HF_FAMILIES, ROTATED_ROWS, block_name, write_config
+from kubetrain.trainer.prepare import END_OF_TEXT, TOKENIZER_NAME, end_of_text
 from kubetrain.trainer.pretrained_config import (
+    CONFIG_NAME,
     DYNAMICS_ARCHITECTURE,
     SSM_ARCHITECTURE,
     dynamics_config,
@@ -102,29 +111,23 @@ EXPORT_FOLDER = "export"
 # Wrappers that parallelize() may add around modules; they are not part of the names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
+# The files of a model.init folder's tokenizer that its export carries (module docstring).
+CARRIED_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json",
+                           "chat_template.jinja", "generation_config.json")
 
 
 def _interleaved_to_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder the output rows of a q/k projection from pair-interleaved to half-split."""
-    rows, columns = weight.shape
-    return (weight.view(heads, rows // heads // 2, 2, columns)
-            .transpose(1, 2).reshape(rows, columns))
+    """Reorder the rows of a q/k projection (its weight, bias or per-head norm) from
+    pair-interleaved to half-split, per head."""
+    rows = weight.shape[0]
+    return (weight.view(heads, rows // heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
 
 
 def hf_name(name: str, dims: ModelDims) -> str | None:
-    """The LlamaForCausalLM name of a kubetrain parameter (wrappers' prefixes ignored);
-    the INL dynamics' keep their own names under `model.layers.{i}.`.
+    """The transformers name of a kubetrain parameter in its family's *ForCausalLM
+    (wrappers' prefixes ignored); the INL dynamics' keep their own names under
+    `model.layers.{i}.`.
 
     None for the output projection of a tied model: transformers has no tensor for it.
     """
@@ -138,57 +141,34 @@ def hf_name(name: str, dims: ModelDims) -> str | None:
         return None if dims.tie_embeddings else "lm_head.weight"
     if name.startswith("layers."):
         _, index, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{index}.{_LAYER_NAMES[rest]}"
+        if (hf := block_name(rest, dims)) is not None:
+            return f"model.layers.{index}.{hf}"
         if rest.startswith(("dynamics.", "mixer.", "mixer_norm.")):
             return f"model.layers.{index}.{rest}"  # kubetrain's own; transformers has none
     raise ValueError(f"no Hugging Face name for the model weight {name!r}")
 
 
 def hf_state_dict(state: dict[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
-    """kubetrain Transformer weights under LlamaForCausalLM's names and layout."""
+    """kubetrain Transformer weights under its family's transformers names and layout."""
     converted: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         target = hf_name(name, dims)
         if target is None:
             continue
         tensor = tensor.detach().to(torch.float32).contiguous()
-        if target.endswith("self_attn.q_proj.weight"):
-            tensor = _interleaved_to_halves(tensor, dims.n_heads)
-        elif target.endswith("self_attn.k_proj.weight"):
-            tensor = _interleaved_to_halves(tensor, dims.n_kv_heads)
+        if target.endswith(ROTATED_ROWS):
+            tensor = _interleaved_to_halves(tensor, tensor.shape[0] // dims.head_size)
         converted[target] = tensor.contiguous()
     return converted
 
 
-def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
-                 dynamics: DynamicsSpec | None = None,
-                 architecture: str = "transformer") -> dict[str, Any]:
-    """The LlamaConfig (config.json) describing a model of these dimensions; with
-    dynamics, or as an SSM (`architecture` ssm), marked as kubetrain's own architecture
-    (see the module docstring)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": dims.vocab_size,
-        "hidden_size": dims.dim,
-        "intermediate_size": dims.ffn_dim,
-        "num_hidden_layers": dims.n_layers,
-        "num_attention_heads": dims.n_heads,
-        "num_key_value_heads": dims.n_kv_heads,
-        "head_dim": dims.dim // dims.n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_seq_len,
-        "rms_norm_eps": dims.norm_eps,
-        "rope_theta": dims.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": dims.rope_theta},
-        "tie_word_embeddings": dims.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": eos_token_id,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": "float32",
-    }
+def hf_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
+              dynamics: DynamicsSpec | None = None,
+              architecture: str = "transformer") -> dict[str, Any]:
+    """The config.json describing a model of these dimensions as its family's (see
+    hf_families.py); with dynamics, or as an SSM (`architecture` ssm), marked as
+    kubetrain's own architecture (see the module docstring)."""
+    config = write_config(dims, max_seq_len, eos_token_id)
     if dynamics is not None and dynamics.enabled:
         config.update(dynamics_config(dynamics))
     if architecture == "ssm":
@@ -196,13 +176,37 @@ def llama_config(dims: ModelDims, max_seq_len: int, eos_token_id: int,
     return config
 
 
-def export_format(spec: TrainingJobSpec) -> str:
+def export_format(spec: TrainingJobSpec, dims: ModelDims) -> str:
     """What reads the job's export, in words for the run's summary."""
     if spec.model.architecture == "ssm":
         return "kubetrain SSM, model_type kubetrain_ssm, for model.init and kubetrain generate"
     if spec.model.dynamics.enabled:
         return "Llama with INL dynamics, for model.init and kubetrain generate"
-    return "Hugging Face Llama"
+    return f"Hugging Face {HF_FAMILIES[dims.family].architecture}"
+
+
+def _carried_tokenizer(spec: TrainingJobSpec,
+                       tokenizer_json: bytes) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """The tokenizer files (`CARRIED_TOKENIZER_FILES`) and config.json token ids of the
+    folder the model started from - model.init, or a fromTeacher student's teacher - when
+    the data was prepared with that folder's tokenizer.json; nothing otherwise."""
+    sources = [spec.model.init]
+    if spec.model.from_teacher and spec.distillation is not None:
+        sources.append(spec.distillation.teacher)
+    for uri in sources:
+        if uri is None:
+            continue
+        store = open_storage(uri, spec.storage)
+        if not store.exists(TOKENIZER_NAME) or store.read_bytes(TOKENIZER_NAME) != tokenizer_json:
+            continue
+        files = {name: store.read_bytes(name) for name in CARRIED_TOKENIZER_FILES
+                 if store.exists(name)}
+        config = json.loads(store.read_bytes(CONFIG_NAME))
+        config = {**(config.get("text_config") or {}), **config}  # an image-text model's too
+        ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if config.get(key) is not None}
+        return files, ids
+    return {}, {}
 
 
 def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec, *,
@@ -225,22 +229,29 @@ def export_model(model: torch.nn.Module, dims: ModelDims, spec: TrainingJobSpec,
     tokenizer_uri = spec.data.tokenizer or f"{spec.data.train.rstrip('/')}/{TOKENIZER_NAME}"
     folder, key = open_object(tokenizer_uri, spec.storage)
     tokenizer_json = folder.read_bytes(key)
-    eos = Tokenizer.from_str(tokenizer_json.decode()).token_to_id(END_OF_TEXT)
-    eos_id = 0 if eos is None else int(eos)
+    try:
+        eos_token, eos_id = end_of_text(Tokenizer.from_str(tokenizer_json.decode()))
+    except ValueError:  # data prepared elsewhere, without a document separator
+        eos_token, eos_id = END_OF_TEXT, 0
     with tempfile.TemporaryDirectory() as scratch:
         weights = Path(scratch) / "model.safetensors"
         save_file(hf_state_dict(state, dims), str(weights), metadata={"format": "pt"})
         target.upload_file(weights, "model.safetensors")
+    carried, token_ids = _carried_tokenizer(spec, tokenizer_json)
+    config = hf_config(dims, spec.data.seq_len, eos_id, spec.model.dynamics,
+                       spec.model.architecture) | token_ids
     files = {
-        "config.json": llama_config(dims, spec.data.seq_len, eos_id, spec.model.dynamics,
-                                    spec.model.architecture),
+        "config.json": config,
         "generation_config.json": {"bos_token_id": eos_id, "eos_token_id": eos_id},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
-                                  "eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT,
+                                  "eos_token": eos_token, "bos_token": eos_token,
                                   "model_max_length": spec.data.seq_len},
     }
     for name, document in files.items():
-        target.write_bytes(name, json.dumps(document, indent=1).encode())
+        if name not in carried:
+            target.write_bytes(name, json.dumps(document, indent=1).encode())
+    for name, data in carried.items():
+        target.write_bytes(name, data)
     target.write_bytes(TOKENIZER_NAME, tokenizer_json)
     if spec.model.dynamics.enabled:
         print(f"exported a model with INL dynamics to {target.uri}: Hugging Face transformers "

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kubetrain.api.trainingjob import StorageSpec
-    from kubetrain.trainer.prepare import END_OF_TEXT
+    from kubetrain.trainer.prepare import end_of_text
 
     if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
         print("kubetrain generate: --max-tokens must be at least 1, --temperature and --top-k "
@@ -174,12 +174,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubetrain generate: {error}", file=sys.stderr)
         return 1
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
-    end_of_text = loaded.tokenizer.token_to_id(END_OF_TEXT)
+    _, stop = end_of_text(loaded.tokenizer)
     # An empty prompt starts a new document, as after the end-of-text separator in training.
-    prompt = loaded.tokenizer.encode(args.prompt, add_special_tokens=False).ids or [end_of_text]
+    prompt = loaded.tokenizer.encode(args.prompt, add_special_tokens=False).ids or [stop]
     produced = sample(loaded.model, prompt, max_tokens=args.max_tokens,
                       temperature=args.temperature, top_k=args.top_k or None,
-                      generator=generator, stop_token=end_of_text)
+                      generator=generator, stop_token=stop)
     print(f"# {loaded.uri} (step {loaded.step})", file=sys.stderr)
     # Decoded together: a byte-level token may complete a character the prompt began.
     print(loaded.tokenizer.decode(prompt + produced, skip_special_tokens=True))

@@ -160,6 +160,7 @@ from kubetrain.trainer.rank_timing import (
     WaitClock,
     gather_rank_timings,
 )
+from kubetrain.trainer.staging import CopyStream, Staging
 from kubetrain.trainer.storage import open_storage
 
 # Why `fit` returned: the run finished (maxSteps, early stopping), a stop signal was agreed,
@@ -223,6 +224,7 @@ class _Run:
     output_loss: tuple[str, str]  # the implementation's name, and why it was chosen
     goodput: GoodputLedger
     heartbeat: Heartbeat | None  # rank 0 only
+    staging: Staging  # where both checkpoint tiers stage snapshots; the optimizer step waits
     teacher: Teacher | None = None  # spec.distillation's frozen teacher
     memory: MemoryCheckpoints | None = None  # spec.checkpoint.memory's in-memory tier
 
@@ -252,7 +254,11 @@ class Trainer:
     """
 
     def __init__(self, job: TrainingJob | TrainingJobSpec | str | Path, *,
-                 metrics_log: str | Path | None = None, serve_metrics: bool = True) -> None:
+                 metrics_log: str | Path | None = None, serve_metrics: bool = True,
+                 copy_stream: CopyStream | None = None) -> None:
+        """`copy_stream`: where the checkpoint tiers' staged copies run (staging.py); by
+        default the device's own, a side stream on CUDA and in place on the CPU. A test
+        gives a stand-in that defers them as a stream would."""
         if isinstance(job, str | Path):
             job = load_job(job)
         if isinstance(job, TrainingJob):
@@ -268,6 +274,7 @@ class Trainer:
         self.metrics_log = Path(
             metrics_log or os.environ.get("KUBETRAIN_METRICS_LOG", "metrics.jsonl"))
         self.serve_metrics = serve_metrics
+        self.copy_stream = copy_stream
         self._preflight: Preflight | None = None  # this attempt's check, once it started
         self._lifeline: Lifeline | None = None  # in a worker pod, while `fit` runs
 
@@ -479,10 +486,12 @@ class Trainer:
 
         # Checkpoints written before goodput accounting (or its split by tier) existed
         # still resume.
+        staging = Staging(world.device, self.copy_stream)
         checkpointer = Checkpointer(spec, rank=world.rank, world_size=world.world_size,
                                     model_dims=dims, on_commit=committed,
                                     optional_state=frozenset({"goodput",
-                                                              "checkpoint_load_tiers"}))
+                                                              "checkpoint_load_tiers"}),
+                                    staging=staging)
         heartbeat = (Heartbeat(open_storage(spec.checkpoint.uri, spec.storage))
                      if world.is_main else None)
         return _Run(world=world, dims=dims, max_steps=max_steps, parallel=parallel,
@@ -490,9 +499,10 @@ class Trainer:
                     validation_data=validation_data, progress=progress, app_state=app_state,
                     checkpointer=checkpointer, reporter=reporter,
                     output_loss=(model.output_loss.name, why), goodput=goodput,
-                    heartbeat=heartbeat, teacher=teacher,
+                    heartbeat=heartbeat, staging=staging, teacher=teacher,
                     memory=open_memory_tier(spec, rank=world.rank, world_size=world.world_size,
-                                            local_rank=world.local_rank, job_name=self.name))
+                                            local_rank=world.local_rank, job_name=self.name,
+                                            staging=staging))
 
     def _train(self, run: _Run, stop: StopRequest) -> FitResult:
         """The loop, one iteration per optimizer step, in the module docstring's order."""
@@ -633,8 +643,10 @@ class Trainer:
         if clip_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_norm, grad_norm)
 
-        # Optimizer step, then the learning rate for the next one.
+        # Optimizer step, then the learning rate for the next one. The step changes what a
+        # snapshot in flight reads: it waits for the snapshot (on CUDA, the device waits).
         learning_rate = float(run.schedule.get_last_lr()[0])
+        run.staging.before_update()
         if parallel.scaler is not None:
             parallel.scaler.step(optimizer)
             parallel.scaler.update()
@@ -707,7 +719,7 @@ class Trainer:
             run.memory.close(discard=True)  # finished: nothing will restore from memory
         self._account(run, step, final=True)
         run.reporter.finished(step, reason, best, export_uri, export_step=export_step,
-                              export_format=export_format(spec) if export_uri else None)
+                              export_format=export_format(spec, run.dims) if export_uri else None)
         return FitResult(step, reason, EXIT_COMPLETE, best, export_uri)
 
     @staticmethod

@@ -24,7 +24,11 @@ optimizer's state, as they are: no gathering), and `<owner>-<slot>.meta`, the pi
 file; step, world size, lineage). The blocking part of `save` copies each tensor into the
 data file, mapped in memory (`torch.from_file`), and pickles the rest; the model's part of
 that skeleton is built and pickled once and kept while the model and optimizer hold the
-same tensors (`_ModelPlan`). A background thread then writes the meta file, by rename:
+same tensors (`_ModelPlan`). The copy is staged (staging.py, shared with the S3 tier): on
+the CPU it is done when `save` returns, as it always was; on a GPU it runs on a side stream
+into the slot's own pages, registered with CUDA, beside the next step's forward and
+backward, and the next optimizer step waits for it (the loop's `before_update`). A
+background thread waits until the copy has landed, then writes the meta file, by rename:
 the meta file is the commit, and a part without one is torn and never read. Two slots per
 owner: a snapshot is written into the slot not holding the newest committed part, so a
 rank killed in the middle of a snapshot, or before its commit, leaves the one before it
@@ -81,6 +85,7 @@ from kubetrain.pod_conventions import NODE_NAME_ENV
 from kubetrain.trainer.checkpoint import ModelState, RandomState, latest_checkpoint
 from kubetrain.trainer.distributed import all_ranks_agree, broadcast_from_rank0
 from kubetrain.trainer.goodput import MEMORY_TIER, PARTNER_TIER, S3_TIER
+from kubetrain.trainer.staging import Layout, Staged, Staging
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +93,6 @@ FORMAT = "kubetrain-memory-checkpoint-v1"
 NODE_ENV = NODE_NAME_ENV  # the node's name, from the downward API in a pod
 DEFAULT_ROOT = Path("/dev/shm/kubetrain-memory-checkpoints")
 SLOTS = 2  # memory_budget.VERSIONS
-_ALIGN = 64  # every tensor's bytes start at a multiple of this, so any dtype view is aligned
 
 
 # --- where partners are ---------------------------------------------------------------
@@ -146,9 +150,10 @@ def memory_folder(job_name: str, local_rank: int) -> Path:
 
 
 def open_memory_tier(spec: TrainingJobSpec, *, rank: int, world_size: int, local_rank: int,
-                     job_name: str) -> MemoryCheckpoints | None:
+                     job_name: str, staging: Staging | None = None) -> MemoryCheckpoints | None:
     """The job's tier on this rank (collective), or None without `spec.checkpoint.memory`.
-    A snapshot is weighed against the newest S3 checkpoint of `spec.checkpoint.uri`."""
+    A snapshot is weighed against the newest S3 checkpoint of `spec.checkpoint.uri`;
+    `staging` is the attempt's, shared with the S3 tier."""
     if spec.checkpoint.memory is None:
         return None
 
@@ -158,7 +163,7 @@ def open_memory_tier(spec: TrainingJobSpec, *, rank: int, world_size: int, local
 
     return MemoryCheckpoints(spec, rank=rank, world_size=world_size,
                              folder=memory_folder(job_name, local_rank),
-                             s3_latest_step=s3_latest_step)
+                             s3_latest_step=s3_latest_step, staging=staging)
 
 
 def node_name() -> str:
@@ -178,16 +183,6 @@ class _Ref:
     shape: tuple[int, ...]
     device: str
     sharded: bool  # a DTensor: its local shard is stored
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where the tensors of a snapshot lie in the data file: each one's dtype and shape, in
-    order, its offset, and the file's size."""
-
-    signature: tuple[tuple[torch.dtype, torch.Size], ...]
-    offsets: list[int]
-    size: int
 
 
 def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -292,12 +287,13 @@ class _Capture:
     matches, and the layout is the last one while no plan changed and the rest of the
     state's tensors (RNG states and the like) have the same dtypes and shapes."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self._device = device  # the staging's: its tensors are laid out first
         self._plans: dict[str, _ModelPlan] = {}
         # Each model's modules: the tree is taken as fixed while the model is the same.
         self._modules: dict[str, tuple[weakref.ref[torch.nn.Module],
                                        list[torch.nn.Module]]] = {}
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
 
     def forget(self) -> None:
         """Drop the plans and the layout: the next snapshot builds them afresh."""
@@ -307,7 +303,7 @@ class _Capture:
 
     @torch.no_grad()  # a DTensor's local shard without an autograd node (to_local)
     def __call__(self, app_state: dict[str, Any]) -> tuple[dict[str, Any],
-                                                          list[torch.Tensor], _Layout]:
+                                                          list[torch.Tensor], Layout]:
         tensors: list[torch.Tensor] = []
         skeleton: dict[str, Any] = {}
         planned = True
@@ -329,7 +325,7 @@ class _Capture:
         if (not planned or layout is None or len(layout.signature) != len(tensors)
                 or any(have != (tensor.dtype, tensor.shape) for have, tensor in
                        zip(layout.signature[modelled:], tensors[modelled:], strict=True))):
-            layout = self._layout = _layout(tensors)
+            layout = self._layout = Layout.of(tensors, self._device)
         return skeleton, tensors, layout
 
     def _model(self, key: str, state: ModelState,
@@ -359,15 +355,6 @@ class _Capture:
                 saved = {PLANNED: pickled}
         saved["groups"] = _flatten(entry["groups"], tensors)
         return saved, reused
-
-
-def _layout(tensors: list[torch.Tensor]) -> _Layout:
-    offsets, size = [], 0
-    for tensor in tensors:
-        offsets.append(size)
-        size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    return _Layout(tuple((tensor.dtype, tensor.shape) for tensor in tensors), offsets,
-                   max(size, _ALIGN))
 
 
 def _view(data: torch.Tensor, offset: int, ref: _Ref) -> torch.Tensor:
@@ -505,10 +492,12 @@ class MemoryCheckpoints:
 
     def __init__(self, spec: TrainingJobSpec, *, rank: int, world_size: int, folder: Path,
                  node: str | None = None,
-                 s3_latest_step: Callable[[], int | None] = lambda: None) -> None:
+                 s3_latest_step: Callable[[], int | None] = lambda: None,
+                 staging: Staging | None = None) -> None:
         """Collective. `folder` is this rank's own (`memory_folder`); `node` the node it runs
         on (`node_name`); `s3_latest_step` the newest committed S3 checkpoint's step, asked
-        on rank 0 only when a complete memory snapshot exists."""
+        on rank 0 only when a complete memory snapshot exists; `staging` where the copies
+        run (default: in place, on the caller's thread)."""
         memory = spec.checkpoint.memory
         assert memory is not None, "MemoryCheckpoints needs spec.checkpoint.memory"
         self.every_steps = memory.every_steps
@@ -529,11 +518,19 @@ class MemoryCheckpoints:
                                             self._group)
         self._slots: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # mapped data files
         self._header_sizes: dict[tuple[int, int, int], int] = {}  # (holder, owner, slot)
-        self._views: dict[int, tuple[torch.Tensor, _Layout, list[torch.Tensor]]] = {}
-        self._capture = _Capture()
+        self._staging = staging or Staging(torch.device("cpu"))
+        self._area = self._staging.area("in-memory checkpoints")
+        self._staged: Staged | None = None  # the last snapshot's copy
+        self._capture = _Capture(self._staging.device)
         self._newest: dict[int, tuple[int, int]] = {}  # owner -> (step, slot) newest committed
         self._in_flight: Future[None] | None = None  # the last snapshot's background part
         self.last_blocking = 0.0  # seconds the last save held the loop
+
+    @property
+    def staging_path(self) -> str | None:
+        """How the first snapshot was staged on a GPU ("device-side first phase" or
+        "overlapped host copy"); None in place (the CPU) or before the first."""
+        return self._area.path
 
     # --- saving ---------------------------------------------------------------------
 
@@ -545,11 +542,13 @@ class MemoryCheckpoints:
         """Snapshot this rank's state at `step` into its folder (collective only in the
         background); the seconds it blocked.
 
-        The blocking part is what must see the state of `step`: its tensors copied into the
-        mapped data file and the rest pickled. Committing the part (its meta file) and the
-        copies to and from partners follow in the background; the next snapshot, `wait`
-        and `close` wait for them. A rank killed before the commit leaves the slot torn,
-        and the snapshot before it is used.
+        The blocking part is what must see the state of `step`: its tensors staged into the
+        mapped data file (copied, on the CPU; on a GPU the copy is in flight on return, and
+        the next optimizer step waits for it) and the rest pickled. Committing the part
+        (its meta file), once the copy has landed, and the copies to and from partners
+        follow in the background; the next snapshot, `wait` and `close` wait for them. A
+        rank killed before the commit leaves the slot torn, and the snapshot before it is
+        used.
         """
         started = time.perf_counter()
         self.wait()
@@ -557,36 +556,26 @@ class MemoryCheckpoints:
         slot = self._free_slot(self.rank)
         data = self._mapped(self.rank, slot, layout.size)
         self._uncommit(self.rank, slot)
-        with torch.no_grad():
-            torch._foreach_copy_(self._destinations(slot, data, layout), tensors)
+        self._staged = staged = self._area.stage(tensors, data, layout)
         meta = self._meta(step, skeleton, layout)
-        self._in_flight = in_background(self._publish, step, slot, data, meta)
+        self._in_flight = in_background(self._publish, step, slot, data, meta, staged)
         self.last_blocking = time.perf_counter() - started
         return self.last_blocking
 
-    def _publish(self, step: int, slot: int, data: torch.Tensor, meta: bytes) -> None:
-        """Commit this rank's part, then copy it to its partners (the background part)."""
+    def _publish(self, step: int, slot: int, data: torch.Tensor, meta: bytes,
+                 staged: Staged) -> None:
+        """Commit this rank's part once its copy has landed, then copy it to its partners
+        (the background part)."""
+        staged.land()
         self._commit(self.rank, slot, meta, step)
         if self._group is not None and (self.partners[self.rank] or self.sources):
             self._replicate(step, data, meta)
 
-    def _meta(self, step: int, skeleton: dict[str, Any], layout: _Layout) -> bytes:
+    def _meta(self, step: int, skeleton: dict[str, Any], layout: Layout) -> bytes:
         return pickle.dumps({"format": FORMAT, "owner": self.rank, "step": step,
                              "world_size": self.world_size, "lineage": self.lineage,
                              "data_bytes": layout.size, "offsets": layout.offsets,
                              "skeleton": skeleton})
-
-    def _destinations(self, slot: int, data: torch.Tensor,
-                      layout: _Layout) -> list[torch.Tensor]:
-        """Views of the data file for each tensor, kept while the file and layout stay."""
-        cached = self._views.get(slot)
-        if cached is not None and cached[0] is data and cached[1] is layout:
-            return cached[2]
-        views = [data[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-                 for (dtype, shape), offset in zip(layout.signature, layout.offsets,
-                                                   strict=True)]
-        self._views[slot] = (data, layout, views)
-        return views
 
     def _replicate(self, step: int, data: torch.Tensor, meta: bytes) -> None:
         """Send this rank's part to its partners and receive its sources' parts (gloo)."""
@@ -626,11 +615,34 @@ class MemoryCheckpoints:
         held = self._slots.get((owner, slot))
         if held is not None and held[1] == size:
             return held[0]
+        if held is not None:
+            self._unmap(held[0])
         path = self.folder / f"{owner}-{slot}.data"
         path.unlink(missing_ok=True)  # a stale file of another size: mapped afresh
         data = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        if owner == self.rank:  # staged into from the device: its own pages, registered
+            self._staging.register(data)
         self._slots[(owner, slot)] = (data, size)
         return data
+
+    def _unmap(self, data: torch.Tensor) -> None:
+        """Let go of a mapped data file: its views and its registration with CUDA."""
+        self._area.forget(data)
+        self._staging.release(data)
+
+    def _land(self, *, quietly: bool = False) -> None:
+        """Wait until the last snapshot's copy is in host memory. `quietly`: a device that
+        failed (a GPU error ended the attempt) raises here; the attempt is over anyway."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        try:
+            staged.land()
+        except RuntimeError:
+            if not quietly:
+                raise
+            log.debug("rank %d: the last snapshot's copy did not land", self.rank,
+                      exc_info=True)
 
     def _uncommit(self, owner: int, slot: int) -> None:
         (self.folder / f"{owner}-{slot}.meta").unlink(missing_ok=True)
@@ -644,7 +656,9 @@ class MemoryCheckpoints:
         self._newest[owner] = (step, slot)
 
     def wait(self) -> None:
-        """Block until the last snapshot's partner copies are done; re-raise their error."""
+        """Block until the last snapshot has landed, is committed and its partner copies are
+        done; re-raise their error."""
+        self._land()
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             in_flight.result()
@@ -658,12 +672,16 @@ class MemoryCheckpoints:
         loss took 36.7 s so). The part it was copying stays uncommitted at its partner,
         which a restore never uses."""
         try:
-            if not abandon:
+            if abandon:
+                self._land(quietly=True)  # the copy from the device needs no peer
+            else:
                 self.wait()
         finally:
             self._in_flight = None
+            for data, _ in self._slots.values():
+                self._unmap(data)
             self._slots.clear()
-            self._views.clear()
+            self._area.close()
             self._capture.forget()
             if discard:
                 shutil.rmtree(self.folder, ignore_errors=True)
@@ -688,6 +706,7 @@ class MemoryCheckpoints:
         there is none, when S3 holds a newer checkpoint, or when any rank could not apply
         its part: then the caller loads from S3."""
         started = time.perf_counter()
+        self._staging.before_update()  # a restore writes what a snapshot in flight reads
         inventory = self._inventory()
         choice = _complete_step(inventory, self.world_size)
         if choice is None:

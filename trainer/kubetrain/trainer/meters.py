@@ -167,6 +167,8 @@ class Interval:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for every kernel queued on `device` (a no-op where work runs synchronously)."""
+    """Wait for the training's kernels queued on `device` (a no-op where work runs
+    synchronously): its own stream's, not a snapshot's copy on the staging stream, which
+    goes on beside the next steps (staging.py)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()

@@ -2,7 +2,14 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention through
 `F.scaled_dot_product_attention`, a SwiGLU feed-forward and optionally tied
-input/output embeddings. Nothing here knows about parallelism, precision or
+input/output embeddings. The other families are switches on this one block
+(kubetrain.api.families, chosen by `ModelDims.family`): Qwen2's q/k/v biases,
+Qwen3's and Gemma 3's RMSNorm on each query and key head, Gemma 3's tanh-GELU
+gate, 1 + w norm scales, sqrt(dim) embedding scale and norms after attention
+and the feed-forward; and, per layer, a sliding attention window (Mistral's on
+every layer, Gemma 3's on its local layers, which also have their own rotary
+base). Rotary frequencies may be stretched (`RopeScaling`: Llama 3.1, Gemma 3).
+Nothing here knows about parallelism, precision or
 activation checkpointing: `parallelize.py` applies those from outside, so this
 file reads like the architecture and nothing else. Parameter counts and FLOPs
 per token live beside it in `sizing.py`. Dropout (off by default) acts on the
@@ -22,35 +29,64 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kubetrain.api.families import FAMILIES
+from kubetrain.api.presets import RopeScaling
 from kubetrain.api.trainingjob import DynamicsSpec, ModelDims
 from kubetrain.sizing import CONTROLLER_WIDTH
 from kubetrain.trainer.loss import OutputLoss, chunked_cross_entropy
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square normalisation with a learned per-channel scale."""
+    """Root-mean-square normalisation with a learned per-channel scale: the weight, or with
+    `unit_offset` (Gemma) 1 + the weight, which then starts at zero."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even when the block computes in bf16: the mean of squares underflows.
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # Gemma scales in fp32 and casts once; Llama casts, then scales
+            return (normed * (1.0 + self.weight.float())).type_as(x)
         return normed.type_as(x) * self.weight
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, 0.0 if self.unit_offset else 1.0)
 
 
 def rotary_tables(
-    head_dim: int, max_seq_len: int, theta: float
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency) pair, each [max_seq_len, head_dim // 2]."""
     frequencies = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        frequencies = stretched(frequencies, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), frequencies)
     return angles.cos(), angles.sin()
+
+
+def stretched(frequencies: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Rotary frequencies slowed for a longer context (see `RopeScaling`). llama3 keeps
+    the waves that fit many times into the original context (high frequencies: local
+    order), slows by `factor` those that fit less than `low_freq_factor` times, and blends
+    in between by how many times they fit."""
+    if scaling.kind == "linear":
+        return frequencies / scaling.factor
+    fits = scaling.original_max_positions / (2 * math.pi / frequencies)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    kept = ((fits - low) / (high - low)).clamp(0.0, 1.0)  # 0: slowed by factor, 1: kept
+    return (1 - kept) * frequencies / scaling.factor + kept * frequencies
+
+
+def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """[seq, seq], True where a query (row) attends to a key (column): itself and the
+    window - 1 tokens before it."""
+    positions = torch.arange(seq, device=device)
+    behind = positions.unsqueeze(1) - positions.unsqueeze(0)
+    return (behind >= 0) & (behind < window)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,43 +97,72 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal self-attention; n_kv_heads < n_heads shares each key/value head over a group."""
+    """Causal self-attention; n_kv_heads < n_heads shares each key/value head over a group.
+    By family: biases on the q/k/v projections, an RMSNorm on each query and key head
+    before the rotation, and a scale of the scores other than 1/sqrt(head size)."""
 
     def __init__(self, dims: ModelDims, dropout: float = 0.0) -> None:
         super().__init__()
+        traits = FAMILIES[dims.family]
         self.dropout = dropout  # on the attention weights, while training
         self.n_heads = dims.n_heads
         self.n_kv_heads = dims.n_kv_heads
-        self.head_dim = dims.dim // dims.n_heads
-        self.wq = nn.Linear(dims.dim, dims.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dims.dim, dims.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dims.dim, dims.n_kv_heads * self.head_dim, bias=False)
+        self.head_dim = dims.head_size
+        self.scale = None if dims.query_scale_dim is None else dims.query_scale_dim ** -0.5
+        bias = traits.qkv_bias
+        self.wq = nn.Linear(dims.dim, dims.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(dims.dim, dims.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dims.dim, dims.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(dims.n_heads * self.head_dim, dims.dim, bias=False)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if traits.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, dims.norm_eps, traits.unit_offset_norms)
+            self.k_norm = RMSNorm(self.head_dim, dims.norm_eps, traits.unit_offset_norms)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` a local layer's sliding window (`window_mask`); None: causal."""
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        grouped = self.n_kv_heads != self.n_heads
+        if mask is not None and grouped:
+            # With a mask, only the memory-efficient kernel avoids the [seq, seq] scores, and
+            # it does not broadcast key/value heads: give it one per query head.
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+            grouped = False
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
-            dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            enable_gqa=grouped, dropout_p=self.dropout if self.training else 0.0,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    def reset_parameters(self) -> None:
+        """Zero biases (`init_normal` draws the weights, and resets the q/k norms)."""
+        for projection in (self.wq, self.wk, self.wv):
+            if projection.bias is not None:
+                nn.init.zeros_(projection.bias)
+
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); with `gelu` (Gemma) GeGLU, tanh-approximated."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, gelu: bool = False) -> None:
         super().__init__()
+        self.gelu = gelu
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = F.gelu(self.w1(x), approximate="tanh") if self.gelu else F.silu(self.w1(x))
+        return self.w2(gate * self.w3(x))
 
 
 # The controller's starting outputs, set through its output biases: alpha (inertia) 0.9,
@@ -159,28 +224,43 @@ class Dynamics(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: attention, then feed-forward, each branch dropped out;
-    with dynamics, the controller acts between the two and passes the velocity on."""
+    with dynamics, the controller acts between the two and passes the velocity on; with
+    post-norms (Gemma), each branch is normalised again before it joins the residual."""
 
     def __init__(self, dims: ModelDims, dropout: float = 0.0,
                  dynamics: DynamicsSpec | None = None) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(dims.dim, dims.norm_eps)
+        traits = FAMILIES[dims.family]
+        self.attention_norm = RMSNorm(dims.dim, dims.norm_eps, traits.unit_offset_norms)
         self.attention = Attention(dims, dropout)
         # None when off: the plain block's parameters and initial random draws, unchanged.
         self.dynamics = (Dynamics(dims.dim, dynamics.beta_max, dynamics.velocity_max)
                          if dynamics is not None and dynamics.enabled else None)
-        self.ffn_norm = RMSNorm(dims.dim, dims.norm_eps)
-        self.feed_forward = FeedForward(dims.dim, dims.ffn_dim)
+        self.ffn_norm = RMSNorm(dims.dim, dims.norm_eps, traits.unit_offset_norms)
+        self.feed_forward = FeedForward(dims.dim, dims.ffn_dim, traits.gelu)
         # Identity when off: the model without dropout computes exactly what it did before.
         self.residual_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.post_attention_norm: RMSNorm | None = None
+        self.post_ffn_norm: RMSNorm | None = None
+        if traits.post_norms:
+            self.post_attention_norm = RMSNorm(dims.dim, dims.norm_eps, traits.unit_offset_norms)
+            self.post_ffn_norm = RMSNorm(dims.dim, dims.norm_eps, traits.unit_offset_norms)
 
     def forward(self, x: torch.Tensor, velocity: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.residual_dropout(self.attention(self.attention_norm(x), cos, sin))
+                sin: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`cos` and `sin` this layer's rotary tables, `mask` its sliding window (or None)."""
+        attended = self.attention(self.attention_norm(x), cos, sin, mask)
+        if self.post_attention_norm is not None:
+            attended = self.post_attention_norm(attended)
+        x = x + self.residual_dropout(attended)
         if self.dynamics is not None:
             assert velocity is not None, "dynamics need the velocity: zeros at the first block"
             x, velocity = self.dynamics(x, velocity)
-        return x + self.residual_dropout(self.feed_forward(self.ffn_norm(x))), velocity
+        fed = self.feed_forward(self.ffn_norm(x))
+        if self.post_ffn_norm is not None:
+            fed = self.post_ffn_norm(fed)
+        return x + self.residual_dropout(fed), velocity
 
 
 def init_normal(model: nn.Module, n_layers: int, residual_outputs: tuple[str, ...],
@@ -206,28 +286,46 @@ class Transformer(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    local_rope_cos: torch.Tensor
+    local_rope_sin: torch.Tensor
 
     def __init__(self, dims: ModelDims, max_seq_len: int, dropout: float = 0.0,
                  dynamics: DynamicsSpec | None = None) -> None:
         super().__init__()
+        traits = FAMILIES[dims.family]
         self.dims = dims
         self.max_seq_len = max_seq_len
         self.has_dynamics = dynamics is not None and dynamics.enabled
+        self.local_layers = dims.local_layers  # which blocks attend through the window
+        # Gemma: sqrt(dim), rounded to the embeddings' dtype as Gemma's own is.
+        self.embedding_scale = dims.dim ** 0.5 if traits.scaled_embeddings else None
         self.tok_embeddings = nn.Embedding(dims.vocab_size, dims.dim)
         # A ModuleList indexed by position, so parallelize() can wrap blocks one by one.
         self.layers = nn.ModuleList(TransformerBlock(dims, dropout, dynamics)
                                     for _ in range(dims.n_layers))
-        self.norm = RMSNorm(dims.dim, dims.norm_eps)
+        self.norm = RMSNorm(dims.dim, dims.norm_eps, traits.unit_offset_norms)
         self.output = nn.Linear(dims.dim, dims.vocab_size, bias=False)
         if dims.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Derived from the dimensions, never trained: kept out of checkpoints (persistent=False).
-        cos, sin = rotary_tables(dims.dim // dims.n_heads, max_seq_len, dims.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, table in self._rotary_tables().items():
+            self.register_buffer(name, table, persistent=False)
         # The loss through the output projection; the trainer may choose another (loss.py).
         self.output_loss = OutputLoss("chunked", chunked_cross_entropy)
         self.init_weights()
+
+    def _rotary_tables(self) -> dict[str, torch.Tensor]:
+        """The global layers' tables, and the local layers' where the model has any: their
+        own base (local_rope_theta), never scaled."""
+        dims = self.dims
+        cos, sin = rotary_tables(dims.head_size, self.max_seq_len, dims.rope_theta,
+                                 dims.rope_scaling)
+        tables = {"rope_cos": cos, "rope_sin": sin}
+        if any(self.local_layers):
+            cos, sin = rotary_tables(dims.head_size, self.max_seq_len,
+                                     dims.local_rope_theta or dims.rope_theta)
+            tables |= {"local_rope_cos": cos, "local_rope_sin": sin}
+        return tables
 
     def init_weights(self) -> None:
         """Initialise every parameter and buffer (also after `to_empty` from the meta device).
@@ -236,15 +334,14 @@ class Transformer(nn.Module):
         scaled by 1/sqrt(2·layers) so the residual stream's variance stays flat
         with depth. The dynamics controller's weights are drawn the same way
         (in module order, so a model without dynamics draws exactly what it did
-        before the option existed); its biases and mu are constants.
+        before the option existed); its biases and mu are constants. The families' q/k/v
+        biases start at zero, their norms at a scale of one (a weight of zero for 1 + w).
         """
-        cos, sin = rotary_tables(self.dims.dim // self.dims.n_heads, self.max_seq_len,
-                                 self.dims.rope_theta)
         with torch.no_grad():
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+            for name, table in self._rotary_tables().items():
+                getattr(self, name).copy_(table)
         init_normal(self, self.dims.n_layers, ("attention.wo", "feed_forward.w2"),
-                    reset=(RMSNorm, Dynamics))
+                    reset=(RMSNorm, Dynamics, Attention))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                 final_hidden: bool = False) -> torch.Tensor:
@@ -257,10 +354,21 @@ class Transformer(nn.Module):
                              f"max_seq_len ({self.max_seq_len})")
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         x = self.tok_embeddings(tokens)
+        if self.embedding_scale is not None:
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype).item()
         # The dynamics' velocity starts at rest and runs through every block in turn.
         velocity = torch.zeros_like(x) if self.has_dynamics else None
-        for block in self.layers:
-            x, velocity = block(x, velocity, cos, sin)
+        local_cos = local_sin = mask = None
+        if any(self.local_layers):
+            local_cos, local_sin = self.local_rope_cos[:seq], self.local_rope_sin[:seq]
+            window = self.dims.sliding_window
+            assert window is not None, "local layers have a window"
+            mask = window_mask(seq, window, tokens.device) if seq > window else None
+        for block, local in zip(self.layers, self.local_layers, strict=True):
+            if local:
+                x, velocity = block(x, velocity, local_cos, local_sin, mask)
+            else:
+                x, velocity = block(x, velocity, cos, sin)
         hidden = self.norm(x)
         if final_hidden:
             return hidden

@@ -9,6 +9,12 @@ command (kubetrain.operator.own_code_container builds the line):
 2. runs COMMAND, and beside it kubetrain.trainer.checkpoint_sync every
    KUBETRAIN_SYNC_SECONDS (10 s by default; `--sync-interval` wins);
 3. passes SIGTERM and SIGINT through to COMMAND (torchrun gives them to the workers);
+   a process that has saved and marked its stop checkpoint (a mark made after
+   `sdk.stop_agreed()` said yes) has nothing left to do but exit: one still running
+   STOP_LINGER_SECONDS after that mark is ended (SIGKILL), so that the pod lets go of its
+   node within a step, a save and its upload, not after torchrun's shutdown timeout
+   (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, two thirds of the grace period) of waiting for a
+   process that hangs in its own teardown;
 4. once COMMAND ends, syncs until its last marked checkpoint is committed (at most
    KUBETRAIN_FINAL_SYNC_SECONDS), warns about folders never marked complete, and exits
    with COMMAND's exit status (128 + N when a signal N ended it).
@@ -65,12 +71,18 @@ from kubetrain.pod_conventions import FINAL_SYNC_SECONDS_ENV
 from kubetrain.protocol import (
     EXIT_INVALID_MANIFEST,
     EXIT_PREFLIGHT_FAILED,
+    EXIT_SIGNALLED,
     SIGNAL_EXIT_BASE,
     TRAINER_EXIT_CODES,
     is_signal_exit,
     unmarked_checkpoints_line,
 )
-from kubetrain.sdk.checkpoints import CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR
+from kubetrain.sdk.checkpoints import (
+    CHECKPOINT_DIR_ENV,
+    DEFAULT_CHECKPOINT_DIR,
+    Mark,
+    stop_marks,
+)
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
 from kubetrain.trainer.rendezvous import register_rendezvous
 from kubetrain.trainer.storage import Storage, open_storage
@@ -84,6 +96,10 @@ SYNC_INTERVAL_SECONDS = 10.0
 # checkpoint interval (docs/own-code.md). A job sets it through trainer.env.
 SYNC_SECONDS_ENV = "KUBETRAIN_SYNC_SECONDS"
 DEFAULT_FINAL_SYNC_SECONDS = 90.0
+# How long a process may run on after marking its stop checkpoint: for what user code does
+# after its last save (closing a logger, flushing its output), not for training.
+STOP_LINGER_SECONDS = 10.0
+LINGER_CHECK_SECONDS = 0.5
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
@@ -362,6 +378,29 @@ def _record_failure(failure_class: str, message: str, micro_batch_size: int,
     record_failure(failure_class, message, micro_batch_size, nodes=nodes or ())
 
 
+def end_lingering(local_dir: Path, now: float, ended: set[Mark],
+                  linger_seconds: float = STOP_LINGER_SECONDS) -> list[Mark]:
+    """End (SIGKILL) each process that marked its stop checkpoint in `local_dir` more than
+    `linger_seconds` before `now` (time.time()) and still runs; the marks of those ended,
+    which `ended` collects so that none is ended twice."""
+    killed = []
+    for mark in stop_marks(local_dir):
+        process = mark.process
+        if (mark in ended or process is None or now - mark.time < linger_seconds
+                or not process.alive()):
+            continue
+        log.warning("rank %d (pid %d) marked its stop checkpoint (step %d) %.0f s ago and "
+                    "has not exited: ending it, as it has nothing left to save", mark.rank,
+                    process.pid, mark.step, now - mark.time)
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        ended.add(mark)
+        killed.append(mark)
+    return killed
+
+
 def write_failure(exit_code: int, micro_batch_size: int) -> None:
     """The trainer's failure line for a code that names a class only the code can see."""
     failure_class = next((name for name, code in TRAINER_EXIT_CODES.items()
@@ -402,11 +441,23 @@ def main(argv: list[str] | None = None) -> int:
         while not stopping.wait(args.sync_interval):
             sync.sync_once()
 
+    ended: set[Mark] = set()
+
+    def end_lingering_alongside() -> None:
+        while not stopping.wait(LINGER_CHECK_SECONDS):
+            end_lingering(local_dir, time.time(), ended)
+
     syncer = threading.Thread(target=sync_alongside, name="checkpoint-sync", daemon=True)
+    linger = threading.Thread(target=end_lingering_alongside, name="stop-linger", daemon=True)
     syncer.start()
+    linger.start()
     status = _run(args.command)
     stopping.set()
     syncer.join()
+    linger.join()
+    if ended and status == SIGNAL_EXIT_BASE + signal.SIGKILL:
+        # The command's own end, not a kill from outside: it had saved and marked its stop.
+        status = EXIT_SIGNALLED
     final_seconds = float(os.environ.get(FINAL_SYNC_SECONDS_ENV,
                                          DEFAULT_FINAL_SYNC_SECONDS))
     report = sync.drain(time.monotonic() + final_seconds)

@@ -60,6 +60,9 @@ INDEX_NAME = "index.json"
 TOKENIZER_NAME = "tokenizer.json"
 STATE_NAME = "prepare-state.json"
 END_OF_TEXT = "<|endoftext|>"
+# What ends a document, by tokenizer: kubetrain's own, GPT-2's and Qwen's (END_OF_TEXT),
+# Llama 3's, Llama 2's and Mistral's, Gemma's. The first a tokenizer has is the one used.
+END_OF_TEXT_TOKENS = (END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>")
 SPLITS = ("train", "validation")
 _ENCODE_BATCH = 256  # documents per tokenizers.encode_batch call (it parallelises inside)
 
@@ -276,11 +279,18 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int) -> Any:
     return tokenizer
 
 
+def end_of_text(tokenizer: Any) -> tuple[str, int]:
+    """The token that ends a document in `tokenizer`'s vocabulary, and its id: the first of
+    `END_OF_TEXT_TOKENS` it has. ValueError when it has none."""
+    for token in END_OF_TEXT_TOKENS:
+        if (found := tokenizer.token_to_id(token)) is not None:
+            return token, int(found)
+    raise ValueError(f"the tokenizer has none of {', '.join(END_OF_TEXT_TOKENS)} to separate "
+                     "documents")
+
+
 def _eos_id(tokenizer: Any) -> int:
-    eos = tokenizer.token_to_id(END_OF_TEXT)
-    if eos is None:
-        raise ValueError(f"the tokenizer has no {END_OF_TEXT} token to separate documents")
-    return int(eos)
+    return end_of_text(tokenizer)[1]
 
 
 # --- writing shards --------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Pretrained initialisation (`model.init`): a Hugging Face Llama folder into a `Transformer`.
+"""Pretrained initialisation (`model.init`): a Hugging Face folder into a `Transformer`.
 
 The inverse of export.py. Use (every rank, after `parallelize`, when there is no
 checkpoint to resume from):
@@ -8,8 +8,9 @@ checkpoint to resume from):
     parallel = parallelize(model, spec.parallelism, mesh, device)
     load_pretrained(parallel.module, spec.model.init, spec.storage)
 
-The folder holds `config.json` (a LlamaConfig, read and checked by
-pretrained_config.py: which configurations load, and the dimensions they give) and
+The folder holds `config.json` (a Llama, Qwen2, Qwen3, Mistral or Gemma 3 config, read
+and checked by pretrained_config.py and hf_families.py: which configurations load, and
+the dimensions and family they give) and
 the weights as safetensors: `model.safetensors`, or shards named by
 `model.safetensors.index.json`. kubetrain's own exports of a model with INL
 dynamics load too: config.json marks them (`kubetrain.dynamics`) and the
@@ -26,9 +27,15 @@ downloaded whole; a rank reads no other rank's rows except for the query and key
 projections, where it reads the whole heads its rows fall in (at most one head
 more on each side) because their rows are permuted within each head: kubetrain's
 rotary embedding rotates interleaved channel pairs, transformers' the two halves
-of each head (`_halves_to_interleaved`, the inverse of export's permutation). An
+of each head (`_halves_to_interleaved`, the inverse of export's permutation; the
+q/k biases and per-head norms of the families that have them are permuted alike). An
 unsharded model (one process, or DDP) reads every tensor whole. Weights stored in
 bf16 or fp16 are cast to the parameters' dtype (fp32 master weights).
+
+An image-text model whose text decoder is a family's (Gemma 3 from 4B up on the hub:
+Gemma3ForConditionalGeneration) loads its decoder: its tensors are read under the
+family's names (`hf_families.IMAGE_TEXT`), the vision tower's are left in the folder,
+and the export is the text model (Gemma3ForCausalLM).
 
 A kubetrain state-space model's export (model_type kubetrain_ssm, ssm.py) loads the same
 way into a `StateSpaceModel`: its mixer tensors keep kubetrain's names. `load_embeddings`
@@ -53,8 +60,9 @@ from torch.nn.parallel import DistributedDataParallel
 from kubetrain.api.trainingjob import DynamicsSpec, ModelDims, StorageSpec
 from kubetrain.trainer.architecture import LanguageModel, architecture_of
 from kubetrain.trainer.export import hf_name
+from kubetrain.trainer.hf_families import IMAGE_TEXT, ROTATED_ROWS, text_tensor_name
 from kubetrain.trainer.model import Dynamics, Transformer
-from kubetrain.trainer.pretrained_config import PretrainedError, read_config
+from kubetrain.trainer.pretrained_config import PretrainedConfig, PretrainedError, read_config
 from kubetrain.trainer.ssm import StateSpaceModel
 from kubetrain.trainer.storage import Storage, open_storage
 
@@ -71,7 +79,7 @@ _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def pretrained_dims(uri: str, storage: StorageSpec | None) -> ModelDims:
-    """The model dimensions of the Hugging Face Llama folder at `uri` (config.json, checked)."""
+    """The model dimensions of the Hugging Face folder at `uri` (config.json, checked)."""
     return read_config(uri, storage).dims
 
 
@@ -146,13 +154,14 @@ def _tensor_entries(store: Storage) -> dict[str, _Entry]:
 
 
 def _halves_to_interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder a q/k projection's rows from half-split to pair-interleaved, per head.
+    """Reorder a q/k projection's rows (of its weight, bias or per-head norm) from
+    half-split to pair-interleaved, per head.
 
     The exact inverse of export's `_interleaved_to_halves`.
     """
-    rows, columns = weight.shape
-    return (weight.view(heads, 2, rows // heads // 2, columns)
-            .transpose(1, 2).reshape(rows, columns))
+    rows = weight.shape[0]
+    return (weight.view(heads, 2, rows // heads // 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
 
 
 @dataclass(frozen=True)
@@ -190,7 +199,7 @@ def _plan(model: torch.nn.Module, dims: ModelDims, entries: dict[str, _Entry],
     """What this rank reads: the shard of each parameter (of those named `only`, when
     given), checked against the files."""
     plan, expected = [], set()
-    head_dim = dims.dim // dims.n_heads
+    head_dim = dims.head_size
     for name, parameter in model.named_parameters():
         target = hf_name(name, dims)
         if target is None:  # a tied output projection: the embedding, loaded once
@@ -216,7 +225,7 @@ def _plan(model: torch.nn.Module, dims: ModelDims, entries: dict[str, _Entry],
             continue  # an empty shard of an unevenly split parameter
         start, stop = offset[0], offset[0] + shape[0]
         heads = 0
-        if target.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+        if target.endswith(ROTATED_ROWS):
             # Whole heads: the rows are permuted within each head.
             start, stop = start // head_dim * head_dim, -(-stop // head_dim) * head_dim
             heads = (stop - start) // head_dim
@@ -235,9 +244,9 @@ def _plan(model: torch.nn.Module, dims: ModelDims, entries: dict[str, _Entry],
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5
                                           else "")
-        raise PretrainedError(f"model.init: {uri} holds tensor(s) a Llama model of its "
-                              f"config.json has no place for: {shown}; refusing rather than "
-                              "dropping them")
+        raise PretrainedError(f"model.init: {uri} holds tensor(s) a {dims.family} model of "
+                              f"its config.json has no place for: {shown}; refusing rather "
+                              "than dropping them")
     return plan
 
 
@@ -257,7 +266,7 @@ def _read(store: Storage, read: _Read) -> torch.Tensor:
 
 
 def load_pretrained(model: torch.nn.Module, uri: str, storage: StorageSpec | None) -> None:
-    """Copy the weights of the Hugging Face Llama folder at `uri` into `model`, in place.
+    """Copy the weights of the Hugging Face folder at `uri` into `model`, in place.
 
     `model` is a kubetrain `Transformer` built with the folder's dimensions
     and INL dynamics (`trained_model(spec)`, or `pretrained_dims`), plain,
@@ -282,7 +291,7 @@ def load_pretrained(model: torch.nn.Module, uri: str, storage: StorageSpec | Non
         raise PretrainedError(f"model.init: the model was built as a {architecture}, but "
                               f"{config.where} describes a {config.architecture}: build it "
                               "with trained_model(spec)[0].model.architecture")
-    _load(model, uri, storage, config.dims)
+    _load(model, uri, storage, config)
 
 
 EMBEDDING_NAMES = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
@@ -294,16 +303,25 @@ def load_embeddings(model: torch.nn.Module, uri: str, storage: StorageSpec | Non
     student starting from its teacher's (spec.distillation.teacher). Read like
     `load_pretrained`: each rank its own shard's rows."""
     config = read_config(uri, storage)
-    if _model_of(model).dims != config.dims:
-        raise PretrainedError(f"model.init: the model was built with {_model_of(model).dims}, "
-                              f"but {config.where} describes {config.dims}")
-    _load(model, uri, storage, config.dims, EMBEDDING_NAMES)
+    built = _model_of(model).dims
+    shape = ("vocab_size", "dim", "tie_embeddings")  # all an embedding's reading depends on
+    if any(getattr(built, name) != getattr(config.dims, name) for name in shape):
+        raise PretrainedError(f"model.init: the model was built with {built}, but "
+                              f"{config.where} describes {config.dims}")
+    _load(model, uri, storage, config, EMBEDDING_NAMES)
 
 
-def _load(model: torch.nn.Module, uri: str, storage: StorageSpec | None, dims: ModelDims,
-          only: frozenset[str] | None = None) -> None:
+def _load(model: torch.nn.Module, uri: str, storage: StorageSpec | None,
+          config: PretrainedConfig, only: frozenset[str] | None = None) -> None:
     store = open_storage(uri, storage)
-    plan = _plan(model, dims, _tensor_entries(store), store.uri, only)
+    entries = _tensor_entries(store)
+    if config.image_text:  # the text decoder's tensors, under the family's own names
+        layout = IMAGE_TEXT[config.dims.family]
+        named = {name: text_tensor_name(name, layout) for name in entries}
+        log.info("model.init: %s is an image-text model: reading its text decoder, leaving "
+                 "its %d vision tensors", store.uri, sum(v is None for v in named.values()))
+        entries = {new: entries[name] for name, new in named.items() if new is not None}
+    plan = _plan(model, config.dims, entries, store.uri, only)
     with torch.no_grad(), ThreadPoolExecutor(READ_CONCURRENCY) as pool:
         # A bounded window of reads in flight, copied in order: memory stays a few slices.
         pending: deque[tuple[_Read, Future[torch.Tensor]]] = deque()

@@ -1,9 +1,9 @@
 """The config.json of a `model.init` folder: read, checked, and compared with the job.
 
-Which Llama configurations kubetrain can build (model_type llama, SiLU, no
-attention or MLP bias, rotary embeddings without scaling, no quantisation) and
-which dimensions a config.json gives: anything else is refused naming the key,
-never approximated. A `kubetrain` object in config.json marks features of
+Which configurations kubetrain can build - the families of kubetrain.api.families
+(model_type llama, qwen2, qwen3, mistral, gemma3_text), each as hf_families.py reads it,
+from float weights - and which dimensions a config.json gives: anything else is refused
+naming the key, never approximated. A `kubetrain` object in config.json marks features of
 kubetrain's own exports (extra layers); a marker this version does not know is
 refused too, rather than loading the model without those layers' weights. The
 one it knows is `dynamics` (INL dynamics, `model.dynamics`), whose format -
@@ -14,7 +14,8 @@ teacher's (`teacher_config`). The other is `ssm`: a state-space model (ssm.py,
 `model.architecture: ssm`), model_type kubetrain_ssm, whose marker records the mixer's
 constants (`ssm_config`); a model.init job's architecture is its folder's too. A
 `model.fromTeacher` job takes its dimensions from the teacher's config.json
-(`trained_model`), checked against the spec as model.init's are.
+(`trained_model`), checked against the spec as model.init's are: a transformer student
+is of the teacher's family, an SSM student takes only its widths (`teacher_dims`).
 Torch-free, so `kubetrain estimate` sizes a model.init job from it; the weights
 themselves are pretrained.py's.
 """
@@ -41,11 +42,12 @@ from kubetrain.sizing import (
     SSM_EXPAND,
     SSM_STATE_SIZE,
 )
+from kubetrain.trainer.hf_families import HF_FAMILIES, IMAGE_TEXT, family_of, read_dims
 from kubetrain.trainer.storage import open_storage
 
 CONFIG_NAME = "config.json"
 TEACHER_FIELD = "spec.distillation.teacher"
-LLAMA_MODEL_TYPE, LLAMA_ARCHITECTURE = "llama", "LlamaForCausalLM"
+LLAMA_FAMILY = "llama"
 # A model with INL dynamics: a model_type transformers does not know, so it refuses the
 # folder instead of loading the Llama part and dropping the dynamics' tensors.
 DYNAMICS_MODEL_TYPE, DYNAMICS_ARCHITECTURE = "kubetrain_dynamics", "KubetrainDynamicsForCausalLM"
@@ -58,11 +60,14 @@ SSM_MARKER = {"expand": SSM_EXPAND, "stateSize": SSM_STATE_SIZE, "convWidth": SS
 
 # ModelSpec field -> the config.json key it corresponds to.
 CONFIG_KEYS = {
-    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-    "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size",
-    "ffn_dim": "intermediate_size", "tie_embeddings": "tie_word_embeddings",
-    "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
+    "family": "family (model_type)", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "vocab_size": "vocab_size", "ffn_dim": "intermediate_size",
+    "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
 }
+# ModelDims attributes to compare a ModelSpec field with, where not the field's own name.
+_COMPARED_AS = {"head_dim": "head_size"}
 
 
 class PretrainedError(ValueError):
@@ -80,6 +85,7 @@ class PretrainedConfig:
     markers: dict[str, Any]
     dynamics: DynamicsSpec
     architecture: str = "transformer"  # ModelSpec.architecture: "ssm" for a kubetrain_ssm
+    image_text: bool = False  # an image-text model's folder, of which the text decoder is read
 
     @property
     def where(self) -> str:
@@ -134,56 +140,37 @@ def parse_config(config: dict[str, Any], uri: str) -> PretrainedConfig:
         raise refuse(f"has model_type {DYNAMICS_MODEL_TYPE} but no kubetrain.dynamics entry "
                      "(betaMax, velocityMax, controllerWidth): the dynamics' bounds are "
                      "unknown; re-export the model with kubetrain")
-    if model_type not in (LLAMA_MODEL_TYPE, DYNAMICS_MODEL_TYPE, SSM_MODEL_TYPE):
-        raise refuse(f"has model_type {model_type!r}: kubetrain builds Llama models "
-                     "(model_type llama, LlamaForCausalLM) only, and its own exports with "
-                     f"INL dynamics ({DYNAMICS_MODEL_TYPE}) or state-space models "
-                     f"({SSM_MODEL_TYPE})")
+    # kubetrain's own exports with dynamics and SSMs are Llama-shaped; the rest say their family.
+    family = (LLAMA_FAMILY if model_type in (DYNAMICS_MODEL_TYPE, SSM_MODEL_TYPE)
+              else family_of(model_type))
+    image_text = IMAGE_TEXT.get(model_type) if isinstance(model_type, str) else None
+    if image_text is not None:  # its text decoder, described by text_config
+        family, text = image_text.family, config.get("text_config")
+        if not isinstance(text, dict):
+            raise refuse(f"has model_type {model_type!r} but no text_config object: kubetrain "
+                         "reads an image-text model's text decoder from it")
+        config = {**text, "architectures": [
+            HF_FAMILIES[family].architecture if name == image_text.architecture else name
+            for name in config.get("architectures") or [image_text.architecture]]}
+    if family is None:
+        known = ", ".join(hf.model_type for hf in HF_FAMILIES.values())
+        raise refuse(f"has model_type {model_type!r}: kubetrain builds the families {known} "
+                     f"and its own exports with INL dynamics ({DYNAMICS_MODEL_TYPE}) or "
+                     f"state-space models ({SSM_MODEL_TYPE})")
     architecture = (SSM_ARCHITECTURE if ssm else DYNAMICS_ARCHITECTURE if dynamics.enabled
-                    else LLAMA_ARCHITECTURE)
+                    else HF_FAMILIES[family].architecture)
     architectures = config.get("architectures") or [architecture]
     if architecture not in architectures:
         raise refuse(f"has architectures {architectures}: kubetrain needs a {architecture} "
-                     "(a language-model head); a bare LlamaModel has none")
+                     "(a language-model head); a bare base model has none")
     if config.get("quantization_config"):
         raise refuse("describes a quantised model (quantization_config): kubetrain trains "
                      "from float weights; use the unquantised checkpoint")
-    if config.get("hidden_act", "silu") != "silu":
-        raise refuse(f"has hidden_act {config['hidden_act']!r}: kubetrain's feed-forward "
-                     "is SwiGLU (silu)")
-    for bias in ("attention_bias", "mlp_bias"):
-        if config.get(bias):
-            raise refuse(f"has {bias}: true: kubetrain's projections have no bias")
-    rope_theta = _rope_theta(config, refuse)
-
-    def integer(key: str, default: int | None = None) -> int:
-        value = config.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise refuse(f"needs {key} as a positive integer, found {value!r}")
-        return value
-
-    dim, n_heads = integer("hidden_size"), integer("num_attention_heads")
-    n_kv_heads = integer("num_key_value_heads", n_heads)
-    if dim % n_heads or n_heads % n_kv_heads or (dim // n_heads) % 2:
-        raise refuse(f"has hidden_size {dim}, num_attention_heads {n_heads} and "
-                     f"num_key_value_heads {n_kv_heads}: kubetrain needs the heads to divide "
-                     "hidden_size into an even head size and the key/value heads to divide "
-                     "the heads")
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim != dim // n_heads:
-        raise refuse(f"has head_dim {head_dim}, not hidden_size / num_attention_heads "
-                     f"({dim // n_heads}): kubetrain derives the head size from those")
-    norm_eps = config.get("rms_norm_eps", 1e-6)  # transformers' LlamaConfig default
-    if not isinstance(norm_eps, int | float) or norm_eps <= 0:
-        raise refuse(f"needs rms_norm_eps as a positive number, found {norm_eps!r}")
+    dims = read_dims(config, family, refuse)
     max_positions = config.get("max_position_embeddings")
-    dims = ModelDims(
-        dim=dim, n_layers=integer("num_hidden_layers"), n_heads=n_heads, n_kv_heads=n_kv_heads,
-        vocab_size=integer("vocab_size"), ffn_dim=integer("intermediate_size"),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rope_theta=rope_theta, norm_eps=float(norm_eps))
     return PretrainedConfig(uri, dims, max_positions if isinstance(max_positions, int) else None,
-                            dict(markers), dynamics, "ssm" if ssm else "transformer")
+                            dict(markers), dynamics, "ssm" if ssm else "transformer",
+                            image_text=image_text is not None)
 
 
 def ssm_config() -> dict[str, Any]:
@@ -248,26 +235,6 @@ def _dynamics(marker: object, refuse: Callable[[str], PretrainedError]) -> Dynam
                         velocity_max=bounds["velocityMax"])
 
 
-def _rope_theta(config: dict[str, Any], refuse: Callable[[str], PretrainedError]) -> float:
-    """The rotary base, from rope_parameters (transformers 5) or rope_theta, refusing scaling."""
-    parameters = config.get("rope_parameters")
-    for key in ("rope_scaling", "rope_parameters"):
-        value = config.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
-            raise refuse(f"has {key} {value!r}: kubetrain supports only plain rotary "
-                         "embeddings (rope_type default)")
-        rope_type = value.get("rope_type", value.get("type", "default"))
-        if rope_type != "default":
-            raise refuse(f"has {key} with rope_type {rope_type!r}: kubetrain supports only "
-                         "plain rotary embeddings (rope_type default), without scaling")
-    theta = (parameters or {}).get("rope_theta", config.get("rope_theta", 10_000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
-        raise refuse(f"needs rope_theta as a positive number, found {theta!r}")
-    return float(theta)
-
-
 def check_model_spec(model: ModelSpec, config: PretrainedConfig) -> None:
     """Refuse a spec.model dimension or dynamics setting that disagrees with config.json,
     naming both values.
@@ -280,9 +247,8 @@ def check_model_spec(model: ModelSpec, config: PretrainedConfig) -> None:
     conflicts = _dynamics_conflicts(model.dynamics, config)
     if model.architecture == "ssm" and config.architecture != "ssm":
         conflicts.append(f"spec.model.architecture is ssm but {config.where} describes a "
-                         f"transformer (model_type {LLAMA_MODEL_TYPE} or "
-                         f"{DYNAMICS_MODEL_TYPE}): remove model.architecture, or distil an "
-                         "SSM from it with model.fromTeacher instead")
+                         f"transformer ({config.dims.family}): remove model.architecture, or "
+                         "distil an SSM from it with model.fromTeacher instead")
     conflicts += _dimension_conflicts(model, config)
     if conflicts:
         raise PretrainedError("; ".join(conflicts) + " (model.init takes the architecture "
@@ -297,7 +263,7 @@ def _dimension_conflicts(model: ModelSpec, config: PretrainedConfig) -> list[str
         value = getattr(model, field)
         if value is None or (field == "norm_eps" and value == default_eps):
             continue
-        found = getattr(config.dims, field)
+        found = getattr(config.dims, _COMPARED_AS.get(field, field))
         if value != found:
             name = f"model.{to_camel(field)}"
             conflicts.append(f"spec.{name} is {_show(value)} but {config.where} says {key} "
@@ -355,13 +321,26 @@ def trained_model(spec: TrainingJobSpec) -> tuple[TrainingJobSpec, ModelDims]:
 def teacher_dims(spec: TrainingJobSpec) -> ModelDims:
     """A `model.fromTeacher` student's dimensions: the teacher's (width, depth, heads,
     feed-forward width, vocabulary, norms), refusing any set in spec.model that differ.
-    The student keeps its own architecture (spec.model.architecture) and no dynamics."""
+    The student keeps its own architecture (spec.model.architecture) and no dynamics. A
+    transformer student is of the teacher's family; an SSM has no attention for a family
+    to differ in, so it takes the teacher's widths and builds its own (Llama-shaped) block."""
     config = teacher_config(spec)
     conflicts = _dimension_conflicts(spec.model, config)
     if conflicts:
         raise PretrainedError("; ".join(conflicts) + " (model.fromTeacher takes the "
                               "dimensions from the teacher's config.json)")
+    if spec.model.architecture == "ssm":
+        return ssm_dims(config.dims)
     return config.dims
+
+
+def ssm_dims(dims: ModelDims) -> ModelDims:
+    """The widths of `dims` for a state-space model: its own block, with no attention, so
+    none of a family's attention settings (head size, windows, rotary scaling)."""
+    return ModelDims(dim=dims.dim, n_layers=dims.n_layers, n_heads=dims.n_heads,
+                     n_kv_heads=dims.n_kv_heads, vocab_size=dims.vocab_size,
+                     ffn_dim=dims.ffn_dim, tie_embeddings=dims.tie_embeddings,
+                     rope_theta=dims.rope_theta, norm_eps=dims.norm_eps)
 
 
 def _with_folder_architecture(spec: TrainingJobSpec,

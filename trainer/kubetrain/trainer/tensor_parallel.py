@@ -1,14 +1,17 @@
-"""Tensor parallelism for the Llama blocks: the plans, and the loss over a sharded vocabulary.
+"""Tensor parallelism for the transformer blocks: the plans, and the loss over a sharded vocabulary.
 
 `apply_tensor_parallel(model, tp_mesh)` is torchtitan's Llama plan (Megatron-LM's split,
 with sequence parallelism), applied with `torch.distributed.tensor.parallel`:
 
 - each block: the query, key, value and SwiGLU gate/up projections column-wise (each
-  process computes whole heads, and a slice of the feed-forward width), the attention
-  output and SwiGLU down projections row-wise, so a block costs one all-gather before
-  attention and one before the feed-forward, and one reduce-scatter after each;
-- sequence parallelism between them: the residual stream, both RMSNorms and the
-  dropout run on 1/N of the sequence, so nothing is computed or kept N times;
+  process computes whole heads, and a slice of the feed-forward width; their biases,
+  where the family has them, split with them), the attention output and SwiGLU down
+  projections row-wise, so a block costs one all-gather before attention and one
+  before the feed-forward, and one reduce-scatter after each;
+- sequence parallelism between them: the residual stream, the RMSNorms (the norms after
+  each branch too, where the family has them) and the dropout run on 1/N of the
+  sequence, so nothing is computed or kept N times; per-head q/k norms run on the
+  process's own heads with replicated weights;
 - the token embedding row-wise (a vocabulary-parallel lookup, reduce-scattered onto the
   sequence), the final norm sequence-parallel and its output gathered for the loss;
 - the output projection's weight column-wise: each process holds 1/N of the vocabulary.
@@ -80,10 +83,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     if tied:  # both were split by vocabulary: one parameter again
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
+        plan = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            # x, the rotary tables and the sliding window's mask (or None).
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -94,8 +99,18 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
-        })
+        }
         attention: Any = block.attention
+        if attention.q_norm is not None:
+            # Per-head norms act on this process's heads ([batch, seq, heads, head_dim]
+            # split on dim 2); their weights are replicated, and their gradients summed.
+            for norm in ("attention.q_norm", "attention.k_norm"):
+                plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if block.post_attention_norm is not None:
+            # After a branch, on 1/N of the sequence, as local tensors like the residual.
+            plan["post_attention_norm"] = SequenceParallel(use_local_output=True)
+            plan["post_ffn_norm"] = SequenceParallel(use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
         attention.n_heads //= degree  # the heads this process computes
         attention.n_kv_heads //= degree
     model.output_loss = OutputLoss(VOCAB_PARALLEL, vocab_parallel_cross_entropy)
