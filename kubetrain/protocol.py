@@ -266,6 +266,9 @@ REPORT_LEARNING_RATE: Final = "learning_rate"
 REPORT_EPOCH: Final = "current_epoch"
 REPORT_TOKENS: Final = "tokens"
 REPORT_TOKENS_PER_SECOND: Final = "tokens_per_second"
+# Posted by kubetrain's own-code entry once it restored a checkpoint, before the command
+# starts: the step this attempt resumes from. A report with it carries no progress.
+REPORT_RESUMED_STEP: Final = "resumed_step"
 # Kubeflow's bounds: the body, at most 256 metrics, names and values 1-64 characters, int32.
 MAX_REPORT_BYTES: Final = 64 * 1024
 MAX_METRICS: Final = 256
@@ -291,9 +294,12 @@ class Report:
     `step` and `total_steps` come from the metrics `current_step` and `total_steps`;
     `loss` may be NaN or infinite (a diverged run still reports its step). `reported_at`
     is the pod's `lastUpdatedTime`, on its own clock (None: the report had none);
-    `received_at` is the receiver's. `redone_until` is the operator's to set
-    (`StatusReports.record`): the furthest step an earlier attempt of the job reported,
-    which this attempt trains again (None: no step went back yet).
+    `received_at` is the receiver's. `resumed_step` is the checkpoint's step an attempt
+    resumed from, in the report kubetrain's entry posts before the command starts (and in
+    none other). The receiver sets the rest (`StatusReports.record`): `redone_until`, the
+    furthest step an earlier attempt of the job reported, which this attempt trains again
+    (None: no step went back yet); and for each report of an attempt whose resume was
+    reported, `resumed_step` and `first_step`, the first step the attempt reported.
     """
 
     step: int | None
@@ -307,6 +313,8 @@ class Report:
     reported_at: datetime | None
     received_at: datetime
     redone_until: int | None = None
+    resumed_step: int | None = None
+    first_step: int | None = None
 
 
 def _invalid(reason: str) -> Refused:
@@ -420,4 +428,5 @@ def parse_report(body: bytes, received_at: datetime) -> Report | None:
         metrics=metrics,
         reported_at=_timestamp(status),
         received_at=received_at,
+        resumed_step=_metric_integer(metrics, REPORT_RESUMED_STEP),
     )

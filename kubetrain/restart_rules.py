@@ -266,12 +266,39 @@ def estimate_advice(trainer_message: str = "") -> str:
     return ESTIMATE_ADVICE
 
 
-def redone_share(from_step: int, to_step: int, redone_until: int | None) -> float:
-    """The share of an advance from `from_step` to `to_step` spent on steps that an earlier
-    attempt had trained already, up to `redone_until` (None: none had): lost progress, what
-    the restart cost. Both runners book own code's reported steps by it (the operator's
-    `observation.step_goodput`, `kubetrain run`'s `local.own_code.ReportedGoodput`)."""
-    if redone_until is None or to_step <= from_step:
-        return 0.0
-    redone = min(max(0, redone_until - from_step), to_step - from_step)
-    return redone / (to_step - from_step)
+@dataclass(frozen=True)
+class Advance:
+    """Own code's reported step advancing within one attempt: from `from_step` to `to_step`
+    in `seconds`. `redone_until` is the furthest step an earlier attempt had reported (None:
+    none had); `resumed_step` the step of the checkpoint this attempt resumed from and
+    `first_step` the first step it reported, when the runner knows them (None: unknown)."""
+
+    from_step: int
+    to_step: int
+    seconds: float
+    redone_until: int | None = None
+    resumed_step: int | None = None
+    first_step: int | None = None
+
+    def booked(self) -> tuple[float, float]:
+        """(productive, lost progress) seconds of the advance: both runners book own code's
+        reported steps by it (the operator's `observation.step_goodput`, `kubetrain run`'s
+        `local.own_code.ReportedGoodput`).
+
+        The steps the advance covers that an earlier attempt had reported are lost
+        progress. So are, counted exactly at the attempt's first advance (the one from its
+        first reported step), the steps it trained between its checkpoint and that first
+        report, up to the furthest reported before: they took place before the advance,
+        at the pace it measures, and were booked as downtime until this pace was known.
+        A report every few seconds would otherwise hide a restart's few redone steps."""
+        steps = self.to_step - self.from_step
+        if steps <= 0:
+            return 0.0, 0.0
+        per_step = self.seconds / steps
+        until = self.redone_until
+        inside = 0 if until is None else min(max(0, until - self.from_step), steps)
+        before = 0
+        if (until is not None and self.resumed_step is not None
+                and self.from_step == self.first_step):
+            before = max(0, min(self.from_step, until) - self.resumed_step)
+        return (steps - inside) * per_step, (inside + before) * per_step

@@ -14,6 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 # The harnesses that stand in for parts of a cluster (tests/cluster/) and the offline image
 # build (images/offline/) import as top-level modules, as tests/operator/harness.py does.
 sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "images" / "offline")]
+sys.path.append(str(REPO / "tests"))  # the suite's own plugins (suite_budget)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every run reports where its time went and, on CI, keeps to the suite's ceiling."""
+    from suite_budget import SuiteBudget  # tests/suite_budget.py, beside this file
+
+    config.pluginmanager.register(SuiteBudget(config), "suite-budget")
 
 # Tests never reach real AWS: fake credentials, and no metadata-service lookups.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")

@@ -50,7 +50,7 @@ from kubetrain.protocol import (
     TrainerFailure,
     is_signal_exit,
 )
-from kubetrain.restart_rules import RetryKind
+from kubetrain.restart_rules import Advance, RetryKind
 
 START = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 MICRO_BATCH = 8
@@ -409,3 +409,23 @@ def test_a_retry_kind_is_not_a_failure_class() -> None:
     assert not set(get_args(RetryKind)) & set(FAILURE_CLASSES)
     pod = _worker(1, 0, "Failed", exit_code=1)
     assert retry_kind_of(pod, [2]) == "code"
+
+
+@pytest.mark.parametrize(("advance", "booked"), [
+    # Within an attempt, the steps an earlier attempt reported (up to 20) are lost progress.
+    (Advance(16, 24, 8.0, redone_until=20), (4.0, 4.0)),
+    (Advance(20, 24, 4.0, redone_until=20), (4.0, 0.0)),
+    (Advance(10, 20, 10.0), (10.0, 0.0)),
+    # The attempt's first advance also books the steps from its checkpoint (8) to its first
+    # report (12), up to the furthest reported (10), at its pace: 2 s before the advance.
+    (Advance(12, 17, 5.0, redone_until=10, resumed_step=8, first_step=12), (5.0, 2.0)),
+    (Advance(9, 14, 5.0, redone_until=10, resumed_step=8, first_step=9), (4.0, 2.0)),
+    # ...only the first: a later advance books what it covers alone.
+    (Advance(17, 22, 5.0, redone_until=10, resumed_step=8, first_step=12), (5.0, 0.0)),
+    # Resumed past everything reported before: nothing was redone.
+    (Advance(31, 36, 5.0, redone_until=30, resumed_step=30, first_step=31), (5.0, 0.0)),
+    (Advance(5, 5, 3.0, redone_until=10), (0.0, 0.0)),
+])
+def test_an_advance_books_exactly_the_steps_it_redid(advance: Advance,
+                                                      booked: tuple[float, float]) -> None:
+    assert advance.booked() == pytest.approx(booked)

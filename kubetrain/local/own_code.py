@@ -29,7 +29,7 @@ from pathlib import Path
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.metrics_log import Event, parse_lines
 from kubetrain.local.workspace import Workspace
-from kubetrain.restart_rules import redone_share
+from kubetrain.restart_rules import Advance
 
 # How often the runner lists the checkpoint URI for new commits while the group runs.
 COMMIT_POLL_SECONDS = 2.0
@@ -141,6 +141,8 @@ class ReportedGoodput:
         self.since = since  # when the wall time before ends: the last event, else the launch
         self.furthest = furthest  # the furthest step reported by any attempt
         self.redone_until: int | None = None  # ... by the attempts before this one
+        self.resumed_step: int | None = None  # the checkpoint this attempt resumed from
+        self.first_step: int | None = None  # this attempt's first reported step
         self._last: tuple[int, float] | None = None  # this attempt's last step and its time
 
     @classmethod
@@ -155,11 +157,14 @@ class ReportedGoodput:
         furthest = last["furthest_step"]
         return cls(seconds, float(last["time"]), furthest if isinstance(furthest, int) else None)
 
-    def attempt(self, launched_at: float) -> None:
-        """A new attempt of the group was launched at `launched_at` (unix seconds)."""
+    def attempt(self, launched_at: float, resumed_step: int | None = None) -> None:
+        """A new attempt of the group was launched at `launched_at` (unix seconds), from the
+        checkpoint of `resumed_step` (None: from scratch)."""
         if self.since is None:
             self.since = launched_at
         self.redone_until = self.furthest
+        self.resumed_step = resumed_step
+        self.first_step = None
         self._last = None
 
     def stepped(self, event: Event) -> None:
@@ -167,10 +172,14 @@ class ReportedGoodput:
         step, at = event.get("step"), event.get("time")
         if not isinstance(step, int) or not isinstance(at, int | float):
             return
+        if self.first_step is None:
+            self.first_step = step
         if self._last is not None and step > self._last[0] and at >= self._last[1]:
-            share = redone_share(self._last[0], step, self.redone_until)
-            self.productive += (at - self._last[1]) * (1.0 - share)
-            self.lost += (at - self._last[1]) * share
+            productive, lost = Advance(self._last[0], step, at - self._last[1],
+                                       self.redone_until, self.resumed_step,
+                                       self.first_step).booked()
+            self.productive += productive
+            self.lost += lost
         if self._last is None or step > self._last[0]:
             self._last = (step, float(at))
         self.furthest = max(step, self.furthest or 0)

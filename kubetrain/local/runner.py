@@ -231,11 +231,12 @@ class LocalRun:
         self.lost_nodes = set()
         launched_at = f"{time.time():.3f}"
         self.oom_kills_before = oom_kills()
-        if self.goodput is not None:
-            self.goodput.attempt(float(launched_at))
         node_dirs: list[Path] = []
+        resumed = self.commits.resumed() if self.commits is not None else None
+        if self.goodput is not None:
+            step = resumed.get("step") if resumed is not None else None
+            self.goodput.attempt(float(launched_at), step if isinstance(step, int) else None)
         if self.commits is not None:
-            resumed = self.commits.resumed()
             if resumed is not None:
                 self._append(resumed)
             node_dirs = fresh_node_dirs(self.workspace, self.job.spec.workers.replicas)

@@ -100,13 +100,15 @@ class Reporter:
                 return False
             self._last_sent = now
             body = self.body(step, total_steps, loss, tokens, now)
-        sent = _post(url, body)
+        sent = post_status(url, body)
         with self._lock:
             self._failures = 0 if sent else self._failures + 1
         return sent
 
 
-def _post(url: str, body: dict[str, object]) -> bool:
+def post_status(url: str, body: dict[str, object]) -> bool:
+    """POST `body` to the status endpoint at `url` with the pod's token and CA: whether it
+    was taken (False on any refusal or network error, never an exception)."""
     headers = {"Content-Type": "application/json"}
     token_path = os.environ.get(TOKEN_ENV)
     try:

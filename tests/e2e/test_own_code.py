@@ -5,7 +5,9 @@ emulator, the operator's pod from the chart, moto's S3, the node agent running t
 as containers in containerd). The user's code is first tests/own_code/plain_torch.py:
 FSDP2 on gloo, a torch DCP folder every `--save-every` steps that every rank marks
 complete with kubetrain.sdk, progress through `sdk.report` to the operator's status
-endpoint (TLS, the job's token from its `<job>-status` Secret), a save on SIGTERM. Its
+endpoint (TLS, the job's token from its `<job>-status` Secret), a save on SIGTERM; the
+suspend scenario runs tests/own_code/ddp_from_the_docs.py, the DDP script a user writes from
+docs/own-code.md alone (no barrier before its marks, processes that linger after the stop). Its
 image is the trainer image built from this tree, which has torch and kubetrain's own-code
 extra; the scripts reach the pods as a ConfigMap volume (spec.workers.template), so no
 product image carries a test asset.

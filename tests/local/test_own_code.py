@@ -168,6 +168,22 @@ def test_goodput_books_the_steps_a_resumed_attempt_trains_again_as_lost_progress
                                               "downtime": 38}
 
 
+def test_goodput_counts_every_step_between_the_restored_checkpoint_and_the_furthest_report(
+        tmp_path: Path) -> None:
+    # As the operator's test: attempt 1 reports 5 and 10 (1 s a step) and is lost; attempt 2
+    # resumes from the commit of step 8 and reports 12, 17 and 22. Steps 9 and 10 were
+    # redone, though no advance of attempt 2 covers a step attempt 1 reported.
+    goodput = ReportedGoodput.resumed(tmp_path / "metrics.jsonl")
+    goodput.attempt(1000.0)
+    for step, at in ((5, 1005.0), (10, 1010.0)):
+        goodput.stepped({"event": "step", "step": step, "time": at})
+    goodput.attempt(1020.0, resumed_step=8)
+    for step, at in ((12, 1030.0), (17, 1035.0), (22, 1040.0)):
+        goodput.stepped({"event": "step", "step": step, "time": at})
+    assert goodput.event(1040.0)["seconds"] == {"productive": 15, "lost_progress": 2,
+                                                "downtime": 23}
+
+
 def test_a_command_that_does_not_exist_fails_as_a_user_error_without_a_retry(
         tmp_path: Path) -> None:
     job = own_code_job("missing", str(tmp_path / "no-such-train.py"), steps=5, save_every=5,

@@ -4,6 +4,7 @@ steps, failure classes, node avoidance, the preflight and the unmarked-checkpoin
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -161,6 +162,36 @@ def test_steps_a_resumed_attempt_trains_again_are_lost_progress_not_goodput(
     assert goodput["badputSeconds"]["lostProgress"] == 4
     assert goodput["badputSeconds"]["downtime"] == 120
     assert goodput["ratio"] == round(14 / 138, 4)
+
+
+def test_a_resume_the_entry_reports_books_every_redone_step_though_reports_are_sparse(
+        minimal_manifest: dict) -> None:
+    # Attempt 1 reports steps 5 and 10 (every 5 s, 1 s a step) and is lost. Attempt 2's entry
+    # restores the checkpoint of step 8 and says so; the script's reports come every 5 s, the
+    # first at step 12, past the furthest reported (10): no report went back and no advance
+    # covers a step attempt 1 reported. Steps 9 and 10 were redone all the same: 2 s.
+    reports = StatusReports(b"k" * 32)
+    served = reports.admission("ml", "demo", f"Bearer {reports.admit('ml', 'demo', 'uid-1')}")
+    job = own_job(minimal_manifest, running())
+    resumed = report(None, metrics={"resumed_step": "8"}, resumed_step=8)
+    for seconds, sent in ((100, report(5)), (105, report(10)), (120, resumed),
+                          (130, report(12)), (135, report(17)), (140, report(22))):
+        at = START + timedelta(seconds=seconds)
+        reports.record(served, replace(sent, received_at=at))
+        latest = reports.latest("ml", "demo")
+        assert latest is not None
+        job = own_job(minimal_manifest, status_after(job, Observed(
+            pods=(pod(0), pod(1)), service=True, config_generation=1,
+            metrics=reported_sample(latest)), at))
+    assert latest is not None and (latest.resumed_step, latest.first_step) == (8, 12)
+    assert latest.step == 22 and latest.redone_until == 10  # the resume is no progress
+    assert job.status is not None and job.status.goodput is not None
+    goodput = job.status.goodput.wire()
+    # Productive: 5 -> 10 (5 s) and 12 -> 22 (10 s); steps 9 and 10 at attempt 2's pace of
+    # 1 s a step: 2 s of what was downtime until that pace was known.
+    assert (goodput["productiveSeconds"], goodput["wallSeconds"]) == (15, 140)
+    assert goodput["badputSeconds"]["lostProgress"] == 2
+    assert goodput["badputSeconds"]["downtime"] == 123
 
 
 def test_a_report_below_the_step_in_status_went_back_after_an_operator_restart() -> None:

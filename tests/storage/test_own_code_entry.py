@@ -3,11 +3,14 @@ import), sync alongside, SIGTERM passed through."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -46,7 +49,8 @@ if sys.argv[1] in ("wait", "linger"):
         time.sleep(0.05)
     save(step + 1)
     if sys.argv[1] == "linger":  # as a process whose teardown hangs: its thread never ends
-                threading.Thread(target=time.sleep, args=(600,)).start()
+        import threading
+        threading.Thread(target=time.sleep, args=(600,)).start()
     sys.exit(143)
 save(step + 1)
 (sdk.checkpoint_dir() / "scratch").mkdir(exist_ok=True)  # never marked
@@ -66,9 +70,10 @@ def job_file(tmp_path: Path, s3_bucket: str, s3_endpoint: str) -> Path:
     return path
 
 
-def _entry(job_file: Path, pod: Path, mode: str) -> subprocess.Popen[str]:
+def _entry(job_file: Path, pod: Path, mode: str,
+           env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "KUBETRAIN_CHECKPOINT_DIR": str(pod),
-           "KUBETRAIN_FINAL_SYNC_SECONDS": "30"}
+           "KUBETRAIN_FINAL_SYNC_SECONDS": "30", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "kubetrain.trainer.own_code", str(job_file), "--",
          sys.executable, str(job_file.parent / "train.py"), mode],
@@ -87,6 +92,37 @@ def test_each_attempt_starts_from_the_last_uploaded_checkpoint(
         assert f"resumed at {attempt}" in out
         assert "scratch was never marked complete" in err
     assert [c.step for c in commits(remote)] == [2, 3]  # keepLast 2
+
+
+@pytest.mark.timeout(180)
+def test_each_resume_is_reported_to_the_status_endpoint_by_worker_zeros_entry(
+        tmp_path: Path, job_file: Path) -> None:
+    received: list[dict[str, object]] = []
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/status"
+    try:
+        for attempt, pod in enumerate(("mine-worker-0", "mine-worker-0", "mine-worker-1")):
+            run = _entry(job_file, tmp_path / f"pod-{attempt}", "once",
+                         {"KUBEFLOW_TRAINER_SERVER_URL": url, "KUBETRAIN_POD_NAME": pod})
+            assert run.wait(timeout=120) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    # The first attempt had nothing to restore; the second resumed from step 1; the third
+    # from step 2, but on worker 1, whose entry leaves the report to worker 0's.
+    assert [status["trainerStatus"]["metrics"]
+            for status in received] == [[{"name": "resumed_step", "value": "1"}]]
 
 
 @pytest.mark.timeout(180)

@@ -134,6 +134,8 @@ class MetricsSample:
     # keeps it), so the steps up to it that this attempt trains again are lost progress;
     # None: no restart.
     redone_until: int | None = None
+    resumed_step: int | None = None  # own code: the checkpoint this attempt resumed from
+    first_step: int | None = None  # own code: this attempt's first reported step
     # A report of progress 100 % with no step: the code's end-of-training post
     # (transformers' KubeflowCallback sends one), so the step is the last one, maxSteps.
     finished: bool = False
@@ -270,7 +272,8 @@ def reported_sample(report: Report) -> MetricsSample:
     return MetricsSample(step=report.step, max_steps=report.total_steps, epoch=epoch,
                          loss=loss, eta_seconds=report.remaining_seconds, reported=True,
                          finished=report.step is None and report.progress_percent == 100,
-                         redone_until=report.redone_until)
+                         redone_until=report.redone_until, resumed_step=report.resumed_step,
+                         first_step=report.first_step)
 
 
 def final_metrics(pods: Iterable[WorkerPod]) -> MetricsSample | None:

@@ -53,7 +53,9 @@ def observe(decision: ReconcilePass) -> None:
             status.goodput = step_goodput(status.goodput, status.start_time,
                                           status.last_restart_time, advanced_from, advanced_to,
                                           from_step=from_step, to_step=status.progress.step,
-                                          redone_until=sample.redone_until)
+                                          redone_until=sample.redone_until,
+                                          resumed_step=sample.resumed_step,
+                                          first_step=sample.first_step)
     _ranks(decision)
 
 
@@ -175,7 +177,8 @@ def goodput_status(wall_seconds: Mapping[str, float],
 def step_goodput(previous: GoodputStatus | None, start: datetime | None,
                  last_restart: datetime | None, advanced_from: datetime | None,
                  advanced_to: datetime, *, from_step: int | None = None,
-                 to_step: int | None = None, redone_until: int | None = None
+                 to_step: int | None = None, redone_until: int | None = None,
+                 resumed_step: int | None = None, first_step: int | None = None
                  ) -> GoodputStatus | None:
     """status.goodput of a job whose progress comes from its status reports, at the moment
     its step advanced again (`advanced_to`, having last advanced at `advanced_from`), from
@@ -185,25 +188,35 @@ def step_goodput(previous: GoodputStatus | None, start: datetime | None,
     step within one attempt is productive, except its share spent redoing steps that an
     earlier attempt had trained (up to `redone_until`, the furthest step an earlier attempt
     reported: the status endpoint keeps it), which is lost progress, as kubetrain's trainer
-    books the steps a restart made it redo. The rest of the wall time since the job first
-    started (start-up, replacement, scheduling and backoff around each restart, stalls
-    longer than a report interval) is downtime. A step that went back began a new attempt,
-    whether or not a restart was seen. The seconds add up advance by advance, so a pass that
-    sees no new step changes nothing. None before the job started.
+    books the steps a restart made it redo; at the attempt's first advance, also the steps
+    it redid between the checkpoint it resumed from (`resumed_step`, which kubetrain's entry
+    reports) and its first report (`first_step`), at the pace of that advance
+    (`restart_rules.Advance`). The rest of the wall time since the job first started
+    (start-up, replacement, scheduling and backoff around each restart, stalls longer than
+    a report interval) is downtime. A step that went back, or the first report after a
+    reported resume, began a new attempt, whether or not a restart was seen. The seconds
+    add up advance by advance, so a pass that sees no new step changes nothing. None
+    before the job started.
     """
     if start is None:
         return previous
     productive = previous.productive_seconds if previous is not None else 0.0
     lost = previous.badput_seconds.lost_progress if previous is not None else 0.0
     went_back = from_step is not None and to_step is not None and to_step < from_step
-    same_attempt = advanced_from is not None and not went_back and (
+    # The first report after a resume the entry reported begins an attempt, as a step that
+    # went back does: the time before it is the restart's, whatever the steps say.
+    first_of_attempt = first_step is not None and to_step == first_step
+    same_attempt = advanced_from is not None and not went_back and not first_of_attempt and (
         last_restart is None or advanced_from >= last_restart)
     if same_attempt and advanced_from is not None and advanced_from >= start:
         seconds = max(timedelta(0), advanced_to - advanced_from).total_seconds()
-        share = (rules.redone_share(from_step, to_step, redone_until)
-                 if from_step is not None and to_step is not None else 0.0)
-        productive += seconds * (1.0 - share)
-        lost += seconds * share
+        if from_step is not None and to_step is not None:
+            booked = rules.Advance(from_step, to_step, seconds, redone_until, resumed_step,
+                                   first_step).booked()
+        else:
+            booked = (seconds, 0.0)
+        productive += booked[0]
+        lost += booked[1]
     wall = max(0.0, (advanced_to - start).total_seconds())
     productive = min(productive, wall)
     lost = min(lost, wall - productive)

@@ -115,6 +115,8 @@ class _Job:
     latest: Report | None = None
     last_step: int | None = None  # of the latest report that named one
     redone_until: int | None = None  # the furthest step before a report's step went back
+    resumed_step: int | None = None  # the checkpoint the current attempt resumed from
+    first_step: int | None = None  # the current attempt's first reported step
 
 
 @dataclass
@@ -202,13 +204,26 @@ class StatusReports:
         """Keep `report` as the job's latest (a job forgotten meanwhile keeps nothing), with
         the furthest step reported before the step last went back (`Report.redone_until`):
         within an attempt the step only grows, so a step below the last one is a new
-        attempt, resumed from an earlier checkpoint, redoing the steps up to there."""
+        attempt, resumed from an earlier checkpoint, redoing the steps up to there.
+
+        The report kubetrain's entry posts once it restored a checkpoint says so exactly
+        (`Report.resumed_step`): a new attempt from that step. It is no progress and leaves
+        the latest report as it was; the attempt's later reports carry its resumed step and
+        its first reported step, from which the steps it redid are counted."""
         with self._lock:
+            if report.resumed_step is not None:
+                if job.last_step is not None:
+                    job.redone_until = max(job.redone_until or 0, job.last_step)
+                job.resumed_step, job.first_step = report.resumed_step, None
+                return
             if report.step is not None:
                 if job.last_step is not None and report.step < job.last_step:
                     job.redone_until = max(job.redone_until or 0, job.last_step)
                 job.last_step = report.step
-            job.latest = replace(report, redone_until=job.redone_until)
+                if job.resumed_step is not None and job.first_step is None:
+                    job.first_step = report.step
+            job.latest = replace(report, redone_until=job.redone_until,
+                                 resumed_step=job.resumed_step, first_step=job.first_step)
 
 
 # Every status the endpoint answers a refusal with, and its Kubernetes `Status` reason.

@@ -61,17 +61,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import PreflightPolicy, TrainingJob
-from kubetrain.pod_conventions import FINAL_SYNC_SECONDS_ENV
+from kubetrain.pod_conventions import FINAL_SYNC_SECONDS_ENV, POD_NAME_ENV, pod_name
 from kubetrain.protocol import (
     EXIT_INVALID_MANIFEST,
     EXIT_PREFLIGHT_FAILED,
     EXIT_SIGNALLED,
+    REPORT_RESUMED_STEP,
     SIGNAL_EXIT_BASE,
     TRAINER_EXIT_CODES,
     is_signal_exit,
@@ -81,8 +83,10 @@ from kubetrain.sdk.checkpoints import (
     CHECKPOINT_DIR_ENV,
     DEFAULT_CHECKPOINT_DIR,
     Mark,
+    complete_here,
     stop_marks,
 )
+from kubetrain.sdk.progress import SERVER_URL_ENV, post_status
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
 from kubetrain.trainer.rendezvous import register_rendezvous
 from kubetrain.trainer.storage import Storage, open_storage
@@ -363,12 +367,28 @@ def prepare(job: TrainingJob, command: list[str], local_dir: Path, remote: Stora
     seconds["restore"] = restoring.seconds
     if restored:
         log.info("restored %s", restored)
+        step = complete_here(restored)
+        if step is not None and report_resumed(job, step):
+            log.info("reported the resume from step %d to the job's status", step)
     else:
         log.info("no checkpoint to restore: starting fresh")
     log.info("ready to start the command %.2f s after the entry began (side by side: %s)",
              time.monotonic() - ENTRY_STARTED,
              ", ".join(f"{stage} {value:.2f} s" for stage, value in seconds.items()))
     return Prepared(None, restored, seconds)
+
+
+def report_resumed(job: TrainingJob, step: int) -> bool:
+    """Tell the status endpoint that this attempt resumes from the checkpoint of `step`
+    (worker 0's entry only, or the one entry of a run with no pod name), so that the
+    operator counts the steps the attempt redoes exactly; whether it was taken."""
+    url = os.environ.get(SERVER_URL_ENV)
+    pod = os.environ.get(POD_NAME_ENV)
+    if not url or (pod is not None and pod != pod_name(job.metadata.name, 0)):
+        return False
+    return post_status(url, {"trainerStatus": {
+        "lastUpdatedTime": datetime.now(UTC).isoformat(),
+        "metrics": [{"name": REPORT_RESUMED_STEP, "value": str(step)}]}})
 
 
 def _record_failure(failure_class: str, message: str, micro_batch_size: int,

@@ -1,0 +1,129 @@
+"""The suite's time budget: where a run's time went, and the ceiling CI holds it to.
+
+`make test` must stay within 20 minutes from nothing on CI's 2 cores, pytest within 15
+(issue 47). This plugin (registered by tests/conftest.py) prints, at the end of every run:
+
+- pytest's own wall time, against `CEILING_SECONDS`;
+- the ten slowest items (setup, call and teardown together) and the time of each module;
+- the setup time of the shared fixtures (session and module scope: a whole-loop cluster,
+  a trained teacher, a torchrun launch a module's tests read), which `--durations` books to
+  whichever test happened to need them first;
+- for each pytest-xdist worker, the time it was busy and the time it sat idle at the end,
+  waiting for the other: the cost of a schedule that does not keep both busy.
+
+Under `CI=true` a run whose pytest took longer than `CEILING_SECONDS` fails, naming the
+modules that took the most: a test that makes the suite slower has to take the time from
+somewhere else, not from the budget.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+# pytest alone on CI's 2 cores (`CI=true make test` from a clean clone). The goal is 15
+# minutes (900 s); the suite is not there yet. The ceiling is set from CI's own record, not
+# from the goal: its last three runs took 1,590 s, 2,615 s and 2,229 s from start to end,
+# pytest 1,886 s of the last, so machine noise alone spans 1.6x. The ceiling is 1.2x the
+# slowest pytest those runs imply (about 2,220 s): a regression of a third on a typical run
+# crosses it, the slowest machine on record does not (docs/contributing.md, "The suite's
+# budget"). Lower it as the suite gets faster.
+CEILING_SECONDS = 2700
+SLOWEST = 10
+MODULES = 15
+FIXTURES = 10
+
+
+class SuiteBudget:
+    """The time accounting of one pytest run; see the module docstring."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.started = time.monotonic()
+        self.elapsed: float | None = None
+        self.items: dict[str, float] = defaultdict(float)
+        self.modules: dict[str, float] = defaultdict(float)
+        self.busy: dict[str, float] = defaultdict(float)
+        self.last_report: dict[str, float] = {}
+        self.fixtures: dict[str, float] = defaultdict(float)
+
+    # --- on every process that runs tests (the one process without xdist) ---------------
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any],
+                             request: pytest.FixtureRequest) -> Any:
+        started = time.monotonic()
+        try:
+            return (yield)
+        finally:
+            if fixturedef.scope in ("session", "package", "module"):
+                where = request.node.nodeid.split("::", 1)[0] or "the session"
+                key = f"{fixturedef.argname} ({fixturedef.scope}, first for {where})"
+                self.fixtures[key] += time.monotonic() - started
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: its fixtures go to the controller
+            workeroutput["fixture_seconds"] = dict(self.fixtures)
+            return
+        self.elapsed = time.monotonic() - self.started
+        if os.environ.get("CI") == "true" and self.elapsed > CEILING_SECONDS:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    # --- on the process that reports (the controller under xdist) -----------------------
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if hasattr(self.config, "workerinput"):
+            return
+        node = getattr(report, "node", None)
+        worker = node.gateway.id if node is not None else "main"
+        self.items[report.nodeid] += report.duration
+        self.modules[report.nodeid.split("::", 1)[0]] += report.duration
+        self.busy[worker] += report.duration
+        self.last_report[worker] = time.monotonic()
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodeready(self, node: Any) -> None:
+        self.busy[node.gateway.id] += 0.0  # listed even if it is given nothing to run
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        for key, seconds in getattr(node, "workeroutput", {}).get("fixture_seconds", {}).items():
+            self.fixtures[key] += seconds
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if hasattr(self.config, "workerinput"):
+            return
+        elapsed = self.elapsed if self.elapsed is not None else time.monotonic() - self.started
+        write = terminalreporter.write_line
+        terminalreporter.write_sep("-", "where the suite's time went")
+        over = elapsed > CEILING_SECONDS
+        write(f"pytest: {elapsed:.0f} s ({elapsed / 60:.1f} min); ceiling on CI "
+              f"{CEILING_SECONDS} s{': OVER' if over else ''}", red=over, bold=over)
+        write(f"the {SLOWEST} slowest items (setup + call + teardown):")
+        for nodeid, seconds in _top(self.items, SLOWEST):
+            write(f"  {seconds:7.1f} s  {nodeid}")
+        write(f"the {MODULES} slowest modules:")
+        for module, seconds in _top(self.modules, MODULES):
+            write(f"  {seconds:7.1f} s  {module}")
+        if self.fixtures:
+            write("shared fixtures' setup (in the items above, where first needed):")
+            for key, seconds in _top(self.fixtures, FIXTURES):
+                write(f"  {seconds:7.1f} s  {key}")
+        end = self.started + elapsed
+        for worker in sorted(self.busy):
+            idle = end - self.last_report.get(worker, self.started)
+            write(f"worker {worker}: busy {self.busy[worker]:.0f} s, idle at the end "
+                  f"{idle:.0f} s")
+        if over and os.environ.get("CI") == "true":
+            write(f"FAILED: pytest took {elapsed:.0f} s, over the suite's ceiling of "
+                  f"{CEILING_SECONDS} s (tests/suite_budget.py): a new slow test takes its "
+                  "time from somewhere else", red=True, bold=True)
+
+
+def _top(seconds: dict[str, float], count: int) -> list[tuple[str, float]]:
+    return sorted(seconds.items(), key=lambda item: -item[1])[:count]
