@@ -17,9 +17,10 @@ each needs from the cluster. Torch-free; imports nothing from the other API sect
 
 from __future__ import annotations
 
+import re
 from typing import Final, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
 from kubetrain.api.base import ApiModel, cel, problem
@@ -72,6 +73,17 @@ class TopologyRequest(ApiModel):
         "(Kueue's topology assignment), worker index and so rank follow them: ranks on one "
         "domain are adjacent.",
     )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _a_label_key(cls, level: object) -> object:
+        # Before the pattern check, whose message is only the regular expression.
+        if isinstance(level, str) and level and not re.fullmatch(_LABEL_KEY, level):
+            raise ValueError(
+                f"({level}) is not a node label key: write one such as "
+                "cloud.provider.com/topology-rack or kubernetes.io/hostname (an optional "
+                "lowercase DNS prefix and '/', then letters, digits, '-', '_' or '.')")
+        return level
 
 
 class SchedulingSpec(ApiModel):
@@ -128,11 +140,11 @@ class SchedulingSpec(ApiModel):
     @model_validator(mode="after")
     def _no_conflicts(self) -> SchedulingSpec:
         if self.volcano_queue is not None and self.gang != "Volcano":
-            raise problem("volcanoQueue", VOLCANO_QUEUE_NEEDS_VOLCANO.removeprefix(
-                "volcanoQueue "))
+            raise problem("volcanoQueue", f"({self.volcano_queue}) "
+                          + VOLCANO_QUEUE_NEEDS_VOLCANO.removeprefix("volcanoQueue "))
         if self.schedule_timeout_seconds is not None and self.gang != "Coscheduling":
-            raise problem("scheduleTimeoutSeconds", TIMEOUT_NEEDS_COSCHEDULING.removeprefix(
-                "scheduleTimeoutSeconds "))
+            raise problem("scheduleTimeoutSeconds", f"({self.schedule_timeout_seconds}) "
+                          + TIMEOUT_NEEDS_COSCHEDULING.removeprefix("scheduleTimeoutSeconds "))
         if self.queue is not None and self.gang == "Volcano":
             raise problem("queue", KUEUE_AND_VOLCANO.removeprefix("queue "))
         return self
@@ -155,6 +167,16 @@ def scheduling_rules() -> list[JsonDict]:
 
 
 MANAGED_BY_PATTERN: Final = _MANAGED_BY
+
+
+def check_managed_by(managed_by: object) -> object:
+    """spec.managedBy as written, refused with its fix when it is not a controller's name
+    (before the pattern check, whose message is only the regular expression)."""
+    if isinstance(managed_by, str) and not re.fullmatch(_MANAGED_BY, managed_by):
+        raise ValueError(
+            f"({managed_by}) is not a controller's name: write a domain-prefixed path such as "
+            f"{MANAGED_BY_MULTIKUEUE}, or remove managedBy for kubetrain's operator")
+    return managed_by
 
 
 def managed_elsewhere(managed_by: str | None) -> bool:

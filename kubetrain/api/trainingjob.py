@@ -73,6 +73,7 @@ from kubetrain.api.scheduling import (
     SchedulingSpec,
     SchedulingStatus,
     TopologyRequest,
+    check_managed_by,
     managed_elsewhere,
     scheduling_rules,
 )
@@ -228,6 +229,11 @@ class TrainingJobSpec(ApiModel):
         "kubetrain's operator. Any other value (MultiKueue's kueue.x-k8s.io/multikueue) makes "
         "the operator leave the job alone: no pods, no status writes. Immutable, as Job's.",
     )
+
+    @field_validator("managed_by", mode="before")
+    @classmethod
+    def _a_controller_name(cls, managed_by: object) -> object:
+        return check_managed_by(managed_by)
 
     @model_validator(mode="after")
     def _volcano_on_its_scheduler(self) -> TrainingJobSpec:

@@ -83,6 +83,18 @@ def test_a_topology_level_that_is_no_label_key_is_refused(minimal_manifest: dict
                                                          level: str) -> None:
     refusal = _refusal(_job(minimal_manifest, {"topology": {"level": level}}))
     assert refusal is not None and "spec.scheduling.topology.level" in refusal
+    if level:  # the empty one says "must not be empty"; the others what a label key is
+        assert f"({level}) is not a node label key" in refusal
+        assert "kubernetes.io/hostname" in refusal
+
+
+@pytest.mark.parametrize("managed_by", ["multikueue", "Kueue.io/x", "example.com/a b"])
+def test_a_managed_by_that_is_no_controller_name_is_refused_with_an_example(
+        minimal_manifest: dict[str, Any], managed_by: str) -> None:
+    refusal = _refusal(_job(minimal_manifest, managedBy=managed_by))
+    assert refusal is not None
+    assert f"spec.managedBy ({managed_by}) is not a controller's name" in refusal
+    assert "kueue.x-k8s.io/multikueue" in refusal and "remove managedBy" in refusal
 
 
 def test_a_queue_label_and_spec_queue_that_differ_are_refused_naming_both(
