@@ -86,7 +86,9 @@ def test_a_rank_stopped_at_start_is_named_by_the_deadline_and_torchrun_does_not_
                    runPolicy={"preflight": {"timeoutSeconds": deadline}})
     termination_log = tmp_path / "termination-log"
     termination_log.write_text("")  # the kubelet creates it in a pod
-    command = launcher.command(job, 2)
+    # torchrun's own shutdown is what the bound below measures (kubetrain.trainer.launch's
+    # fork server adds about a second to it).
+    command = launcher.command(job, 2, plain_torchrun=True)
     # Restarts in place allowed, as PET_MAX_RESTARTS allows them in a pod. A stopped
     # process ignores SIGTERM: torchrun kills it after its shutdown timeout (30 s unless
     # told), which is shortened here so that the test is short.
@@ -352,7 +354,9 @@ def _stop_a_rank_once(launcher: Any, job: Any, tmp_path: Path, *, ranks: int, ra
     termination_log.write_text("")
     env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log),
            "KUBETRAIN_NODE_NAME": "node-a", "KUBETRAIN_POD_NAME": "job-worker-0"}
-    command = launcher.command(job, ranks)
+    # Plain torchrun: its workers are exec'd, so /proc/PID/environ holds the store's address
+    # (a fork of kubetrain.trainer.launch's server shows the server's environment there).
+    command = launcher.command(job, ranks, plain_torchrun=True)
     command[command.index("--standalone"):command.index("--standalone")] = [
         "--max-restarts=3", "--shutdown-timeout=3"]
     agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,

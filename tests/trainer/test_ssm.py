@@ -27,6 +27,7 @@ from kubetrain.trainer.pretrained_config import PretrainedError, read_config, tr
 from kubetrain.trainer.ssm import StateSpaceModel
 
 sys.path.insert(0, str(Path(__file__).parent))
+from compiled_check import assert_compiled_computes_what_eager_does
 from saved_tensors import bytes_saved_for_backward
 
 DIMS = PRESETS["tiny"].dims
@@ -125,34 +126,15 @@ def test_gradients_reach_every_parameter() -> None:
     assert not missing
 
 
-class _OneProcess:
-    def size(self) -> int:
-        return 1
-
-
 def test_compiled_and_checkpointed_through_parallelize_it_computes_what_eager_does() -> None:
     """parallelize's compile and activation checkpointing, applied to the SSM's blocks as to
     a transformer's: the same loss and gradients as the plain model (fp32, CPU inductor)."""
-    from kubetrain.api.trainingjob import ParallelismSpec
-    from kubetrain.trainer.parallelize import parallelize
-
     torch.manual_seed(0)
     eager = StateSpaceModel(DIMS, max_seq_len=64, chunk_size=16)
     compiled = StateSpaceModel(DIMS, max_seq_len=64, chunk_size=16)
     compiled.load_state_dict(eager.state_dict())
-    spec = ParallelismSpec(precision="fp32", compile=True, activation_checkpointing="full")
-    parallel = parallelize(compiled, spec, _OneProcess(), torch.device("cpu"))  # type: ignore[arg-type]
     tokens = torch.randint(0, DIMS.vocab_size, (2, 49))
-    losses = []
-    for model in (eager, parallel.module):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(float(loss.detach()))
-    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
-    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(),
-                                 strict=True):
-        assert a.grad is not None and b.grad is not None, name
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert_compiled_computes_what_eager_does(eager, compiled, tokens)
 
 
 # --- the job fields --------------------------------------------------------------------
