@@ -13,8 +13,9 @@ The real components, against lightweight stand-ins for what is large, all on thi
   both, per pod, counted from the requests the emulator served, and its CPU.
 - lifelines: the same operator, one job of P pods of `--procs-per-pod` trainer processes,
   each pod Running at its own loopback address (127.10.x.y). One stand-in process plays
-  every pod's trainers: it serves kubetrain's lifeline wire (`kubetrain.protocol`) on each
-  pod's address and beats as the trainer does. Over `--window` seconds once every
+  every pod: it serves kubetrain's lifeline wire (`kubetrain.protocol`) on each pod's
+  address and beats as the pod's agent does (`--wire pod`), or as each trainer process of
+  an image from before issue 53 did (`--wire per-process`). Over `--window` seconds once every
   lifeline is followed: the operator's CPU (cores), memory (VmRSS, VmHWM) and event-loop
   lag (how late its /healthz answers, served on kopf's loop beside the lifelines). Then
   `--losses` pods lose their node one after another (their beats stop and their addresses
@@ -331,11 +332,13 @@ def _pod_address(index: int) -> str:
 class TrainerStandIns:
     """The stand-in process that plays every pod's trainer processes (`serve_lifelines`)."""
 
-    def __init__(self, pods: Sequence[tuple[str, str]], processes_per_pod: int) -> None:
+    def __init__(self, pods: Sequence[tuple[str, str]], processes_per_pod: int,
+                 wire: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--serve-lifelines"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
-        self._ask({"pods": [list(pod) for pod in pods], "processes": processes_per_pod})
+        self._ask({"pods": [list(pod) for pod in pods], "processes": processes_per_pod,
+                   "wire": wire})
 
     def _ask(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -371,21 +374,25 @@ class TrainerStandIns:
 
 
 def serve_lifelines() -> None:
-    """The stand-in process: every pod's trainer processes' lifelines, on one selector.
+    """The stand-in process: every pod's lifelines, on one selector.
 
-    Each trainer process (`kubetrain.trainer.lifeline.Lifeline`) listens on its pod's
-    address at `lifeline_port(metrics port, local rank)` and writes a beat to each follower
-    every LIFELINE_BEAT_SECONDS; here one loop does it for all, spread evenly over the
-    period (trainers are not in step). Commands come as JSON lines on stdin.
+    wire "pod": as each pod's agent (`kubetrain.trainer.PodLifeline`) serves it, one
+    lifeline a pod on its address at `lifeline_port(metrics port)`, POD_LIFELINE first.
+    wire "per-process": as trainer images from before issue 53 do, one lifeline per trainer
+    process at `lifeline_port(metrics port, local rank)`. Either beats to each follower
+    every LIFELINE_BEAT_SECONDS; here one thread does it for all, spread evenly over the
+    period (pods are not in step). Commands come as JSON lines on stdin.
     """
-    from kubetrain.protocol import LIFELINE_BEAT_SECONDS, lifeline_port
+    from kubetrain.protocol import BEAT, LIFELINE_BEAT_SECONDS, POD_LIFELINE, lifeline_port
 
-    beat = b"beat\n"
+    beat = BEAT
     config = json.loads(sys.stdin.readline())
+    per_process = config["wire"] == "per-process"
+    welcome = BEAT if per_process else POD_LIFELINE + BEAT
     selector = selectors.DefaultSelector()
     listeners: dict[socket.socket, str] = {}
     for _name, ip in config["pods"]:
-        for rank in range(config["processes"]):
+        for rank in range(config["processes"] if per_process else 1):
             listener = socket.socket()
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             _bind(listener, (ip, lifeline_port(METRICS_PORT, rank)))
@@ -433,7 +440,7 @@ def serve_lifelines() -> None:
                         followers[follower] = listeners[listener]
                     selector.register(follower, selectors.EVENT_READ, "follower")
                     with contextlib.suppress(OSError):
-                        follower.send(beat)
+                        follower.send(welcome)
             elif key.data == "follower":
                 follower = key.fileobj
                 assert isinstance(follower, socket.socket)
@@ -528,7 +535,7 @@ class HealthProbe:
         return self.seconds
 
 
-def measure_lifelines(processes: int, per_pod: int, window: float, losses: int,
+def measure_lifelines(processes: int, per_pod: int, wire: str, window: float, losses: int,
                       folder: Path) -> dict[str, Any]:
     """The operator following `processes` trainer processes' lifelines in pods of
     `per_pod`: its CPU, memory and loop lag over `window` s, and `losses` silent pods."""
@@ -543,9 +550,9 @@ def measure_lifelines(processes: int, per_pod: int, window: float, losses: int,
             watch.wait(lambda: len(watch.added) >= pods, 300, f"{pods} pods")
             names = [f"{name}-worker-{index}" for index in range(pods)]
             ips = [_pod_address(index) for index in range(pods)]
-            stand_ins = TrainerStandIns(list(zip(names, ips, strict=True)), per_pod)
+            stand_ins = TrainerStandIns(list(zip(names, ips, strict=True)), per_pod, wire)
             _run_pods(core, names, ips)
-            expected = stand_ins_expected(pods, per_pod)
+            expected = pods * per_pod if wire == "per-process" else pods
             followed, grew_at, deadline = 0, time.monotonic(), time.monotonic() + 300
             while followed < expected:
                 now = time.monotonic()
@@ -590,11 +597,6 @@ def measure_lifelines(processes: int, per_pod: int, window: float, losses: int,
             "silent_s": silent, "phase": phase}
 
 
-def stand_ins_expected(pods: int, per_pod: int) -> int:
-    """The connections the operator holds once it follows every pod's lifelines."""
-    return pods * per_pod
-
-
 def lifeline_threshold() -> float:
     """Seconds from a pod's last beat until the operator takes it for lost: the silence it
     waits, then the probe it gives up on."""
@@ -603,11 +605,13 @@ def lifeline_threshold() -> float:
     return SILENCE_SECONDS + PROBE_SECONDS
 
 
-def lifelines_part(sizes: Sequence[int], per_pod: int, window: float, losses: int,
+def lifelines_part(sizes: Sequence[int], per_pod: int, wire: str, window: float, losses: int,
                    folder: Path) -> list[str]:
     threshold = lifeline_threshold()
+    served = ("one lifeline a pod (its agent's)" if wire == "pod" else
+              "one lifeline per trainer process (images from before issue 53)")
     print(f"\n== lifelines: `kubetrain operator` following the trainers of one job's Running "
-          f"pods ({per_pod} processes a pod), a stand-in process beating for them"
+          f"pods ({per_pod} processes a pod, {served}), a stand-in process beating for them"
           f"\n   goal at {GOAL_LIFELINE_PROCESSES} processes: <= {GOAL_LIFELINE_CORES:g} core, "
           f"<= {GOAL_LIFELINE_MIB} MiB, a silent pod deleted <= {threshold:g} s threshold + "
           f"{GOAL_SILENT_MARGIN:g} s after its last beat; the first row is the small job",
@@ -617,7 +621,7 @@ def lifelines_part(sizes: Sequence[int], per_pod: int, window: float, losses: in
           f"{'stand-in cores':>16}", flush=True)
     rows = []
     for processes in sizes:
-        row = measure_lifelines(processes, per_pod, window, losses,
+        row = measure_lifelines(processes, per_pod, wire, window, losses,
                                 folder / f"lifelines-{processes}")
         rows.append(row)
         silent = " ".join(f"> {LOSS_TIMEOUT:g}" if s is None else f"{s:.2f}"
@@ -1005,6 +1009,9 @@ def main() -> None:
                         "(default 32,1024,2048,4096,8192; the first is the small job)")
     parser.add_argument("--procs-per-pod", type=int, default=8,
                         help="lifelines: trainer processes per pod (default 8: 8 GPUs a node)")
+    parser.add_argument("--wire", choices=("pod", "per-process"), default="pod",
+                        help="lifelines: one a pod, served by its agent (default), or one per "
+                        "trainer process, as trainer images from before issue 53 serve them")
     parser.add_argument("--window", type=float, default=10.0,
                         help="lifelines: seconds over which CPU and loop lag are measured")
     parser.add_argument("--losses", type=int, default=3,
@@ -1042,8 +1049,8 @@ def main() -> None:
             if part == "job":
                 verdicts += job_part(workers, folder)
             elif part == "lifelines":
-                verdicts += lifelines_part(processes, args.procs_per_pod, args.window,
-                                           args.losses, folder)
+                verdicts += lifelines_part(processes, args.procs_per_pod, args.wire,
+                                           args.window, args.losses, folder)
             elif part == "rendezvous":
                 verdicts += rendezvous_part(agents, args.round_timeout)
             elif part == "status":

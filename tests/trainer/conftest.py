@@ -68,10 +68,15 @@ class Launcher:
 
     free_port = staticmethod(free_port)
 
-    def command(self, job: Path, ranks: int) -> list[str]:
-        """torchrun for several ranks, a plain process (a group of one) for one."""
-        entry = ["-m", "kubetrain.trainer", str(job),
-                 "--metrics-log", str(self.log(job))]
+    def command(self, job: Path, ranks: int, in_pod: bool = False) -> list[str]:
+        """torchrun for several ranks, a plain process (a group of one) for one; `in_pod`:
+        the worker pods' launcher instead (kubetrain.trainer.launch: torchrun whose ranks
+        fork from a server, serving the pod's lifeline where KUBETRAIN_POD_NAME is set)."""
+        log = ["--metrics-log", str(self.log(job))]
+        if in_pod:
+            return [sys.executable, "-m", "kubetrain.trainer.launch", "--standalone",
+                    f"--nproc-per-node={ranks}", str(job), *log]
+        entry = ["-m", "kubetrain.trainer", str(job), *log]
         if ranks == 1:
             return [sys.executable, *entry]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
