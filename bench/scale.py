@@ -669,23 +669,19 @@ def _agents_process(indexes: list[int], agents: int, port: int, events: Any,
     import logging
 
     logging.disable(logging.WARNING)
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from kubetrain.trainer.rendezvous import create_handler
 
-    class PodAgents:
-        """Each agent is PID 1 of its own pod: its descriptor is the pod's hostname."""
-
-        def generate(self, local_addr: str | None = None) -> Any:
-            return dynamic_rendezvous._NodeDesc(local_addr or "", 1, 0)
-
-    dynamic_rendezvous.DynamicRendezvousHandler._node_desc_generator = PodAgents()
-
     def handler(index: int) -> Any:
-        return create_handler(RendezvousParameters(
+        address = f"job-worker-{index}.job"
+        created = create_handler(RendezvousParameters(
             backend="kubetrain", endpoint=f"127.0.0.1:{port}", run_id="bench",
-            min_nodes=agents, max_nodes=agents, local_addr=f"job-worker-{index}.job",
-            is_host=False, join_timeout=900))
+            min_nodes=agents, max_nodes=agents, local_addr=address, is_host=False,
+            join_timeout=900))
+        # Each agent is PID 1 of its own pod, the only handler of its process.
+        created.descriptor = f"{address} 1 0"
+        return created
 
     handlers = {index: handler(index) for index in indexes}
     stopped = {index: threading.Event() for index in indexes}
@@ -709,9 +705,8 @@ def _agents_process(indexes: list[int], agents: int, port: int, events: Any,
                          daemon=True).start()
     while True:
         command, index = commands.get()
-        if command == "kill":  # as kill -9 of its pod: no word, no more keep-alives
+        if command == "kill":  # as kill -9 of its pod: no word, nothing more from it
             stopped[index].set()
-            handlers[index]._stop_heartbeats()
         elif command == "replace":
             handlers[index], stopped[index] = handler(index), threading.Event()
             threading.Thread(target=agent, args=(index, handlers[index], stopped[index]),

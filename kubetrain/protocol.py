@@ -27,8 +27,8 @@ from datetime import UTC, datetime
 from typing import Any, Final, Literal, get_args
 
 # torchrun's rendezvous backend in every launch kubetrain makes (a worker pod's
-# PET_RDZV_BACKEND, `kubetrain run`'s --rdzv-backend): c10d, polled every 0.1 s
-# (kubetrain.trainer.rendezvous).
+# PET_RDZV_BACKEND, `kubetrain run`'s --rdzv-backend): rounds on c10d's store, each
+# formed in a few store operations per agent (kubetrain.trainer.rendezvous).
 RENDEZVOUS_BACKEND: Final = "kubetrain"
 
 # Set by kubetrain.trainer.launch for the training processes it starts: the pid of their
