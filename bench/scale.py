@@ -683,7 +683,8 @@ def _agents_process(indexes: list[int], agents: int, port: int, events: Any,
         created.descriptor = f"{address} 1 0"
         return created
 
-    handlers = {index: handler(index) for index in indexes}
+    with ThreadPoolExecutor(32) as pool:  # each connects to the store: together
+        handlers = dict(zip(indexes, pool.map(handler, indexes), strict=True))
     stopped = {index: threading.Event() for index in indexes}
 
     def agent(index: int, rendezvous: Any, stop: threading.Event) -> None:

@@ -241,6 +241,51 @@ def test_one_connection_follows_every_trainer_process_of_a_pod() -> None:
     asyncio.run(scenario())
 
 
+def test_beats_are_read_without_a_task_per_line() -> None:
+    # Issue 53: 1,024 pods beat 2,000 times a second. A task (or a wait with its timer) made
+    # for each line is what kept the operator's loop from keeping up with 8,192 lifelines.
+    port = free_port()
+    listener = socket.create_server(("127.0.0.1", port))
+
+    def beat_fast() -> None:  # a pod's lifeline, 200 beats in a second
+        follower, _ = listener.accept()
+        follower.sendall(b"pod\n")
+        for _ in range(200):
+            follower.sendall(b"beat\n")
+            time.sleep(0.005)
+        follower.sendall(b"bye\n")
+        follower.close()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        made: list[object] = []
+        default = loop.get_task_factory()
+
+        def counting(loop: asyncio.AbstractEventLoop, coro: object,
+                     **kwargs: object) -> asyncio.Task[object]:
+            made.append(coro)
+            if default is not None:
+                return default(loop, coro, **kwargs)  # type: ignore[arg-type]
+            return asyncio.Task(coro, loop=loop, **kwargs)  # type: ignore[arg-type]
+
+        news: list[tuple[str, str]] = []
+        async with following(news, port, retry_seconds=5.0) as lifelines:
+            beating = loop.run_in_executor(None, beat_fast)
+            await asyncio.sleep(0.2)  # connected
+            loop.set_task_factory(counting)
+            await beating
+            await asyncio.sleep(0.1)
+            loop.set_task_factory(default)
+            assert lifelines.silent(KEY) == frozenset() and lifelines.ends(KEY) == ()
+        print(f"tasks made while 200 beats were read: {len(made)}")
+        assert len(made) <= 2, made  # beside the beats: its reconnection after the bye
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        listener.close()
+
+
 def test_an_agent_that_ends_in_order_says_so_and_a_killed_one_is_a_failure() -> None:
     # The agent's bye: torchrun returned, the pod's status says how. Without it the container
     # was killed whole, as a trainer killed without a word.

@@ -207,3 +207,23 @@ def test_a_round_that_never_fills_times_out_and_a_closed_one_refuses(
     assert waiting.is_closed()
     with pytest.raises(RendezvousClosedError):
         agent(store_port, 3, 3, 3).next_rendezvous()
+
+
+def test_sixty_four_agents_form_a_round_and_reform_it_around_a_replacement(
+        store_port: int) -> None:
+    # Issue 53: each agent touches the store a few times a round, whatever the group's size
+    # (bench/scale.py times it up to 1,024 agents).
+    size = 64
+    with ThreadPoolExecutor(16) as pool:
+        handlers = list(pool.map(lambda pod: agent(store_port, pod, size, size), range(size)))
+    with ThreadPoolExecutor(size + 1) as pool:
+        ranks = formed(joining(pool, handlers))
+        assert sorted(ranks) == [(rank, size) for rank in range(size)]
+        replacement = agent(store_port, 33, size, size)
+        joined = pool.submit(replacement.next_rendezvous)
+        survivors = [h for pod, h in enumerate(handlers) if pod != 33]
+        until(lambda: all(h.num_nodes_waiting() > 0 for h in survivors),
+              "every survivor to see the replacement waiting")
+        rejoined = formed([pool.submit(h.next_rendezvous) for h in survivors] + [joined])
+    assert sorted(rejoined) == [(rank, size) for rank in range(size)]
+    assert rejoined[-1] == ranks[33], "the replacement takes its predecessor's rank"
