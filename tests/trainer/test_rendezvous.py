@@ -20,6 +20,7 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousParameters,
     RendezvousTimeoutError,
     rendezvous_handler_registry,
@@ -227,3 +228,15 @@ def test_sixty_four_agents_form_a_round_and_reform_it_around_a_replacement(
         rejoined = formed([pool.submit(h.next_rendezvous) for h in survivors] + [joined])
     assert sorted(rejoined) == [(rank, size) for rank in range(size)]
     assert rejoined[-1] == ranks[33], "the replacement takes its predecessor's rank"
+
+
+def test_an_agent_that_outlives_the_store_host_ends_without_an_error() -> None:
+    # The store lives in worker 0's agent: an agent that finishes after it cannot close the
+    # rendezvous, and says so (torchrun then exits 0 for a finished group, as with c10d).
+    server = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True,
+                      wait_for_workers=False)
+    late = agent(server.port, 1, 2, 2)
+    del server
+    assert late.shutdown() is False
+    with pytest.raises(RendezvousConnectionError):
+        late.is_closed()

@@ -45,6 +45,7 @@ bytes per agent and round).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -124,11 +125,27 @@ def _define() -> type[Any]:
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import (
         RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousError,
         RendezvousHandler,
         RendezvousInfo,
         RendezvousStoreInfo,
         RendezvousTimeoutError,
     )
+
+    def reached(call: Callable[..., Any]) -> Callable[..., Any]:
+        """A store that cannot be reached (its host, worker 0's agent, is gone) is a
+        RendezvousConnectionError, as torch's c10d backend makes it."""
+
+        @functools.wraps(call)
+        def calling(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return call(*args, **kwargs)
+            except (ValueError, RuntimeError, TimeoutError) as error:
+                raise RendezvousConnectionError(
+                    f"the rendezvous store cannot be reached: {error}") from error
+
+        return calling
 
     class Rendezvous(RendezvousHandler):
         """torchrun's rendezvous handler for one agent: see the module docstring."""
@@ -167,6 +184,7 @@ def _define() -> type[Any]:
         def get_run_id(self) -> str:
             return self.run_id
 
+        @reached
         def next_rendezvous(self) -> RendezvousInfo:
             """Join the next round (see the module docstring) and wait until it forms."""
             deadline = time.monotonic() + self.join_seconds
@@ -191,6 +209,7 @@ def _define() -> type[Any]:
                      rank, world)
             return self._info(round_, rank, world)
 
+        @reached
         def num_nodes_waiting(self) -> int:
             """Agents that joined the round after this agent's: asked from the store at most
             every `poll` seconds."""
@@ -203,9 +222,11 @@ def _define() -> type[Any]:
                 self._waiting = (now, answer)
             return answer
 
+        @reached
         def is_closed(self) -> bool:
             return bool(self.store.check([self._key("closed")]))
 
+        @reached
         def set_closed(self) -> None:
             """Close the rendezvous for every agent, waking any that waits for a round."""
             self.store.set(self._key("closed"), "1")
@@ -214,7 +235,13 @@ def _define() -> type[Any]:
             self.store.set(self._key("opened", latest + 1), "1")
 
         def shutdown(self) -> bool:
-            self.set_closed()
+            """Close the rendezvous as this agent ends; False where the store is gone (its
+            host ended first), as torch's handler answers."""
+            try:
+                self.set_closed()
+            except RendezvousError as error:
+                log.warning("rendezvous %s not closed: %s", self.run_id, error)
+                return False
             return True
 
         # --- a round ----------------------------------------------------------------
