@@ -225,8 +225,9 @@ def test_one_connection_follows_every_trainer_process_of_a_pod() -> None:
                 assert followers_of(port) == 1, "one connection for the pod's 8 processes"
                 for rank in (1, 4, 6):
                     os.kill(trainers[rank].pid, signal.SIGKILL)
+                # Words that end as a beat does are still words.
                 await loop.run_in_executor(None, ends_as, trainers[2],
-                                           "end 88 CollectiveTimeout gloo timed out")
+                                           "end 88 CollectiveTimeout its peer missed a heartbeat")
                 for rank in (0, 3, 5, 7):
                     await loop.run_in_executor(None, ends_as, trainers[rank],
                                                "end 75 PeerLost a peer is gone")
@@ -465,6 +466,29 @@ def test_a_pod_whose_node_stops_answering_is_silent_and_a_stopped_agent_is_not()
                                              phase="Pending")], port)
             await asyncio.sleep(0.1)
             assert lifelines.silent(key) == frozenset()
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_pod_whose_lifeline_comes_back_on_a_new_connection_beats_again() -> None:
+    port, key = free_port(), KEY
+
+    async def scenario() -> None:
+        news: list[tuple[str, str]] = []
+        async with following(news, port, retry_seconds=0.1, silence_seconds=0.5,
+                             probe_seconds=0.5, settle_seconds=0.1) as lifelines:
+            async with agent_process(port) as lost:
+                await asyncio.sleep(0.5)
+                os.kill(lost.pid, signal.SIGSTOP)
+                with answering_nothing(port):
+                    await until_silent(lifelines, time.monotonic(), port)
+                    os.kill(lost.pid, signal.SIGKILL)  # its connection closes
+            assert lifelines.silent(key) == {"job-worker-1"}
+            async with agent_process(port):  # the pod's agent again, a new connection
+                came = time.monotonic()
+                while lifelines.silent(key):
+                    assert time.monotonic() - came < 10, "still silent on a new connection"
+                    await asyncio.sleep(0.01)
 
     asyncio.run(scenario())
 

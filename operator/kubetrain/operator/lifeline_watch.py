@@ -124,8 +124,7 @@ class _Connection(asyncio.Protocol):
         if self.follower.quiet:
             self.follower.heard_again()
         data = self._rest + data
-        if not self._first and data.endswith(b"\n") and (
-                data.count(b"\n") == data.count(BEAT)):
+        if not self._first and not data.replace(BEAT, b""):
             self._rest = b""  # beats only: the common case
             return
         *lines, self._rest = data.split(b"\n")
@@ -181,7 +180,8 @@ class _Follower:
                 await asyncio.sleep(self.lifelines.retry_seconds)
                 continue
             self._connection, self._last_end, self._bye = connection, None, False
-            self._silence, self.quiet = self.lifelines.silence_seconds, False
+            # Its first line settles a silence an earlier connection left (heard_again).
+            self._silence, self.quiet = self.lifelines.silence_seconds, True
             self._watch(connection.heard + self._silence)
             try:
                 await connection.closed
