@@ -652,7 +652,8 @@ def lifelines_part(sizes: Sequence[int], per_pod: int, wire: str, window: float,
 
 
 def _store_process(ports: Any, stop: Any) -> None:
-    """Worker 0's rendezvous store (a TCPStore server), until `stop`; reports its CPU."""
+    """Worker 0's rendezvous store (a TCPStore server), until `stop`."""
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # c10d's warnings per connection
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True,
@@ -666,6 +667,7 @@ def _agents_process(indexes: list[int], agents: int, port: int, events: Any,
                     commands: Any) -> None:
     """Some of the agents, one thread each: what torchrun's agent does with its handler."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as in the pods
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # c10d's warnings per connection
     import logging
 
     logging.disable(logging.WARNING)

@@ -8,8 +8,8 @@ compare-and-set for each step it takes (leave the round, wait for the next, join
 polling it once a second meanwhile. That value grows with the group (100 KB at 1,024
 agents, 20 ms to pickle and unpickle, plus a stack walk per step for its event log), and
 the steps of all the agents pass one after another through it, each retried by every agent
-that lost the race: in bench/scale.py 64 agents took 7 s to form the round after one was
-replaced, and 1,024 formed none within two minutes (issue 53).
+that lost the race: in bench/scale.py 64 agents took 7 to 12 s to form the round after one
+was replaced, 128 took 35 s, and 256 formed none within two minutes (issue 53).
 
 The `kubetrain` backend (PET_RDZV_BACKEND in the pods the operator makes and in `kubetrain
 run`; torchrun finds it through the `torchrun.handlers` entry point) keeps torchrun's
