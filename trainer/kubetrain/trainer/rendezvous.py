@@ -111,7 +111,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def _handler_class() -> type[Any]:
-    """`Rendezvous`, defined once torch is imported (its base class is torch's)."""
+    """`Rendezvous`, defined on first use: its base class is torch's, and this module stays
+    torch-free to import (own code's entry imports it, then loads torch beside its restore)."""
     global _RENDEZVOUS
     if _RENDEZVOUS is None:
         _RENDEZVOUS = _define()
