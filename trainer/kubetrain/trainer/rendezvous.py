@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_SECONDS = 600  # torch's defaults
 LAST_CALL_SECONDS = 30
-CLOSE_TIMEOUT_SECONDS = 30
 # How long one wait on the store lasts where nothing else bounds it: a redundant agent
 # waits for the next round in waits this long.
 IDLE_WAIT_SECONDS = 600.0
