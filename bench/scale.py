@@ -21,7 +21,7 @@ The real components, against lightweight stand-ins for what is large, all on thi
   `--losses` pods lose their node one after another (their beats stop and their addresses
   answer nothing: the listeners' accept queues are full, so the kernel drops every new
   handshake, as a lost node's network does): seconds from the last beat until the
-  operator deletes the pod, against the threshold (`kubetrain.operator.lifelines`).
+  operator deletes the pod, against the threshold (`kubetrain.operator.lifeline_watch`).
 - rendezvous: kubetrain's rendezvous backend (`kubetrain.trainer.rendezvous.create_handler`,
   torchrun's handler) in N threads spread over a few processes, each thread one pod's
   torchrun agent: it joins, then asks `num_nodes_waiting` every 0.1 s (torchrun's monitor
@@ -376,7 +376,7 @@ class TrainerStandIns:
 def serve_lifelines() -> None:
     """The stand-in process: every pod's lifelines, on one selector.
 
-    wire "pod": as each pod's agent (`kubetrain.trainer.PodLifeline`) serves it, one
+    wire "pod": as each pod's agent (`kubetrain.trainer.lifeline.PodLifeline`) serves it, one
     lifeline a pod on its address at `lifeline_port(metrics port)`, POD_LIFELINE first.
     wire "per-process": as trainer images from before issue 53 do, one lifeline per trainer
     process at `lifeline_port(metrics port, local rank)`. Either beats to each follower
@@ -600,7 +600,7 @@ def measure_lifelines(processes: int, per_pod: int, wire: str, window: float, lo
 def lifeline_threshold() -> float:
     """Seconds from a pod's last beat until the operator takes it for lost: the silence it
     waits, then the probe it gives up on."""
-    from kubetrain.operator.lifelines import PROBE_SECONDS, SILENCE_SECONDS
+    from kubetrain.operator.lifeline_watch import PROBE_SECONDS, SILENCE_SECONDS
 
     return SILENCE_SECONDS + PROBE_SECONDS
 
@@ -845,8 +845,8 @@ def _status_job(index: int) -> tuple[str, str]:
 def serve_status(folder: Path, jobs: int) -> None:
     """The measured process: the endpoint with its default rate limit, every job admitted;
     serves until stdin closes."""
-    from kubetrain.operator.status_certificates import ServingCertificate
-    from kubetrain.operator.status_endpoint import StatusEndpoint, StatusReports
+    from kubetrain.operator.trainer_status_endpoint import StatusEndpoint, StatusReports
+    from kubetrain.operator.trainer_status_tls import ServingCertificate
 
     serving = ServingCertificate((folder / "tls.crt").read_bytes(),
                                  (folder / "tls.key").read_bytes())
@@ -876,7 +876,7 @@ def _report_clients(pods: list[tuple[int, int]], port: int, ca: str, seconds: fl
     """Some of the pods (job index, pod index): from the start time the benchmark sends,
     each posts every REPORT_SECONDS for `seconds`, starting at its own offset in the
     period; a connection per report."""
-    from kubetrain.operator.status_endpoint import job_token, status_path
+    from kubetrain.operator.trainer_status_endpoint import job_token, status_path
 
     context = ssl.create_default_context(cafile=ca)
     latencies: list[float] = []
@@ -972,8 +972,8 @@ def measure_status(pods: int, per_job: int, seconds: float, folder: Path) -> dic
 
 
 def status_part(sizes: Sequence[int], per_job: int, seconds: float, folder: Path) -> list[str]:
-    from kubetrain.operator.status_certificates import CertificateAuthority
-    from kubetrain.operator.status_endpoint import RateLimit
+    from kubetrain.operator.trainer_status_endpoint import RateLimit
+    from kubetrain.operator.trainer_status_tls import CertificateAuthority
 
     folder.mkdir(parents=True, exist_ok=True)
     authority = CertificateAuthority.generate()
