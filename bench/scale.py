@@ -42,7 +42,9 @@ The real components, against lightweight stand-ins for what is large, all on thi
 
 Every figure comes from one machine whose cores the stand-ins share with the measured
 process: each part says what it counts and what it does not. Goals are printed beside
-each curve.
+each curve, and under each curve its ratios: every size's figures against the curve's
+first size (its small job, the baseline), measured in the same run on the same machine,
+so a busy machine moves both sides alike.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -126,6 +129,23 @@ def _percentile(values: Sequence[float], fraction: float) -> float:
 
 def _sizes(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _print_ratios(unit: str, sizes: Sequence[int],
+                  columns: dict[str, Sequence[float | None]]) -> None:
+    """Each size's figures against the first size's, measured in this run: the curve's
+    baseline. A figure that is missing or a baseline of zero shows '-'."""
+    print(f"   ratio to the baseline: the same figures at {sizes[0]} {unit}, this run", flush=True)
+    print(f"{unit:>10}" + "".join(f"{name:>{max(12, len(name) + 2)}}" for name in columns),
+          flush=True)
+    for row, size in enumerate(sizes):
+        cells = []
+        for name, values in columns.items():
+            value, base = values[row], values[0]
+            shown = ("-" if value is None or base is None or not base
+                     or math.isnan(value) or math.isnan(base) else f"{value / base:.2f}x")
+            cells.append(f"{shown:>{max(12, len(name) + 2)}}")
+        print(f"{size:>10}" + "".join(cells), flush=True)
 
 
 class PodWatch:
@@ -309,6 +329,11 @@ def job_part(sizes: Sequence[int], folder: Path) -> list[str]:
                   if kind not in ("patch trainingjobs/status", "create events")}
         print(f"{'':>8}  writes: {', '.join(f'{k} {v}' for k, v in sorted(others.items()))}",
               flush=True)
+    _print_ratios("workers", [workers for workers, _, _ in rows], {
+        "s per pod": [row["created_s"] / workers for workers, row, _ in rows],
+        "writes per pod": [per_pod for _, _, per_pod in rows],
+        "CPU per pod": [row["cpu_s"] / workers for workers, row, _ in rows],
+        "peak MiB": [row["peak_mib"] for _, row, _ in rows]})
     small = rows[0][2]
     verdicts = []
     for workers, row, per_pod in rows:
@@ -630,6 +655,17 @@ def lifelines_part(sizes: Sequence[int], per_pod: int, wire: str, window: float,
               f"{row['cores']:>7.2f}{row['rss_mib']:>9.0f}{row['peak_mib']:>9.0f}"
               f"{row['lag_p50_ms']:>11.1f}{row['lag_p99_ms']:>7.0f}{row['lag_max_ms']:>7.0f}"
               f"{silent:>30}{row['stand_in_cores']:>16.2f}", flush=True)
+
+    def silent_median(row: dict[str, Any]) -> float | None:
+        seen = [s for s in row["silent_s"] if s is not None]
+        return statistics.median(seen) if seen and len(seen) == len(row["silent_s"]) else None
+
+    _print_ratios("processes", [row["processes"] for row in rows], {
+        "cores": [row["cores"] for row in rows],
+        "HWM MiB": [row["peak_mib"] for row in rows],
+        "lag p50": [row["lag_p50_ms"] for row in rows],
+        "lag p99": [row["lag_p99_ms"] for row in rows],
+        "silent after (median)": [silent_median(row) for row in rows]})
     verdicts = []
     small = statistics.median([s if s is not None else LOSS_TIMEOUT
                                for s in rows[0]["silent_s"]] or [float("nan")])
@@ -812,8 +848,10 @@ def rendezvous_part(sizes: Sequence[int], timeout: float) -> list[str]:
     print(f"{'agents':>7}{'poll s':>8}{'first round s':>15}{'after replace s':>17}"
           f"{'store cores (running)':>23}{'store CPU s':>13}{'agents CPU s':>14}", flush=True)
     verdicts = []
+    rows = []
     for agents in sizes:
         row = measure_rendezvous(agents, timeout)
+        rows.append(row)
 
         def shown(seconds: float | None) -> str:
             return f"> {timeout:g}" if seconds is None else f"{seconds:.2f}"
@@ -829,6 +867,12 @@ def rendezvous_part(sizes: Sequence[int], timeout: float) -> list[str]:
             verdicts.append(f"rendezvous of {agents} agents after a replacement: "
                             f"{shown(seconds)} s (goal <= {GOAL_ROUND_SECONDS:g}): "
                             f"{'met' if met else 'NOT met'}")
+    _print_ratios("agents", sizes, {
+        "first round": [row["first_s"] for row in rows],
+        "after replace": [row["replaced_s"] for row in rows],
+        "store cores (running)": [row.get("store_steady_cores") for row in rows],
+        "agents CPU per agent": [row["agents_cpu_s"] / row["agents"]
+                                 if "agents_cpu_s" in row else None for row in rows]})
     return verdicts
 
 
@@ -991,11 +1035,19 @@ def status_part(sizes: Sequence[int], per_job: int, seconds: float, folder: Path
           flush=True)
     print(f"{'pods':>6}{'jobs':>6}{'reports/s':>11}{'cores':>7}{'ms/report':>11}{'p50 ms':>8}"
           f"{'p99 ms':>8}{'accepted':>10}{'429':>6}{'failed':>8}{'peak MiB':>10}", flush=True)
+    rows = []
     for pods in sizes:
         row = measure_status(pods, per_job, seconds, folder)
+        rows.append(row)
         print(f"{pods:>6}{row['jobs']:>6}{pods / REPORT_SECONDS:>11.0f}{row['cores']:>7.2f}"
               f"{row['ms_per_report']:>11.2f}{row['p50_ms']:>8.1f}{row['p99_ms']:>8.1f}{row['accepted']:>10}"
               f"{row['refused']:>6}{row['failed']:>8}{row['peak_mib']:>10.0f}", flush=True)
+    _print_ratios("pods", sizes, {
+        "cores": [row["cores"] for row in rows],
+        "ms per report": [row["ms_per_report"] for row in rows],
+        "p50 ms": [row["p50_ms"] for row in rows],
+        "p99 ms": [row["p99_ms"] for row in rows],
+        "peak MiB": [row["peak_mib"] for row in rows]})
     return []
 
 
@@ -1007,7 +1059,7 @@ def main() -> None:
     parser.add_argument("--parts", default="job,lifelines,rendezvous,status",
                         help="which curves to measure, comma-separated")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes only: a smoke run of every part in about a minute")
+                        help="small sizes only: a smoke run of every part in about 2.5 minutes")
     parser.add_argument("--workers", help="job: workers of the one job (default "
                         "4,100,250,500,1000)")
     parser.add_argument("--processes", help="lifelines: trainer processes followed "
