@@ -147,8 +147,20 @@ def tier_budget(spec: SizedSpec, world_size: int | None = None,
     """The tier's memory at `world_size` processes (default: the fewest the job may run
     with, where each shard is largest); None without a tier or a known model size."""
     memory = spec.checkpoint.memory
-    if memory is None:
+    sized = _sized(spec, world_size, parameters) if memory is not None else None
+    if memory is None or sized is None:
         return None
+    world_size, shard_bytes = sized
+    return TierBudget(world_size=world_size, shard_bytes=shard_bytes,
+                      copies=1 + min(memory.replicas, world_size - 1),
+                      procs_per_worker=spec.workers.procs_per_worker)
+
+
+def _sized(spec: SizedSpec, world_size: int | None,
+           parameters: int | None) -> tuple[int, int] | None:
+    """The world size (default: the fewest processes the job may run with, where each
+    shard is largest) and one process's state shard there; None without a known model
+    size."""
     workers = spec.workers
     if world_size is None:
         world_size = workers.min_workers * workers.procs_per_worker
@@ -156,10 +168,7 @@ def tier_budget(spec: SizedSpec, world_size: int | None = None,
         parameters = model_parameters(spec)
     if parameters is None:
         return None
-    return TierBudget(world_size=world_size,
-                      shard_bytes=state_bytes(spec, parameters, world_size),
-                      copies=1 + min(memory.replicas, world_size - 1),
-                      procs_per_worker=workers.procs_per_worker)
+    return world_size, state_bytes(spec, parameters, world_size)
 
 
 @dataclass(frozen=True)
@@ -187,18 +196,12 @@ def staging_budget(spec: SizedSpec, world_size: int | None = None,
     """The host memory the S3 tier's asynchronous saves stage into, at `world_size`
     processes (default: the fewest the job may run with, where shards are largest); None
     without `checkpoint.async` or a known model size."""
-    if not spec.checkpoint.async_:
+    sized = _sized(spec, world_size, parameters) if spec.checkpoint.async_ else None
+    if sized is None:
         return None
-    workers = spec.workers
-    if world_size is None:
-        world_size = workers.min_workers * workers.procs_per_worker
-    if parameters is None:
-        parameters = model_parameters(spec)
-    if parameters is None:
-        return None
-    return StagingBudget(world_size=world_size,
-                         shard_bytes=state_bytes(spec, parameters, world_size),
-                         procs_per_worker=workers.procs_per_worker)
+    world_size, shard_bytes = sized
+    return StagingBudget(world_size=world_size, shard_bytes=shard_bytes,
+                         procs_per_worker=spec.workers.procs_per_worker)
 
 
 # A device-side first phase leaves at least this much device memory free, whichever is more:

@@ -18,7 +18,8 @@ from jsonschema import Draft4Validator
 
 from kubetrain.api.crd import open_api_schema
 from kubetrain.api.manifest import InvalidManifest, Problem, load_documents, parse_job
-from kubetrain.api.trainingjob import KIND, TrainerSpec
+from kubetrain.api.scheduling import kueue_path
+from kubetrain.api.trainingjob import KIND, TrainerSpec, TrainingJob
 
 
 @cache
@@ -61,6 +62,31 @@ def own_code_summary(trainer: TrainerSpec) -> str:
             "optimization, evaluation, parallelism, distillation) are kubetrain's trainer's")
 
 
+def placement_summary(job: TrainingJob) -> str | None:
+    """How the job's workers are placed and queued, for `kubetrain validate`'s report;
+    None for a job that leaves every choice at its default."""
+    scheduling = job.spec.scheduling
+    kueue = kueue_path(scheduling.queue, job.metadata.labels)
+    if job.spec.managed_elsewhere:
+        return (f"  managed by {job.spec.managed_by}: kubetrain's operator leaves this job "
+                "alone (no pods, no status writes)")
+    if scheduling == type(scheduling)() and kueue is None:
+        return None
+    gang = {"Auto": "gang Auto (the operator picks from the APIs the cluster serves and says "
+            "which in status.scheduling)",
+            "None": "no gang (pods placed one by one)"}.get(scheduling.gang,
+                                                         f"gang {scheduling.gang}")
+    lines = [f"  placement: {gang}"]
+    if scheduling.topology is not None:
+        lines.append(f"  topology: {scheduling.topology.mode.lower()} within one "
+                     f"{scheduling.topology.level} domain")
+    if kueue is not None:
+        path, queue, why = kueue
+        where = "Kueue Workload" if path == "Workload" else "Kueue pod group"
+        lines.append(f"  queue: {queue}, as a {where}: {why}")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="manifest files ('-' for stdin)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only problems")
@@ -90,4 +116,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{file}: {KIND} {name} is valid")
                 if (job := parse_job(document)).spec.trainer is not None:
                     print(own_code_summary(job.spec.trainer))
+                if (placement := placement_summary(job)) is not None:
+                    print(placement)
     return 1 if failed else 0

@@ -25,11 +25,14 @@ from typing import Any
 
 import pytest
 
-# pytest alone on CI's 2 cores (GitHub's hosted runners, `CI=true make test`). The goal is
-# 15 minutes (900 s); the ceiling sits 10 % above it, about three times the spread that
-# repeated from-nothing runs showed (see docs/contributing.md, "The suite's budget"): a run
-# that crosses it has grown, not been unlucky.
-CEILING_SECONDS = 990
+# pytest alone on CI's 2 cores (`CI=true make test` from a clean clone). The goal is 15
+# minutes (900 s); the suite is not there yet. The ceiling is set from CI's own record, not
+# from the goal: its last three runs took 1,590 s, 2,615 s and 2,229 s from start to end,
+# pytest 1,886 s of the last, so machine noise alone spans 1.6x. The ceiling is 1.2x the
+# slowest pytest those runs imply (about 2,220 s): a regression of a third on a typical run
+# crosses it, the slowest machine on record does not (docs/contributing.md, "The suite's
+# budget"). Lower it as the suite gets faster.
+CEILING_SECONDS = 2700
 SLOWEST = 10
 MODULES = 15
 FIXTURES = 10

@@ -8,6 +8,7 @@ from typing import Any, Final, Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from kubetrain.api.base import ApiModel
+from kubetrain.api.scheduling import SchedulingStatus
 from kubetrain.protocol import FailureClass
 
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
@@ -19,8 +20,8 @@ class Condition(ApiModel):
     model_config = ConfigDict(extra="ignore")
 
     type: str = Field(description="Created, Running, Restarting, Suspended, Succeeded, Failed, "
-                      "Straggler, NodesAvoided, MemoryCopiesShareNode, and kstatus's Ready, "
-                      "Reconciling and Stalled.")
+                      "Straggler, NodesAvoided, MemoryCopiesShareNode, PlacementBlocked, and "
+                      "kstatus's Ready, Reconciling and Stalled.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str | None = Field(default=None, description="One-word CamelCase reason.")
     message: str | None = Field(default=None, description="Human-readable detail.")
@@ -332,6 +333,10 @@ class TrainingJobStatus(ApiModel):
         default=0, description="Straggler pods recreated off their node so far "
         "(runPolicy.stragglers.action Replace; at most runPolicy.maxRestarts, not counted in "
         "restarts).",
+    )
+    scheduling: SchedulingStatus | None = Field(
+        default=None, description="What places the workers: the gang mechanism chosen and "
+        "why, the group the pods join, and Kueue's admission (spec.scheduling).",
     )
     kopf: dict[str, Any] = Field(
         default_factory=dict,

@@ -64,6 +64,19 @@ from kubetrain.api.run_policy import (
     RunPolicy,
     StragglerPolicy,
 )
+from kubetrain.api.scheduling import (
+    KUEUE_QUEUE_LABEL,
+    MANAGED_BY_PATTERN,
+    VOLCANO_NEEDS_ITS_SCHEDULER,
+    VOLCANO_SCHEDULER,
+    KueueStatus,
+    SchedulingSpec,
+    SchedulingStatus,
+    TopologyRequest,
+    check_managed_by,
+    managed_elsewhere,
+    scheduling_rules,
+)
 from kubetrain.api.status import (
     FINISHED,
     AvoidedNode,
@@ -149,6 +162,7 @@ class TrainingJobSpec(ApiModel):
             ".checkpoint.keepBest"),
         *own_code_rules(),
         *_tensor_parallel_rules(),
+        *scheduling_rules(),
     ]})
 
     # kubetrain's trainer's image; None only with spec.trainer (see _one_kind).
@@ -205,6 +219,34 @@ class TrainingJobSpec(ApiModel):
     run_policy: RunPolicy = Field(
         default_factory=RunPolicy, description="Restarts, deadlines, suspend and cleanup."
     )
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec, description="Gang placement (all workers or none), a "
+        "Kueue queue and a topology level: docs/scheduling.md.",
+    )
+    managed_by: str | None = Field(
+        default=None, max_length=63, pattern=MANAGED_BY_PATTERN,
+        description="The controller that runs this job; absent or kubetrain.io/operator: "
+        "kubetrain's operator. Any other value (MultiKueue's kueue.x-k8s.io/multikueue) makes "
+        "the operator leave the job alone: no pods, no status writes. Immutable, as Job's.",
+    )
+
+    @field_validator("managed_by", mode="before")
+    @classmethod
+    def _a_controller_name(cls, managed_by: object) -> object:
+        return check_managed_by(managed_by)
+
+    @model_validator(mode="after")
+    def _volcano_on_its_scheduler(self) -> TrainingJobSpec:
+        scheduler = self.workers.template.scheduler_name
+        if self.scheduling.gang == "Volcano" and scheduler not in (None, VOLCANO_SCHEDULER):
+            raise problem("scheduling.gang", f"Volcano with workers.template.schedulerName "
+                          f"{scheduler}: {VOLCANO_NEEDS_ITS_SCHEDULER.split(': ', 1)[1]}")
+        return self
+
+    @property
+    def managed_elsewhere(self) -> bool:
+        """Whether another controller (spec.managedBy) runs the job: the operator leaves it."""
+        return managed_elsewhere(self.managed_by)
 
     @model_validator(mode="after")
     def _one_kind(self) -> TrainingJobSpec:
@@ -438,6 +480,17 @@ class TrainingJob(ApiModel):
     spec: TrainingJobSpec
     status: TrainingJobStatus | None = None
 
+    @model_validator(mode="after")
+    def _one_queue(self) -> TrainingJob:
+        labelled = self.metadata.labels.get(KUEUE_QUEUE_LABEL)
+        queue = self.spec.scheduling.queue
+        if labelled and queue and labelled != queue:
+            raise problem("spec.scheduling.queue", f"({queue}) and the label "
+                          f"{KUEUE_QUEUE_LABEL} ({labelled}) name different Kueue queues: "
+                          "keep spec.scheduling.queue and remove the label, or make them "
+                          "the same")
+        return self
+
     @property
     def micro_batch_size(self) -> int:
         """The micro-batch the workers use: status.effective's after an out-of-memory
@@ -448,20 +501,89 @@ class TrainingJob(ApiModel):
 
 
 __all__ = [
-    "API_VERSION", "CHECKPOINT_TYPED_ONLY", "CHECKPOINT_WHY", "CREDENTIAL_ENV_NAMES",
-    "DEFAULT_MAX_STEPS", "DNS_LABEL", "FINISHED", "GROUP", "KIND", "KUBETRAIN_TORCHRUN_OPTIONS",
-    "MAX_JOB_NAME_LENGTH", "PLURAL", "PRESETS", "PRESET_NAMES", "TENSOR_PARALLEL_REFUSALS",
-    "TP_NEEDS_SHARDING", "TP_WITHOUT_FP8", "TYPED_ONLY", "URI_MAX_LENGTH", "URI_RULES",
-    "VERSION", "ApiModel", "AvoidedNode", "BadputSeconds", "BestCheckpointStatus",
-    "CheckpointLoadSeconds", "CheckpointSpec", "CheckpointStatus", "Condition", "DataSpec",
-    "DistillationSpec", "DynamicsSpec", "EarlyStopping", "EffectiveBatch", "EnvVar",
-    "EnvVarSource", "EvaluationSpec", "FailureStreak", "GoodputStatus", "IntOrString",
-    "MemoryCheckpointSpec", "MetricsSpec", "ModelDims", "ModelSpec", "NodeFailure",
-    "ObjectMeta", "OptimizationSpec", "OutOfMemoryPolicy", "ParallelismSpec", "Phase",
-    "PodTemplate", "PreflightPolicy", "Preset", "PresetName", "Progress", "RankSlowness",
-    "RanksStatus", "ResourceRequirements", "RestartStatus", "RunPolicy", "SecretKeySelector",
-    "SecretReference", "StorageSpec", "StragglerPolicy", "TrackingSpec", "TrainerSpec",
-    "TrainingJob", "TrainingJobSpec", "TrainingJobStatus", "WorkerFailure", "Workers",
-    "WorkersStatus", "at_default_cel", "cel", "changed_fields", "check_uri", "problem",
-    "step_folder", "tensor_parallel_problems",
+    "API_VERSION",
+    "CHECKPOINT_TYPED_ONLY",
+    "CHECKPOINT_WHY",
+    "CREDENTIAL_ENV_NAMES",
+    "DEFAULT_MAX_STEPS",
+    "DNS_LABEL",
+    "FINISHED",
+    "GROUP",
+    "KIND",
+    "KUBETRAIN_TORCHRUN_OPTIONS",
+    "KUEUE_QUEUE_LABEL",
+    "MAX_JOB_NAME_LENGTH",
+    "PLURAL",
+    "PRESETS",
+    "PRESET_NAMES",
+    "TENSOR_PARALLEL_REFUSALS",
+    "TP_NEEDS_SHARDING",
+    "TP_WITHOUT_FP8",
+    "TYPED_ONLY",
+    "URI_MAX_LENGTH",
+    "URI_RULES",
+    "VERSION",
+    "ApiModel",
+    "AvoidedNode",
+    "BadputSeconds",
+    "BestCheckpointStatus",
+    "CheckpointLoadSeconds",
+    "CheckpointSpec",
+    "CheckpointStatus",
+    "Condition",
+    "DataSpec",
+    "DistillationSpec",
+    "DynamicsSpec",
+    "EarlyStopping",
+    "EffectiveBatch",
+    "EnvVar",
+    "EnvVarSource",
+    "EvaluationSpec",
+    "FailureStreak",
+    "GoodputStatus",
+    "IntOrString",
+    "KueueStatus",
+    "MemoryCheckpointSpec",
+    "MetricsSpec",
+    "ModelDims",
+    "ModelSpec",
+    "NodeFailure",
+    "ObjectMeta",
+    "OptimizationSpec",
+    "OutOfMemoryPolicy",
+    "ParallelismSpec",
+    "Phase",
+    "PodTemplate",
+    "PreflightPolicy",
+    "Preset",
+    "PresetName",
+    "Progress",
+    "RankSlowness",
+    "RanksStatus",
+    "ResourceRequirements",
+    "RestartStatus",
+    "RunPolicy",
+    "SchedulingSpec",
+    "SchedulingStatus",
+    "SecretKeySelector",
+    "SecretReference",
+    "StorageSpec",
+    "StragglerPolicy",
+    "TopologyRequest",
+    "TrackingSpec",
+    "TrainerSpec",
+    "TrainingJob",
+    "TrainingJobSpec",
+    "TrainingJobStatus",
+    "WorkerFailure",
+    "Workers",
+    "WorkersStatus",
+    "at_default_cel",
+    "cel",
+    "changed_fields",
+    "check_uri",
+    "managed_elsewhere",
+    "problem",
+    "step_folder",
+    "tensor_parallel_problems",
 ]

@@ -19,8 +19,9 @@ from kubetrain.operator.leader import LEASE_NAME
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "tests" / "operator" / "harness.py"
 # Leader election: only granted, and only used, with more than one operator replica
-# (the scenarios run with it on, as several replicas do).
-LEADER_ELECTION = {"leases"}
+# (the scenarios run with it on, as several replicas do). Resources are named as the
+# recorded calls name them: prefixed with their API group outside the core group.
+LEADER_ELECTION = {"coordination.k8s.io/leases"}
 Render = Callable[[dict[str, Any]], list[dict[str, Any]]]
 Calls = set[tuple[str, str]]
 
@@ -66,12 +67,15 @@ def _operator_args(objects: list[dict[str, Any]]) -> list[str]:
 
 
 def _operator_grants(objects: list[dict[str, Any]]) -> Calls:
-    """(verb, resource) granted to the operator's ServiceAccount."""
+    """(verb, group/resource) granted to the operator's ServiceAccount (the core group's
+    resources without a prefix), as `cluster.operator_calls()` names them."""
     grants: Calls = set()
     for role in _operator_roles(objects):
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-            grants.update((verb, resource) for verb in rule["verbs"]
+            assert "*" not in rule["apiGroups"], rule
+            grants.update((verb, f"{group}/{resource}" if group else resource)
+                          for verb in rule["verbs"] for group in rule["apiGroups"]
                           for resource in rule["resources"])
     return grants
 
@@ -108,7 +112,7 @@ def test_several_replicas_add_exactly_the_lease_calls_in_the_release_namespace(
     # on the operator's own Lease (the one --lease-namespace points at).
     release_namespace = _operator_deployment(objects)["metadata"]["namespace"]
     lease_roles = [role for role in _operator_roles(objects)
-                   if any(set(rule["resources"]) & LEADER_ELECTION for rule in role["rules"])]
+                   if any("leases" in rule["resources"] for rule in role["rules"])]
     assert [(role["kind"], role["metadata"]["namespace"]) for role in lease_roles] == [
         ("Role", release_namespace)]
     for rule in lease_roles[0]["rules"]:

@@ -127,11 +127,15 @@ def test_namespaced_mode_grants_and_watches_only_the_listed_namespaces(
 ) -> None:
     namespaces = variants["namespaced"]["rbac"]["namespaces"]
     objects = render(variants["namespaced"])
-    # Cluster-wide, the operator may only read cluster-scoped objects (nodes).
+    # Cluster-wide, the operator may only read cluster-scoped objects (nodes, and Kueue's
+    # ResourceFlavors).
     (operator_cluster_role,) = [o for o in objects if o["kind"] == "ClusterRole"
                                 and o["metadata"]["name"].endswith("-operator")]
+    cluster_scoped = {("", "nodes"), ("kueue.x-k8s.io", "resourceflavors")}
     for rule in operator_cluster_role["rules"]:
-        assert rule["resources"] == ["nodes"] and set(rule["verbs"]) <= {"get", "list", "watch"}
+        assert {(group, resource) for group in rule["apiGroups"]
+                for resource in rule["resources"]} <= cluster_scoped, rule
+        assert set(rule["verbs"]) <= {"get", "list", "watch"}
     for kind in ("Role", "RoleBinding"):
         assert sorted(o["metadata"]["namespace"] for o in objects if o["kind"] == kind) == sorted(
             namespaces)
@@ -231,5 +235,5 @@ def test_every_values_key_is_documented() -> None:
 def test_docs_exist_for_every_topic() -> None:
     docs = REPO / "docs"
     for page in ("install.md", "upgrade.md", "uninstall.md", "rbac.md", "monitoring.md",
-                 "troubleshooting.md", "gitops.md", "images.md"):
+                 "troubleshooting.md", "gitops.md", "images.md", "scheduling.md"):
         assert (docs / page).stat().st_size > 500, f"docs/{page} is missing or empty"

@@ -23,20 +23,21 @@ from kubetrain.operator.children import worker_pod
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKOV_VENV = REPO / ".venv-checkov"
-CHECKOV_VERSION = "3.3.30"
+CHECKOV_REQUIREMENTS = Path(__file__).with_name("checkov-requirements.txt")
 ALLOW_LIST = Path(__file__).with_name("checkov-allowlist.yaml")
 Render = Callable[[dict[str, Any]], list[dict[str, Any]]]
 
 
 @pytest.fixture(scope="session")
 def checkov() -> Path:
-    """The checkov executable, installed into .venv-checkov on first use."""
+    """The checkov executable, installed into .venv-checkov on first use (`make test` has
+    installed it already, beside lint and the image build)."""
     executable = CHECKOV_VENV / "bin" / "checkov"
     if not executable.exists():
         subprocess.run([sys.executable, "-m", "venv", str(CHECKOV_VENV)], check=True)
         subprocess.run(
-            [str(CHECKOV_VENV / "bin" / "pip"), "install", "--quiet",
-             f"checkov=={CHECKOV_VERSION}"],
+            [str(CHECKOV_VENV / "bin" / "pip"), "install", "--quiet", "-r",
+             str(CHECKOV_REQUIREMENTS)],
             check=True, timeout=900,
         )
     return executable

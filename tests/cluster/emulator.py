@@ -10,10 +10,14 @@ generation on objects; optimistic concurrency (a stale resourceVersion is refuse
 TrainingJobs and the status subresources of Pods and Nodes; graceful deletion of pods
 bound to a node (deletionTimestamp and deletionGracePeriodSeconds are set and the pod
 stays until its kubelet deletes it with grace 0, uid precondition honoured), immediate
-deletion of the others; list and watch, with equality-based label selectors; a pod's
-log (`GET pods/{name}/log`, with follow, sinceSeconds, sinceTime, tailLines, limitBytes
-and timestamps), proxied to the kubelet that runs the pod as the API server proxies it:
-here, the node agent registered in `kubelets` (tests/cluster/pod_logs.py).
+deletion of the others; the placement APIs a test asks for (Kubernetes' Workload API,
+Volcano's and scheduler-plugins' PodGroups, Kueue's Workload and ResourceFlavor, pinned in
+tests/cluster/scheduling_apis.py), listed in discovery, with their status subresources
+and their objects checked against those pinned schemas; list and watch, with
+equality-based label selectors; a pod's log (`GET pods/{name}/log`, with follow,
+sinceSeconds, sinceTime, tailLines, limitBytes and timestamps), proxied to the kubelet
+that runs the pod as the API server proxies it: here, the node agent registered in
+`kubelets` (tests/cluster/pod_logs.py).
 
 Stand-in, not shown by any test here: the garbage collector. `_collect_garbage` deletes
 an object whose ownerReference points at an object that is gone, as
@@ -23,11 +27,12 @@ inside the emulator after each delete.
 
 What it does not: no Namespace objects (kmock misreads `POST /api/v1/namespaces`, and
 objects need no namespace to exist first), no authentication or RBAC (every request is
-allowed), no admission, no OpenAPI schema validation or CEL rules (the operator's own
-validation is what refuses a bad spec here), no field selectors and no set-based label
-selectors, no server-side apply, no Table printing (so kubectl's `get` shows no printer
-columns), no OpenAPI documents (kubectl needs --validate=false). Tests that need any of
-these are in tests/real_server and run against a real kube-apiserver.
+allowed), no admission, no OpenAPI schema validation (but of the placement kinds) or CEL
+rules (the operator's own validation is what refuses a bad spec here), no field
+selectors and no set-based label selectors, no server-side apply, no Table printing (so
+kubectl's `get` shows no printer columns), no OpenAPI documents (kubectl needs
+--validate=false). Tests that need any of these are in tests/real_server and run against
+a real kube-apiserver.
 """
 
 from __future__ import annotations
@@ -37,17 +42,19 @@ import itertools
 import threading
 import types
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp.web
+import jsonschema
 import kmock
 import yaml
 from kubernetes import client
 from kubernetes import config as kube_config
 from pod_logs import ContainerLog, LogQuery, LogQueryError, render, select
+from scheduling_apis import PlacementApi
 
 from kubetrain.operator.handlers import USER_AGENT
 
@@ -90,6 +97,8 @@ class Emulator(kmock.KubernetesEmulator):
         self._same_resource: dict[tuple[Any, Any], bool] = {}
         self.served: list[kmock.Request] = []  # routed requests, oldest first
         self.kubelets: list[Kubelet] = []  # asked in turn for a pod's log
+        # The placement kinds served (tests/cluster/scheduling_apis.py), by resource key.
+        self.placement: dict[str, PlacementApi] = {}
 
     def requests(self) -> list[kmock.Request]:
         """Every request so far: the routed ones, then those not routed yet."""
@@ -107,6 +116,7 @@ class Emulator(kmock.KubernetesEmulator):
                 return aiohttp.web.json_response(marked)
         if isinstance(request.data, dict) and request.resource is not None:
             self._server_side_fields(request)
+            self._validate_placement(request)
         elif isinstance(request.data, list) and request.action == kmock.action.UPDATE:
             self._json_patch_concurrency(request)
         try:
@@ -370,6 +380,33 @@ class Emulator(kmock.KubernetesEmulator):
         if "spec" in data and stored is not None and _merged(old_spec, data["spec"]) != old_spec:
             meta["generation"] = int(stored.get("metadata", {}).get("generation", 1)) + 1
 
+    def _validate_placement(self, request: kmock.Request) -> None:
+        """A placement object (a PodGroup, a Workload) as its API server takes it: status
+        only through the status subresource and only status there, and the object after a
+        create, a replace or a merge patch valid for its pinned schema, else 422 naming the
+        field, as the API server's schema validation answers."""
+        api = next((api for key, api in self.placement.items() if request.resource == key),
+                   None)
+        if api is None or request.action not in (kmock.action.CREATE, kmock.action.UPDATE):
+            return
+        data = request.data
+        if request.subresource == "status":
+            for key in list(data):
+                if key not in ("status", "metadata"):
+                    del data[key]
+        elif api.status and request.action == kmock.action.UPDATE:
+            data.pop("status", None)
+        stored = self._stored(request)
+        after = data if request.action == kmock.action.CREATE or stored is None or \
+            request.method == kmock.method.PUT else _merged(stored.raw, data)
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft4Validator(api.schema).iter_errors(after))
+        if error is not None:
+            where = ".".join(str(part) for part in error.absolute_path) or "(root)"
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=(
+                f"{api.kind}.{api.group} {(after.get('metadata') or {}).get('name')!r} is "
+                f"invalid: {where}: {error.message}"))
+
     async def _collect_garbage(self) -> None:
         """Delete objects whose owner is gone, as the garbage collector does (background)."""
         while True:
@@ -463,6 +500,16 @@ def _merged(target: Any, patch: Any) -> Any:
     return result
 
 
+def _declare_placement(emulator: Emulator, apis: Iterable[PlacementApi]) -> None:
+    """Serve the placement kinds `apis` (discovery lists them; their objects are checked)."""
+    verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
+    for api in apis:
+        emulator.resources[api.resource] = kmock.ResourceInfo(
+            kind=api.kind, singular=api.kind.lower(), namespaced=api.namespaced, verbs=verbs,
+            subresources={"status"} if api.status else set())
+        emulator.placement[api.resource] = api
+
+
 def _declare_resources(emulator: Emulator) -> None:
     info = kmock.ResourceInfo
     verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
@@ -486,14 +533,20 @@ def _declare_resources(emulator: Emulator) -> None:
 
 
 class EmulatedCluster:
-    """The emulator on a loopback port, in its own thread and event loop."""
+    """The emulator on a loopback port, in its own thread and event loop.
 
-    def __init__(self, directory: Path) -> None:
+    `placement` names the placement APIs it serves besides the core ones
+    (tests/cluster/scheduling_apis.py): none by default, as a cluster without Volcano,
+    scheduler-plugins, Kueue or the Workload API's feature gates.
+    """
+
+    def __init__(self, directory: Path, placement: Iterable[PlacementApi] = ()) -> None:
         self.kubeconfig = directory / "kubeconfig"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.emulator = Emulator()
         _declare_resources(self.emulator)
+        _declare_placement(self.emulator, placement)
         self.server = kmock.Server(self.emulator)
         self._more_servers: list[kmock.Server] = []
 
@@ -530,7 +583,10 @@ class EmulatedCluster:
         return client.ApiClient(configuration)
 
     def operator_calls(self) -> set[tuple[str, str]]:
-        """(verb, resource) of every request the operator (kopf or its client) made."""
+        """(verb, resource) of every request the operator (kopf or its client) made: the
+        resource as an RBAC rule names it, prefixed with its API group outside the core
+        group (`pods`, `kubetrain.io/trainingjobs/status`, `scheduling.volcano.sh/podgroups`),
+        since kinds of several groups share plurals."""
         calls = set()
         for request in self.emulator.requests():
             agent = request.headers.get("User-Agent", "")
@@ -541,6 +597,8 @@ class EmulatedCluster:
             resource = request.resource.plural or ""
             if request.subresource:
                 resource += "/" + request.subresource
+            if request.resource.group:
+                resource = f"{request.resource.group}/{resource}"
             calls.add((_rbac_verb(request), resource))
         return calls
 

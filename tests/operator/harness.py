@@ -6,11 +6,14 @@ in a thread against an `EmulatedCluster`; `Kube` is the test's own client; the
 tests/real_server, against a real kube-apiserver.
 
 RBAC check for the chart: `run_operator_scenarios()` runs every integration
-scenario of tests/operator against a fresh cluster, with leader election on, and
-returns the set of (verb, resource) pairs the operator called, e.g. ("create", "pods"),
-("patch", "trainingjobs/status"), ("watch", "nodes"), ("patch", "leases"). Verbs are RBAC verbs
-(get, list, watch, create, update, patch, delete); resources are plurals, with
-"/subresource" where one was used. The chart's Role must grant exactly these.
+scenario of tests/operator against a fresh cluster serving every placement API (the
+Workload API, Volcano, scheduler-plugins, Kueue), with leader election on, and returns
+the set of (verb, resource) pairs the operator called, e.g. ("create", "pods"),
+("patch", "kubetrain.io/trainingjobs/status"), ("watch", "nodes"),
+("patch", "coordination.k8s.io/leases"). Verbs are RBAC verbs (get, list, watch, create,
+update, patch, delete); resources are plurals, with "/subresource" where one was used,
+prefixed with their API group outside the core group. The chart's Role must grant exactly
+these.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 from emulator import EmulatedCluster
 from kubernetes import client
+from scheduling_apis import EVERY_PLACEMENT_API
 
 from kubetrain.local.launch import free_port
 from kubetrain.operator.command import serve
@@ -114,10 +118,30 @@ class Kube:
     """The test's own Kubernetes client calls (a different user agent from the operator's)."""
 
     def __init__(self, cluster: Cluster) -> None:
-        api = cluster.api_client()
+        api = self.api = cluster.api_client()
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.leases = client.CoordinationV1Api(api)
+
+    def require(self, *placement: str) -> None:
+        """Skip unless the cluster serves these placement APIs ("WorkloadAPI", "Volcano",
+        "Coscheduling", "Kueue"): the real-server tier installs none of their CRDs or
+        feature gates, the emulated one serves them all."""
+        import pytest
+
+        from kubetrain.operator.handlers import discover_placement_apis
+
+        missing = set(placement) - discover_placement_apis(self.api)
+        if missing:
+            pytest.skip(f"the cluster does not serve {', '.join(sorted(missing))}")
+
+    def placement(self, job: str, group: str, version: str,
+                  plural: str) -> dict[str, dict[str, Any]]:
+        """The job's objects of one placement kind (a PodGroup, a Workload), by name."""
+        listed = self.custom.list_namespaced_custom_object(
+            group, version, NAMESPACE, plural,
+            label_selector=f"kubetrain.io/job-name={job}")
+        return {item["metadata"]["name"]: item for item in listed["items"]}
 
     def lease_holder(self, namespace: str = NAMESPACE) -> str | None:
         """Who holds the operator's leader-election Lease, if anyone."""
@@ -195,7 +219,11 @@ class Kube:
 def scenario_job_creates_valid_children(kube: Kube) -> None:
     import kubernetes_validate
 
-    kube.create_job(job_manifest("create"))
+    manifest = job_manifest("create")
+    # Valid for the oldest Kubernetes: without the Workload API's pod field (1.36's), which
+    # Auto would add where the cluster serves it (scenario_gang_groups_... below).
+    manifest["spec"]["scheduling"] = {"gang": "None"}
+    kube.create_job(manifest)
     pods = eventually(lambda: len(kube.pods("create")) == 2 and kube.pods("create"))
     uid = (kube.job("create") or {})["metadata"]["uid"]
     for pod in pods.values():
@@ -408,7 +436,9 @@ def post_report(secret: dict[str, str], step: int, total_steps: int | None = Non
 def scenario_own_code_job_runs_and_reports_progress(kube: Kube) -> None:
     import kubernetes_validate
 
-    kube.create_job(own_code_manifest("own"))
+    manifest = own_code_manifest("own")
+    manifest["spec"]["scheduling"] = {"gang": "None"}  # valid for 1.30: see the first one
+    kube.create_job(manifest)
     pods = eventually(lambda: len(kube.pods("own")) == 2 and kube.pods("own"))
     uid = (kube.job("own") or {})["metadata"]["uid"]
     secret = status_secret(kube, "own")
@@ -512,6 +542,127 @@ def scenario_own_code_without_reported_progress_past_its_deadline_restarts(kube:
     kube.delete_job("ownhang")
 
 
+WORKLOAD_API = ("scheduling.k8s.io", "v1alpha2")
+
+
+def _when(manifest: dict[str, Any]) -> Any:
+    from datetime import datetime
+
+    return datetime.fromisoformat(manifest["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+
+KUEUE = ("kueue.x-k8s.io", "v1beta1")
+
+
+def scenario_gang_groups_come_before_pods_and_go_with_suspend(kube: Kube) -> None:
+    kube.require("WorkloadAPI")
+    manifest = job_manifest("gang", replicas=2)
+    manifest["spec"]["workers"]["minReplicas"] = 2
+    kube.create_job(manifest)  # gang Auto: the cluster serves the Workload API
+    pods = eventually(lambda: len(kube.pods("gang")) == 2 and kube.pods("gang"))
+    workloads = kube.placement("gang", *WORKLOAD_API, "workloads")
+    groups = kube.placement("gang", *WORKLOAD_API, "podgroups")
+    assert list(workloads) == ["gang"] and list(groups) == ["gang-0"]
+    uid = (kube.job("gang") or {})["metadata"]["uid"]
+    for made in (*workloads.values(), *groups.values()):
+        assert made["metadata"]["ownerReferences"][0]["uid"] == uid
+        # Created before the pods (timestamps to the second, so: not after).
+        assert _when(made) <= min(_when(pod) for pod in pods.values())
+    assert groups["gang-0"]["spec"]["schedulingPolicy"]["gang"]["minCount"] == 2
+    status = (kube.job("gang") or {})["status"]["scheduling"]
+    assert (status["gang"], status["podGroup"]) == ("WorkloadAPI", "gang-0")
+    assert "GangChosen" in kube.event_reasons("gang")
+    # Suspend releases the group; resume makes it again before the new pods.
+    kube.patch_job("gang", {"spec": {"runPolicy": {"suspend": True}}})
+    eventually(lambda: not kube.pods("gang")
+               and not kube.placement("gang", *WORKLOAD_API, "podgroups")
+               and not kube.placement("gang", *WORKLOAD_API, "workloads"),
+               what="the pods and the group released")
+    kube.patch_job("gang", {"spec": {"runPolicy": {"suspend": False}}})
+    eventually(lambda: len(kube.pods("gang")) == 2
+               and kube.placement("gang", *WORKLOAD_API, "podgroups"), what="all back")
+    kube.delete_job("gang")
+    eventually(lambda: not kube.placement("gang", *WORKLOAD_API, "podgroups"),
+               what="the group collected with its job")
+
+
+def scenario_volcano_and_coscheduling_groups_follow_a_rescale(kube: Kube) -> None:
+    kube.require("Volcano", "Coscheduling")
+    for name, gang, api in (("volcano", "Volcano", ("scheduling.volcano.sh", "v1beta1")),
+                            ("cosched", "Coscheduling", ("scheduling.x-k8s.io", "v1alpha1"))):
+        manifest = job_manifest(name, replicas=2)
+        del manifest["spec"]["workers"]["minReplicas"]  # the group's minimum is replicas
+        manifest["spec"]["scheduling"] = {"gang": gang}
+        kube.create_job(manifest)
+        eventually(lambda name=name: len(kube.pods(name)) == 2)
+        (group,) = kube.placement(name, *api, "podgroups").values()
+        assert group["spec"]["minMember"] == 2
+        kube.scale_job(name, 3)
+        eventually(lambda name=name, api=api: kube.placement(name, *api, "podgroups")[name][
+            "spec"]["minMember"] == 3, what=f"{gang}'s minMember follows the scale")
+        assert "GangResized" in eventually(lambda name=name: kube.event_reasons(name))
+        kube.patch_job(name, {"spec": {"runPolicy": {"suspend": True}}})
+        eventually(lambda name=name, api=api: not kube.placement(name, *api, "podgroups"),
+                   what=f"suspend to release the {gang} group")
+        kube.delete_job(name)
+
+
+def scenario_kueue_admits_a_suspended_job_and_its_end_frees_the_quota(kube: Kube) -> None:
+    kube.require("Kueue")
+    kube.custom.create_cluster_custom_object(*KUEUE, "resourceflavors", {
+        "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor",
+        "metadata": {"name": "pool-a"}, "spec": {
+            "nodeLabels": {"example.com/pool": "a"},
+            "tolerations": [{"key": "example.com/pool", "operator": "Exists",
+                             "effect": "NoSchedule"}]}})
+    manifest = job_manifest("queued", replicas=2)
+    manifest["spec"]["scheduling"] = {"queue": "team-a", "gang": "None"}
+    kube.create_job(manifest)
+    workload = eventually(lambda: next(iter(kube.placement(
+        "queued", *KUEUE, "workloads").values()), None), what="the Kueue Workload")
+    eventually(lambda: kube.phase("queued") == "Suspended", what="suspended until admitted")
+    assert not kube.pods("queued")
+    # Kueue admits it (the test writes what Kueue's scheduler would).
+    kube.custom.patch_namespaced_custom_object_status(
+        *KUEUE, NAMESPACE, "workloads", workload["metadata"]["name"], {"status": {
+            "admission": {"clusterQueue": "cluster-queue", "podSetAssignments": [{
+                "name": "workers", "count": 2, "flavors": {"cpu": "pool-a"}}]},
+            "conditions": [{"type": "QuotaReserved", "status": "True", "reason": "Q",
+                            "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+                           {"type": "Admitted", "status": "True", "reason": "A",
+                            "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
+    pods = eventually(lambda: len(kube.pods("queued")) == 2 and kube.pods("queued"),
+                      what="the admitted workers")
+    for pod in pods.values():
+        assert pod["spec"]["nodeSelector"]["example.com/pool"] == "a"
+        assert any(t.get("key") == "example.com/pool" for t in pod["spec"]["tolerations"])
+    assert "Admitted" in kube.event_reasons("queued")
+    kube.set_pod_status("queued-worker-0", "Succeeded", exit_code=0)
+    eventually(lambda: any(c["type"] == "Finished" and c["status"] == "True" for c in (
+        kube.placement("queued", *KUEUE, "workloads")[workload["metadata"]["name"]]
+        .get("status", {}).get("conditions", []))), what="the Workload marked Finished")
+    # Another job with a queue, suspended by its user: its Workload goes.
+    manifest = job_manifest("withdrawn", replicas=1)
+    manifest["spec"]["scheduling"] = {"queue": "team-a", "gang": "None"}
+    kube.create_job(manifest)
+    eventually(lambda: kube.placement("withdrawn", *KUEUE, "workloads"))
+    kube.patch_job("withdrawn", {"spec": {"runPolicy": {"suspend": True}}})
+    eventually(lambda: not kube.placement("withdrawn", *KUEUE, "workloads"),
+               what="the suspended job's Workload deleted")
+    kube.delete_job("withdrawn")
+    kube.delete_job("queued")
+
+
+def scenario_a_job_managed_by_another_controller_is_left_alone(kube: Kube) -> None:
+    manifest = job_manifest("elsewhere", replicas=2)
+    manifest["spec"]["managedBy"] = "kueue.x-k8s.io/multikueue"
+    kube.create_job(manifest)
+    time.sleep(1.5)  # several resyncs
+    job = kube.job("elsewhere") or {}
+    assert not kube.pods("elsewhere") and "status" not in job, job.get("status")
+    assert kube.event_reasons("elsewhere") == []
+    kube.delete_job("elsewhere")
+
+
 SCENARIOS = [
     scenario_job_creates_valid_children,
     scenario_failures_restart_then_rank_zero_completes,
@@ -526,6 +677,10 @@ SCENARIOS = [
     scenario_own_code_job_runs_and_reports_progress,
     scenario_own_code_restarts_suspends_and_scales,
     scenario_own_code_without_reported_progress_past_its_deadline_restarts,
+    scenario_gang_groups_come_before_pods_and_go_with_suspend,
+    scenario_volcano_and_coscheduling_groups_follow_a_rescale,
+    scenario_kueue_admits_a_suspended_job_and_its_end_frees_the_quota,
+    scenario_a_job_managed_by_another_controller_is_left_alone,
 ]
 
 
@@ -535,7 +690,7 @@ def run_operator_scenarios() -> set[tuple[str, str]]:
 
     # With leader election, as several replicas run: its Lease calls are part of the footprint.
     with tempfile.TemporaryDirectory() as directory, \
-            EmulatedCluster(Path(directory)) as cluster, \
+            EmulatedCluster(Path(directory), placement=EVERY_PLACEMENT_API) as cluster, \
             running_operator(cluster, standalone=False, lease_seconds=2.0,
                              lease_retry_seconds=0.2) as config:
         kube = Kube(cluster)

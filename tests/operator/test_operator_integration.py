@@ -17,11 +17,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import harness
 import kmock
 from harness import EmulatedCluster, Kube, eventually, job_manifest, running_operator
+from scheduling_apis import EVERY_PLACEMENT_API
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedCluster]:
-    with EmulatedCluster(tmp_path_factory.mktemp("cluster")) as running:
+    with EmulatedCluster(tmp_path_factory.mktemp("cluster"),
+                         placement=EVERY_PLACEMENT_API) as running:
         yield running
 
 

@@ -99,7 +99,31 @@ ttlSecondsAfterFinished. It patches the ConfigMap when the job's spec changes.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
+{{- include "kubetrain.placementRules" . }}
 {{- include "kubetrain.statusEndpointRules" . }}
+{{- end -}}
+
+{{/*
+kubetrain.placementRules: the objects that place a job's workers (docs/scheduling.md), each
+owned by its job: the Workload API's Workload and PodGroup (immutable: created and deleted,
+never patched), Volcano's and scheduler-plugins' PodGroups (patched when the group's size
+changes), and Kueue's Workload (its status patched when the job finishes, or to give back
+the quota of an evicted job). Rules on API groups a cluster does not serve grant nothing
+there; the operator uses only what discovery finds.
+*/}}
+{{- define "kubetrain.placementRules" }}
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["workloads", "podgroups"]
+  verbs: ["list", "watch", "create", "delete"]
+- apiGroups: ["scheduling.volcano.sh", "scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "watch", "create", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
 {{- end -}}
 
 {{/*
@@ -136,11 +160,15 @@ namespaced mode the first watched one (the operator may write only there). */}}
 
 {{/*
 kubetrain.operatorClusterRules: on cluster-scoped resources, in both modes. Nodes
-are watched to notice pods on lost nodes.
+are watched to notice pods on lost nodes; Kueue's ResourceFlavors to give an admitted
+job's pods their flavor's node labels and tolerations.
 */}}
 {{- define "kubetrain.operatorClusterRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
+  verbs: ["list", "watch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["resourceflavors"]
   verbs: ["list", "watch"]
 {{- end -}}
 

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 @dataclass(frozen=True)
 class CreateObject:
-    """Create a child (Service, ConfigMap or Pod); an existing one of that name is kept."""
+    """Create a child (Service, ConfigMap, Pod, or a placement object: a gang's Workload or
+    PodGroup, a Kueue Workload); an existing one of that name is kept."""
 
     manifest: dict[str, Any]
 
@@ -43,6 +44,29 @@ class DeletePod:
     name: str
     reason: str
     grace_period_seconds: int | None = None
+
+
+@dataclass(frozen=True)
+class PatchObject:
+    """Merge-patch a placement object's spec (a PodGroup's minMember when the group's size
+    changes), or with `status` its status (a Kueue Workload's Finished or released quota)."""
+
+    api_version: str
+    kind: str
+    name: str
+    patch: dict[str, Any]
+    status: bool = False
+
+
+@dataclass(frozen=True)
+class DeleteObject:
+    """Delete a placement object (a gang's group or a Kueue Workload): suspend and the end
+    of the job release them, a renewed group replaces them; an absent one is no error."""
+
+    api_version: str
+    kind: str
+    name: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -96,4 +120,5 @@ class ReconcileAt:
 
 
 Action = (CreateObject | CreateStatusSecret | UpdateConfigMap | DeletePod | DeleteJob
-          | WriteStatus | RecordEvent | CountRestart | CountFailure | ReconcileAt)
+          | WriteStatus | RecordEvent | CountRestart | CountFailure | ReconcileAt
+          | PatchObject | DeleteObject)

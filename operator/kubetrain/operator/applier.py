@@ -28,7 +28,9 @@ from kubetrain.operator.actions import (
     CreateObject,
     CreateStatusSecret,
     DeleteJob,
+    DeleteObject,
     DeletePod,
+    PatchObject,
     ReconcileAt,
     RecordEvent,
     UpdateConfigMap,
@@ -37,6 +39,7 @@ from kubetrain.operator.actions import (
 from kubetrain.operator.expectations import Expectations, job_identity
 from kubetrain.operator.facts import worker_pod
 from kubetrain.operator.metrics import OperatorMetrics
+from kubetrain.operator.scheduling_facts import group_object
 from kubetrain.operator.writer import ApiWriter
 
 # The API server refuses longer event messages.
@@ -155,6 +158,21 @@ class ActionApplier:
             self._delete_pod(namespace, expected, action)
         elif isinstance(action, DeleteJob):
             self.writer.delete_job(namespace, name)
+        elif isinstance(action, PatchObject):
+            try:
+                self.writer.patch_object(namespace, action.api_version, action.kind,
+                                         action.name, action.patch, status=action.status)
+            except ApiException as error:
+                if error.status != 404:  # gone meanwhile (its job deleted): nothing to do
+                    raise
+        elif isinstance(action, DeleteObject):
+            try:
+                self.writer.delete_object(namespace, action.api_version, action.kind,
+                                          action.name)
+            except ApiException as error:
+                if error.status != 404:  # already gone
+                    raise
+            expected.deleted_group((action.api_version, action.kind, action.name))
         elif isinstance(action, RecordEvent):
             self.writer.create(namespace, self._event(body, action))
         elif isinstance(action, CountRestart):
@@ -195,8 +213,10 @@ class ActionApplier:
                 raise
         if kind == "Pod":
             expected.created_pod(worker_pod(manifest))
-        else:
+        elif manifest["apiVersion"] == "v1":
             expected.wrote_child(manifest)
+        else:  # a placement object: a gang's group, a Kueue Workload
+            expected.created_group(group_object(manifest))
 
     def _delete_pod(self, namespace: str, expected: Expectations, action: DeletePod) -> None:
         try:

@@ -52,11 +52,6 @@ GENERATION_ANNOTATION = "kubetrain.io/job-generation"
 MICRO_BATCH_ANNOTATION = "kubetrain.io/micro-batch-size"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetrain"}
 
-# Kueue's plain-pod integration admits a group of pods as one workload.
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
-KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
-
 # The trainer image runs as this unprivileged user.
 _TRAINER_UID = 1000
 
@@ -127,15 +122,6 @@ def config_map(job: TrainingJob) -> dict[str, Any]:
         "metadata": metadata,
         "data": {CONFIG_KEY: job_snapshot(job)},
     }
-
-
-def _kueue_metadata(job: TrainingJob) -> tuple[dict[str, str], dict[str, str]]:
-    queue = job.metadata.labels.get(KUEUE_QUEUE_LABEL)
-    if not queue:
-        return {}, {}
-    labels = {KUEUE_QUEUE_LABEL: queue, KUEUE_GROUP_LABEL: job.metadata.name}
-    annotations = {KUEUE_GROUP_COUNT: str(job.spec.workers.replicas)}
-    return labels, annotations
 
 
 # The taints the node lifecycle controller puts on a node that stops reporting, or reports
@@ -286,23 +272,22 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
     """Worker pod `index` of the group, in its `restart_attempt`-th incarnation.
 
     Kept off the nodes in the job's status.avoidedNodes: reconcile passes the job with
-    the status it decided, expired entries already dropped. Its container runs kubetrain's
+    the status it decided, expired entries already dropped. Its placement (gang, Kueue,
+    topology) is added by `kubetrain.operator.scheduling.shape_pod`. Its container runs kubetrain's
     trainer, or for a job with spec.trainer the user's own code (`_own_code_container`);
     the pod around it is the same.
     """
     spec = job.spec
     template = spec.workers.template
     name = job.metadata.name
-    kueue_labels, kueue_annotations = _kueue_metadata(job)
     labels = {
         **template.labels,
-        **kueue_labels,
         INDEX_LABEL: str(index),
         ATTEMPT_LABEL: str(restart_attempt),
     }
     metadata = _metadata(job, pod_name(name, index), labels)
     avoided = [entry.node for entry in job.status.avoided_nodes] if job.status else []
-    annotations = {**template.annotations, **kueue_annotations}
+    annotations = dict(template.annotations)
     if avoided:
         annotations[AVOIDED_NODES_ANNOTATION] = ",".join(avoided)
     if annotations:

@@ -16,7 +16,7 @@ Deciding what to do about the result is `reconcile`'s.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -24,6 +24,10 @@ from typing import Any
 from kubetrain.api.trainingjob import TrainingJobStatus
 from kubetrain.operator import children
 from kubetrain.operator.facts import WorkerPod
+from kubetrain.operator.scheduling_facts import GroupObject
+
+# A placement object by (apiVersion, kind, name).
+GroupKey = tuple[str, str, str]
 
 # A create or delete the watch has not reported after this long is presumed lost.
 EXPECTATION_TIMEOUT_SECONDS = 120.0
@@ -82,6 +86,9 @@ class Expectations:
     refused: str = ""
     # Own code: the job's Secret <job>-status exists (created, or found created).
     status_secret: bool = False
+    # Placement objects (a gang's group, a Kueue Workload) created and deleted, as pods.
+    created_groups: dict[GroupKey, tuple[GroupObject, float]] = field(default_factory=dict)
+    deleted_groups: dict[GroupKey, float] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
 
     # --- what the applier wrote ------------------------------------------------------
@@ -97,6 +104,18 @@ class Expectations:
     def deleted_pod(self, name: str) -> None:
         """The pod `name` was deleted (or was already gone)."""
         self.deleted[name] = self.clock()
+
+    def created_group(self, group: GroupObject) -> None:
+        """The placement object `group` was created (or was already there); a deletion of
+        the same name just before (a renewed Workload) is over."""
+        key = (group.api_version, group.kind, group.name)
+        self.deleted_groups.pop(key, None)
+        self.created_groups[key] = (group, self.clock())
+
+    def deleted_group(self, key: GroupKey) -> None:
+        """The placement object `key` was deleted (or was already gone)."""
+        self.created_groups.pop(key, None)
+        self.deleted_groups[key] = self.clock()
 
     def wrote_child(self, manifest: Mapping[str, Any]) -> None:
         """The Service or ConfigMap `manifest` was created or updated."""
@@ -120,6 +139,24 @@ class Expectations:
                 seen[name] = replace(pod, created_at=now)
             else:
                 del self.created[name]
+        return tuple(seen.values())
+
+    def groups(self, indexed: Iterable[GroupObject]) -> tuple[GroupObject, ...]:
+        """The job's placement objects: `indexed`, with those deleted marked deleting and
+        those created added until the index shows them, or the wait times out."""
+        seen = {(obj.api_version, obj.kind, obj.name): obj for obj in indexed}
+        clock = self.clock()
+        for key, since in list(self.deleted_groups.items()):
+            if key in seen and not seen[key].deleting and \
+                    clock - since < EXPECTATION_TIMEOUT_SECONDS:
+                seen[key] = replace(seen[key], deleting=True)
+            else:
+                del self.deleted_groups[key]
+        for key, (group, since) in list(self.created_groups.items()):
+            if key not in seen and clock - since < EXPECTATION_TIMEOUT_SECONDS:
+                seen[key] = group
+            else:
+                del self.created_groups[key]
         return tuple(seen.values())
 
     def held(self, service: bool,

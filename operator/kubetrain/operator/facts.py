@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,6 +25,8 @@ from kubetrain.operator.children import (
     INDEX_LABEL,
     TRAINER_CONTAINER,
 )
+from kubetrain.operator.kueue import Flavor
+from kubetrain.operator.scheduling_facts import GroupObject
 from kubetrain.protocol import (
     METRIC_PREFIX,
     FailureClass,
@@ -75,6 +77,9 @@ class WorkerPod:
     avoiding: tuple[str, ...] = ()
     # Checkpoint folders its own code wrote but never marked complete (not uploaded).
     unmarked_checkpoints: tuple[str, ...] = ()
+    # Held back by a scheduling gate (Kueue's pod integration until it admits the group):
+    # waiting on purpose, not stuck.
+    gated: bool = False
 
     @property
     def active(self) -> bool:
@@ -168,6 +173,13 @@ class Observed:
     # The micro-batch its snapshot tells the trainer to use; None: not annotated (the spec's).
     config_micro_batch: int | None = None
     metrics: MetricsSample | None = None
+    # The job's gang objects and Kueue Workloads (kubetrain.operator.scheduling_facts).
+    groups: tuple[GroupObject, ...] = ()
+    # What the cluster serves of the placement APIs, by discovery: the gang mechanisms
+    # (kubetrain.operator.gang.MECHANISM_APIS) and "Kueue".
+    served: frozenset[str] = frozenset()
+    # Kueue's ResourceFlavors, by name.
+    flavors: Mapping[str, Flavor] = field(default_factory=dict)
 
 
 def _time(value: str | None) -> datetime | None:
@@ -242,6 +254,7 @@ def worker_pod(pod: Mapping[str, Any], nodes: Container[str] | None = None) -> W
         unschedulable_message=scheduled.get("message") if unschedulable else None,
         avoiding=tuple(node for node in avoiding.split(",") if node),
         unmarked_checkpoints=unmarked_checkpoints(terminated.get("message")),
+        gated=bool((pod.get("spec") or {}).get("schedulingGates")),
     )
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -46,7 +47,9 @@ from kubernetes.client.exceptions import ApiException
 
 from kubetrain import pod_conventions
 from kubetrain.api.manifest import InvalidManifest, parse_job
+from kubetrain.api.scheduling import managed_elsewhere
 from kubetrain.api.trainingjob import FINISHED, GROUP, PLURAL, VERSION, TrainingJob
+from kubetrain.operator import gang, kueue
 from kubetrain.operator.actions import Action, CreateStatusSecret, ReconcileAt
 from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.config import OperatorConfig
@@ -68,11 +71,38 @@ from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.pass_scheduler import JobKey, JobMemory, PassScheduler
 from kubetrain.operator.rank0_scrape import scrape_rank0
 from kubetrain.operator.reconcile import reconcile, reject
+from kubetrain.operator.scheduling_facts import GroupObject, group_object
 from kubetrain.operator.trainer_status_setup import StatusReporting, advertise
 from kubetrain.operator.writer import ApiWriter
 from kubetrain.protocol import lifeline_port
 
 USER_AGENT = "kubetrain-operator"
+# The placement objects a job owns (its gang's group, its Kueue Workload), each kind
+# indexed by job; and Kueue's ResourceFlavors, by name.
+PLACEMENT_APIS = (*gang.GANG_APIS, kueue.KUEUE_WORKLOAD)
+
+
+def _index_id(api: gang.Api) -> str:
+    """A kopf index's id for a placement kind: tj_<group>_<plural>, dots as underscores."""
+    return "tj_" + api.group.replace(".", "_").replace("-", "_") + "_" + api.plural
+
+
+def discover_placement_apis(api: client.ApiClient) -> frozenset[str]:
+    """The gang mechanisms and "Kueue" whose APIs the API server's discovery lists.
+
+    GET /apis, the aggregated group list (as `kubectl api-versions` reads it); the client's
+    ApisApi asks for /apis/, which an API server answers alike and the test emulator not."""
+    request = api.param_serialize("GET", "/apis", header_params={"Accept": "application/json"},
+                                  auth_settings=["BearerToken"])
+    answer = api.call_api(*request)
+    answer.read()
+    if not 200 <= answer.status <= 299:
+        raise ApiException(status=answer.status, reason=answer.reason)
+    listed = json.loads(answer.data or b"{}")
+    served = {version.get("groupVersion", "") for group in listed.get("groups") or []
+              for version in group.get("versions") or []}
+    kueue_served = {"Kueue"} if kueue.KUEUE_WORKLOAD.api_version in served else set()
+    return gang.served_mechanisms(served) | kueue_served
 
 @dataclass(frozen=True)
 class Indexes:
@@ -83,6 +113,9 @@ class Indexes:
     services: kopf.Index  # (namespace, job name) -> ["Service"]
     config_maps: kopf.Index  # (namespace, job name) -> [(generation, micro-batch) held]
     nodes: kopf.Index  # node name -> [True]
+    # One per placement kind: (namespace, job name) -> [GroupObject].
+    groups: tuple[kopf.Index, ...] = ()
+    flavors: kopf.Index | None = None  # ResourceFlavor name -> [kueue.Flavor]
 
 
 def _snapshot(index: kopf.Index, key: Any) -> list[Any]:
@@ -138,6 +171,9 @@ class TrainingJobController:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._indexes: Indexes | None = None
         self._executor: concurrent.futures.Executor | None = None
+        # The placement APIs the cluster serves, discovered at start-up (kopf watches the
+        # kinds it finds then: installing Volcano, say, takes an operator restart).
+        self.served: frozenset[str] = frozenset()
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
         """Attach the handlers to a kopf registry."""
@@ -152,6 +188,16 @@ class TrainingJobController:
                            registry=registry), self.index_config_map)
         _attach(kopf.index("v1", "nodes", id="tj_nodes", when=node_reachable,
                            registry=registry), self.index_node)
+        for api in PLACEMENT_APIS:
+            _attach(kopf.index(api.group, api.version, api.plural, id=_index_id(api),
+                               labels=owned, registry=registry), self.index_group)
+        flavors = kueue.RESOURCE_FLAVOR
+        _attach(kopf.index(flavors.group, flavors.version, flavors.plural,
+                           id=_index_id(flavors), registry=registry), self.index_flavor)
+        # Kueue's admission and eviction come as its Workload's status: news for the job.
+        workloads = kueue.KUEUE_WORKLOAD
+        _attach(kopf.on.event(workloads.group, workloads.version, workloads.plural,
+                              labels=owned, registry=registry), self.on_placement_event)
         _attach(kopf.on.event(*job, registry=registry), self.on_job_event)
         _attach(kopf.on.event("v1", "pods", labels=owned, registry=registry), self.on_pod_event)
         _attach(kopf.on.startup(registry=registry), self.start)
@@ -188,6 +234,15 @@ class TrainingJobController:
     async def index_node(name: str, **_: Any) -> dict[str, bool]:
         return {name: True}
 
+    @staticmethod
+    async def index_group(namespace: str, labels: kopf.Labels, body: kopf.Body,
+                          **_: Any) -> dict[JobKey, GroupObject]:
+        return {(namespace, labels[pod_conventions.JOB_LABEL]): group_object(body)}
+
+    @staticmethod
+    async def index_flavor(name: str, body: kopf.Body, **_: Any) -> dict[str, kueue.Flavor]:
+        return {name: kueue.flavor(body)}
+
     # --- triggers -------------------------------------------------------------------
 
     async def on_job_event(self, type: str | None, uid: str, namespace: str, name: str,
@@ -212,17 +267,37 @@ class TrainingJobController:
             return
         await self._reconcile_in_thread((namespace, job))
 
+    async def on_placement_event(self, type: str | None, namespace: str, labels: kopf.Labels,
+                                 **_: Any) -> None:
+        await self._reconcile_in_thread((namespace, labels[pod_conventions.JOB_LABEL]))
+
     async def start(self, settings: kopf.OperatorSettings, tj_jobs: kopf.Index,
                     tj_pods: kopf.Index, tj_services: kopf.Index, tj_configmaps: kopf.Index,
-                    tj_nodes: kopf.Index, **_: Any) -> None:
-        """Keep the indexes and kopf's thread pool (startup runs before any watch), then resync."""
-        self._indexes = Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes)
+                    tj_nodes: kopf.Index, **indexes: Any) -> None:
+        """Keep the indexes and kopf's thread pool (startup runs before any watch), learn
+        which placement APIs the cluster serves, then resync."""
+        self._indexes = Indexes(tj_jobs, tj_pods, tj_services, tj_configmaps, tj_nodes,
+                                groups=tuple(indexes[_index_id(api)] for api in PLACEMENT_APIS),
+                                flavors=indexes[_index_id(kueue.RESOURCE_FLAVOR)])
         self._executor = settings.execution.executor
         self._loop = asyncio.get_running_loop()
+        self.served = await self._loop.run_in_executor(self._executor, self._discover)
         self.lifelines.start(self._loop)
         if self.election is None:  # standalone: this replica acts from now on
             await asyncio.get_running_loop().run_in_executor(self._executor, self._advertise)
         self._resync = asyncio.create_task(self.resync())
+
+    def _discover(self) -> frozenset[str]:
+        """The placement APIs served; none when discovery fails (every job then runs
+        without a gang unless its spec names one, which then waits and says why)."""
+        log = logging.getLogger(__name__)
+        try:
+            served = discover_placement_apis(self.api)
+        except (ApiException, OSError, ValueError) as error:
+            log.error("API discovery failed (%s): no gang or Kueue API is used", error)
+            return frozenset()
+        log.info("placement APIs served: %s", ", ".join(sorted(served)) or "none")
+        return served
 
     async def stop_resync(self, **_: Any) -> None:
         await self.lifelines.close()
@@ -312,6 +387,8 @@ class TrainingJobController:
         meta = body.get("metadata", {})
         if meta.get("deletionTimestamp"):
             return
+        if managed_elsewhere((body.get("spec") or {}).get("managedBy")):
+            return  # another controller (spec.managedBy) runs it: nothing to do, nothing to say
         with self.metrics.reconcile_duration.time():
             now = _now()
             expected = memory.expected
@@ -394,6 +471,12 @@ class TrainingJobController:
         service, config = expected.held(
             service=bool(_snapshot(indexes.services, key)),
             config_map=next(iter(_snapshot(indexes.config_maps, key)), None))
+        groups = expected.groups(obj for index in indexes.groups
+                                 for obj in _snapshot(index, key))
+        flavors = {} if indexes.flavors is None else {
+            name: found[0] for name in _keys(indexes.flavors)
+            if (found := _snapshot(indexes.flavors, name))}
         return Observed(pods=pods, service=service,
                         config_generation=config[0] if config is not None else None,
-                        config_micro_batch=config[1] if config is not None else None)
+                        config_micro_batch=config[1] if config is not None else None,
+                        groups=groups, served=self.served, flavors=flavors)

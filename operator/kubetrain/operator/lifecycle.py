@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 
 from kubetrain.api.trainingjob import TrainingJob, TrainingJobStatus
-from kubetrain.operator import children
+from kubetrain.operator import children, scheduling
 from kubetrain.operator.actions import CreateObject, DeleteJob, UpdateConfigMap
 from kubetrain.operator.facts import WorkerPod
 from kubetrain.operator.reconcile_pass import ReconcilePass
@@ -137,8 +137,9 @@ def create_missing(decision: ReconcilePass) -> None:
     missing = [index for index in range(decision.replicas) if index not in present]
     as_run = job_as_run(decision.job, status)  # with status.avoidedNodes as decided in this pass
     for index in missing:
-        decision.actions.append(CreateObject(
-            children.worker_pod(as_run, index, status.restart_attempt)))
+        pod = children.worker_pod(as_run, index, status.restart_attempt)
+        scheduling.shape_pod(decision, pod, index)  # its group, queue and topology
+        decision.actions.append(CreateObject(pod))
     if missing and decision.condition_since("Created") is None:
         message = (f"created service {decision.name}, config map "
                    f"{children.config_map_name(decision.name)} and {len(missing)} worker pods")

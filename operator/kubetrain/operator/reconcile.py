@@ -68,7 +68,7 @@ from kubetrain.api.trainingjob import (
     TrainingJob,
     TrainingJobStatus,
 )
-from kubetrain.operator import kstatus, lifecycle, nodes, observation, recovery
+from kubetrain.operator import kstatus, lifecycle, nodes, observation, recovery, scheduling
 from kubetrain.operator.actions import (
     Action,
     RecordEvent,
@@ -81,11 +81,14 @@ from kubetrain.operator.reconcile_pass import ReconcilePass
 
 def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Action]:
     """The actions that move the job's children and status towards its spec."""
+    if job.spec.managed_elsewhere:
+        return []  # another controller (spec.managedBy) runs it: no pods, no status writes
     previous = job.status or TrainingJobStatus()
     decision = ReconcilePass(job, observed, now, previous.model_copy(deep=True))
     lifecycle.retry_invalid_spec(decision)
     status = decision.status
     observation.observe(decision)
+    scheduling.choose(decision)
     nodes.release_pods_of_lost_nodes(decision)
 
     limit = job.spec.run_policy.active_deadline_seconds
@@ -103,8 +106,13 @@ def reconcile(job: TrainingJob, observed: Observed, now: datetime) -> list[Actio
     elif job.spec.run_policy.suspend:
         status.workers.desired = 0
         lifecycle.suspend(decision)
+        scheduling.release(decision)  # suspend releases the group and the Kueue Workload
+    elif not scheduling.admit(decision):
+        pass  # Kueue has not admitted the job (or evicted it): it waits suspended
     else:
         _run(decision, previous.workers.desired if previous.phase != "Suspended" else 0)
+    if status.phase in FINISHED:
+        scheduling.release(decision)  # the group's objects go; the Kueue Workload finishes
 
     kstatus.summarize(status, now)  # Ready, Reconciling, Stalled: from the phase just decided
     return _with_status(decision.actions, previous, status)
@@ -135,7 +143,8 @@ def _run(decision: ReconcilePass, previous_desired: int) -> None:
         lifecycle.clean_up(decision)
         return
     lifecycle.scale(decision, previous_desired)
-    if not recovery.wait_out_backoff(decision):
+    # The gang's objects before any pod: no pod is created without its group.
+    if not recovery.wait_out_backoff(decision) and scheduling.ensure_group(decision):
         lifecycle.create_missing(decision)
     lifecycle.update_phase(decision)
     nodes.report_avoidance(decision)

@@ -46,6 +46,9 @@ class ReconcilePass:
     # Pods held back by avoidance while the job runs elastic without them.
     held_back: set[str] = field(default_factory=set)
     too_few_nodes: bool = False  # this pass found pods that avoidance leaves unschedulable
+    # Workers Kueue admitted (partial admission may admit fewer than replicas); None: the
+    # job is not admitted through a Kueue Workload (kubetrain.operator.scheduling.admit).
+    admitted: int | None = None
 
     @property
     def name(self) -> str:
@@ -53,7 +56,9 @@ class ReconcilePass:
 
     @property
     def replicas(self) -> int:
-        return self.job.spec.workers.replicas
+        """Workers the job runs now: spec.workers.replicas, or as many as Kueue admitted."""
+        replicas = self.job.spec.workers.replicas
+        return replicas if self.admitted is None else min(replicas, self.admitted)
 
     def live_pods(self) -> list[WorkerPod]:
         return [pod for pod in self.observed.pods

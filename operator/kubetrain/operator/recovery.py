@@ -91,13 +91,14 @@ def retry_kind_of(pod: WorkerPod, permanent_exit_codes: Collection[int]) -> rule
 def broken(pods: list[WorkerPod], policy: RunPolicy, held_back: Collection[str],
            now: datetime) -> tuple[list[WorkerPod], list[WorkerPod]]:
     """Of `pods`: the failed ones (or lost with their node), and those stuck Pending past
-    runPolicy.pendingDeadlineSeconds (not those avoidance holds back)."""
+    runPolicy.pendingDeadlineSeconds (not those avoidance holds back, nor those a scheduling
+    gate holds: Kueue's pod integration waiting to admit the group)."""
     failed = [pod for pod in pods if pod.phase == "Failed" or (pod.node_lost and pod.active)]
     stuck: list[WorkerPod] = []
     if policy.pending_deadline_seconds is not None:
         limit = timedelta(seconds=policy.pending_deadline_seconds)
         stuck = [pod for pod in pods if pod.phase == "Pending" and not pod.node_lost
-                 and pod.name not in held_back
+                 and pod.name not in held_back and not pod.gated
                  and pod.created_at is not None and now >= pod.created_at + limit]
     return failed, stuck
 

@@ -32,6 +32,8 @@ from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
 
 from kubetrain.api.trainingjob import GROUP, PLURAL, VERSION
+from kubetrain.operator.gang import GANG_APIS
+from kubetrain.operator.kueue import KUEUE_WORKLOAD
 
 # Built-in kinds take strategic merge patches; custom resources only JSON merge patches.
 _STRATEGIC_MERGE = "application/strategic-merge-patch+json"
@@ -43,10 +45,18 @@ CREDENTIALS_SECONDS = 10.0
 # The collection of each kind of child, under /api/v1/namespaces/<namespace>/.
 _COLLECTIONS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps",
                 "Event": "events", "Secret": "secrets"}
+# The collection of each placement kind, by (apiVersion, kind), under /apis/<apiVersion>/.
+_PLACEMENT = {(api.api_version, api.kind): api.plural for api in (*GANG_APIS, KUEUE_WORKLOAD)}
 
 
 def _core(namespace: str, plural: str, name: str = "") -> str:
     path = f"/api/v1/namespaces/{quote(namespace, safe='')}/{plural}"
+    return f"{path}/{quote(name, safe='')}" if name else path
+
+
+def _placement(namespace: str, api_version: str, kind: str, name: str = "") -> str:
+    path = (f"/apis/{api_version}/namespaces/{quote(namespace, safe='')}/"
+            f"{_PLACEMENT[api_version, kind]}")
     return f"{path}/{quote(name, safe='')}" if name else path
 
 
@@ -66,8 +76,24 @@ class ApiWriter:
         self._read_at = -CREDENTIALS_SECONDS
 
     def create(self, namespace: str, manifest: dict[str, Any]) -> None:
-        """POST a Pod, Service, ConfigMap, Event or Secret into its namespace."""
-        self._send("POST", _core(namespace, _COLLECTIONS[manifest["kind"]]), manifest)
+        """POST a Pod, Service, ConfigMap, Event or Secret, or a placement object (a gang's
+        Workload or PodGroup, a Kueue Workload), into its namespace."""
+        if manifest["apiVersion"] == "v1":
+            self._send("POST", _core(namespace, _COLLECTIONS[manifest["kind"]]), manifest)
+        else:
+            self._send("POST", _placement(namespace, manifest["apiVersion"],
+                                          manifest["kind"]), manifest)
+
+    def patch_object(self, namespace: str, api_version: str, kind: str, name: str,
+                     patch: dict[str, Any], status: bool = False) -> None:
+        """JSON merge patch of a placement object (custom resources take no strategic
+        merge), or with `status` of its status subresource."""
+        path = _placement(namespace, api_version, kind, name) + ("/status" if status else "")
+        self._send("PATCH", path, patch, _MERGE)
+
+    def delete_object(self, namespace: str, api_version: str, kind: str, name: str) -> None:
+        """Delete a placement object (background propagation: it owns nothing)."""
+        self._send("DELETE", _placement(namespace, api_version, kind, name))
 
     def patch_config_map(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         self._send("PATCH", _core(namespace, "configmaps", name), patch, _STRATEGIC_MERGE)
