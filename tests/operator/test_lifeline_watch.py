@@ -637,3 +637,26 @@ def test_a_trainer_killed_and_restarted_in_place_shows_in_status_event_and_metri
     # The pods stay: torchrun restarted the trainer inside them.
     assert sorted(kube.pods("inplace")) == ["inplace-worker-0", "inplace-worker-1"]
     kube.delete_job("inplace")
+
+
+def test_a_follower_that_connects_as_the_agent_ends_hears_bye_not_a_killed_pod() -> None:
+    """A follower the kernel connected just before the agent ended, accepted or not yet by
+    its serving thread, hears `bye` last: never a line closed without a word, which the
+    operator takes for a killed pod (seen under load, when the agent ends right after the
+    operator connects)."""
+    from kubetrain.protocol import BYE, lifeline_socket
+    from kubetrain.trainer.lifeline import PodLifeline
+
+    for attempt in range(20):
+        lifeline = PodLifeline(0, lifeline_socket(os.getpid()) + f"-{attempt}",
+                               host="127.0.0.1")
+        assert lifeline.start()
+        follower = socket.create_connection(("127.0.0.1", lifeline.port), timeout=10)
+        if attempt % 2:
+            time.sleep(0.05)  # every other time, after the serving thread accepted it
+        lifeline.close()
+        heard = b""
+        while chunk := follower.recv(4096):
+            heard += chunk
+        follower.close()
+        assert heard.endswith(BYE), (attempt, heard)

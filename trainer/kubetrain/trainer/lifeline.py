@@ -67,6 +67,7 @@ class PodLifeline:
         self._closed = threading.Event()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
+        self._listener: socket.socket | None = None
 
     @classmethod
     def for_this_pod(cls, metrics_port: int) -> PodLifeline | None:
@@ -92,6 +93,7 @@ class PodLifeline:
             log.warning("no lifeline on port %d: %s", self.port, error)
             return False
         self.port = followers.getsockname()[1]
+        self._listener = followers
         for listener, kind in ((followers, "follower"), (processes, "process"),
                                (self._wake_r, "wake")):
             listener.setblocking(False)
@@ -108,9 +110,9 @@ class PodLifeline:
             self._closed.set()
             followers, self._followers = self._followers, []
         for follower in followers:
-            with contextlib.suppress(OSError):
-                follower.sendall(BYE)
-            follower.close()
+            self._say_bye(follower)
+        for follower in self._waiting_followers():
+            self._say_bye(follower, welcome=True)
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")  # the serving thread closes its sockets
 
@@ -166,14 +168,32 @@ class PodLifeline:
         self._selector.close()
         self._wake_w.close()
 
+    def _waiting_followers(self) -> list[socket.socket]:
+        """The followers the kernel connected that the serving thread has not accepted yet
+        (a follower that came just before the end): they hear the BYE too, not a line that
+        closes without a word, which the operator would take for a killed pod."""
+        waiting: list[socket.socket] = []
+        with contextlib.suppress(OSError):  # BlockingIOError: none waits
+            while self._listener is not None:
+                accepted, _ = self._listener.accept()
+                waiting.append(accepted)
+        return waiting
+
+    def _say_bye(self, follower: socket.socket, welcome: bool = False) -> None:
+        with contextlib.suppress(OSError):
+            follower.sendall((POD_LIFELINE if welcome else b"") + BYE)
+        follower.close()
+
     def _welcome(self, follower: socket.socket) -> None:
         follower.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
-            if self._closed.is_set():
-                follower.close()
-                return
-            self._followers.append(follower)
-        self._send(follower, POD_LIFELINE + BEAT)
+            ending = self._closed.is_set()
+            if not ending:
+                self._followers.append(follower)
+        if ending:  # accepted while the agent ends
+            self._say_bye(follower, welcome=True)
+        else:
+            self._send(follower, POD_LIFELINE + BEAT)
 
     def _tell(self, line: bytes) -> None:
         with self._lock:
