@@ -660,3 +660,34 @@ def test_a_follower_that_connects_as_the_agent_ends_hears_bye_not_a_killed_pod()
             heard += chunk
         follower.close()
         assert heard.endswith(BYE), (attempt, heard)
+
+
+def test_after_a_bye_a_connection_that_closes_before_a_line_is_the_same_agent_exiting() -> None:
+    """After the agent's bye the operator connects again at once; an agent still exiting
+    accepts that connection and closes it without a line. That is the end already said in
+    order, not a killed pod; a connection closed without a line where no bye came before
+    still is one."""
+
+    async def ends_after(first: bytes) -> list[str]:
+        port = free_port()
+        listener = socket.create_server(("127.0.0.1", port))
+
+        def serve() -> None:
+            follower, _ = listener.accept()
+            follower.sendall(first)
+            follower.close()
+            follower, _ = listener.accept()  # the operator's next connection: closed silent
+            follower.close()
+
+        news: list[tuple[str, str]] = []
+        try:
+            async with following(news, port, settle_seconds=0.1,
+                                 retry_seconds=0.1) as lifelines:
+                await asyncio.get_running_loop().run_in_executor(None, serve)
+                await asyncio.sleep(0.5)
+                return [end.failure_class for end in lifelines.ends(KEY)]
+        finally:
+            listener.close()
+
+    assert asyncio.run(ends_after(b"pod\nbeat\nbye\n")) == []
+    assert asyncio.run(ends_after(b"pod\nbeat\n")) == ["Unknown", "Unknown"]

@@ -135,6 +135,11 @@ class _Connection(asyncio.Protocol):
             if line + b"\n" != BEAT:
                 self.follower.said(line + b"\n")
 
+    @property
+    def silent(self) -> bool:
+        """No line yet (not even the first, which a serving agent sends at once)."""
+        return self._first
+
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed.done():
             self.closed.set_result(None)
@@ -179,6 +184,7 @@ class _Follower:
                 # Not started yet, or between processes (an older image's).
                 await asyncio.sleep(self.lifelines.retry_seconds)
                 continue
+            said_bye = self._bye
             self._connection, self._last_end, self._bye = connection, None, False
             # Its first line settles a silence an earlier connection left (heard_again).
             self._silence, self.quiet = self.lifelines.silence_seconds, True
@@ -189,6 +195,10 @@ class _Follower:
                 transport.close()
                 self._connection = None
                 self._stop_watching()
+            if connection.silent:
+                # Closed before a line: after a bye, the agent that said it was still
+                # exiting (its listener open a moment longer), not a new one killed.
+                self._bye = said_bye
             if not self._bye:  # the agent (or an older image's process) ended
                 self._report(self._last_end)
             await asyncio.sleep(self.lifelines.retry_seconds)
