@@ -192,8 +192,11 @@ def test_a_command_that_does_not_exist_fails_as_a_user_error_without_a_retry(
     assert code == 1, output
     failures = [e for e in events(tmp_path, "missing") if e["event"] == "failure"]
     assert [(f["class"], f["exit_code"]) for f in failures] == [("UserError", 127)], output
-    assert "is permanent" in output and "no-such-train.py: no such file" in (
-        tmp_path / "runs" / "missing" / "logs" / "worker-0.log").read_text()
+    assert "is permanent" in output, output
+    # Every worker's entry finds the command missing; the first to say so ends the attempt,
+    # and the others may be stopped before they have (worker 0 was, once in CI).
+    logs = (tmp_path / "runs" / "missing" / "logs").glob("worker-*.log")
+    assert any("no-such-train.py: no such file" in log.read_text() for log in logs), output
 
 
 @pytest.mark.slow
