@@ -13,8 +13,7 @@ JOB.yaml [trainer options]` would.
 The fork server never initialises a device or starts a thread, so forking it is
 safe; its children are the agent's workers as before (the agent signals and
 reaps them), a level further down the process tree. Torch-free until the fork
-server runs. In a worker pod it also serves the pod's lifeline (kubetrain.trainer.lifeline)
-while torchrun runs.
+server runs.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kubetrain.protocol import AGENT_PID_ENV
-from kubetrain.trainer.lifeline import PodLifeline, in_a_pod
 
 # The fork server imports this module before it forks anything (see kubetrain.trainer.preload).
 PRELOAD = "kubetrain.trainer.preload"
@@ -70,7 +68,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     register_rendezvous()  # where kubetrain is on the path but not installed: no entry point
     args = parse_args(argv)
-    lifeline = _pod_lifeline(args.training_script)
     # torchrun's --run-path runs the program in the training process's own interpreter:
     # the trainer's __main__, with the job and its options as the command line.
     args.training_script_args = [args.training_script, *args.training_script_args]
@@ -84,26 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # rendezvous instead; an agent that restarts nothing (`kubetrain run`'s) just exits.
         threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
                          daemon=True, name="kubetrain-import-dynamo").start()
-    try:
-        record(run)(args)
-    finally:
-        if lifeline is not None:
-            lifeline.close()
-
-
-def _pod_lifeline(job_file: str) -> PodLifeline | None:
-    """In a worker pod, the pod's lifeline (kubetrain.trainer.lifeline), served from here
-    for as long as torchrun runs: the agent outlives every trainer process."""
-    if not in_a_pod():
-        return None
-    from kubetrain.api.manifest import InvalidManifest, load_job
-
-    try:
-        port = load_job(job_file).spec.metrics.port
-    except (InvalidManifest, OSError):
-        return None  # the trainer says what is wrong with it
-    lifeline = PodLifeline.for_this_pod(port)
-    return lifeline if lifeline is not None and lifeline.start() else None
+    record(run)(args)
 
 
 if __name__ == "__main__":
