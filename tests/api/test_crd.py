@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,9 @@ def test_scale_subresource_and_printer_columns() -> None:
 
 # --- CEL rules: the API server's checks must agree with the models' ------------------------
 
-def _rules() -> list[tuple[tuple[str, ...], dict[str, str]]]:
+@functools.cache
+def _rules() -> tuple[tuple[tuple[str, ...], dict[str, str]], ...]:
+    """Every CEL rule of the CRD's schema with where it sits (the schema is built once)."""
     found = []
 
     def visit(node: dict[str, Any], at: tuple[str, ...]) -> None:
@@ -88,10 +91,16 @@ def _rules() -> list[tuple[tuple[str, ...], dict[str, str]]]:
             visit(child, (*at, name))
 
     visit(open_api_schema(), ())
-    return found
+    return tuple(found)
 
 
 _CEL = celpy.Environment()
+
+
+@functools.cache
+def _program(rule: str) -> Any:
+    """The rule compiled once: parsing it is most of what an evaluation costs."""
+    return _CEL.program(_CEL.compile(rule))
 
 
 def _lookup(document: dict[str, Any], at: tuple[str, ...]) -> Any:
@@ -116,7 +125,7 @@ def cel_violations(new: dict[str, Any], old: dict[str, Any] | None = None) -> li
         activation = {"self": celpy.json_to_cel(value)}
         if is_transition:
             activation["oldSelf"] = celpy.json_to_cel(old_value)
-        if not _CEL.program(_CEL.compile(rule["rule"])).evaluate(activation):
+        if not _program(rule["rule"]).evaluate(activation):
             failed.append(rule["message"])
     return failed
 
