@@ -6,8 +6,9 @@ fault comes from outside the processes, as a slow or broken machine would leave 
 
 - a slow node: while a scenario runs, every trainer container of the job bound to that
   node gets a CPU quota on its cgroup (a tenth of a CPU); containers on the other node
-  run free. With runPolicy.stragglers.action Report the job is told about it and runs
-  on at the slow rank's pace; with Replace the straggler's pod is moved off that node.
+  run free. With runPolicy.stragglers.action Report the job is told about it, and the
+  node runs free again once it has; with Replace the straggler's pod is moved off that
+  node, which stays slow to the end.
 - a rank that stalls in preflight: worker 1's trainer is stopped (SIGSTOP) as soon as
   its process exists, so it never reports; rank 0's preflight names its node, the
   operator avoids that node and the group re-forms on the other one.
@@ -15,9 +16,8 @@ fault comes from outside the processes, as a slow or broken machine would leave 
   the stand-in scheduler marks the re-formed group's pods Unschedulable; the operator
   gives the avoided node back early (TooFewNodes) and the group trains there.
 
-The job's wall times with Report and with Replace are printed side by side; they are
-not asserted (a benchmark's business), the behaviour is: who was named, where the pods
-went, that the job succeeded.
+What is asserted is the behaviour, not the time (a benchmark's business): who was
+named, where the pods went, that the job succeeded.
 """
 
 from __future__ import annotations
@@ -33,14 +33,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from whole_loop import EVERY, Cluster, resume_and_redone, training_job
+from whole_loop import Cluster, resume_and_redone, training_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SLOW_CPU_FRACTION = 0.1
 STRAGGLER_STEPS = 48
-# What each scenario measured, printed side by side by the last one.
-WALL_SECONDS: dict[str, float] = {}
 
 
 @contextmanager
@@ -123,6 +121,13 @@ def _straggler_run(cluster: Cluster, name: str, action: str) -> dict[str, Any]:
         node = _node_of(cluster, slow_pod, name)
         assert node is not None, cluster.report()
         nodes = [node]
+
+        def finished() -> bool:
+            moved = _node_of(cluster, slow_pod, name)
+            if moved is not None and moved != nodes[-1]:
+                nodes.append(moved)
+            return cluster.get_tj(name).phase == "Succeeded"
+
         with slow_node(cluster, name, node):
             slowed = time.monotonic()
             condition = cluster.wait_for(
@@ -136,15 +141,12 @@ def _straggler_run(cluster: Cluster, name: str, action: str) -> dict[str, Any]:
             [event] = _events(cluster, name, "Straggler")
             assert slow_pod in event and node in event and f"for {window} intervals" in event, \
                 event
-
-            def finished() -> bool:
-                moved = _node_of(cluster, slow_pod, name)
-                if moved is not None and moved != nodes[-1]:
-                    nodes.append(moved)
-                return cluster.get_tj(name).phase == "Succeeded"
-
-            cluster.wait_for(f"{name} to succeed", finished, 420, every=0.5)
-        WALL_SECONDS[action] = time.monotonic() - started
+            if action == "Replace":  # the node stays slow for whatever the job starts there
+                cluster.wait_for(f"{name} to succeed", finished, 420, every=0.5)
+        # Report only tells: once it has, the node runs free again, and the rest of the run
+        # shows that nothing was moved (the steps at a tenth of a CPU showed nothing more).
+        cluster.wait_for(f"{name} to succeed", finished, 420, every=0.5)
+        print(f"{action}: {time.monotonic() - started:.0f}s from apply to Succeeded")
         return {**cluster.job(name), "slow node": node, "nodes": nodes,
                 "events": {reason: _events(cluster, name, reason)
                            for reason in ("Straggler", "NodeAvoided")},
@@ -173,9 +175,6 @@ def test_replace_moves_the_straggler_off_its_node_and_the_job_succeeds(
     assert len(job["nodes"]) == 2 and job["nodes"][1] != node, job["nodes"]
     step, redone = resume_and_redone(job["rank 0 printed"])
     assert step > 0 and redone == 0, (step, redone)
-    print("wall time with a slow node: "
-          + ", ".join(f"{action} {seconds:.0f}s" for action, seconds in WALL_SECONDS.items())
-          + f" ({STRAGGLER_STEPS} steps, checkpoint every {EVERY})")
 
 
 def test_a_rank_that_stalls_in_preflight_gets_its_node_avoided_and_the_job_succeeds_without_it(
