@@ -191,19 +191,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # cluster) are built once and a test may print what an earlier one measured. The modules
 # of tests/real_server share one control plane: they all go to one worker, and so do the
 # e2e modules whose scenarios run on the session's whole loop (tests/e2e/conftest.py:
-# `cluster`), which one worker starts once. The e2e modules start first, being the
-# longest part.
+# `cluster`), which one worker starts once, and the trainer modules that read the same
+# healthy runs. The e2e modules start first, being the longest part.
 # (xdist's `--dist loadgroup` would say this with marks, but under pytest 9.2 it silently
 # stops grouping: pytest-dev/pytest-xdist#1386.)
 
 WHOLE_LOOP_MODULES = ("tests/e2e/test_whole_loop.py", "tests/e2e/test_nodes.py",
                       "tests/e2e/test_own_code.py", "tests/e2e/test_hsdp.py")
+# Modules that read the same session-scoped runs (tests/trainer/conftest.py: healthy_runs).
+HEALTHY_RUN_MODULES = ("tests/trainer/test_preflight.py", "tests/trainer/test_rank_timing.py")
 
 
 def _scope(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0]
     if module.startswith("tests/real_server/"):
         return "tests/real_server"
+    if module in HEALTHY_RUN_MODULES:
+        return "tests/trainer/healthy-runs"
     return "tests/e2e/whole-loop" if module in WHOLE_LOOP_MODULES else module
 
 

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,28 +38,35 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
     return merged
 
 
+def write_tiny_job(prepared_corpus: Any, folder: Path, name: str = "tiny",
+                   **spec: Any) -> Path:
+    """`folder`/`name`/job.yaml: a `tiny`-preset TrainingJob on the corpus (seqLen 64)
+    with `spec` overrides."""
+    base = {
+        "image": "kubetrain/trainer:test",
+        "model": {"preset": "tiny"},
+        "data": {"train": prepared_corpus.train_uri, "seqLen": 64},
+        "optimization": {"maxSteps": 20, "microBatchSize": 8, "warmupSteps": 5},
+        "evaluation": {"everySteps": 0, "batches": 4},
+        "parallelism": {"precision": "fp32"},
+        "checkpoint": {"uri": str(folder / name / "checkpoints"), "everySteps": 1000,
+                       "export": False},
+        "metrics": {"port": free_port(), "logEverySteps": 1},
+    }
+    manifest = {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+                "metadata": {"name": name}, "spec": deep_merge(base, spec)}
+    path = folder / name / "job.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
 @pytest.fixture
 def tiny_job(prepared_corpus: Any, tmp_path: Path) -> JobFactory:
     """Writes a `tiny`-preset TrainingJob on the corpus (seqLen 64) with `spec` overrides."""
 
     def write(name: str = "tiny", **spec: Any) -> Path:
-        base = {
-            "image": "kubetrain/trainer:test",
-            "model": {"preset": "tiny"},
-            "data": {"train": prepared_corpus.train_uri, "seqLen": 64},
-            "optimization": {"maxSteps": 20, "microBatchSize": 8, "warmupSteps": 5},
-            "evaluation": {"everySteps": 0, "batches": 4},
-            "parallelism": {"precision": "fp32"},
-            "checkpoint": {"uri": str(tmp_path / name / "checkpoints"), "everySteps": 1000,
-                           "export": False},
-            "metrics": {"port": free_port(), "logEverySteps": 1},
-        }
-        manifest = {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
-                    "metadata": {"name": name}, "spec": deep_merge(base, spec)}
-        path = tmp_path / name / "job.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(manifest))
-        return path
+        return write_tiny_job(prepared_corpus, tmp_path, name, **spec)
 
     return write
 
@@ -176,3 +184,37 @@ class Launcher:
 @pytest.fixture(scope="session")  # stateless: module-scoped fixtures may train with it too
 def launcher() -> Launcher:
     return Launcher()
+
+
+@dataclass(frozen=True)
+class HealthyRun:
+    """A finished run nothing disturbed: its job file, what its launch printed, and its
+    metrics-log events."""
+
+    job: Path
+    stdout: str
+    events: list[dict[str, Any]]
+
+
+HEALTHY_STEPS, HEALTHY_LOG_EVERY = 12, 4
+
+
+@pytest.fixture(scope="session")
+def healthy_runs(prepared_corpus: Any, tmp_path_factory: pytest.TempPathFactory,
+                 launcher: Launcher) -> dict[int, HealthyRun]:
+    """By number of ranks (2 under torchrun, 1 as a plain process): a healthy fsdp run of
+    HEALTHY_STEPS steps, logged every HEALTHY_LOG_EVERY, with the preflight check on. The
+    tests that only read what such a run shows (the preflight's passing line and its
+    goodput, every rank's timing) share these two launches; tests/conftest.py keeps their
+    modules on one pytest-xdist worker."""
+    folder = tmp_path_factory.mktemp("healthy")
+    runs = {}
+    for ranks in (2, 1):
+        job = write_tiny_job(prepared_corpus, folder, f"healthy-{ranks}",
+                             optimization={"maxSteps": HEALTHY_STEPS},
+                             metrics={"logEverySteps": HEALTHY_LOG_EVERY})
+        done = subprocess.run(launcher.command(job, ranks), env=launcher.env(),
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+        runs[ranks] = HealthyRun(job, done.stdout, launcher.events(job))
+    return runs

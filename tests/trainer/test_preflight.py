@@ -36,26 +36,20 @@ PASSED = re.compile(r"preflight: 2 ranks passed in (\d+\.\d+)s \(matmul ok, all-
                     r"(\d+\.\d+) GB/s median, (\d+\.\d+) min\)")
 
 
-def test_two_ranks_pass_print_the_check_and_goodput_books_its_time(tiny_job, launcher) -> None:
-    job = tiny_job("checked", optimization={"maxSteps": 6}, metrics={"logEverySteps": 2})
-    done = subprocess.run(launcher.command(job, 2), env=launcher.env(), capture_output=True,
-                          text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [line] = [line for line in done.stdout.splitlines() if line.startswith("preflight:")]
+def test_two_ranks_pass_print_the_check_and_goodput_books_its_time(healthy_runs) -> None:
+    run = healthy_runs[2]
+    [line] = [line for line in run.stdout.splitlines() if line.startswith("preflight:")]
     print(line)
     seconds, median, slowest = (float(figure) for figure in PASSED.fullmatch(line).groups())
     assert seconds < 1.0 and 0 < slowest <= median, line  # cheap: many tests train
-    booked = launcher.events(job, "goodput")[-1]["seconds"]
+    booked = [event for event in run.events if event["event"] == "goodput"][-1]["seconds"]
     assert 0 < booked["preflight"] < 1.0, booked
 
 
-def test_a_group_of_one_checks_its_matmul_only(tiny_job, launcher) -> None:
-    job = tiny_job("single", optimization={"maxSteps": 6})
-    done = subprocess.run(launcher.command(job, 1), env=launcher.env(), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_a_group_of_one_checks_its_matmul_only(healthy_runs) -> None:
+    stdout = healthy_runs[1].stdout
     assert re.search(r"^preflight: 1 rank passed in \d+\.\d+s \(matmul ok, no all-reduce in a "
-                     r"group of one\)$", done.stdout, re.MULTILINE), done.stdout
+                     r"group of one\)$", stdout, re.MULTILINE), stdout
 
 
 def test_disabled_preflight_prints_nothing_and_books_nothing(tiny_job, launcher) -> None:

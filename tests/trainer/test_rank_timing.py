@@ -8,6 +8,8 @@ from __future__ import annotations
 import socket
 import statistics
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,16 +17,17 @@ from kubetrain.api.manifest import load_job
 from kubetrain.operator.facts import RankSample
 from kubetrain.operator.stragglers import judge, stragglers
 
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import HEALTHY_LOG_EVERY, HEALTHY_STEPS  # the shared healthy runs' shape
 
-def test_both_ranks_report_compute_and_wait_that_add_up_to_the_step_time(tiny_job,
-                                                                         launcher) -> None:
-    job = tiny_job("timed", optimization={"maxSteps": 12},
-                   metrics={"logEverySteps": 4})
-    assert load_job(job).spec.parallelism.strategy == "fsdp"
-    steps = launcher.train(job, ranks=2)
-    logged = [event for event in steps if event["event"] == "step"]
-    assert [event["step"] for event in logged] == [4, 8, 12]
-    booked = launcher.events(job, "goodput")[-1]["seconds"]
+
+def test_both_ranks_report_compute_and_wait_that_add_up_to_the_step_time(healthy_runs) -> None:
+    run = healthy_runs[2]
+    assert load_job(run.job).spec.parallelism.strategy == "fsdp"
+    logged = [event for event in run.events if event["event"] == "step"]
+    assert [event["step"] for event in logged] == list(
+        range(HEALTHY_LOG_EVERY, HEALTHY_STEPS + 1, HEALTHY_LOG_EVERY))
+    booked = [event for event in run.events if event["event"] == "goodput"][-1]["seconds"]
     # No rank is a straggler: the jitter between two healthy ranks is productive time.
     assert booked["straggler"] == 0, booked
     host = socket.gethostname()  # no downward API outside a pod: the host names both
@@ -43,10 +46,10 @@ def test_both_ranks_report_compute_and_wait_that_add_up_to_the_step_time(tiny_jo
             assert 0.5 * event["step_time"] < busy < 1.1 * event["step_time"], (busy, event)
 
 
-def test_a_group_of_one_waits_for_nobody(tiny_job, launcher) -> None:
-    job = tiny_job("alone", optimization={"maxSteps": 8}, metrics={"logEverySteps": 4})
-    logged = [event for event in launcher.train(job, ranks=1) if event["event"] == "step"]
-    assert len(logged) == 2
+def test_a_group_of_one_waits_for_nobody(healthy_runs) -> None:
+    logged = [event for event in healthy_runs[1].events if event["event"] == "step"]
+    assert [event["step"] for event in logged] == list(
+        range(HEALTHY_LOG_EVERY, HEALTHY_STEPS + 1, HEALTHY_LOG_EVERY))
     for event in logged:
         [timing] = event["ranks"]
         assert timing["rank"] == 0 and timing["wait_seconds"] == 0
