@@ -198,7 +198,9 @@ class _Refusing(BaseHTTPRequestHandler):
 
 def test_a_refused_pod_is_reported_once_per_message_and_stops_the_pass() -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # Polled every 50 ms, so the shutdown at the end waits that long, not 0.5 s.
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
     try:
         configuration = client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}")
         metrics = OperatorMetrics()

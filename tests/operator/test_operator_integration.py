@@ -86,7 +86,9 @@ def test_hang_detection_restarts_a_group_whose_step_stopped(cluster: EmulatedClu
         Gauge(name, name, registry=registry).set(value)
     _Trainer.exposition = generate_latest(registry)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Trainer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # Polled every 50 ms, so the shutdown at the end waits that long, not 0.5 s.
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
     try:
         kube = Kube(cluster)
         manifest = job_manifest("hang", replicas=1, progressDeadlineSeconds=1)

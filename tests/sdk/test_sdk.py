@@ -54,7 +54,9 @@ def status_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # Polled every 50 ms, so the shutdown at the end waits that long, not 0.5 s.
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
     thread.start()
     token = tmp_path / "token"
     token.write_text("secret-token\n")
