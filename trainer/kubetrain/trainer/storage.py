@@ -463,6 +463,7 @@ class S3Storage(Storage):
             ReadTimeoutError,
             ResponseStreamingError,
         )
+        from urllib3.exceptions import ProtocolError
 
         # botocore retries a failed request, but not a body that breaks off mid-read.
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -470,9 +471,12 @@ class S3Storage(Storage):
                 response = self._client.get_object(Bucket=self.bucket, Key=self._key(key),
                                                    **options)
                 return consume(response)
-            # OSError and HTTPException: a connection that breaks below botocore.
+            # OSError and HTTPException: a connection that breaks below botocore. urllib3's
+            # ProtocolError: one reset while botocore itself reads a body inside get_object
+            # (seen resuming through the storage tests' fault proxy: the manifest's read
+            # failed the resume instead of being tried again).
             except (ConnectionError, IncompleteReadError, ReadTimeoutError,
-                    ResponseStreamingError, OSError, HTTPException):
+                    ResponseStreamingError, OSError, HTTPException, ProtocolError):
                 if attempt == MAX_ATTEMPTS:
                     raise
                 time.sleep(min(0.05 * 2**attempt, 5.0))
