@@ -96,11 +96,16 @@ class Launcher:
     def log(self, job: Path) -> Path:
         return job.with_name("metrics.jsonl")
 
-    def train(self, job: Path, ranks: int, timeout: float = 180) -> list[dict[str, Any]]:
-        """Run the job to completion and return its metrics-log events."""
+    def run(self, job: Path, ranks: int, timeout: float = 180) -> str:
+        """Run the job to completion; what its launch printed."""
         done = subprocess.run(self.command(job, ranks), env=self.env(), capture_output=True,
                               text=True, timeout=timeout)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+        return done.stdout
+
+    def train(self, job: Path, ranks: int, timeout: float = 180) -> list[dict[str, Any]]:
+        """Run the job to completion and return its metrics-log events."""
+        self.run(job, ranks, timeout)
         return self.events(job)
 
     def worker_pid(self, agent: int, rank: int, timeout: float = 60) -> int:
@@ -213,8 +218,5 @@ def healthy_runs(prepared_corpus: Any, tmp_path_factory: pytest.TempPathFactory,
         job = write_tiny_job(prepared_corpus, folder, f"healthy-{ranks}",
                              optimization={"maxSteps": HEALTHY_STEPS},
                              metrics={"logEverySteps": HEALTHY_LOG_EVERY})
-        done = subprocess.run(launcher.command(job, ranks), env=launcher.env(),
-                              capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-        runs[ranks] = HealthyRun(job, done.stdout, launcher.events(job))
+        runs[ranks] = HealthyRun(job, launcher.run(job, ranks), launcher.events(job))
     return runs
