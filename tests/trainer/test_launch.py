@@ -68,6 +68,9 @@ def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_lo
         if agent.poll() is None:
             agent.kill()
     assert agent.returncode == 0, output[-4000:]
+    # The agent logged the killed rank's failure with its traceback, as torch formats it.
+    assert "ProcessExitedException: process 1 terminated with signal SIGKILL" in output, \
+        output[-4000:]
 
     assert set(second.values()) == {server}, "the second attempt's ranks came from elsewhere"
     resumed = launcher.events(job, "resumed")
@@ -127,3 +130,37 @@ def test_the_launcher_registers_the_kubetrain_rendezvous_where_no_entry_point_do
         env=launcher.env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert launcher.events(job, "finished")[-1]["step"] == 3
+
+
+# The agent's formatter against torch's own, on one record with a traceback: the same
+# text, and torch._dynamo imported only by torch's.
+SAME_TRACEBACK = """
+import logging, sys
+import torch.distributed.run
+from kubetrain.trainer.launch import TracebackFirst, format_tracebacks_without_dynamo
+format_tracebacks_without_dynamo()
+[handler] = logging.getLogger("torch").handlers
+assert isinstance(handler.formatter, TracebackFirst)
+try:
+    raise RuntimeError("a rank failed")
+except RuntimeError:
+    exc_info = sys.exc_info()
+def record():
+    made = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR,
+                             "api.py", 836, "failed (exitcode: %s)", (1,), exc_info)
+    made.created, made.msecs = 1e9, 0.0
+    return made
+ours = handler.formatter.format(record())
+print("dynamo before torch's formatter:", "torch._dynamo" in sys.modules)
+print("same text:", ours == handler.formatter.torch_formatter.format(record()))
+print(ours)
+"""
+
+
+def test_the_agent_logs_a_traceback_as_torch_does_without_importing_the_compiler() -> None:
+    done = subprocess.run([sys.executable, "-c", SAME_TRACEBACK], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "dynamo before torch's formatter: False" in done.stdout, done.stdout
+    assert "same text: True" in done.stdout, done.stdout
+    assert "RuntimeError: a rank failed" in done.stdout and "failed (exitcode: 1)" in done.stdout

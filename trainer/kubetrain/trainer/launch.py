@@ -19,12 +19,11 @@ server runs.
 from __future__ import annotations
 
 import argparse
-import importlib
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,14 +73,43 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.training_script = str(_TRAINER)
     args.run_path, args.module, args.no_python = True, False, False
     args.start_method = "forkserver"
-    if args.max_restarts > 0:
-        # The agent logs a failed training process's exception through torch's log
-        # formatter, which imports torch._dynamo (1.6 s of a core): at the first failure,
-        # between the group's end and its restart in place. Imported beside the first
-        # rendezvous instead; an agent that restarts nothing (`kubetrain run`'s) just exits.
-        threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
-                         daemon=True, name="kubetrain-import-dynamo").start()
+    format_tracebacks_without_dynamo()
     record(run)(args)
+
+
+class TracebackFirst(logging.Formatter):
+    """torch's log formatter, handed records whose traceback is already text.
+
+    torch's formatter imports torch._dynamo (1.6 s of a core, half the agent's start) to
+    decide whether to render a record's exception, and torchrun's agent logs one when a
+    training process fails: between the group's end and its restart in place. Rendered
+    here first, the traceback is the text torch's formatter would have written, and the
+    agent never imports the compiler.
+    """
+
+    def __init__(self, torch_formatter: logging.Formatter) -> None:
+        super().__init__()
+        self.torch_formatter = torch_formatter
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info is None:
+            return self.torch_formatter.format(record)
+        if not record.exc_text:
+            record.exc_text = self.torch_formatter.formatException(record.exc_info)
+        exc_info, record.exc_info = record.exc_info, None
+        try:
+            return self.torch_formatter.format(record)
+        finally:
+            record.exc_info = exc_info
+
+
+def format_tracebacks_without_dynamo() -> None:
+    """Put TracebackFirst in front of the formatter of every handler torch installed."""
+    for name in ("torch", "torch.distributed"):
+        for handler in logging.getLogger(name).handlers:
+            if handler.formatter is not None and not isinstance(handler.formatter,
+                                                                TracebackFirst):
+                handler.setFormatter(TracebackFirst(handler.formatter))
 
 
 if __name__ == "__main__":
