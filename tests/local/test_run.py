@@ -254,8 +254,11 @@ def test_a_frozen_worker_is_detected_as_a_hang_and_the_group_restarts(
 
 def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus: Path) -> None:
     name = "deadline"
+    # The deadline counts the start too: at 15 s, a from-nothing run of 2026-11-29 (two
+    # xdist workers on 2 cores) reached it before the first step. 30 s, as the progress
+    # deadlines here, outlasts a start under that load.
     manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=5000,
-                        run_policy={"activeDeadlineSeconds": 15})
+                        run_policy={"activeDeadlineSeconds": 30})
     code, output = finish(start_run(tmp_path, manifest))
     assert code == 1, output
     assert "activeDeadlineSeconds" in output
