@@ -13,14 +13,18 @@ forked from the server that imported them once), alternating, `--runs` times eac
 
 Prints each run's two figures and the medians, and the launcher's median over plain
 torchrun's (goal for issue 33: the trainer kill under 4 s on the whole loop, where this
-is most of the time).
+is most of the time). Beside them, the CPU seconds the whole run took, every process of
+it counted (this process is their subreaper, so even an orphaned fork server is reaped
+into its children's usage): what a pod's start and restart cost a loaded node.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -34,6 +38,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 KILL_AT_STEP = 8
+_PR_SET_CHILD_SUBREAPER = 36
 
 COMMANDS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
@@ -77,9 +82,26 @@ def ranks(agent: int) -> list[int]:
     return list(rank_processes(descendants(agent)))
 
 
+def children_cpu() -> float:
+    """CPU seconds of every process reaped so far below this one."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def reap_orphans() -> None:
+    """Wait for every process left below this one (orphans come here: the subreaper)."""
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 def one_run(launcher: str, folder: Path, train: str, processes: int,
-            precision: str, trace: bool) -> tuple[float, float]:
-    """Seconds from the kill to rank 0's resume and to its first step after it."""
+            precision: str, trace: bool) -> tuple[float, float, float]:
+    """Seconds from the kill to rank 0's resume and to its first step after it, and the
+    CPU seconds of the whole run."""
+    cpu_before = children_cpu()
     job = write_job(folder, train, precision)
     log = folder / "metrics.jsonl"
     command = [*COMMANDS[launcher], "--standalone", f"--nproc-per-node={processes}",
@@ -113,6 +135,8 @@ def one_run(launcher: str, folder: Path, train: str, processes: int,
         if agent.poll() is None:
             agent.kill()
     reader.join(timeout=10)
+    reap_orphans()
+    cpu = children_cpu() - cpu_before
     after = [(at - killed, line) for at, line in lines if at >= killed]
     if trace:
         print("".join(f"  {at:6.2f}s  {line[:160].rstrip()}\n" for at, line in after), end="")
@@ -120,7 +144,7 @@ def one_run(launcher: str, folder: Path, train: str, processes: int,
     stepped = next(at for at, line in after if at >= resumed and line.startswith("step "))
     if agent.returncode != 0:
         raise RuntimeError(f"{launcher}: exit {agent.returncode}")
-    return resumed, stepped
+    return resumed, stepped, cpu
 
 
 def events(log: Path) -> list[dict[str, object]]:
@@ -139,7 +163,8 @@ def main() -> int:
     parser.add_argument("--trace", action="store_true",
                         help="print every output line after the kill, with its time")
     args = parser.parse_args()
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in COMMANDS}
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in COMMANDS}
     with tempfile.TemporaryDirectory(prefix="kubetrain-restart-") as tmp:
         print("preparing the corpus", flush=True)
         train = corpus(Path(tmp))
@@ -147,19 +172,21 @@ def main() -> int:
             for launcher in COMMANDS:
                 folder = Path(tmp) / f"{launcher}-{run}"
                 folder.mkdir()
-                resumed, stepped = one_run(launcher, folder, train, args.processes,
-                                           args.precision, args.trace)
-                results[launcher].append((resumed, stepped))
+                resumed, stepped, cpu = one_run(launcher, folder, train, args.processes,
+                                                args.precision, args.trace)
+                results[launcher].append((resumed, stepped, cpu))
                 print(f"run {run + 1} {launcher:<8}  kill → resumed {resumed:5.2f}s  "
-                      f"→ first step {stepped:5.2f}s", flush=True)
-    medians = {name: (statistics.median(r for r, _ in runs), statistics.median(s for _, s in runs))
+                      f"→ first step {stepped:5.2f}s  CPU of the run {cpu:5.2f}s", flush=True)
+    medians = {name: tuple(statistics.median(figures) for figures in zip(*runs, strict=True))
                for name, runs in results.items()}
     print(f"\nkill -9 of one of {args.processes} ranks, restart in place "
           f"({args.runs} runs each, medians):")
-    for name, (resumed, stepped) in medians.items():
-        print(f"  {name:<8}  resumed {resumed:5.2f}s  first step {stepped:5.2f}s")
+    for name, (resumed, stepped, cpu) in medians.items():
+        print(f"  {name:<8}  resumed {resumed:5.2f}s  first step {stepped:5.2f}s  "
+              f"CPU {cpu:5.2f}s")
     ratio = medians["launch"][1] / medians["torchrun"][1]
     print(f"launch / torchrun, kill to first step: {ratio:.2f}")
+    print(f"launch / torchrun, CPU of the run: {medians['launch'][2] / medians['torchrun'][2]:.2f}")
     return 0
 
 

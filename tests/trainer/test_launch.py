@@ -164,3 +164,50 @@ def test_the_agent_logs_a_traceback_as_torch_does_without_importing_the_compiler
     assert "dynamo before torch's formatter: False" in done.stdout, done.stdout
     assert "same text: True" in done.stdout, done.stdout
     assert "RuntimeError: a rank failed" in done.stdout and "failed (exitcode: 1)" in done.stdout
+
+
+# The launcher's fork server, and below it a training process that starts a fork server of
+# its own, as a user's DataLoader with multiprocessing_context="forkserver" would. Each
+# process's parent, by its command line: the launcher's server must be a fork of the
+# launcher (torch imported once), the training process's a new interpreter (a fork of a
+# process that may hold CUDA and threads would be unsafe), and neither may hang on state
+# the fork inherited mid-start.
+NESTED_FORK_SERVERS = """
+import multiprocessing, os, sys
+from pathlib import Path
+
+def parent_command_line():
+    return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\\0", b" ").decode()
+
+def grandchild(out):
+    Path(out).write_text(parent_command_line())
+
+def child(out):
+    Path(out + ".child").write_text(parent_command_line())
+    nested = multiprocessing.get_context("forkserver").Process(target=grandchild, args=(out,))
+    nested.start()
+    nested.join(60)
+    sys.exit(nested.exitcode)
+
+if __name__ == "__main__":
+    from kubetrain.trainer import launch
+    launch.PRELOAD = "json"  # what the server imports does not matter here
+    launch.start_fork_server()
+    process = multiprocessing.get_context("forkserver").Process(target=child, args=(sys.argv[1],))
+    process.start()
+    process.join(90)
+    print("exit", process.exitcode)
+"""
+
+
+def test_the_fork_server_is_a_fork_of_the_launcher_and_a_training_process_can_start_its_own(
+    tmp_path: Path,
+) -> None:
+    script, out = tmp_path / "nested.py", tmp_path / "parent"
+    script.write_text(NESTED_FORK_SERVERS)
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                          text=True, timeout=150)
+    assert done.returncode == 0 and "exit 0" in done.stdout, (done.stdout + done.stderr)[-4000:]
+    launcher_command = f"{sys.executable} {script} {out} "
+    assert Path(f"{out}.child").read_text() == launcher_command, "not forked from the launcher"
+    assert "from multiprocessing.forkserver import main" in out.read_text()
