@@ -29,7 +29,8 @@ What follows, in the order `judge` checks it over every worker that failed toget
   (`restart_delay`), except after a lost node: its workers go to another node, so there
   is nothing to wait out;
 - a group whose step has not advanced for longer than runPolicy.progressDeadlineSeconds
-  is hung (`is_hung`), and restarts as a whole;
+  is hung (`is_hung`), and restarts as a whole; before an attempt's first step,
+  runPolicy.startupDeadlineSeconds is the deadline where set (`hang_deadline`);
 - on Kubernetes torchrun restarts a pod's trainers in place while that pod's own budget
   (PET_MAX_RESTARTS = runPolicy.maxRestarts) lasts (`restarts_in_place`): such a restart
   is counted and shown but ends no job for maxRestarts; past the budget the pod ends, and
@@ -163,8 +164,17 @@ def judge(ends: Sequence[Ended], streak: FailureStreak | None, step: int,
 
 def is_hung(stalled_seconds: float, deadline_seconds: int | None) -> bool:
     """Whether a group whose step has not advanced for `stalled_seconds` is hung: for longer
-    than runPolicy.progressDeadlineSeconds (None: never)."""
+    than its deadline (`hang_deadline`; None: never)."""
     return deadline_seconds is not None and stalled_seconds > deadline_seconds
+
+
+def hang_deadline(policy: RunPolicy, stepped: bool) -> tuple[int | None, str]:
+    """The deadline a group's silence is judged by, and the field that sets it: until the
+    attempt's first step (`stepped` False) runPolicy.startupDeadlineSeconds, where set;
+    otherwise runPolicy.progressDeadlineSeconds."""
+    if not stepped and policy.startup_deadline_seconds is not None:
+        return policy.startup_deadline_seconds, "startupDeadlineSeconds"
+    return policy.progress_deadline_seconds, "progressDeadlineSeconds"
 
 
 def next_streak(streak: FailureStreak | None, exit_code: int, step: int) -> FailureStreak:

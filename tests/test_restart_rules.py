@@ -392,6 +392,37 @@ def test_both_runners_call_a_group_hung_at_the_same_moment(minimal_manifest: dic
     assert local == [False, False, True]
 
 
+@pytest.mark.parametrize("stepped", [False, True], ids=["starting", "stepped"])
+def test_before_its_first_step_an_attempt_has_the_startup_deadline_in_both_runners(
+        minimal_manifest: dict, stepped: bool) -> None:
+    """startupDeadlineSeconds 90 and progressDeadlineSeconds 30. An attempt that has taken
+    no step yet (the last step is an earlier attempt's) is hung only after 90 s of its
+    start; one whose first step came 10 s in, 30 s after that step. Both runners agree on
+    each second at the boundary, and the operator names the field that applied."""
+    policy = {"progressDeadlineSeconds": 30, "startupDeadlineSeconds": 90}
+    job = _job(minimal_manifest, policy)
+    running = [_worker(0, 0), _worker(1, 0)]
+    _, status = _pass(job, running, START)
+    last_step = START + timedelta(seconds=10) if stepped else START - timedelta(seconds=100)
+    status = {**status, "progress": {"step": 5, "updatedAt": last_step.isoformat()}}
+    job = _job(minimal_manifest, policy, status)
+    clock = ProgressClock(step=-1, since=0.0)  # as the runner's: started with the attempt
+    if stepped:
+        clock.observe(5, 10.0, is_step=True)
+    boundary = 40 if stepped else 90
+    operator, local = [], []
+    for seconds in (31, boundary, boundary + 1):
+        after = _pass(job, running, START + timedelta(seconds=seconds))[1]
+        operator.append(after.get("restart", {}).get("reason") == "ProgressDeadlineExceeded")
+        local.append(clock.is_hung(job.spec.run_policy, float(seconds)))
+    assert operator == local
+    assert local == [False, False, True]
+    field = "progressDeadlineSeconds" if stepped else "startupDeadlineSeconds"
+    assert clock.deadline(job.spec.run_policy)[1] == field
+    restarting = next(c for c in after["conditions"] if c["type"] == "Restarting")
+    assert f"(runPolicy.{field})" in restarting["message"]
+
+
 # --- the protocol and the names ---------------------------------------------------------------
 
 

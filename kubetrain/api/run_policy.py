@@ -108,7 +108,16 @@ class RunPolicy(ApiModel):
     progress_deadline_seconds: int | None = Field(
         default=1800, ge=1,
         description="Restart the group when the training step has not advanced for this long "
-        "(hang detection); null disables.",
+        "(hang detection); null disables. Counts each attempt's start too, unless "
+        "startupDeadlineSeconds is set.",
+    )
+    startup_deadline_seconds: int | None = Field(
+        default=None, ge=1,
+        description="How long each attempt may take to reach its first training step (the "
+        "start, the rendezvous, the checkpoint's load, compilation) before the group is "
+        "restarted as hung; progressDeadlineSeconds applies from that step on. Lets a short "
+        "progress deadline catch hangs quickly where the start is long. null: "
+        "progressDeadlineSeconds covers the start too.",
     )
     active_deadline_seconds: int | None = Field(
         default=None, ge=1, description="Fail the job after running this long."

@@ -177,15 +177,20 @@ def after_out_of_memory(spec: TrainingJobSpec, failure: GroupFailure, micro_batc
 class ProgressClock:
     """Hang detection: how long the training step has gone without advancing.
 
-    The clock restarts whenever the group (re)starts, so startup and checkpoint
-    loading count against `progressDeadlineSeconds` just as they do on Kubernetes.
+    The clock restarts whenever the group (re)starts, so startup and checkpoint loading
+    count against the deadline just as they do on Kubernetes: `startupDeadlineSeconds`
+    until the attempt's first step where it is set, `progressDeadlineSeconds` otherwise
+    (`restart_rules.hang_deadline`).
     """
 
     step: int
     since: float
+    stepped: bool = False  # whether this attempt has taken a training step
 
-    def observe(self, step: int, now: float) -> None:
-        """Record the newest step seen at time `now`; only an advance resets the clock."""
+    def observe(self, step: int, now: float, *, is_step: bool = False) -> None:
+        """Record the newest step seen at time `now` (`is_step`: from a training step, not
+        the trainer's start or resume); only an advance resets the clock."""
+        self.stepped = self.stepped or is_step
         if step > self.step:
             self.step, self.since = step, now
 
@@ -193,6 +198,10 @@ class ProgressClock:
         """Seconds since the step last advanced (or since the clock started)."""
         return now - self.since
 
+    def deadline(self, policy: RunPolicy) -> tuple[int | None, str]:
+        """The deadline that applies now, and its field."""
+        return rules.hang_deadline(policy, self.stepped)
+
     def is_hung(self, policy: RunPolicy, now: float) -> bool:
-        """Whether the step has not advanced for longer than progressDeadlineSeconds."""
-        return rules.is_hung(self.stalled_for(now), policy.progress_deadline_seconds)
+        """Whether the step has not advanced for longer than the deadline that applies."""
+        return rules.is_hung(self.stalled_for(now), self.deadline(policy)[0])

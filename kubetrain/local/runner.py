@@ -303,7 +303,7 @@ class LocalRun:
             if clock.is_hung(policy, now):
                 return _Attempt(failures=[GroupFailure(
                     f"no training progress for {clock.stalled_for(now):.0f}s "
-                    "(spec.runPolicy.progressDeadlineSeconds)", None, self.history.step)])
+                    f"(spec.runPolicy.{clock.deadline(policy)[1]})", None, self.history.step)])
             deadline = policy.active_deadline_seconds
             if deadline is not None and now - self.started > deadline:
                 return _Attempt(stop=_Stop(f"running longer than {deadline}s "
@@ -320,7 +320,8 @@ class LocalRun:
             self.history.apply(event)
             self.display.show(event, self.history)
             if clock is not None and event["event"] in {"step", "start", "resumed"}:
-                clock.observe(self.history.step, time.monotonic())
+                clock.observe(self.history.step, time.monotonic(),
+                              is_step=event["event"] == "step")
             if event["event"] == "step":
                 if self.goodput is not None:
                     self.goodput.stepped(event)

@@ -351,11 +351,12 @@ def test_a_hung_rank_then_a_lost_node_each_get_the_group_recreated_and_the_job_s
     """Two ways a group is recreated in new pods, one after the other in one job: a rank
     that hangs past progressDeadlineSeconds, then the loss of worker 0's node."""
     name = "hung-then-node-loss"
-    # The deadline must outlast a healthy group's start on a loaded 2-core machine: at 10 s,
-    # a CI run of 2026-11-26 (two xdist workers, a slower machine) passed it before the first
-    # step and then after every restart, until maxRestarts failed the job.
+    # A short progress deadline, and a start of its own: a healthy group's start on a loaded
+    # 2-core machine outlasted a 10 s deadline that counted it (a CI run of 2026-11-26, two
+    # xdist workers: before the first step, then after every restart, until maxRestarts).
     cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": 60},
-                               runPolicy={"progressDeadlineSeconds": 30}))
+                               runPolicy={"progressDeadlineSeconds": 12,
+                                          "startupDeadlineSeconds": 120}))
     _wait_for_printed_step(cluster, name, EVERY + 2)
 
     # 1. SIGSTOP of rank 1's trainer: no step advances, and at the deadline the operator

@@ -141,6 +141,17 @@ def test_progress_clock_counts_startup_against_the_deadline() -> None:
     assert clock.is_hung(RunPolicy(progress_deadline_seconds=60), 61.0)
 
 
+def test_the_startup_deadline_applies_until_the_attempts_first_step() -> None:
+    policy = RunPolicy(progress_deadline_seconds=30, startup_deadline_seconds=300)
+    clock = ProgressClock(step=-1, since=0.0)
+    clock.observe(0, 5.0)  # the trainer's start: progress, but no step yet
+    assert not clock.is_hung(policy, 300.0)
+    assert clock.is_hung(policy, 306.0)
+    clock.observe(1, 306.0, is_step=True)
+    assert clock.deadline(policy) == (30, "progressDeadlineSeconds")
+    assert clock.is_hung(policy, 337.0)
+
+
 def test_hang_detection_can_be_disabled() -> None:
     clock = ProgressClock(step=-1, since=0.0)
     assert not clock.is_hung(RunPolicy(progress_deadline_seconds=None), 1e9)

@@ -234,9 +234,11 @@ def test_a_frozen_worker_is_detected_as_a_hang_and_the_group_restarts(
         tmp_path: Path, corpus: Path) -> None:
     name = "frozen"
     manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=60,
-                        # Long enough for a restarted group to start and resume under CI load
-                        # (two test workers on two cores): the deadline counts startup too.
-                        run_policy={"progressDeadlineSeconds": 30})
+                        # The start has a deadline of its own, long enough for a restarted
+                        # group to start and resume under CI load (two test workers on two
+                        # cores), so the hang is seen 12 s after the last step.
+                        run_policy={"progressDeadlineSeconds": 12,
+                                    "startupDeadlineSeconds": 120})
     run = start_run(tmp_path, manifest)
     wait_for_step(run, tmp_path, name, 25)
     # SIGSTOP one rank: the others block in their next collective, so no step advances.

@@ -505,18 +505,22 @@ def fail_repeated(decision: ReconcilePass, what: str) -> None:
 
 
 def detect_hang(decision: ReconcilePass) -> None:
-    """Restart the whole group when the step has not advanced for longer than
-    progressDeadlineSeconds (`restart_rules.is_hung`; since the last step, the last
-    restart, or the group running)."""
+    """Restart the whole group when the step has not advanced for longer than its deadline
+    (`restart_rules.hang_deadline`, `is_hung`): since the last step, the last restart, or
+    the group running; startupDeadlineSeconds, where set, until the attempt's first step."""
     status = decision.status
-    deadline = decision.job.spec.run_policy.progress_deadline_seconds
-    if deadline is None or status.phase != "Running":
+    if status.phase != "Running":
         return
-    marks = [status.progress.updated_at, status.last_restart_time,
-             decision.condition_since("Running")]
-    since = max((mark for mark in marks if mark is not None), default=None)
-    if since is None or not rules.is_hung((decision.now - since).total_seconds(), deadline):
+    stepped_at = status.progress.updated_at
+    attempt = max((mark for mark in (status.last_restart_time, decision.condition_since("Running"))
+                   if mark is not None), default=None)
+    stepped = stepped_at is not None and (attempt is None or stepped_at > attempt)
+    deadline, field = rules.hang_deadline(decision.job.spec.run_policy, stepped)
+    since = max((mark for mark in (stepped_at, attempt) if mark is not None), default=None)
+    if (deadline is None or since is None
+            or not rules.is_hung((decision.now - since).total_seconds(), deadline)):
         return
-    decision.restart("ProgressDeadlineExceeded",
-                     f"the training step ({status.progress.step}) has not advanced for "
-                     f"{deadline}s (runPolicy.progressDeadlineSeconds)", [], whole_group=True)
+    what = (f"the training step ({status.progress.step}) has not advanced for {deadline}s"
+            if stepped else f"the attempt has taken no training step in {deadline}s")
+    decision.restart("ProgressDeadlineExceeded", f"{what} (runPolicy.{field})", [],
+                     whole_group=True)
