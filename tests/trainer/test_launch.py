@@ -68,9 +68,12 @@ def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_lo
         if agent.poll() is None:
             agent.kill()
     assert agent.returncode == 0, output[-4000:]
-    # The agent logged the killed rank's failure with its traceback, as torch formats it.
-    assert "ProcessExitedException: process 1 terminated with signal SIGKILL" in output, \
-        output[-4000:]
+    # The agent logged the failure it saw first with its traceback, as torch formats it:
+    # the killed rank's SIGKILL, or the error its peer raised in their broken collective
+    # (which of the two the agent sees first is a race).
+    assert ("ProcessExitedException: process 1 terminated with signal SIGKILL" in output
+            or ("ProcessRaisedException" in output and "Traceback (most recent call last)"
+                in output)), output[-4000:]
 
     assert set(second.values()) == {server}, "the second attempt's ranks came from elsewhere"
     resumed = launcher.events(job, "resumed")

@@ -68,13 +68,14 @@ def start_fork_server() -> None:
 def _forked_not_spawned() -> Iterator[None]:
     """multiprocessing starts its fork server with `util.spawnv_passfds(python, [python,
     ..., "-c", code], fds)`: a new interpreter that runs `code` with only `fds` open.
-    Meanwhile, the same `code` runs in a fork of this one, with only `fds` open."""
+    Within this block the same `code` runs instead in a fork of this process, with only
+    `fds` open; anything else multiprocessing starts here starts as before."""
     spawn = multiprocessing.util.spawnv_passfds
 
     def fork(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
-        if "-c" not in args:  # not the fork server's command: start it as multiprocessing would
+        code = str(args[-1])
+        if not code.startswith("from multiprocessing.forkserver import main"):
             return spawn(path, args, passfds)
-        code = str(args[list(args).index("-c") + 1])
         pid = os.fork()
         if pid == 0:
             multiprocessing.util.spawnv_passfds = spawn  # the fork's own children spawn
