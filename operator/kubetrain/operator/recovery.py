@@ -516,7 +516,7 @@ def detect_hang(decision: ReconcilePass) -> None:
                    if mark is not None), default=None)
     stepped = stepped_at is not None and (attempt is None or stepped_at > attempt)
     deadline, field = rules.hang_deadline(decision.job.spec.run_policy, stepped)
-    since = max((mark for mark in (stepped_at, attempt) if mark is not None), default=None)
+    since = stepped_at if stepped else attempt
     if (deadline is None or since is None
             or not rules.is_hung((decision.now - since).total_seconds(), deadline)):
         return
