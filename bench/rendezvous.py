@@ -1,4 +1,4 @@
-"""A restart's rendezvous: torchrun's c10d backend against kubetrain's (c10d polled every 0.1 s).
+"""A restart's rendezvous: torchrun's c10d backend against kubetrain's (its own rounds).
 
     .venv/bin/python -u bench/rendezvous.py [--kills 4] [--runs 2]
 

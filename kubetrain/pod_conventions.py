@@ -66,11 +66,12 @@ def torchrun_settings(job: TrainingJob, *, endpoint: str, run_id: str, max_nodes
     as PET_<NAME> (dashes as underscores, upper case), `kubetrain run` as --<name>.
 
     Elastic between minReplicas and `max_nodes` nodes of procsPerWorker processes, meeting
-    at `endpoint` through the `kubetrain` rendezvous (c10d polled every 0.1 s); `run_id`
-    tells one group's rendezvous from another's; `max_restarts` is torchrun's own budget of
-    restarts in place. What differs between the runners is the caller's: a pod's group may
-    grow to maxReplicas and meets at worker 0 under the job's uid, with maxRestarts; a local
-    run never grows past replicas, meets on loopback, and restarts only as a whole.
+    at `endpoint` through the `kubetrain` rendezvous (rounds on c10d's store, each formed in
+    a few store operations per agent); `run_id` tells one group's rendezvous from another's;
+    `max_restarts` is torchrun's own budget of restarts in place. What differs between the
+    runners is the caller's: a pod's group may grow to maxReplicas and meets at worker 0
+    under the job's uid, with maxRestarts; a local run never grows past replicas, meets on
+    loopback, and restarts only as a whole.
     """
     workers = job.spec.workers
     return {

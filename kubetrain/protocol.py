@@ -27,8 +27,8 @@ from datetime import UTC, datetime
 from typing import Any, Final, Literal, get_args
 
 # torchrun's rendezvous backend in every launch kubetrain makes (a worker pod's
-# PET_RDZV_BACKEND, `kubetrain run`'s --rdzv-backend): c10d, polled every 0.1 s
-# (kubetrain.trainer.rendezvous).
+# PET_RDZV_BACKEND, `kubetrain run`'s --rdzv-backend): rounds on c10d's store, each
+# formed in a few store operations per agent (kubetrain.trainer.rendezvous).
 RENDEZVOUS_BACKEND: Final = "kubetrain"
 
 # Set by kubetrain.trainer.launch for the training processes it starts: the pid of their
@@ -90,24 +90,60 @@ OUT_OF_MEMORY_CLASSES: Final = frozenset({"OOMKilled", "CUDAOutOfMemory"})
 ENDS_THE_POD: Final = frozenset({"CUDAOutOfMemory", "GPUError", "PreflightFailed"})
 
 
-# --- the lifeline: each pod's trainer beats, and says why it ends ------------------------
+# --- the lifeline: each pod beats, and says how each of its trainer processes ends -----
 
-# Each trainer process of a worker pod listens on the metrics port + 1 + its local rank
-# (`lifeline_port`). To whoever connects (the operator) it writes `beat` every
-# LIFELINE_BEAT_SECONDS and, when it ends in order, one last line `end <exit code> <class>
-# <words>`, then closes. A connection closed without an `end` line means the process died
-# (kill -9, a crash, the kernel's OOM killer); one that stays open without a beat means the
-# process or its node stopped (kubetrain.trainer.lifeline, kubetrain.operator.lifeline_watch).
+# The agent of each worker pod (`kubetrain.trainer.launch`, which runs torchrun) serves the
+# pod's lifeline on the metrics port + 1 (`lifeline_port`). To whoever connects (the
+# operator) it writes POD_LIFELINE first, then `beat` every LIFELINE_BEAT_SECONDS from a
+# thread of its own, and one line for each trainer process of the pod that ends:
+# `rank <local rank> end <exit code> <class> <words>` (`rank_line`) when the process said
+# how it ends, `rank <local rank> gone` when it ended without a word (kill -9, a crash, the
+# kernel's OOM killer: the kernel closed its connection to the agent at once). The agent
+# writes BYE when it ends in order; a connection closed without it means the container
+# ended (its status says how), one that stays open without a beat that the pod's node or
+# its network stopped (kubetrain.trainer.lifeline, kubetrain.operator.lifeline_watch). One
+# connection a pod, whatever its processes: 1,000 nodes of 8 GPUs are 1,000 connections
+# and 2,000 lines a second, not 8,000 and 16,000 (issue 53).
+# Each trainer process tells its agent over the pod's own socket (`lifeline_socket`): first
+# `rank <local rank>`, then, as it ends in order, its `end` line (`end_line`).
+# Trainer images from before issue 53 serve one lifeline per process instead, on the
+# metrics port + 1 + its local rank, writing `beat`s and its own `end` line, then closing
+# (no POD_LIFELINE first); the operator still follows those per process.
 LIFELINE_BEAT_SECONDS: Final = 0.5
+BEAT: Final = b"beat\n"
+POD_LIFELINE: Final = b"pod\n"
+BYE: Final = b"bye\n"
 # The `end` class of a rank that failed only because a peer vanished under a collective: a
 # consequence of another rank's failure, which the operator does not count again.
 PEER_LOST: Final = "PeerLost"
 
 
 def lifeline_port(metrics_port: int, local_rank: int = 0) -> int:
-    """The port of the lifeline of a worker pod's trainer process of `local_rank`: the ones
-    after spec.metrics.port."""
+    """The port of a worker pod's lifeline: the one after spec.metrics.port (and, in trainer
+    images from before issue 53, that of its trainer process of `local_rank`)."""
     return metrics_port + 1 + local_rank
+
+
+def lifeline_socket(agent_pid: int) -> str:
+    """The pod's own socket where its trainer processes reach their agent's lifeline: an
+    abstract Unix socket (no file; one network namespace per pod), named by the agent."""
+    return f"\0kubetrain-lifeline-{agent_pid}"
+
+
+def rank_line(local_rank: int, end: bytes | None) -> bytes:
+    """The pod lifeline's line for its process of `local_rank` that ended with `end` (an
+    `end_line`), or without a word (None)."""
+    return f"rank {local_rank} ".encode() + (end if end is not None else b"gone\n")
+
+
+def parse_rank_line(line: bytes) -> tuple[int, bytes | None] | None:
+    """(local rank, its `end` line or None for no word) of a `rank_line`; None for any other
+    line."""
+    parts = line.split(b" ", 2)
+    if len(parts) < 3 or parts[0] != b"rank" or not parts[1].isdigit():
+        return None
+    said = parts[2].rstrip(b"\n")
+    return int(parts[1]), (None if said == b"gone" else said + b"\n")
 
 
 def end_line(exit_code: int, failure_class: str, words: str = "") -> bytes:

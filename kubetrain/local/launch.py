@@ -2,11 +2,10 @@
 
 A local run stands in for the operator's worker pods: node `i` is a `torchrun`
 agent (`python -m kubetrain.trainer.launch`, torchrun for the trainer, as in a
-pod) with the settings of worker pod `i`
-(procs per worker, the `kubetrain` rendezvous: c10d polled every 0.1 s, elastic
-nnodes), but the rendezvous is on loopback, the group never grows past `replicas`,
-and the trainer reads the run folder's copy of the manifest. Pure: the runner starts
-what `agent_launch` describes, and `--dry-run` prints the same thing.
+pod) with the settings of worker pod `i` (procs per worker, the `kubetrain`
+rendezvous, elastic nnodes), but the rendezvous is on loopback, the group never grows
+past `replicas`, and the trainer reads the run folder's copy of the manifest. Pure: the
+runner starts what `agent_launch` describes, and `--dry-run` prints the same thing.
 
 An own-code job (spec.trainer) runs as its worker pods do
 (kubetrain.operator.own_code_container): `python -m kubetrain.trainer.own_code`, which

@@ -41,49 +41,57 @@ def test_hsdp_2x2_resumes_after_a_container_kill_and_on_one_pod_after_a_rescale(
         cluster: Cluster) -> None:
     name = "hsdp"
     started = time.monotonic()
-    # Below maxReplicas, torchrun's rendezvous waits its last call (30 s by default) for
-    # more nodes before it closes a round: 2 s here, as in the whole loop's scale scenario.
-    last_call = {"name": "PET_RDZV_CONF", "value": "last_call_timeout=2"}
-    cluster.apply(training_job(
-        name, cluster.s3, optimization={"maxSteps": STEPS},
-        workers={"replicas": 2, "minReplicas": 1, "maxReplicas": 2, "procsPerWorker": 2,
-                 "template": {"env": [last_call]}},
-        parallelism={"strategy": "hsdp"}))
-    cluster.wait_for_printed_step(name, EVERY + 1, timeout=300)
-    lines = cluster.trainer_lines(name)
-    assert "mesh: hsdp 2 x 2 (replicate x shard) (parallelism.strategy: hsdp)" in lines, lines
-    [checked] = [line for line in lines if line.startswith("preflight:")]
-    print(checked)
-    assert PREFLIGHT.fullmatch(checked), checked
+    try:
+        # Below maxReplicas, torchrun's rendezvous waits its last call (30 s by default) for
+        # more nodes before it closes a round: 2 s here, as in the whole loop's scale scenario.
+        last_call = {"name": "PET_RDZV_CONF", "value": "last_call_timeout=2"}
+        cluster.apply(training_job(
+            name, cluster.s3, optimization={"maxSteps": STEPS},
+            workers={"replicas": 2, "minReplicas": 1, "maxReplicas": 2, "procsPerWorker": 2,
+                     "template": {"env": [last_call]}},
+            parallelism={"strategy": "hsdp"}))
+        cluster.wait_for_printed_step(name, EVERY + 1, timeout=300)
+        lines = cluster.trainer_lines(name)
+        assert "mesh: hsdp 2 x 2 (replicate x shard) (parallelism.strategy: hsdp)" in lines, lines
+        [checked] = [line for line in lines if line.startswith("preflight:")]
+        print(checked)
+        assert PREFLIGHT.fullmatch(checked), checked
 
-    # kill -9 of worker 1's container: the pod fails, the operator replaces it, and the
-    # group resumes from the last checkpoint on the same mesh.
-    cluster.kill_container(f"{name}-worker-1")
-    cluster.wait_for("hsdp to advance again on 4 processes after the container kill",
-                     lambda: _advanced_after_resume(cluster.trainer_lines(name))
-                     and _resumed_with(cluster.trainer_lines(name), 4), 240, every=0.2)
-    killed = cluster.trainer_lines(name)
-    assert killed.count("mesh: hsdp 2 x 2 (replicate x shard) (parallelism.strategy: hsdp)") \
-        == 2, killed
+        # kill -9 of worker 1's container: the pod fails, the operator replaces it, and the
+        # group resumes from the last checkpoint on the same mesh.
+        cluster.kill_container(f"{name}-worker-1")
+        cluster.wait_for("hsdp to advance again on 4 processes after the container kill",
+                         lambda: _advanced_after_resume(cluster.trainer_lines(name))
+                         and _resumed_with(cluster.trainer_lines(name), 4), 240, every=0.2)
+        killed = cluster.trainer_lines(name)
+        assert killed.count("mesh: hsdp 2 x 2 (replicate x shard) (parallelism.strategy: hsdp)") \
+            == 2, killed
 
-    # replicas 2 -> 1: the replicate dimension goes, each pod's shard stays as it was.
-    mark = len(killed)
-    cluster.scale(name, 1)
-    cluster.wait_for(f"{name} to train on one pod of 2 processes",
-                     lambda: _resumed_with(cluster.trainer_lines(name)[mark:], 2), 240,
-                     every=0.2)
-    cluster.wait_for_phase(name, "Succeeded", timeout=300)
-    seconds = time.monotonic() - started
+        # replicas 2 -> 1: the replicate dimension goes, each pod's shard stays as it was.
+        mark = len(killed)
+        cluster.scale(name, 1)
+        cluster.wait_for(f"{name} to train on one pod of 2 processes",
+                         lambda: _resumed_with(cluster.trainer_lines(name)[mark:], 2), 240,
+                         every=0.2)
+        cluster.wait_for_phase(name, "Succeeded", timeout=300)
+        seconds = time.monotonic() - started
 
-    lines = cluster.trainer_lines(name)
-    after = lines[mark:]
-    assert "mesh: fsdp 2 (parallelism.strategy: hsdp)" in after, after
-    resumes = [line for line in lines if line.startswith("resumed from ")]
-    print("\n".join(resumes))
-    assert len(resumes) == 2, resumes
-    printed = _steps_printed(lines)
-    assert printed[-1] == STEPS and sorted(set(printed)) == list(range(1, STEPS + 1)), printed
-    assert cluster.job(name)["status"]["phase"] == "Succeeded"
-    print(f"hsdp 2 x 2 job with a container kill and a rescale to 1 pod: {seconds:.0f}s "
-          "from apply to Succeeded")
-    cluster.delete(name)
+        lines = cluster.trainer_lines(name)
+        after = lines[mark:]
+        assert "mesh: fsdp 2 (parallelism.strategy: hsdp)" in after, after
+        resumes = [line for line in lines if line.startswith("resumed from ")]
+        print("\n".join(resumes))
+        # A resume on the 2 x 2 mesh after the kill, and last one on one pod after the
+        # rescale. Between them there may be one more: with minReplicas 1 and a 2 s last
+        # call, worker 0's agent, back at the rendezvous within a second (issue 53's
+        # rounds), can close a round alone before the replacement pod's agent joins; it
+        # trains on 2 processes until the group grows back to 4, elastic as configured.
+        assert [r for r in resumes if r.endswith("with 4 processes")], resumes
+        assert resumes[-1].endswith("with 2 processes") and len(resumes) <= 3, resumes
+        printed = _steps_printed(lines)
+        assert printed[-1] == STEPS and sorted(set(printed)) == list(range(1, STEPS + 1)), printed
+        assert cluster.job(name)["status"]["phase"] == "Succeeded"
+        print(f"hsdp 2 x 2 job with a container kill and a rescale to 1 pod: {seconds:.0f}s "
+              "from apply to Succeeded")
+    finally:  # a failed scenario leaves no pod behind on the shared cluster
+        cluster.delete(name)

@@ -76,14 +76,16 @@ class Launcher:
 
     free_port = staticmethod(free_port)
 
-    def command(self, job: Path, ranks: int, *, plain_torchrun: bool = False) -> list[str]:
+    def command(self, job: Path, ranks: int, *, in_pod: bool = False,
+                plain_torchrun: bool = False) -> list[str]:
         """For several ranks, torchrun as a worker pod runs it (kubetrain.trainer.launch: the
         ranks fork from a server that imported the loop once, about half the wall time of a
-        4-rank launch on 2 cores), or torchrun itself; for one, a plain process (a group of
-        one)."""
+        4-rank launch on 2 cores, and it serves the pod's lifeline where KUBETRAIN_POD_NAME
+        is set), or torchrun itself (`plain_torchrun`); for one, a plain process (a group of
+        one) unless `in_pod`."""
         trainer = ["-m", "kubetrain.trainer"]
         trainer_args = [str(job), "--metrics-log", str(self.log(job))]
-        if ranks == 1:
+        if ranks == 1 and not in_pod:
             return [sys.executable, *trainer, *trainer_args]
         launch = ["-m", "torch.distributed.run"] if plain_torchrun else [
             "-m", "kubetrain.trainer.launch"]

@@ -1,5 +1,5 @@
-"""A trainer killed under a real torchrun, which restarts the group in place: each trainer
-process's lifeline (kubetrain.trainer.lifeline) tells the operator's lifelines
+"""A trainer killed under a real torchrun (the pods' launcher), which restarts the group in
+place: the pod's lifeline (kubetrain.trainer.lifeline) tells the operator's lifelines
 (kubetrain.operator.lifeline_watch) at once, once, and goodput books the downtime and the steps
 redone (issue 33 item 2)."""
 
@@ -44,15 +44,15 @@ def test_a_trainer_killed_under_torchrun_is_seen_at_once_and_goodput_books_the_r
                    checkpoint={"everySteps": 8, "export": False},
                    runPolicy={"preflight": {"enabled": False}})
     port = yaml.safe_load(job.read_text())["spec"]["metrics"]["port"]
-    command = launcher.command(job, ranks=2)
+    command = launcher.command(job, ranks=2, in_pod=True)
     command.insert(command.index("--standalone") + 1, "--max-restarts=1")
-    # In a pod: the operator sets KUBETRAIN_POD_NAME, and each trainer serves its lifeline.
+    # In a pod: the operator sets KUBETRAIN_POD_NAME, and the launcher serves its lifeline.
     env = {**launcher.env(), "KUBETRAIN_POD_NAME": "killed-worker-0"}
     following = _Following()
     key = ("default", "killed")
     pod = WorkerPod(name="killed-worker-0", index=0, restart_attempt=0, phase="Running",
                     ip="127.0.0.1")
-    following.lifelines.follow(key, [pod], [lifeline_port(port, rank) for rank in (0, 1)])
+    following.lifelines.follow(key, [pod], lifeline_port(port), 2)
     agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:

@@ -413,9 +413,9 @@ class TrainingJobController:
                         observed = replace(observed, metrics=final_metrics(observed.pods))
                     observed = replace(observed, trainer_ends=self.lifelines.ends(key),
                                        silent_pods=self.lifelines.silent(key))
-                    self.lifelines.follow(key, observed.pods, (
-                        lifeline_port(job.spec.metrics.port, local_rank)
-                        for local_rank in range(job.spec.workers.procs_per_worker)))
+                    self.lifelines.follow(key, observed.pods,
+                                          lifeline_port(job.spec.metrics.port),
+                                          job.spec.workers.procs_per_worker)
                 actions = [*before, *reconcile(job, observed, now)]
                 self._wake_when_asked(key, actions)
             self.applier.apply(body, expected, actions)

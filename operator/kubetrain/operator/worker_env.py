@@ -41,7 +41,8 @@ _CREDENTIAL_KEYS = (
 
 
 def torchrun_env(job: TrainingJob) -> list[dict[str, Any]]:
-    """torchrun's options as PET_* variables: elastic nnodes, c10d rendezvous at worker 0."""
+    """torchrun's options as PET_* variables: elastic nnodes, kubetrain's rendezvous on
+    c10d's store at worker 0."""
     name = job.metadata.name
     settings = torchrun_settings(
         job, endpoint=f"{pod_name(name, 0)}.{name}:{RENDEZVOUS_PORT}",

@@ -13,7 +13,8 @@ JOB.yaml [trainer options]` would.
 The fork server never initialises a device or starts a thread, so forking it is
 safe; its children are the agent's workers as before (the agent signals and
 reaps them), a level further down the process tree. Torch-free until the fork
-server runs.
+server runs. In a worker pod it also serves the pod's lifeline (kubetrain.trainer.lifeline)
+while torchrun runs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kubetrain.protocol import AGENT_PID_ENV
+from kubetrain.trainer.lifeline import PodLifeline, in_a_pod
 
 # The fork server imports this module before it forks anything (see kubetrain.trainer.preload).
 PRELOAD = "kubetrain.trainer.preload"
@@ -67,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     register_rendezvous()  # where kubetrain is on the path but not installed: no entry point
     args = parse_args(argv)
+    lifeline = _pod_lifeline(args.training_script)
     # torchrun's --run-path runs the program in the training process's own interpreter:
     # the trainer's __main__, with the job and its options as the command line.
     args.training_script_args = [args.training_script, *args.training_script_args]
@@ -74,7 +77,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.run_path, args.module, args.no_python = True, False, False
     args.start_method = "forkserver"
     format_tracebacks_without_dynamo()
-    record(run)(args)
+    try:
+        record(run)(args)
+    finally:
+        if lifeline is not None:
+            lifeline.close()
+
+
+def _pod_lifeline(job_file: str) -> PodLifeline | None:
+    """In a worker pod, the pod's lifeline (kubetrain.trainer.lifeline), served from here
+    for as long as torchrun runs: the agent outlives every trainer process."""
+    if not in_a_pod():
+        return None
+    from kubetrain.api.manifest import InvalidManifest, load_job
+
+    try:
+        port = load_job(job_file).spec.metrics.port
+    except (InvalidManifest, OSError):
+        return None  # the trainer says what is wrong with it
+    lifeline = PodLifeline.for_this_pod(port)
+    return lifeline if lifeline is not None and lifeline.start() else None
 
 
 class TracebackFirst(logging.Formatter):

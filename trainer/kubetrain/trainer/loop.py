@@ -282,10 +282,10 @@ class Trainer:
         """Train until maxSteps, early stopping or a stop signal; see the module docstring.
 
         A failure in `FAILURES` ends the attempt with its reason and exit code; any other
-        error propagates. In a worker pod, the pod's lifeline (lifeline.py) beats meanwhile
-        and then says how it ended.
+        error propagates. In a worker pod, this process then tells the pod's lifeline
+        (lifeline.py) how it ended.
         """
-        lifeline = self._lifeline = Lifeline.for_this_process(self.spec.metrics.port)
+        lifeline = self._lifeline = Lifeline.for_this_process()
         if lifeline is not None:
             lifeline.start()
         try:
