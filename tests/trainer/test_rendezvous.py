@@ -5,6 +5,7 @@ replacement, late and redundant agents, the last call, timeouts and closing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -174,6 +175,59 @@ def test_a_late_agent_waits_for_the_next_round_which_the_members_then_join(
         until(lambda: handlers[0].num_nodes_waiting() == 1, "the late agent to be seen")
         rejoined = [pool.submit(h.next_rendezvous) for h in handlers[:2]]
         assert formed([*rejoined, late]) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_a_newcomer_waits_for_the_members_however_long_they_take_to_restart(
+        store_port: int) -> None:
+    # Elastic, 1 to 2, as the whole loop's hsdp job: worker 0's group lost worker 1 and
+    # went on alone. Worker 1's new pod (a newcomer to that round: its predecessor was
+    # not in it) must not form a round of its own at its last call while worker 0 stops
+    # its workers, which takes longer (a checkpoint on SIGTERM): each of the two would
+    # then keep closing rounds the other came too late for.
+    alone = agent(store_port, 0, 1, 2, last_call_timeout=1)
+    newcomer = agent(store_port, 1, 1, 2, last_call_timeout=1)
+    with ThreadPoolExecutor(2) as pool, closed_at_the_end(store_port):
+        assert formed([pool.submit(alone.next_rendezvous)]) == [(0, 1)]
+        joined = pool.submit(newcomer.next_rendezvous)
+        until(lambda: alone.num_nodes_waiting() == 1, "worker 0 to see the newcomer")
+        threading.Event().wait(2.5)  # past the newcomer's last call, twice over
+        assert not joined.done()
+        assert formed([pool.submit(alone.next_rendezvous), joined]) == [(0, 2), (1, 2)]
+
+
+def test_members_of_the_last_round_keep_their_seats_before_newcomers_take_the_rest(
+        store_port: int) -> None:
+    member = agent(store_port, 0, 1, 2, last_call_timeout=1)
+    newcomers = [agent(store_port, pod, 1, 2, last_call_timeout=1) for pod in (1, 2)]
+    with ThreadPoolExecutor(3) as pool, closed_at_the_end(store_port):
+        assert formed([pool.submit(member.next_rendezvous)]) == [(0, 1)]
+        waiting = [pool.submit(h.next_rendezvous) for h in newcomers]
+        until(lambda: member.num_nodes_waiting() == 2, "worker 0 to see both newcomers")
+        # Two newcomers fill the next round's two seats between them, but form nothing
+        # without a member: worker 0 restarts into it and keeps its seat.
+        threading.Event().wait(1.5)
+        assert not any(w.done() for w in waiting)
+        rejoined = pool.submit(member.next_rendezvous)
+        assert rejoined.result(timeout=30).rank == 0 and rejoined.result().world_size == 2
+        until(lambda: sum(w.done() for w in waiting) == 1, "one newcomer to get the seat")
+        # The other waits for a seat without asking the full group to restart.
+        threading.Event().wait(0.5)
+        assert sum(w.done() for w in waiting) == 1 and member.num_nodes_waiting() == 0
+        agent(store_port, 99, 1, 2).shutdown()  # closing wakes it
+        [left] = [w for w in waiting if not w.done()]
+        with pytest.raises(RendezvousClosedError):
+            left.result(timeout=10)
+
+
+@contextlib.contextmanager
+def closed_at_the_end(port: int) -> Iterator[None]:
+    """Close the rendezvous as the block ends, whatever it asserted, from an agent of its
+    own (a handler's store connection is busy while its thread waits): it wakes the
+    agents' threads still waiting in it, which the pool's end would wait for."""
+    try:
+        yield
+    finally:
+        agent(port, 99, 1, 1).shutdown()
 
 
 def test_a_full_round_keeps_an_extra_agent_waiting_until_a_member_restarts(

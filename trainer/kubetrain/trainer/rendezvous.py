@@ -24,9 +24,12 @@ of times per round, none of them holding more than one agent's part but the memb
   (compare-and-set): the first of `nodes.R`, sorted as torch sorts them, so that worker
   0's agent, which hosts the store, is rank 0 whenever it is in;
 - every other agent waits for `members.R` on the store, which wakes it (no polling), and
-  finds its rank there; one that is not there (it came late) joins round R + 1, which the
-  members see as `num_nodes_waiting` and then restart into, and one that came when round
-  R was full waits for R + 1 to open;
+  finds its rank there; one that is not there (it came late) is counted in round R + 1,
+  which the members see as `num_nodes_waiting`, and waits for one of them to restart and
+  open it: a newcomer never runs a last call of its own, which would close rounds alone
+  while the members stop their workers (each side then too late for the other's), and
+  the members keep their seats before newcomers take those left. One that came when
+  round R was full waits for R + 1 to open, uncounted;
 - a replacement pod's agent has its predecessor's descriptor (the pod's hostname, PID 1 of
   its container): finding itself among the members of the last round, it opens the next
   one at once, and the others restart into it without waiting for anything to expire.
@@ -189,19 +192,24 @@ def _define() -> type[Any]:
             """Join the next round (see the module docstring) and wait until it forms."""
             deadline = time.monotonic() + self.join_seconds
             round_ = self.round + 1 if self.round is not None else self._latest_round()
+            opens = True  # whether this agent may open the round and run its last call
             while True:
                 self._refuse_if_closed()
                 members = self._members(round_)
                 joined = members is None
                 if members is None:
-                    members = self._join(round_, deadline)
+                    members = self._join(round_, deadline, opens=opens)
                     self._refuse_if_closed()
                 if joined and self.descriptor in members:
                     break
-                # Not a member: late, or the round was full (then the next round opens when
-                # one of its members restarts), or a replacement whose predecessor was one.
-                if self.descriptor not in members and len(members) >= self.max_nodes:
+                # Not a member: a replacement whose predecessor was one opens the next
+                # round; one that came when the round was full waits until a member
+                # restarts and opens it; one that came late joins it, seen as waiting, but
+                # leaves opening it to a member.
+                replacement = self.descriptor in members
+                if not replacement and len(members) >= self.max_nodes:
                     self._wait_for(self._key("opened", round_ + 1), None)
+                opens = replacement
                 round_ += 1
             self.round = round_
             rank, world = members.index(self.descriptor), len(members)
@@ -261,14 +269,22 @@ def _define() -> type[Any]:
             text = self.store.get(key).decode()
             return [] if text == CLOSED else text.split("\n")
 
-        def _join(self, round_: int, deadline: float) -> list[str]:
-            """Join the round and wait until it forms; its members."""
+        def _join(self, round_: int, deadline: float, *, opens: bool) -> list[str]:
+            """Join the round and wait until it forms; its members. An agent that may not
+            open the round (it came late to the last one) is counted in it, so that the
+            last round's members restart, and waits until one of them opens it."""
             self.store.append(self._key("nodes", round_), self.descriptor + "\n")
             count = int(self.store.add(self._key("joined", round_), 1))
-            self.store.set(self._key("opened", round_), "1")
-            self.store.compare_set(self._key("round"), str(round_ - 1), str(round_))
-            if count == self.max_nodes:
-                return self._form(round_, count)
+            if opens:
+                self.store.set(self._key("opened", round_), "1")
+                self.store.compare_set(self._key("round"), str(round_ - 1), str(round_))
+            else:
+                if not self._wait_for(self._key("opened", round_), deadline):
+                    raise RendezvousTimeoutError
+                self._refuse_if_closed()
+                count = int(self.store.add(self._key("joined", round_), 0))
+            if count >= self.max_nodes:
+                return self._form(round_, self.max_nodes)
             key = self._key("members", round_)
             if count >= self.min_nodes and self.min_nodes < self.max_nodes:
                 # The last call: once it passes, whoever joined forms the round.
@@ -285,10 +301,15 @@ def _define() -> type[Any]:
             return members
 
         def _form(self, round_: int, count: int) -> list[str]:
-            """Write the round's members, the first `count` to join, unless another agent
-            wrote them first; the members written."""
-            joined = self.store.get(self._key("nodes", round_)).decode().split("\n")
-            members = sorted(joined[:count], key=_sort_key)
+            """Write the round's members unless another agent wrote them first; the members
+            written. They are the first `count` to join, the last round's members first
+            (a replacement counts as its predecessor): a running group keeps its seats and
+            newcomers take those left."""
+            joined = [d for d in self.store.get(self._key("nodes", round_)).decode()
+                      .split("\n") if d]
+            last = set(self._members(round_ - 1) or []) if round_ > 0 else set()
+            seated = sorted(joined, key=lambda descriptor: descriptor not in last)[:count]
+            members = sorted(seated, key=_sort_key)
             written = self.store.compare_set(self._key("members", round_), "",
                                              "\n".join(members)).decode()
             return [] if written == CLOSED else written.split("\n")
