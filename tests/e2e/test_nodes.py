@@ -188,15 +188,15 @@ def test_a_rank_that_stalls_in_preflight_gets_its_node_avoided_and_the_job_succe
         stalled_pod = f"{name}-worker-1"
         # As soon as worker 1's trainer exists: it never reaches, let alone passes, its check.
         pid = cluster.wait_for(f"{stalled_pod}'s trainer process",
-                               lambda: _pid(cluster, stalled_pod), 180, every=0.1)
-        node = _node_of(cluster, stalled_pod, name)
-        # The stalled rank never says where it runs: its node is the one no rank reported
-        # from, which tells only when the two pods run on different nodes.
-        assert node is not None and node != _node_of(cluster, f"{name}-worker-0", name), \
-            cluster.report()
+                               lambda: _pid(cluster, stalled_pod), 180, every=0.02)
         try:
             os.kill(pid, signal.SIGSTOP)
             stopped = time.monotonic()
+            node = _node_of(cluster, stalled_pod, name)
+            # The stalled rank never says where it runs: its node is the one no rank
+            # reported from, which tells only when the two pods run on different nodes.
+            assert node is not None and node != _node_of(cluster, f"{name}-worker-0", name), \
+                cluster.report()
             avoided = cluster.wait_for(
                 f"{node} in status.avoidedNodes", lambda: cluster.job(name)["status"].get(
                     "avoidedNodes"), 120, every=0.5)
@@ -235,15 +235,18 @@ def test_an_avoided_node_that_leaves_too_few_nodes_is_given_back_and_the_job_suc
     other: str | None = None
     with running_job(cluster, manifest):
         stalled_pod = f"{name}-worker-1"
+        # Stopped as soon as it exists, before anything else: its check takes well under a
+        # second once both ranks run, and three API calls first were once enough for it to
+        # pass (the job then trained on with a stopped rank, and nothing failed).
         pid = cluster.wait_for(f"{stalled_pod}'s trainer process",
-                               lambda: _pid(cluster, stalled_pod), 180, every=0.1)
-        node = _node_of(cluster, stalled_pod, name)
-        other = _node_of(cluster, f"{name}-worker-0", name)
-        assert node is not None and other is not None and node != other, cluster.report()
+                               lambda: _pid(cluster, stalled_pod), 180, every=0.02)
         try:
-            cluster.core.patch_node(other, {"spec": {"taints": [full]}})
             os.kill(pid, signal.SIGSTOP)
             started = time.monotonic()
+            node = _node_of(cluster, stalled_pod, name)
+            other = _node_of(cluster, f"{name}-worker-0", name)
+            assert node is not None and other is not None and node != other, cluster.report()
+            cluster.core.patch_node(other, {"spec": {"taints": [full]}})
             given_back = cluster.wait_for(
                 "a TooFewNodes event", lambda: _events(cluster, name, "TooFewNodes"),
                 180, every=0.5)
