@@ -43,9 +43,10 @@ def test_hsdp_2x2_resumes_after_a_container_kill_and_on_one_pod_after_a_rescale(
     started = time.monotonic()
     try:
         # Below maxReplicas, torchrun's rendezvous waits its last call (30 s by default) for
-        # more nodes before it closes a round: 10 s here, which the replacement pod after
-        # the kill comes within (6 s on a quiet machine), and the rescale to one pod waits.
-        last_call = {"name": "PET_RDZV_CONF", "value": "last_call_timeout=10"}
+        # more nodes before it closes a round: 20 s here, which the replacement pod after
+        # the kill comes well within (6 s on a quiet machine), and the rescale to one pod
+        # waits out.
+        last_call = {"name": "PET_RDZV_CONF", "value": "last_call_timeout=20"}
         cluster.apply(training_job(
             name, cluster.s3, optimization={"maxSteps": STEPS},
             workers={"replicas": 2, "minReplicas": 1, "maxReplicas": 2, "procsPerWorker": 2,
