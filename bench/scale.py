@@ -1016,16 +1016,12 @@ def measure_status(pods: int, per_job: int, seconds: float, folder: Path) -> dic
 
 
 def status_part(sizes: Sequence[int], per_job: int, seconds: float, folder: Path) -> list[str]:
+    from status_endpoint import write_tls_folder
+
     from kubetrain.operator.trainer_status_endpoint import RateLimit
-    from kubetrain.operator.trainer_status_tls import CertificateAuthority
 
     folder.mkdir(parents=True, exist_ok=True)
-    authority = CertificateAuthority.generate()
-    serving = authority.issue(["localhost"], ["127.0.0.1"])
-    (folder / "ca.crt").write_bytes(authority.cert_pem)
-    (folder / "tls.crt").write_bytes(serving.cert_pem)
-    (folder / "tls.key").write_bytes(serving.key_pem)
-    os.chmod(folder / "tls.key", 0o600)
+    write_tls_folder(folder)
     limit = RateLimit()
     print(f"\n== status endpoint: own-code pods in jobs of {per_job}, each posting a report "
           f"every {REPORT_SECONDS:g} s over a new TLS connection ({per_job / REPORT_SECONDS:g} "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import ssl
 import subprocess
 import sys
@@ -62,6 +61,17 @@ def _memory_kib() -> dict[str, int]:
         if key in ("VmRSS", "VmHWM"):
             fields[key] = int(value.split()[0])
     return fields
+
+
+def write_tls_folder(folder: Path) -> None:
+    """A new CA (`ca.crt`) and the serving certificate it signs for localhost (`tls.crt`,
+    `tls.key`), as files in `folder` for the endpoint's process and its clients."""
+    authority = CertificateAuthority.generate()
+    serving = authority.issue(["localhost"], ["127.0.0.1"])
+    (folder / "ca.crt").write_bytes(authority.cert_pem)
+    (folder / "tls.key").touch(mode=0o600)
+    (folder / "tls.key").write_bytes(serving.key_pem)
+    (folder / "tls.crt").write_bytes(serving.cert_pem)
 
 
 def serve(kind: str, folder: Path, jobs: int, idle_seconds: float) -> None:
@@ -229,12 +239,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="kubetrain-bench-status-") as name:
         folder = Path(name)
-        authority = CertificateAuthority.generate()
-        serving = authority.issue(["localhost"], ["127.0.0.1"])
-        (folder / "ca.crt").write_bytes(authority.cert_pem)
-        (folder / "tls.crt").write_bytes(serving.cert_pem)
-        (folder / "tls.key").write_bytes(serving.key_pem)
-        os.chmod(folder / "tls.key", 0o600)
+        write_tls_folder(folder)
         print(f"{args.jobs} jobs, one report each every {args.interval:g} s "
               f"({args.jobs / args.interval:.0f} requests/s), {args.rounds} timed rounds per "
               f"row; loopback HTTPS, ECDSA P-256; idle connections closed after "
