@@ -341,10 +341,11 @@ def test_a_rank_stopped_before_the_mesh_stage_is_named_with_the_dimension_groups
 
 @contextlib.contextmanager
 def ahead_of_the_ranks() -> Iterator[None]:
-    """Run this thread under the real-time scheduler (root only; as it is elsewhere): the
-    rank must be stopped within milliseconds of the verdict, and on two cores busy with
-    the rest of the suite an ordinary thread's wake-up came late enough once for the rank
-    to pass the next stage first."""
+    """Run this thread under the real-time scheduler while the block runs (where the
+    process may: root; elsewhere it runs as it is): the rank must be stopped within
+    milliseconds of the verdict, and on two cores busy with the rest of the suite an
+    ordinary thread's wake-up came late enough once for the rank to pass the next stage
+    first."""
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
     except PermissionError:
