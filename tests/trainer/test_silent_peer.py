@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -165,21 +166,34 @@ def test_the_stop_deadline_follows_the_latest_steps_not_a_slow_stretch_long_past
 
 # Rank 0 and rank 1 measure three steps together; then rank 1 goes silent (alive, never
 # answering: no connection reset) and rank 0 enters a collective between two steps: the
-# logged interval's gathers (as the loop marks them), or evaluation's closing sum.
+# logged interval's gathers (as the loop marks them), evaluation's closing sum, an S3
+# checkpoint's barrier, or an in-memory snapshot's wait for its last copy to the partner.
 _BLOCKED = """
 import contextlib, sys, time, torch, torch.distributed as dist
+from pathlib import Path
 from kubetrain.api.presets import PRESETS
+from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.trainer.checkpoint import Checkpointer, ModelState
 from kubetrain.trainer.data import TokenDataset
 from kubetrain.trainer.distributed import StopRequest
 from kubetrain.trainer.evaluation import evaluate
+from kubetrain.trainer.memory_checkpoint import MemoryCheckpoints
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import ParallelModel
 from kubetrain.trainer.rank_timing import WaitClock
-rank, port, where, validation = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank, port, where, validation, folder = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+                                         sys.argv[4], Path(sys.argv[5]))
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 clock = WaitClock()
 stop = StopRequest(inside_since=lambda: clock.inside_since)
 stop.install()
+spec = TrainingJobSpec.model_validate({
+    "image": "kubetrain/trainer:test", "data": {"train": "s3://bucket/train"},
+    "checkpoint": {"uri": str(folder / "checkpoints"), "async": True,
+                   "memory": {"everySteps": 1}}})
+tier = (Checkpointer(spec, rank=rank, world_size=2) if where == "checkpoint"
+        else MemoryCheckpoints(spec, rank=rank, world_size=2, folder=folder / f"memory-{rank}",
+                               node=f"node-{rank}") if where == "snapshot" else None)
 for _ in range(3):
     stop.agreed(torch.device("cpu"))
 if rank == 1:
@@ -190,6 +204,13 @@ if where == "evaluation":
     data = TokenDataset(validation, seq_len=64, micro_batch_size=2, rank=0, world_size=2)
     print("blocked", flush=True)
     evaluate(model, data, 2, torch.device("cpu"), clock)
+elif tier is not None:
+    tier.waiting_on_peers = clock.inside  # as the loop sets it
+    linear = torch.nn.Linear(4, 4)
+    state = {"model": ModelState(linear, torch.optim.SGD(linear.parameters(), lr=0.1))}
+    print("blocked", flush=True)
+    for step in (1, 2):  # the snapshot's first returns; its copy to rank 1 never ends
+        tier.save(step, state)
 else:
     print("blocked", flush=True)
     with clock.inside():
@@ -197,14 +218,14 @@ else:
 """
 
 
-@pytest.mark.parametrize("where", ["between-steps", "evaluation"])
+@pytest.mark.parametrize("where", ["between-steps", "evaluation", "checkpoint", "snapshot"])
 def test_a_rank_blocked_outside_a_step_on_a_silent_peer_exits_within_its_stop_deadline(
-        launcher: Any, prepared_corpus: Any, where: str) -> None:
+        launcher: Any, prepared_corpus: Any, tmp_path: Path, where: str) -> None:
     from kubetrain.protocol import EXIT_RESTART
 
     port = launcher.free_port()
     ranks = [subprocess.Popen([sys.executable, "-c", _BLOCKED, str(rank), str(port), where,
-                               prepared_corpus.validation_uri],
+                               prepared_corpus.validation_uri, str(tmp_path)],
                               env=launcher.env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:

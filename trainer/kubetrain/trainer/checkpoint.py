@@ -565,6 +565,11 @@ class Checkpointer:
         self._staging = staging or Staging(torch.device("cpu"))
         self._stager = StateDictStaging(self._staging.area("S3 checkpoints"))
         self._in_flight: Future[None] | None = None
+        # Marks where `save` waits on the other ranks (the loop sets its `WaitClock.inside`):
+        # a rank signalled while blocked there on a peer that is gone gives up within its
+        # stop deadline (distributed.StopRequest), as it does in a step's collectives.
+        self.waiting_on_peers: Callable[[], contextlib.AbstractContextManager[None]] = (
+            contextlib.nullcontext)
         self.last_step: int | None = None
         self.latest: CheckpointInfo | None = None
         # The same on every rank: validation losses are reduced over the group.
@@ -591,7 +596,8 @@ class Checkpointer:
         already saved or loaded is skipped. `val_loss` is the validation loss of
         an evaluation at this step: with keepBest, the lowest one's checkpoint is kept.
         """
-        self.wait()
+        with self.waiting_on_peers():  # the last save's commit gathers from every rank
+            self.wait()
         if step == self.last_step:
             return
         self.last_step = step
@@ -602,7 +608,8 @@ class Checkpointer:
         if self.rank == 0:
             # Debris of an interrupted save of this step must not mix with the new files.
             folder.delete([obj.key for obj in folder.list()])
-        self._barrier()
+        with self.waiting_on_peers():
+            self._barrier()
         writer = _StreamingWriter(folder)
         if blocking or not self.spec.checkpoint.async_:
             dcp.save(app_state, storage_writer=writer, process_group=self._group)

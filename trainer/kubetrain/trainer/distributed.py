@@ -232,10 +232,11 @@ class StopRequest:
     after `on_give_up` (the lifeline's last word). Python runs signal handlers only
     between bytecodes, which a rank blocked in a collective never reaches, so a thread
     reading the signal wakeup fd watches. Never before a whole step was measured (a first
-    step's compilation), never outside a collective (a long evaluation or save goes on to
-    its checkpoint), and without a signal never at all: a long but healthy step moves the
-    deadline with it. On a GPU the host does not wait inside NCCL's collectives, so this
-    applies on CPU (gloo) only; NCCL's own timeout stands there.
+    step's compilation), never outside a collective or a checkpoint's wait on the other
+    ranks (a long evaluation or copy goes on to its checkpoint), and without a signal
+    never at all: a long but healthy step moves the deadline with it. On a GPU the host
+    does not wait inside NCCL's collectives, so this applies on CPU (gloo) only; NCCL's
+    own timeout stands there.
     """
 
     def __init__(self, on_give_up: Callable[[str], None] | None = None,

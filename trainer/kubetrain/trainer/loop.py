@@ -511,6 +511,10 @@ class Trainer:
         meter = StepMeter(run.world, run.parallel, run.dims, run.goodput, spec,
                           self.micro_batch_size)
         stop.inside_since = lambda: meter.clock.inside_since  # its deadline (distributed.py)
+        # The saves' waits on the other ranks count as inside collectives for that deadline.
+        run.checkpointer.waiting_on_peers = meter.clock.inside
+        if run.memory is not None:
+            run.memory.waiting_on_peers = meter.clock.inside
         if step == 0 and spec.evaluation.every_steps:
             self._evaluate_and_record(run, step, meter.clock)  # the baseline to improve on
         reason: FitReason = "max_steps"

@@ -60,6 +60,7 @@ This module owns the tier's files and transfers; it does not decide when to snap
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import pickle
@@ -524,6 +525,10 @@ class MemoryCheckpoints:
         self._capture = _Capture(self._staging.device)
         self._newest: dict[int, tuple[int, int]] = {}  # owner -> (step, slot) newest committed
         self._in_flight: Future[None] | None = None  # the last snapshot's background part
+        # Marks where `save` waits on partners (the loop sets its `WaitClock.inside`), as
+        # the S3 checkpointer's `waiting_on_peers` does.
+        self.waiting_on_peers: Callable[[], contextlib.AbstractContextManager[None]] = (
+            contextlib.nullcontext)
         self.last_blocking = 0.0  # seconds the last save held the loop
 
     @property
@@ -551,7 +556,8 @@ class MemoryCheckpoints:
         used.
         """
         started = time.perf_counter()
-        self.wait()
+        with self.waiting_on_peers():  # the last snapshot's copies to and from partners
+            self.wait()
         skeleton, tensors, layout = self._capture(app_state)
         slot = self._free_slot(self.rank)
         data = self._mapped(self.rank, slot, layout.size)
