@@ -80,3 +80,51 @@ def test_with_dropout_a_group_restarted_from_its_checkpoint_logs_the_uninterrupt
     # A step redone after the restart logs its loss again: the last one counts.
     restarted = {e["step"]: e["loss"] for e in launcher.events(job, "step")}
     assert restarted == steady
+
+
+def _pending_sigterm(pid: int) -> bool:
+    """Whether a SIGTERM waits for stopped process `pid` (its shared pending set)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+def test_ranks_signalled_as_they_finish_let_their_stopping_agent_go_at_once(
+    tiny_job: Any, launcher: Any,
+) -> None:
+    """The agent stops its ranks (a new member at the rendezvous, the pod deleted) just as
+    they finish, past their last step: they end their run as they would have, and must not
+    then wait for the stopping agent to read their result, which it would give up on only
+    at its 30 s shutdown timeout, holding the group's restart up that long."""
+    job = tiny_job("finishing", optimization={"maxSteps": 12, "microBatchSize": 8,
+                                              "warmupSteps": 2},
+                   checkpoint={"everySteps": 1000, "export": True})
+    agent = subprocess.Popen(launcher.command(job, ranks=2), env=launcher.env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        # The final checkpoint is committed: the ranks export and report, past the last
+        # step boundary, where a signal can no longer stop the loop.
+        while not launcher.events(job, "checkpoint"):
+            assert agent.poll() is None and time.monotonic() < deadline, "training never ended"
+            time.sleep(0.01)
+        ranks = [launcher.worker_pid(agent.pid, rank) for rank in (0, 1)]
+        for pid in ranks:  # held there while their agent stops
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(agent.pid, signal.SIGTERM)
+        while not all(_pending_sigterm(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "the agent never signalled its ranks"
+            time.sleep(0.01)
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+        continued = time.monotonic()
+        output, _ = agent.communicate(timeout=60)
+        stopped = time.monotonic() - continued
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    print(f"the agent ended {stopped:.2f}s after its ranks went on; its shutdown timeout is 30s")
+    (finished,) = launcher.events(job, "finished")
+    assert finished["step"] == 12, output[-3000:]
+    assert stopped < 10, output[-3000:]

@@ -2,7 +2,8 @@
 worker pod, `python -m kubetrain.trainer.launch` runs this module in forked processes).
 
 Exit codes, read by the operator and the local runner: 0 training complete
-(maxSteps or early stopping); 143 stopped by SIGTERM/SIGINT after saving a
+(maxSteps or early stopping; under torchrun, a process signalled past its last step ends
+by that SIGTERM once complete, see `end_by_sigterm`); 143 stopped by SIGTERM/SIGINT after saving a
 checkpoint; 75 another rank was signalled, the checkpoint is saved and this
 rank exits so torchrun re-forms the group; 2 an invalid manifest, or a
 model.init that does not fit it (permanent); 87 the device ran out of memory,
@@ -18,12 +19,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from kubetrain.api.manifest import InvalidManifest, load_job
-from kubetrain.protocol import EXIT_INVALID_MANIFEST, RANK_PROCESS_PREFIX
+from kubetrain.protocol import EXIT_COMPLETE, EXIT_INVALID_MANIFEST, RANK_PROCESS_PREFIX
 
 
 def name_process() -> None:
@@ -63,10 +65,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.enable()
 
     try:
-        return Trainer(job, metrics_log=args.metrics_log).fit().exit_code
+        result = Trainer(job, metrics_log=args.metrics_log).fit()
     except PretrainedError as error:  # model.init or a distillation teacher this job cannot use
         print(f"invalid TrainingJob: {error}", file=sys.stderr)
         return EXIT_INVALID_MANIFEST
+    if (result.signal_unanswered and result.exit_code == EXIT_COMPLETE
+            and "TORCHELASTIC_RUN_ID" in os.environ):
+        end_by_sigterm()
+    return result.exit_code
+
+
+def end_by_sigterm() -> None:
+    """End this process by the SIGTERM that came as its run finished, its work done.
+
+    Under torchrun a training process that returns 0 then waits for its agent to read the
+    result (torch's worker wrapper), and an agent that sent SIGTERM is stopping its workers
+    (a new member at the rendezvous, the pod deleted): it never reads, and kills them only
+    at its shutdown timeout, 30 s, which the group's restart waits out. Ended by the
+    signal, it lets go at once; the run's last checkpoint is saved, so a restart finds the
+    job done.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ import math
 import os
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -179,6 +179,10 @@ class FitResult:
     exit_code: int
     best_val_loss: float | None
     export_uri: str | None
+    # A SIGTERM or SIGINT came after the last step boundary, too late to stop the loop: the
+    # run ended as if none had (its last checkpoint is saved), and whoever sent it is
+    # ending this process.
+    signal_unanswered: bool = False
 
 
 class TrainProgress(Stateful):
@@ -341,7 +345,6 @@ class Trainer:
             try:
                 result = self._train(run, stop)
                 failed = False
-                return result
             except RuntimeError as error:
                 if is_out_of_memory(error):
                     # The ledger as of now in the heartbeat: the restart with half the
@@ -349,6 +352,9 @@ class Trainer:
                     run.goodput.charge(PRODUCTIVE)
                     self._account(run, run.goodput.step, final=True)
                 raise
+        if stop.signalled and result.reason != "signalled":
+            return replace(result, signal_unanswered=True)
+        return result
 
     def _join(self, goodput: GoodputLedger) -> World:
         """Join the group, inside the preflight check when `runPolicy.preflight` asks for it."""
