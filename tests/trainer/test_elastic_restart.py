@@ -3,6 +3,7 @@ operator replaces a lost peer, or when a rank is signalled (scale-down, eviction
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -83,11 +84,53 @@ def test_with_dropout_a_group_restarted_from_its_checkpoint_logs_the_uninterrupt
 
 
 def _pending_sigterm(pid: int) -> bool:
-    """Whether a SIGTERM waits for stopped process `pid` (its shared pending set)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("ShdPnd:"):
-            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
-    return False
+    """Whether a SIGTERM waits for stopped process `pid` (its shared pending set); raises
+    ProcessLookupError once it has ended."""
+    try:
+        status = dict(line.split(":", 1) for line in
+                      Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    if status["State"].split()[0] in ("Z", "X"):
+        raise ProcessLookupError(pid)
+    return bool(int(status["ShdPnd"], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def _stop_the_agent_as_its_ranks_finish(launcher: Any, job: Path) -> float | None:
+    """Run `job` on 2 ranks; once the last step is logged (past the last step boundary:
+    the final save, the export and the report are left), hold both ranks (SIGSTOP), send
+    their agent SIGTERM, and let them go on once it has signalled them. Seconds from then
+    until the agent ended; None when a rank had ended before it could be held."""
+    agent = subprocess.Popen(launcher.command(job, ranks=2), env=launcher.env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ranks = [launcher.worker_pid(agent.pid, rank) for rank in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not any(e["step"] == 12 for e in launcher.events(job, "step")):
+            assert agent.poll() is None and time.monotonic() < deadline, "training never ended"
+            time.sleep(0.002)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(agent.pid, signal.SIGTERM)
+        try:
+            while not all(_pending_sigterm(pid) for pid in ranks):
+                assert time.monotonic() < deadline, "the agent never signalled its ranks"
+                time.sleep(0.01)
+        except ProcessLookupError:
+            return None  # a rank finished before it was held: nothing was tried
+        finally:
+            for pid in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        continued = time.monotonic()
+        output, _ = agent.communicate(timeout=60)
+        stopped = time.monotonic() - continued
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    (finished,) = launcher.events(job, "finished")
+    assert finished["step"] == 12, output[-3000:]
+    return stopped
 
 
 def test_ranks_signalled_as_they_finish_let_their_stopping_agent_go_at_once(
@@ -97,34 +140,13 @@ def test_ranks_signalled_as_they_finish_let_their_stopping_agent_go_at_once(
     they finish, past their last step: they end their run as they would have, and must not
     then wait for the stopping agent to read their result, which it would give up on only
     at its 30 s shutdown timeout, holding the group's restart up that long."""
-    job = tiny_job("finishing", optimization={"maxSteps": 12, "microBatchSize": 8,
-                                              "warmupSteps": 2},
-                   checkpoint={"everySteps": 1000, "export": True})
-    agent = subprocess.Popen(launcher.command(job, ranks=2), env=launcher.env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        # The final checkpoint is committed: the ranks export and report, past the last
-        # step boundary, where a signal can no longer stop the loop.
-        while not launcher.events(job, "checkpoint"):
-            assert agent.poll() is None and time.monotonic() < deadline, "training never ended"
-            time.sleep(0.01)
-        ranks = [launcher.worker_pid(agent.pid, rank) for rank in (0, 1)]
-        for pid in ranks:  # held there while their agent stops
-            os.kill(pid, signal.SIGSTOP)
-        os.kill(agent.pid, signal.SIGTERM)
-        while not all(_pending_sigterm(pid) for pid in ranks):
-            assert time.monotonic() < deadline, "the agent never signalled its ranks"
-            time.sleep(0.01)
-        for pid in ranks:
-            os.kill(pid, signal.SIGCONT)
-        continued = time.monotonic()
-        output, _ = agent.communicate(timeout=60)
-        stopped = time.monotonic() - continued
-    finally:
-        if agent.poll() is None:
-            agent.kill()
+    for attempt in range(3):  # on a loaded machine a rank may finish before it is held
+        job = tiny_job(f"finishing-{attempt}",
+                       optimization={"maxSteps": 12, "microBatchSize": 8, "warmupSteps": 2},
+                       checkpoint={"everySteps": 1000, "export": True})
+        stopped = _stop_the_agent_as_its_ranks_finish(launcher, job)
+        if stopped is not None:
+            break
+    assert stopped is not None, "the ranks finished before they could be held, three times"
     print(f"the agent ended {stopped:.2f}s after its ranks went on; its shutdown timeout is 30s")
-    (finished,) = launcher.events(job, "finished")
-    assert finished["step"] == 12, output[-3000:]
-    assert stopped < 10, output[-3000:]
+    assert stopped < 10

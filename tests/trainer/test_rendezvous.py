@@ -213,8 +213,8 @@ def test_members_of_the_last_round_keep_their_seats_before_newcomers_take_the_re
         # The other waits for a seat without asking the full group to restart.
         threading.Event().wait(0.5)
         assert sum(w.done() for w in waiting) == 1 and member.num_nodes_waiting() == 0
-        agent(store_port, 99, 1, 2).shutdown()  # closing wakes it
         [left] = [w for w in waiting if not w.done()]
+        agent(store_port, 99, 1, 2).shutdown()  # closing wakes it
         with pytest.raises(RendezvousClosedError):
             left.result(timeout=10)
 
