@@ -3,8 +3,8 @@ worker pod, `python -m kubetrain.trainer.launch` runs this module in forked proc
 
 Exit codes, read by the operator and the local runner: 0 training complete
 (maxSteps or early stopping; under torchrun, a process signalled past its last step ends
-by that SIGTERM once complete, see `end_by_sigterm`); 143 stopped by SIGTERM/SIGINT after saving a
-checkpoint; 75 another rank was signalled, the checkpoint is saved and this
+by that SIGTERM once complete, see `end_by_sigterm`); 143 stopped by SIGTERM/SIGINT after
+saving a checkpoint; 75 another rank was signalled, the checkpoint is saved and this
 rank exits so torchrun re-forms the group; 2 an invalid manifest, or a
 model.init that does not fit it (permanent); 87 the device ran out of memory,
 88 a collective timed out, 89 the preflight check failed (runPolicy.preflight) and
