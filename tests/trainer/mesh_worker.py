@@ -1,22 +1,25 @@
-"""A torchrun worker for the mesh tests: one forward/backward of small models over a job's mesh.
+"""A torchrun worker for the mesh tests: one forward/backward of small models over job meshes.
 
-    mesh_worker.py STRATEGY TENSOR_PARALLEL TIED OUT [FAMILY,...]
+    mesh_worker.py OUT STRATEGY:TENSOR_PARALLEL:TIED[,...] [FAMILY,...]
 
-Four ranks play two pods of two processes (workers.replicas 2, procsPerWorker 2). For each
-model family named (llama alone by default; gemma3, the family that differs most, rides in
-the same launch), every rank builds the same small Transformer (fp32), `build_mesh` lays
-out the job's mesh and `parallelize` applies it, as the trainer does; each data-parallel
-rank then takes its own slice of one fixed batch (the ranks of a tensor-parallel group the
-same slice), runs forward and backward with its mean token loss (data parallelism
-averages the gradients, as in the trainer), and rank 0 writes, per family, the mean loss
-over data-parallel ranks and the full gradients, and the batch, the mesh's shape and
-every rank's data-parallel rank to OUT.
+Four ranks play two pods of two processes (workers.replicas 2, procsPerWorker 2). Each mesh
+named (`hsdp:1:untied`, ...) is laid out in turn over the same process group, one launch
+for all of them: a launch costs several seconds of start-up, a mesh a fraction of one. For
+each mesh and each model family named (llama alone by default; gemma3, the family that
+differs most, rides in the same launch), every rank builds the same small Transformer
+(fp32), `build_mesh` lays out the job's mesh and `parallelize` applies it, as the trainer
+does; each data-parallel rank then takes its own slice of one fixed batch (the ranks of a
+tensor-parallel group the same slice), runs forward and backward with its mean token loss
+(data parallelism averages the gradients, as in the trainer), and rank 0 writes to OUT,
+per mesh, its shape, every rank's data-parallel rank and, per family, the mean loss over
+data-parallel ranks and the full gradients; and the batch.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from kubetrain.api.presets import RopeScaling
 from kubetrain.api.trainingjob import ModelDims, TrainingJobSpec
-from kubetrain.trainer.distributed import init_world
+from kubetrain.trainer.distributed import World, init_world
 from kubetrain.trainer.mesh import build_mesh
 from kubetrain.trainer.model import Transformer
 from kubetrain.trainer.parallelize import parallelize
@@ -50,26 +53,28 @@ def batch() -> torch.Tensor:
     return torch.randint(0, 96, (SEQUENCES, SEQ + 1), generator=torch.Generator().manual_seed(7))
 
 
-def main(strategy: str, tensor_parallel: str, tied: str, out: str,
-         families: str = "llama") -> None:
-    torch.set_num_threads(1)
-    world = init_world()
-    spec = TrainingJobSpec.model_validate({
+def spec_of(strategy: str, tensor_parallel: int) -> TrainingJobSpec:
+    return TrainingJobSpec.model_validate({
         "image": "kubetrain/trainer:test", "model": {"preset": "custom", "dim": 32,
                                                      "nHeads": 4, "nLayers": 2},
         "data": {"train": "s3://data/train", "seqLen": SEQ},
         "workers": {"replicas": 2, "procsPerWorker": 2},
-        "parallelism": {"strategy": strategy, "tensorParallel": int(tensor_parallel),
+        "parallelism": {"strategy": strategy, "tensorParallel": tensor_parallel,
                         "precision": "fp32"},
         "checkpoint": {"uri": "s3://data/checkpoints"},
     })
-    mesh = build_mesh(spec, dims(tied == "tied"), world)
-    tokens = batch()
-    mine = tokens.chunk(mesh.dp_size)[mesh.dp_rank]
+
+
+def one_mesh(world: World, strategy: str, tensor_parallel: int, tied: bool,
+             families: list[str]) -> dict[str, Any]:
+    """This rank's part of one mesh's forward and backward; what rank 0 writes of it."""
+    spec = spec_of(strategy, tensor_parallel)
+    mesh = build_mesh(spec, dims(tied), world)
+    mine = batch().chunk(mesh.dp_size)[mesh.dp_rank]
     results = {}
-    for family in families.split(","):
+    for family in families:
         torch.manual_seed(0)
-        model = Transformer(dims(tied == "tied", family), max_seq_len=SEQ)
+        model = Transformer(dims(tied, family), max_seq_len=SEQ)
         parallel = parallelize(model, spec.parallelism, mesh, world.device)
         loss = parallel.module(mine[:, :-1], mine[:, 1:]) / mine[:, 1:].numel()
         loss.backward()
@@ -83,9 +88,20 @@ def main(strategy: str, tensor_parallel: str, tied: str, out: str,
         results[family] = {"loss": total / world.world_size, "grads": grads}
     ranks = [None] * world.world_size
     dist.all_gather_object(ranks, mesh.dp_rank)
+    return {"families": results, "shape": mesh.shape.describe(), "dp_ranks": ranks,
+            "dp_size": parallel.dp_size}
+
+
+def main(out: str, meshes: str, families: str = "llama") -> None:
+    torch.set_num_threads(1)
+    world = init_world()
+    found = {}
+    for mesh in meshes.split(","):
+        strategy, tensor_parallel, tied = mesh.split(":")
+        found[mesh] = one_mesh(world, strategy, int(tensor_parallel), tied == "tied",
+                               families.split(","))
     if world.rank == 0:
-        torch.save({"families": results, "tokens": tokens, "shape": mesh.shape.describe(),
-                    "dp_ranks": ranks, "dp_size": parallel.dp_size}, out)
+        torch.save({"meshes": found, "tokens": batch()}, out)
     dist.barrier()
     dist.destroy_process_group()
 

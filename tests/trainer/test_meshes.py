@@ -141,27 +141,38 @@ def test_estimate_says_which_mesh_fits_a_70b_model_on_8_nodes_of_8_gpus(tmp_path
 
 # --- real meshes, four gloo ranks -----------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "tp", "tied", "shape"), [
+MESHES = [
     ("hsdp", 1, "untied", "hsdp 2 x 2 (replicate x shard)"),
     ("fsdp", 2, "untied", "fsdp 2 x tp 2"),
     ("hsdp", 2, "tied", "hsdp 2 x 1 (replicate x shard) x tp 2"),
-])
-def test_each_mesh_computes_the_loss_and_gradients_of_one_process(
-        tmp_path: Path, strategy: str, tp: int, tied: str, shape: str) -> None:
-    """For a Llama and, in the same launch, a Gemma 3 (per-head q/k norms on split heads,
-    norms after each branch on split sequences, a sliding window, wide heads)."""
-    out = tmp_path / "result.pt"
+]
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """mesh_worker.py's forward and backward over every mesh of MESHES, in one launch."""
+    out = tmp_path_factory.mktemp("mesh-worker") / "result.pt"
+    meshes = ",".join(f"{strategy}:{tp}:{tied}" for strategy, tp, tied, _ in MESHES)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-         str(WORKER), strategy, str(tp), tied, str(out), "llama,gemma3"],
+         str(WORKER), str(out), meshes, "llama,gemma3"],
         env=Launcher().env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    got = torch.load(out)
+    return torch.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "tp", "tied", "shape"), MESHES)
+def test_each_mesh_computes_the_loss_and_gradients_of_one_process(
+        mesh_results: dict[str, Any], strategy: str, tp: int, tied: str, shape: str) -> None:
+    """For a Llama and, in the same launch, a Gemma 3 (per-head q/k norms on split heads,
+    norms after each branch on split sequences, a sliding window, wide heads)."""
+    got = mesh_results["meshes"][f"{strategy}:{tp}:{tied}"]
     assert got["shape"] == shape
     assert got["dp_ranks"] == ([0, 0, 1, 1] if tp == 2 else [0, 1, 2, 3])
     assert got["dp_size"] == 4 // tp
-    tokens = got["tokens"]
+    tokens = mesh_results["tokens"]
+    assert set(got["families"]) == {"llama", "gemma3"}
     for family, found in got["families"].items():
         torch.manual_seed(0)
         alone = Transformer(dims(tied == "tied", family), max_seq_len=SEQ)
