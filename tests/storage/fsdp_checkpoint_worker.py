@@ -1,6 +1,9 @@
 """A torchrun worker for the resharding test: FSDP2 training state saved on N ranks, loaded on M.
 
-    fsdp_checkpoint_worker.py save|save-async|load URI ENDPOINTS OUT [WIDTH]
+    fsdp_checkpoint_worker.py ENDPOINTS WIDTH save|save-async|load URI OUT [MODE URI OUT ...]
+
+Each MODE URI OUT is done in turn, in one launch (a launch's start-up costs more than a
+small model's save or load), with a fresh model and checkpointer each:
 
 `save`: train two steps of a small FSDP2 model and checkpoint at step 2.
 `save-async`: the same, asynchronously: the DTensor shards staged on a stand-in for a
@@ -8,8 +11,8 @@ side stream (tests/trainer/deferred_stream.py) whose copy runs only before step 
 optimizer step, and step 3 trained before the save is waited for; OUT holds step 2's state.
 `load`: build the same model on this world size and load the newest checkpoint.
 Either way rank 0 then writes the full (unsharded) model and optimizer state to OUT.
-ENDPOINTS is one S3 endpoint, or a comma-separated one per rank; WIDTH (default 24)
-sizes the model's three square layers.
+ENDPOINTS is one S3 endpoint, or a comma-separated one per rank; WIDTH sizes the model's
+three square layers.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from kubetrain.api.manifest import parse_job
@@ -33,15 +36,24 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
 from deferred_stream import DeferredStream
 
 
-def main(mode: str, uri: str, endpoints: str, out: str, width: str = "24") -> None:
+def main(endpoints: str, width: str, *tasks: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = endpoints.split(",")
     endpoint = per_rank[rank % len(per_rank)]
     mesh = init_device_mesh("cpu", (world,))
+    for at in range(0, len(tasks), 3):
+        mode, uri, out = tasks[at:at + 3]
+        one_task(mode, uri, out, endpoint, mesh, int(width))
+    dist.barrier()  # no rank tears the group down while another still uses it
+    dist.destroy_process_group()
+
+
+def one_task(mode: str, uri: str, out: str, endpoint: str, mesh: DeviceMesh,
+             size: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    size = int(width)
     model = torch.nn.Sequential(*(torch.nn.Linear(size, size) for _ in range(3)))
     for layer in model:
         fully_shard(layer, mesh=mesh)
@@ -85,8 +97,6 @@ def main(mode: str, uri: str, endpoints: str, out: str, width: str = "24") -> No
     if rank == 0:
         torch.save({"model": full_model, "optimizer": full_optimizer}, out)
     checkpointer.close()
-    dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -40,26 +40,39 @@ def _assert_equal_states(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
+@pytest.fixture(scope="module")
+def saved_and_loaded(s3_endpoint: str,
+                     tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
+    """Two FSDP2 ranks save one checkpoint blocking (`reshard`) and one asynchronously
+    (`staged`), in one launch; one rank loads each, in another. Per checkpoint, the state
+    the saving ranks held and the state the loading rank loaded."""
+    import boto3
+
+    folder = tmp_path_factory.mktemp("reshard")
+    bucket = "t-saved-and-loaded"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
+        Bucket=bucket)
+    uris = {name: f"s3://{bucket}/{name}" for name in ("reshard", "staged")}
+    _torchrun(2, s3_endpoint, "24",
+              "save", uris["reshard"], str(folder / "reshard-saved.pt"),
+              "save-async", uris["staged"], str(folder / "staged-saved.pt"))
+    _torchrun(1, s3_endpoint, "24", *(part for name, uri in uris.items() for part in (
+        "load", uri, str(folder / f"{name}-loaded.pt"))))
+    return {name: (torch.load(folder / f"{name}-saved.pt"),
+                   torch.load(folder / f"{name}-loaded.pt")) for name in uris}
+
+
 @pytest.mark.slow
-def test_a_two_rank_fsdp_checkpoint_loads_on_one_rank(
-        s3_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:
-    uri = f"s3://{s3_bucket}/reshard"
-    _torchrun(2, "save", uri, s3_endpoint, str(tmp_path / "saved.pt"))
-    _torchrun(1, "load", uri, s3_endpoint, str(tmp_path / "loaded.pt"))
-    saved = torch.load(tmp_path / "saved.pt")
-    loaded = torch.load(tmp_path / "loaded.pt")
-    _assert_equal_states(saved, loaded)
+def test_a_two_rank_fsdp_checkpoint_loads_on_one_rank(saved_and_loaded) -> None:
+    _assert_equal_states(*saved_and_loaded["reshard"])
 
 
 @pytest.mark.slow
 def test_an_async_two_rank_fsdp_save_holds_its_steps_sharded_state_though_the_next_step_ran(
-        s3_endpoint: str, s3_bucket: str, tmp_path: Path) -> None:
+        saved_and_loaded) -> None:
     """DTensor shards staged into the S3 tier's host buffer (staging.py) and rebuilt as
     DTensors over it for DCP: loaded on one rank, the state is step 2's, not step 3's."""
-    uri = f"s3://{s3_bucket}/staged"
-    _torchrun(2, "save-async", uri, s3_endpoint, str(tmp_path / "saved.pt"))
-    _torchrun(1, "load", uri, s3_endpoint, str(tmp_path / "loaded.pt"))
-    _assert_equal_states(torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt"))
+    _assert_equal_states(*saved_and_loaded["staged"])
 
 
 @pytest.mark.slow
@@ -67,11 +80,11 @@ def test_each_of_two_loading_ranks_reads_less_than_the_whole_checkpoint(
         s3_endpoint: str, s3_bucket: str, faulty_s3: Callable[..., Any], tmp_path: Path) -> None:
     uri = f"s3://{s3_bucket}/ranged"
     # Layers of 1024 x 1024: each rank's file spans several verification chunks.
-    _torchrun(2, "save", uri, s3_endpoint, str(tmp_path / "saved.pt"), "1024")
+    _torchrun(2, s3_endpoint, "1024", "save", uri, str(tmp_path / "saved.pt"))
     # One fault-free proxy per rank: what each one serves is what that rank read.
     proxies = [faulty_s3(fault_ratio=0.0) for _ in range(2)]
-    _torchrun(2, "load", uri, ",".join(p.endpoint for p in proxies), str(tmp_path / "loaded.pt"),
-              "1024")
+    _torchrun(2, ",".join(p.endpoint for p in proxies), "1024",
+              "load", uri, str(tmp_path / "loaded.pt"))
     _assert_equal_states(torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt"))
 
     spec = StorageSpec(endpoint=s3_endpoint)
