@@ -1,15 +1,16 @@
 """A torchrun worker for the loss test: the chunked loss against the full one under FSDP2.
 
-    fsdp_loss_worker.py PRECISION OUT
+    fsdp_loss_worker.py OUT PRECISION[,PRECISION...]
 
-Every rank builds the same small Transformer (vocabulary 1000, untied output) and
+For each precision in turn, in one launch (its start-up costs more than the model's steps),
+every rank builds the same small Transformer (vocabulary 1000, untied output) and
 shards it with `parallelize` (FSDP2 over all ranks, as the trainer does; with one
 rank, on a GPU machine with NCCL, `fully_shard` with the same policy directly,
 since `parallelize` leaves a group of one unwrapped), then, on its own batch, runs
 forward and backward with the full logits, with the chunked loss (chunks of 37
 tokens, so several, the last one short) and, on CUDA with liger-kernel, with
-Liger's. Rank 0 writes the losses (summed over ranks) and the full, unsharded
-gradients to OUT.
+Liger's. Rank 0 writes, per precision and implementation, the losses (summed over ranks)
+and the full, unsharded gradients to OUT.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import functools
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from kubetrain.api.trainingjob import ModelDims, ParallelismSpec
-from kubetrain.trainer.distributed import init_world
+from kubetrain.trainer.distributed import World, init_world
 from kubetrain.trainer.loss import (
     OutputLoss,
     OutputLossFn,
@@ -42,9 +44,17 @@ DIMS = ModelDims(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, f
                  tie_embeddings=False, rope_theta=10000.0)
 
 
-def main(precision: str, out: str) -> None:
+def main(out: str, precisions: str) -> None:
     torch.set_num_threads(1)
     world = init_world()
+    found = {precision: one_precision(world, precision) for precision in precisions.split(",")}
+    if world.rank == 0:
+        torch.save(found, out)
+    dist.barrier()  # no rank tears the group down while another still uses it
+    dist.destroy_process_group()
+
+
+def one_precision(world: World, precision: str) -> dict[str, dict[str, Any]]:
     torch.manual_seed(0)
     model = Transformer(DIMS, max_seq_len=48)
     spec = ParallelismSpec(strategy="fsdp", precision=precision)
@@ -54,7 +64,7 @@ def main(precision: str, out: str) -> None:
         parallel = _shard_alone(model, spec, world.mesh, world.device)
     generator = torch.Generator().manual_seed(1 + world.rank)
     tokens = torch.randint(0, DIMS.vocab_size, (3, 49), generator=generator).to(world.device)
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     implementations: dict[str, OutputLossFn] = {
         "full": full_cross_entropy,
         "chunked": functools.partial(chunked_cross_entropy, chunk=37),
@@ -75,10 +85,7 @@ def main(precision: str, out: str) -> None:
         total = loss.detach().clone()
         dist.all_reduce(total)
         results[name] = {"loss": total.cpu(), "grads": grads}
-    if world.rank == 0:
-        torch.save(results, out)
-    dist.barrier()  # no rank tears the group down while another still uses it
-    dist.destroy_process_group()
+    return results
 
 
 def _shard_alone(model: Transformer, spec: ParallelismSpec, mesh: DeviceMesh,

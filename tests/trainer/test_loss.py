@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,17 +154,24 @@ def test_the_cpu_gets_the_chunked_loss_and_the_environment_can_choose(
         select_output_loss(torch.device("cpu"))
 
 
+@pytest.fixture(scope="module")
+def two_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """fsdp_loss_worker.py's losses and gradients on two gloo ranks, fp32 then bf16, in one
+    launch."""
+    out = tmp_path_factory.mktemp("fsdp-loss") / "results.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(WORKER), str(out), "fp32,bf16"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return torch.load(out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_chunked_loss_equals_the_full_logits_under_fsdp2_with_two_ranks(
-        precision: str, tmp_path: Path) -> None:
-    out = tmp_path / "results.pt"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKER), precision, str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    results = torch.load(out)
+        two_rank_losses: dict[str, Any], precision: str) -> None:
+    results = two_rank_losses[precision]
     full, chunked = results["full"], results["chunked"]
     assert_close_in(precision, chunked["loss"], full["loss"])
     assert full["grads"].keys() == chunked["grads"].keys()
@@ -181,10 +189,10 @@ def test_every_loss_equals_the_full_logits_under_fsdp2_with_nccl(tmp_path: Path)
     out = tmp_path / "results.pt"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(WORKER), "bf16", str(out)],
+         f"--nproc-per-node={ranks}", str(WORKER), str(out), "bf16"],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    results = torch.load(out)
+    results = torch.load(out)["bf16"]
     print("implementations compared on CUDA:", sorted(results))
     for name, result in results.items():
         assert_close_in("bf16", result["loss"], results["full"]["loss"], name)
