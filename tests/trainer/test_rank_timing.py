@@ -110,6 +110,8 @@ def test_a_rank_paused_on_a_duty_cycle_computes_longest_waits_least_and_is_named
 
 def test_a_rank_slowed_for_a_stretch_books_what_the_stretch_cost_as_straggler_time(
         tiny_job, launcher) -> None:
+    """Also a job whose preflight is disabled: it prints no check and books no preflight
+    time (test_preflight's claim, on this test's launch)."""
     # Rank 1 paused three quarters of the time from step 24 to step 44 of 64, with a
     # checkpoint every 8 steps and a log every step, as in bench/chaos.py. Its compute does
     # not look slow in every interval (a pause inside a collective counts as its wait), the
@@ -124,6 +126,9 @@ def test_a_rank_slowed_for_a_stretch_books_what_the_stretch_cost_as_straggler_ti
                          running=(0.01, 0.03), between=(job, first, last)):
         output, _ = agent.communicate(timeout=300)
     assert agent.returncode == 0, output[-4000:]
+
+    assert "preflight:" not in output
+    assert launcher.events(job, "goodput")[-1]["seconds"]["preflight"] == 0
 
     printed = {event["step"]: event["time"] for event in launcher.events(job, "step")}
     # The healthy pace over as many saves per step as the stretch: steps 8 to 24.
