@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,16 +55,26 @@ def s3_endpoint() -> Iterator[str]:
         server.stop()
 
 
-@pytest.fixture
-def s3_bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
-    """A fresh, empty bucket for one test; returns its name."""
+@pytest.fixture(scope="session")
+def new_bucket(s3_endpoint: str) -> Callable[[str], str]:
+    """Creates an empty bucket of the given name on the session's S3 server; returns the name.
+    For fixtures wider than one test (s3_bucket is one test's)."""
     import boto3
 
-    name = "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-[]")
-    name = "".join(c if c.isalnum() or c == "-" else "-" for c in name)
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
-    client.create_bucket(Bucket=name)
-    return name
+
+    def create(name: str) -> str:
+        client.create_bucket(Bucket=name)
+        return name
+
+    return create
+
+
+@pytest.fixture
+def s3_bucket(new_bucket: Callable[[str], str], request: pytest.FixtureRequest) -> str:
+    """A fresh, empty bucket for one test; returns its name."""
+    name = "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-[]")
+    return new_bucket("".join(c if c.isalnum() or c == "-" else "-" for c in name))
 
 
 @pytest.fixture

@@ -41,17 +41,13 @@ def _assert_equal_states(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved_and_loaded(s3_endpoint: str,
+def saved_and_loaded(s3_endpoint: str, new_bucket: Callable[[str], str],
                      tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
     """Two FSDP2 ranks save one checkpoint blocking (`reshard`) and one asynchronously
     (`staged`), in one launch; one rank loads each, in another. Per checkpoint, the state
     the saving ranks held and the state the loading rank loaded."""
-    import boto3
-
     folder = tmp_path_factory.mktemp("reshard")
-    bucket = "t-saved-and-loaded"
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
-        Bucket=bucket)
+    bucket = new_bucket("t-saved-and-loaded")
     uris = {name: f"s3://{bucket}/{name}" for name in ("reshard", "staged")}
     _torchrun(2, s3_endpoint, "24",
               "save", uris["reshard"], str(folder / "reshard-saved.pt"),

@@ -118,12 +118,10 @@ def _losses(log: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def corpus_on_s3(prepared_corpus: PreparedDataset, s3_endpoint: str) -> str:
+def corpus_on_s3(prepared_corpus: PreparedDataset, s3_endpoint: str,
+                 new_bucket: Callable[[str], str]) -> str:
     """The prepared corpus copied to a bucket of its own; returns the train split's URI."""
-    import boto3
-
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
-        Bucket="corpus")
+    new_bucket("corpus")
     spec = StorageSpec(endpoint=s3_endpoint, region="us-east-1")
     source = Path(prepared_corpus.uri.removeprefix("file://"))
     target = open_storage("s3://corpus/prepared", spec)
@@ -134,13 +132,10 @@ def corpus_on_s3(prepared_corpus: PreparedDataset, s3_endpoint: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus_on_s3: str, s3_endpoint: str,
+def reference(corpus_on_s3: str, s3_endpoint: str, new_bucket: Callable[[str], str],
               tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
     """An uninterrupted 2-rank run: its losses by step and its exported weights file."""
-    import boto3
-
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
-        Bucket="reference")
+    new_bucket("reference")
     folder = tmp_path_factory.mktemp("reference")
     manifest = _manifest(folder / "job.yaml", train=corpus_on_s3,
                          checkpoint="s3://reference/run", endpoint=s3_endpoint)

@@ -65,12 +65,12 @@ def spec_of(strategy: str, tensor_parallel: int) -> TrainingJobSpec:
     })
 
 
-def one_mesh(world: World, strategy: str, tensor_parallel: int, tied: bool,
-             families: list[str]) -> dict[str, Any]:
+def one_mesh(world: World, tokens: torch.Tensor, strategy: str, tensor_parallel: int,
+             tied: bool, families: list[str]) -> dict[str, Any]:
     """This rank's part of one mesh's forward and backward; what rank 0 writes of it."""
     spec = spec_of(strategy, tensor_parallel)
     mesh = build_mesh(spec, dims(tied), world)
-    mine = batch().chunk(mesh.dp_size)[mesh.dp_rank]
+    mine = tokens.chunk(mesh.dp_size)[mesh.dp_rank]
     results = {}
     for family in families:
         torch.manual_seed(0)
@@ -95,13 +95,14 @@ def one_mesh(world: World, strategy: str, tensor_parallel: int, tied: bool,
 def main(out: str, meshes: str, families: str = "llama") -> None:
     torch.set_num_threads(1)
     world = init_world()
+    tokens = batch()
     found = {}
     for mesh in meshes.split(","):
         strategy, tensor_parallel, tied = mesh.split(":")
-        found[mesh] = one_mesh(world, strategy, int(tensor_parallel), tied == "tied",
+        found[mesh] = one_mesh(world, tokens, strategy, int(tensor_parallel), tied == "tied",
                                families.split(","))
     if world.rank == 0:
-        torch.save({"meshes": found, "tokens": batch()}, out)
+        torch.save({"meshes": found, "tokens": tokens}, out)
     dist.barrier()
     dist.destroy_process_group()
 
