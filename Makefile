@@ -28,11 +28,15 @@ $(KUBEFLOW_SDK)/.installed: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/kubetrain run examples/quickstart.yaml
 
-# ruff, mypy, and the tiers as import contracts (pyproject.toml's [tool.importlinter]).
+# ruff, mypy, the tiers as import contracts (pyproject.toml's [tool.importlinter]), and
+# every test's fixtures wired without running one (--setup-plan: a scope mismatch or a
+# missing fixture fails here in 30 s, not 40 minutes into the suite).
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/pytest -q --setup-plan tests > $(VENV)/setup-plan.log \
+		|| { tail -40 $(VENV)/setup-plan.log; exit 1; }
 
 # The API, storage and operator tests against the lowest version of every direct
 # dependency that pyproject.toml allows, in .venv-lowest (a wrong lower bound fails here),

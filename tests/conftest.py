@@ -55,10 +55,11 @@ def s3_endpoint() -> Iterator[str]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def new_bucket(s3_endpoint: str) -> Callable[[str], str]:
-    """Creates an empty bucket of the given name on the session's S3 server; returns the name.
-    For fixtures wider than one test (s3_bucket is one test's)."""
+    """Creates an empty bucket of the given name on the module's S3 server; returns the name.
+    For fixtures wider than one test (s3_bucket is one test's). Module-wide, not session-wide:
+    a module may bring its own `s3_endpoint` (test_resume_rclone's is rclone's server)."""
     import boto3
 
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
