@@ -95,6 +95,7 @@ class SuiteBudget:
         for key, seconds in getattr(node, "workeroutput", {}).get("fixture_seconds", {}).items():
             self.fixtures[key] += seconds
 
+    @pytest.hookimpl(trylast=True)  # last of the summaries: the tail CI's record keeps
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if hasattr(self.config, "workerinput"):
             return
