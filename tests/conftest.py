@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -182,19 +183,17 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
         return
-    real_server: list[str] = []
-    elsewhere: dict[str, int] = {}
+    real_server: list[str] = []  # each one's reason: why the control plane is missing
+    elsewhere: Counter[str] = Counter()
     for report in skipped:
         path, line, reason = report.longrepr if isinstance(report.longrepr, tuple) else (
             report.nodeid, None, str(report.longrepr))
-        if reason.startswith("Skipped: "):
-            reason = reason[len("Skipped: "):]
+        reason = reason.removeprefix("Skipped: ")
         if reason.startswith(NO_REAL_SERVER):
-            real_server.append(reason)
+            real_server.append(reason.partition(": ")[2])
         else:
             path = os.path.relpath(path, terminalreporter.config.rootpath)
-            where = f"{path}:{line}" if line is not None else path
-            elsewhere[f"{where}: {reason}"] = elsewhere.get(f"{where}: {reason}", 0) + 1
+            elsewhere[f"{path}:{line}: {reason}" if line is not None else f"{path}: {reason}"] += 1
     terminalreporter.write_sep("-", "skipped", yellow=True)
     for place, count in sorted(elsewhere.items()):
         terminalreporter.write_line(f"{count:4d}  {place}")
@@ -203,8 +202,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"{len(real_server):4d}  the real-server tier: they need a real kube-apiserver "
             "(server-side CEL, RBAC, garbage collection, scheduler, node lifecycle, kubectl's "
             "printing). Set KUBEBUILDER_ASSETS to envtest assets to run them; "
-            "docs/contributing.md, 'The real-server tier', says how. Why here: "
-            + real_server[0][len(NO_REAL_SERVER) + 2:])
+            f"docs/contributing.md, 'The real-server tier', says how. Why here: {real_server[0]}")
 
 
 @pytest.hookimpl(wrapper=True)
