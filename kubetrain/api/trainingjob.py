@@ -11,9 +11,9 @@ Cross-field rules live twice on purpose: as pydantic validators here (for
 manifests; tests check the two agree.
 
 Each spec section is a module of its own (workers, model, data, optimization, evaluation,
-distillation, parallelism, checkpoint, storage, metrics, run_policy, own_code; status;
-base holds ApiModel and the helpers). This module holds the resource, its spec's
-cross-section rules, and re-exports every section's public names, so
+distillation, parallelism, fault_tolerance, checkpoint, storage, metrics, run_policy,
+own_code; status; base holds ApiModel and the helpers). This module holds the resource,
+its spec's cross-section rules, and re-exports every section's public names, so
 `from kubetrain.api.trainingjob import X` works for all of them.
 """
 
@@ -38,6 +38,11 @@ from kubetrain.api.checkpoint import CheckpointSpec, MemoryCheckpointSpec, step_
 from kubetrain.api.data import DataSpec
 from kubetrain.api.distillation import DistillationSpec
 from kubetrain.api.evaluation import EarlyStopping, EvaluationSpec
+from kubetrain.api.fault_tolerance import (
+    FaultToleranceSpec,
+    fault_tolerance_refusals,
+    fault_tolerance_rules,
+)
 from kubetrain.api.metrics import MetricsSpec, TrackingSpec
 from kubetrain.api.model import DynamicsSpec, ModelSpec
 from kubetrain.api.optimization import DEFAULT_MAX_STEPS, OptimizationSpec
@@ -163,6 +168,7 @@ class TrainingJobSpec(ApiModel):
         *own_code_rules(),
         *_tensor_parallel_rules(),
         *scheduling_rules(),
+        *fault_tolerance_rules(),
     ]})
 
     # kubetrain's trainer's image; None only with spec.trainer (see _one_kind).
@@ -205,6 +211,14 @@ class TrainingJobSpec(ApiModel):
     parallelism: ParallelismSpec = Field(
         default_factory=ParallelismSpec, description="Sharding, precision, checkpointing "
         "(kubetrain's trainer only)."
+    )
+    fault_tolerance: FaultToleranceSpec | None = Field(
+        default=None,
+        description="Per-step fault tolerance (torchft): the workers split into replicaGroups "
+        "groups of whole pods that replicate one another, so when a group fails the others "
+        "keep training and it heals from a live peer when it comes back; omit it for "
+        "whole-job restarts from a checkpoint. The trainer's part is built, the operator's "
+        "(torchft's lighthouse, one torchrun per group) not yet: docs/fault-tolerance.md.",
     )
     checkpoint: CheckpointSpec = Field(description="Checkpoint location and cadence.")
     storage: StorageSpec = Field(
@@ -314,6 +328,18 @@ class TrainingJobSpec(ApiModel):
             if problems:
                 raise problem("parallelism.tensorParallel",
                               problems[0].removeprefix("parallelism.tensorParallel "))
+        return self
+
+    @model_validator(mode="after")
+    def _fault_tolerance_fits(self) -> TrainingJobSpec:
+        if self.fault_tolerance is None:
+            return self
+        workers = self.workers
+        refusals = fault_tolerance_refusals(self.fault_tolerance, workers.replicas,
+                                            workers.min_replicas, workers.max_replicas,
+                                            self.parallelism.strategy)
+        if refusals:
+            raise problem(*refusals[0])
         return self
 
     @model_validator(mode="after")
@@ -540,6 +566,7 @@ __all__ = [
     "EnvVarSource",
     "EvaluationSpec",
     "FailureStreak",
+    "FaultToleranceSpec",
     "GoodputStatus",
     "IntOrString",
     "KueueStatus",
