@@ -6,7 +6,8 @@
 #   docker build -f images/trainer.Dockerfile -t ghcr.io/kubetrain/trainer:0.1.0 .
 #
 # PYTORCH_IMAGE picks the CUDA/PyTorch pair; it must match your drivers
-# (docs/images.md). The wheel goes in with its `trainer` extra; the extra's
+# (docs/images.md). The wheel goes in with its `trainer` extra and `fault-tolerance`
+# (torchft, for spec.faultTolerance's replica groups and their lighthouse); the extras'
 # `torch>=2.9` is satisfied by the base, so pip never replaces the CUDA build of torch.
 ARG PYTORCH_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 
@@ -25,7 +26,7 @@ LABEL org.opencontainers.image.title="kubetrain trainer" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     wheel=$(ls /wheels/kubetrain-*.whl) \
- && pip install --no-cache-dir "${wheel}[trainer]" \
+ && pip install --no-cache-dir "${wheel}[trainer,fault-tolerance]" \
  && python -c "import torch, kubetrain.trainer; print('torch', torch.__version__)"
 # UID 1000 is the runAsUser of the worker pods the operator creates.
 RUN groupadd --gid 1000 kubetrain \

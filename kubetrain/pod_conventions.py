@@ -106,3 +106,29 @@ ATTEMPT_STARTED_ENV: Final = "KUBETRAIN_ATTEMPT_STARTED_AT"
 # what the own-code entry then has left to upload the last checkpoint.
 SHUTDOWN_TIMEOUT_ENV: Final = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 FINAL_SYNC_SECONDS_ENV: Final = "KUBETRAIN_FINAL_SYNC_SECONDS"
+
+
+# --- spec.faultTolerance's replica groups -------------------------------------------------
+
+# Which replica group a worker's torchrun group is (0-based), and where torchft's lighthouse
+# listens (`http://host:port`, torchft's own variable).
+REPLICA_GROUP_ENV: Final = "KUBETRAIN_REPLICA_GROUP"
+LIGHTHOUSE_ENV: Final = "TORCHFT_LIGHTHOUSE"
+LIGHTHOUSE_PROGRAM: Final = "torchft_lighthouse"  # torchft's Rust lighthouse, in its wheel
+LIGHTHOUSE_PORT: Final = 29510  # torchft's default
+
+
+def lighthouse_command(job: TrainingJob, *, bind: str = f"[::]:{LIGHTHOUSE_PORT}") -> list[str]:
+    """The lighthouse of a job with spec.faultTolerance, listening on `bind`.
+
+    A group silent for heartbeatTimeoutMilliseconds drops out of the quorum; one that is
+    heartbeating but has not asked for the step's quorum within the same time is left out
+    of that step (it is starting up, or stalled), so neither holds the others up longer.
+    Below minReplicaGroups no quorum forms and the groups wait (then fail) together.
+    """
+    tolerance = job.spec.fault_tolerance
+    assert tolerance is not None, "only a job with spec.faultTolerance has a lighthouse"
+    timeout = str(tolerance.heartbeat_timeout_milliseconds)
+    return [LIGHTHOUSE_PROGRAM, "--bind", bind,
+            "--min_replicas", str(tolerance.min_replica_groups),
+            "--heartbeat_timeout_ms", timeout, "--join_timeout_ms", timeout]

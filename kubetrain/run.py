@@ -89,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubetrain run: {job.metadata.name} is suspended (spec.runPolicy.suspend: true): "
               "set it to false to run it", file=sys.stderr)
         return 1
+    if job.spec.fault_tolerance is not None:
+        print("kubetrain run: spec.faultTolerance's replica groups do not run on one machine "
+              "yet: remove faultTolerance to run the job as one group (docs/fault-tolerance.md)",
+              file=sys.stderr)
+        return 1
     options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
     if job.spec.own_code:
         print(_own_code_plan(local_job, workspace), file=sys.stderr)

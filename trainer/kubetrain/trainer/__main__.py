@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch loads only once the manifest is valid; without the collector's passes over the
     # objects it creates (0.3-0.5 s of 2 s), and they are then left out of every later pass.
     gc.disable()
+    from kubetrain.trainer.fault_tolerance import NotInAReplicaGroup
     from kubetrain.trainer.loop import Trainer
     from kubetrain.trainer.pretrained_config import PretrainedError
     gc.freeze()
@@ -66,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         result = Trainer(job, metrics_log=args.metrics_log).fit()
-    except PretrainedError as error:  # model.init or a distillation teacher this job cannot use
+    # model.init or a distillation teacher this job cannot use; replica groups not started
+    except (PretrainedError, NotInAReplicaGroup) as error:
         print(f"invalid TrainingJob: {error}", file=sys.stderr)
         return EXIT_INVALID_MANIFEST
     if (result.signal_unanswered and result.exit_code == EXIT_COMPLETE

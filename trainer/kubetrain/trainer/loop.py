@@ -118,6 +118,7 @@ from kubetrain.trainer.failure_classes import (
     is_peer_lost,
     out_of_memory_advice,
 )
+from kubetrain.trainer.fault_tolerance import ReplicaGroups, data_slot
 from kubetrain.trainer.goodput import (
     CHECKPOINT_SAVE,
     DATA_WAIT,
@@ -231,6 +232,13 @@ class _Run:
     staging: Staging  # where both checkpoint tiers stage snapshots; the optimizer step waits
     teacher: Teacher | None = None  # spec.distillation's frozen teacher
     memory: MemoryCheckpoints | None = None  # spec.checkpoint.memory's in-memory tier
+    replicas: ReplicaGroups | None = None  # spec.faultTolerance's groups (fault_tolerance.py)
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group saves the job's checkpoints: every job's one, or under
+        faultTolerance the first group in the quorum (the others hold the same state)."""
+        return self.replicas is None or self.replicas.writes_checkpoints
 
     def close(self, *, failed: bool = False) -> None:
         """Wait for a checkpoint in flight, stop prefetching, stop serving metrics. After a
@@ -246,6 +254,8 @@ class _Run:
             if self.validation_data is not None:
                 self.validation_data.close()
             self.reporter.close()
+            if self.replicas is not None:
+                self.replicas.close()
 
 
 class Trainer:
@@ -435,8 +445,10 @@ class Trainer:
             print(f"mesh: {mesh.shape.describe()} ({mesh.why})", flush=True)
         self.spec = spec
         opt = spec.optimization
+        # Under faultTolerance the groups' data-parallel ranks read side by side.
+        data_rank, data_world = data_slot(spec.fault_tolerance, mesh.dp_rank, mesh.dp_size)
         train_data, validation_data = build_datasets(
-            spec, rank=mesh.dp_rank, world_size=mesh.dp_size,
+            spec, rank=data_rank, world_size=data_world,
             micro_batch_size=self.micro_batch_size)
         if spec.model.init is not None:
             check_vocabulary(dims, train_data.index.vocab_size, spec.model.init)
@@ -465,12 +477,13 @@ class Trainer:
                    f"evaluation: {model.output_loss.name} cross-entropy, {why}")
             model.output_loss = teacher.student_loss(model.output_loss)
         parallel = parallelize(model, spec.parallelism, mesh, world.device)
+        parallel.dp_size = data_world  # the global batch is split over every group's ranks
         if mesh.tensor_parallel is not None:  # parallelize set the vocabulary-parallel loss
             why = f"tensorParallel {mesh.shape.tensor_parallel} splits the vocabulary"
         optimizer = build_optimizer(parallel.module, opt, spec.learning_rate, world.device)
         # Epochs become steps once, from the data and the global batch (see `epochs`).
         max_steps = opt.steps_for(tokens_per_epoch=train_data.samples_per_epoch * spec.data.seq_len,
-                                  seq_len=spec.data.seq_len, world_size=mesh.dp_size)
+                                  seq_len=spec.data.seq_len, world_size=data_world)
         spec.check_warmup(max_steps)
         schedule = build_schedule(optimizer, peak=spec.learning_rate,
                                   warmup_steps=spec.warmup_steps(max_steps), max_steps=max_steps,
@@ -483,6 +496,13 @@ class Trainer:
         }
         if parallel.scaler is not None:
             app_state["scaler"] = parallel.scaler
+        replicas = None
+        if spec.fault_tolerance is not None:
+            # What a group that comes back takes from a live one: all but the time ledger.
+            replicas = ReplicaGroups.join(
+                spec.fault_tolerance, world, self.name,
+                {name: app_state[name] for name in
+                 ("model", "scheduler", "data", "train", "rng", "scaler") if name in app_state})
         reporter = Reporter(spec, enabled=world.is_main, metrics_log=self.metrics_log,
                             job_name=self.name, serve=self.serve_metrics, max_steps=max_steps)
 
@@ -508,7 +528,8 @@ class Trainer:
                     heartbeat=heartbeat, staging=staging, teacher=teacher,
                     memory=open_memory_tier(spec, rank=world.rank, world_size=world.world_size,
                                             local_rank=world.local_rank, job_name=self.name,
-                                            staging=staging))
+                                            staging=staging),
+                    replicas=replicas)
 
     def _train(self, run: _Run, stop: StopRequest) -> FitResult:
         """The loop, one iteration per optimizer step, in the module docstring's order."""
@@ -516,6 +537,10 @@ class Trainer:
         step = self._resume(run)
         meter = StepMeter(run.world, run.parallel, run.dims, run.goodput, spec,
                           self.micro_batch_size)
+        if run.replicas is not None:
+            run.replicas.samples_per_group_step = (
+                meter.accumulation * self.micro_batch_size * run.parallel.dp_size
+                // run.replicas.groups)
         stop.inside_since = lambda: meter.clock.inside_since  # its deadline (distributed.py)
         # The saves' waits on the other ranks count as inside collectives for that deadline.
         run.checkpointer.waiting_on_peers = meter.clock.inside
@@ -533,11 +558,23 @@ class Trainer:
             if stopping:
                 reason = "signalled"
                 break
+            if run.replicas is not None:
+                # The step's quorum of groups; a group behind takes a live one's state here.
+                with meter.clock.waiting():
+                    groups_before = run.replicas.participants
+                    step = run.replicas.quorum()
+                if run.replicas.participants != groups_before:
+                    run.reporter.quorum(step, run.replicas.participants, run.replicas.groups,
+                                        run.replicas.skipped_samples)
+                if step >= run.max_steps:
+                    break
 
             batches = meter.fetch(run.train_data)
             run.goodput.charge(DATA_WAIT)
             # Forward/backward with accumulation → clip → optimizer step → schedule.
             result = self._train_step(run, meter, batches)
+            if result is None:  # a group failed inside the step: none of them took it
+                continue
             step += 1
 
             # Metrics: cheap ones every step, reduced ones every logEverySteps.
@@ -560,11 +597,11 @@ class Trainer:
                     break
 
             # Checkpoints every everySteps, and (keepBest) at each new best validation loss.
-            if step % spec.checkpoint.every_steps == 0 or (
-                    val_loss is not None and run.checkpointer.improves_best(val_loss)):
+            if run.writes_checkpoints and (step % spec.checkpoint.every_steps == 0 or (
+                    val_loss is not None and run.checkpointer.improves_best(val_loss))):
                 saved = self._save(run, step, val_loss, blocking=False)
                 run.goodput.move(CHECKPOINT_SAVE, STRAGGLER, meter.stragglers.saved("s3", saved))
-            if run.memory is not None and run.memory.due(step):
+            if run.memory is not None and run.writes_checkpoints and run.memory.due(step):
                 saved = self._snapshot(run, run.memory, step)
                 run.goodput.move(CHECKPOINT_SAVE, STRAGGLER,
                                  meter.stragglers.saved("memory", saved))
@@ -581,6 +618,14 @@ class Trainer:
             started = [goodput.attempt_started]
             dist.broadcast_object_list(started, src=0)
             goodput.agree(started[0])
+        if run.replicas is not None:
+            # A group that comes back takes a live group's state, not a checkpoint's.
+            healed = run.replicas.first_quorum()
+            if healed:
+                reporter.healed(healed, run.replicas.participants)
+                reporter.started(healed, run.world.world_size, *run.output_loss)
+                goodput.charge(STARTUP)
+                return healed
         # The in-memory tier first (own memory, then a partner's copy), then S3.
         restored = run.memory.load_latest(run.app_state) if run.memory is not None else None
         loaded = (restored.step if restored is not None
@@ -597,6 +642,8 @@ class Trainer:
             except PretrainedError as error:
                 raise teacher_error(error) from None
         step = loaded or 0
+        if run.replicas is not None:
+            run.replicas.starts_at(step)
         # Booked by the tier it came from (a fresh start's look for one, by none).
         goodput.charge_load(load_tier(restored, loaded))
         # A checkpoint of another job (resumeFrom) does not carry this job's time.
@@ -620,9 +667,11 @@ class Trainer:
         return step
 
     def _train_step(self, run: _Run, meter: StepMeter,
-                    batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+                    batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult | None:
         """One optimizer step on the step's micro-batches: forward/backward with accumulation
-        → clip → optimizer step → learning-rate schedule."""
+        → clip → optimizer step → learning-rate schedule. Under faultTolerance the gradients
+        are averaged over the groups before clipping, and None means the groups did not
+        commit the step (one failed inside it): the optimizer did not step."""
         parallel, model, optimizer = run.parallel, run.parallel.module, run.optimizer
         device, teacher = run.world.device, run.teacher
 
@@ -641,10 +690,16 @@ class Trainer:
             if teacher is not None:
                 terms_sum += torch.stack(teacher.terms()) / meter.local_tokens
 
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if run.replicas is not None:
+            with meter.clock.waiting():
+                run.replicas.average(grads)
+                if not run.replicas.commit():
+                    optimizer.zero_grad(set_to_none=True)
+                    return None
         # Clip on the global norm (DTensor shards under FSDP2 reduce across ranks).
         if parallel.scaler is not None:
             parallel.scaler.unscale_(optimizer)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(grad_norm, DTensor):
             with meter.clock.waiting():
@@ -711,14 +766,15 @@ class Trainer:
         """Save the final checkpoint (every rank, whatever ended the loop); a finished run
         then exports the model and reports that it finished."""
         spec = self.spec
-        self._save(run, step, val_loss, blocking=True)
+        if run.writes_checkpoints:
+            self._save(run, step, val_loss, blocking=True)
         best = run.progress.best_val_loss if math.isfinite(run.progress.best_val_loss) else None
         if reason == "signalled":
             self._account(run, step, final=True)
             code = EXIT_SIGNALLED if stop.signalled else EXIT_RESTART
             return FitResult(step, reason, code, best, None)
         export_uri, export_step = None, step
-        if spec.checkpoint.export:
+        if spec.checkpoint.export and run.writes_checkpoints:
             if spec.checkpoint.export_from == "best":
                 # The final checkpoint holds the last weights; the model takes the best ones.
                 export_step = run.checkpointer.load_best(
@@ -780,5 +836,5 @@ class Trainer:
         """Export the goodput totals and write the heartbeat (rank 0; `final` waits for it)."""
         snapshot = run.goodput.snapshot()
         run.reporter.accounted(step, snapshot["seconds"], snapshot["checkpoint_load_tiers"])
-        if run.heartbeat is not None:
+        if run.heartbeat is not None and run.writes_checkpoints:
             run.heartbeat.write(snapshot, wait=final)

@@ -114,6 +114,12 @@ CHECKPOINT_LOAD_TIME = Counter(protocol.METRIC_CHECKPOINT_LOAD_TIME, "Wall time'
                                "came from: memory (the ranks' own in-memory snapshots), "
                                "partner (some parts from a partner's copy), s3.", ["tier"],
                                registry=REGISTRY)
+# spec.faultTolerance (fault_tolerance.py): the quorum this group last stepped in.
+REPLICA_GROUPS = Gauge("kubetrain_replica_groups_participating", "Replica groups in the last "
+                       "step's quorum (spec.faultTolerance).", registry=REGISTRY)
+SKIPPED_SAMPLES = Gauge("kubetrain_replica_skipped_samples", "Samples passed over since this "
+                        "group started: the slots of groups absent from a step's quorum, and "
+                        "steps that did not commit (spec.faultTolerance).", registry=REGISTRY)
 GOODPUT = Gauge("kubetrain_goodput_ratio", "Productive step time over wall time since the job "
                 "first started (0..1), restarts included.", registry=REGISTRY)
 
@@ -302,6 +308,21 @@ class Reporter:
     def resumed(self, step: int, uri: str, world_size: int) -> None:
         self._event("resumed", step=step, uri=uri, world_size=world_size)
         self._print(f"resumed from {uri} at step {step} with {world_size} processes")
+
+    def healed(self, step: int, groups: int) -> None:
+        """A replica group came back and took a live group's state (spec.faultTolerance)."""
+        self._event("healed", step=step, groups=groups)
+        self._print(f"healed from a live replica group at step {step} ({groups} groups "
+                    "in the quorum): no checkpoint read")
+
+    def quorum(self, step: int, groups: int, of: int, skipped_samples: int) -> None:
+        """The groups in a step's quorum changed (spec.faultTolerance)."""
+        REPLICA_GROUPS.set(groups)
+        SKIPPED_SAMPLES.set(skipped_samples)
+        self._event("quorum", step=step, groups=groups, of=of,
+                    skipped_samples=skipped_samples)
+        self._print(f"step {step}: {groups} of {of} replica groups in the quorum "
+                    f"({skipped_samples} samples passed over so far)")
 
     def initialised(self, uri: str) -> None:
         self._event("initialised", uri=uri)

@@ -1,0 +1,129 @@
+"""spec.faultTolerance: replica groups under torchft's real lighthouse and Manager.
+
+Two groups of two gloo ranks each (FSDP2 shards within a group), each its own torchrun,
+and the lighthouse the operator would run (`pod_conventions.lighthouse_command`). One
+group is killed outright mid-run: the other steps on alone, and the killed group, started
+again, takes the live group's state (no checkpoint exists to read) and both finish.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubetrain.api.manifest import load_job
+from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, lighthouse_command
+from tests.trainer.conftest import Launcher, write_tiny_job
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_MS = 1000
+MAX_STEPS = 200
+
+
+def _wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
+        prepared_corpus: Any, tmp_path: Path, launcher: Launcher) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    jobs = [write_tiny_job(prepared_corpus, tmp_path / f"group-{group}", "ft",
+                           workers={"replicas": 2, "procsPerWorker": 2},
+                           faultTolerance={"replicaGroups": 2,
+                                           "heartbeatTimeoutMilliseconds": HEARTBEAT_MS},
+                           optimization={"maxSteps": MAX_STEPS, "microBatchSize": 4,
+                                         "warmupSteps": 5},
+                           checkpoint={"uri": str(checkpoints), "everySteps": 10_000})
+            for group in range(2)]
+    port = launcher.free_port()
+    lighthouse = subprocess.Popen(
+        [str(Path(sys.executable).with_name(arg)) if index == 0 else arg
+         for index, arg in enumerate(lighthouse_command(load_job(jobs[0]),
+                                                        bind=f"127.0.0.1:{port}"))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(group: int) -> subprocess.Popen[str]:
+        env = {**launcher.env(), REPLICA_GROUP_ENV: str(group),
+               LIGHTHOUSE_ENV: f"http://127.0.0.1:{port}"}
+        output = (jobs[group].parent / f"output-{time.monotonic_ns()}.txt").open("w")
+        return subprocess.Popen(launcher.command(jobs[group], 2), env=env, text=True,
+                                stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def steps(group: int) -> list[dict[str, Any]]:
+        return launcher.events(jobs[group], "step")
+
+    agents = [start(0), start(1)]
+    try:
+        _wait_for(lambda: len(steps(1)) >= 10, 120, "group 1's first steps")
+        os.killpg(agents[1].pid, signal.SIGKILL)  # the agent and its ranks, at once
+        killed_at = time.time()
+        agents[1].wait()
+        agents[1] = start(1)  # group 0 steps on alone while it starts
+        _wait_for(lambda: launcher.events(jobs[1], "healed"), 120, "group 1 to heal")
+        for agent in agents:
+            assert agent.wait(timeout=180) == 0
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+        lighthouse.kill()
+        lighthouse.wait()
+
+    # The live group never stopped: its longest pause between two logged steps after the
+    # kill is the lighthouse's heartbeat timeout and a few steps' time, not a restart's.
+    times = [event["time"] for event in steps(0) if event["time"] > killed_at - 1]
+    assert max(b - a for a, b in itertools.pairwise(times)) < HEARTBEAT_MS / 1000 + 3
+
+    # It saw the quorum shrink to itself, then grow back; what it passed over is counted.
+    quorums = launcher.events(jobs[0], "quorum")
+    assert [q["groups"] for q in quorums][-2:] == [1, 2], quorums
+    alone_from, together_from = quorums[-2]["step"], quorums[-1]["step"]
+    per_group_step = 4 * 2  # microBatchSize x the group's data-parallel ranks
+    skipped = quorums[-1]["skipped_samples"]
+    assert skipped >= (together_from - alone_from) * per_group_step
+    assert skipped % per_group_step == 0
+
+    # The restarted group read no checkpoint (none existed): it took group 0's state at the
+    # step it joined, and trained on from there to the end with it.
+    healed = launcher.events(jobs[1], "healed")[0]
+    assert alone_from < healed["step"] <= together_from
+    assert not launcher.events(jobs[1], "resumed")
+    restarted = [event["step"] for event in steps(1) if event["time"] > killed_at]
+    assert restarted[0] == healed["step"] + 1
+    assert steps(0)[-1]["step"] == steps(1)[-1]["step"] == MAX_STEPS
+    # Each group trains on its own data, so their losses differ; their gradients, averaged
+    # over the groups before the norm is taken, do not: the same norm at the last step.
+    assert steps(0)[-1]["grad_norm"] == pytest.approx(steps(1)[-1]["grad_norm"], rel=1e-5)
+
+
+def test_a_job_with_replica_groups_outside_them_is_refused_naming_the_way(
+        prepared_corpus: Any, tmp_path: Path, launcher: Launcher,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Started as one plain group (no lighthouse, no group): the trainer exits 2, an invalid
+    job, saying what is missing; `kubetrain run` refuses before starting anything."""
+    from kubetrain.cli import main
+
+    job = write_tiny_job(prepared_corpus, tmp_path, "ft", workers={"replicas": 2},
+                         faultTolerance={"replicaGroups": 2})
+    done = subprocess.run(launcher.command(job, 1), env=launcher.env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{REPLICA_GROUP_ENV} and {LIGHTHOUSE_ENV} unset" in done.stderr
+    assert "docs/fault-tolerance.md" in done.stderr
+
+    assert main(["run", str(job)]) == 1
+    refused = capsys.readouterr().err
+    assert "spec.faultTolerance" in refused and "remove faultTolerance" in refused

@@ -1,0 +1,213 @@
+"""Replica groups that keep training when one fails (spec.faultTolerance), on torchft.
+
+A job with `faultTolerance.replicaGroups: N` runs as N torchrun groups, each its own
+process group and rendezvous (`KUBETRAIN_REPLICA_GROUP` says which one this is). Within a
+group the model is sharded (fsdp) or replicated (ddp) as in any job; across the groups
+torchft's `Manager` replicates it. Each step:
+
+    quorum (the lighthouse: which groups are alive; a group behind heals from a peer)
+    → forward/backward in the group → average the gradients over the groups present
+    → should_commit (every group agrees the step went through) → optimizer step
+
+A group that fails drops out of the next quorum, and the others step on, averaging over
+those present. A group that comes back (its torchrun restarted, its pod replaced) asks for a
+quorum at step 0, finds peers ahead and takes their state before its first step: weights,
+optimizer, learning-rate schedule, data position, early-stopping record and the torch RNG
+of the same rank in the peer. No checkpoint is read from storage for that. The quorum runs
+synchronously (torchft's `use_async_quorum=False`), so a group heals before its forward
+pass and every step starts from the same weights on every group.
+
+The data: every group reads its own slots of the global position (data.py), as if the
+groups' processes were one data-parallel world, so the groups never read the same sample.
+Every participating group advances the position by the whole world's batch each step, so
+the slots of a group that is absent are passed over, never trained later: what a
+degraded step skipped is counted (`skipped_samples`), not made up. A step that does not
+commit (a group failed inside it) passes its batch over the same way.
+
+Checkpoints are written by one group, the first in the quorum (`writes_checkpoints`): the
+other groups hold the same state. A whole-job restart resumes from them as any job does;
+a group that starts while its peers are at step 0 too (a fresh job, or every group
+restarting) reads the checkpoint as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+
+from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torchft import Manager
+
+    from kubetrain.api.trainingjob import FaultToleranceSpec
+    from kubetrain.trainer.distributed import World
+
+INSTALL_FAULT_TOLERANCE = "pip install 'kubetrain[fault-tolerance]' (or pip install torchft)"
+
+
+class NotInAReplicaGroup(RuntimeError):
+    """spec.faultTolerance is set, but this process was not started as one of its groups."""
+
+
+def replica_group() -> int | None:
+    """This process's replica group, from the runner's environment (None outside one)."""
+    group = os.environ.get(REPLICA_GROUP_ENV)
+    return int(group) if group is not None else None
+
+
+def data_slot(spec: FaultToleranceSpec | None, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """This rank's (rank, world size) in the data: the groups' ranks side by side."""
+    if spec is None:
+        return dp_rank, dp_size
+    return (replica_group() or 0) * dp_size + dp_rank, spec.replica_groups * dp_size
+
+
+@dataclass
+class ReplicaGroups:
+    """This group's place among the job's replica groups, and torchft's Manager across them."""
+
+    manager: Manager
+    group: int
+    groups: int
+    samples_per_group_step: int  # one group's samples in one step, set by the loop
+    skipped_samples: int = 0  # absent groups' and uncommitted steps' samples, passed over
+    participants: int = 0  # groups in the last quorum
+    _unused_quorum: bool = False  # the start's quorum, not yet trained in
+
+    @classmethod
+    def join(cls, spec: FaultToleranceSpec, world: World, job_name: str,
+             state: dict[str, Stateful]) -> ReplicaGroups:
+        """Start this group's Manager (rank 0 of the group reports to the lighthouse).
+
+        `state` is what a group that comes back takes from a live one (see `heal_state`).
+        """
+        group = replica_group()
+        if group is None or LIGHTHOUSE_ENV not in os.environ:
+            raise NotInAReplicaGroup(
+                f"spec.faultTolerance: this process was not started as one of the job's "
+                f"replica groups ({REPLICA_GROUP_ENV} and {LIGHTHOUSE_ENV} unset). The "
+                "operator and `kubetrain run` do not start replica groups yet: run each group "
+                "as a torchrun of its own beside torchft's lighthouse "
+                "(docs/fault-tolerance.md), or remove faultTolerance")
+        # torchft logs every step's quorum and commit at INFO (its Rust part by RUST_LOG):
+        # the trainer prints what changes (`Reporter.quorum`, `Reporter.healed`) instead.
+        os.environ.setdefault("RUST_LOG", "warn")
+        logging.getLogger("torchft").setLevel(logging.WARNING)
+        try:
+            from torchft import Manager
+            from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        except ImportError as error:
+            raise ImportError(f"faultTolerance needs torchft: {INSTALL_FAULT_TOLERANCE}") \
+                from error
+        timeout = timedelta(seconds=spec.quorum_timeout_seconds)
+        process_group = (ProcessGroupNCCL(timeout=timeout) if world.device.type == "cuda"
+                         else ProcessGroupGloo(timeout=timeout))
+        heal = HealState(state)
+        manager = Manager(
+            pg=process_group, min_replica_size=spec.min_replica_groups,
+            state_dict=heal.state_dict, load_state_dict=heal.load_state_dict,
+            # Healing before the forward pass: the loop's step and data position are the
+            # peer's before this group fetches a batch (see the module docstring).
+            use_async_quorum=False,
+            # Every group draws the same initial weights from the job's seed: nothing to sync.
+            init_sync=False,
+            timeout=timeout, quorum_timeout=timeout,
+            # torchft numbers a replica by the digits its id ends with.
+            replica_id=f"{job_name}-group-{group}",
+            rank=world.rank, world_size=world.world_size)
+        return cls(manager=manager, group=group, groups=spec.replica_groups,
+                   samples_per_group_step=0)
+
+    def first_quorum(self) -> int:
+        """Join the quorum before loading anything: a group behind its peers takes their
+        state here. The step the group is at (0 when no peer is ahead); the first step
+        trains in this quorum, for the peers train in it too."""
+        step = self.quorum()
+        self._unused_quorum = True
+        return step
+
+    def quorum(self) -> int:
+        """Join this step's quorum (healing from a peer when behind); the step to train."""
+        if self._unused_quorum:
+            self._unused_quorum = False
+        else:
+            self.manager.start_quorum()
+        self.participants = self.manager.num_participants()
+        return self.manager.current_step()
+
+    def average(self, gradients: Iterable[torch.Tensor]) -> None:
+        """Average this group's (local shards of the) gradients over the groups present."""
+        works = [self.manager.allreduce(_local(gradient)) for gradient in gradients]
+        for work in works:
+            work.wait()
+
+    def commit(self) -> bool:
+        """Whether every group got through the step (then, and only then, step the optimizer).
+        Passed-over samples are counted here: those of absent groups, or the whole step's."""
+        committed = self.manager.should_commit()
+        present = self.participants if committed else 0
+        self.skipped_samples += (self.groups - present) * self.samples_per_group_step
+        return committed
+
+    def starts_at(self, step: int) -> None:
+        """After a checkpoint was loaded (or none): the quorum's step count starts there."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.groups})
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the job's checkpoints: the first in the quorum."""
+        return self.manager.participating_rank() == 0
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class HealState:
+    """The state a group that comes back takes from a live one, rank by rank.
+
+    torchft sends it between processes of the same rank in two groups, whose shards have
+    the same shape: DTensors travel as their local shards and are put back into this
+    rank's own DTensors on arrival. Nothing here is collective: torchft asks for it from
+    its own thread, on one rank at a time.
+    """
+
+    def __init__(self, state: dict[str, Stateful]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: tree_map(_local, _own_rank(name, value.state_dict()))
+                for name, value in self.state.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, value in self.state.items():
+            if name == "rng":
+                torch.set_rng_state(state_dict[name]["cpu"])
+                continue
+            into = value.state_dict()  # this rank's own tensors: the shape to put them in
+            value.load_state_dict(tree_map(_into, into, state_dict[name]))
+
+
+def _own_rank(name: str, state: Any) -> Any:
+    """RandomState's state gathers every rank's (a collective): here only this rank's."""
+    return {"cpu": torch.get_rng_state()} if name == "rng" else state
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _into(own: Any, received: Any) -> Any:
+    if isinstance(own, DTensor):
+        return DTensor.from_local(received.to(own.device), own.device_mesh, own.placements,
+                                  shape=own.shape, stride=own.stride())
+    return received
