@@ -58,8 +58,11 @@ def _distributions() -> set[str]:
     return {re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0].lower() for r in requirements}
 
 
-@pytest.mark.parametrize(("dockerfile", "extra"), [("operator.Dockerfile", "operator"),
-                                                   ("trainer.Dockerfile", "trainer")])
+@pytest.mark.parametrize(("dockerfile", "extra"), [
+    ("operator.Dockerfile", "operator"),
+    # The trainer's, and torchft for spec.faultTolerance's lighthouse and Manager.
+    ("trainer.Dockerfile", "trainer,fault-tolerance"),
+])
 def test_images_install_the_wheel_with_its_extra_and_no_copied_requirements(
         dockerfile: str, extra: str) -> None:
     """pyproject.toml's extras are the one list of what each image needs: no drift."""

@@ -40,6 +40,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
     from kubetrain.api.trainingjob import FaultToleranceSpec
     from kubetrain.trainer.distributed import World
 
+# DDP's default bucket size: large enough that the round trips do not count, small enough
+# that a bucket's flat copy is a small part of the gradients' memory.
+BUCKET_BYTES = 25 * 1024 * 1024
 INSTALL_FAULT_TOLERANCE = "pip install 'kubetrain[fault-tolerance]' (or pip install torchft)"
 
 
@@ -146,10 +150,17 @@ class ReplicaGroups:
         return self.manager.current_step()
 
     def average(self, gradients: Iterable[torch.Tensor]) -> None:
-        """Average this group's (local shards of the) gradients over the groups present."""
-        works = [self.manager.allreduce(_local(gradient)) for gradient in gradients]
-        for work in works:
+        """Average this group's (local shards of the) gradients over the groups present: in
+        buckets of BUCKET_BYTES, as DDP does, for one all-reduce per parameter costs a
+        round trip each (a step of the CPU bench's model took 1.86 times as long)."""
+        buckets = _buckets([_local(gradient) for gradient in gradients])
+        flat = [_flatten_dense_tensors(bucket) for bucket in buckets]
+        works = [self.manager.allreduce(tensor) for tensor in flat]
+        for work, tensor, bucket in zip(works, flat, buckets, strict=True):
             work.wait()
+            for gradient, averaged in zip(bucket, _unflatten_dense_tensors(tensor, bucket),
+                                          strict=True):
+                gradient.copy_(averaged)
 
     def commit(self) -> bool:
         """Whether every group got through the step (then, and only then, step the optimizer).
@@ -200,6 +211,21 @@ class HealState:
 def _own_rank(name: str, state: Any) -> Any:
     """RandomState's state gathers every rank's (a collective): here only this rank's."""
     return {"cpu": torch.get_rng_state()} if name == "rng" else state
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` in order, in runs of one dtype and device of about BUCKET_BYTES each."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        last = buckets[-1][-1] if buckets else None
+        if (last is None or size >= BUCKET_BYTES or last.dtype != tensor.dtype
+                or last.device != tensor.device):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += tensor.numel() * tensor.element_size()
+    return buckets
 
 
 def _local(value: Any) -> Any:
