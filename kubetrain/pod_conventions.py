@@ -23,6 +23,11 @@ from kubetrain.protocol import RENDEZVOUS_BACKEND
 JOB_LABEL: Final = "kubetrain.io/job-name"
 INDEX_LABEL: Final = "kubetrain.io/worker-index"
 ATTEMPT_LABEL: Final = "kubetrain.io/restart-attempt"
+# On a job's pods and Services that are not its workers' (the lighthouse's): what they are.
+# They carry the job's label too, so that the operator's watch, which selects that label,
+# sees them; the workers are the job's pods with a worker index (`worker_selector`).
+COMPONENT_LABEL: Final = "kubetrain.io/component"
+LIGHTHOUSE_COMPONENT: Final = "lighthouse"
 TRAINER_CONTAINER: Final = "trainer"
 
 
@@ -32,8 +37,15 @@ def pod_name(job_name: str, index: int) -> str:
 
 
 def worker_selector(job_name: str) -> str:
-    """Label selector of the job's worker pods (status.workers.selector, for `kubectl scale`)."""
-    return f"{JOB_LABEL}={job_name}"
+    """Label selector of the job's worker pods (status.workers.selector, for `kubectl scale`):
+    the job's pods that have a worker index, which its lighthouse has not."""
+    return f"{JOB_LABEL}={job_name},{INDEX_LABEL}"
+
+
+def worker_label_selector(job_name: str) -> dict[str, Any]:
+    """`worker_selector` as a Kubernetes LabelSelector (a spread's or an affinity's)."""
+    return {"matchLabels": {JOB_LABEL: job_name},
+            "matchExpressions": [{"key": INDEX_LABEL, "operator": "Exists"}]}
 
 
 # --- what a worker runs -------------------------------------------------------------------
@@ -65,6 +77,10 @@ def torchrun_settings(job: TrainingJob, *, endpoint: str, run_id: str, max_nodes
     """torchrun's options that kubetrain sets, by option name, in order: a pod passes each
     as PET_<NAME> (dashes as underscores, upper case), `kubetrain run` as --<name>.
 
+    With spec.faultTolerance the torchrun group is one replica group, whose pods are fixed
+    (`pods_per_group`): nnodes is that size, whatever `max_nodes` says, and `endpoint` and
+    `run_id` must be the group's (`group_leader`, `group_run_id`).
+
     Elastic between minReplicas and `max_nodes` nodes of procsPerWorker processes, meeting
     at `endpoint` through the `kubetrain` rendezvous (rounds on c10d's store, each formed in
     a few store operations per agent); `run_id` tells one group's rendezvous from another's;
@@ -74,8 +90,14 @@ def torchrun_settings(job: TrainingJob, *, endpoint: str, run_id: str, max_nodes
     loopback, and restarts only as a whole.
     """
     workers = job.spec.workers
+    tolerance = job.spec.fault_tolerance
+    if tolerance is None:
+        nnodes = f"{workers.min_workers}:{max_nodes}"
+    else:
+        group = tolerance.pods_per_group(workers.replicas)
+        nnodes = f"{group}:{group}"
     return {
-        "nnodes": f"{workers.min_workers}:{max_nodes}",
+        "nnodes": nnodes,
         "nproc-per-node": str(workers.procs_per_worker),
         "rdzv-backend": RENDEZVOUS_BACKEND,
         "rdzv-endpoint": endpoint,
@@ -132,3 +154,45 @@ def lighthouse_command(job: TrainingJob, *, bind: str = f"[::]:{LIGHTHOUSE_PORT}
     return [LIGHTHOUSE_PROGRAM, "--bind", bind,
             "--min_replicas", str(tolerance.min_replica_groups),
             "--heartbeat_timeout_ms", timeout, "--join_timeout_ms", timeout]
+
+
+def lighthouse_name(job_name: str) -> str:
+    """`<job>-lighthouse`: the lighthouse's Pod and its Service."""
+    return f"{job_name}-lighthouse"
+
+
+def replica_group_of(job: TrainingJob, index: int) -> int | None:
+    """The replica group of worker `index` (0-based: pods 0..n-1 are group 0, where n is
+    `pods_per_group`); None for a job without spec.faultTolerance."""
+    tolerance = job.spec.fault_tolerance
+    if tolerance is None:
+        return None
+    return index // tolerance.pods_per_group(job.spec.workers.replicas)
+
+
+def group_leader(job: TrainingJob, index: int) -> int:
+    """The first worker of worker `index`'s torchrun group, whose pod hosts its rendezvous:
+    its replica group's first with spec.faultTolerance, else worker 0."""
+    group = replica_group_of(job, index)
+    if group is None:
+        return 0
+    assert job.spec.fault_tolerance is not None
+    return group * job.spec.fault_tolerance.pods_per_group(job.spec.workers.replicas)
+
+
+def group_run_id(job: TrainingJob, index: int, job_run_id: str) -> str:
+    """The rendezvous id of worker `index`'s torchrun group: the job's (`job_run_id`), or
+    with spec.faultTolerance `<job_run_id>-group-<g>`, so that each replica group forms
+    its own rendezvous and a returning group never joins a live one's."""
+    group = replica_group_of(job, index)
+    return job_run_id if group is None else f"{job_run_id}-group-{group}"
+
+
+def replica_group_env(job: TrainingJob, index: int, lighthouse_url: str) -> dict[str, str]:
+    """What the trainer of worker `index` is told of its replica group: REPLICA_GROUP_ENV
+    and LIGHTHOUSE_ENV (`lighthouse_url`, `http://host:port`); none without
+    spec.faultTolerance."""
+    group = replica_group_of(job, index)
+    if group is None:
+        return {}
+    return {REPLICA_GROUP_ENV: str(group), LIGHTHOUSE_ENV: lighthouse_url}

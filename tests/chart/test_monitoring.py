@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.operator.children import JOB_LABEL, RENDEZVOUS_PORT, worker_pod
+from kubetrain.pod_conventions import LIGHTHOUSE_PORT
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "kubetrain" / "dashboards" / "kubetrain.json"
@@ -332,6 +333,7 @@ def test_worker_network_policy_admits_rendezvous_collectives_and_metrics(
     between_workers, scrapes, lifelines = policy["spec"]["ingress"]
     ports = {p["port"] for p in between_workers["ports"]}
     assert RENDEZVOUS_PORT in ports
+    assert LIGHTHOUSE_PORT in ports, "a job's replica groups reach its lighthouse"
     assert any("endPort" in p for p in between_workers["ports"]), "collective port range"
     assert [p["port"] for p in scrapes["ports"]] == [metrics_port]
     operator_peer = scrapes["from"][0]

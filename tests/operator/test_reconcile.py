@@ -52,11 +52,15 @@ def pod(index: int, phase: str = "Running", attempt: int = 0, **facts: Any) -> W
                      phase=phase, ready=phase == "Running", **facts)
 
 
+# The job's pods with a worker index: not its lighthouse (spec.faultTolerance).
+WORKER_SELECTOR = "kubetrain.io/job-name=demo,kubetrain.io/worker-index"
+
+
 def running_status(**extra: Any) -> dict[str, Any]:
     since = EARLIER.isoformat()
     return {
         "phase": "Running", "observedGeneration": 1, "startTime": since,
-        "workers": {"desired": 2, "ready": 2, "selector": "kubetrain.io/job-name=demo"},
+        "workers": {"desired": 2, "ready": 2, "selector": WORKER_SELECTOR},
         "conditions": [
             {"type": "Created", "status": "True", "reason": "ChildrenCreated",
              "lastTransitionTime": since},
@@ -128,7 +132,7 @@ def test_new_job_creates_service_config_map_and_every_worker(minimal_manifest: d
                            ("Pod", "demo-worker-0", "0"), ("Pod", "demo-worker-1", "0")]
     assert out.status is not None and out.status["phase"] == "Pending"
     assert out.status["workers"] == {"desired": 2, "ready": 0,
-                                     "selector": "kubetrain.io/job-name=demo"}
+                                     "selector": WORKER_SELECTOR}
     assert out.condition("Created")["status"] == "True"
     assert out.events == [("Normal", "Created")]
     assert isinstance(out.actions[0], WriteStatus), "the decision is recorded before acting"

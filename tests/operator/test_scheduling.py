@@ -319,8 +319,11 @@ def test_a_topology_level_becomes_pod_affinity_among_the_jobs_pods(
     for manifest in (m for m in created(actions) if m["kind"] == "Pod"):
         (term,) = manifest["spec"]["affinity"]["podAffinity"][key]
         term = term.get("podAffinityTerm", term)
-        assert term == {"labelSelector": {"matchLabels": {"kubetrain.io/job-name": "demo"}},
-                        "topologyKey": "example.com/rack"}
+        assert term == {"labelSelector": {
+            "matchLabels": {"kubetrain.io/job-name": "demo"},
+            # Not the job's lighthouse (a job with spec.faultTolerance has one): the workers.
+            "matchExpressions": [{"key": "kubetrain.io/worker-index", "operator": "Exists"}]},
+            "topologyKey": "example.com/rack"}
 
 
 # --- Kueue: the Workload path -------------------------------------------------------------------

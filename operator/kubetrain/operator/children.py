@@ -1,6 +1,7 @@
 """The Kubernetes objects a TrainingJob owns, as pure functions of the job.
 
-`worker_pod`, `service` and `config_map` build plain manifests (dicts) and touch no
+`worker_pod`, `service` and `config_map` (and for a job with spec.faultTolerance
+`lighthouse_pod` and `lighthouse_service`) build plain manifests (dicts) and touch no
 API: the operator creates what they return, `kubetrain run --dry-run` prints it, and
 tests validate it against the Kubernetes schema. A worker's names, labels, snapshot and
 torchrun settings are the conventions both runners share (`kubetrain.pod_conventions`); the
@@ -35,12 +36,18 @@ from kubetrain.operator.worker_env import (
 )
 from kubetrain.pod_conventions import (
     ATTEMPT_LABEL,
+    COMPONENT_LABEL,
     INDEX_LABEL,
     JOB_LABEL,
+    LIGHTHOUSE_COMPONENT,
+    LIGHTHOUSE_PORT,
     TRAINER_CONTAINER,
     TRAINER_LAUNCH_MODULE,
     job_snapshot,
+    lighthouse_command,
+    lighthouse_name,
     pod_name,
+    worker_label_selector,
 )
 
 # On a worker pod: the nodes its required anti-affinity keeps it off (status.avoidedNodes).
@@ -54,6 +61,19 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "kubetrain"}
 
 # The trainer image runs as this unprivileged user.
 _TRAINER_UID = 1000
+# Every pod of a job (its workers, its lighthouse) runs so hardened.
+_POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": _TRAINER_UID,
+    "runAsGroup": _TRAINER_UID,
+    "fsGroup": _TRAINER_UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+_CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+}
 
 
 def config_map_name(job_name: str) -> str:
@@ -163,8 +183,10 @@ _SHARED_MOUNTS = ({"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": Tr
                   {"name": "dshm", "mountPath": "/dev/shm"})
 
 
-def _trainer_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """kubetrain's trainer under torchrun, and the volumes it needs besides the shared ones."""
+def _trainer_container(job: TrainingJob,
+                       index: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """kubetrain's trainer under torchrun in worker pod `index`, and the volumes it needs
+    besides the shared ones."""
     spec = job.spec
     container: dict[str, Any] = {
         "name": TRAINER_CONTAINER,
@@ -172,7 +194,7 @@ def _trainer_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str,
         # torchrun with its options from PET_*, whose restarts in place skip the imports.
         "command": ["python", "-m", TRAINER_LAUNCH_MODULE, f"{CONFIG_DIR}/{CONFIG_KEY}"],
         "env": [
-            *torchrun_env(job),
+            *torchrun_env(job, index),
             *placement_env(),
             *credentials_env(job),
             *(env.wire() for env in spec.workers.template.env),
@@ -246,13 +268,15 @@ def memory_tier_spread(job: TrainingJob) -> list[dict[str, Any]] | None:
     if job.spec.checkpoint.memory is None or job.spec.checkpoint.memory.replicas < 1:
         return None
     return [{"maxSkew": 1, "topologyKey": HOSTNAME_LABEL, "whenUnsatisfiable": "ScheduleAnyway",
-             "labelSelector": {"matchLabels": {JOB_LABEL: job.metadata.name}}}]
+             "labelSelector": worker_label_selector(job.metadata.name)}]
 
 
-def _own_code_container(job: TrainingJob) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _own_code_container(job: TrainingJob,
+                        index: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The user's command under the same launch (`kubetrain.operator.own_code_container`)."""
     effective = job.status.effective if job.status is not None else None
-    launch = own_code_container(job, effective.out_of_memory_restarts if effective else 0)
+    launch = own_code_container(job, effective.out_of_memory_restarts if effective else 0,
+                                index)
     container: dict[str, Any] = {
         "name": TRAINER_CONTAINER,
         "image": launch.image,
@@ -294,15 +318,11 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
         metadata["annotations"] = annotations
 
     if spec.trainer is not None:
-        container, volumes = _own_code_container(job)
+        container, volumes = _own_code_container(job, index)
     else:
-        container, volumes = _trainer_container(job)
+        container, volumes = _trainer_container(job, index)
     container["volumeMounts"] += template.volume_mounts
-    container["securityContext"] = {
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
-        "runAsNonRoot": True,
-    }
+    container["securityContext"] = dict(_CONTAINER_SECURITY)
 
     pod_spec: dict[str, Any] = {
         "hostname": pod_name(name, index),
@@ -312,13 +332,7 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": _TRAINER_UID,
-            "runAsGroup": _TRAINER_UID,
-            "fsGroup": _TRAINER_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": dict(_POD_SECURITY),
         "containers": [container],
         "volumes": [
             {"name": "job-config", "configMap": {"name": config_map_name(name)}},
@@ -340,3 +354,79 @@ def worker_pod(job: TrainingJob, index: int, restart_attempt: int) -> dict[str, 
     }
     pod_spec.update({key: value for key, value in optional.items() if value is not None})
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+# --- the lighthouse of a job with spec.faultTolerance ------------------------------------
+
+LIGHTHOUSE_CONTAINER = "lighthouse"
+# torchft's lighthouse keeps only the groups' heartbeats and the quorum in memory: little.
+_LIGHTHOUSE_RESOURCES = {"requests": {"cpu": "100m", "memory": "64Mi"},
+                         "limits": {"memory": "256Mi"}}
+_LIGHTHOUSE_GRACE_SECONDS = 5  # nothing to save: it is stateless
+
+
+def _lighthouse_labels() -> dict[str, str]:
+    return {COMPONENT_LABEL: LIGHTHOUSE_COMPONENT}
+
+
+def lighthouse_pod(job: TrainingJob) -> dict[str, Any]:
+    """The Pod `<job>-lighthouse` that keeps the quorum of a job's replica groups
+    (`kubetrain.pod_conventions.lighthouse_command`), in the image the workers run (torchft,
+    whose wheel holds the lighthouse, is in it).
+
+    Stateless, so the kubelet restarts it in place when it exits (restartPolicy Always;
+    the groups wait out the gap on their quorum timeout), and the operator creates it again
+    when it is gone or its node lost it. Labelled with the job, so the operator's watch
+    sees it, but with no worker index, so no worker selector (status.workers.selector, the
+    spreads' and affinities') counts it. The headless Service `<job>`, which selects by the
+    job's label alone (a Service selects by equality only), lists it too, harmlessly: it has
+    no hostname there, and workers meet by theirs. Hardened as the workers are.
+    """
+    spec = job.spec
+    image = spec.trainer.image if spec.trainer is not None else spec.image
+    container: dict[str, Any] = {
+        "name": LIGHTHOUSE_CONTAINER,
+        "image": image,
+        "command": lighthouse_command(job),
+        "ports": [{"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT}],
+        "readinessProbe": {"tcpSocket": {"port": LIGHTHOUSE_PORT}, "periodSeconds": 5},
+        "resources": copy.deepcopy(_LIGHTHOUSE_RESOURCES),
+        "securityContext": dict(_CONTAINER_SECURITY),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    template = spec.workers.template
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": _LIGHTHOUSE_GRACE_SECONDS,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": dict(_POD_SECURITY),
+        "containers": [container],
+    }
+    # The workers' account (its image pull secrets) and priority: the lighthouse is as
+    # needed as they are.
+    optional = {"priorityClassName": template.priority_class_name,
+                "serviceAccountName": template.service_account_name}
+    pod_spec.update({key: value for key, value in optional.items() if value is not None})
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": _metadata(job, lighthouse_name(job.metadata.name),
+                                  _lighthouse_labels()),
+            "spec": pod_spec}
+
+
+def lighthouse_service(job: TrainingJob) -> dict[str, Any]:
+    """The ClusterIP Service `<job>-lighthouse` the workers reach the lighthouse by
+    (`kubetrain.operator.worker_env.lighthouse_url`)."""
+    name = job.metadata.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, lighthouse_name(name), _lighthouse_labels()),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {JOB_LABEL: name, **_lighthouse_labels()},
+            "ports": [{"name": "lighthouse", "port": LIGHTHOUSE_PORT,
+                       "targetPort": LIGHTHOUSE_PORT}],
+        },
+    }

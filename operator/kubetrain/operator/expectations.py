@@ -25,6 +25,7 @@ from kubetrain.api.trainingjob import TrainingJobStatus
 from kubetrain.operator import children
 from kubetrain.operator.facts import WorkerPod
 from kubetrain.operator.scheduling_facts import GroupObject
+from kubetrain.pod_conventions import COMPONENT_LABEL, LIGHTHOUSE_COMPONENT
 
 # A placement object by (apiVersion, kind, name).
 GroupKey = tuple[str, str, str]
@@ -58,6 +59,19 @@ def config_map_version(annotations: Mapping[str, str]) -> ConfigMapVersion:
             _annotated(annotations, children.MICRO_BATCH_ANNOTATION))
 
 
+# What `Expectations.children` remembers the lighthouse's Service by (the others: their kind).
+LIGHTHOUSE_SERVICE = "LighthouseService"
+
+
+def child_key(manifest: Mapping[str, Any]) -> str:
+    """What a written child is remembered by: its kind (the job's Service, its ConfigMap),
+    or LIGHTHOUSE_SERVICE for the lighthouse's Service."""
+    labels = manifest["metadata"].get("labels") or {}
+    if labels.get(COMPONENT_LABEL) == LIGHTHOUSE_COMPONENT:
+        return LIGHTHOUSE_SERVICE
+    return str(manifest["kind"])
+
+
 def held_version(manifest: Mapping[str, Any]) -> ConfigMapVersion | int:
     """What a child was built from: the ConfigMap's `config_map_version`, 0 for the Service."""
     if manifest["kind"] != "ConfigMap":
@@ -79,7 +93,8 @@ class Expectations:
     created: dict[str, tuple[WorkerPod, float]] = field(default_factory=dict)
     # Pods deleted: name -> when.
     deleted: dict[str, float] = field(default_factory=dict)
-    # Service and ConfigMap written: kind -> (`held_version`, when).
+    # Service, ConfigMap and the lighthouse's Service written: `child_key` ->
+    # (`held_version`, when).
     children: dict[str, tuple[Any, float]] = field(default_factory=dict)
     # The API server's last refusal of a child, already reported as a FailedCreate event:
     # the same refusal comes back at each pass until someone changes something.
@@ -118,8 +133,8 @@ class Expectations:
         self.deleted_groups[key] = self.clock()
 
     def wrote_child(self, manifest: Mapping[str, Any]) -> None:
-        """The Service or ConfigMap `manifest` was created or updated."""
-        self.children[manifest["kind"]] = (held_version(manifest), self.clock())
+        """The Service, ConfigMap or lighthouse Service `manifest` was created or updated."""
+        self.children[child_key(manifest)] = (held_version(manifest), self.clock())
 
     # --- the indexed picture, corrected ----------------------------------------------
 
@@ -164,13 +179,27 @@ class Expectations:
         """Whether the Service is there and the ConfigMap's version (None: not there), as the
         indexes show them (`service`, `config_map`) or as last written until they agree."""
         indexed: dict[str, Any] = {"Service": 0 if service else None, "ConfigMap": config_map}
-        clock = self.clock()
-        for kind, (version, since) in list(self.children.items()):
-            if indexed[kind] == version or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
-                del self.children[kind]
-            else:
-                indexed[kind] = version
+        self._correct(indexed)
         return indexed["Service"] is not None, indexed["ConfigMap"]
+
+    def held_lighthouse_service(self, service: bool) -> bool:
+        """Whether the lighthouse's Service is there, as the index shows it (`service`) or as
+        created until they agree."""
+        indexed: dict[str, Any] = {LIGHTHOUSE_SERVICE: 0 if service else None}
+        self._correct(indexed)
+        return indexed[LIGHTHOUSE_SERVICE] is not None
+
+    def _correct(self, indexed: dict[str, Any]) -> None:
+        """Replace the versions in `indexed` (by `child_key`) with those written, until the
+        index shows them or the wait times out; the written ones of other keys are left."""
+        clock = self.clock()
+        for key, (version, since) in list(self.children.items()):
+            if key not in indexed:
+                continue
+            if indexed[key] == version or clock - since >= EXPECTATION_TIMEOUT_SECONDS:
+                del self.children[key]
+            else:
+                indexed[key] = version
 
     # --- echoes: events that bring no news -------------------------------------------
 

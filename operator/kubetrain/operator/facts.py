@@ -168,6 +168,10 @@ class Observed:
     # Pods whose trainer's lifeline stopped beating: their node or its network is lost.
     silent_pods: frozenset[str] = frozenset()
     service: bool = False
+    # A job with spec.faultTolerance: its lighthouse's pod (None: absent) and whether its
+    # Service is there. Never among `pods`, which are the workers.
+    lighthouse: WorkerPod | None = None
+    lighthouse_service: bool = False
     # The job generation the ConfigMap's snapshot was taken from (0: unknown); None: absent.
     config_generation: int | None = None
     # The micro-batch its snapshot tells the trainer to use; None: not annotated (the spec's).

@@ -110,7 +110,7 @@ class Indexes:
 
     jobs: kopf.Index  # (namespace, name) -> [job]
     pods: kopf.Index  # (namespace, job name) -> [pod]
-    services: kopf.Index  # (namespace, job name) -> ["Service"]
+    services: kopf.Index  # (namespace, job name) -> [Service name]
     config_maps: kopf.Index  # (namespace, job name) -> [(generation, micro-batch) held]
     nodes: kopf.Index  # node name -> [True]
     # One per placement kind: (namespace, job name) -> [GroupObject].
@@ -220,9 +220,10 @@ class TrainingJobController:
         return {(namespace, labels[pod_conventions.JOB_LABEL]): dict(body)}
 
     @staticmethod
-    async def index_service(namespace: str, labels: kopf.Labels, body: kopf.Body,
+    async def index_service(namespace: str, name: str, labels: kopf.Labels,
                             **_: Any) -> dict[JobKey, str]:
-        return {(namespace, labels[pod_conventions.JOB_LABEL]): body["kind"]}
+        # By name: a job with spec.faultTolerance has its lighthouse's Service too.
+        return {(namespace, labels[pod_conventions.JOB_LABEL]): name}
 
     @staticmethod
     async def index_config_map(namespace: str, labels: kopf.Labels,
@@ -468,15 +469,22 @@ class TrainingJobController:
         """The job's children as the indexes show them, corrected by this process's own writes."""
         pods = expected.pods({pod.name: pod for pod in (
             worker_pod(raw, indexes.nodes) for raw in _snapshot(indexes.pods, key))}, now)
+        # The lighthouse's pod is the job's, but no worker: observed apart.
+        lighthouse = pod_conventions.lighthouse_name(key[1])
+        services = _snapshot(indexes.services, key)
         service, config = expected.held(
-            service=bool(_snapshot(indexes.services, key)),
+            service=key[1] in services,
             config_map=next(iter(_snapshot(indexes.config_maps, key)), None))
         groups = expected.groups(obj for index in indexes.groups
                                  for obj in _snapshot(index, key))
         flavors = {} if indexes.flavors is None else {
             name: found[0] for name in _keys(indexes.flavors)
             if (found := _snapshot(indexes.flavors, name))}
-        return Observed(pods=pods, service=service,
+        return Observed(pods=tuple(pod for pod in pods if pod.name != lighthouse),
+                        lighthouse=next((pod for pod in pods if pod.name == lighthouse), None),
+                        lighthouse_service=expected.held_lighthouse_service(
+                            lighthouse in services),
+                        service=service,
                         config_generation=config[0] if config is not None else None,
                         config_micro_batch=config[1] if config is not None else None,
                         groups=groups, served=self.served, flavors=flavors)

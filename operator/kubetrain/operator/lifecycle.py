@@ -1,7 +1,8 @@
 """Lifecycle: the steps of a reconcile pass that move a job through its phases.
 
 Pending → Running as workers start; Suspended and back (runPolicy.suspend); scaling
-(spec.workers.replicas); the children it needs (Service, ConfigMap, worker pods);
+(spec.workers.replicas); the children it needs (Service, ConfigMap, worker pods, and with
+spec.faultTolerance the lighthouse);
 completion, activeDeadlineSeconds and the clean-up of a finished job (cleanPodPolicy,
 ttlSecondsAfterFinished); and a job failed for an invalid spec trying again once its
 spec changed. Failures and restarts are not here: see `kubetrain.operator.recovery`.
@@ -23,6 +24,8 @@ from kubetrain.operator.reconcile_pass import ReconcilePass
 
 # The Failed condition's reason for a spec that does not parse (`reconcile.reject`).
 INVALID_SPEC = "InvalidSpec"
+# The reason a lost lighthouse is deleted and created again (its event's, its deletion's).
+LIGHTHOUSE_LOST = "LighthouseLost"
 SUSPENDED = "runPolicy.suspend is true: the workers checkpoint and stop; the job is kept"
 RESUMED = "runPolicy.suspend is false: the workers start again from the latest checkpoint"
 
@@ -56,6 +59,7 @@ def clean_up(decision: ReconcilePass) -> None:
     for pod in decision.live_pods():
         if to_clean_up(pod, decision.status.phase == "Succeeded", policy.clean_pod_policy):
             decision.delete(pod, "JobFinished")
+    stop_lighthouse(decision, "JobFinished")
     ttl = policy.ttl_seconds_after_finished
     done = decision.status.completion_time
     if ttl is not None and done is not None and decision.now >= done + timedelta(seconds=ttl):
@@ -75,6 +79,7 @@ def suspend(decision: ReconcilePass) -> None:
     """runPolicy.suspend: delete every pod (each checkpoints on its SIGTERM), keep the job."""
     for pod in decision.live_pods():
         decision.delete(pod, "Suspended")
+    stop_lighthouse(decision, "Suspended")
     if decision.status.phase != "Suspended":
         decision.status.phase = "Suspended"
         decision.condition("Suspended", True, "Suspended", SUSPENDED)
@@ -116,6 +121,33 @@ def ensure_service_and_config(decision: ReconcilePass) -> None:
         decision.event("ConfigUpdated",
                        f"{children.config_map_name(decision.name)} holds the spec of "
                        f"generation {generation} now; workers read it when they next start")
+
+
+def ensure_lighthouse(decision: ReconcilePass) -> None:
+    """spec.faultTolerance: create the lighthouse's Service and Pod when missing, before any
+    worker; delete a pod that ended (Failed or Succeeded: evicted, say; the kubelet restarts
+    a crashed one in place) or whose node is lost, to create it again once it is gone."""
+    job, observed = decision.job, decision.observed
+    if job.spec.fault_tolerance is None:
+        return
+    if not observed.lighthouse_service:
+        decision.actions.append(CreateObject(children.lighthouse_service(job)))
+    pod = observed.lighthouse
+    if pod is None:
+        decision.actions.append(CreateObject(children.lighthouse_pod(job)))
+    elif not pod.deleting and (pod.phase in ("Failed", "Succeeded") or pod.node_lost):
+        decision.delete(pod, LIGHTHOUSE_LOST)
+        what = "lost its node" if pod.node_lost else f"ended ({pod.phase})"
+        decision.event(LIGHTHOUSE_LOST, f"{pod.name} {what}: it is created again once gone; "
+                       "meanwhile the replica groups wait for a quorum", warning=True)
+
+
+def stop_lighthouse(decision: ReconcilePass, reason: str) -> None:
+    """Delete the lighthouse of a job whose workers are all gone for good or for a while
+    (finished, suspended): it only ever keeps their quorum."""
+    pod = decision.observed.lighthouse
+    if pod is not None and not pod.deleting and pod.name not in decision.deleted:
+        decision.delete(pod, reason)
 
 
 def scale(decision: ReconcilePass, previous_desired: int) -> None:

@@ -61,9 +61,11 @@ class OperatorMetrics:
             "kubetrain_operator_reconcile_duration_seconds",
             "Time to observe, decide and apply one reconcile of one job.",
             registry=self.registry)
-        self.pods_created = Counter("kubetrain_operator_pods_created", "Worker pods created.",
+        self.pods_created = Counter("kubetrain_operator_pods_created",
+                                    "Pods created (workers, and lighthouses).",
                                     registry=self.registry)
-        self.pods_deleted = Counter("kubetrain_operator_pods_deleted", "Worker pods deleted.",
+        self.pods_deleted = Counter("kubetrain_operator_pods_deleted",
+                                    "Pods deleted (workers, and lighthouses).",
                                     registry=self.registry)
         self.group_restarts = Counter(
             "kubetrain_operator_group_restarts", "Worker restarts by reason.", ["reason"],

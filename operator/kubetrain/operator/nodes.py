@@ -84,7 +84,7 @@ def replace_stragglers(decision: ReconcilePass) -> None:
     status.straggler_replacements += len(chosen)
     broken = [pod for _, pod in chosen]
     decision.restart("StragglerReplaced", "; ".join(said) + " (runPolicy.stragglers.action: "
-                     "Replace)", broken, whole_group=any(pod.index == 0 for pod in broken),
+                     "Replace)", broken, whole_group=decision.takes_every_worker(broken),
                      counted=False)
     # The next interval is the new group's: no streak carries over from the old one.
     if status.ranks is not None:

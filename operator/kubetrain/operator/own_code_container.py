@@ -82,8 +82,12 @@ class OwnCodeContainer:
     volume_mounts: list[dict[str, Any]]
 
 
-def own_code_container(job: TrainingJob, out_of_memory_restarts: int = 0) -> OwnCodeContainer:
-    """The container of every worker pod of `job`, which must have spec.trainer.
+def own_code_container(job: TrainingJob, out_of_memory_restarts: int = 0,
+                       index: int = 0) -> OwnCodeContainer:
+    """The container of worker pod `index` of `job`, which must have spec.trainer (the same
+    for every pod but with spec.faultTolerance, whose pods differ by replica group: a
+    script that runs torchft, such as torchtitan's with --fault_tolerance.enable, finds
+    its group and the lighthouse as kubetrain's trainer does).
 
     `out_of_memory_restarts` (status.effective's) reaches the user's code as
     KUBETRAIN_OUT_OF_MEMORY_RESTARTS, which kubetrain.sdk.micro_batch_size halves by.
@@ -95,7 +99,7 @@ def own_code_container(job: TrainingJob, out_of_memory_restarts: int = 0) -> Own
     command = ["python3", "-m", OWN_CODE_ENTRY_MODULE, f"{CONFIG_DIR}/{CONFIG_KEY}", "--",
                "torchrun", *trainer.torchrun_arguments()]
     env = [
-        *torchrun_env(job),
+        *torchrun_env(job, index),
         {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(WORKER_SHUTDOWN_SECONDS)},
         *placement_env(),
         *credentials_env(job),

@@ -29,7 +29,9 @@ Recovery policy, in the order it is checked:
   nothing smaller left, or action Fail, the job fails with reason OutOfMemory;
 - a retry replaces the broken pods under their names with the next restart-attempt
   label; when worker 0 (the rendezvous host) is among them, the whole group is
-  recreated, because the survivors cannot re-form without it;
+  recreated, because the survivors cannot re-form without it; with spec.faultTolerance
+  the broken pods' replica groups are recreated, each whole (one torchrun group each),
+  and the other groups train on untouched, their lighthouse kept (`lifecycle`);
 - while a restart is in progress, pods with an older restart-attempt label belong to
   it: they are replaced within it and never counted twice (also after an operator
   restart between recording a restart and deleting its pods);
@@ -127,6 +129,7 @@ def _run(decision: ReconcilePass, previous_desired: int) -> None:
     nodes.expire_avoidance(decision)
     nodes.lose_silent_pods(decision)
     lifecycle.ensure_service_and_config(decision)
+    lifecycle.ensure_lighthouse(decision)
     nodes.keep_schedulable(decision)
     recovery.continue_restart(decision)
     recovery.record_restarts_in_place(decision)

@@ -23,6 +23,7 @@ from kubetrain.api.trainingjob import (
 )
 from kubetrain.operator.actions import Action, CountRestart, DeletePod, RecordEvent
 from kubetrain.operator.facts import Observed, WorkerPod
+from kubetrain.pod_conventions import replica_group_of
 
 # Seconds a hung group's pods get between SIGTERM and SIGKILL: enough to flush logs.
 HUNG_GROUP_GRACE_SECONDS: Final = 5
@@ -63,6 +64,23 @@ class ReconcilePass:
     def live_pods(self) -> list[WorkerPod]:
         return [pod for pod in self.observed.pods
                 if not pod.deleting and pod.name not in self.deleted]
+
+    def takes_every_worker(self, broken: list[WorkerPod]) -> bool:
+        """Whether replacing `broken` restarts the whole group: when worker 0, the rendezvous
+        host the survivors cannot re-form without, is among them. Never with
+        spec.faultTolerance: each replica group is its own torchrun group and restarts
+        alone (`replaced_with`)."""
+        return (self.job.spec.fault_tolerance is None
+                and any(pod.index == 0 for pod in broken))
+
+    def replaced_with(self, broken: list[WorkerPod]) -> list[WorkerPod]:
+        """The live pods a restart of `broken` replaces: those pods, or with
+        spec.faultTolerance every live pod of their replica groups (a group is one torchrun
+        group of fixed size, re-formed whole; the other groups train on untouched)."""
+        if self.job.spec.fault_tolerance is None:
+            return broken
+        groups = {replica_group_of(self.job, pod.index) for pod in broken}
+        return [pod for pod in self.live_pods() if replica_group_of(self.job, pod.index) in groups]
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.actions.append(RecordEvent("Warning" if warning else "Normal", reason, message))
@@ -119,7 +137,8 @@ class ReconcilePass:
 
     def restart(self, reason: str, message: str, broken: list[WorkerPod], *,
                 whole_group: bool, counted: bool = True) -> None:
-        """Count a restart and delete the pods to replace (all of them for a whole-group one).
+        """Count a restart and delete the pods to replace (all of them for a whole-group one;
+        with spec.faultTolerance, the whole replica groups of `broken`: `replaced_with`).
 
         An uncounted restart (out of memory: its own limit) spends no maxRestarts and waits
         no backoff; nor does a lost node's (`restart_rules.restart_delay`).
@@ -138,17 +157,22 @@ class ReconcilePass:
                                             time=self.now, counted=counted,
                                             whole_group=whole_group)
         self.status.phase = "Restarting"
-        scope = "the whole group" if whole_group else ", ".join(pod.name for pod in broken)
+        replaced = self.live_pods() if whole_group else self.replaced_with(broken)
+        scope = "the whole group" if whole_group else ", ".join(pod.name for pod in replaced)
+        resume = "workers resume from the latest checkpoint"
+        if self.job.spec.fault_tolerance is not None and not whole_group:
+            groups = sorted({str(replica_group_of(self.job, pod.index)) for pod in replaced})
+            scope = f"replica group {', '.join(groups)} ({scope})"
+            resume = ("the other replica groups train on, and the restarted group heals from "
+                      "a live one (from the latest checkpoint when none is live)")
         delay = restart_rules.restart_delay(policy, self.status.restarts, counted=counted,
                                             node_lost=reason in NO_BACKOFF_REASONS)
         which = (f"restart {self.status.restarts} of {policy.max_restarts}" if counted
                  else "not counted in runPolicy.maxRestarts")
-        text = (f"{message}: restarting {scope} ({which}, in {delay:g}s); workers resume "
-                "from the latest checkpoint")
+        text = f"{message}: restarting {scope} ({which}, in {delay:g}s); {resume}"
         self.condition("Restarting", True, reason, text)
         self.condition("Running", False, reason)
         self.event(reason, text, warning=True)
         self.actions.append(CountRestart(reason, hang=reason == "ProgressDeadlineExceeded"))
-        to_delete = self.live_pods() if whole_group else broken
-        for pod in to_delete:
+        for pod in replaced:
             self.delete(pod, reason)

@@ -17,7 +17,9 @@ hung workers, and the pure functions that decide them.
   group with half the micro-batch or fails it; a failed preflight avoids the nodes it
   named and restarts the group; repeated failures on one node avoid it; the same exit
   code repeated with no progress fails the job; anything else restarts the broken pods,
-  the whole group when worker 0 (the rendezvous host) is among them (`handle_failures`);
+  the whole group when worker 0 (the rendezvous host) is among them, or with
+  spec.faultTolerance the broken pods' replica groups, whole, and no other
+  (`handle_failures`, `ReconcilePass.replaced_with`);
 - a step that has not advanced for progressDeadlineSeconds restarts the group
   (`detect_hang`).
 
@@ -29,10 +31,12 @@ Kubernetes, no clock but the pass's `now`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import functools
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Final
 
+from kubetrain import pod_conventions
 from kubetrain import restart_rules as rules
 from kubetrain.api.trainingjob import (
     RestartStatus,
@@ -136,11 +140,14 @@ def replacements_due(status: TrainingJobStatus, policy: RunPolicy) -> datetime |
 
 def covered_by_restart(restart: RestartStatus, older: list[WorkerPod], policy: RunPolicy,
                        held_back: Collection[str], now: datetime,
-                       moved_off: Collection[str] = ()) -> list[WorkerPod]:
+                       moved_off: Collection[str] = (),
+                       group_of: Callable[[int], int | None] | None = None) -> list[WorkerPod]:
     """The pods of older restart attempts that the restart in progress deletes.
 
     A broken one is replaced within it, and in a whole-group restart (or once worker 0
-    breaks) every older pod goes. So does one on a node the restart began to avoid
+    breaks) every older pod goes; with replica groups (`group_of`, a worker index's group:
+    spec.faultTolerance), every older pod of a broken one's group, and worker 0 is no
+    other group's host. So does one on a node the restart began to avoid
     (`moved_off`): a straggler's pod that a Replace had recorded but not yet deleted when
     the operator stopped, which nothing else would ever move. Permanent failures are not
     covered: they still fail the job.
@@ -150,7 +157,12 @@ def covered_by_restart(restart: RestartStatus, older: list[WorkerPod], policy: R
     covered = [pod for pod in failed if retry_kind_of(pod, codes) != "permanent"] + stuck
     covered += [pod for pod in older
                 if pod.node in moved_off and pod not in covered and not pod.deleting]
-    if restart.whole_group or any(pod.index == 0 for pod in covered):
+    if restart.whole_group:
+        return older
+    if group_of is not None:
+        groups = {group_of(pod.index) for pod in covered}
+        return [pod for pod in older if group_of(pod.index) in groups]
+    if any(pod.index == 0 for pod in covered):
         return older
     return covered
 
@@ -224,8 +236,11 @@ def continue_restart(decision: ReconcilePass) -> None:
     older = [pod for pod in decision.live_pods() if pod.restart_attempt < status.restart_attempt]
     # The nodes this restart began to avoid (a straggler's, say): its pods move off them.
     moved_off = {entry.node for entry in status.avoided_nodes if entry.time >= restart.time}
-    for pod in covered_by_restart(restart, older, decision.job.spec.run_policy,
-                                  decision.held_back, decision.now, moved_off):
+    job = decision.job
+    group_of = (None if job.spec.fault_tolerance is None
+                else functools.partial(pod_conventions.replica_group_of, job))
+    for pod in covered_by_restart(restart, older, job.spec.run_policy,
+                                  decision.held_back, decision.now, moved_off, group_of):
         decision.delete(pod, restart.reason)
 
 
@@ -268,7 +283,7 @@ def handle_failures(decision: ReconcilePass) -> None:
             return
     reason, message = restart_cause(failed, stuck, kinds, policy)
     decision.restart(reason, message, broken_pods,
-                     whole_group=any(pod.index == 0 for pod in broken_pods))
+                     whole_group=decision.takes_every_worker(broken_pods))
 
 
 def record_failures(decision: ReconcilePass, failed: list[WorkerPod],

@@ -392,7 +392,7 @@ def topology_affinity(affinity: dict[str, Any] | None, job_name: str, level: str
     pod affinity (Required) or a preferred one of the greatest weight (Preferred), which
     kube-scheduler's InterPodAffinity, Volcano and the gang plug-ins all honour."""
     merged = copy.deepcopy(affinity) if affinity else {}
-    term = {"labelSelector": {"matchLabels": {pod_conventions.JOB_LABEL: job_name}},
+    term = {"labelSelector": pod_conventions.worker_label_selector(job_name),
             "topologyKey": level}
     pods = merged.setdefault("podAffinity", {})
     if mode == "Required":

@@ -2,11 +2,12 @@
 
 torchrun's settings as PET_* variables (`kubetrain.pod_conventions.torchrun_settings`:
 elastic nnodes min:max, the `kubetrain` rendezvous at worker 0, the pod's budget of
-restarts in place), the pod's placement (downward API) and the S3 credentials from the
-job's Secret; where the job's manifest is mounted, and how long a pod has to stop. The
-containers of kubetrain's trainer (`kubetrain.operator.children`) and of own code
-(`kubetrain.operator.own_code_container`) are both built from these, so neither imports
-the other for them. Pure; touches no API.
+restarts in place; with spec.faultTolerance the pod's replica group, its rendezvous at the
+group's first pod, and the job's lighthouse), the pod's placement (downward API) and the S3
+credentials from the job's Secret; where the job's manifest is mounted, and how long a pod
+has to stop. The containers of kubetrain's trainer (`kubetrain.operator.children`) and of
+own code (`kubetrain.operator.own_code_container`) are both built from these, so neither
+imports the other for them. Pure; touches no API.
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from typing import Any
 
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.pod_conventions import (
+    LIGHTHOUSE_PORT,
     NODE_NAME_ENV,
     POD_NAME_ENV,
+    group_leader,
+    group_run_id,
+    lighthouse_name,
     pet_variable,
     pod_name,
+    replica_group_env,
     torchrun_settings,
 )
 
@@ -40,17 +46,29 @@ _CREDENTIAL_KEYS = (
 )
 
 
-def torchrun_env(job: TrainingJob) -> list[dict[str, Any]]:
-    """torchrun's options as PET_* variables: elastic nnodes, kubetrain's rendezvous on
-    c10d's store at worker 0."""
+def lighthouse_url(job: TrainingJob) -> str:
+    """Where the job's workers reach its lighthouse: its Service, by its name in the job's
+    namespace, as they reach each other's pods by `<pod>.<job>`."""
+    return f"http://{lighthouse_name(job.metadata.name)}:{LIGHTHOUSE_PORT}"
+
+
+def torchrun_env(job: TrainingJob, index: int = 0) -> list[dict[str, Any]]:
+    """torchrun's options as PET_* variables for worker `index`: elastic nnodes, kubetrain's
+    rendezvous on c10d's store at worker 0. With spec.faultTolerance, the pod's replica
+    group is its torchrun group: it meets at the group's first pod under the group's run
+    id, and is told its group and the lighthouse (`replica_group_env`); every pod of a job
+    without it gets the same variables."""
     name = job.metadata.name
+    leader = group_leader(job, index)
     settings = torchrun_settings(
-        job, endpoint=f"{pod_name(name, 0)}.{name}:{RENDEZVOUS_PORT}",
+        job, endpoint=f"{pod_name(name, leader)}.{name}:{RENDEZVOUS_PORT}",
         # The uid, not the name: a re-created job of the same name must not join stale rendezvous.
-        run_id=job.metadata.uid or name,
+        run_id=group_run_id(job, index, job.metadata.uid or name),
         max_nodes=job.spec.workers.max_workers, max_restarts=job.spec.run_policy.max_restarts)
+    groups = replica_group_env(job, index, lighthouse_url(job))
     return [
         *({"name": pet_variable(option), "value": value} for option, value in settings.items()),
+        *({"name": variable, "value": value} for variable, value in groups.items()),
         # A fresh store for the trainers at each rendezvous round: in torchrun's shared store
         # an earlier round's keys remain, and the agents count restarts differently (one
         # whose worker failed counts it, one that restarts for the new membership does not),
