@@ -217,8 +217,9 @@ class TrainingJobSpec(ApiModel):
         description="Per-step fault tolerance (torchft): the workers split into replicaGroups "
         "groups of whole pods that replicate one another, so when a group fails the others "
         "keep training and it heals from a live peer when it comes back; omit it for "
-        "whole-job restarts from a checkpoint. The trainer's part is built, the operator's "
-        "(torchft's lighthouse, one torchrun per group) not yet: docs/fault-tolerance.md.",
+        "whole-job restarts from a checkpoint. The operator runs torchft's lighthouse and "
+        "one torchrun group per replica group; `kubetrain run` does not run groups yet: "
+        "docs/fault-tolerance.md.",
     )
     checkpoint: CheckpointSpec = Field(description="Checkpoint location and cadence.")
     storage: StorageSpec = Field(
