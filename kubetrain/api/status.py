@@ -103,6 +103,9 @@ class BadputSeconds(ApiModel):
                              "pace, since every rank waits for the slowest.")
     preflight: float = Field(default=0.0, description="The health check before each attempt's "
                              "first step (runPolicy.preflight).")
+    degraded: float = Field(default=0.0, description="spec.faultTolerance: of each step "
+                            "trained by fewer than all replica groups, the absent groups' "
+                            "share of its time (k of N groups: (N - k) / N).")
 
 
 class GoodputStatus(ApiModel):

@@ -32,16 +32,17 @@ INSTALL_HINT = "pip install 'kubetrain[report]'"
 # The causes in the order they stack, productive (goodput) first (the trainer's goodput
 # ledger, kubetrain.trainer.goodput, names them), each with a colour of its own: goodput
 # green, time lost to failures in reds and browns, the cost of checkpoints in blues, and
-# straggling in pink, far from productive's green, which it is carved out of.
+# straggling in pink and degraded steps (replica groups absent) in cyan, far from
+# productive's green, which both are carved out of.
 CAUSE_COLORS = {
     "productive": "#2ca02c", "data_wait": "#9467bd", "checkpoint_save": "#1f77b4",
     "checkpoint_load": "#9ecae1", "startup": "#7f7f7f", "preflight": "#c7c7c7",
     "evaluation": "#bcbd22", "lost_progress": "#ff7f0e", "downtime": "#d62728",
-    "oom": "#8c564b", "straggler": "#e377c2",
+    "oom": "#8c564b", "straggler": "#e377c2", "degraded": "#17becf",
 }
 CAUSES = tuple(CAUSE_COLORS)
 # For causes a newer trainer adds that this report does not know yet.
-OTHER_COLORS = ("#17becf", "#393b79", "#637939", "#7b4173", "#843c39")
+OTHER_COLORS = ("#393b79", "#bd9e39", "#637939", "#7b4173", "#843c39")
 NO_FAILURES = "Worker failures: none — no worker failed in this run."
 
 

@@ -107,6 +107,16 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
     restarted = [event["step"] for event in steps(1) if event["time"] > killed_at]
     assert restarted[0] == healed["step"] + 1
     assert steps(0)[-1]["step"] == steps(1)[-1]["step"] == MAX_STEPS
+    # Goodput books what the stretch alone cost: the absent group's share of each step. The
+    # restarted group took group 0's ledger with its state: its wall time is the job's since
+    # the first start, not its own since the restart.
+    final = [launcher.events(job, "goodput")[-1] for job in jobs]
+    assert final[0]["seconds"]["degraded"] > 0
+    walls = [sum(event["seconds"].values()) for event in final]
+    restarted = next(event["time"] for event in launcher.events(jobs[1], "start")
+                     if event["time"] > killed_at)
+    assert walls[1] > final[1]["time"] - restarted + 5
+    assert walls[1] == pytest.approx(walls[0], abs=5)
     # Each group trains on its own data, so their losses differ; their gradients, averaged
     # over the groups before the norm is taken, do not: the same norm at the last step.
     assert steps(0)[-1]["grad_norm"] == pytest.approx(steps(1)[-1]["grad_norm"], rel=1e-5)

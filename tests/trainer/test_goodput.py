@@ -13,6 +13,7 @@ from kubetrain.trainer.goodput import (
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
     DATA_WAIT,
+    DEGRADED,
     DOWNTIME,
     EVALUATION,
     HEARTBEAT_NAME,
@@ -211,6 +212,29 @@ def test_a_heartbeat_of_another_origin_is_ignored() -> None:
     assert ledger.wall_seconds == pytest.approx(clock.now)
 
 
+def test_a_healed_replica_group_takes_the_live_groups_totals_and_books_on_from_there() -> None:
+    """spec.faultTolerance: a group started again at t=100 heals at t=112 from a peer whose
+    ledger has run since t=0; the job's wall time is the peer's, not the 12 s since."""
+    clock = FakeClock(0.0)
+    peer = GoodputLedger(attempt_started=0.0, clock=clock)
+    clock.advance(5.0)
+    peer.charge(STARTUP)
+    clock.advance(107.0)
+    peer.charge(PRODUCTIVE)
+    peer.move(PRODUCTIVE, DEGRADED, 20.0)
+    peer.charge_load(S3_TIER)  # nothing elapsed: the tier's split travels all the same
+    healed = GoodputLedger(attempt_started=100.0, clock=clock)
+    healed.charge(STARTUP)  # its own start-up, which the peer's wall time covers
+    healed.adopt(peer.snapshot())
+    assert healed.origin == 0.0 and healed.wall_seconds == pytest.approx(112.0)
+    assert healed.seconds[DEGRADED] == 20.0 and healed.seconds[STARTUP] == 5.0
+    clock.advance(3.0)
+    healed.charge(PRODUCTIVE)
+    assert healed.seconds[PRODUCTIVE] == pytest.approx(87.0 + 3.0)
+    assert healed.wall_seconds == pytest.approx(clock.now)
+    assert set(healed.load_seconds) == set(peer.load_seconds)
+
+
 def test_the_heartbeat_round_trips_through_storage(tmp_path: Path) -> None:
     store = open_storage(str(tmp_path))
     heartbeat = Heartbeat(store)
@@ -299,6 +323,23 @@ def test_a_straggler_stays_one_until_normal_for_a_window_then_healthy_time_is_fr
     assert booked[3] == pytest.approx(10 * 0.02)
     assert booked[4:7] == [0.0, 0.0, 0.0]
     assert booked[7] == 0.0  # a new streak starts again from 0
+
+
+def test_a_new_pace_after_a_quorum_change_is_no_straggler_time() -> None:
+    """spec.faultTolerance: alone, a replica group steps at 0.10 s; with a group back, the
+    all-reduce across them makes every rank's step 0.20 s. Judged against the old pace,
+    that stretch would be booked to the first rank found slow after it (5.6 s here, not
+    1.6); judging starts again from the new pace instead."""
+    across_groups = ([0.08, 0.08], [0.12, 0.12])  # the group's step: 0.20 s, all waiting
+    slow_across = ([0.08, 0.24], [0.28, 0.12])  # rank 1 slow: the group's step 0.36 s
+    booking = StragglerBooking(threshold=1.3, window=1)
+    assert booking.lost(*HEALTHY, 10, _wall(HEALTHY)) == {}
+    booking.pace_changed()
+    assert [booking.lost(*across_groups, 10, _wall(across_groups)) for _ in range(3)] \
+        == [{}] * 3
+    # A slow rank is still found, and priced against the new pace: 0.16 s a step over it.
+    assert booking.lost(*slow_across, 10, _wall(slow_across)) == {
+        PRODUCTIVE: pytest.approx(10 * 0.16)}
 
 
 def test_a_rank_slow_from_the_start_is_priced_against_the_healthy_ranks() -> None:

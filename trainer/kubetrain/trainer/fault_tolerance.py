@@ -12,10 +12,11 @@ torchft's `Manager` replicates it. Each step:
 A group that fails drops out of the next quorum, and the others step on, averaging over
 those present. A group that comes back (its torchrun restarted, its pod replaced) asks for a
 quorum at step 0, finds peers ahead and takes their state before its first step: weights,
-optimizer, learning-rate schedule, data position, early-stopping record and the torch RNG
-of the same rank in the peer. No checkpoint is read from storage for that. The quorum runs
-synchronously (torchft's `use_async_quorum=False`), so a group heals before its forward
-pass and every step starts from the same weights on every group.
+optimizer, learning-rate schedule, data position, early-stopping record, the torch RNG
+of the same rank in the peer, and the goodput ledger's totals. No checkpoint is read from
+storage for that. The quorum runs synchronously (torchft's `use_async_quorum=False`), so
+a group heals before its forward pass and every step starts from the same weights on every
+group.
 
 The data: every group reads its own slots of the global position (data.py), as if the
 groups' processes were one data-parallel world, so the groups never read the same sample.
@@ -45,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
+from kubetrain.trainer.goodput import GoodputLedger
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -170,6 +172,11 @@ class ReplicaGroups:
         self.skipped_samples += (self.groups - present) * self.samples_per_group_step
         return committed
 
+    @property
+    def absent_share(self) -> float:
+        """The share of the groups absent from the last quorum (0 with all of them)."""
+        return 1 - self.participants / self.groups if self.participants else 0.0
+
     def starts_at(self, step: int) -> None:
         """After a checkpoint was loaded (or none): the quorum's step count starts there."""
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.groups})
@@ -196,21 +203,28 @@ class HealState:
         self.state = state
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: tree_map(_local, _own_rank(name, value.state_dict()))
-                for name, value in self.state.items()}
+        return {name: tree_map(_local, _sent(name, value)) for name, value in self.state.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for name, value in self.state.items():
             if name == "rng":
                 torch.set_rng_state(state_dict[name]["cpu"])
-                continue
-            into = value.state_dict()  # this rank's own tensors: the shape to put them in
-            value.load_state_dict(tree_map(_into, into, state_dict[name]))
+            elif isinstance(value, GoodputLedger):
+                value.adopt(state_dict[name])
+            else:
+                into = value.state_dict()  # this rank's own tensors: the shape to put them in
+                value.load_state_dict(tree_map(_into, into, state_dict[name]))
 
 
-def _own_rank(name: str, state: Any) -> Any:
-    """RandomState's state gathers every rank's (a collective): here only this rank's."""
-    return {"cpu": torch.get_rng_state()} if name == "rng" else state
+def _sent(name: str, value: Stateful) -> Any:
+    """What is sent of `value`: its state, but of the RNG only this rank's (RandomState's
+    gathers every rank's, a collective), and of the goodput ledger its totals with the
+    load tiers (`GoodputLedger.adopt`)."""
+    if name == "rng":
+        return {"cpu": torch.get_rng_state()}
+    if isinstance(value, GoodputLedger):
+        return value.snapshot()
+    return value.state_dict()
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

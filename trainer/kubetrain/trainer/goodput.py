@@ -22,6 +22,9 @@ defines it; the rest ("badput") is split by cause:
     oom               lost progress and downtime of an attempt that ran out of memory:
                       the restart with half the micro-batch is counted apart, so a job
                       that keeps running out of memory shows it
+    degraded          spec.faultTolerance's steps trained by fewer than all replica groups:
+                      of a step trained by k of N groups, the (N - k) / N that the absent
+                      groups' share of the batch stands for (what a degraded stretch cost)
     straggler         the group's time lost while a rank is a straggler: per logged
                       interval, its wall time over the healthy pace, moved out of
                       productive, and a save's time over a healthy save's, moved out of
@@ -83,8 +86,9 @@ DOWNTIME = "downtime"
 OUT_OF_MEMORY = "oom"
 PREFLIGHT = "preflight"
 STRAGGLER = "straggler"
+DEGRADED = "degraded"
 CAUSES = (PRODUCTIVE, DATA_WAIT, CHECKPOINT_SAVE, CHECKPOINT_LOAD, STARTUP, EVALUATION,
-          LOST_PROGRESS, DOWNTIME, OUT_OF_MEMORY, PREFLIGHT, STRAGGLER)
+          LOST_PROGRESS, DOWNTIME, OUT_OF_MEMORY, PREFLIGHT, STRAGGLER, DEGRADED)
 # Where a resumed checkpoint came from (checkpoint_load's split; memory_checkpoint.Restored).
 MEMORY_TIER = "memory"
 PARTNER_TIER = "partner"
@@ -247,6 +251,19 @@ class GoodputLedger(Stateful):
                                       for cause in CAUSES},
                           "oom_restarts": int(state_dict.get("oom_restarts", 0))}
 
+    def adopt(self, state: Mapping[str, Any]) -> None:
+        """Take a live replica group's totals (its `state_dict` and `tier_state`'s, as
+        fault_tolerance.py sends them) in place of this attempt's: the peer's ledger covers
+        the job's wall time up to when it sent them, this group's own start-up included,
+        so booking starts again from now."""
+        self.origin = float(state["origin"])
+        self.step = int(state["step"])
+        self.out_of_memory_restarts = int(state.get("oom_restarts", 0))
+        self._before = {cause: float(state["seconds"].get(cause, 0.0)) for cause in CAUSES}
+        self._tiers_before = _tiers(state.get("checkpoint_load_tiers"))
+        self._attempt, self._tiers_attempt = _zero(), _tiers(None)
+        self._mark = max(self.clock(), self._mark)
+
     def resume(self, heartbeat: Mapping[str, Any] | None, *,
                from_this_job: bool = True, out_of_memory_restarts: int = 0) -> None:
         """Carry the earlier attempts' time into this one.
@@ -350,6 +367,17 @@ class StragglerBooking:
     @property
     def in_episode(self) -> bool:
         return self.straggling or any(self._pending.values()) or self.slow_intervals > 0
+
+    def pace_changed(self) -> None:
+        """The group's healthy pace is another from here (spec.faultTolerance: replica groups
+        left or joined the quorum, and the all-reduce across them with them): what was healthy
+        before says nothing of the steps to come, so judging starts again; an episode
+        pending is dropped, as one that ends before its judgement."""
+        self.straggling = False
+        self.slow_intervals = self.normal_intervals = 0
+        self._pending = dict.fromkeys(self._pending, 0.0)
+        self._healthy.clear()
+        self._saves.clear()
 
     def lost(self, computes: Sequence[float], waits: Sequence[float], steps: int,
              wall: float) -> dict[str, float]:

@@ -122,7 +122,9 @@ from kubetrain.trainer.fault_tolerance import ReplicaGroups, data_slot
 from kubetrain.trainer.goodput import (
     CHECKPOINT_SAVE,
     DATA_WAIT,
+    DEGRADED,
     EVALUATION,
+    LOST_PROGRESS,
     PREFLIGHT,
     PRODUCTIVE,
     STARTUP,
@@ -498,11 +500,12 @@ class Trainer:
             app_state["scaler"] = parallel.scaler
         replicas = None
         if spec.fault_tolerance is not None:
-            # What a group that comes back takes from a live one: all but the time ledger.
+            # What a group that comes back takes from a live one (fault_tolerance.HealState).
             replicas = ReplicaGroups.join(
                 spec.fault_tolerance, world, self.name,
                 {name: app_state[name] for name in
-                 ("model", "scheduler", "data", "train", "rng", "scaler") if name in app_state})
+                 ("model", "scheduler", "data", "train", "rng", "goodput", "scaler")
+                 if name in app_state})
         reporter = Reporter(spec, enabled=world.is_main, metrics_log=self.metrics_log,
                             job_name=self.name, serve=self.serve_metrics, max_steps=max_steps)
 
@@ -566,6 +569,7 @@ class Trainer:
                 if run.replicas.participants != groups_before:
                     run.reporter.quorum(step, run.replicas.participants, run.replicas.groups,
                                         run.replicas.skipped_samples)
+                    meter.stragglers.pace_changed()  # a step across more groups takes longer
                 if step >= run.max_steps:
                     break
 
@@ -574,12 +578,15 @@ class Trainer:
             # Forward/backward with accumulation → clip → optimizer step → schedule.
             result = self._train_step(run, meter, batches)
             if result is None:  # a group failed inside the step: none of them took it
+                run.goodput.charge(LOST_PROGRESS)
                 continue
             step += 1
 
             # Metrics: cheap ones every step, reduced ones every logEverySteps.
             run.reporter.stepped(step, meter.global_tokens, meter.end_step())
-            run.goodput.charge(PRODUCTIVE)
+            stepped = run.goodput.charge(PRODUCTIVE)
+            if run.replicas is not None:  # the absent groups' share of a degraded step
+                run.goodput.move(PRODUCTIVE, DEGRADED, stepped * run.replicas.absent_share)
             run.goodput.stepped(step)
             if step % spec.metrics.log_every_steps == 0 or step == run.max_steps:
                 # Its gathers wait on every rank: a rank signalled while blocked in one on a
