@@ -49,6 +49,9 @@ EXIT_OUT_OF_MEMORY: Final = 87  # the device ran out of memory at this micro-bat
 EXIT_COLLECTIVE_TIMEOUT: Final = 88  # a collective timed out (a peer hung or vanished)
 EXIT_PREFLIGHT_FAILED: Final = 89  # the preflight check failed (kubetrain.trainer.preflight)
 EXIT_GPU_ERROR: Final = 90  # the GPU itself failed (kubetrain.trainer.failure_classes.is_gpu_error)
+# spec.faultTolerance: no quorum of minReplicaGroups replica groups formed within the quorum
+# timeout, or the lighthouse could not be reached (kubetrain.trainer.fault_tolerance)
+EXIT_QUORUM_LOST: Final = 91
 # 128 + N is "killed by signal N" as shells and container runtimes report it (Python's
 # Popen reports -N); 128 itself is no signal.
 SIGNAL_EXIT_BASE: Final = 128
@@ -68,13 +71,13 @@ def is_signal_exit(exit_code: int) -> bool:
 
 # Every class a failed worker can get, in the order kubetrain.operator.failures decides it.
 FailureClass = Literal["OOMKilled", "CUDAOutOfMemory", "Evicted", "Preempted", "NodeLost",
-                       "CollectiveTimeout", "GPUError", "PreflightFailed", "UserError",
-                       "Unknown"]
+                       "CollectiveTimeout", "GPUError", "PreflightFailed", "QuorumLost",
+                       "UserError", "Unknown"]
 FAILURE_CLASSES: Final[tuple[str, ...]] = get_args(FailureClass)
 # The classes only the trainer can see, written into its termination message: under
 # torchrun the worker's exit code is torchrun's, whatever the trainer died of.
 TrainerFailureClass = Literal["CUDAOutOfMemory", "CollectiveTimeout", "GPUError",
-                              "PreflightFailed"]
+                              "PreflightFailed", "QuorumLost"]
 TRAINER_CLASSES: Final = frozenset(get_args(TrainerFailureClass))
 # The trainer's own exit code for each: what a trainer run without torchrun exits with.
 TRAINER_EXIT_CODES: Final[dict[str, int]] = {
@@ -82,11 +85,14 @@ TRAINER_EXIT_CODES: Final[dict[str, int]] = {
     "CollectiveTimeout": EXIT_COLLECTIVE_TIMEOUT,
     "PreflightFailed": EXIT_PREFLIGHT_FAILED,
     "GPUError": EXIT_GPU_ERROR,
+    "QuorumLost": EXIT_QUORUM_LOST,
 }
 # Out of memory, in the container (the kernel's OOM killer) or on the device.
 OUT_OF_MEMORY_CLASSES: Final = frozenset({"OOMKilled", "CUDAOutOfMemory"})
 # Trainer failures a restart in place cannot cure (the same micro-batch, the same GPU, the
 # same stalled peer): the worker asks its torchrun agent to stop, and the pod ends.
+# (QuorumLost is cured in place: the new processes rejoin the quorum, or resume from the
+# checkpoint with the other groups when every group lost it.)
 ENDS_THE_POD: Final = frozenset({"CUDAOutOfMemory", "GPUError", "PreflightFailed"})
 
 

@@ -7,9 +7,10 @@ and the terminal for the local runner).
 
 What happened, first: each failed worker's class (`failure_class`), in the order it is
 decided: its node lost, preempted, evicted, killed by the kernel's OOM killer, then what
-the trainer wrote (CUDAOutOfMemory, CollectiveTimeout, GPUError, PreflightFailed), a
-permanent exit code (UserError), else Unknown. The OOM kill outranks the trainer's words:
-a rank that timed out on a peer the kernel killed is the kill's consequence.
+the trainer wrote (CUDAOutOfMemory, CollectiveTimeout, GPUError, PreflightFailed,
+QuorumLost), a permanent exit code (UserError), else Unknown. The OOM kill outranks the
+trainer's words: a rank that timed out on a peer the kernel killed is the kill's
+consequence.
 
 What follows, in the order `judge` checks it over every worker that failed together:
 - a failure's retry kind (`retry_kind`): an exit code in runPolicy.permanentExitCodes

@@ -281,3 +281,18 @@ def test_a_pod_breaking_during_a_group_restart_takes_its_own_group_only(
     out = _run(job, *pods, lighthouse=_lighthouse())
     assert sorted(action.name for action in out.deleted) == ["demo-worker-0", "demo-worker-1"]
     assert {action.reason for action in out.deleted} == {"WorkerFailed"}, "the same restart"
+
+
+def test_a_group_that_lost_its_quorum_restarts_alone_and_says_why(
+        minimal_manifest: dict) -> None:
+    """A trainer that found no quorum (too few groups, no lighthouse) past torchrun's
+    restarts in place ends its pod as QuorumLost: its group restarts, not the live ones,
+    which may well have a quorum (every group restarts only when every group lost it)."""
+    from kubetrain.operator.facts import TrainerFailure
+
+    said = TrainerFailure("QuorumLost", "no quorum of faultTolerance.minReplicaGroups (2)")
+    pods = [pod(0), pod(1), pod(2, "Failed", exit_code=1, trainer_failure=said), pod(3)]
+    out = _run(_job(minimal_manifest, status=_running()), *pods, lighthouse=_lighthouse())
+    assert sorted(action.name for action in out.deleted) == ["demo-worker-2", "demo-worker-3"]
+    assert out.status is not None and out.status["restart"]["wholeGroup"] is False
+    assert out.status["lastFailure"]["class"] == "QuorumLost"

@@ -140,3 +140,36 @@ def test_a_job_with_replica_groups_outside_them_is_refused_naming_the_way(
     assert main(["run", str(job)]) == 1
     refused = capsys.readouterr().err
     assert "spec.faultTolerance" in refused and "remove faultTolerance" in refused
+
+
+def test_without_a_quorum_of_the_minimum_groups_the_trainer_fails_saying_so(
+        prepared_corpus: Any, tmp_path: Path, launcher: Launcher) -> None:
+    """minReplicaGroups 2 and one group alive: the lighthouse forms no quorum, and after
+    quorumTimeoutSeconds (and its retries) the trainer exits as QuorumLost."""
+    from kubetrain.pod_conventions import TERMINATION_LOG_ENV
+    from kubetrain.protocol import EXIT_QUORUM_LOST
+
+    job = write_tiny_job(prepared_corpus, tmp_path, "ft", workers={"replicas": 2},
+                         faultTolerance={"replicaGroups": 2, "minReplicaGroups": 2,
+                                         "quorumTimeoutSeconds": 2})
+    port = launcher.free_port()
+    command = lighthouse_command(load_job(job), bind=f"127.0.0.1:{port}")
+    lighthouse = subprocess.Popen([str(Path(sys.executable).with_name(command[0])),
+                                   *command[1:]], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    termination_log = tmp_path / "termination-log"
+    termination_log.touch()  # the kubelet makes it in the container
+    env = {**launcher.env(), REPLICA_GROUP_ENV: "0", LIGHTHOUSE_ENV: f"http://127.0.0.1:{port}",
+           TERMINATION_LOG_ENV: str(termination_log)}
+    try:
+        done = subprocess.run(launcher.command(job, 1, in_pod=True), env=env,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    # Under torchrun the pod's exit is the agent's; what the trainer died of is in the
+    # termination message (and its own exit code in the agent's log).
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert "QuorumLost" in termination_log.read_text()
+    assert f"exitcode  : {EXIT_QUORUM_LOST}" in done.stderr
+    assert "faultTolerance.minReplicaGroups (2)" in done.stderr

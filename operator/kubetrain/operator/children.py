@@ -388,6 +388,9 @@ def lighthouse_pod(job: TrainingJob) -> dict[str, Any]:
         "name": LIGHTHOUSE_CONTAINER,
         "image": image,
         "command": lighthouse_command(job),
+        # torchft's lighthouse logs every quorum request at info, lines per group per step;
+        # the trainers say when the quorum changes (their `quorum` events).
+        "env": [{"name": "RUST_LOG", "value": "warn"}],
         "ports": [{"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT}],
         "readinessProbe": {"tcpSocket": {"port": LIGHTHOUSE_PORT}, "periodSeconds": 5},
         "resources": copy.deepcopy(_LIGHTHOUSE_RESOURCES),

@@ -17,7 +17,8 @@ The classes, in the order they are decided:
 - Evicted: the kubelet evicted it (node pressure) or the Eviction API did (a drain);
 - OOMKilled: the container's reason, or exit 137 with an out-of-memory reason or
   message on the pod (some runtimes leave the container reason Error);
-- CUDAOutOfMemory, CollectiveTimeout, GPUError, PreflightFailed: what the trainer wrote
+- CUDAOutOfMemory, CollectiveTimeout, GPUError, PreflightFailed, QuorumLost: what the
+  trainer wrote
   into its termination message before exiting (`kubetrain_worker_failure_info{class=...}`),
   since none shows in the pod's status: torchrun exits 1 whatever its worker died of;
 - UserError: an exit code in runPolicy.permanentExitCodes;

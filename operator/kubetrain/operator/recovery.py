@@ -19,7 +19,9 @@ hung workers, and the pure functions that decide them.
   code repeated with no progress fails the job; anything else restarts the broken pods,
   the whole group when worker 0 (the rendezvous host) is among them, or with
   spec.faultTolerance the broken pods' replica groups, whole, and no other
-  (`handle_failures`, `ReconcilePass.replaced_with`);
+  (`handle_failures`, `ReconcilePass.replaced_with`). A group that lost its quorum
+  (QuorumLost) is one of them: when every group lost it, every group restarts, and they
+  resume from the latest checkpoint together;
 - a step that has not advanced for progressDeadlineSeconds restarts the group
   (`detect_hang`).
 

@@ -3,7 +3,8 @@
 `FAILURES` is one table from an error to its class (written into the termination message
 for the operator and `kubetrain run`), `fit`'s reason and the exit code
 (`kubetrain.protocol`): a failed preflight, the device out of memory however it was raised,
-the GPU itself failing, a collective (or its store) timing out; first match first. Any
+the GPU itself failing, spec.faultTolerance's quorum lost, a collective (or its store)
+timing out; first match first. Any
 other error propagates. A rank whose collective failed because a peer vanished
 (`is_peer_lost`) is that peer's consequence. Out of memory on CUDA comes with `kubetrain
 estimate`'s advice (`out_of_memory_advice`). The loop (loop.py) asks; nothing here acts.
@@ -24,13 +25,16 @@ from kubetrain.protocol import (
     EXIT_GPU_ERROR,
     EXIT_OUT_OF_MEMORY,
     EXIT_PREFLIGHT_FAILED,
+    EXIT_QUORUM_LOST,
     TrainerFailureClass,
 )
 from kubetrain.trainer.distributed import World
+from kubetrain.trainer.fault_tolerance import QuorumLost
 from kubetrain.trainer.preflight import PreflightFailed
 
 # `fit`'s reasons when one of `FAILURES` ended the attempt.
-FailureReason = Literal["preflight_failed", "out_of_memory", "gpu_error", "collective_timeout"]
+FailureReason = Literal["preflight_failed", "out_of_memory", "gpu_error", "collective_timeout",
+                        "quorum_lost"]
 
 
 # How a device allocation failure reads when it does not arrive as torch.OutOfMemoryError:
@@ -98,6 +102,9 @@ FAILURES = (
             "preflight_failed", EXIT_PREFLIGHT_FAILED),
     Failure(is_out_of_memory, "CUDAOutOfMemory", "out_of_memory", EXIT_OUT_OF_MEMORY),
     Failure(is_gpu_error, "GPUError", "gpu_error", EXIT_GPU_ERROR),
+    # Before the timeouts: a quorum that never formed reads as one too.
+    Failure(lambda error: isinstance(error, QuorumLost), "QuorumLost", "quorum_lost",
+            EXIT_QUORUM_LOST),
     Failure(is_collective_timeout, "CollectiveTimeout", "collective_timeout",
             EXIT_COLLECTIVE_TIMEOUT),
 )

@@ -58,7 +58,20 @@ if TYPE_CHECKING:
 # DDP's default bucket size: large enough that the round trips do not count, small enough
 # that a bucket's flat copy is a small part of the gradients' memory.
 BUCKET_BYTES = 25 * 1024 * 1024
+# Quorum requests tried again before QuorumLost: a lighthouse restarted in place (its
+# pod's restartPolicy) is asked again, and the groups step on where they were. Measured
+# with a 10 s quorum timeout: the lighthouse killed and back in 2 s, a group stepped again
+# 7.9 s after the kill; without retries both groups ended at the timeout.
+QUORUM_RETRIES = 2
 INSTALL_FAULT_TOLERANCE = "pip install 'kubetrain[fault-tolerance]' (or pip install torchft)"
+
+
+class QuorumLost(RuntimeError):
+    """No quorum of minReplicaGroups groups formed within the quorum timeout (retried
+    QUORUM_RETRIES times), or the lighthouse could not be reached: the failure class
+    QuorumLost. torchrun restarts the group's processes in place; they rejoin the quorum
+    and heal from a live group, or, where every group lost it and restarted, find no group
+    ahead and resume from the latest checkpoint together: a whole-job restart."""
 
 
 class NotInAReplicaGroup(RuntimeError):
@@ -85,6 +98,8 @@ class ReplicaGroups:
     manager: Manager
     group: int
     groups: int
+    min_groups: int
+    timeout_seconds: int
     samples_per_group_step: int  # one group's samples in one step, set by the loop
     skipped_samples: int = 0  # absent groups' and uncommitted steps' samples, passed over
     participants: int = 0  # groups in the last quorum
@@ -127,12 +142,13 @@ class ReplicaGroups:
             use_async_quorum=False,
             # Every group draws the same initial weights from the job's seed: nothing to sync.
             init_sync=False,
-            timeout=timeout, quorum_timeout=timeout,
+            timeout=timeout, quorum_timeout=timeout, quorum_retries=QUORUM_RETRIES,
             # torchft numbers a replica by the digits its id ends with.
             replica_id=f"{job_name}-group-{group}",
             rank=world.rank, world_size=world.world_size)
         return cls(manager=manager, group=group, groups=spec.replica_groups,
-                   samples_per_group_step=0)
+                   min_groups=spec.min_replica_groups,
+                   timeout_seconds=spec.quorum_timeout_seconds, samples_per_group_step=0)
 
     def first_quorum(self) -> int:
         """Join the quorum before loading anything: a group behind its peers takes their
@@ -147,7 +163,13 @@ class ReplicaGroups:
         if self._unused_quorum:
             self._unused_quorum = False
         else:
-            self.manager.start_quorum()
+            try:
+                self.manager.start_quorum()
+            except Exception as error:  # torchft's client: a timeout, or no lighthouse
+                raise QuorumLost(
+                    f"no quorum of faultTolerance.minReplicaGroups ({self.min_groups}) "
+                    f"replica groups within quorumTimeoutSeconds ({self.timeout_seconds}s): "
+                    f"{error}".strip()) from error
         self.participants = self.manager.num_participants()
         return self.manager.current_step()
 

@@ -170,7 +170,7 @@ from kubetrain.trainer.storage import open_storage
 # or one of `FAILURES` ended the attempt.
 # (The failures' reasons are failure_classes.FailureReason's; a test checks the two agree.)
 FitReason = Literal["max_steps", "early_stopping", "signalled", "preflight_failed",
-                    "out_of_memory", "gpu_error", "collective_timeout"]
+                    "out_of_memory", "gpu_error", "collective_timeout", "quorum_lost"]
 
 
 @dataclass(frozen=True)
