@@ -173,3 +173,63 @@ def test_without_a_quorum_of_the_minimum_groups_the_trainer_fails_saying_so(
     assert "QuorumLost" in termination_log.read_text()
     assert f"exitcode  : {EXIT_QUORUM_LOST}" in done.stderr
     assert "faultTolerance.minReplicaGroups (2)" in done.stderr
+
+
+def test_own_torchft_code_gets_what_it_needs_from_the_groups_variables(
+        minimal_manifest: dict[str, Any], tmp_path: Path, launcher: Launcher) -> None:
+    """An own-code job's torchft script (tests/own_code/torchft_ddp.py: torchft's Manager,
+    DistributedDataParallel and Optimizer, nothing of kubetrain) run with the variables the
+    operator gives each pod of a group (`replica_group_env`): one group killed, the other
+    steps on, and the restarted one heals from it."""
+    from kubetrain.api.manifest import parse_job
+    from kubetrain.pod_conventions import replica_group_env
+
+    script = Path(__file__).parents[1] / "own_code" / "torchft_ddp.py"
+    job = parse_job({**minimal_manifest, "spec": {
+        "checkpoint": minimal_manifest["spec"]["checkpoint"],
+        "trainer": {"image": "own:1", "command": ["python", "train.py"]},
+        "workers": {"replicas": 2}, "faultTolerance": {"replicaGroups": 2,
+                                                       "heartbeatTimeoutMilliseconds": 1000}}})
+    port = launcher.free_port()
+    command = lighthouse_command(job, bind=f"127.0.0.1:{port}")
+    lighthouse = subprocess.Popen([str(Path(sys.executable).with_name(command[0])),
+                                   *command[1:]], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    outputs = [tmp_path / f"group-{group}.txt" for group in range(2)]
+
+    def start(group: int) -> subprocess.Popen[str]:
+        env = {**launcher.env(), **replica_group_env(job, group, f"http://127.0.0.1:{port}"),
+               "RUST_LOG": "warn"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=1", str(script), "--steps", "100000", "--step-seconds", "0.02"],
+            env=env, stdout=outputs[group].open("a"), stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+
+    def lines(group: int, prefix: str) -> list[int]:
+        text = outputs[group].read_text() if outputs[group].exists() else ""
+        return [int(line.split()[len(prefix.split())]) for line in text.splitlines()
+                if line.startswith(prefix)]
+
+    agents = [start(0), start(1)]
+    try:
+        _wait_for(lambda: len(lines(1, "own-code step ")) >= 10, 120, "group 1's steps")
+        os.killpg(agents[1].pid, signal.SIGKILL)
+        agents[1].wait()
+        alone_from = lines(0, "own-code step ")[-1]
+        agents[1] = start(1)
+        _wait_for(lambda: [step for step in lines(1, "own-code healed at step ")
+                           if step > alone_from], 120, "group 1 to heal from group 0")
+        healed = lines(1, "own-code healed at step ")[-1]
+        _wait_for(lambda: lines(1, "own-code step ")[-1] >= healed + 20, 60,
+                  "both groups to step on together")
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+        lighthouse.kill()
+        lighthouse.wait()
+    # Group 0 stepped on alone while group 1 was away, then both stepped together.
+    assert healed > alone_from
+    assert set(range(alone_from, healed)) <= set(lines(0, "own-code step "))
+    assert set(range(healed + 1, healed + 20)) <= set(lines(0, "own-code step "))

@@ -1,0 +1,62 @@
+"""A user's own torchft training script, run as one replica group of a job (spec.trainer
+with spec.faultTolerance): torchft's Manager, DistributedDataParallel and OptimizerWrapper.
+
+A test asset, never part of a product image. It knows nothing of kubetrain beyond what
+torchft itself reads: TORCHFT_LIGHTHOUSE, torchrun's RANK/WORLD_SIZE/MASTER_ADDR/PORT, and
+a replica id, here from KUBETRAIN_REPLICA_GROUP (a torchtitan script takes it as
+--fault_tolerance.replica_id). That is what the operator gives each pod of a group.
+
+Rank 0 prints `own-code step N loss L` for each committed step, and `own-code healed at
+step N` when the step count jumped in one (the state came from a live group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--step-seconds", type=float, default=0.0,
+                        help="sleep after each step, so a test can act mid-run")
+    args = parser.parse_args()
+    torch.manual_seed(0)  # every group draws the same initial weights
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=1,
+        load_state_dict=lambda state: (model.load_state_dict(state["model"]),
+                                       optimizer.load_state_dict(state["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
+        replica_id=f"own-code-{os.environ['KUBETRAIN_REPLICA_GROUP']}",
+        timeout=timedelta(seconds=30))
+    model = DistributedDataParallel(manager, model)
+    optimizer = Optimizer(manager, optimizer)
+    rank = int(os.environ["RANK"])
+    while manager.current_step() < args.steps:
+        before = manager.current_step()
+        generator = torch.Generator().manual_seed(before * 1000 + rank)
+        inputs = torch.randn(16, 32, generator=generator)
+        optimizer.zero_grad()  # starts the step's quorum
+        loss = nn.functional.mse_loss(model(inputs), inputs[:, :8].sum(dim=1, keepdim=True))
+        loss.backward()
+        optimizer.step()  # only when every group present commits; a group behind heals here
+        after = manager.current_step()
+        if after > before and rank == 0:
+            if after > before + 1:
+                print(f"own-code healed at step {after - 1}", flush=True)
+            print(f"own-code step {after} loss {loss.item():.4f}", flush=True)
+        time.sleep(args.step_seconds)
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()
