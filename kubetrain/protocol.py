@@ -197,6 +197,10 @@ METRIC_RANK_COMPUTE: Final = "kubetrain_rank_compute_seconds"
 METRIC_RANK_COMPUTE_TOTAL: Final = "kubetrain_rank_compute_time_seconds_total"
 METRIC_RANK_WAIT: Final = "kubetrain_rank_wait_seconds"
 METRIC_RANK_TIMING_STEP: Final = "kubetrain_rank_timing_step"
+# spec.faultTolerance: the replica groups in the last step's quorum, and the samples passed
+# over (absent groups' shares, uncommitted steps) since this group started.
+METRIC_REPLICA_GROUPS: Final = "kubetrain_replica_groups_participating"
+METRIC_SKIPPED_SAMPLES: Final = "kubetrain_replica_skipped_samples"
 
 
 def counter_sample(counter: str) -> str:

@@ -108,6 +108,20 @@ class BadputSeconds(ApiModel):
                             "share of its time (k of N groups: (N - k) / N).")
 
 
+class ReplicaGroupsStatus(ApiModel):
+    """spec.faultTolerance's groups as the operator last saw them."""
+
+    groups: int = Field(description="faultTolerance.replicaGroups.")
+    ready: int = Field(default=0, description="Groups whose every pod is running and ready.")
+    in_quorum: int | None = Field(
+        default=None, description="Groups in the last step's quorum, as worker 0's trainer "
+        "reports it; fewer than groups while a group is away or healing.")
+    skipped_samples: int | None = Field(
+        default=None, description="Samples worker 0's group passed over since it started: "
+        "the absent groups' shares of the steps it trained without them, and steps that "
+        "did not commit. None is trained twice.")
+
+
 class GoodputStatus(ApiModel):
     """Where the job's wall time went, reported by its trainer (cumulative across restarts)."""
 
@@ -318,6 +332,9 @@ class TrainingJobStatus(ApiModel):
         description="The same non-signal exit code ending consecutive attempts "
         "(repeatedFailureLimit).",
     )
+    replica_groups: ReplicaGroupsStatus | None = Field(
+        default=None, description="spec.faultTolerance's replica groups: how many are ready "
+        "and how many the last step's quorum held (docs/fault-tolerance.md).")
     ranks: RanksStatus | None = Field(
         default=None, description="Each rank's slowness (compute time over the median "
         "rank's; under tensorParallel, its group's over the median group's), as the "

@@ -226,10 +226,15 @@ class Cluster:
 
     def trainer_lines(self, name: str) -> list[str]:
         """Every line rank 0 printed, over all incarnations of worker 0 (oldest first)."""
+        return self.worker_lines(name, 0)
+
+    def worker_lines(self, name: str, index: int) -> list[str]:
+        """Every line worker `index` printed, over all its incarnations (oldest first): with
+        spec.faultTolerance each group's first pod has its group's rank 0."""
         lines = []
         for log in sorted((self.agent.workdir / "pods").glob("*/log"),
                           key=lambda path: path.stat().st_ctime):
-            if (log.parent / "name").read_text() == f"{NAMESPACE}/{name}-worker-0":
+            if (log.parent / "name").read_text() == f"{NAMESPACE}/{name}-worker-{index}":
                 lines += log.read_text(errors="replace").splitlines()
         return lines
 

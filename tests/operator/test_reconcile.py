@@ -498,7 +498,7 @@ def test_metrics_become_goodput_and_an_eta_from_the_recent_step_time(
     assert goodput["badputSeconds"] == {
         "dataWait": 10.0, "checkpointSave": 0, "checkpointLoad": 0, "startup": 40.2,
         "evaluation": 0, "lostProgress": 0.588, "downtime": 49.4, "oom": 12.6,
-        "straggler": 0.432, "preflight": 0}
+        "straggler": 0.432, "preflight": 0, "degraded": 0}
     # The figures add up to the wall time (to the millisecond each is shown with).
     assert goodput["productiveSeconds"] + sum(goodput["badputSeconds"].values()) == \
         pytest.approx(goodput["wallSeconds"], abs=len(seconds) * 5e-4)

@@ -296,3 +296,43 @@ def test_a_group_that_lost_its_quorum_restarts_alone_and_says_why(
     assert sorted(action.name for action in out.deleted) == ["demo-worker-2", "demo-worker-3"]
     assert out.status is not None and out.status["restart"]["wholeGroup"] is False
     assert out.status["lastFailure"]["class"] == "QuorumLost"
+
+
+def test_the_status_shows_the_ready_groups_and_the_quorum_and_an_event_when_it_shrinks(
+        minimal_manifest: dict) -> None:
+    """Worker 0's trainer reports the quorum; the operator counts the groups whose pods are
+    all ready, and says when the quorum changed (a warning when it shrank)."""
+    from kubetrain.operator.facts import metrics_sample
+    from kubetrain.protocol import METRIC_REPLICA_GROUPS, METRIC_SKIPPED_SAMPLES
+
+    def sample(groups: int, skipped: int) -> Any:
+        return metrics_sample(f"{METRIC_REPLICA_GROUPS} {groups}\n"
+                              f"{METRIC_SKIPPED_SAMPLES} {skipped}\n")
+
+    assert (sample(2, 0).replica_groups, sample(1, 48).skipped_samples) == (2, 48)
+    workers = tuple(pod(index) for index in range(4))  # Running: ready
+
+    def run(job: TrainingJob, *pods: WorkerPod, metrics: Any) -> Outcome:
+        return Outcome.of(reconcile(job, Observed(
+            pods=pods, service=True, config_generation=1, lighthouse=_lighthouse(),
+            lighthouse_service=True, metrics=metrics), NOW))
+
+    both = run(_job(minimal_manifest, status=_running()), *workers, metrics=sample(2, 0))
+    assert both.status is not None
+    assert both.status["replicaGroups"] == {"groups": 2, "ready": 2, "inQuorum": 2,
+                                            "skippedSamples": 0}
+    assert not [reason for _, reason in both.events if reason == "QuorumChanged"]
+
+    # Group 1's worker 3 is away (its pod re-made, not ready yet): group 0 steps alone.
+    alone = run(_job(minimal_manifest, status=both.status), *workers[:3],
+                pod(3, "Pending", attempt=1), metrics=sample(1, 48))
+    assert alone.status is not None
+    assert alone.status["replicaGroups"] == {"groups": 2, "ready": 1, "inQuorum": 1,
+                                             "skippedSamples": 48}
+    assert ("Warning", "QuorumChanged") in alone.events
+    # No sample this pass (worker 0 not answering): the last quorum stands, no event.
+    quiet = run(_job(minimal_manifest, status=alone.status), *workers, metrics=None)
+    assert quiet.status is not None and quiet.status["replicaGroups"]["inQuorum"] == 1
+    assert not [reason for _, reason in quiet.events if reason == "QuorumChanged"]
+    back = run(_job(minimal_manifest, status=alone.status), *workers, metrics=sample(2, 48))
+    assert ("Normal", "QuorumChanged") in back.events

@@ -139,6 +139,9 @@ class MetricsSample:
     # A report of progress 100 % with no step: the code's end-of-training post
     # (transformers' KubeflowCallback sends one), so the step is the last one, maxSteps.
     finished: bool = False
+    # spec.faultTolerance: the replica groups in the last quorum, the samples passed over.
+    replica_groups: int | None = None
+    skipped_samples: int | None = None
 
 
 # How a TrainerEnd's message ends: what status.lastFailure says of a restart in place.
@@ -350,4 +353,6 @@ def metrics_sample(exposition: str) -> MetricsSample:
         ranks=tuple(sorted((replace(rank, compute_seconds_total=totals.get(rank.rank))
                             for rank in ranks), key=lambda rank: rank.rank)),
         ranks_step=whole(protocol.METRIC_RANK_TIMING_STEP),
+        replica_groups=whole(protocol.METRIC_REPLICA_GROUPS),
+        skipped_samples=whole(protocol.METRIC_SKIPPED_SAMPLES),
     )

@@ -26,6 +26,7 @@ from kubetrain.api.trainingjob import (
     EffectiveBatch,
     GoodputStatus,
     Progress,
+    ReplicaGroupsStatus,
     TrainingJob,
     TrainingJobSpec,
     TrainingJobStatus,
@@ -56,7 +57,44 @@ def observe(decision: ReconcilePass) -> None:
                                           redone_until=sample.redone_until,
                                           resumed_step=sample.resumed_step,
                                           first_step=sample.first_step)
+    _replica_groups(decision)
     _ranks(decision)
+
+
+# The event of a change in the quorum of replica groups (spec.faultTolerance).
+QUORUM_CHANGED = "QuorumChanged"
+
+
+def _replica_groups(decision: ReconcilePass) -> None:
+    """spec.faultTolerance: status.replicaGroups, from the pods (ready groups) and worker 0's
+    trainer (the quorum, what was passed over), and an event when the quorum changed: a
+    warning when it shrank, for the steps trained without a group skip its share."""
+    tolerance = decision.job.spec.fault_tolerance
+    if tolerance is None:
+        return
+    status, sample = decision.status, decision.observed.metrics
+    groups = tolerance.replica_groups
+    pods_per_group = tolerance.pods_per_group(decision.replicas)
+    ready = [pod.index // pods_per_group for pod in decision.live_pods()
+             if pod.ready and pod.index < decision.replicas]
+    previous = status.replica_groups
+    in_quorum = sample.replica_groups if sample is not None else None
+    current = ReplicaGroupsStatus(
+        groups=groups,
+        ready=sum(1 for group in range(groups) if ready.count(group) == pods_per_group),
+        in_quorum=in_quorum if in_quorum is not None else (previous and previous.in_quorum),
+        skipped_samples=(sample.skipped_samples if sample is not None
+                         and sample.skipped_samples is not None
+                         else previous and previous.skipped_samples))
+    status.replica_groups = current
+    before = previous.in_quorum if previous is not None else None
+    if in_quorum is not None and before is not None and in_quorum != before:
+        step = status.progress.step
+        decision.event(QUORUM_CHANGED, (
+            f"{in_quorum} of {groups} replica groups in the quorum at step {step} (was "
+            f"{before}); " + ("the others train on without the absent groups' share of each "
+                              "batch" if in_quorum < before else "the returning groups "
+                              "took a live group's state")), warning=in_quorum < before)
 
 
 def world_size(job: TrainingJob) -> int:

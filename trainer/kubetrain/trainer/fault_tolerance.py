@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -124,6 +125,8 @@ class ReplicaGroups:
         # the trainer prints what changes (`Reporter.quorum`, `Reporter.healed`) instead.
         os.environ.setdefault("RUST_LOG", "warn")
         logging.getLogger("torchft").setLevel(logging.WARNING)
+        # (A filter applies to its own logger's records only, not its children's.)
+        logging.getLogger("torchft.manager").addFilter(_no_flight_recorder_on_cpu)
         try:
             from torchft import Manager
             from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -136,6 +139,8 @@ class ReplicaGroups:
         heal = HealState(state)
         manager = Manager(
             pg=process_group, min_replica_size=spec.min_replica_groups,
+            # The addresses peers reach this group's manager and checkpoint server at.
+            hostname=reachable_host(), checkpoint_transport=_http_transport(timeout),
             state_dict=heal.state_dict, load_state_dict=heal.load_state_dict,
             # Healing before the forward pass: the loop's step and data position are the
             # peer's before this group fetches a batch (see the module docstring).
@@ -247,6 +252,33 @@ def _sent(name: str, value: Stateful) -> Any:
     if isinstance(value, GoodputLedger):
         return value.snapshot()
     return value.state_dict()
+
+
+def reachable_host() -> str:
+    """The name other pods reach this one by. torchft advertises `socket.gethostname()`,
+    in a pod its bare hostname `<job>-worker-<i>`, which only the pod itself resolves (a
+    healing group failed to connect to it for 60 s on the whole loop); the fully qualified
+    name, `<job>-worker-<i>.<job>.<namespace>.svc...` from the /etc/hosts the kubelet
+    writes, is the workers' headless Service's DNS name."""
+    return socket.getfqdn()
+
+
+def _http_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint server, advertised at `reachable_host()`."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class ReachableHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            return str(super().address()).replace(
+                f"//{socket.gethostname()}:", f"//{reachable_host()}:", 1)
+
+    return ReachableHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+def _no_flight_recorder_on_cpu(record: logging.LogRecord) -> bool:
+    """torchft warns at each quorum change that it cannot reset NCCL's flight recorder,
+    which a build without NCCL (CPU, gloo) does not have: nothing to warn about there."""
+    return "flight recorder" not in record.getMessage() or torch.cuda.is_available()
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

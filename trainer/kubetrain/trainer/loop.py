@@ -544,6 +544,8 @@ class Trainer:
             run.replicas.samples_per_group_step = (
                 meter.accumulation * self.micro_batch_size * run.parallel.dp_size
                 // run.replicas.groups)
+            run.reporter.quorum(step, run.replicas.participants, run.replicas.groups,
+                                run.replicas.skipped_samples)  # the start's quorum
         stop.inside_since = lambda: meter.clock.inside_since  # its deadline (distributed.py)
         # The saves' waits on the other ranks count as inside collectives for that deadline.
         run.checkpointer.waiting_on_peers = meter.clock.inside

@@ -115,9 +115,9 @@ CHECKPOINT_LOAD_TIME = Counter(protocol.METRIC_CHECKPOINT_LOAD_TIME, "Wall time'
                                "partner (some parts from a partner's copy), s3.", ["tier"],
                                registry=REGISTRY)
 # spec.faultTolerance (fault_tolerance.py): the quorum this group last stepped in.
-REPLICA_GROUPS = Gauge("kubetrain_replica_groups_participating", "Replica groups in the last "
+REPLICA_GROUPS = Gauge(protocol.METRIC_REPLICA_GROUPS, "Replica groups in the last "
                        "step's quorum (spec.faultTolerance).", registry=REGISTRY)
-SKIPPED_SAMPLES = Gauge("kubetrain_replica_skipped_samples", "Samples passed over since this "
+SKIPPED_SAMPLES = Gauge(protocol.METRIC_SKIPPED_SAMPLES, "Samples passed over since this "
                         "group started: the slots of groups absent from a step's quorum, and "
                         "steps that did not commit (spec.faultTolerance).", registry=REGISTRY)
 GOODPUT = Gauge("kubetrain_goodput_ratio", "Productive step time over wall time since the job "
