@@ -196,7 +196,8 @@ def test_a_killed_replica_group_is_replaced_alone_and_heals_from_a_live_one_that
     healed_step = int(re.search(r"at step (\d+)", heal).group(1))  # type: ignore[union-attr]
     assert healed_step > checkpoint["step"], (heal, checkpoint)
     assert not [line for line in after if line.startswith("resumed from ")], after
-    assert steps_printed(after)[0] == healed_step + 1, after
+    # (The killed container may have printed a few steps after the mark, before it died.)
+    assert steps_printed(after[after.index(heal):])[0] == healed_step + 1, after
 
     for index in range(GROUPS):
         assert f"finished at step {MAX_STEPS}: max_steps" in cluster.worker_lines(name, index)
