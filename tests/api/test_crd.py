@@ -130,6 +130,23 @@ def cel_violations(new: dict[str, Any], old: dict[str, Any] | None = None) -> li
     return failed
 
 
+def models_refusal(document: dict[str, Any]) -> str | None:
+    """What the models say against a manifest, every problem in one line; None: accepted."""
+    try:
+        parse_job(document)
+    except InvalidManifest as refused:
+        return " ".join(str(problem) for problem in refused.problems)
+    return None
+
+
+def with_sections(manifest: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `manifest` with each spec section given updated by its values."""
+    document = copy.deepcopy(manifest)
+    for section, values in sections.items():
+        document["spec"].setdefault(section, {}).update(values)
+    return document
+
+
 def _with(manifest: dict[str, Any], section: str, values: dict[str, Any]) -> dict[str, Any]:
     doc = copy.deepcopy(manifest)
     doc["spec"].setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})

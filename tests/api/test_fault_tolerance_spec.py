@@ -15,27 +15,16 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kubetrain.api import InvalidManifest, parse_job
+from kubetrain.api import parse_job
 from kubetrain.api.trainingjob import FaultToleranceSpec
 from kubetrain.validate import schema_problems
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_crd import cel_violations  # the server's CEL, evaluated
-
-
-def _job(minimal_manifest: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
-    document = copy.deepcopy(minimal_manifest)
-    for section, values in sections.items():
-        document["spec"].setdefault(section, {}).update(values)
-    return document
-
-
-def _refusal(document: dict[str, Any]) -> str | None:
-    try:
-        parse_job(document)
-    except InvalidManifest as refused:
-        return " ".join(str(problem) for problem in refused.problems)
-    return None
+from test_crd import (  # the server's CEL, evaluated; the models' refusal
+    cel_violations,
+    models_refusal,
+    with_sections,
+)
 
 
 def _own_code(document: dict[str, Any]) -> dict[str, Any]:
@@ -65,20 +54,20 @@ ACCEPTED: list[dict[str, dict[str, Any]]] = [
 @pytest.mark.parametrize("sections", ACCEPTED)
 def test_replica_groups_of_whole_pods_sharded_within_are_accepted_by_server_and_models(
         minimal_manifest: dict[str, Any], sections: dict[str, dict[str, Any]]) -> None:
-    document = _job(minimal_manifest, **sections)
+    document = with_sections(minimal_manifest, **sections)
     assert cel_violations(document) == [] and list(schema_problems(document)) == []
-    assert _refusal(document) is None
+    assert models_refusal(document) is None
 
 
 def test_an_own_code_job_takes_replica_groups_as_written_and_as_stored(
         minimal_manifest: dict[str, Any]) -> None:
     """Own code leaves parallelism at its default (fsdp), which the groups accept."""
-    document = _own_code(_job(minimal_manifest, faultTolerance=TWO_GROUPS,
+    document = _own_code(with_sections(minimal_manifest, faultTolerance=TWO_GROUPS,
                               workers={"replicas": 2}))
     stored = parse_job(document).model_dump(by_alias=True, exclude_none=True, mode="json")
     for version in (document, stored):
         assert cel_violations(version) == [] and list(schema_problems(version)) == []
-    assert _refusal(document) is None
+    assert models_refusal(document) is None
 
 
 # (sections, the refused field under spec, its value, words of the fix)
@@ -106,9 +95,9 @@ REFUSED: list[tuple[dict[str, dict[str, Any]], str, object, str]] = [
 def test_each_refusal_names_the_field_and_the_fix_alike_on_server_and_in_models(
         minimal_manifest: dict[str, Any], sections: dict[str, dict[str, Any]], field: str,
         value: object, fix: str) -> None:
-    document = _job(minimal_manifest, **sections)
+    document = with_sections(minimal_manifest, **sections)
     (server,) = cel_violations(document)
-    models = _refusal(document)
+    models = models_refusal(document)
     assert models is not None and models.startswith(f"spec.{field} ({value}) "), models
     assert fix in server and fix in models
     # The same words: the server names the field (as its rule's object sees it), the models
@@ -126,15 +115,15 @@ def test_each_refusal_names_the_field_and_the_fix_alike_on_server_and_in_models(
 def test_values_out_of_range_are_refused_by_the_schema_and_the_models(
         minimal_manifest: dict[str, Any], field: str, value: int) -> None:
     groups = {"replicaGroups": 2, field: value}
-    document = _job(minimal_manifest, faultTolerance=groups, workers={"replicas": 2})
+    document = with_sections(minimal_manifest, faultTolerance=groups, workers={"replicas": 2})
     assert [p.path for p in schema_problems(document)] == [f"spec.faultTolerance.{field}"]
-    refusal = _refusal(document)
+    refusal = models_refusal(document)
     assert refusal is not None and f"spec.faultTolerance.{field}" in refusal
 
 
 def test_replica_groups_are_required_in_the_section(minimal_manifest: dict[str, Any]) -> None:
-    document = _job(minimal_manifest, faultTolerance={"minReplicaGroups": 1})
-    refusal = _refusal(document)
+    document = with_sections(minimal_manifest, faultTolerance={"minReplicaGroups": 1})
+    refusal = models_refusal(document)
     assert refusal is not None and "spec.faultTolerance.replicaGroups" in refusal
     assert any(p.path.startswith("spec.faultTolerance") for p in schema_problems(document))
 
@@ -152,10 +141,10 @@ def test_cel_fault_tolerance_rules_agree_with_the_models(
         minimal_manifest: dict[str, Any], groups: int, min_groups: int, replicas: int,
         low: int | None, high: int | None, strategy: str) -> None:
     workers = {"replicas": replicas, "minReplicas": low, "maxReplicas": high}
-    document = _job(minimal_manifest, parallelism={"strategy": strategy},
+    document = with_sections(minimal_manifest, parallelism={"strategy": strategy},
                     faultTolerance={"replicaGroups": groups, "minReplicaGroups": min_groups},
                     workers={k: v for k, v in workers.items() if v is not None})
-    assert (not cel_violations(document)) == (_refusal(document) is None)
+    assert (not cel_violations(document)) == (models_refusal(document) is None)
 
 
 def _stored(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +154,8 @@ def _stored(manifest: dict[str, Any]) -> dict[str, Any]:
 
 def test_replica_groups_cannot_change_but_the_timeouts_and_min_groups_can(
         minimal_manifest: dict[str, Any]) -> None:
-    old = _stored(_job(minimal_manifest, faultTolerance=TWO_GROUPS, workers={"replicas": 4}))
+    old = _stored(with_sections(minimal_manifest, faultTolerance=TWO_GROUPS,
+                                workers={"replicas": 4}))
     regrouped = copy.deepcopy(old)
     regrouped["spec"]["faultTolerance"]["replicaGroups"] = 4
     (refused,) = cel_violations(regrouped, old)
@@ -179,8 +169,9 @@ def test_replica_groups_cannot_change_but_the_timeouts_and_min_groups_can(
 
 def test_fault_tolerance_cannot_be_added_or_removed_after_creation(
         minimal_manifest: dict[str, Any]) -> None:
-    plain = _stored(_job(minimal_manifest, workers={"replicas": 4}))
-    grouped = _stored(_job(minimal_manifest, faultTolerance=TWO_GROUPS, workers={"replicas": 4}))
+    plain = _stored(with_sections(minimal_manifest, workers={"replicas": 4}))
+    grouped = _stored(with_sections(minimal_manifest, faultTolerance=TWO_GROUPS,
+                                    workers={"replicas": 4}))
     for old, new in ((plain, grouped), (grouped, plain)):
         (refused,) = cel_violations(new, old)
         assert refused.startswith("faultTolerance cannot be added or removed after creation")
@@ -197,7 +188,7 @@ def test_pods_per_group_divides_the_workers_among_the_groups() -> None:
 
 def test_kubetrain_validate_prints_the_field_and_the_fix(
         minimal_manifest: dict[str, Any], tmp_path: Path) -> None:
-    document = _job(minimal_manifest, faultTolerance=TWO_GROUPS, workers={"replicas": 3})
+    document = with_sections(minimal_manifest, faultTolerance=TWO_GROUPS, workers={"replicas": 3})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(document))
     done = subprocess.run([sys.executable, "-m", "kubetrain", "validate", str(path)],

@@ -3,7 +3,6 @@ models (`kubetrain validate`) accept, and how a refusal names the field and the 
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -12,26 +11,12 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain.api import InvalidManifest, parse_job
-
 sys.path.insert(0, str(Path(__file__).parent))
-from test_crd import cel_violations  # the server's CEL, evaluated
-
-
-def _job(minimal_manifest: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
-    document = copy.deepcopy(minimal_manifest)
-    for section, values in sections.items():
-        document["spec"].setdefault(section, {}).update(values)
-    return document
-
-
-def _refusal(document: dict[str, Any]) -> str | None:
-    try:
-        parse_job(document)
-    except InvalidManifest as refused:
-        return " ".join(str(problem) for problem in refused.problems)
-    return None
-
+from test_crd import (  # the server's CEL, evaluated; the models' refusal
+    cel_violations,
+    models_refusal,
+    with_sections,
+)
 
 # (sections, the words the refusal must contain; None: accepted by both)
 CASES: list[tuple[dict[str, dict[str, Any]], str | None]] = [
@@ -62,9 +47,9 @@ CASES: list[tuple[dict[str, dict[str, Any]], str | None]] = [
 def test_tensor_parallel_combinations_are_judged_alike_by_the_server_and_the_models(
         minimal_manifest: dict[str, Any], sections: dict[str, dict[str, Any]],
         refused: str | None) -> None:
-    document = _job(minimal_manifest, **sections)
+    document = with_sections(minimal_manifest, **sections)
     server = cel_violations(document)
-    models = _refusal(document)
+    models = models_refusal(document)
     if refused is None:
         assert server == [] and models is None, (server, models)
         return
@@ -79,19 +64,19 @@ def test_model_dimensions_tensor_parallelism_cannot_split_are_refused_naming_the
         minimal_manifest: dict[str, Any]) -> None:
     """The server cannot resolve a preset; the models can: llama-125m's 12 heads do not split
     8 ways, and a seqLen of 101 does not split 2 ways."""
-    document = _job(minimal_manifest, parallelism={"tensorParallel": 8},
+    document = with_sections(minimal_manifest, parallelism={"tensorParallel": 8},
                     workers={"procsPerWorker": 8}, model={"preset": "llama-125m"})
-    refusal = _refusal(document)
+    refusal = models_refusal(document)
     assert refusal is not None and "must divide model.nHeads (12)" in refusal
-    document = _job(minimal_manifest, parallelism={"tensorParallel": 2},
+    document = with_sections(minimal_manifest, parallelism={"tensorParallel": 2},
                     workers={"procsPerWorker": 2}, data={"seqLen": 101})
-    refusal = _refusal(document)
+    refusal = models_refusal(document)
     assert refusal is not None and "must divide data.seqLen (101)" in refusal
 
 
 def test_kubetrain_validate_prints_the_field_and_the_fix(
         minimal_manifest: dict[str, Any], tmp_path: Path) -> None:
-    document = _job(minimal_manifest, parallelism={"strategy": "ddp", "tensorParallel": 2},
+    document = with_sections(minimal_manifest, parallelism={"strategy": "ddp", "tensorParallel": 2},
                     workers={"procsPerWorker": 2})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(document))

@@ -12,10 +12,13 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain.api import InvalidManifest, parse_job
+from kubetrain.api import parse_job
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_crd import cel_violations  # the server's CEL, evaluated
+from test_crd import (  # the server's CEL, evaluated; the models' refusal
+    cel_violations,
+    models_refusal,
+)
 
 
 def _job(minimal_manifest: dict[str, Any], scheduling: dict[str, Any] | None = None,
@@ -25,14 +28,6 @@ def _job(minimal_manifest: dict[str, Any], scheduling: dict[str, Any] | None = N
         document["spec"]["scheduling"] = scheduling
     document["spec"].update(spec)
     return document
-
-
-def _refusal(document: dict[str, Any]) -> str | None:
-    try:
-        parse_job(document)
-    except InvalidManifest as refused:
-        return " ".join(str(problem) for problem in refused.problems)
-    return None
 
 
 VOLCANO_SCHEDULER = {"template": {"schedulerName": "volcano"}}
@@ -63,7 +58,7 @@ def test_scheduling_combinations_are_judged_alike_by_the_server_and_the_models(
     if workers is not None:
         document["spec"]["workers"] = workers
     violations = cel_violations(document)
-    refusal = _refusal(document)
+    refusal = models_refusal(document)
     if refused is None:
         assert violations == [] and refusal is None, (violations, refusal)
     else:
@@ -75,13 +70,13 @@ def test_scheduling_combinations_are_judged_alike_by_the_server_and_the_models(
 @pytest.mark.parametrize("level", ["rack", "cloud.example.com/rack", "kubernetes.io/hostname"])
 def test_a_topology_level_is_a_node_label_key(minimal_manifest: dict[str, Any],
                                               level: str) -> None:
-    assert _refusal(_job(minimal_manifest, {"topology": {"level": level}})) is None
+    assert models_refusal(_job(minimal_manifest, {"topology": {"level": level}})) is None
 
 
 @pytest.mark.parametrize("level", ["", "a rack", "/rack", "Rack.Example.com/x"])
 def test_a_topology_level_that_is_no_label_key_is_refused(minimal_manifest: dict[str, Any],
                                                          level: str) -> None:
-    refusal = _refusal(_job(minimal_manifest, {"topology": {"level": level}}))
+    refusal = models_refusal(_job(minimal_manifest, {"topology": {"level": level}}))
     assert refusal is not None and "spec.scheduling.topology.level" in refusal
     if level:  # the empty one says "must not be empty"; the others what a label key is
         assert f"({level}) is not a node label key" in refusal
@@ -92,12 +87,12 @@ def test_a_queue_label_and_spec_queue_that_differ_are_refused_naming_both(
         minimal_manifest: dict[str, Any]) -> None:
     document = _job(minimal_manifest, {"queue": "team-a"})
     document["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-b"}
-    refusal = _refusal(document)
+    refusal = models_refusal(document)
     assert refusal is not None
     assert "spec.scheduling.queue (team-a)" in refusal and "(team-b)" in refusal
     assert "remove the label" in refusal
     document["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "team-a"
-    assert _refusal(document) is None
+    assert models_refusal(document) is None
 
 
 def _stored(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +134,7 @@ def test_the_gang_mechanism_cannot_change_but_the_queue_and_topology_can(
                                    "example.com/a b"])
 def test_managed_by_must_be_a_short_domain_prefixed_path(minimal_manifest: dict[str, Any],
                                                          value: str) -> None:
-    refusal = _refusal(_job(minimal_manifest, managedBy=value))
+    refusal = models_refusal(_job(minimal_manifest, managedBy=value))
     assert refusal is not None and "spec.managedBy" in refusal
     if len(value) <= 63:  # not a path: the refusal shows one, not the regular expression
         assert f"spec.managedBy ({value}) is not a controller's name" in refusal

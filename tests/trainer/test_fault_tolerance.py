@@ -3,23 +3,29 @@
 Two groups of two gloo ranks each (FSDP2 shards within a group), each its own torchrun,
 and the lighthouse the operator would run (`pod_conventions.lighthouse_command`). One
 group is killed outright mid-run: the other steps on alone, and the killed group, started
-again, takes the live group's state (no checkpoint exists to read) and both finish.
+again, takes the live group's state (no checkpoint exists to read) and both finish. Then:
+a job of groups started outside them is refused; a group without a quorum of the minimum
+fails as QuorumLost; and a torchft script of one's own (own code) heals the same way with
+the variables the operator gives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kubetrain.api.manifest import load_job
+from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, lighthouse_command
 from tests.trainer.conftest import Launcher, write_tiny_job
 
@@ -27,6 +33,19 @@ pytestmark = pytest.mark.slow
 
 HEARTBEAT_MS = 1000
 MAX_STEPS = 200
+
+
+@contextlib.contextmanager
+def lighthouse(job: TrainingJob, port: int) -> Iterator[str]:
+    """torchft's lighthouse for `job`, as the operator runs it, on loopback: its address."""
+    command = lighthouse_command(job, bind=f"127.0.0.1:{port}")
+    process = subprocess.Popen([str(Path(sys.executable).with_name(command[0])), *command[1:]],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
 
 
 def _wait_for(condition: Any, timeout: float, what: str) -> None:
@@ -48,11 +67,6 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
                            checkpoint={"uri": str(checkpoints), "everySteps": 10_000})
             for group in range(2)]
     port = launcher.free_port()
-    lighthouse = subprocess.Popen(
-        [str(Path(sys.executable).with_name(arg)) if index == 0 else arg
-         for index, arg in enumerate(lighthouse_command(load_job(jobs[0]),
-                                                        bind=f"127.0.0.1:{port}"))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def start(group: int) -> subprocess.Popen[str]:
         env = {**launcher.env(), REPLICA_GROUP_ENV: str(group),
@@ -65,22 +79,21 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
     def steps(group: int) -> list[dict[str, Any]]:
         return launcher.events(jobs[group], "step")
 
-    agents = [start(0), start(1)]
-    try:
-        _wait_for(lambda: len(steps(1)) >= 10, 120, "group 1's first steps")
-        os.killpg(agents[1].pid, signal.SIGKILL)  # the agent and its ranks, at once
-        killed_at = time.time()
-        agents[1].wait()
-        agents[1] = start(1)  # group 0 steps on alone while it starts
-        _wait_for(lambda: launcher.events(jobs[1], "healed"), 120, "group 1 to heal")
-        for agent in agents:
-            assert agent.wait(timeout=180) == 0
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-        lighthouse.kill()
-        lighthouse.wait()
+    with lighthouse(load_job(jobs[0]), port):
+        agents = [start(0), start(1)]
+        try:
+            _wait_for(lambda: len(steps(1)) >= 10, 120, "group 1's first steps")
+            os.killpg(agents[1].pid, signal.SIGKILL)  # the agent and its ranks, at once
+            killed_at = time.time()
+            agents[1].wait()
+            agents[1] = start(1)  # group 0 steps on alone while it starts
+            _wait_for(lambda: launcher.events(jobs[1], "healed"), 120, "group 1 to heal")
+            for agent in agents:
+                assert agent.wait(timeout=180) == 0
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
 
     # The live group never stopped: its longest pause between two logged steps after the
     # kill is the lighthouse's heartbeat timeout and a few steps' time, not a restart's.
@@ -153,20 +166,13 @@ def test_without_a_quorum_of_the_minimum_groups_the_trainer_fails_saying_so(
                          faultTolerance={"replicaGroups": 2, "minReplicaGroups": 2,
                                          "quorumTimeoutSeconds": 2})
     port = launcher.free_port()
-    command = lighthouse_command(load_job(job), bind=f"127.0.0.1:{port}")
-    lighthouse = subprocess.Popen([str(Path(sys.executable).with_name(command[0])),
-                                   *command[1:]], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
     termination_log = tmp_path / "termination-log"
     termination_log.touch()  # the kubelet makes it in the container
     env = {**launcher.env(), REPLICA_GROUP_ENV: "0", LIGHTHOUSE_ENV: f"http://127.0.0.1:{port}",
            TERMINATION_LOG_ENV: str(termination_log)}
-    try:
+    with lighthouse(load_job(job), port):
         done = subprocess.run(launcher.command(job, 1, in_pod=True), env=env,
                               capture_output=True, text=True, timeout=120)
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
     # Under torchrun the pod's exit is the agent's; what the trainer died of is in the
     # termination message (and its own exit code in the agent's log).
     assert done.returncode != 0, done.stderr[-3000:]
@@ -191,10 +197,6 @@ def test_own_torchft_code_gets_what_it_needs_from_the_groups_variables(
         "workers": {"replicas": 2}, "faultTolerance": {"replicaGroups": 2,
                                                        "heartbeatTimeoutMilliseconds": 1000}}})
     port = launcher.free_port()
-    command = lighthouse_command(job, bind=f"127.0.0.1:{port}")
-    lighthouse = subprocess.Popen([str(Path(sys.executable).with_name(command[0])),
-                                   *command[1:]], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
     outputs = [tmp_path / f"group-{group}.txt" for group in range(2)]
 
     def start(group: int) -> subprocess.Popen[str]:
@@ -211,24 +213,23 @@ def test_own_torchft_code_gets_what_it_needs_from_the_groups_variables(
         return [int(line.split()[len(prefix.split())]) for line in text.splitlines()
                 if line.startswith(prefix)]
 
-    agents = [start(0), start(1)]
-    try:
-        _wait_for(lambda: len(lines(1, "own-code step ")) >= 10, 120, "group 1's steps")
-        os.killpg(agents[1].pid, signal.SIGKILL)
-        agents[1].wait()
-        alone_from = lines(0, "own-code step ")[-1]
-        agents[1] = start(1)
-        _wait_for(lambda: [step for step in lines(1, "own-code healed at step ")
-                           if step > alone_from], 120, "group 1 to heal from group 0")
-        healed = lines(1, "own-code healed at step ")[-1]
-        _wait_for(lambda: lines(1, "own-code step ")[-1] >= healed + 20, 60,
-                  "both groups to step on together")
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-        lighthouse.kill()
-        lighthouse.wait()
+    with lighthouse(job, port):
+        agents = [start(0), start(1)]
+        try:
+            _wait_for(lambda: len(lines(1, "own-code step ")) >= 10, 120, "group 1's steps")
+            os.killpg(agents[1].pid, signal.SIGKILL)
+            agents[1].wait()
+            alone_from = lines(0, "own-code step ")[-1]
+            agents[1] = start(1)
+            _wait_for(lambda: [step for step in lines(1, "own-code healed at step ")
+                               if step > alone_from], 120, "group 1 to heal from group 0")
+            healed = lines(1, "own-code healed at step ")[-1]
+            _wait_for(lambda: lines(1, "own-code step ")[-1] >= healed + 20, 60,
+                      "both groups to step on together")
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
     # Group 0 stepped on alone while group 1 was away, then both stepped together.
     assert healed > alone_from
     assert set(range(alone_from, healed)) <= set(lines(0, "own-code step "))
