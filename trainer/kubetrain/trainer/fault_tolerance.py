@@ -111,7 +111,7 @@ class ReplicaGroups:
              state: dict[str, Stateful]) -> ReplicaGroups:
         """Start this group's Manager (rank 0 of the group reports to the lighthouse).
 
-        `state` is what a group that comes back takes from a live one (see `heal_state`).
+        `state` is what a group that comes back takes from a live one (`HealState`).
         """
         group = replica_group()
         if group is None or LIGHTHOUSE_ENV not in os.environ:
