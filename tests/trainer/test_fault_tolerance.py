@@ -216,7 +216,9 @@ def test_own_torchft_code_gets_what_it_needs_from_the_groups_variables(
     with lighthouse(job, port):
         agents = [start(0), start(1)]
         try:
-            _wait_for(lambda: len(lines(1, "own-code step ")) >= 10, 120, "group 1's steps")
+            _wait_for(lambda: min(len(lines(0, "own-code step ")),
+                                  len(lines(1, "own-code step "))) >= 10, 120,
+                      "both groups' first steps")
             os.killpg(agents[1].pid, signal.SIGKILL)
             agents[1].wait()
             alone_from = lines(0, "own-code step ")[-1]

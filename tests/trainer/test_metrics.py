@@ -35,7 +35,7 @@ LOG_FIELDS = {
 GOODPUT_SECONDS = {"productive": 600.0, "data_wait": 12.0, "checkpoint_save": 20.0,
                    "checkpoint_load": 8.0, "startup": 45.0, "evaluation": 30.0,
                    "lost_progress": 50.0, "downtime": 35.0, "oom": 0.0, "straggler": 3.0,
-                   "preflight": 1.0}
+                   "preflight": 1.0, "degraded": 0.0}
 # Rank 1 computes longer; rank 0 waits for it.
 RANKS = (RankTiming(0, "job-worker-0", "node-a", 0.15, 0.10, 6.0),
          RankTiming(1, "job-worker-1", "node-b", 0.24, 0.01, 9.6))

@@ -76,8 +76,9 @@ def test_same_global_batch_gives_the_same_losses_however_it_is_split(tiny_job, l
 EXPORTED_METRICS = {
     "kubetrain_step", "kubetrain_max_steps", "kubetrain_epoch", "kubetrain_loss",
     "kubetrain_validation_loss",
-    # Not kubetrain_ce_loss / kubetrain_kd_loss nor the kubetrain_dynamics_* gauges: only
-    # jobs with a teacher or with INL dynamics export those.
+    # Not kubetrain_ce_loss / kubetrain_kd_loss, the kubetrain_dynamics_* gauges nor the
+    # kubetrain_replica_* ones: only jobs with a teacher, with INL dynamics or with
+    # spec.faultTolerance export those.
     "kubetrain_learning_rate", "kubetrain_grad_norm", "kubetrain_tokens_per_second",
     "kubetrain_mfu_ratio", "kubetrain_step_duration_seconds", "kubetrain_data_wait_ratio",
     "kubetrain_memory_allocated_bytes", "kubetrain_memory_reserved_bytes",

@@ -114,12 +114,6 @@ CHECKPOINT_LOAD_TIME = Counter(protocol.METRIC_CHECKPOINT_LOAD_TIME, "Wall time'
                                "came from: memory (the ranks' own in-memory snapshots), "
                                "partner (some parts from a partner's copy), s3.", ["tier"],
                                registry=REGISTRY)
-# spec.faultTolerance (fault_tolerance.py): the quorum this group last stepped in.
-REPLICA_GROUPS = Gauge(protocol.METRIC_REPLICA_GROUPS, "Replica groups in the last "
-                       "step's quorum (spec.faultTolerance).", registry=REGISTRY)
-SKIPPED_SAMPLES = Gauge(protocol.METRIC_SKIPPED_SAMPLES, "Samples passed over since this "
-                        "group started: the slots of groups absent from a step's quorum, and "
-                        "steps that did not commit (spec.faultTolerance).", registry=REGISTRY)
 GOODPUT = Gauge("kubetrain_goodput_ratio", "Productive step time over wall time since the job "
                 "first started (0..1), restarts included.", registry=REGISTRY)
 
@@ -166,8 +160,17 @@ DISTILLATION = _JobGauges({
     protocol.METRIC_KD_LOSS: "Knowledge distillation: T^2 x KL(teacher || student) at the last "
     "logged step; kubetrain_loss is (1 - alpha) x ce + alpha x kd.",
 })
+# spec.faultTolerance (fault_tolerance.py): the quorum this group last stepped in.
+REPLICA_GROUPS = _JobGauges({
+    protocol.METRIC_REPLICA_GROUPS: "Replica groups in the last step's quorum "
+    "(spec.faultTolerance).",
+    protocol.METRIC_SKIPPED_SAMPLES: "Samples passed over since this group started: the "
+    "slots of groups absent from a step's quorum, and steps that did not commit "
+    "(spec.faultTolerance).",
+})
 REGISTRY.register(DYNAMICS)
 REGISTRY.register(DISTILLATION)
+REGISTRY.register(REPLICA_GROUPS)
 
 RANK_COMPUTE = protocol.METRIC_RANK_COMPUTE
 RANK_COMPUTE_TOTAL = protocol.METRIC_RANK_COMPUTE_TOTAL
@@ -317,8 +320,7 @@ class Reporter:
 
     def quorum(self, step: int, groups: int, of: int, skipped_samples: int) -> None:
         """The groups in a step's quorum changed (spec.faultTolerance)."""
-        REPLICA_GROUPS.set(groups)
-        SKIPPED_SAMPLES.set(skipped_samples)
+        REPLICA_GROUPS.values = (groups, skipped_samples)
         self._event("quorum", step=step, groups=groups, of=of,
                     skipped_samples=skipped_samples)
         self._print(f"step {step}: {groups} of {of} replica groups in the quorum "
