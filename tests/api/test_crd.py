@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +147,14 @@ def with_sections(manifest: dict[str, Any], **sections: dict[str, Any]) -> dict[
     for section, values in sections.items():
         document["spec"].setdefault(section, {}).update(values)
     return document
+
+
+def validate_command(document: dict[str, Any], folder: Path) -> subprocess.CompletedProcess[str]:
+    """`kubetrain validate` of `document`, written as a manifest into `folder`."""
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return subprocess.run([sys.executable, "-m", "kubetrain", "validate", str(path)],
+                          capture_output=True, text=True, timeout=120)
 
 
 def _with(manifest: dict[str, Any], section: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -5,13 +5,11 @@ words, and what cannot change."""
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_crd import (  # the server's CEL, evaluated; the models' refusal
     cel_violations,
     models_refusal,
+    validate_command,
     with_sections,
 )
 
@@ -188,11 +187,8 @@ def test_pods_per_group_divides_the_workers_among_the_groups() -> None:
 
 def test_kubetrain_validate_prints_the_field_and_the_fix(
         minimal_manifest: dict[str, Any], tmp_path: Path) -> None:
-    document = with_sections(minimal_manifest, faultTolerance=TWO_GROUPS, workers={"replicas": 3})
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(document))
-    done = subprocess.run([sys.executable, "-m", "kubetrain", "validate", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    done = validate_command(with_sections(minimal_manifest, faultTolerance=TWO_GROUPS,
+                                          workers={"replicas": 3}), tmp_path)
     assert done.returncode == 1
     assert ("spec.workers.replicas (3) must be a multiple of faultTolerance.replicaGroups"
             in done.stderr), done.stderr

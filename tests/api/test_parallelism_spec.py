@@ -3,18 +3,17 @@ models (`kubetrain validate`) accept, and how a refusal names the field and the 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_crd import (  # the server's CEL, evaluated; the models' refusal
     cel_violations,
     models_refusal,
+    validate_command,
     with_sections,
 )
 
@@ -76,12 +75,9 @@ def test_model_dimensions_tensor_parallelism_cannot_split_are_refused_naming_the
 
 def test_kubetrain_validate_prints_the_field_and_the_fix(
         minimal_manifest: dict[str, Any], tmp_path: Path) -> None:
-    document = with_sections(minimal_manifest, parallelism={"strategy": "ddp", "tensorParallel": 2},
-                    workers={"procsPerWorker": 2})
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(document))
-    done = subprocess.run([sys.executable, "-m", "kubetrain", "validate", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    done = validate_command(with_sections(
+        minimal_manifest, parallelism={"strategy": "ddp", "tensorParallel": 2},
+        workers={"procsPerWorker": 2}), tmp_path)
     assert done.returncode == 1
     assert ("spec.parallelism.tensorParallel (2) needs strategy fsdp, hsdp or auto"
             in done.stderr), done.stderr

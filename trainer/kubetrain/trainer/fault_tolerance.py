@@ -97,7 +97,6 @@ class ReplicaGroups:
     """This group's place among the job's replica groups, and torchft's Manager across them."""
 
     manager: Manager
-    group: int
     groups: int
     min_groups: int
     timeout_seconds: int
@@ -151,7 +150,7 @@ class ReplicaGroups:
             # torchft numbers a replica by the digits its id ends with.
             replica_id=f"{job_name}-group-{group}",
             rank=world.rank, world_size=world.world_size)
-        return cls(manager=manager, group=group, groups=spec.replica_groups,
+        return cls(manager=manager, groups=spec.replica_groups,
                    min_groups=spec.min_replica_groups,
                    timeout_seconds=spec.quorum_timeout_seconds, samples_per_group_step=0)
 
