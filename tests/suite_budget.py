@@ -11,6 +11,10 @@
 - for each pytest-xdist worker, the time it was busy and the time it sat idle at the end,
   waiting for the other: the cost of a schedule that does not keep both busy.
 
+Every item's, module's and fixture's time also goes to pytest's cache, under the key
+`TIMES_KEY` (`.pytest_cache/v/kubetrain/suite-times`), so the next cut is chosen from the whole
+list, not the top of it (tests/install/from-nothing.sh keeps it beside its log).
+
 Under `CI=true` a run whose pytest took longer than `CEILING_SECONDS` fails, naming the
 modules that took the most: a test that makes the suite slower has to take the time from
 somewhere else, not from the budget.
@@ -36,6 +40,7 @@ CEILING_SECONDS = 3100
 SLOWEST = 10
 MODULES = 15
 FIXTURES = 10
+TIMES_KEY = "kubetrain/suite-times"
 
 
 class SuiteBudget:
@@ -120,10 +125,27 @@ class SuiteBudget:
             idle = end - self.last_report.get(worker, self.started)
             write(f"worker {worker}: busy {self.busy[worker]:.0f} s, idle at the end "
                   f"{idle:.0f} s")
+        self._keep_times(elapsed)
         if over and os.environ.get("CI") == "true":
             write(f"FAILED: pytest took {elapsed:.0f} s, over the suite's ceiling of "
                   f"{CEILING_SECONDS} s (tests/suite_budget.py): a new slow test takes its "
                   "time from somewhere else", red=True, bold=True)
+
+    def _keep_times(self, elapsed: float) -> None:
+        cache = getattr(self.config, "cache", None)  # None under -p no:cacheprovider
+        if cache is None:
+            return
+        cache.set(TIMES_KEY, {
+            "pytest_seconds": round(elapsed, 1),
+            "busy_seconds": {worker: round(s, 1) for worker, s in sorted(self.busy.items())},
+            "items": dict(_rounded(self.items)),
+            "modules": dict(_rounded(self.modules)),
+            "fixtures": dict(_rounded(self.fixtures)),
+        })
+
+
+def _rounded(seconds: dict[str, float]) -> list[tuple[str, float]]:
+    return [(key, round(value, 2)) for key, value in _top(seconds, len(seconds))]
 
 
 def _top(seconds: dict[str, float], count: int) -> list[tuple[str, float]]:

@@ -68,6 +68,10 @@ step() {
 results=()
 step "CI=true make test" env CI=true make test && step "make demo" make demo
 
+# Every test's time (tests/suite_budget.py), for choosing what to cut next.
+cp "$clone/.pytest_cache/v/kubetrain/suite-times" "${log%.log}.times.json" 2>/dev/null \
+    && say "every test's time in ${log%.log}.times.json"
+
 echo "----- the last 25 lines of the output -----"
 tail -n 25 "$log"
 echo "----- results -----"
