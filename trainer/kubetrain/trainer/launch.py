@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from kubetrain.protocol import AGENT_PID_ENV
 from kubetrain.trainer.lifeline import PodLifeline, in_a_pod
@@ -134,5 +135,22 @@ def format_tracebacks_without_dynamo() -> None:
                 handler.setFormatter(TracebackFirst(handler.formatter))
 
 
+def exit_without_teardown() -> NoReturn:
+    """End the launcher once torchrun's agent has ended well, skipping the interpreter's
+    teardown.
+
+    By then every training process has ended and been reaped, the rendezvous is closed and
+    the lifeline stopped: what is left is Python unloading torch, 0.9 s of a core on a
+    2-core machine, which delays the pod's end (and whoever waits on it: a finished job's
+    status, a suspend letting go of its pods) for nothing. The streams and log handlers
+    are flushed first. A failure still ends the normal way, its traceback printed.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
