@@ -5,25 +5,42 @@ process group and rendezvous (`KUBETRAIN_REPLICA_GROUP` says which one this is).
 group the model is sharded (fsdp) or replicated (ddp) as in any job; across the groups
 torchft's `Manager` replicates it. Each step:
 
-    quorum (the lighthouse: which groups are alive; a group behind heals from a peer)
-    → forward/backward in the group → average the gradients over the groups present
-    → should_commit (every group agrees the step went through) → optimizer step
+    fetch the batch → start the quorum (the lighthouse: which groups are alive; in the
+    background) → forward/backward in the group → average the gradients over the groups
+    present (waits for the quorum) → should_commit (every group agrees the step went
+    through; a group behind applies a peer's state here) → optimizer step
+
+The quorum runs asynchronously (torchft's `use_async_quorum=True`): its round trip to the
+lighthouse, and the wait for the slowest group to ask, overlap the forward and backward
+passes instead of coming before them. A step's quorum therefore cannot change the batch
+the step trains on, which is why the groups' data never depends on it (below), and why a
+group behind its peers heals at the step's commit rather than before its forward pass.
 
 A group that fails drops out of the next quorum, and the others step on, averaging over
 those present. A group that comes back (its torchrun restarted, its pod replaced) asks for a
-quorum at step 0, finds peers ahead and takes their state before its first step: weights,
-optimizer, learning-rate schedule, data position, early-stopping record, the torch RNG
-of the same rank in the peer, and the goodput ledger's totals. No checkpoint is read from
-storage for that. The quorum runs synchronously (torchft's `use_async_quorum=False`), so
-a group heals before its forward pass and every step starts from the same weights on every
-group.
+quorum before loading anything (`first_quorum`), finds peers ahead and receives their state
+there: no checkpoint is read from storage. It trains its first step as a bystander (torchft
+replaces its gradients with the others' average) and, at that step's commit, takes the
+peer's state (weights, optimizer, learning-rate schedule, data position, early-stopping
+record, the torch RNG of the same rank in the peer, and the goodput ledger's totals); the
+optimizer step that follows makes it the peer's equal. A live group that fell behind (its
+step failed where its peers' committed) heals the same way at its next step.
+
+torchft asks a peer for its state from its quorum thread, while the peer's loop computes:
+FSDP2 swaps a module's parameters between their shards and the gathered tensors during
+the forward and backward passes, so the state is not read there. The loop answers the
+request itself once its backward pass is done, before the all-reduce (`HealState.serve`):
+the parameters are sharded again, the data position is past the step's batch, the
+schedule and optimizer have not stepped. Those shards do not change before the peer's
+optimizer step, which waits for the healing group's share of the all-reduce, itself after
+the healing group received them.
 
 The data: every group reads its own slots of the global position (data.py), as if the
 groups' processes were one data-parallel world, so the groups never read the same sample.
-Every participating group advances the position by the whole world's batch each step, so
-the slots of a group that is absent are passed over, never trained later: what a
-degraded step skipped is counted (`skipped_samples`), not made up. A step that does not
-commit (a group failed inside it) passes its batch over the same way.
+Every group advances the position by the whole world's batch each step, so the slots of a
+group that is absent (or healing) are passed over, never trained later: what a degraded
+step skipped is counted (`skipped_samples`), not made up. A step that does not commit (a
+group failed inside it) passes its batch over the same way.
 
 Checkpoints are written by one group, the first in the quorum (`writes_checkpoints`): the
 other groups hold the same state. A whole-job restart resumes from them as any job does;
@@ -33,11 +50,14 @@ restarting) reads the checkpoint as usual.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterable
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -97,13 +117,18 @@ class ReplicaGroups:
     """This group's place among the job's replica groups, and torchft's Manager across them."""
 
     manager: Manager
+    heal: HealState
     groups: int
     min_groups: int
     timeout_seconds: int
     samples_per_group_step: int  # one group's samples in one step, set by the loop
     skipped_samples: int = 0  # absent groups' and uncommitted steps' samples, passed over
-    participants: int = 0  # groups in the last quorum
+    participants: int = 0  # groups in the last quorum, this one included unless healing
+    healed_at: int | None = None  # the peer's step this group took at the last commit
     _unused_quorum: bool = False  # the start's quorum, not yet trained in
+    # Waits for each step's quorum, so that the loop can answer a peer meanwhile.
+    _waiter: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="kubetrain-quorum"))
 
     @classmethod
     def join(cls, spec: FaultToleranceSpec, world: World, job_name: str,
@@ -135,55 +160,58 @@ class ReplicaGroups:
         timeout = timedelta(seconds=spec.quorum_timeout_seconds)
         process_group = (ProcessGroupNCCL(timeout=timeout) if world.device.type == "cuda"
                          else ProcessGroupGloo(timeout=timeout))
-        heal = HealState(state)
+        heal = HealState(state, timeout.total_seconds())
         manager = Manager(
             pg=process_group, min_replica_size=spec.min_replica_groups,
             # The addresses peers reach this group's manager and checkpoint server at.
             hostname=reachable_host(), checkpoint_transport=_http_transport(timeout),
             state_dict=heal.state_dict, load_state_dict=heal.load_state_dict,
-            # Healing before the forward pass: the loop's step and data position are the
-            # peer's before this group fetches a batch (see the module docstring).
-            use_async_quorum=False,
+            # The quorum overlaps the forward and backward passes (the module docstring).
+            use_async_quorum=True,
             # Every group draws the same initial weights from the job's seed: nothing to sync.
             init_sync=False,
             timeout=timeout, quorum_timeout=timeout, quorum_retries=QUORUM_RETRIES,
             # torchft numbers a replica by the digits its id ends with.
             replica_id=f"{job_name}-group-{group}",
             rank=world.rank, world_size=world.world_size)
-        return cls(manager=manager, groups=spec.replica_groups,
+        return cls(manager=manager, heal=heal, groups=spec.replica_groups,
                    min_groups=spec.min_replica_groups,
                    timeout_seconds=spec.quorum_timeout_seconds, samples_per_group_step=0)
 
     def first_quorum(self) -> int:
-        """Join the quorum before loading anything: a group behind its peers takes their
-        state here. The step the group is at (0 when no peer is ahead); the first step
-        trains in this quorum, for the peers train in it too."""
-        step = self.quorum()
+        """Join the quorum before loading anything. The step of the peers this group is
+        behind, whose state it received and takes at its first step's commit; 0 when no
+        peer is ahead (then it loads a checkpoint, as any job does). The first step trains
+        in this quorum, for the peers train in it too."""
+        with self._quorum_errors():
+            self.manager.start_quorum()
+            self._wait_for_quorum()
+        self.participants = self.manager.num_participants()
         self._unused_quorum = True
-        return step
+        if self.manager.is_participating():
+            return 0
+        self.heal.prepare()
+        return self.manager.current_step()
 
-    def quorum(self) -> int:
-        """Join this step's quorum (healing from a peer when behind); the step to train."""
+    def quorum(self) -> None:
+        """Start this step's quorum: it runs while the group computes, and the gradients'
+        average waits for it."""
         if self._unused_quorum:
             self._unused_quorum = False
-        else:
-            try:
-                self.manager.start_quorum()
-            except Exception as error:  # torchft's client: a timeout, or no lighthouse
-                raise QuorumLost(
-                    f"no quorum of faultTolerance.minReplicaGroups ({self.min_groups}) "
-                    f"replica groups within quorumTimeoutSeconds ({self.timeout_seconds}s): "
-                    f"{error}".strip()) from error
-        self.participants = self.manager.num_participants()
-        return self.manager.current_step()
+            return
+        with self._quorum_errors():
+            self.manager.start_quorum()  # (waits for the last step's quorum, long done)
 
     def average(self, gradients: Iterable[torch.Tensor]) -> None:
         """Average this group's (local shards of the) gradients over the groups present: in
         buckets of BUCKET_BYTES, as DDP does, for one all-reduce per parameter costs a
-        round trip each (a step of the CPU bench's model took 1.86 times as long)."""
+        round trip each (a step of the CPU bench's model took 1.86 times as long). A group
+        that is healing gets the others' average (torchft sends zeros for it)."""
         buckets = _buckets([_local(gradient) for gradient in gradients])
         flat = [_flatten_dense_tensors(bucket) for bucket in buckets]
-        works = [self.manager.allreduce(tensor) for tensor in flat]
+        with self._quorum_errors():
+            self._wait_for_quorum()
+            works = [self.manager.allreduce(tensor) for tensor in flat]
         for work, tensor, bucket in zip(works, flat, buckets, strict=True):
             work.wait()
             for gradient, averaged in zip(bucket, _unflatten_dense_tensors(tensor, bucket),
@@ -192,11 +220,21 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Whether every group got through the step (then, and only then, step the optimizer).
-        Passed-over samples are counted here: those of absent groups, or the whole step's."""
+        A group behind its peers takes their state here (`healed_at`). Passed-over samples
+        are counted here: those of absent and healing groups, or the whole step's."""
+        self.heal.loaded = False
+        was_at = self.manager.current_step()
         committed = self.manager.should_commit()
+        self.healed_at = was_at if self.heal.loaded else None
+        self.participants = self.manager.num_participants()
         present = self.participants if committed else 0
         self.skipped_samples += (self.groups - present) * self.samples_per_group_step
         return committed
+
+    @property
+    def step(self) -> int:
+        """The steps the groups have committed: the step this group trained last."""
+        return self.manager.current_step()
 
     @property
     def absent_share(self) -> float:
@@ -214,6 +252,25 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+        self._waiter.shutdown(wait=False)
+
+    def _wait_for_quorum(self) -> None:
+        """Wait for the step's quorum, giving a peer that asks for this group's state meanwhile
+        what it asks for (`HealState.serve`); raises what failed the quorum."""
+        done = self._waiter.submit(self.manager.wait_quorum)
+        self.heal.serve(until=done)
+        done.result()
+
+    @contextlib.contextmanager
+    def _quorum_errors(self) -> Iterator[None]:
+        """torchft's client failing a quorum (a timeout, no lighthouse) as QuorumLost."""
+        try:
+            yield
+        except Exception as error:
+            raise QuorumLost(
+                f"no quorum of faultTolerance.minReplicaGroups ({self.min_groups}) "
+                f"replica groups within quorumTimeoutSeconds ({self.timeout_seconds}s): "
+                f"{error}".strip()) from error
 
 
 class HealState:
@@ -221,15 +278,56 @@ class HealState:
 
     torchft sends it between processes of the same rank in two groups, whose shards have
     the same shape: DTensors travel as their local shards and are put back into this
-    rank's own DTensors on arrival. Nothing here is collective: torchft asks for it from
-    its own thread, on one rank at a time.
+    rank's own DTensors on arrival. Nothing here is collective. torchft asks for it from
+    its quorum thread, on one rank at a time, while the loop computes (the module
+    docstring): the request waits for the loop to answer it (`serve`) once its parameters
+    are sharded again.
     """
 
-    def __init__(self, state: dict[str, Stateful]) -> None:
+    def __init__(self, state: dict[str, Stateful], timeout_seconds: float) -> None:
         self.state = state
+        self.timeout_seconds = timeout_seconds
+        self.loaded = False  # a peer's state was put here (since the loop last cleared it)
+        self._loop_thread = threading.get_ident()
+        self._turn = threading.Condition()
+        self._asked = False
+        self._answer: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: tree_map(_local, _sent(name, value)) for name, value in self.state.items()}
+        """This rank's state, as the loop reads it at its next `serve`."""
+        if threading.get_ident() == self._loop_thread:
+            return self._read()
+        with self._turn:
+            self._asked, self._answer = True, None
+            self._turn.notify_all()
+            if not self._turn.wait_for(lambda: self._answer is not None,
+                                       timeout=self.timeout_seconds):
+                self._asked = False
+                raise TimeoutError(f"the training loop did not hand over its state in "
+                                   f"{self.timeout_seconds:g}s")
+            answer, self._answer = self._answer, None
+            assert answer is not None
+            return answer
+
+    def serve(self, until: Future[Any]) -> None:
+        """Answer torchft's requests for the state until `until` is done (the step's quorum,
+        in which torchft sends it): from the loop's thread, at a point where the parameters
+        are sharded and nothing is computing."""
+        until.add_done_callback(lambda _: self._wake())
+        with self._turn:
+            while True:
+                if self._asked:
+                    self._asked, self._answer = False, self._read()
+                    self._turn.notify_all()
+                if until.done():
+                    return
+                self._turn.wait()
+
+    def prepare(self) -> None:
+        """Make what a load puts the peer's state into before the first step: torch creates
+        an optimizer's state at its first step, and DCP's state_dict (ModelState's) creates
+        it beforehand only while no gradient is held, which at the commit is too late."""
+        self._read()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for name, value in self.state.items():
@@ -240,17 +338,25 @@ class HealState:
             else:
                 into = value.state_dict()  # this rank's own tensors: the shape to put them in
                 value.load_state_dict(tree_map(_into, into, state_dict[name]))
+        self.loaded = True
+
+    def _read(self) -> dict[str, Any]:
+        return {name: _sent(name, value) for name, value in self.state.items()}
+
+    def _wake(self) -> None:
+        with self._turn:
+            self._turn.notify_all()
 
 
 def _sent(name: str, value: Stateful) -> Any:
-    """What is sent of `value`: its state, but of the RNG only this rank's (RandomState's
-    gathers every rank's, a collective), and of the goodput ledger its totals with the
-    load tiers (`GoodputLedger.adopt`)."""
+    """What is sent of `value`: its state (DTensors as their local shards), but of the RNG
+    only this rank's (RandomState's gathers every rank's, a collective), and of the goodput
+    ledger its totals with the load tiers (`GoodputLedger.adopt`)."""
     if name == "rng":
         return {"cpu": torch.get_rng_state()}
     if isinstance(value, GoodputLedger):
         return value.snapshot()
-    return value.state_dict()
+    return tree_map(_local, value.state_dict())
 
 
 def reachable_host() -> str:

@@ -563,26 +563,21 @@ class Trainer:
             if stopping:
                 reason = "signalled"
                 break
-            if run.replicas is not None:
-                # The step's quorum of groups; a group behind takes a live one's state here.
-                with meter.clock.waiting():
-                    groups_before = run.replicas.participants
-                    step = run.replicas.quorum()
-                if run.replicas.participants != groups_before:
-                    run.reporter.quorum(step, run.replicas.participants, run.replicas.groups,
-                                        run.replicas.skipped_samples)
-                    meter.stragglers.pace_changed()  # a step across more groups takes longer
-                if step >= run.max_steps:
-                    break
-
             batches = meter.fetch(run.train_data)
             run.goodput.charge(DATA_WAIT)
+            if run.replicas is not None:
+                # The step's quorum of groups, answered while the step computes.
+                groups_before = run.replicas.participants
+                run.replicas.quorum()
             # Forward/backward with accumulation → clip → optimizer step → schedule.
             result = self._train_step(run, meter, batches)
+            if run.replicas is not None:
+                step = self._after_quorum(run, meter, step, groups_before)
             if result is None:  # a group failed inside the step: none of them took it
                 run.goodput.charge(LOST_PROGRESS)
                 continue
-            step += 1
+            if run.replicas is None:
+                step += 1
 
             # Metrics: cheap ones every step, reduced ones every logEverySteps.
             run.reporter.stepped(step, meter.global_tokens, meter.end_step())
@@ -616,6 +611,20 @@ class Trainer:
                                  meter.stragglers.saved("memory", saved))
         return self._finish(run, stop, step, reason, val_loss)
 
+    @staticmethod
+    def _after_quorum(run: _Run, meter: StepMeter, step: int, groups_before: int) -> int:
+        """With replica groups, after a step's commit: report a heal at it and a change in
+        the groups present; the step the groups are at."""
+        replicas = run.replicas
+        assert replicas is not None
+        if replicas.healed_at is not None:
+            run.reporter.healed(replicas.healed_at, replicas.participants)
+        if replicas.participants != groups_before:
+            run.reporter.quorum(replicas.step, replicas.participants, replicas.groups,
+                                replicas.skipped_samples)
+            meter.stragglers.pace_changed()  # a step across more groups takes longer
+        return replicas.step
+
     def _resume(self, run: _Run) -> int:
         """Load the latest checkpoint (or start from `model.init`, or the teacher's embeddings),
         book the attempt's start and report it; the step the loop starts from."""
@@ -628,10 +637,10 @@ class Trainer:
             dist.broadcast_object_list(started, src=0)
             goodput.agree(started[0])
         if run.replicas is not None:
-            # A group that comes back takes a live group's state, not a checkpoint's.
+            # A group that comes back takes a live group's state (at its first step's
+            # commit), not a checkpoint's.
             healed = run.replicas.first_quorum()
-            if healed:
-                reporter.healed(healed, run.replicas.participants)
+            if healed:  # (reported when taken: `_after_quorum`)
                 reporter.started(healed, run.world.world_size, *run.output_loss)
                 goodput.charge(STARTUP)
                 return healed

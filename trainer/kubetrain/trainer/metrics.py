@@ -313,10 +313,11 @@ class Reporter:
         self._print(f"resumed from {uri} at step {step} with {world_size} processes")
 
     def healed(self, step: int, groups: int) -> None:
-        """A replica group came back and took a live group's state (spec.faultTolerance)."""
+        """A replica group came back (or fell behind) and took a live group's state, that
+        of `step`, from one of the `groups` that trained on meanwhile (spec.faultTolerance)."""
         self._event("healed", step=step, groups=groups)
-        self._print(f"healed from a live replica group at step {step} ({groups} groups "
-                    "in the quorum): no checkpoint read")
+        self._print(f"healed from a live replica group at step {step} ({groups} live "
+                    f"group{'s' if groups != 1 else ''} in the quorum): no checkpoint read")
 
     def quorum(self, step: int, groups: int, of: int, skipped_samples: int) -> None:
         """The groups in a step's quorum changed (spec.faultTolerance)."""
