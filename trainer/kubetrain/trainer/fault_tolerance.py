@@ -327,7 +327,7 @@ class HealState:
         """Make what a load puts the peer's state into before the first step: torch creates
         an optimizer's state at its first step, and DCP's state_dict (ModelState's) creates
         it beforehand only while no gradient is held, which at the commit is too late."""
-        self._read()
+        self.state["model"].state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for name, value in self.state.items():
