@@ -302,6 +302,11 @@ class Cluster:
                 [sys.executable, "-m", "kubetrain", "logs", *args, "-n", NAMESPACE,
                  "--kubeconfig", str(self.api.kubeconfig)], stdout=out, stderr=err)
 
+    def jobs(self) -> set[str]:
+        """The names of the TrainingJobs in the namespace."""
+        listed = self.custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)
+        return {job["metadata"]["name"] for job in listed["items"]}
+
     def delete(self, name: str) -> None:
         """Delete the job and wait for its pods to go (garbage collection, then the agent)."""
         with contextlib.suppress(client.ApiException):

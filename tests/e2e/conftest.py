@@ -63,3 +63,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # whatever the scenarios did (this runs after a failed one too).
     left = left_behind(before, snapshot(), mine)
     assert not left, "the whole loop left this on the machine:\n" + "\n".join(left)
+
+
+@pytest.fixture(autouse=True)
+def _jobs_deleted_after_each_scenario(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A scenario on the shared whole loop that fails before deleting its job leaves no
+    pod running for the next one (a node lost in a later scenario would take it along):
+    the jobs it created are deleted after it, passed or failed. Jobs of a module's
+    fixtures, created before the scenario, stay for the module's next scenarios."""
+    cluster = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    if not isinstance(cluster, Cluster):  # (test_gang_placement's `cluster` is its own API)
+        yield
+        return
+    before = cluster.jobs()
+    yield
+    for name in sorted(cluster.jobs() - before):
+        cluster.delete(name)
