@@ -18,6 +18,10 @@ kubetrain's own-code entry around torchrun and your command, so checkpoints your
 complete are uploaded to spec.checkpoint.uri and restored before every attempt, and reports
 through kubetrain.sdk or transformers' KubeflowCallback drive the progress bar.
 
+A job with replica groups (spec.faultTolerance) runs each group as its own torchrun
+group beside torchft's lighthouse, and a failed group restarts alone while the others
+train on, as under the operator.
+
 Ctrl-C saves a checkpoint and stops; the same command again resumes from it.
 `--dry-run` shows what would run here next to the Pod the operator would create.
 
@@ -38,13 +42,14 @@ from kubetrain.api.manifest import InvalidManifest, load_job
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.launch import AgentLaunch, Rendezvous, agent_launch
 from kubetrain.local.own_code import Commit, CommitListing, OpenListing
+from kubetrain.local.replica_groups import group_metrics_log
 from kubetrain.local.workspace import (
     PREPARE_FROM_ANNOTATION,
     PYTHON_STDLIB,
     Workspace,
     copy_stdlib_sources,
 )
-from kubetrain.pod_conventions import pet_variable
+from kubetrain.pod_conventions import pet_variable, replica_group_env, replica_group_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,9 +94,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubetrain run: {job.metadata.name} is suspended (spec.runPolicy.suspend: true): "
               "set it to false to run it", file=sys.stderr)
         return 1
-    if job.spec.fault_tolerance is not None:
-        print("kubetrain run: spec.faultTolerance's replica groups do not run on one machine "
-              "yet: remove faultTolerance to run the job as one group (docs/fault-tolerance.md)",
+    if job.spec.fault_tolerance is not None and job.spec.own_code:
+        print("kubetrain run: an own-code job's replica groups (spec.faultTolerance) do not run "
+              "on one machine yet, kubetrain's trainer's do: remove faultTolerance to run your "
+              "code as one group here, or run it on Kubernetes (docs/fault-tolerance.md)",
               file=sys.stderr)
         return 1
     options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
@@ -207,8 +213,11 @@ def _plan(job: TrainingJob, workspace: Workspace) -> str:
     workers = job.spec.workers
     nodes = "node" if workers.replicas == 1 else "nodes"
     processes = "process" if workers.procs_per_worker == 1 else "processes"
+    tolerance = job.spec.fault_tolerance
+    groups = ("" if tolerance is None else
+              f" in {tolerance.replica_groups} replica groups under torchft's lighthouse")
     return (f"{job.metadata.name}: {workers.replicas} simulated {nodes} x "
-            f"{workers.procs_per_worker} training {processes}, "
+            f"{workers.procs_per_worker} training {processes}{groups}, "
             f"{_length(job)}; "
             f"data {job.spec.data.train}, checkpoints {job.spec.checkpoint.uri}, "
             f"metrics http://127.0.0.1:{job.spec.metrics.port}/metrics, logs {workspace.logs}/")
@@ -266,16 +275,18 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
 
     from kubetrain.operator.children import worker_pod
 
-    rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")
-    launches = [agent_launch(local_job, workspace.manifest, workspace.metrics_log, index,
-                             rendezvous, workspace.torchrun_logs)
+    launches = [_local_launch(local_job, workspace, index)
                 for index in range(job.spec.workers.replicas)]
     pod: dict[str, Any] = worker_pod(job, 0, 0)
+    restarts = ("the runner restarts the whole group under spec.runPolicy"
+                if job.spec.fault_tolerance is None else
+                "the runner restarts a failed replica group alone under spec.runPolicy, "
+                "beside torchft's lighthouse at 127.0.0.1:<port> (a free port per run)")
     lines = [f"# {job.metadata.name}: torchrun here (kubetrain run) and on Kubernetes "
              "(the operator's worker Pod)",
              *_side_by_side(launches[0], pod),
-             "# here: rendezvous port 0 = a free port per attempt; torchrun's own restarts "
-             "are off because the runner restarts the whole group under spec.runPolicy",
+             f"# here: rendezvous port 0 = a free port per attempt; torchrun's own restarts "
+             f"are off because {restarts}",
              f"# here: the trainer reads {workspace.manifest} (relative paths resolved under "
              f"{workspace.root}/); each node's environment is yours plus the variables shown"]
     for launch in launches:
@@ -286,6 +297,23 @@ def dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Workspace) -> s
                  "such Pods (worker-0 shown), torchrun settings as PET_* variables")
     lines.append(yaml.safe_dump(pod, sort_keys=False).rstrip())
     return "\n".join(lines)
+
+
+def _local_launch(job: TrainingJob, workspace: Workspace, index: int) -> AgentLaunch:
+    """Node `index` as `kubetrain run` starts it (ports shown as 0 or <port>): with
+    spec.faultTolerance, on its replica group's rendezvous, told its group and the
+    lighthouse, writing its group's metrics log (kubetrain.local.replica_groups)."""
+    group = replica_group_of(job, index)
+    run_id = f"{job.metadata.name}-<pid>-<attempt>"
+    if group is None:
+        return agent_launch(job, workspace.manifest, workspace.metrics_log, index,
+                            Rendezvous(port=0, run_id=run_id), workspace.torchrun_logs)
+    launch = agent_launch(job, workspace.manifest,
+                          group_metrics_log(workspace.metrics_log, group), index,
+                          Rendezvous(port=0, run_id=f"{run_id}-group-{group}-<restart>"),
+                          workspace.torchrun_logs)
+    launch.env.update(replica_group_env(job, index, "http://127.0.0.1:<port>"))
+    return launch
 
 
 def _side_by_side(launch: AgentLaunch, pod: dict[str, Any]) -> list[str]:

@@ -104,15 +104,17 @@ def threads_per_process(job: TrainingJob, cpus: int | None = None) -> int:
 
 def agent_launch(
     job: TrainingJob, manifest: Path, metrics_log: Path, index: int, rendezvous: Rendezvous,
-    log_dir: Path
+    log_dir: Path, metrics_port: int | None = None
 ) -> AgentLaunch:
     """The torchrun agent of simulated node `index` for one attempt of the group; torchrun's
-    own files under `log_dir`."""
+    own files under `log_dir`; rank 0's /metrics on `metrics_port` if given, else on
+    spec.metrics.port."""
     options = _torchrun_options(job, rendezvous, log_dir)
     argv = [
         sys.executable, "-m", TRAINER_LAUNCH_MODULE,
         *(word for option, value in options.items() for word in (f"--{option}", value)),
         str(manifest), "--metrics-log", str(metrics_log),
+        *(("--metrics-port", str(metrics_port)) if metrics_port is not None else ()),
     ]
     env = {
         # Literal variables of the pod template apply locally too; valueFrom ones

@@ -57,6 +57,13 @@ class ProgressDisplay:
             self.say(f"step {latest.step}: checkpoint saved to {shown(latest.uri)}")
         elif kind == "finished":
             self._advance(history)
+        elif kind == "quorum":  # replica groups (spec.faultTolerance)
+            self.say(f"step {event.get('step')}: {event.get('groups')} of {event.get('of')} "
+                     f"replica groups in the quorum ({event.get('skipped_samples')} samples "
+                     "passed over so far)")
+        elif kind == "healed":
+            self.say(f"step {event.get('step')}: replica group {event.get('group', '?')} "
+                     "healed from a live group, no checkpoint read")
 
     def say(self, line: str) -> None:
         """Print a line above the bar."""

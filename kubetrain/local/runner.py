@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,10 +67,21 @@ from kubetrain.local.recovery import (
     after_attempt,
     node_failure_class,
 )
+from kubetrain.local.replica_groups import (
+    EventRelay,
+    LighthouseError,
+    group_metrics_log,
+    lighthouse,
+)
 from kubetrain.local.report import write_after_run
 from kubetrain.local.trainer_status_endpoint import LocalStatusEndpoint
 from kubetrain.local.workspace import Workspace
-from kubetrain.pod_conventions import ATTEMPT_STARTED_ENV, TERMINATION_LOG_ENV
+from kubetrain.pod_conventions import (
+    ATTEMPT_STARTED_ENV,
+    TERMINATION_LOG_ENV,
+    replica_group_env,
+    replica_group_of,
+)
 from kubetrain.protocol import trainer_failure
 
 # Exit statuses of `kubetrain run`.
@@ -149,20 +161,40 @@ class LocalRun:
         self.started = time.monotonic()
         self.oom_kills_before: int | None = None  # in the run's cgroup, when the attempt began
         self.lost_nodes: set[int] = set()  # nodes this attempt lost on purpose (kill at step)
+        self.counted: list[GroupFailure] = []  # failures counted against maxRestarts
+        # spec.faultTolerance: the lighthouse's address while the run lasts, the groups'
+        # events into the run's log, and the groups waiting out a backoff to start again.
+        self.lighthouse_url: str | None = None
+        self.relay = (EventRelay(self.workspace.metrics_log,
+                                 self.job.spec.fault_tolerance.replica_groups)
+                      if self.job.spec.fault_tolerance is not None else None)
+        self.group_restarts_due: dict[int, float] = {}  # group -> monotonic time to start it
+        # Each group's rank 0 serves /metrics (as each pod does on its own network): group 0
+        # on spec.metrics.port, the others on free ports of their own.
+        self._metrics_ports = [self.job.spec.metrics.port] + [
+            free_port() for _ in range(1, self.job.spec.fault_tolerance.replica_groups
+                                       if self.job.spec.fault_tolerance is not None else 1)]
 
     def run(self) -> int:
         """Run the group until the job finishes, fails or is stopped; print the summary."""
         manifest = self.workspace.write_manifest(self.job)
-        failures: list[GroupFailure] = []
         with ExitStack() as stack:
             stack.enter_context(self._signals_forwarded())
             if self.job.spec.own_code:
                 self.endpoint = stack.enter_context(LocalStatusEndpoint(
                     self.workspace.root / "status-token", self._append))
-            return self._attempts(manifest, failures)
+            if self.relay is not None:
+                try:
+                    self.lighthouse_url = stack.enter_context(
+                        lighthouse(self.job, self.workspace.logs / "lighthouse.log"))
+                except LighthouseError as error:
+                    print(f"kubetrain run: {error}", file=sys.stderr, flush=True)
+                    return EXIT_FAILED
+            return self._attempts(manifest)
 
-    def _attempts(self, manifest: Path, failures: list[GroupFailure]) -> int:
+    def _attempts(self, manifest: Path) -> int:
         """Run attempts of the group until one finishes, stops or fails for good."""
+        failures = self.counted
         attempt = 0
         while True:
             result = self._run_group(manifest, attempt)
@@ -227,8 +259,8 @@ class LocalRun:
     # --- one attempt of the group ----------------------------------------------------
 
     def _run_group(self, manifest: Path, attempt: int) -> _Attempt:
-        rendezvous = Rendezvous(free_port(), f"{self.job.metadata.name}-{os.getpid()}-{attempt}")
         self.lost_nodes = set()
+        self.group_restarts_due = {}
         launched_at = f"{time.time():.3f}"
         self.oom_kills_before = oom_kills()
         node_dirs: list[Path] = []
@@ -240,24 +272,45 @@ class LocalRun:
             if resumed is not None:
                 self._append(resumed)
             node_dirs = fresh_node_dirs(self.workspace, self.job.spec.workers.replicas)
+        if self.relay is not None:
+            self.relay.attempt()
         with ExitStack() as logs:
-            nodes = []
-            for index in range(self.job.spec.workers.replicas):
-                log = logs.enter_context(self.workspace.worker_log(index).open("ab"))
-                log.write(f"\n=== kubetrain run: attempt {attempt}, launched at {launched_at}, "
-                          f"rendezvous {rendezvous.endpoint} ===\n".encode())
-                log.flush()
-                launch = (self._own_code_launch(manifest, index, rendezvous, node_dirs[index])
-                          if self.commits is not None else
-                          agent_launch(self.job, manifest, self.workspace.metrics_log, index,
-                                       rendezvous, self.workspace.torchrun_logs))
-                launch.env[ATTEMPT_STARTED_ENV] = launched_at
-                termination_log = self.workspace.logs / f"worker-{index}.termination-log"
-                termination_log.write_text("")  # fresh each attempt, as a new container's
-                launch.env[TERMINATION_LOG_ENV] = str(termination_log)
-                nodes.append(Node(launch, cwd=Path.cwd(), log=log))
+
+            def start(indexes: list[int], rendezvous: Rendezvous, launched_at: str
+                      ) -> list[Node]:
+                """Nodes `indexes`, meeting at `rendezvous`, launched at `launched_at`."""
+                nodes = []
+                for index in indexes:
+                    log = logs.enter_context(self.workspace.worker_log(index).open("ab"))
+                    log.write(f"\n=== kubetrain run: attempt {attempt}, launched at "
+                              f"{launched_at}, rendezvous {rendezvous.endpoint} ===\n".encode())
+                    log.flush()
+                    launch = (self._own_code_launch(manifest, index, rendezvous,
+                                                    node_dirs[index])
+                              if self.commits is not None
+                              else self._launch(manifest, index, rendezvous))
+                    launch.env[ATTEMPT_STARTED_ENV] = launched_at
+                    termination_log = self.workspace.logs / f"worker-{index}.termination-log"
+                    termination_log.write_text("")  # fresh each attempt, as a new container's
+                    launch.env[TERMINATION_LOG_ENV] = str(termination_log)
+                    nodes.append(Node(launch, cwd=Path.cwd(), log=log))
+                return nodes
+
+            def start_group(group: int, launched_at: str = launched_at) -> list[Node]:
+                """A replica group's nodes, on a rendezvous of their own."""
+                rendezvous = self._rendezvous(attempt, group, restart=len(self.counted))
+                return start(self._group_nodes(group), rendezvous, launched_at)
+
+            def restart_group(group: int) -> list[Node]:
+                return start_group(group, f"{time.time():.3f}")
+
+            tolerance = self.job.spec.fault_tolerance
+            nodes = (start(list(range(self.job.spec.workers.replicas)),
+                           self._rendezvous(attempt), launched_at) if tolerance is None
+                     else [node for group in range(tolerance.replica_groups)
+                           for node in start_group(group)])
             try:
-                result = self._watch(nodes)
+                result = self._watch(nodes, restart_group)
             except BaseException:
                 for node in nodes:
                     node.lose()
@@ -275,6 +328,38 @@ class LocalRun:
             self.display.close()
         return result
 
+    def _rendezvous(self, attempt: int, group: int | None = None, restart: int = 0
+                    ) -> Rendezvous:
+        """A fresh rendezvous for an attempt of the nodes, or of one replica group's."""
+        run_id = f"{self.job.metadata.name}-{os.getpid()}-{attempt}"
+        if group is not None:
+            run_id += f"-group-{group}-{restart}"
+        return Rendezvous(free_port(), run_id)
+
+    def _launch(self, manifest: Path, index: int, rendezvous: Rendezvous) -> AgentLaunch:
+        """Node `index` of kubetrain's trainer; in a replica group, told its group and the
+        lighthouse, and logging to its group's metrics log (`EventRelay` merges them)."""
+        if self.relay is None:
+            return agent_launch(self.job, manifest, self.workspace.metrics_log, index,
+                                rendezvous, self.workspace.torchrun_logs)
+        assert self.lighthouse_url is not None
+        group = self._group_of(index)
+        launch = agent_launch(self.job, manifest,
+                              group_metrics_log(self.workspace.metrics_log, group), index,
+                              rendezvous, self.workspace.torchrun_logs,
+                              metrics_port=self._metrics_ports[group])
+        launch.env.update(replica_group_env(self.job, index, self.lighthouse_url))
+        return launch
+
+    def _group_of(self, index: int) -> int:
+        group = replica_group_of(self.job, index)
+        assert group is not None, "only a job with spec.faultTolerance has replica groups"
+        return group
+
+    def _group_nodes(self, group: int) -> list[int]:
+        return [index for index in range(self.job.spec.workers.replicas)
+                if self._group_of(index) == group]
+
     def _own_code_launch(self, manifest: Path, index: int, rendezvous: Rendezvous,
                          checkpoint_dir: Path) -> AgentLaunch:
         assert self.endpoint is not None
@@ -282,7 +367,8 @@ class LocalRun:
                                self.endpoint.reporter_env(), self.workspace.torchrun_logs,
                                len(self.micro_batches) - 1)
 
-    def _watch(self, nodes: list[Node]) -> _Attempt:
+    def _watch(self, nodes: list[Node], restart_group: Callable[[int], list[Node]]
+               ) -> _Attempt:
         clock = ProgressClock(step=-1, since=time.monotonic())
         policy = self.job.spec.run_policy
         while True:
@@ -290,16 +376,25 @@ class LocalRun:
             if self.signals:
                 name = signal.Signals(self.signals[-1]).name
                 return _Attempt(stop=_Stop(f"interrupted by {name}", EXIT_INTERRUPTED))
+            now = time.monotonic()
+            for group, due in sorted(self.group_restarts_due.items()):
+                if now >= due:
+                    del self.group_restarts_due[group]
+                    for node in restart_group(group):
+                        nodes[node.index] = node
+            waiting = {index for group in self.group_restarts_due
+                       for index in self._group_nodes(group)}
             statuses = [node.poll() for node in nodes]
             failed = [(node, code) for node, code in zip(nodes, statuses, strict=True)
-                      if code is not None and code != 0]
+                      if code is not None and code != 0 and node.index not in waiting]
             if failed:
-                return _Attempt(failures=[self._node_failure(node, code)
-                                          for node, code in failed])
-            if all(code == 0 for code in statuses):
+                failures = [self._node_failure(node, code) for node, code in failed]
+                if not self._restart_groups_alone(nodes, [node for node, _ in failed], failures):
+                    return _Attempt(failures=failures)
+                continue
+            if all(code == 0 for code in statuses) and not waiting:
                 self._read_events(clock, nodes)
                 return _Attempt(finished=True)
-            now = time.monotonic()
             if clock.is_hung(policy, now):
                 return _Attempt(failures=[GroupFailure(
                     f"no training progress for {clock.stalled_for(now):.0f}s "
@@ -310,12 +405,44 @@ class LocalRun:
                                            "(spec.runPolicy.activeDeadlineSeconds)", EXIT_FAILED))
             time.sleep(POLL_SECONDS)
 
+    def _restart_groups_alone(self, nodes: list[Node], failed: list[Node],
+                              failures: list[GroupFailure]) -> bool:
+        """With spec.faultTolerance, restart the replica groups of the failed nodes and no
+        other, as the operator does: True when they are restarting (their other nodes
+        stopped, each group due again after the policy's backoff). False leaves it to the
+        whole job's restart: without groups, out of memory or a failed preflight check (as
+        on Kubernetes), or when the policy ends the job."""
+        if self.relay is None or any(f.failure_class == "PreflightFailed" for f in failures):
+            return False
+        spec = self.job.spec
+        decision = after_attempt(
+            spec, self.counted, failures, micro_batch_size=self.job.micro_batch_size,
+            out_of_memory_restarts=len(self.micro_batches) - 1,
+            world_size=spec.workers.replicas * spec.workers.procs_per_worker)
+        if decision.counted is None or not decision.restart:
+            return False
+        self._log_failure(failures[0])
+        self.counted.append(decision.counted)
+        self.restarts.append(decision.reason)
+        groups = sorted({self._group_of(node.index) for node in failed})
+        group_nodes = [nodes[index] for group in groups for index in self._group_nodes(group)]
+        named = ", ".join(str(group) for group in groups)
+        self.display.say(f"{decision.reason}: restarting replica group {named} alone in "
+                         f"{decision.delay:g}s (restart {len(self.counted)} of "
+                         f"{spec.run_policy.max_restarts}); the other groups train on")
+        self._stop_all(group_nodes, FAILED_GROUP_GRACE_SECONDS)
+        for group in groups:
+            self.group_restarts_due[group] = time.monotonic() + decision.delay
+        return True
+
     def _read_events(self, clock: ProgressClock | None = None,
                      nodes: list[Node] | None = None) -> None:
         """Show the new metrics-log events; kill the nodes --kill-worker-at-step names."""
         if self.commits is not None:
             for commit in self.commits.new(force=nodes is None):
                 self._append(commit)
+        if self.relay is not None:
+            self.relay.pump()
         for event in self.reader.read_new():
             self.history.apply(event)
             self.display.show(event, self.history)

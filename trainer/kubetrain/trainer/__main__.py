@@ -48,6 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JSONL metrics log written by rank 0 (env KUBETRAIN_METRICS_LOG; "
         "default ./metrics.jsonl)",
     )
+    parser.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve /metrics on this port instead of spec.metrics.port (`kubetrain run` gives "
+        "each replica group's rank 0 its own, as each pod has its own network)",
+    )
     args = parser.parse_args(argv)
     name_process()
     try:
@@ -55,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidManifest as error:
         print(f"invalid TrainingJob: {error}", file=sys.stderr)
         return EXIT_INVALID_MANIFEST
+    if args.metrics_port is not None:
+        metrics = job.spec.metrics.model_copy(update={"port": args.metrics_port})
+        job = job.model_copy(update={"spec": job.spec.model_copy(update={"metrics": metrics})})
 
     # torch loads only once the manifest is valid; without the collector's passes over the
     # objects it creates (0.3-0.5 s of 2 s), and they are then left out of every later pass.

@@ -1,0 +1,122 @@
+"""`kubetrain run` with replica groups (spec.faultTolerance): the groups as the operator runs
+them, on this machine.
+
+A user's story: the same manifest with faultTolerance runs under `kubetrain run` (2 groups
+of 2 simulated nodes); one group's node is lost mid-run (`--kill-worker-at-step`); the
+runner restarts that group alone while the other trains on, the restarted group heals from
+the live one instead of reading a checkpoint, and the run's one metrics log says each step
+once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from kubetrain.local.metrics_log import append_event, parse_lines
+from kubetrain.local.replica_groups import EventRelay, group_metrics_log
+from tests.local.test_run import events, finish, of_kind, start_run, tiny_job
+
+HEARTBEAT_MS = 1000
+# The restarted group must be back before the live one finishes: here a restart took 18 s
+# (torch's import, the rendezvous, the heal) while 4 processes shared 2 cores, and the live
+# group's 180 steps after the kill ~45 s.
+MAX_STEPS = 200
+KILL_AT = 20
+
+
+@pytest.mark.slow
+def test_a_lost_node_restarts_its_replica_group_alone_which_heals_from_the_live_one(
+        tmp_path: Path, corpus: Path) -> None:
+    name = "groups"
+    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=MAX_STEPS)
+    # A step logged each step, so the live group's pauses are measured step by step.
+    manifest["spec"]["metrics"]["logEverySteps"] = 1
+    manifest["spec"]["checkpoint"]["everySteps"] = 50
+    manifest["spec"]["evaluation"]["everySteps"] = 100
+    # 2 groups of 2 simulated nodes (pods): each group is a torchrun group of 2 agents.
+    manifest["spec"]["workers"]["replicas"] = 4
+    manifest["spec"]["faultTolerance"] = {"replicaGroups": 2,
+                                          "heartbeatTimeoutMilliseconds": HEARTBEAT_MS}
+    code, output = finish(start_run(tmp_path, manifest, "--kill-worker-at-step", str(KILL_AT)))
+    assert code == 0, output
+    assert "in 2 replica groups under torchft's lighthouse" in output
+    assert "restarting replica group 1 alone" in output, output
+    run = tmp_path / "runs" / name
+    groups = [parse_lines(group_metrics_log(run / "metrics.jsonl", group).read_text())
+              for group in range(2)]
+
+    # Group 0 never stopped: its longest pause between two steps, from the kill to the end,
+    # is the lighthouse's heartbeat timeout and a few steps, not the restart of group 1.
+    steps = of_kind(groups[0], "step")
+    assert [event["step"] for event in steps] == list(range(1, MAX_STEPS + 1))
+    killed_at = next(event["time"] for event in steps if event["step"] == KILL_AT)
+    times = [event["time"] for event in steps if event["time"] >= killed_at]
+    assert max(b - a for a, b in itertools.pairwise(times)) < HEARTBEAT_MS / 1000 + 4, times
+    # It trained alone for a while, then with group 1 again; the samples passed over meanwhile
+    # are counted.
+    quorums = [(event["step"], event["groups"]) for event in of_kind(groups[0], "quorum")]
+    assert [size for _, size in quorums][-2:] == [1, 2], quorums
+    assert of_kind(groups[0], "quorum")[-1]["skipped_samples"] > 0
+
+    # Group 1 started again (a second `start`), healed from group 0 past the kill, read no
+    # checkpoint though some existed, and finished with it.
+    assert len(of_kind(groups[1], "start")) == 2, of_kind(groups[1], "start")
+    (healed,) = [event for event in of_kind(groups[1], "healed") if event["step"] > KILL_AT]
+    assert not of_kind(groups[1], "resumed") and of_kind(groups[0], "checkpoint")
+    assert of_kind(groups[1], "finished")[0]["step"] == MAX_STEPS
+
+    # The run's one log: each step once, in order; the heal and the quorum's changes, once
+    # each, with the group that logged them; one failure, counted as one restart.
+    merged = events(tmp_path, name)
+    assert [event["step"] for event in of_kind(merged, "step")] == list(range(1, MAX_STEPS + 1))
+    assert [(event["step"], event["group"]) for event in of_kind(merged, "healed")
+            if event["step"] > KILL_AT] == [(healed["step"], 1)]
+    assert [(event["step"], event["groups"]) for event in of_kind(merged, "quorum")
+            ] == sorted(set(quorums + [(e["step"], e["groups"])
+                                       for e in of_kind(groups[1], "quorum")]))
+    assert len(of_kind(merged, "failure")) == 1
+    # The end, as the group that wrote the checkpoints logged it: it exported the model.
+    finished = of_kind(merged, "finished")[-1]
+    assert finished["step"] == MAX_STEPS and finished["export_uri"], finished
+    assert "exported model" in output
+    assert f"step {healed['step']}: replica group 1 healed from a live group" in output
+    assert (run / "logs" / "lighthouse.log").exists()
+
+
+def test_the_relay_passes_each_step_once_and_starts_over_for_a_whole_restart(
+        tmp_path: Path) -> None:
+    run_log = tmp_path / "metrics.jsonl"
+    logs = [group_metrics_log(run_log, group) for group in range(2)]
+    append_event(logs[0], {"event": "step", "step": 0, "note": "an earlier run's"})
+    relay = EventRelay(run_log, groups=2)
+
+    def log(group: int, *events: dict[str, object]) -> None:
+        for event in events:
+            append_event(logs[group], event)
+
+    log(0, {"event": "start", "step": 0}, {"event": "step", "step": 1},
+        {"event": "quorum", "step": 1, "groups": 2})
+    log(1, {"event": "start", "step": 0}, {"event": "step", "step": 1},
+        {"event": "quorum", "step": 1, "groups": 2}, {"event": "healed", "step": 1})
+    relay.pump()
+    # (Read group by group: group 0's events first, whoever logged first.)
+    log(1, {"event": "step", "step": 2}, {"event": "checkpoint", "step": 2},
+        {"event": "finished", "step": 2, "export_uri": None})
+    log(0, {"event": "step", "step": 2})
+    relay.pump()
+    # The group that wrote the checkpoints exported the model: its end is passed on too.
+    log(0, {"event": "checkpoint", "step": 2},
+        {"event": "finished", "step": 2, "export_uri": "s3://b/export"})
+    log(1, {"event": "finished", "step": 2, "export_uri": None})
+    relay.pump()
+    relay.attempt()  # every group restarts from the checkpoint at step 2... and logs again
+    log(1, {"event": "resumed", "step": 2}, {"event": "step", "step": 3})
+    relay.pump()
+
+    assert [(e["event"], e.get("step"), e["group"]) for e in parse_lines(run_log.read_text())] == [
+        ("start", 0, 0), ("step", 1, 0), ("quorum", 1, 0), ("healed", 1, 1),
+        ("step", 2, 0), ("checkpoint", 2, 1), ("finished", 2, 1), ("finished", 2, 0),
+        ("resumed", 2, 1), ("step", 3, 1)]
