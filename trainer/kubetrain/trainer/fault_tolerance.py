@@ -142,9 +142,9 @@ class ReplicaGroups:
             raise NotInAReplicaGroup(
                 f"spec.faultTolerance: this process was not started as one of the job's "
                 f"replica groups ({REPLICA_GROUP_ENV} and {LIGHTHOUSE_ENV} unset). The "
-                "operator starts them; `kubetrain run` does not yet: run each group as a "
-                "torchrun of its own beside torchft's lighthouse (docs/fault-tolerance.md), "
-                "or remove faultTolerance")
+                "operator and `kubetrain run` start them: run the job with either, or each "
+                "group as a torchrun of its own beside torchft's lighthouse "
+                "(docs/fault-tolerance.md), or remove faultTolerance")
         # torchft logs every step's quorum and commit at INFO (its Rust part by RUST_LOG):
         # the trainer prints what changes (`Reporter.quorum`, `Reporter.healed`) instead.
         os.environ.setdefault("RUST_LOG", "warn")
