@@ -243,14 +243,15 @@ def test_only_a_torchrun_agent_counts_as_one(command: list[str], agent: bool) ->
 
 def test_a_rank_stalled_between_the_two_stages_fails_the_check_not_an_unknown_error(
         tiny_job, launcher, tmp_path: Path) -> None:
-    # Rank 1 is stopped once the device stage's verdict is out: in init_process_group, or
-    # about to enter it. Rank 0's join then times out at the check's deadline: the check
-    # failed (PreflightFailed, exit 89, its node named or listed), not an Unknown error.
+    # Rank 1 is stopped once its device report is in, waiting for the verdict: the device
+    # stage passes without it, and rank 0's join then times out at the check's deadline:
+    # the check failed (PreflightFailed, exit 89, its node named or listed), not an Unknown
+    # error.
     deadline = 6
     job = tiny_job("joining", optimization={"maxSteps": 6},
                    runPolicy={"preflight": {"timeoutSeconds": deadline}})
     output, line = _stop_a_rank_once(launcher, job, tmp_path, ranks=2, rank=1,
-                                     verdict="device", deadline=deadline)
+                                     stage="device", deadline=deadline)
     assert "preflight: 2 ranks passed" not in output
     assert 'class="PreflightFailed"' in line, line
     assert "did not join the group" in line or "stalled inside init_process_group" in line
@@ -318,14 +319,14 @@ def test_four_ranks_under_hsdp_2x2_all_reduce_over_both_dimensions_and_pass(
 
 def test_a_rank_stopped_before_the_mesh_stage_is_named_with_the_dimension_groups_it_held(
         tiny_job, launcher, tmp_path: Path) -> None:
-    # Rank 3 is stopped once the flat all-reduce's verdict is out, so the world's check
-    # passed: its partners across pods (rank 1, dp_replicate) and within its pod (rank 2,
+    # Rank 3 is stopped once its flat all-reduce's report is in, so the world's check
+    # passes: its partners across pods (rank 1, dp_replicate) and within its pod (rank 2,
     # dp_shard) cannot all-reduce, and rank 0 names rank 3 and both groups it held.
     deadline = 10  # from the check's start: four ranks' device and flat stages come first
     job = _hsdp_2x2(tiny_job, "hsdp-stalled", optimization={"maxSteps": 6},
                     runPolicy={"preflight": {"timeoutSeconds": deadline}})
     output, line = _stop_a_rank_once(launcher, job, tmp_path, ranks=4, rank=3,
-                                     verdict="group", deadline=deadline)
+                                     stage="group", deadline=deadline)
     assert "preflight: 4 ranks passed" not in output
     assert 'class="PreflightFailed"' in line and 'nodes="node-a"' in line, line
     assert (f"rank 3 (pod job-worker-0, node node-a) did not report within {deadline}s "
@@ -352,11 +353,16 @@ def ahead_of_the_ranks() -> Iterator[None]:
 
 
 def _stop_a_rank_once(launcher: Any, job: Any, tmp_path: Path, *, ranks: int, rank: int,
-                      verdict: str, deadline: int) -> tuple[str, str]:
-    """Run `job` on `ranks` processes under torchrun and SIGSTOP `rank` once the preflight
-    stage `verdict`'s verdict is in the attempt's store; the agent's output and the
-    failure line its rank 0 wrote to the termination log, after checking the run failed
-    with PreflightFailed."""
+                      stage: str, deadline: int) -> tuple[str, str]:
+    """Run `job` on `ranks` processes under torchrun and SIGSTOP `rank` once its report of
+    the preflight `stage` is in the attempt's store; the agent's output and the failure line
+    its rank 0 wrote to the termination log, after checking the run failed with
+    PreflightFailed.
+
+    The rank is stopped while it waits for the stage's verdict, which rank 0 writes only
+    once it has read that report: to get past the stop, the rank would need rank 0's poll,
+    its own and the next stage's work before the poller wakes. (Stopping it once the verdict
+    was out left it only its own 5 ms poll, and on CI's loaded cores it once trained on.)"""
     termination_log = tmp_path / "termination-log"
     termination_log.write_text("")
     env = {**launcher.env(), "KUBETRAIN_TERMINATION_LOG": str(termination_log),
@@ -375,13 +381,17 @@ def _stop_a_rank_once(launcher: Any, job: Any, tmp_path: Path, *, ranks: int, ra
                        .read_text().split("\0") if "=" in item)
         store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
                               is_master=False, timeout=timedelta(seconds=60))
-        key = f"kubetrain/attempt-0/preflight/{verdict}/verdict"
+        key = f"kubetrain/attempt-0/preflight/{stage}/{rank}"
         started = time.monotonic()
         with ahead_of_the_ranks():
             while not store.check([key]):
-                assert time.monotonic() - started < 180, f"the {verdict} stage never ended"
+                assert time.monotonic() - started < 180, f"rank {rank} never reported {stage}"
                 time.sleep(0.002)
             os.kill(stalled, signal.SIGSTOP)
+        stages = ["device", "joining", "group", "mesh"]  # the keys a rank sets, in order
+        later = [after for after in stages[stages.index(stage) + 1:]
+                 if store.check([f"kubetrain/attempt-0/preflight/{after}/{rank}"])]
+        assert not later, f"rank {rank} reached {later} before it was stopped"
         output, _ = agent.communicate(timeout=deadline + 60)
     finally:
         with contextlib.suppress(ProcessLookupError):
