@@ -171,9 +171,10 @@ class LocalRun:
         self.group_restarts_due: dict[int, float] = {}  # group -> monotonic time to start it
         # Each group's rank 0 serves /metrics (as each pod does on its own network): group 0
         # on spec.metrics.port, the others on free ports of their own.
+        tolerance = self.job.spec.fault_tolerance
+        groups = tolerance.replica_groups if tolerance is not None else 1
         self._metrics_ports = [self.job.spec.metrics.port] + [
-            free_port() for _ in range(1, self.job.spec.fault_tolerance.replica_groups
-                                       if self.job.spec.fault_tolerance is not None else 1)]
+            free_port() for _ in range(groups - 1)]
 
     def run(self) -> int:
         """Run the group until the job finishes, fails or is stopped; print the summary."""
@@ -392,7 +393,17 @@ class LocalRun:
                 if not self._restart_groups_alone(nodes, [node for node, _ in failed], failures):
                     return _Attempt(failures=failures)
                 continue
-            if all(code == 0 for code in statuses) and not waiting:
+            # Finished: every node not waiting out a backoff exited 0. A group still waiting
+            # then is not started again: it would only resume from the last checkpoint and
+            # end at once (when every group waits, no node is left to have finished).
+            others = [code for node, code in zip(nodes, statuses, strict=True)
+                      if node.index not in waiting]
+            if others and all(code == 0 for code in others):
+                if self.group_restarts_due:
+                    named = ", ".join(str(group) for group in sorted(self.group_restarts_due))
+                    self.display.say(f"replica group {named} not started again: the other "
+                                     "groups finished training")
+                    self.group_restarts_due = {}
                 self._read_events(clock, nodes)
                 return _Attempt(finished=True)
             if clock.is_hung(policy, now):

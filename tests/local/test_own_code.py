@@ -31,6 +31,7 @@ from kubetrain.local.metrics_log import append_event, parse_lines
 from kubetrain.local.own_code import ReportedGoodput
 from kubetrain.local.trainer_status_endpoint import MAX_BODY_BYTES, LocalStatusEndpoint
 from kubetrain.sdk.progress import Reporter
+from tests.local.runs import events, finish, start_run
 
 SCRIPTS = Path(__file__).parents[1] / "own_code"
 RUN_TIMEOUT = 300
@@ -52,28 +53,6 @@ def own_code_job(name: str, script: str, *, steps: int, save_every: int, step_se
                           "progressDeadlineSeconds": 120},
         },
     }
-
-
-def start(folder: Path, manifest: dict[str, Any], *extra: str) -> subprocess.Popen[str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "job.yaml").write_text(yaml.safe_dump(manifest))
-    return subprocess.Popen([sys.executable, "-m", "kubetrain", "run", "job.yaml", *extra],
-                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
-def finish(run: subprocess.Popen[str]) -> tuple[int, str]:
-    try:
-        output, _ = run.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        run.kill()
-        output, _ = run.communicate()
-        pytest.fail(f"kubetrain run did not finish in {RUN_TIMEOUT}s:\n{output}")
-    return run.returncode, output
-
-
-def events(folder: Path, name: str) -> list[dict[str, Any]]:
-    return parse_lines((folder / "runs" / name / "metrics.jsonl").read_text())
 
 
 def trained_steps(folder: Path, name: str) -> list[int]:
@@ -188,7 +167,7 @@ def test_a_command_that_does_not_exist_fails_as_a_user_error_without_a_retry(
         tmp_path: Path) -> None:
     job = own_code_job("missing", str(tmp_path / "no-such-train.py"), steps=5, save_every=5,
                        step_seconds=0)
-    code, output = finish(start(tmp_path, job))
+    code, output = finish(start_run(tmp_path, job), RUN_TIMEOUT)
     assert code == 1, output
     failures = [e for e in events(tmp_path, "missing") if e["event"] == "failure"]
     assert [(f["class"], f["exit_code"]) for f in failures] == [("UserError", 127)], output
@@ -205,7 +184,7 @@ def test_plain_torch_script_resumes_from_its_uploaded_checkpoint_after_a_lost_wo
     save_every = 5
     job = own_code_job("plain", str(SCRIPTS / "plain_torch.py"), steps=40,
                        save_every=save_every, step_seconds=0.3)
-    code, output = finish(start(tmp_path, job, "--kill-worker-at-step", "12"))
+    code, output = finish(start_run(tmp_path, job, "--kill-worker-at-step", "12"), RUN_TIMEOUT)
     assert code == 0, output
     logged = events(tmp_path, "plain")
     resumed = assert_resumed_from_newest_commit(logged)
@@ -236,7 +215,7 @@ def test_interrupted_own_code_saves_on_sigterm_and_resumes_with_no_step_redone(
         tmp_path: Path) -> None:
     job = own_code_job("stop", str(SCRIPTS / "plain_torch.py"), steps=60, save_every=50,
                        step_seconds=0.3)
-    run = start(tmp_path, job)
+    run = start_run(tmp_path, job)
     deadline = time.monotonic() + RUN_TIMEOUT
     log = tmp_path / "runs" / "stop" / "metrics.jsonl"
     while not any(e["event"] == "step" and e["step"] >= 5
@@ -244,11 +223,11 @@ def test_interrupted_own_code_saves_on_sigterm_and_resumes_with_no_step_redone(
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0]
         time.sleep(0.5)
     run.send_signal(signal.SIGINT)
-    code, output = finish(run)
+    code, output = finish(run, RUN_TIMEOUT)
     assert code == 130, output
     stopped = trained_steps(tmp_path, "stop")[-1]
     assert commits(tmp_path, "stop") == {f"step-{stopped:06d}": stopped}, output
-    code, output = finish(start(tmp_path, job))
+    code, output = finish(start_run(tmp_path, job), RUN_TIMEOUT)
     assert code == 0, output
     steps = trained_steps(tmp_path, "stop")
     assert [e["step"] for e in events(tmp_path, "stop") if e["event"] == "resumed"] == [stopped]
@@ -261,7 +240,7 @@ def test_transformers_trainer_reports_through_kubeflow_callback_and_resumes_afte
     save_every = 10
     job = own_code_job("hf", str(SCRIPTS / "hf_trainer.py"), steps=40,
                        save_every=save_every, step_seconds=0.3)
-    code, output = finish(start(tmp_path, job, "--kill-worker-at-step", "12"))
+    code, output = finish(start_run(tmp_path, job, "--kill-worker-at-step", "12"), RUN_TIMEOUT)
     assert code == 0, output
     logged = events(tmp_path, "hf")
     reported = [e for e in logged if e["event"] == "step"]

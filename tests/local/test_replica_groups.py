@@ -11,13 +11,20 @@ once.
 from __future__ import annotations
 
 import itertools
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from kubetrain.api.manifest import parse_job
+from kubetrain.local.launch import AgentLaunch
 from kubetrain.local.metrics_log import append_event, parse_lines
+from kubetrain.local.node import Node
 from kubetrain.local.replica_groups import EventRelay, group_metrics_log
-from tests.local.test_run import events, finish, of_kind, start_run, tiny_job
+from kubetrain.local.runner import LocalRun
+from kubetrain.local.workspace import Workspace
+from tests.local.runs import events, finish, of_kind, start_run, tiny_job
 
 HEARTBEAT_MS = 1000
 # The restarted group must be back before the live one finishes: here a restart took 18 s
@@ -124,3 +131,57 @@ def test_the_relay_passes_each_step_once_and_starts_over_for_a_whole_restart(
         ("start", 0, 0), ("step", 1, 0), ("quorum", 1, 0), ("healed", 1, 1),
         ("step", 2, 0), ("checkpoint", 2, 1), ("finished", 2, 1), ("finished", 2, 0),
         ("resumed", 2, 1), ("step", 3, 1)]
+
+
+# The node processes the watch tests give the runner: real processes that end as a node's
+# torchrun agent would, without torch.
+FINISHED = [sys.executable, "-c", "pass"]
+LOST = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+
+
+def _watched(tmp_path: Path, corpus: Path, **due_in: float) -> tuple[LocalRun, list[Node]]:
+    """A run of 2 replica groups of 1 node each, whose group `g` waits out a backoff of
+    `due_in["g<g>"]` seconds after its node was lost; the other group's node finished."""
+    manifest = tiny_job("watched", corpus, "data", "checkpoints", max_steps=20)
+    manifest["spec"]["faultTolerance"] = {"replicaGroups": 2}
+    run = LocalRun(parse_job(manifest), Workspace(tmp_path / "run"))
+    run.workspace.logs.mkdir(parents=True)
+    log = (run.workspace.logs / "nodes.log").open("wb")
+    nodes = [Node(AgentLaunch(index, LOST if f"g{index}" in due_in else FINISHED, {}),
+                  tmp_path, log) for index in range(2)]
+    for node in nodes:
+        node.process.wait()
+    now = time.monotonic()
+    run.group_restarts_due = {int(group[1:]): now + seconds for group, seconds in due_in.items()}
+    return run, nodes
+
+
+def test_a_group_waiting_out_its_backoff_is_dropped_once_the_others_finished(
+        tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, nodes = _watched(tmp_path, corpus, g1=600)
+
+    def restart_group(group: int) -> list[Node]:
+        pytest.fail(f"group {group} was started again after the others finished")
+
+    started = time.monotonic()
+    attempt = run._watch(nodes, restart_group)
+    assert attempt.finished and not attempt.failures and attempt.stop is None
+    assert time.monotonic() - started < 60, "the run waited out the backoff"
+    assert run.group_restarts_due == {}
+    assert "replica group 1 not started again: the other groups finished training" in (
+        capsys.readouterr().err)
+
+
+def test_when_every_group_waits_each_is_started_again_when_due(
+        tmp_path: Path, corpus: Path) -> None:
+    # Both lost, both due at once: no node is left to have finished, so neither is dropped.
+    run, nodes = _watched(tmp_path, corpus, g0=0.5, g1=0.5)
+    log = (run.workspace.logs / "restarts.log").open("wb")
+    restarted: list[int] = []
+
+    def restart_group(group: int) -> list[Node]:
+        restarted.append(group)
+        return [Node(AgentLaunch(group, FINISHED, {}), tmp_path, log)]
+
+    attempt = run._watch(nodes, restart_group)
+    assert attempt.finished and restarted == [0, 1]
