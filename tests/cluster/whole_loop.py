@@ -101,6 +101,21 @@ def steps_printed(lines: list[str]) -> list[int]:
     return [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/\d+ \|", line))]
 
 
+def quorums(lines: list[str]) -> list[tuple[int, int]]:
+    """(step, groups) of each `step N: G of M replica groups in the quorum` line."""
+    return [(int(m.group(1)), int(m.group(2))) for line in lines
+            if (m := re.match(r"step (\d+): (\d+) of \d+ replica groups in the quorum", line))]
+
+
+def step_seconds(lines: list[str]) -> list[tuple[int, float]]:
+    """(step, seconds) of each step line: the wall time since the step logged before it, by
+    the trainer's own clock (its `ms/step` over a log interval of one step, a step that
+    did not commit included). Not the harness's time of reading the line: the test's
+    process, busy or starved on a loaded machine, can read a log seconds late."""
+    return [(int(m.group(1)), int(m.group(2).replace(",", "")) / 1000) for line in lines
+            if (m := re.match(r"step (\d+)/\d+ \|.* \| ([\d,]+) ms/step \|", line))]
+
+
 def resumes(lines: list[str]) -> list[tuple[int, int]]:
     """For each resume in rank 0's lines: (the step it resumed from, steps redone)."""
     found = []

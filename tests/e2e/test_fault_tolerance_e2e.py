@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from whole_loop import NAMESPACE, Cluster, steps_printed, training_job
+from whole_loop import NAMESPACE, Cluster, quorums, step_seconds, steps_printed, training_job
 
 from kubetrain.pod_conventions import (
     ATTEMPT_LABEL,
@@ -55,7 +55,7 @@ HEARTBEAT_MS = 1000
 MAX_STEPS = 500
 CHECKPOINT_EVERY = 20
 # The longest the live groups may go between two logged steps (by their own clocks,
-# `_step_seconds`) while a group is down and while it rejoins: the lighthouse's
+# `step_seconds`) while a group is down and while it rejoins: the lighthouse's
 # heartbeat timeout, the survivors rebuilding their cross-group process group, and a few
 # steps on a loaded 2-core machine where the replacement imports torch meanwhile. A
 # restart of a group (container start, torch import, rendezvous, heal) takes several
@@ -63,24 +63,9 @@ CHECKPOINT_EVERY = 20
 LONGEST_PAUSE_SECONDS = HEARTBEAT_MS / 1000 + 9
 
 
-def _quorums(lines: list[str]) -> list[tuple[int, int]]:
-    """(step, groups) of each `step N: G of M replica groups in the quorum` line."""
-    return [(int(m.group(1)), int(m.group(2))) for line in lines
-            if (m := re.match(r"step (\d+): (\d+) of \d+ replica groups in the quorum", line))]
-
-
 def _identity(pod: dict[str, Any]) -> tuple[str, str | None]:
     """A pod's uid and restart attempt (the lighthouse has none)."""
     return pod["metadata"]["uid"], (pod["metadata"].get("labels") or {}).get(ATTEMPT_LABEL)
-
-
-def _step_seconds(lines: list[str]) -> list[tuple[int, float]]:
-    """(step, seconds) of each step line: the wall time since the step logged before it, by
-    the trainer's own clock (its `ms/step` over a log interval of one step, a step that
-    did not commit included). Not the harness's time of reading the line: the test's
-    process, busy or starved on a loaded machine, can read a log seconds late."""
-    return [(int(m.group(1)), int(m.group(2).replace(",", "")) / 1000) for line in lines
-            if (m := re.match(r"step (\d+)/\d+ \|.* \| ([\d,]+) ms/step \|", line))]
 
 
 def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does_the_lighthouse(
@@ -116,7 +101,7 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     # The groups found the lighthouse through cluster DNS: all three in one quorum, and a
     # checkpoint committed (which the broken group will not need).
     cluster.wait_for("all 3 groups in the quorum", lambda: (GROUPS in [
-        groups for _, groups in _quorums(cluster.worker_lines(name, 0))]), 240, every=0.2)
+        groups for _, groups in quorums(cluster.worker_lines(name, 0))]), 240, every=0.2)
     cluster.wait_for_printed_step(name, CHECKPOINT_EVERY + 5, timeout=240)
     checkpoint = cluster.wait_for("a checkpoint in status", lambda: (
         cluster.job(name).get("status") or {}).get("latestCheckpoint"), 60)
@@ -223,7 +208,7 @@ def _through_a_fault(cluster: Cluster, name: str, workers: list[str], what: str,
         """The first step group 0 logged after its quorum was whole again."""
         lines = cluster.worker_lines(name, 0)[marks[workers[0]]:]
         whole = [i for i, line in enumerate(lines)
-                 if (q := _quorums([line])) and q[0][1] == GROUPS]
+                 if (q := quorums([line])) and q[0][1] == GROUPS]
         after = steps_printed(lines[whole[0]:]) if whole else []
         return after[0] if after else None
 
@@ -234,7 +219,7 @@ def _through_a_fault(cluster: Cluster, name: str, workers: list[str], what: str,
             60, every=0.1)
     # Each live group's steps from the fault until 3 steps after the quorum was whole again.
     steps = {worker: [(step, seconds) for step, seconds
-                      in _step_seconds(cluster.worker_lines(name, i)[marks[worker]:])
+                      in step_seconds(cluster.worker_lines(name, i)[marks[worker]:])
                       if step <= rejoined_at + 3]
              for i, worker in enumerate(workers) if worker in live}
     pauses = {worker: max(seconds for _, seconds in stepped) for worker, stepped in steps.items()}
@@ -243,7 +228,7 @@ def _through_a_fault(cluster: Cluster, name: str, workers: list[str], what: str,
           f"quorum whole again from step {rejoined_at}; the live groups' longest pause "
           "between two steps meanwhile: "
           + ", ".join(f"{w} {p:.2f}s ({len(steps[w])} steps)" for w, p in pauses.items())
-          + f"; group 0's quorums since the fault: {_quorums(group0)}")
+          + f"; group 0's quorums since the fault: {quorums(group0)}")
 
     # The live groups never stopped: they stepped all through the fault, each step in turn,
     # never pausing longer than the heartbeat timeout and a few steps.
@@ -254,7 +239,7 @@ def _through_a_fault(cluster: Cluster, name: str, workers: list[str], what: str,
         assert pauses[worker] < LONGEST_PAUSE_SECONDS, (worker, pauses, stepped)
     # The quorum went on without the broken group. (A live group late to a step's quorum
     # misses that step too: group 0 has been seen alone for a step after a fault.)
-    assert 0 < _quorums(group0)[0][1] < GROUPS, _quorums(group0)
+    assert 0 < quorums(group0)[0][1] < GROUPS, quorums(group0)
 
     # The broken group took a live group's state, and stepped on from it.
     assert heal.endswith("no checkpoint read"), heal
