@@ -146,9 +146,9 @@ def _watched(tmp_path: Path, corpus: Path, **due_in: float) -> tuple[LocalRun, l
     manifest["spec"]["faultTolerance"] = {"replicaGroups": 2}
     run = LocalRun(parse_job(manifest), Workspace(tmp_path / "run"))
     run.workspace.logs.mkdir(parents=True)
-    log = (run.workspace.logs / "nodes.log").open("wb")
-    nodes = [Node(AgentLaunch(index, LOST if f"g{index}" in due_in else FINISHED, {}),
-                  tmp_path, log) for index in range(2)]
+    with (run.workspace.logs / "nodes.log").open("wb") as log:  # the processes keep theirs
+        nodes = [Node(AgentLaunch(index, LOST if f"g{index}" in due_in else FINISHED, {}),
+                      tmp_path, log) for index in range(2)]
     for node in nodes:
         node.process.wait()
     now = time.monotonic()
@@ -176,12 +176,12 @@ def test_when_every_group_waits_each_is_started_again_when_due(
         tmp_path: Path, corpus: Path) -> None:
     # Both lost, both due at once: no node is left to have finished, so neither is dropped.
     run, nodes = _watched(tmp_path, corpus, g0=0.5, g1=0.5)
-    log = (run.workspace.logs / "restarts.log").open("wb")
     restarted: list[int] = []
 
     def restart_group(group: int) -> list[Node]:
         restarted.append(group)
-        return [Node(AgentLaunch(group, FINISHED, {}), tmp_path, log)]
+        with (run.workspace.logs / f"restart-{group}.log").open("wb") as log:
+            return [Node(AgentLaunch(group, FINISHED, {}), tmp_path, log)]
 
     attempt = run._watch(nodes, restart_group)
     assert attempt.finished and restarted == [0, 1]
