@@ -93,15 +93,16 @@ from whole_loop import (  # noqa: E402
     NAMESPACE,
     Cluster,
     advanced_after_resume,
+    break_a_group,
     missing_host_support,
     out_of_memory_job,
-    quorums,
     resumes,
-    step_seconds,
     steps_printed,
     training_job,
     whole_loop,
 )
+
+from kubetrain.api.fault_tolerance import FaultToleranceSpec  # noqa: E402
 
 EVERY = 8
 WORKER = 1  # the worker every fault hits: worker 0 hosts the rendezvous
@@ -544,39 +545,16 @@ def settle_groups_job(cluster: Cluster, name: str) -> None:
 
 def group_fault(cluster: Cluster, name: str, fault: str, inject: Callable[[str], None]
                 ) -> GroupRow:
-    """Break group 1 with `inject(pod)` once settled; wait until it healed and the quorum
-    is whole again; what the healthy groups lost."""
-    workers = [f"{name}-worker-{index}" for index in range(GROUPS)]
+    """Break group 1 with `inject(pod)` once settled, until it healed and the quorum is
+    whole again; what the healthy groups lost beyond their median step."""
     settle_groups_job(cluster, name)
-    marks = [len(cluster.worker_lines(name, index)) for index in range(GROUPS)]
-    at = printed(cluster, name)
-    say(f"{fault} of group 1 at step {at}")
-    faulted = time.monotonic()
-    inject(workers[WORKER])
-    wait(cluster, f"group 1 of {name} to heal", lambda: any(
-        line.startswith("healed from a live replica group")
-        for line in cluster.worker_lines(name, WORKER)[marks[WORKER]:]))
-    rejoin = time.monotonic() - faulted
-
-    def whole() -> int | None:
-        lines = cluster.worker_lines(name, 0)[marks[0]:]
-        after = [i for i, line in enumerate(lines)
-                 if (found := quorums([line])) and found[0][1] == GROUPS]
-        return (steps_printed(lines[after[0]:]) or [None])[0] if after else None
-
-    whole_at = wait(cluster, "the quorum to be whole again", whole)
-    lost = 0.0
-    for index in (0, 2):
-        wait(cluster, f"{workers[index]} past step {whole_at + 3}",
-             lambda index=index: max(steps_printed(cluster.worker_lines(name, index)),
-                                     default=0) >= whole_at + 3)
-        gaps = [seconds for step, seconds
-                in step_seconds(cluster.worker_lines(name, index)[marks[index]:])
-                if step <= whole_at + 3]
-        lost = max(lost, max(gaps) - statistics.median(gaps))
-    say(f"  group 1 healed after {rejoin:.1f}s; the healthy groups lost {lost:.2f}s; "
-        f"the quorum whole again from step {whole_at}")
-    return GroupRow(fault, "replica groups", at, lost, rejoin)
+    say(f"{fault} of group {WORKER} at step {printed(cluster, name)}")
+    done = break_a_group(cluster, name, GROUPS, WORKER, inject)
+    lost = max(max(gaps) - statistics.median(gaps) for gaps in (
+        [seconds for _, seconds in stepped] for stepped in done.steps.values()))
+    say(f"  group {WORKER} healed after {done.healed_after:.1f}s; the healthy groups lost "
+        f"{lost:.2f}s; the quorum whole again from step {done.whole_at}")
+    return GroupRow(fault, "replica groups", done.at_step, lost, done.healed_after)
 
 
 def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int) -> int:
@@ -653,9 +631,11 @@ def main() -> int:
                         help="--memory-tier: the memory tier's interval (default 2)")
     parser.add_argument("--fault-tolerance", action="store_true",
                         help="replica groups' rows (spec.faultTolerance) instead of the mix")
-    parser.add_argument("--heartbeat-ms", type=int, default=1000,
+    heartbeat = FaultToleranceSpec.model_fields["heartbeat_timeout_milliseconds"].default
+    parser.add_argument("--heartbeat-ms", type=int, default=heartbeat,
                         help="--fault-tolerance: the groups' heartbeatTimeoutMilliseconds "
-                        "(default 1000, the API's): the shortest a healthy group can lose")
+                        f"(default {heartbeat}, the API's): the shortest a healthy group "
+                        "can lose")
     args = parser.parse_args()
     if args.steps is None:
         args.steps = (4 * args.s3_every if args.memory_tier

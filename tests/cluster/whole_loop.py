@@ -116,6 +116,58 @@ def step_seconds(lines: list[str]) -> list[tuple[int, float]]:
             if (m := re.match(r"step (\d+)/\d+ \|.* \| ([\d,]+) ms/step \|", line))]
 
 
+@dataclass(frozen=True)
+class GroupFault:
+    """One replica group broken on purpose (`break_a_group`), as the others saw it."""
+
+    at_step: int  # group 0's last printed step when the fault came
+    heal: str  # the broken group's `healed from a live replica group ...` line
+    healed_after: float  # seconds from the fault to that line's being read
+    whole_at: int  # group 0's first step with the quorum whole again
+    # Each live group's (step, seconds) from the fault until 3 steps after `whole_at`.
+    steps: dict[int, list[tuple[int, float]]]
+    marks: list[int]  # each group's first pod's log length when the fault came
+
+
+def break_a_group(cluster: Cluster, name: str, groups: int, broken: int,
+                  inject: Callable[[str], None]) -> GroupFault:
+    """`inject(pod)` on group `broken`'s pod (a job of `groups` groups of one pod), then wait
+    until it healed from a live group and the quorum was whole again, and every live group
+    printed 3 steps past that."""
+    workers = [f"{name}-worker-{index}" for index in range(groups)]
+    marks = [len(cluster.worker_lines(name, index)) for index in range(groups)]
+    at_step = max(steps_printed(cluster.worker_lines(name, 0)))
+    broken_at = time.monotonic()
+    inject(workers[broken])
+
+    def healed() -> str | None:
+        return next((line for line in cluster.worker_lines(name, broken)[marks[broken]:]
+                     if line.startswith("healed from a live replica group")), None)
+
+    heal = cluster.wait_for(f"{workers[broken]} to heal from a live group", healed, 240,
+                            every=0.1)
+    healed_after = time.monotonic() - broken_at
+
+    def whole() -> int | None:
+        """The first step group 0 printed after its quorum was whole again."""
+        lines = cluster.worker_lines(name, 0)[marks[0]:]
+        at = [i for i, line in enumerate(lines)
+              if (found := quorums([line])) and found[0][1] == groups]
+        after = steps_printed(lines[at[0]:]) if at else []
+        return after[0] if after else None
+
+    whole_at = cluster.wait_for("the quorum to be whole again", whole, 120, every=0.1)
+    live = [index for index in range(groups) if index != broken]
+    for index in live:
+        cluster.wait_for(f"{workers[index]} to print step {whole_at + 3}",
+                         lambda index=index: max(steps_printed(cluster.worker_lines(
+                             name, index)), default=0) >= whole_at + 3, 60, every=0.1)
+    steps = {index: [(step, seconds) for step, seconds
+                     in step_seconds(cluster.worker_lines(name, index)[marks[index]:])
+                     if step <= whole_at + 3] for index in live}
+    return GroupFault(at_step, heal, healed_after, whole_at, steps, marks)
+
+
 def resumes(lines: list[str]) -> list[tuple[int, int]]:
     """For each resume in rank 0's lines: (the step it resumed from, steps redone)."""
     found = []

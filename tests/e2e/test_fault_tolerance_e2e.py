@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from whole_loop import NAMESPACE, Cluster, quorums, step_seconds, steps_printed, training_job
+from whole_loop import NAMESPACE, Cluster, break_a_group, quorums, steps_printed, training_job
 
 from kubetrain.pod_conventions import (
     ATTEMPT_LABEL,
@@ -189,44 +188,15 @@ def _through_a_fault(cluster: Cluster, name: str, workers: list[str], what: str,
     """Break group 1 with `fault(pod)`; check that it heals from a live group with no
     checkpoint read and that groups 0 and 2 never stop stepping until the quorum is whole
     again."""
-    broken, live = workers[1], [workers[0], workers[2]]
-    marks = {worker: len(cluster.worker_lines(name, i)) for i, worker in enumerate(workers)}
-    at_step = max(steps_printed(cluster.worker_lines(name, 0)))
-    broken_at = time.time()
-    fault(broken)
-
-    def healed() -> str | None:
-        lines = cluster.worker_lines(name, 1)[marks[broken]:]
-        return next((line for line in lines
-                     if line.startswith("healed from a live replica group")), None)
-
-    heal = cluster.wait_for(f"{broken} to heal from a live group after its {what} was killed",
-                            healed, 240, every=0.2)
-    healed_after = time.time() - broken_at
-
-    def rejoined() -> int | None:
-        """The first step group 0 logged after its quorum was whole again."""
-        lines = cluster.worker_lines(name, 0)[marks[workers[0]]:]
-        whole = [i for i, line in enumerate(lines)
-                 if (q := quorums([line])) and q[0][1] == GROUPS]
-        after = steps_printed(lines[whole[0]:]) if whole else []
-        return after[0] if after else None
-
-    rejoined_at = cluster.wait_for("the quorum to be whole again", rejoined, 120, every=0.2)
-    for index in (0, 2):
-        cluster.wait_for(f"{workers[index]} to print step {rejoined_at + 3}", lambda: max(
-            steps_printed(cluster.worker_lines(name, index)), default=0) >= rejoined_at + 3,  # noqa: B023
-            60, every=0.1)
-    # Each live group's steps from the fault until 3 steps after the quorum was whole again.
-    steps = {worker: [(step, seconds) for step, seconds
-                      in step_seconds(cluster.worker_lines(name, i)[marks[worker]:])
-                      if step <= rejoined_at + 3]
-             for i, worker in enumerate(workers) if worker in live}
+    broken = workers[1]
+    done = break_a_group(cluster, name, GROUPS, 1, fault)
+    heal, at_step = done.heal, done.at_step
+    steps = {workers[index]: stepped for index, stepped in done.steps.items()}
     pauses = {worker: max(seconds for _, seconds in stepped) for worker, stepped in steps.items()}
-    group0 = cluster.worker_lines(name, 0)[marks[workers[0]]:]
-    print(f"killed {broken}'s {what} at step {at_step}; {heal!r} {healed_after:.1f}s later; "
-          f"quorum whole again from step {rejoined_at}; the live groups' longest pause "
-          "between two steps meanwhile: "
+    group0 = cluster.worker_lines(name, 0)[done.marks[0]:]
+    print(f"killed {broken}'s {what} at step {at_step}; {heal!r} {done.healed_after:.1f}s "
+          f"later; quorum whole again from step {done.whole_at}; the live groups' longest "
+          "pause between two steps meanwhile: "
           + ", ".join(f"{w} {p:.2f}s ({len(steps[w])} steps)" for w, p in pauses.items())
           + f"; group 0's quorums since the fault: {quorums(group0)}")
 
@@ -234,7 +204,7 @@ def _through_a_fault(cluster: Cluster, name: str, workers: list[str], what: str,
     # never pausing longer than the heartbeat timeout and a few steps.
     for worker, stepped in steps.items():
         numbers = [step for step, _ in stepped]
-        assert numbers == list(range(numbers[0], rejoined_at + 4)), (worker, stepped)
+        assert numbers == list(range(numbers[0], done.whole_at + 4)), (worker, stepped)
         assert numbers[0] <= at_step + 2, (worker, at_step, stepped)
         assert pauses[worker] < LONGEST_PAUSE_SECONDS, (worker, pauses, stepped)
     # The quorum went on without the broken group. (A live group late to a step's quorum
@@ -244,8 +214,8 @@ def _through_a_fault(cluster: Cluster, name: str, workers: list[str], what: str,
     # The broken group took a live group's state, and stepped on from it.
     assert heal.endswith("no checkpoint read"), heal
     healed_step = int(re.search(r"at step (\d+)", heal).group(1))  # type: ignore[union-attr]
-    after = cluster.worker_lines(name, 1)[marks[broken]:]
+    after = cluster.worker_lines(name, 1)[done.marks[1]:]
     assert not [line for line in after if line.startswith("resumed from ")], after
     # (The broken trainer may have printed a few steps after the mark, before it died.)
     assert steps_printed(after[after.index(heal):])[0] == healed_step + 1, after
-    return Healed(healed_step, healed_after, rejoined_at, pauses)
+    return Healed(healed_step, done.healed_after, done.whole_at, pauses)
