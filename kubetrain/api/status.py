@@ -120,6 +120,10 @@ class ReplicaGroupsStatus(ApiModel):
         default=None, description="Samples worker 0's group passed over since it started: "
         "the absent groups' shares of the steps it trained without them, and steps that "
         "did not commit. None is trained twice.")
+    restarts: list[int] = Field(
+        default_factory=list, description="Restarts of each group alone, by group index: "
+        "its pods replaced, or its trainers restarted in place by torchrun. A whole-job "
+        "restart counts in none; status.restarts counts every restart.")
 
 
 class GoodputStatus(ApiModel):

@@ -254,6 +254,9 @@ def test_a_failed_pod_restarts_its_replica_group_only(minimal_manifest: dict,
     assert out.status is not None
     assert out.status["restart"]["wholeGroup"] is False
     assert f"replica group {group}" in out.condition("Restarting")["message"]
+    # Counted for that group alone, and in the job's restarts.
+    assert out.status["replicaGroups"]["restarts"] == [1 - group, group]
+    assert out.status["restarts"] == 1
 
     # The next pass, after the backoff: the group's pods are made again, under the next
     # attempt; the other group's (of the older attempt) are left alone.
@@ -266,6 +269,35 @@ def test_a_failed_pod_restarts_its_replica_group_only(minimal_manifest: dict,
     assert sorted(name for _, name, _ in later.created) == [
         f"demo-worker-{index}" for index in (2 * group, 2 * group + 1)]
     assert {attempt for _, _, attempt in later.created} == {"1"}
+
+
+def test_a_trainer_restarted_in_place_counts_for_its_replica_group(
+        minimal_manifest: dict) -> None:
+    """torchrun restarts one group's trainers inside its pods: that group's count goes up;
+    a whole-job restart (every group re-formed) counts in no group's."""
+    from datetime import timedelta
+
+    from kubetrain.operator.facts import TrainerEnd
+
+    killed = TrainerEnd(pod="demo-worker-3", time=NOW - timedelta(seconds=1),
+                        failure_class="Unknown", message="the trainer ended without a word")
+    out = Outcome.of(reconcile(_job(minimal_manifest, status=_running()), Observed(
+        pods=tuple(pod(index) for index in range(4)), service=True, config_generation=1,
+        lighthouse=_lighthouse(), lighthouse_service=True, trainer_ends=(killed,)), NOW))
+    assert out.deleted == [] and out.status is not None
+    assert out.status["replicaGroups"]["restarts"] == [0, 1]
+    assert out.status["restarts"] == 1
+
+    # The step then stalls past progressDeadlineSeconds: the whole job restarts.
+    stalled = copy.deepcopy(out.status)
+    stalled["progress"]["updatedAt"] = (NOW - timedelta(hours=2)).isoformat()
+    stalled["lastRestartTime"] = (NOW - timedelta(hours=2)).isoformat()
+    job = _job(minimal_manifest, status=stalled)
+    job.spec.run_policy.progress_deadline_seconds = 60
+    hung = _run(job, *(pod(index) for index in range(4)), lighthouse=_lighthouse())
+    assert hung.status is not None and hung.status["restart"]["wholeGroup"] is True
+    assert hung.status["replicaGroups"]["restarts"] == [0, 1]
+    assert hung.status["restarts"] == 2
 
 
 def test_a_pod_breaking_during_a_group_restart_takes_its_own_group_only(
@@ -320,15 +352,15 @@ def test_the_status_shows_the_ready_groups_and_the_quorum_and_an_event_when_it_s
     both = run(_job(minimal_manifest, status=_running()), *workers, metrics=sample(2, 0))
     assert both.status is not None
     assert both.status["replicaGroups"] == {"groups": 2, "ready": 2, "inQuorum": 2,
-                                            "skippedSamples": 0}
+                                            "skippedSamples": 0, "restarts": [0, 0]}
     assert not [reason for _, reason in both.events if reason == "QuorumChanged"]
 
     # Group 1's worker 3 is away (its pod re-made, not ready yet): group 0 steps alone.
     alone = run(_job(minimal_manifest, status=both.status), *workers[:3],
-                pod(3, "Pending", attempt=1), metrics=sample(1, 48))
+                pod(3, "Pending", attempt=1, created_at=NOW), metrics=sample(1, 48))
     assert alone.status is not None
     assert alone.status["replicaGroups"] == {"groups": 2, "ready": 1, "inQuorum": 1,
-                                             "skippedSamples": 48}
+                                             "skippedSamples": 48, "restarts": [0, 0]}
     assert ("Warning", "QuorumChanged") in alone.events
     # No sample this pass (worker 0 not answering): the last quorum stands, no event.
     quiet = run(_job(minimal_manifest, status=alone.status), *workers, metrics=None)

@@ -85,7 +85,8 @@ def _replica_groups(decision: ReconcilePass) -> None:
         in_quorum=in_quorum if in_quorum is not None else (previous and previous.in_quorum),
         skipped_samples=(sample.skipped_samples if sample is not None
                          and sample.skipped_samples is not None
-                         else previous and previous.skipped_samples))
+                         else previous and previous.skipped_samples),
+        restarts=((previous.restarts if previous is not None else []) + [0] * groups)[:groups])
     status.replica_groups = current
     before = previous.in_quorum if previous is not None else None
     if in_quorum is not None and before is not None and in_quorum != before:

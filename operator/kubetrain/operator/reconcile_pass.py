@@ -9,6 +9,7 @@ no clock but the pass's `now`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final, Literal
@@ -81,6 +82,16 @@ class ReconcilePass:
             return broken
         groups = {replica_group_of(self.job, pod.index) for pod in broken}
         return [pod for pod in self.live_pods() if replica_group_of(self.job, pod.index) in groups]
+
+    def count_group_restarts(self, pods: Iterable[WorkerPod]) -> None:
+        """One more in status.replicaGroups.restarts for each replica group of `pods`,
+        restarted alone (spec.faultTolerance)."""
+        seen = self.status.replica_groups  # (`observation` sized its restarts to the groups)
+        if seen is None:
+            return
+        for group in {replica_group_of(self.job, pod.index) for pod in pods}:
+            if group is not None and group < len(seen.restarts):
+                seen.restarts[group] += 1
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.actions.append(RecordEvent("Warning" if warning else "Normal", reason, message))
@@ -161,6 +172,7 @@ class ReconcilePass:
         scope = "the whole group" if whole_group else ", ".join(pod.name for pod in replaced)
         resume = "workers resume from the latest checkpoint"
         if self.job.spec.fault_tolerance is not None and not whole_group:
+            self.count_group_restarts(replaced)
             groups = sorted({str(replica_group_of(self.job, pod.index)) for pod in replaced})
             scope = f"replica group {', '.join(groups)} ({scope})"
             resume = ("the other replica groups train on, and the restarted group heals from "

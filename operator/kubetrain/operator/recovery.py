@@ -442,6 +442,7 @@ def count_restart_in_place(decision: ReconcilePass, end: TrainerEnd,
         return False
     status.restarts += 1
     status.last_restart_time = end.time
+    decision.count_group_restarts(pod for pod in decision.observed.pods if pod.name == end.pod)
     decision.event(RESTARTED_IN_PLACE, f"{what}: restart {status.restarts} "
                    f"(runPolicy.maxRestarts: {policy.max_restarts}), done by torchrun inside "
                    f"the running pods: {end.pod}'s restart in place {done_in_pod + 1} of "
