@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from collections import Counter
@@ -225,7 +226,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # stops grouping: pytest-dev/pytest-xdist#1386.)
 
 WHOLE_LOOP_MODULES = ("tests/e2e/test_whole_loop.py", "tests/e2e/test_nodes.py",
-                      "tests/e2e/test_own_code.py", "tests/e2e/test_hsdp.py")
+                      "tests/e2e/test_own_code.py", "tests/e2e/test_hsdp.py",
+                      "tests/e2e/test_fault_tolerance_e2e.py")
 # Modules that read the same session-scoped runs (tests/trainer/conftest.py: healthy_runs).
 HEALTHY_RUN_MODULES = ("tests/trainer/test_preflight.py", "tests/trainer/test_rank_timing.py")
 
@@ -253,6 +255,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByModule(config, log)
 
 
+E2E_CONFTEST = Path(__file__).parent / "e2e" / "conftest.py"
+
+
+def _on_the_whole_loop(item: pytest.Item) -> bool:
+    """Whether `item` uses the session's whole loop (tests/e2e/conftest.py: `cluster`)."""
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.get("cluster", ()) if info is not None else ()
+    return bool(definitions) and Path(inspect.getfile(definitions[-1].func)) == E2E_CONFTEST
+
+
 # The folders whose tests start real processes (torchrun launches, `kubetrain run`,
 # containers, pip installs): minutes each, where the others' modules take seconds.
 PROCESS_HEAVY = ("tests/trainer/", "tests/local/", "tests/storage/", "tests/images/",
@@ -265,7 +277,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     The long modules go early so that the end of the run is short ones that keep both
     workers busy: with the trainer modules last (file order), one worker sat idle for the
     last 112 s of a 1,789 s run; with only the modules marked slow first, 115 s of 1,835 s
-    (long modules with no slow mark, test_preflight's 144 s among them, still came last)."""
+    (long modules with no slow mark, test_preflight's 144 s among them, still came last).
+
+    A module on the session's whole loop that WHOLE_LOOP_MODULES does not name is an error:
+    on the other worker it would start a second whole loop (a containerd, the trainer
+    image's import, an operator), as test_fault_tolerance_e2e.py did until it was named."""
+    strays = sorted({item.nodeid.split("::", 1)[0] for item in items
+                     if _on_the_whole_loop(item)} - set(WHOLE_LOOP_MODULES))
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)} run on the session's whole loop "
+                                "(`cluster`): add them to WHOLE_LOOP_MODULES in tests/conftest.py")
     if not hasattr(config, "workerinput"):
         return
 
