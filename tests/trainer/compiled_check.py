@@ -24,10 +24,14 @@ def assert_compiled_computes_what_eager_does(eager: nn.Module, compiled: nn.Modu
     spec = ParallelismSpec(precision="fp32", compile=True, activation_checkpointing="full")
     parallel = parallelize(compiled, spec, _OneProcess(), torch.device("cpu"))  # type: ignore[arg-type]
     losses = []
-    for model in (eager, parallel.module):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(float(loss.detach()))
+    # Scalar C++ kernels: what is checked is kubetrain's part (compile per block under
+    # checkpointing, the model's code traced and lowered), not inductor's vectoriser, and
+    # gcc builds them in half the time (the SSM's 36 kernels: 27 s against 48 s here).
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+        for model in (eager, parallel.module):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            losses.append(float(loss.detach()))
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(),
                                  strict=True):
