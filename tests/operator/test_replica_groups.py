@@ -280,13 +280,25 @@ def test_a_trainer_restarted_in_place_counts_for_its_replica_group(
     from kubetrain.operator.facts import TrainerEnd
 
     killed = TrainerEnd(pod="demo-worker-3", time=NOW - timedelta(seconds=1),
-                        failure_class="Unknown", message="the trainer ended without a word")
+                        failure_class="Unknown", message="the trainer ended without a word; "
+                        "torchrun restarts the group in place")
     out = Outcome.of(reconcile(_job(minimal_manifest, status=_running()), Observed(
         pods=tuple(pod(index) for index in range(4)), service=True, config_generation=1,
         lighthouse=_lighthouse(), lighthouse_service=True, trainer_ends=(killed,)), NOW))
     assert out.deleted == [] and out.status is not None
     assert out.status["replicaGroups"]["restarts"] == [0, 1]
     assert out.status["restarts"] == 1
+
+    # Had its container been killed whole, the pod's failure follows: one restart of the
+    # group (its pods replaced), not two.
+    whole = Outcome.of(reconcile(_job(minimal_manifest, status=out.status), Observed(
+        pods=(*(pod(index) for index in range(3)), pod(3, "Failed", exit_code=137)),
+        service=True, config_generation=1, lighthouse=_lighthouse(), lighthouse_service=True,
+        trainer_ends=(killed,)), NOW))
+    assert whole.status is not None
+    assert sorted(action.name for action in whole.deleted) == ["demo-worker-2", "demo-worker-3"]
+    assert whole.status["replicaGroups"]["restarts"] == [0, 1]
+    assert whole.status["restarts"] == 1
 
     # The step then stalls past progressDeadlineSeconds: the whole job restarts.
     stalled = copy.deepcopy(out.status)

@@ -83,15 +83,15 @@ class ReconcilePass:
         groups = {replica_group_of(self.job, pod.index) for pod in broken}
         return [pod for pod in self.live_pods() if replica_group_of(self.job, pod.index) in groups]
 
-    def count_group_restarts(self, pods: Iterable[WorkerPod]) -> None:
-        """One more in status.replicaGroups.restarts for each replica group of `pods`,
-        restarted alone (spec.faultTolerance)."""
+    def count_group_restarts(self, pods: Iterable[WorkerPod], count: int = 1) -> None:
+        """`count` more (one; -1 retracts one) in status.replicaGroups.restarts for each
+        replica group of `pods`, restarted alone (spec.faultTolerance)."""
         seen = self.status.replica_groups  # (`observation` sized its restarts to the groups)
         if seen is None:
             return
         for group in {replica_group_of(self.job, pod.index) for pod in pods}:
             if group is not None and group < len(seen.restarts):
-                seen.restarts[group] += 1
+                seen.restarts[group] = max(0, seen.restarts[group] + count)
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.actions.append(RecordEvent("Warning" if warning else "Normal", reason, message))

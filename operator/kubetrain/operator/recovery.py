@@ -299,7 +299,7 @@ def record_failures(decision: ReconcilePass, failed: list[WorkerPod],
     for pod in most_telling_last(failed, kinds):
         kind = kinds[pod.name]
         text = describe(pod, kind)
-        _retract_restart_in_place(status, pod, decision.now)
+        _retract_restart_in_place(decision, pod)
         status.failures[kind] = status.failures.get(kind, 0) + 1
         status.last_failure = WorkerFailure(
             class_=kind, pod=pod.name, node=pod.node, exit_code=pod.exit_code,
@@ -322,14 +322,16 @@ def warn_unmarked_checkpoints(decision: ReconcilePass, ended: list[WorkerPod]) -
                            "(docs/own-code.md)", warning=True)
 
 
-def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: datetime) -> None:
+def _retract_restart_in_place(decision: ReconcilePass, pod: WorkerPod) -> None:
     """A pod that fails just after its trainer's end was recorded as a restart in place
     (its container was killed whole: the lifeline closed before the pod's status came)
     failed once: the pod's own record replaces that one in status.failures, and the restart
-    that follows it replaces the in-place one in status.restarts and the streak."""
+    that follows it replaces the in-place one in status.restarts (and its replica group's),
+    and the streak."""
+    status = decision.status
     last = status.last_failure
     if (last is None or last.pod != pod.name or last.time is None or not _trainer_end(last)
-            or now - last.time > timedelta(seconds=IN_PLACE_RETRACT_SECONDS)):
+            or decision.now - last.time > timedelta(seconds=IN_PLACE_RETRACT_SECONDS)):
         return
     left = status.failures.get(last.class_, 0) - 1
     if left > 0:
@@ -339,6 +341,7 @@ def _retract_restart_in_place(status: TrainingJobStatus, pod: WorkerPod, now: da
     if IN_PLACE not in last.message:
         return  # left to the pod (`LEFT_TO_THE_POD`): no restart was counted
     status.restarts = max(0, status.restarts - 1)
+    decision.count_group_restarts([pod], -1)
     streak = status.failure_streak
     if streak is not None and last.exit_code == streak.exit_code:
         status.failure_streak = (streak.model_copy(update={"count": streak.count - 1})
