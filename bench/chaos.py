@@ -93,7 +93,7 @@ from whole_loop import (  # noqa: E402
     NAMESPACE,
     Cluster,
     advanced_after_resume,
-    break_a_group,
+    break_groups,
     missing_host_support,
     out_of_memory_job,
     resumes,
@@ -549,7 +549,8 @@ def group_fault(cluster: Cluster, name: str, fault: str, inject: Callable[[str],
     whole again; what the healthy groups lost beyond their median step."""
     settle_groups_job(cluster, name)
     say(f"{fault} of group {WORKER} at step {printed(cluster, name)}")
-    done = break_a_group(cluster, name, GROUPS, WORKER, inject)
+    done = break_groups(cluster, name, GROUPS, [WORKER],
+                        lambda: inject(f"{name}-worker-{WORKER}"))
     lost = max(max(gaps) - statistics.median(gaps) for gaps in (
         [seconds for _, seconds in stepped] for stepped in done.steps.values()))
     say(f"  group {WORKER} healed after {done.healed_after:.1f}s; the healthy groups lost "

@@ -38,7 +38,8 @@ TWO_GROUPS = {"replicaGroups": 2}
 ACCEPTED: list[dict[str, dict[str, Any]]] = [
     {"faultTolerance": TWO_GROUPS, "workers": {"replicas": 2, "procsPerWorker": 2}},
     {"faultTolerance": {"replicaGroups": 2, "minReplicaGroups": 2, "quorumTimeoutSeconds": 30,
-                        "heartbeatTimeoutMilliseconds": 500},
+                        "heartbeatTimeoutMilliseconds": 500,
+                        "collectiveTimeoutMilliseconds": 2000},
      "workers": {"replicas": 4}, "parallelism": {"strategy": "ddp"}},
     {"faultTolerance": {"replicaGroups": 3}, "workers": {"replicas": 6, "minReplicas": 6,
                                                          "maxReplicas": 6}},
@@ -110,6 +111,7 @@ def test_each_refusal_names_the_field_and_the_fix_alike_on_server_and_in_models(
     ("replicaGroups", 1), ("replicaGroups", 65), ("minReplicaGroups", 0),
     ("quorumTimeoutSeconds", 0), ("quorumTimeoutSeconds", 3601),
     ("heartbeatTimeoutMilliseconds", 99), ("heartbeatTimeoutMilliseconds", 60001),
+    ("collectiveTimeoutMilliseconds", 99), ("collectiveTimeoutMilliseconds", 600001),
 ])
 def test_values_out_of_range_are_refused_by_the_schema_and_the_models(
         minimal_manifest: dict[str, Any], field: str, value: int) -> None:
@@ -162,7 +164,8 @@ def test_replica_groups_cannot_change_but_the_timeouts_and_min_groups_can(
     assert "checkpoint.resumeFrom" in refused
     tuned = copy.deepcopy(old)
     tuned["spec"]["faultTolerance"].update(minReplicaGroups=2, quorumTimeoutSeconds=120,
-                                           heartbeatTimeoutMilliseconds=5000)
+                                           heartbeatTimeoutMilliseconds=5000,
+                                           collectiveTimeoutMilliseconds=30000)
     assert cel_violations(tuned, old) == []
 
 

@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
@@ -118,54 +118,55 @@ def step_seconds(lines: list[str]) -> list[tuple[int, float]]:
 
 @dataclass(frozen=True)
 class GroupFault:
-    """One replica group broken on purpose (`break_a_group`), as the others saw it."""
+    """Replica groups broken on purpose (`break_groups`), as the others saw it."""
 
-    at_step: int  # group 0's last printed step when the fault came
-    heal: str  # the broken group's `healed from a live replica group ...` line
-    healed_after: float  # seconds from the fault to that line's being read
-    whole_at: int  # group 0's first step with the quorum whole again
+    at_step: int  # group 0's last printed step when the fault came (or the first live group's)
+    heals: dict[int, str]  # each broken group's `healed from a live replica group ...` line
+    healed_after: float  # seconds from the fault until the last of those lines was read
+    whole_at: int  # the first live group's first step with the quorum whole again
     # Each live group's (step, seconds) from the fault until 3 steps after `whole_at`.
     steps: dict[int, list[tuple[int, float]]]
     marks: list[int]  # each group's first pod's log length when the fault came
 
 
-def break_a_group(cluster: Cluster, name: str, groups: int, broken: int,
-                  inject: Callable[[str], None]) -> GroupFault:
-    """`inject(pod)` on group `broken`'s pod (a job of `groups` groups of one pod), then wait
-    until it healed from a live group and the quorum was whole again, and every live group
-    printed 3 steps past that."""
-    workers = [f"{name}-worker-{index}" for index in range(groups)]
+def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[int],
+                 inject: Callable[[], None]) -> GroupFault:
+    """`inject()` breaks the groups `broken` of a job of `groups` groups of one pod; then
+    wait until each healed from a live group and the quorum was whole again, and every live
+    group printed 3 steps past that."""
+    live = [index for index in range(groups) if index not in broken]
+    first = live[0]
     marks = [len(cluster.worker_lines(name, index)) for index in range(groups)]
-    at_step = max(steps_printed(cluster.worker_lines(name, 0)))
+    at_step = max(steps_printed(cluster.worker_lines(name, first)))
     broken_at = time.monotonic()
-    inject(workers[broken])
+    inject()
 
-    def healed() -> str | None:
-        return next((line for line in cluster.worker_lines(name, broken)[marks[broken]:]
+    def healed(group: int) -> str | None:
+        return next((line for line in cluster.worker_lines(name, group)[marks[group]:]
                      if line.startswith("healed from a live replica group")), None)
 
-    heal = cluster.wait_for(f"{workers[broken]} to heal from a live group", healed, 240,
-                            every=0.1)
+    heals = {group: cluster.wait_for(f"{name}-worker-{group} to heal from a live group",
+                                     lambda group=group: healed(group), 240, every=0.1)
+             for group in sorted(broken)}
     healed_after = time.monotonic() - broken_at
 
     def whole() -> int | None:
-        """The first step group 0 printed after its quorum was whole again."""
-        lines = cluster.worker_lines(name, 0)[marks[0]:]
+        """The first step the first live group printed after its quorum was whole again."""
+        lines = cluster.worker_lines(name, first)[marks[first]:]
         at = [i for i, line in enumerate(lines)
               if (found := quorums([line])) and found[0][1] == groups]
         after = steps_printed(lines[at[0]:]) if at else []
         return after[0] if after else None
 
     whole_at = cluster.wait_for("the quorum to be whole again", whole, 120, every=0.1)
-    live = [index for index in range(groups) if index != broken]
     for index in live:
-        cluster.wait_for(f"{workers[index]} to print step {whole_at + 3}",
+        cluster.wait_for(f"{name}-worker-{index} to print step {whole_at + 3}",
                          lambda index=index: max(steps_printed(cluster.worker_lines(
                              name, index)), default=0) >= whole_at + 3, 60, every=0.1)
     steps = {index: [(step, seconds) for step, seconds
                      in step_seconds(cluster.worker_lines(name, index)[marks[index]:])
                      if step <= whole_at + 3] for index in live}
-    return GroupFault(at_step, heal, healed_after, whole_at, steps, marks)
+    return GroupFault(at_step, heals, healed_after, whole_at, steps, marks)
 
 
 def resumes(lines: list[str]) -> list[tuple[int, int]]:

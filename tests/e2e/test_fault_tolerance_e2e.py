@@ -3,14 +3,17 @@
 The harness is tests/cluster/whole_loop.py (the `cluster` fixture, tests/e2e/conftest.py).
 A user's story: apply a job of 3 replica groups; the operator creates torchft's lighthouse
 (a Pod and the ClusterIP Service `<job>-lighthouse`, which the workers reach by that name
-through cluster DNS) before the workers; the groups train together. Then one group is
-broken twice, and each time the lighthouse drops it from the quorum after its heartbeat
-timeout, the two groups left never stop stepping, and the broken group heals from a live
-one (no checkpoint read, though one exists) and trains on with them:
+through cluster DNS) before the workers; the groups train together. Then groups are
+broken three ways, and each time the lighthouse drops them from the quorum after its
+heartbeat timeout, the groups left never stop stepping, and the broken ones heal from a
+live one (no checkpoint read, though one exists) and train on with them:
 
-- its trainer is killed: torchrun restarts it in place, in the same pod;
-- its container is killed outright (torchrun and its trainer, as an OOM kill or a crash of
-  the runtime does): the operator replaces that group's pod and no other.
+- group 1's container is killed outright (torchrun and its trainer, as an OOM kill or a
+  crash of the runtime does): the operator replaces that group's pod and no other;
+- group 1's trainer is killed: torchrun restarts it in place, in the same pod;
+- a node is lost (group 1's, when that leaves a group and the lighthouse running): its
+  network goes silent first, so the live groups get no reset from it, only silence; the
+  operator replaces its groups' pods on the node left.
 
 Status and events show each change of the quorum. Last, the lighthouse's container is
 killed: the operator creates the lighthouse again, and the groups go on where they were or,
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from whole_loop import NAMESPACE, Cluster, break_a_group, quorums, steps_printed, training_job
+from whole_loop import NAMESPACE, Cluster, break_groups, quorums, steps_printed, training_job
 
 from kubetrain.pod_conventions import (
     ATTEMPT_LABEL,
@@ -51,7 +54,7 @@ GROUPS = 3
 HEARTBEAT_MS = 1000
 # ~0.1 s a step: the trainer's restart in place (1.2 s in a run here), the container's
 # replacement (14 s) and the lighthouse's return (under 1 s) were over by step 190.
-MAX_STEPS = 500
+MAX_STEPS = 600
 CHECKPOINT_EVERY = 20
 # The longest the live groups may go between two logged steps (by their own clocks,
 # `step_seconds`) while a group is down and while it rejoins: the lighthouse's
@@ -60,6 +63,9 @@ CHECKPOINT_EVERY = 20
 # restart of a group (container start, torch import, rendezvous, heal) takes several
 # times this, so a group that waited for it fails here.
 LONGEST_PAUSE_SECONDS = HEARTBEAT_MS / 1000 + 9
+# A lost node's groups vanish without a word: a step's all-reduce with them ends at this
+# timeout (under LONGEST_PAUSE_SECONDS), well above a healthy one's on the loaded machine.
+COLLECTIVE_MS = 5000
 
 
 def _identity(pod: dict[str, Any]) -> tuple[str, str | None]:
@@ -78,7 +84,8 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
         optimization={"maxSteps": MAX_STEPS, "globalBatchTokens": 4 * 64 * GROUPS},
         checkpoint={"everySteps": CHECKPOINT_EVERY})
     manifest["spec"]["faultTolerance"] = {"replicaGroups": GROUPS,
-                                          "heartbeatTimeoutMilliseconds": HEARTBEAT_MS}
+                                          "heartbeatTimeoutMilliseconds": HEARTBEAT_MS,
+                                          "collectiveTimeoutMilliseconds": COLLECTIVE_MS}
     cluster.apply(manifest)
 
     # The lighthouse: a Pod and a ClusterIP Service by the name the workers are given.
@@ -110,7 +117,8 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     assert status["groups"] == GROUPS, status
 
     before = {pod["metadata"]["name"]: _identity(pod) for pod in cluster.pods(name)}
-    container = _through_a_fault(cluster, name, workers, "container", cluster.kill_container)
+    container = _through_a_fault(cluster, name, "container kill", [1],
+                                 lambda: cluster.kill_container(broken))
     # Only the broken group's pod was replaced, in a new restart attempt; the other groups'
     # pods and the lighthouse are the same pods.
     now = {pod["metadata"]["name"]: _identity(pod) for pod in cluster.pods(name)}
@@ -123,7 +131,8 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
 
     # The next fault 20 steps after the quorum was whole again.
     cluster.wait_for_printed_step(name, container.rejoined_at + 20, timeout=60)
-    trainer = _through_a_fault(cluster, name, workers, "trainer", cluster.kill_trainer)
+    trainer = _through_a_fault(cluster, name, "trainer kill", [1],
+                               lambda: cluster.kill_trainer(broken))
     # torchrun restarted the trainer in place: the same pod, in the same attempt.
     between = {pod["metadata"]["name"]: _identity(pod) for pod in cluster.pods(name)}
     assert between == now, (now, between)
@@ -139,9 +148,33 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     sizes = [int(message.split(" ", 1)[0]) for message in quorum_events]
     assert any(size < GROUPS for size in sizes) and GROUPS in sizes, quorum_events
     assert cluster.job(name)["status"]["replicaGroups"]["skippedSamples"] > 0
+    # Both faults counted for group 1 alone: its pod replaced, its trainer restarted in place.
+    cluster.wait_for("status.replicaGroups.restarts: group 1's two", lambda: (
+        cluster.job(name)["status"]["replicaGroups"].get("restarts") == [0, 2, 0]), 30)
+
+    # A node lost (its network silent, no FIN or RST from its pods; its processes gone, its
+    # heartbeats stopped): the groups it ran are replaced on the node left, the others step
+    # on, and the lost ones heal from them.
+    cluster.wait_for_printed_step(name, trainer.rejoined_at + 20, timeout=60)
+    nodes = {pod["metadata"]["name"]: pod["spec"]["nodeName"] for pod in cluster.pods(name)}
+    # The node of group 1 if it leaves a group and the lighthouse running, else the other.
+    node = next((node for node in (nodes[broken], *sorted(set(nodes.values())))
+                 if node != nodes[lighthouse] and {nodes[worker] for worker in workers} - {node}),
+                None)
+    assert node is not None, f"every node holds the lighthouse or every group: {nodes}"
+    lost = [index for index, worker in enumerate(workers) if nodes[worker] == node]
+    try:
+        node_loss = _through_a_fault(cluster, name, f"the loss of {node}", lost,
+                                     lambda: cluster.agent.lose_node(node))
+    finally:
+        cluster.agent.restore_node(node)
+    moved = {pod["metadata"]["name"]: pod["spec"]["nodeName"] for pod in cluster.pods(name)}
+    assert all(moved[workers[index]] != node for index in lost), (node, lost, moved)
+    assert node_loss.healed_step > checkpoint["step"], (node_loss, checkpoint)
+    assert "NodeLost" in cluster.events(name)
 
     # The lighthouse's container killed: the operator makes it again, and nothing is lost.
-    cluster.wait_for_printed_step(name, trainer.rejoined_at + 20, timeout=60)
+    cluster.wait_for_printed_step(name, node_loss.rejoined_at + 20, timeout=60)
     mark = len(cluster.worker_lines(name, 0))
     at = max(steps_printed(cluster.worker_lines(name, 0)))
     saved = cluster.job(name)["status"]["latestCheckpoint"]["step"]
@@ -175,47 +208,50 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
 
 @dataclass(frozen=True)
 class Healed:
-    """What one fault of group 1 came to."""
+    """What one fault came to."""
 
-    healed_step: int  # the step group 1 healed at, from a live group
-    healed_after: float  # seconds from the fault to the heal
-    rejoined_at: int  # group 0's first step with the quorum whole again
+    healed_step: int  # the first step a broken group healed at, from a live group
+    healed_after: float  # seconds from the fault to the last broken group's heal
+    rejoined_at: int  # the first live group's first step with the quorum whole again
     pauses: dict[str, float]  # each live group's longest pause between two steps meanwhile
 
 
-def _through_a_fault(cluster: Cluster, name: str, workers: list[str], what: str,
-                     fault: Callable[[str], None]) -> Healed:
-    """Break group 1 with `fault(pod)`; check that it heals from a live group with no
-    checkpoint read and that groups 0 and 2 never stop stepping until the quorum is whole
-    again."""
-    broken = workers[1]
-    done = break_a_group(cluster, name, GROUPS, 1, fault)
-    heal, at_step = done.heal, done.at_step
+def _through_a_fault(cluster: Cluster, name: str, what: str, broken: list[int],
+                     fault: Callable[[], None]) -> Healed:
+    """Break the groups `broken` with `fault()`; check that each heals from a live group
+    with no checkpoint read and that the others never stop stepping until the quorum is
+    whole again."""
+    workers = [f"{name}-worker-{index}" for index in range(GROUPS)]
+    done = break_groups(cluster, name, GROUPS, broken, fault)
+    first = min(done.steps)
     steps = {workers[index]: stepped for index, stepped in done.steps.items()}
     pauses = {worker: max(seconds for _, seconds in stepped) for worker, stepped in steps.items()}
-    group0 = cluster.worker_lines(name, 0)[done.marks[0]:]
-    print(f"killed {broken}'s {what} at step {at_step}; {heal!r} {done.healed_after:.1f}s "
-          f"later; quorum whole again from step {done.whole_at}; the live groups' longest "
-          "pause between two steps meanwhile: "
+    seen = cluster.worker_lines(name, first)[done.marks[first]:]
+    print(f"{what} of {', '.join(workers[index] for index in broken)} at step {done.at_step}; "
+          + "; ".join(f"{heal!r}" for heal in done.heals.values())
+          + f" {done.healed_after:.1f}s later; quorum whole again from step {done.whole_at}; "
+          "the live groups' longest pause between two steps meanwhile: "
           + ", ".join(f"{w} {p:.2f}s ({len(steps[w])} steps)" for w, p in pauses.items())
-          + f"; group 0's quorums since the fault: {quorums(group0)}")
+          + f"; group {first}'s quorums since the fault: {quorums(seen)}")
 
     # The live groups never stopped: they stepped all through the fault, each step in turn,
     # never pausing longer than the heartbeat timeout and a few steps.
     for worker, stepped in steps.items():
         numbers = [step for step, _ in stepped]
         assert numbers == list(range(numbers[0], done.whole_at + 4)), (worker, stepped)
-        assert numbers[0] <= at_step + 2, (worker, at_step, stepped)
+        assert numbers[0] <= done.at_step + 2, (worker, done.at_step, stepped)
         assert pauses[worker] < LONGEST_PAUSE_SECONDS, (worker, pauses, stepped)
-    # The quorum went on without the broken group. (A live group late to a step's quorum
+    # The quorum went on without the broken groups. (A live group late to a step's quorum
     # misses that step too: group 0 has been seen alone for a step after a fault.)
-    assert 0 < quorums(group0)[0][1] < GROUPS, quorums(group0)
+    assert 0 < quorums(seen)[0][1] < GROUPS, quorums(seen)
 
-    # The broken group took a live group's state, and stepped on from it.
-    assert heal.endswith("no checkpoint read"), heal
-    healed_step = int(re.search(r"at step (\d+)", heal).group(1))  # type: ignore[union-attr]
-    after = cluster.worker_lines(name, 1)[done.marks[1]:]
-    assert not [line for line in after if line.startswith("resumed from ")], after
-    # (The broken trainer may have printed a few steps after the mark, before it died.)
-    assert steps_printed(after[after.index(heal):])[0] == healed_step + 1, after
-    return Healed(healed_step, done.healed_after, done.whole_at, pauses)
+    # Each broken group took a live group's state, and stepped on from it.
+    healed_steps = []
+    for group, heal in done.heals.items():
+        assert heal.endswith("no checkpoint read"), heal
+        healed_steps.append(int(re.search(r"at step (\d+)", heal).group(1)))  # type: ignore[union-attr]
+        after = cluster.worker_lines(name, group)[done.marks[group]:]
+        assert not [line for line in after if line.startswith("resumed from ")], after
+        # (The broken trainer may have printed a few steps after the mark, before it died.)
+        assert steps_printed(after[after.index(heal):])[0] == healed_steps[-1] + 1, after
+    return Healed(min(healed_steps), done.healed_after, done.whole_at, pauses)

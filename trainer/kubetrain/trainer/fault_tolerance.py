@@ -158,8 +158,11 @@ class ReplicaGroups:
             raise ImportError(f"faultTolerance needs torchft: {INSTALL_FAULT_TOLERANCE}") \
                 from error
         timeout = timedelta(seconds=spec.quorum_timeout_seconds)
-        process_group = (ProcessGroupNCCL(timeout=timeout) if world.device.type == "cuda"
-                         else ProcessGroupGloo(timeout=timeout))
+        # A peer that vanished mid-all-reduce (no reset: a lost node) is found by this
+        # timeout alone; the manager's own, for the quorum and healing, stays the longer one.
+        collective = timedelta(milliseconds=spec.collective_timeout_milliseconds)
+        process_group = (ProcessGroupNCCL(timeout=collective) if world.device.type == "cuda"
+                         else ProcessGroupGloo(timeout=collective))
         heal = HealState(state, timeout.total_seconds())
         manager = Manager(
             pg=process_group, min_replica_size=spec.min_replica_groups,
