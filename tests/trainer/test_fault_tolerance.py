@@ -128,7 +128,10 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
     walls = [sum(event["seconds"].values()) for event in final]
     restarted = next(event["time"] for event in launcher.events(jobs[1], "start")
                      if event["time"] > killed_at)
-    assert walls[1] > final[1]["time"] - restarted + 5
+    # (More than half the time from the first start to the kill: a fast machine reached
+    # group 1's tenth step 4.5 s after the start, under the 5 s this once asked for.)
+    first = launcher.events(jobs[0], "start")[0]["time"]
+    assert walls[1] > final[1]["time"] - restarted + (killed_at - first) / 2
     assert walls[1] == pytest.approx(walls[0], abs=5)
     # Each group trains on its own data, so their losses differ; their gradients, averaged
     # over the groups before the norm is taken, do not: the same norm at the last step.
