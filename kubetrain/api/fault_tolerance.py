@@ -85,12 +85,12 @@ class FaultToleranceSpec(ApiModel):
         "healthy groups pause when one fails.",
     )
     collective_timeout_milliseconds: int = Field(
-        default=10000, ge=100, le=600000,
+        default=10000, ge=1000, le=600000,
         description="How long a cross-group all-reduce may take before the step is dropped "
         "and the quorum formed again (the timeout of torchft's process group, torchtitan's "
-        "process_group_timeout_ms), 100 to 600000. A group lost without a word, as on a lost "
-        "node, holds the others this long; set it above the all-reduce's time on a healthy "
-        "but loaded network.",
+        "process_group_timeout_ms), 1000 to 600000: it also bounds the process group's "
+        "forming. A group lost without a word, as on a lost node, holds the others this long; "
+        "set it above the all-reduce's time on a healthy but loaded network.",
     )
 
     @model_validator(mode="after")

@@ -111,7 +111,7 @@ def test_each_refusal_names_the_field_and_the_fix_alike_on_server_and_in_models(
     ("replicaGroups", 1), ("replicaGroups", 65), ("minReplicaGroups", 0),
     ("quorumTimeoutSeconds", 0), ("quorumTimeoutSeconds", 3601),
     ("heartbeatTimeoutMilliseconds", 99), ("heartbeatTimeoutMilliseconds", 60001),
-    ("collectiveTimeoutMilliseconds", 99), ("collectiveTimeoutMilliseconds", 600001),
+    ("collectiveTimeoutMilliseconds", 999), ("collectiveTimeoutMilliseconds", 600001),
 ])
 def test_values_out_of_range_are_refused_by_the_schema_and_the_models(
         minimal_manifest: dict[str, Any], field: str, value: int) -> None:
