@@ -51,13 +51,16 @@ memory://partner a copy sent by a partner, else the S3 checkpoint). Also the ope
 MemoryCopiesShareNode events: after the node loss both pods may run on the one node left.
 --steps defaults to 4 x --s3-every there (a 40-step smoke took about 2 minutes).
 
-    sudo .venv/bin/python bench/chaos.py --fault-tolerance [--steps 400] [--heartbeat-ms 1000]
+    sudo .venv/bin/python bench/chaos.py --fault-tolerance [--steps 600] [--heartbeat-ms 1000]
+        [--collective-ms 10000]
 
 Replica groups (spec.faultTolerance, issue 49) instead: a job of 3 groups of one pod
 (one process each, a checkpoint every 20 steps), uninterrupted and then with group 1's
-trainer killed and then its container, each 2 steps past a checkpoint at least 20 steps
-after the last fault; beside it today's whole-group restart, the same 3 workers without
-groups, uninterrupted and under the same two faults. Per fault: for the groups, the
+trainer killed, then its container, then a node lost (group 1's if that leaves the
+lighthouse and a group running, else the other: `a_node_to_lose`), each 2 steps past a
+checkpoint at least 20 steps after the last fault; beside it today's whole-group restart,
+the same 3 workers without groups, uninterrupted and under the same three faults (the
+node of worker 1). Per fault: for the groups, the
 seconds the healthy groups lost (the longest gap between two of their steps, by the
 trainers' own clocks, from the fault until the quorum was whole again, less their median
 step; goal at most 1 s) and the rejoin (from the fault until the group healed from a live
@@ -92,6 +95,7 @@ from recovery import operator_lines, print_timeline  # noqa: E402
 from whole_loop import (  # noqa: E402
     NAMESPACE,
     Cluster,
+    a_node_to_lose,
     advanced_after_resume,
     break_groups,
     missing_host_support,
@@ -524,7 +528,7 @@ class GroupRow:
 
 
 def groups_job(cluster: Cluster, name: str, steps: int, groups: bool,
-               heartbeat_ms: int) -> dict[str, Any]:
+               heartbeat_ms: int, collective_ms: int) -> dict[str, Any]:
     """3 workers of one process; with `groups`, each its own replica group."""
     manifest = training_job(
         name, cluster.s3, workers={"replicas": GROUPS},
@@ -532,7 +536,8 @@ def groups_job(cluster: Cluster, name: str, steps: int, groups: bool,
         checkpoint={"everySteps": GROUPS_EVERY})
     if groups:
         manifest["spec"]["faultTolerance"] = {"replicaGroups": GROUPS,
-                                              "heartbeatTimeoutMilliseconds": heartbeat_ms}
+                                              "heartbeatTimeoutMilliseconds": heartbeat_ms,
+                                              "collectiveTimeoutMilliseconds": collective_ms}
     return manifest
 
 
@@ -545,20 +550,35 @@ def settle_groups_job(cluster: Cluster, name: str) -> None:
 
 def group_fault(cluster: Cluster, name: str, fault: str, inject: Callable[[str], None]
                 ) -> GroupRow:
-    """Break group 1 with `inject(pod)` once settled, until it healed and the quorum is
-    whole again; what the healthy groups lost beyond their median step."""
+    """Break group 1 with `inject(pod)` once settled (for a node loss, `inject(node)` on a
+    node `a_node_to_lose` picks: group 1's, or the other), until the broken groups healed
+    and the quorum is whole again; what the healthy groups lost beyond their median step."""
     settle_groups_job(cluster, name)
-    say(f"{fault} of group {WORKER} at step {printed(cluster, name)}")
-    done = break_groups(cluster, name, GROUPS, [WORKER],
-                        lambda: inject(f"{name}-worker-{WORKER}"))
+    if fault == "node loss":
+        target, broken = a_node_to_lose(cluster, name, GROUPS, WORKER)
+    else:
+        target, broken = f"{name}-worker-{WORKER}", [WORKER]
+    say(f"{fault} of {target} (group {', '.join(map(str, broken))}) at step "
+        f"{printed(cluster, name)}")
+    done = break_groups(cluster, name, GROUPS, broken, lambda: inject(target))
     lost = max(max(gaps) - statistics.median(gaps) for gaps in (
         [seconds for _, seconds in stepped] for stepped in done.steps.values()))
-    say(f"  group {WORKER} healed after {done.healed_after:.1f}s; the healthy groups lost "
+    say(f"  healed after {done.healed_after:.1f}s; the healthy groups lost "
         f"{lost:.2f}s; the quorum whole again from step {done.whole_at}")
     return GroupRow(fault, "replica groups", done.at_step, lost, done.healed_after)
 
 
-def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int) -> int:
+def power_off(cluster: Cluster, name: str, lost: list[str], target: str) -> None:
+    """Power off node `target`, or the node of job `name`'s pod `target`; its name is
+    appended to `lost`."""
+    node = next((pod["spec"]["nodeName"] for pod in cluster.pods(name)
+                 if pod["metadata"]["name"] == target), target)
+    lost.append(node)
+    cluster.agent.lose_node(node)
+
+
+def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
+                         collective_ms: int) -> int:
     """--fault-tolerance: prints the rows; 1 when a fault cost the healthy groups more
     than the goal."""
     walls: dict[str, float] = {}
@@ -568,32 +588,39 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int) -> int
         say(f"{run}: uninterrupted")
         walls[f"{run} uninterrupted"], step_s, _ = run_uninterrupted(
             cluster, f"{name}-base",
-            groups_job(cluster, f"{name}-base", steps, groups, heartbeat_ms))
+            groups_job(cluster, f"{name}-base", steps, groups, heartbeat_ms, collective_ms))
         say(f"  {walls[f'{run} uninterrupted']:.1f}s, {step_s * 1000:.0f} ms per step")
         say(f"{run}: under faults")
         applied = time.monotonic()
-        cluster.apply(groups_job(cluster, name, steps, groups, heartbeat_ms))
+        cluster.apply(groups_job(cluster, name, steps, groups, heartbeat_ms, collective_ms))
+        lost_nodes: list[str] = []
         faults = (("trainer kill", cluster.kill_trainer),
-                  ("container kill", cluster.kill_container))
-        for fault, inject in faults:
-            if groups:
-                rows.append(group_fault(cluster, name, fault, inject))
-                continue
-            settle_groups_job(cluster, name)
-            say(f"{fault} of worker {WORKER} at step {printed(cluster, name)}")
-            pod = worker_pod(cluster, name)
-            faulted, reached, again, back, redone = recover(
-                cluster, name, functools.partial(inject, pod))
-            net = printed(cluster, name) - reached
-            rows.append(GroupRow(fault, run, reached, back - faulted - net * step_s, None))
-            say(f"  training again after {again:.1f}s, {redone} steps redone, "
-                f"{rows[-1].lost:.1f}s lost")
+                  ("container kill", cluster.kill_container),
+                  ("node loss", functools.partial(power_off, cluster, name, lost_nodes)))
+        try:
+            for fault, inject in faults:
+                if groups:
+                    rows.append(group_fault(cluster, name, fault, inject))
+                    continue
+                settle_groups_job(cluster, name)
+                say(f"{fault} of worker {WORKER} at step {printed(cluster, name)}")
+                pod = worker_pod(cluster, name)
+                faulted, reached, again, back, redone = recover(
+                    cluster, name, functools.partial(inject, pod))
+                net = printed(cluster, name) - reached
+                rows.append(GroupRow(fault, run, reached, back - faulted - net * step_s,
+                                     None))
+                say(f"  training again after {again:.1f}s, {redone} steps redone, "
+                    f"{rows[-1].lost:.1f}s lost")
+        finally:
+            for node in lost_nodes:
+                cluster.agent.restore_node(node)
         cluster.wait_for_phase(name, "Succeeded", timeout=600)
         walls[f"{run} faulted"] = time.monotonic() - applied
         cluster.delete(name)
     print(f"\nwhole loop, {GROUPS} workers x 1 process, tiny preset, {steps} steps, checkpoint "
-          f"every {GROUPS_EVERY}, the groups' heartbeat timeout {heartbeat_ms} ms; faults on "
-          f"worker {WORKER}")
+          f"every {GROUPS_EVERY}, the groups' heartbeat timeout {heartbeat_ms} ms and collective "
+          f"timeout {collective_ms} ms; faults on worker {WORKER}")
     print(f"{'fault':<16}{'run':<22}{'at step':>8}{'lost':>8}{'rejoin':>9}")
     for row in rows:
         rejoin = "—" if row.rejoin is None else f"{row.rejoin:.1f}s"
@@ -601,7 +628,7 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int) -> int
     print()
     for run in ("replica groups", "whole-group restart"):
         base, faulted = walls[f"{run} uninterrupted"], walls[f"{run} faulted"]
-        print(f"{run}: uninterrupted {base:.1f}s, under the two faults {faulted:.1f}s: "
+        print(f"{run}: uninterrupted {base:.1f}s, under the three faults {faulted:.1f}s: "
               f"goodput {base / faulted:.2f}")
     missed = 0
     for row in rows:
@@ -637,10 +664,14 @@ def main() -> int:
                         help="--fault-tolerance: the groups' heartbeatTimeoutMilliseconds "
                         f"(default {heartbeat}, the API's): the shortest a healthy group "
                         "can lose")
+    collective = FaultToleranceSpec.model_fields["collective_timeout_milliseconds"].default
+    parser.add_argument("--collective-ms", type=int, default=collective,
+                        help="--fault-tolerance: the groups' collectiveTimeoutMilliseconds "
+                        f"(default {collective}, the API's): what a lost node costs them")
     args = parser.parse_args()
     if args.steps is None:
         args.steps = (4 * args.s3_every if args.memory_tier
-                      else 400 if args.fault_tolerance else 240)
+                      else 600 if args.fault_tolerance else 240)
     reason = missing_host_support()
     if reason is not None:
         print(f"bench/chaos.py: skipped: {reason}")
@@ -668,7 +699,8 @@ def main() -> int:
             code = memory_tier_rows(cluster, args.steps, args.s3_every, args.memory_every)
         elif args.fault_tolerance:
             say("whole loop up; the replica groups' rows")
-            code = fault_tolerance_rows(cluster, args.steps, args.heartbeat_ms)
+            code = fault_tolerance_rows(cluster, args.steps, args.heartbeat_ms,
+                                        args.collective_ms)
         else:
             say("whole loop up; the uninterrupted run")
             base_wall, step_s, base_status = run_uninterrupted(cluster, "chaos-base",

@@ -169,6 +169,20 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
     return GroupFault(at_step, heals, healed_after, whole_at, steps, marks)
 
 
+def a_node_to_lose(cluster: Cluster, name: str, groups: int, broken: int
+                   ) -> tuple[str, list[int]]:
+    """A node of job `name` (`groups` groups of one pod) whose loss leaves its lighthouse and
+    a group running: group `broken`'s if it does, else another. The node and the groups on it."""
+    workers = [f"{name}-worker-{index}" for index in range(groups)]
+    nodes = {pod["metadata"]["name"]: pod["spec"]["nodeName"] for pod in cluster.pods(name)}
+    lighthouse = nodes[f"{name}-lighthouse"]
+    node = next((node for node in (nodes[workers[broken]], *sorted(set(nodes.values())))
+                 if node != lighthouse and {nodes[worker] for worker in workers} - {node}),
+                None)
+    assert node is not None, f"every node holds the lighthouse or every group: {nodes}"
+    return node, [index for index, worker in enumerate(workers) if nodes[worker] == node]
+
+
 def resumes(lines: list[str]) -> list[tuple[int, int]]:
     """For each resume in rank 0's lines: (the step it resumed from, steps redone)."""
     found = []

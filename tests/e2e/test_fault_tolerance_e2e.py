@@ -39,7 +39,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from whole_loop import NAMESPACE, Cluster, break_groups, quorums, steps_printed, training_job
+from whole_loop import (
+    NAMESPACE,
+    Cluster,
+    a_node_to_lose,
+    break_groups,
+    quorums,
+    steps_printed,
+    training_job,
+)
 
 from kubetrain.pod_conventions import (
     ATTEMPT_LABEL,
@@ -156,13 +164,7 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     # heartbeats stopped): the groups it ran are replaced on the node left, the others step
     # on, and the lost ones heal from them.
     cluster.wait_for_printed_step(name, trainer.rejoined_at + 20, timeout=60)
-    nodes = {pod["metadata"]["name"]: pod["spec"]["nodeName"] for pod in cluster.pods(name)}
-    # The node of group 1 if it leaves a group and the lighthouse running, else the other.
-    node = next((node for node in (nodes[broken], *sorted(set(nodes.values())))
-                 if node != nodes[lighthouse] and {nodes[worker] for worker in workers} - {node}),
-                None)
-    assert node is not None, f"every node holds the lighthouse or every group: {nodes}"
-    lost = [index for index, worker in enumerate(workers) if nodes[worker] == node]
+    node, lost = a_node_to_lose(cluster, name, GROUPS, 1)
     try:
         node_loss = _through_a_fault(cluster, name, f"the loss of {node}", lost,
                                      lambda: cluster.agent.lose_node(node))
