@@ -167,7 +167,9 @@ def test_the_stop_deadline_follows_the_latest_steps_not_a_slow_stretch_long_past
 # Rank 0 and rank 1 measure three steps together; then rank 1 goes silent (alive, never
 # answering: no connection reset) and rank 0 enters a collective between two steps: the
 # logged interval's gathers (as the loop marks them), evaluation's closing sum, an S3
-# checkpoint's barrier, or an in-memory snapshot's wait for its last copy to the partner.
+# checkpoint's barrier, a synchronous save's own collectives past that barrier (DCP's plan,
+# the commit's gather: rank 1 went silent just after the barrier), or an in-memory
+# snapshot's wait for its last copy to the partner.
 _BLOCKED = """
 import contextlib, sys, time, torch, torch.distributed as dist
 from pathlib import Path
@@ -189,14 +191,16 @@ stop = StopRequest(inside_since=lambda: clock.inside_since)
 stop.install()
 spec = TrainingJobSpec.model_validate({
     "image": "kubetrain/trainer:test", "data": {"train": "s3://bucket/train"},
-    "checkpoint": {"uri": str(folder / "checkpoints"), "async": True,
+    "checkpoint": {"uri": str(folder / "checkpoints"), "async": where != "checkpoint-write",
                    "memory": {"everySteps": 1}}})
-tier = (Checkpointer(spec, rank=rank, world_size=2) if where == "checkpoint"
+tier = (Checkpointer(spec, rank=rank, world_size=2) if where.startswith("checkpoint")
         else MemoryCheckpoints(spec, rank=rank, world_size=2, folder=folder / f"memory-{rank}",
                                node=f"node-{rank}") if where == "snapshot" else None)
 for _ in range(3):
     stop.agreed(torch.device("cpu"))
 if rank == 1:
+    if where == "checkpoint-write":
+        tier._barrier()  # the save's barrier: rank 0 goes on into DCP's own collectives
     time.sleep(600)
 if where == "evaluation":
     model = ParallelModel(Transformer(PRESETS["tiny"].dims, max_seq_len=64),
@@ -218,7 +222,8 @@ else:
 """
 
 
-@pytest.mark.parametrize("where", ["between-steps", "evaluation", "checkpoint", "snapshot"])
+@pytest.mark.parametrize("where", ["between-steps", "evaluation", "checkpoint",
+                                   "checkpoint-write", "snapshot"])
 def test_a_rank_blocked_outside_a_step_on_a_silent_peer_exits_within_its_stop_deadline(
         launcher: Any, prepared_corpus: Any, tmp_path: Path, where: str) -> None:
     from kubetrain.protocol import EXIT_RESTART

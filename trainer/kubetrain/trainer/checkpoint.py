@@ -611,17 +611,23 @@ class Checkpointer:
         with self.waiting_on_peers():
             self._barrier()
         writer = _StreamingWriter(folder)
+        # DCP plans and finishes a save with collectives on every rank, and the commit
+        # gathers every rank's files: a rank blocked there on a lost peer gives up as in a
+        # step's collectives (StopRequest) once signalled. Its writes count as inside too,
+        # so a save longer than the stop deadline is given up if a signal comes meanwhile.
         if blocking or not self.spec.checkpoint.async_:
-            dcp.save(app_state, storage_writer=writer, process_group=self._group)
-            self._commit(step, writer.files, val_loss, best)
+            with self.waiting_on_peers():
+                dcp.save(app_state, storage_writer=writer, process_group=self._group)
+                self._commit(step, writer.files, val_loss, best)
             if self.rank == 0:  # deleting old checkpoints need not hold training up
                 self._in_flight = self._finisher.submit(self._rotate, best)
         else:
             # The staged state is in host memory already: no copying ahead from a device,
             # as DCP's writer does when it stages itself (FileSystemWriter.stage).
             writer.per_thread_copy_ahead = 0
-            written = dcp.async_save(app_state, storage_writer=writer, process_group=self._group,
-                                     async_stager=self._stager)
+            with self.waiting_on_peers():
+                written = dcp.async_save(app_state, storage_writer=writer,
+                                         process_group=self._group, async_stager=self._stager)
             if isinstance(written, AsyncSaveResponse):  # our stager's: a future of staging
                 written = written.upload_completion
             self._in_flight = self._finisher.submit(self._commit_after, written, step, writer,
