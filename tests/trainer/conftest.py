@@ -180,11 +180,15 @@ class Launcher:
                 os.kill(pid, signal.SIGCONT)
 
     def events(self, job: Path, kind: str | None = None) -> list[dict[str, Any]]:
-        """The metrics-log events of `job` (only those of `kind` when given)."""
+        """The metrics-log events of `job` (only those of `kind` when given). A line the
+        trainer is still writing (no newline yet) is not read: a clean clone's run parsed
+        one half-written and failed."""
         log = self.log(job)
         if not log.exists():
             return []
-        found = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        text = log.read_text()
+        complete = text[:text.rfind("\n") + 1]
+        found = [json.loads(line) for line in complete.splitlines() if line.strip()]
         return [event for event in found if kind is None or event["event"] == kind]
 
 
