@@ -101,8 +101,11 @@ def _stop_the_agent_as_its_ranks_finish(launcher: Any, job: Path) -> float | Non
     the final save, the export and the report are left), hold both ranks (SIGSTOP), send
     their agent SIGTERM, and let them go on once it has signalled them. Seconds from then
     until the agent ended; None when a rank had ended before it could be held."""
+    # A session of its own: a failed check kills the agent's whole tree, not the agent alone
+    # (a clean clone's failure left its fork server and ranks running).
     agent = subprocess.Popen(launcher.command(job, ranks=2), env=launcher.env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
     try:
         ranks = [launcher.worker_pid(agent.pid, rank) for rank in (0, 1)]
         deadline = time.monotonic() + 120
@@ -126,8 +129,9 @@ def _stop_the_agent_as_its_ranks_finish(launcher: Any, job: Path) -> float | Non
         output, _ = agent.communicate(timeout=60)
         stopped = time.monotonic() - continued
     finally:
-        if agent.poll() is None:
-            agent.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)  # what is left of the tree, if anything
+        agent.wait()
     (finished,) = launcher.events(job, "finished")
     assert finished["step"] == 12, output[-3000:]
     return stopped
