@@ -248,13 +248,18 @@ def recover(cluster: Cluster, name: str, inject: Callable[[], None],
     return faulted, reached, again, back, redone
 
 
-def lose_node(cluster: Cluster, name: str, lost: list[str]) -> None:
-    """Power off the node of the job's worker WORKER; its name is appended to `lost`."""
-    pod = worker_pod(cluster, name)
-    node = next(p["spec"]["nodeName"] for p in cluster.pods(name)
-                if p["metadata"]["name"] == pod)
+def power_off(cluster: Cluster, name: str, lost: list[str], target: str) -> None:
+    """Power off node `target`, or the node of job `name`'s pod `target`; its name is
+    appended to `lost`."""
+    node = next((pod["spec"]["nodeName"] for pod in cluster.pods(name)
+                 if pod["metadata"]["name"] == target), target)
     lost.append(node)
     cluster.agent.lose_node(node)
+
+
+def lose_node(cluster: Cluster, name: str, lost: list[str]) -> None:
+    """Power off the node of the job's worker WORKER; its name is appended to `lost`."""
+    power_off(cluster, name, lost, worker_pod(cluster, name))
 
 
 def run_faulted(cluster: Cluster, name: str, manifest: dict[str, Any], step_s: float,
@@ -566,15 +571,6 @@ def group_fault(cluster: Cluster, name: str, fault: str, inject: Callable[[str],
     say(f"  healed after {done.healed_after:.1f}s; the healthy groups lost "
         f"{lost:.2f}s; the quorum whole again from step {done.whole_at}")
     return GroupRow(fault, "replica groups", done.at_step, lost, done.healed_after)
-
-
-def power_off(cluster: Cluster, name: str, lost: list[str], target: str) -> None:
-    """Power off node `target`, or the node of job `name`'s pod `target`; its name is
-    appended to `lost`."""
-    node = next((pod["spec"]["nodeName"] for pod in cluster.pods(name)
-                 if pod["metadata"]["name"] == target), target)
-    lost.append(node)
-    cluster.agent.lose_node(node)
 
 
 def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
