@@ -327,6 +327,36 @@ def test_a_pod_breaking_during_a_group_restart_takes_its_own_group_only(
     assert {action.reason for action in out.deleted} == {"WorkerFailed"}, "the same restart"
 
 
+def test_a_node_avoided_for_a_groups_repeated_failures_keeps_the_live_groups_pods_on_it(
+        minimal_manifest: dict) -> None:
+    """Group 1's worker fails a second time on node-b, where group 0's pods train too: the
+    node is avoided and group 1 restarts off it; group 0 is live and trains on where it is
+    (it moves off the node only if it fails there). Its pods were once taken for the
+    restart's to move off the node, and a healthy group stopped and restarted."""
+    from datetime import timedelta
+
+    status = _running()
+    status["nodeFailures"] = [{"node": "node-b", "class": "Unknown", "pod": "demo-worker-3",
+                               "time": (NOW - timedelta(minutes=5)).isoformat()}]
+    job = _job(minimal_manifest, status=status)
+    pods = [pod(index, "Failed", exit_code=137, node="node-b") if index == 3
+            else pod(index, node="node-b" if index < 2 else "node-a") for index in range(4)]
+    out = _run(job, *pods, lighthouse=_lighthouse())
+    assert ("Warning", "NodeAvoided") in out.events, out.events
+    assert out.status is not None and [entry["node"] for entry in
+                                       out.status["avoidedNodes"]] == ["node-b"]
+    assert sorted(action.name for action in out.deleted) == ["demo-worker-2", "demo-worker-3"]
+
+    # The passes while group 1 restarts: group 0's pods (of the older attempt, on the node
+    # now avoided) are left alone.
+    restarting = _job(minimal_manifest, status=out.status)
+    for now in (NOW, NOW + timedelta(hours=1)):
+        later = Outcome.of(reconcile(restarting, Observed(
+            pods=tuple(pods[:2]), service=True, config_generation=1,
+            lighthouse=_lighthouse(), lighthouse_service=True), now))
+        assert not later.deleted, later.deleted
+
+
 def test_a_group_that_lost_its_quorum_restarts_alone_and_says_why(
         minimal_manifest: dict) -> None:
     """A trainer that found no quorum (too few groups, no lighthouse) past torchrun's

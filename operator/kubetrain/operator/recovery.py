@@ -149,7 +149,7 @@ def covered_by_restart(restart: RestartStatus, older: list[WorkerPod], policy: R
     A broken one is replaced within it, and in a whole-group restart (or once worker 0
     breaks) every older pod goes; with replica groups (`group_of`, a worker index's group:
     spec.faultTolerance), every older pod of a broken one's group, and worker 0 is no
-    other group's host. So does one on a node the restart began to avoid
+    other group's host. So does one on a straggler's node the restart began to avoid
     (`moved_off`): a straggler's pod that a Replace had recorded but not yet deleted when
     the operator stopped, which nothing else would ever move. Permanent failures are not
     covered: they still fail the job.
@@ -236,8 +236,11 @@ def continue_restart(decision: ReconcilePass) -> None:
     if restart is None:
         return
     older = [pod for pod in decision.live_pods() if pod.restart_attempt < status.restart_attempt]
-    # The nodes this restart began to avoid (a straggler's, say): its pods move off them.
-    moved_off = {entry.node for entry in status.avoided_nodes if entry.time >= restart.time}
+    # The straggler's node a Replace began to avoid: its pod moves off it. A node avoided
+    # for its failures keeps the live pods on it (a replica group there trains on); they
+    # move off it if they fail there.
+    moved_off = {entry.node for entry in status.avoided_nodes
+                 if entry.time >= restart.time and entry.reason == "Straggler"}
     job = decision.job
     group_of = (None if job.spec.fault_tolerance is None
                 else functools.partial(pod_conventions.replica_group_of, job))
