@@ -186,6 +186,9 @@ def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus:
     # deadlines here, outlasts a start under that load.
     manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=5000,
                         run_policy={"activeDeadlineSeconds": 30})
+    # One worker: the deadline is the runner's, whatever the group's size, and a second
+    # worker would only train at full speed for those 30 s beside the suite's other tests.
+    manifest["spec"]["workers"]["replicas"] = 1
     code, output = finish(start_run(tmp_path, manifest))
     assert code == 1, output
     assert "activeDeadlineSeconds" in output
