@@ -117,6 +117,7 @@ class ReplicaGroups:
     """This group's place among the job's replica groups, and torchft's Manager across them."""
 
     manager: Manager
+    process_group: Any  # torchft's ProcessGroupGloo or ProcessGroupNCCL across the groups
     heal: HealState
     groups: int
     min_groups: int
@@ -177,7 +178,8 @@ class ReplicaGroups:
             # torchft numbers a replica by the digits its id ends with.
             replica_id=f"{job_name}-group-{group}",
             rank=world.rank, world_size=world.world_size)
-        return cls(manager=manager, heal=heal, groups=spec.replica_groups,
+        return cls(manager=manager, process_group=process_group, heal=heal,
+                   groups=spec.replica_groups,
                    min_groups=spec.min_replica_groups,
                    timeout_seconds=spec.quorum_timeout_seconds, samples_per_group_step=0)
 
@@ -228,11 +230,27 @@ class ReplicaGroups:
         self.heal.loaded = False
         was_at = self.manager.current_step()
         committed = self.manager.should_commit()
+        if not committed and self.manager.errored() is not None:
+            self._let_go_of_the_failed_collective()
         self.healed_at = was_at if self.heal.loaded else None
         self.participants = self.manager.num_participants()
         present = self.participants if committed else 0
         self.skipped_samples += (self.groups - present) * self.samples_per_group_step
         return committed
+
+    def _let_go_of_the_failed_collective(self) -> None:
+        """Close this group's side of the cross-group process group as soon as a step's
+        collective failed here, not at the next quorum's reconfiguration.
+
+        A peer may still sit in that collective, waiting for data of the group that died
+        (one whose connection got no reset). The lighthouse withholds the next quorum while
+        it heartbeats without asking for one (a quorum needs more than half the heartbeating
+        groups: torchft's guard against split brain), so this group's reconfiguration, which
+        would close the connection and free it, waits for it: both waited until the dead
+        group's replacement joined, or the collective timeout. Closed now, the peer's side
+        fails at once and both ask for the quorum."""
+        with contextlib.suppress(Exception):
+            self.process_group.abort()
 
     @property
     def step(self) -> int:
