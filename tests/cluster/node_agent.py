@@ -77,6 +77,12 @@ __all__ = ["Node", "NodeAgent", "PodConfigError", "RunningPod"]
 log = logging.getLogger("node-agent")
 
 POLL_SECONDS = 0.5
+# A kubelet notices a container's exit at its next relist (PLEG, every second) and only
+# then stops the pod's sandbox, so a pod's network outlives its processes by a second or
+# more: a peer that sends to a killed process meanwhile gets a reset. Torn down at once,
+# the address answered nothing, and a live replica group's send to the killed one waited
+# out its collective's timeout, as for a lost node (issue 49).
+SANDBOX_STOP_SECONDS = 1.0
 
 
 @dataclass
@@ -98,6 +104,8 @@ class RunningPod:
     exit_code: int | None = None
     finished_at: str | None = None
     status_written: bool = False
+    ended_at: float | None = None  # time.monotonic() when the agent saw the container end
+    network_removed: bool = False
 
     @property
     def pid(self) -> int:
@@ -291,15 +299,24 @@ class NodeAgent:
                 log.info("pod %s/%s: grace period over, SIGKILL", running.namespace, running.name)
                 self._kill(running)
             return
-        if running.exit_code is not None and not running.status_written:
+        if running.exit_code is None:
+            return
+        if not running.status_written:
             self._write_terminated(running, pod)
-            self._teardown(running)
-        if deleting is not None and running.exit_code is not None:
-            if not running.status_written:
-                self._write_terminated(running, pod)
-            self._teardown(running)
+        self._stop_sandbox(running)
+        if deleting is not None and running.network_removed:
             self._delete_final(pod)
             del self.running[running.uid]
+
+    def _stop_sandbox(self, pod: RunningPod) -> None:
+        """An ended pod's container goes at once, its network SANDBOX_STOP_SECONDS later."""
+        if pod.container is not None:
+            pod.container.remove()
+        if pod.ended_at is None:
+            pod.ended_at = time.monotonic()
+        if time.monotonic() >= pod.ended_at + SANDBOX_STOP_SECONDS:
+            self.network.remove_pod(pod.netns, pod.ip)
+            pod.network_removed = True
 
     def _write_terminated(self, running: RunningPod, pod: Any) -> None:
         self.status.terminated(pod, ip=running.ip, exit_code=running.exit_code or 0,
