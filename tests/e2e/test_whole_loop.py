@@ -255,35 +255,14 @@ def test_kubetrain_logs_follows_worker_0_through_a_container_kill_to_the_end(
     cluster.delete(name)
 
 
-def test_operator_killed_and_restarted_mid_run_recreates_no_pod_and_status_converges(
+def test_suspend_checkpoints_and_resumes_from_that_step_and_an_operator_restart_recreates_no_pod(
         cluster: Cluster) -> None:
-    name = "operator-restart"
-    steps = 120
-    cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": steps},
-                               checkpoint={"everySteps": 40}))
-    cluster.wait_for_step(name, 1)
-    pods = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)}
-    cluster.operator.kill()
-    killed_at_step = max(_steps_printed(cluster.trainer_lines(name)))
-    cluster.operator.start()
-    after = cluster.wait_for_step(name, killed_at_step + 1, timeout=120)
-    print(f"operator killed at step {killed_at_step}; the new one reported step {after.step}")
-    assert {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)} == pods
-    cluster.wait_for_phase(name, "Succeeded", timeout=300)
-
-    job = cluster.job(name)
-    # Once worker 0 is done the job's other pods are stopped; none was ever replaced.
-    assert {pod["metadata"]["uid"] for pod in cluster.pods(name)} <= set(pods.values())
-    assert job["status"].get("restarts", 0) == 0
-    assert not any(line.startswith("resumed from ") for line in cluster.trainer_lines(name))
-    assert f"finished at step {steps}: max_steps" in cluster.trainer_lines(name)
-    cluster.delete(name)
-
-
-def test_suspend_checkpoints_and_removes_the_pods_and_resume_continues_from_that_step(
-        cluster: Cluster) -> None:
+    """One job for two stories that both need a running one: a suspend (the pods stop with a
+    checkpoint of their last step, and the resume continues from it), then the operator
+    killed and started again mid-run (it adopts the running pods: none recreated, no
+    restart, status converges)."""
     name = "suspended"
-    steps = 120
+    steps = 160  # the operator's restart comes after the resume, with ~140 steps to go
     cluster.apply(training_job(name, cluster.s3, optimization={"maxSteps": steps},
                                checkpoint={"everySteps": 1000}))
     _wait_for_printed_step(cluster, name, 10)
@@ -295,11 +274,29 @@ def test_suspend_checkpoints_and_removes_the_pods_and_resume_continues_from_that
     assert last < steps, "the job finished before it was suspended: lengthen it"
 
     cluster.patch_spec(name, {"runPolicy": {"suspend": False}})
-    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+    cluster.wait_for_step(name, last + 1)
     lines = cluster.trainer_lines(name)[len(before):]
     resumed = next(line for line in lines if line.startswith("resumed from "))
     print(f"suspended after step {last}; {resumed}")
     assert f"at step {last} " in resumed + " ", (last, resumed)
+
+    # The operator killed and started again while the resumed pods train.
+    pods = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)}
+    cluster.operator.kill()
+    killed_at_step = max(_steps_printed(cluster.trainer_lines(name)))
+    cluster.operator.start()
+    after = cluster.wait_for_step(name, killed_at_step + 1, timeout=120)
+    print(f"operator killed at step {killed_at_step}; the new one reported step {after.step}")
+    assert {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.pods(name)} == pods
+    cluster.wait_for_phase(name, "Succeeded", timeout=300)
+
+    job = cluster.job(name)
+    # Once worker 0 is done the job's other pods are stopped; none was ever replaced, and
+    # neither the suspend nor the operator's restart counts as a restart.
+    assert {pod["metadata"]["uid"] for pod in cluster.pods(name)} <= set(pods.values())
+    assert job["status"].get("restarts", 0) == 0, job["status"]
+    lines = cluster.trainer_lines(name)[len(before):]
+    assert [line for line in lines if line.startswith("resumed from ")] == [resumed]
     assert f"finished at step {steps}: max_steps" in lines
     cluster.delete(name)
 
