@@ -75,7 +75,6 @@ import functools
 import logging
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -86,11 +85,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "images" / "offline")]
 
-from build_images import build_images  # noqa: E402
-from controllers import NodeLifecycle, Scheduler  # noqa: E402
-from emulator import EmulatedCluster  # noqa: E402
-from machine_state import left_behind, snapshot  # noqa: E402
-from pod_network import ensure_namespace_folder, remove_namespace_folder  # noqa: E402
 from recovery import operator_lines, print_timeline  # noqa: E402
 from whole_loop import (  # noqa: E402
     NAMESPACE,
@@ -101,9 +95,9 @@ from whole_loop import (  # noqa: E402
     missing_host_support,
     out_of_memory_job,
     resumes,
+    standalone,
     steps_printed,
     training_job,
-    whole_loop,
 )
 
 from kubetrain.api.fault_tolerance import FaultToleranceSpec  # noqa: E402
@@ -677,19 +671,8 @@ def main() -> int:
         return training_job(name, cluster.s3, optimization={"maxSteps": args.steps},
                             checkpoint={"everySteps": EVERY})
 
-    say("building or finding the images")
-    images = build_images(("operator", "trainer"), log=lambda line: say(f"  {line}"))
-    # /run/netns as `ip netns` leaves it, made before the first look and removed after the
-    # last when this run made it, as the test session does (tests/conftest.py)
-    made_netns_folder = ensure_namespace_folder()
-    before = snapshot()
     code = 0
-    with tempfile.TemporaryDirectory(prefix="kubetrain-chaos-") as folder, \
-            EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
-            NodeLifecycle(api=api.api_client()), \
-            whole_loop(api, Path(folder) / "loop", images) as cluster:
-        mine = [folder, cluster.agent.network.bridge, f"kt{cluster.agent.network.tag}-",
-                cluster.agent.runtime.cgroup_parent]
+    with standalone("kubetrain-chaos-", say) as cluster:
         if args.memory_tier:
             say("whole loop up; the in-memory tier's rows")
             code = memory_tier_rows(cluster, args.steps, args.s3_every, args.memory_every)
@@ -712,12 +695,6 @@ def main() -> int:
             # Printed before the whole loop stops: its figures survive a failed tear-down.
             report(args.steps, rows, oom_row, oom_note, base_wall, wall, base_status, status,
                    watcher, logged)
-    left = left_behind(before, snapshot(), mine)
-    if made_netns_folder:
-        remove_namespace_folder()
-    if left:
-        print("the run left this on the machine:\n" + "\n".join(left))
-        return 1
     print(f"\nthe whole benchmark took {time.monotonic() - STARTED:.0f}s")
     return code
 

@@ -24,7 +24,6 @@ import logging
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -33,19 +32,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "images" / "offline")]
 
-from build_images import build_images  # noqa: E402
-from controllers import NodeLifecycle, Scheduler  # noqa: E402
-from emulator import EmulatedCluster  # noqa: E402
-from machine_state import left_behind, snapshot  # noqa: E402
-from pod_network import ensure_namespace_folder, remove_namespace_folder  # noqa: E402
 from whole_loop import (  # noqa: E402
     Cluster,
     break_groups,
     missing_host_support,
     quorums,
+    standalone,
     steps_printed,
     training_job,
-    whole_loop,
 )
 
 from kubetrain.pod_conventions import LIGHTHOUSE_PORT  # noqa: E402
@@ -140,31 +134,15 @@ def main() -> int:
         print(f"bench/group_kills.py: skipped: {reason}")
         return 0
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
-    say("building or finding the images")
-    images = build_images(("operator", "trainer"), log=lambda line: say(f"  {line}"))
-    made_netns_folder = ensure_namespace_folder()
-    before = snapshot()
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.busy)]
     try:
-        with tempfile.TemporaryDirectory(prefix="kubetrain-group-kills-") as folder, \
-                EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
-                NodeLifecycle(api=api.api_client()), \
-                whole_loop(api, Path(folder) / "loop", images) as cluster:
-            mine = [folder, cluster.agent.network.bridge, f"kt{cluster.agent.network.tag}-",
-                    cluster.agent.runtime.cgroup_parent]
+        with standalone("kubetrain-group-kills-", say) as cluster:
             say(f"whole loop up; {args.busy} processes spinning beside it")
-            code = kills(cluster, args.kills, args.stall_seconds)
+            return kills(cluster, args.kills, args.stall_seconds)
     finally:
         for process in busy:
             process.kill()
-    left = left_behind(before, snapshot(), mine)
-    if made_netns_folder:
-        remove_namespace_folder()
-    if left:
-        print("the run left this on the machine:\n" + "\n".join(left))
-        return 1
-    return code
 
 
 if __name__ == "__main__":

@@ -572,6 +572,37 @@ def whole_loop(api: EmulatedCluster, folder: Path,
         runtime.stop()
 
 
+@contextmanager
+def standalone(prefix: str, log: Callable[[str], None]) -> Iterator[Cluster]:
+    """The whole loop for a script outside pytest (the benches under bench/), as the test
+    session starts it (tests/e2e/conftest.py): the images built or found, an emulated API
+    with its stand-in controllers, /run/netns made first and removed last when this made it.
+    Raises, after the loop stopped, naming what it left on the machine."""
+    import tempfile
+
+    from build_images import build_images
+    from controllers import NodeLifecycle, Scheduler
+    from machine_state import left_behind, snapshot
+    from pod_network import ensure_namespace_folder, remove_namespace_folder
+
+    log("building or finding the images")
+    images = build_images(("operator", "trainer"), log=lambda line: log(f"  {line}"))
+    made_netns_folder = ensure_namespace_folder()
+    before = snapshot()
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder, \
+            EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
+            NodeLifecycle(api=api.api_client()), \
+            whole_loop(api, Path(folder) / "loop", images) as cluster:
+        mine = [folder, cluster.agent.network.bridge, f"kt{cluster.agent.network.tag}-",
+                cluster.agent.runtime.cgroup_parent]
+        yield cluster
+    left = left_behind(before, snapshot(), mine)
+    if made_netns_folder:
+        remove_namespace_folder()
+    if left:
+        raise RuntimeError("the run left this on the machine:\n" + "\n".join(left))
+
+
 def missing_host_support() -> str | None:
     """Why this machine cannot run the node agent's pods, or None."""
     if os.geteuid() != 0:
