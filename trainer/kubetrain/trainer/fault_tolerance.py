@@ -242,13 +242,14 @@ class ReplicaGroups:
         """Close this group's side of the cross-group process group as soon as a step's
         collective failed here, not at the next quorum's reconfiguration.
 
-        A peer may still sit in that collective, waiting for data of the group that died
-        (one whose connection got no reset). The lighthouse withholds the next quorum while
-        it heartbeats without asking for one (a quorum needs more than half the heartbeating
-        groups: torchft's guard against split brain), so this group's reconfiguration, which
-        would close the connection and free it, waits for it: both waited until the dead
-        group's replacement joined, or the collective timeout. Closed now, the peer's side
-        fails at once and both ask for the quorum."""
+        A live peer may still sit in that collective, waiting for this group's share (it
+        got no reset from the group that died). The lighthouse withholds the next quorum
+        while the peer heartbeats without asking for one (a quorum needs more than half the
+        heartbeating groups: torchft's guard against split brain), so this group's
+        reconfiguration, which would close the connection and free the peer, waited for
+        the peer: both waited until the dead group's replacement joined, or the collective
+        timeout. Closed now, the peer's side fails at once and both ask for the quorum.
+        (Should the abort fail, the next quorum's reconfiguration closes it, as before.)"""
         with contextlib.suppress(Exception):
             self.process_group.abort()
 
