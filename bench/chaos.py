@@ -94,6 +94,7 @@ from whole_loop import (  # noqa: E402
     break_groups,
     missing_host_support,
     out_of_memory_job,
+    replica_groups_job,
     resumes,
     standalone,
     steps_printed,
@@ -529,15 +530,13 @@ class GroupRow:
 def groups_job(cluster: Cluster, name: str, steps: int, groups: bool,
                heartbeat_ms: int, collective_ms: int) -> dict[str, Any]:
     """3 workers of one process; with `groups`, each its own replica group."""
-    manifest = training_job(
-        name, cluster.s3, workers={"replicas": GROUPS},
-        optimization={"maxSteps": steps, "globalBatchTokens": 4 * 64 * GROUPS},
-        checkpoint={"everySteps": GROUPS_EVERY})
     if groups:
-        manifest["spec"]["faultTolerance"] = {"replicaGroups": GROUPS,
-                                              "heartbeatTimeoutMilliseconds": heartbeat_ms,
-                                              "collectiveTimeoutMilliseconds": collective_ms}
-    return manifest
+        return replica_groups_job(name, cluster.s3, groups=GROUPS, steps=steps,
+                                  heartbeat_ms=heartbeat_ms, collective_ms=collective_ms,
+                                  checkpoint_every=GROUPS_EVERY)
+    return training_job(name, cluster.s3, workers={"replicas": GROUPS},
+                        optimization={"maxSteps": steps, "globalBatchTokens": 4 * 64 * GROUPS},
+                        checkpoint={"everySteps": GROUPS_EVERY})
 
 
 def settle_groups_job(cluster: Cluster, name: str) -> None:

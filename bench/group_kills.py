@@ -37,9 +37,9 @@ from whole_loop import (  # noqa: E402
     break_groups,
     missing_host_support,
     quorums,
+    replica_groups_job,
     standalone,
     steps_printed,
-    training_job,
 )
 
 from kubetrain.pod_conventions import LIGHTHOUSE_PORT  # noqa: E402
@@ -70,13 +70,8 @@ def poll_lighthouse(url: str, stop: threading.Event, seen: list[tuple[float, str
 
 
 def kills(cluster: Cluster, count: int, stall_seconds: float) -> int:
-    manifest = training_job(NAME, cluster.s3, workers={"replicas": GROUPS},
-                            optimization={"maxSteps": 1_000_000,
-                                          "globalBatchTokens": 4 * 64 * GROUPS},
-                            checkpoint={"everySteps": 20})
-    manifest["spec"]["faultTolerance"] = {"replicaGroups": GROUPS,
-                                          "heartbeatTimeoutMilliseconds": 1000,
-                                          "collectiveTimeoutMilliseconds": 5000}
+    manifest = replica_groups_job(NAME, cluster.s3, groups=GROUPS, steps=1_000_000,
+                                  heartbeat_ms=1000, collective_ms=5000)
     manifest["spec"]["runPolicy"].update({"maxRestarts": 100_000, "avoidNodesFor": "0s",
                                           "maxBackoffSeconds": 1})
     cluster.apply(manifest)

@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -420,6 +421,19 @@ def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
             "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec}
 
 
+def replica_groups_job(name: str, s3: str, *, groups: int, steps: int, heartbeat_ms: int,
+                       collective_ms: int, checkpoint_every: int = 20) -> dict[str, Any]:
+    """`groups` workers of one process, each its own replica group (spec.faultTolerance):
+    one micro-batch of 4 sequences a group each step."""
+    manifest = training_job(name, s3, workers={"replicas": groups},
+                            optimization={"maxSteps": steps, "globalBatchTokens": 4 * 64 * groups},
+                            checkpoint={"everySteps": checkpoint_every})
+    manifest["spec"]["faultTolerance"] = {"replicaGroups": groups,
+                                          "heartbeatTimeoutMilliseconds": heartbeat_ms,
+                                          "collectiveTimeoutMilliseconds": collective_ms}
+    return manifest
+
+
 def out_of_memory_job(name: str, s3: str, micro_batch: int, max_steps: int) -> dict[str, Any]:
     """One worker with 1100 MiB that fits a micro-batch of 8 sequences, not 16.
 
@@ -578,8 +592,6 @@ def standalone(prefix: str, log: Callable[[str], None]) -> Iterator[Cluster]:
     session starts it (tests/e2e/conftest.py): the images built or found, an emulated API
     with its stand-in controllers, /run/netns made first and removed last when this made it.
     Raises, after the loop stopped, naming what it left on the machine."""
-    import tempfile
-
     from build_images import build_images
     from controllers import NodeLifecycle, Scheduler
     from machine_state import left_behind, snapshot

@@ -45,8 +45,8 @@ from whole_loop import (
     a_node_to_lose,
     break_groups,
     quorums,
+    replica_groups_job,
     steps_printed,
-    training_job,
 )
 
 from kubetrain.pod_conventions import (
@@ -86,15 +86,9 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     name = "replica-groups"
     workers = [f"{name}-worker-{index}" for index in range(GROUPS)]
     broken, live = workers[1], [workers[0], workers[2]]
-    manifest = training_job(
-        name, cluster.s3, workers={"replicas": GROUPS},
-        # One micro-batch of 4 sequences on each group's one rank: 4 x 64 x 3 tokens.
-        optimization={"maxSteps": MAX_STEPS, "globalBatchTokens": 4 * 64 * GROUPS},
-        checkpoint={"everySteps": CHECKPOINT_EVERY})
-    manifest["spec"]["faultTolerance"] = {"replicaGroups": GROUPS,
-                                          "heartbeatTimeoutMilliseconds": HEARTBEAT_MS,
-                                          "collectiveTimeoutMilliseconds": COLLECTIVE_MS}
-    cluster.apply(manifest)
+    cluster.apply(replica_groups_job(name, cluster.s3, groups=GROUPS, steps=MAX_STEPS,
+                                     heartbeat_ms=HEARTBEAT_MS, collective_ms=COLLECTIVE_MS,
+                                     checkpoint_every=CHECKPOINT_EVERY))
 
     # The lighthouse: a Pod and a ClusterIP Service by the name the workers are given.
     lighthouse = f"{name}-lighthouse"
