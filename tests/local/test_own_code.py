@@ -82,7 +82,8 @@ def assert_resumed_from_newest_commit(logged: list[dict[str, Any]]) -> int:
     failure = next(i for i, e in enumerate(logged) if e["event"] == "failure")
     committed = [e["step"] for e in logged[:failure] if e["event"] == "checkpoint"]
     resumed = [e["step"] for e in logged if e["event"] == "resumed"]
-    assert committed and len(resumed) == 1, logged
+    failures = [(e["class"], e["reason"]) for e in logged if e["event"] == "failure"]
+    assert committed and len(resumed) == 1, (resumed, committed, failures)
     assert resumed[0] >= committed[-1], (resumed, committed)
     return int(resumed[0])
 
