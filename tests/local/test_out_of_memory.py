@@ -15,9 +15,13 @@ the limited run gets that peak plus a margin well under what twice the micro-bat
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +42,7 @@ MARGIN = 64 << 20  # under the ~200 MB that doubling the micro-batch adds
 STEPS = 6
 CURVE_TOLERANCE = 1e-4  # the same global batch, summed in another order at worst
 TIMEOUT = 400
+CGROUP_EXIT_SECONDS = 10  # how long processes that are exiting may stay in the cgroup
 
 
 def _new_cgroup() -> Path | None:
@@ -67,7 +72,29 @@ def memory_limited(limit: int | None) -> Iterator[Path]:
             (v1 if v1.exists() else folder / "memory.max").write_text(str(limit))
         yield folder
     finally:
-        folder.rmdir()  # every process of the run has exited by now
+        _remove(folder)
+
+
+def _remove(folder: Path) -> None:
+    """Remove a run's cgroup once its processes are gone. The run's command has returned,
+    but a process that is still exiting stays a member (rmdir: EBUSY) for a moment: wait
+    for them; any left after that outlived the run, and that is an error."""
+    deadline = time.monotonic() + CGROUP_EXIT_SECONDS
+    while (members := (folder / "cgroup.procs").read_text().split()) and (
+            time.monotonic() < deadline):
+        time.sleep(0.1)
+    for pid in members:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    while True:
+        try:
+            folder.rmdir()
+            break
+        except OSError as error:
+            if error.errno != errno.EBUSY or time.monotonic() > deadline + 5:
+                raise
+            time.sleep(0.1)
+    assert not members, f"processes {members} outlived the run in {folder}"
 
 
 def _peak(folder: Path) -> int:
