@@ -83,6 +83,7 @@ def _remove(folder: Path) -> None:
     while (members := (folder / "cgroup.procs").read_text().split()) and (
             time.monotonic() < deadline):
         time.sleep(0.1)
+    left = {pid: _command_line(pid) for pid in members}
     for pid in members:
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
@@ -94,7 +95,14 @@ def _remove(folder: Path) -> None:
             if error.errno != errno.EBUSY or time.monotonic() > deadline + 5:
                 raise
             time.sleep(0.1)
-    assert not members, f"processes {members} outlived the run in {folder}"
+    assert not left, f"processes outlived the run in {folder}: {left}"
+
+
+def _command_line(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "(gone)"
 
 
 def _peak(folder: Path) -> int:
