@@ -237,9 +237,27 @@ class OperatorPod:
             "spec": spec})
         self._wait_healthy(timeout)
 
+    def _port(self, name: str) -> int:
+        return int(next(port["containerPort"] for port
+                        in self.template["spec"]["containers"][0]["ports"]
+                        if port["name"] == name))
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample on the operator pod's /metrics, as Prometheus would scrape it: by
+        name and sorted labels."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        pod = self.core.read_namespaced_pod(self.name, RELEASE_NAMESPACE)
+        with urllib.request.urlopen(
+                f"http://{pod.status.pod_ip}:{self._port('metrics')}/metrics",
+                timeout=5) as reply:
+            text = reply.read().decode()
+        return {(sample.name, tuple(sorted(sample.labels.items()))): float(sample.value)
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples}
+
     def _wait_healthy(self, timeout: float) -> None:
-        port = next(p["containerPort"] for p in self.template["spec"]["containers"][0]["ports"]
-                    if p["name"] == "health")
+        port = self._port("health")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pod = self.core.read_namespaced_pod(self.name, RELEASE_NAMESPACE)

@@ -149,6 +149,10 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
                      if event["reason"] == "QuorumChanged"]
     sizes = [int(message.split(" ", 1)[0]) for message in quorum_events]
     assert any(size < GROUPS for size in sizes) and GROUPS in sizes, quorum_events
+    # ... and as its metrics say: each change counted in its direction, the groups in status.
+    cluster.wait_for("kubetrain_quorum_changes_total to count each QuorumChanged event",
+                     lambda: _quorum_metrics(cluster, name) == _quorum_events(cluster, name),
+                     30)
     assert cluster.job(name)["status"]["replicaGroups"]["skippedSamples"] > 0
     # Both faults counted for group 1 alone: its pod replaced, its trainer restarted in place.
     cluster.wait_for("status.replicaGroups.restarts: group 1's two", lambda: (
@@ -200,6 +204,32 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     cluster.wait_for(f"the Service {lighthouse} to be deleted with the job", lambda: lighthouse
                      not in {s.metadata.name
                              for s in cluster.core.list_namespaced_service(NAMESPACE).items}, 60)
+
+
+def _quorum_events(cluster: Cluster, name: str) -> dict[str, float]:
+    """The job's QuorumChanged events, by direction, and its groups as status shows them."""
+    counted = {"shrank": 0.0, "grew": 0.0}
+    for event in json.loads(cluster.events(name)):
+        if event["reason"] == "QuorumChanged":
+            said = re.match(r"(\d+) of .*\(was (\d+)\)", event["message"])
+            assert said, event
+            counted["shrank" if int(said[1]) < int(said[2]) else "grew"] += 1
+    groups = cluster.job(name)["status"]["replicaGroups"]
+    return {**counted, "total": groups["groups"], "ready": groups["ready"],
+            "in_quorum": groups["inQuorum"]}
+
+
+def _quorum_metrics(cluster: Cluster, name: str) -> dict[str, float]:
+    """The same from the operator's /metrics: kubetrain_quorum_changes_total (of the
+    operator's one job now) and kubetrain_replica_groups of this job."""
+    found: dict[str, float] = {}
+    for (sample, labels), value in cluster.operator.metrics().items():
+        label = dict(labels)
+        if sample == "kubetrain_quorum_changes_total":
+            found[label["direction"]] = value
+        elif sample == "kubetrain_replica_groups" and label["job"] == name:
+            found[label["state"]] = value
+    return found
 
 
 @dataclass(frozen=True)

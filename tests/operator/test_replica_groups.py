@@ -12,15 +12,22 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from kubernetes import client
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.operator.actions import CountQuorumChange
+from kubetrain.operator.applier import ActionApplier
 from kubetrain.operator.children import lighthouse_pod, lighthouse_service, worker_pod
 from kubetrain.operator.expectations import Expectations
 from kubetrain.operator.facts import Observed, WorkerPod
+from kubetrain.operator.metrics import OperatorMetrics
 from kubetrain.operator.own_code_container import own_code_container
 from kubetrain.operator.reconcile import reconcile
 from kubetrain.operator.worker_env import torchrun_env
+from kubetrain.operator.writer import ApiWriter
 from kubetrain.pod_conventions import (
     INDEX_LABEL,
     JOB_LABEL,
@@ -410,3 +417,41 @@ def test_the_status_shows_the_ready_groups_and_the_quorum_and_an_event_when_it_s
     assert not [reason for _, reason in quiet.events if reason == "QuorumChanged"]
     back = run(_job(minimal_manifest, status=alone.status), *workers, metrics=sample(2, 48))
     assert ("Normal", "QuorumChanged") in back.events
+    # Each change is counted for kubetrain_quorum_changes_total, in its direction.
+    assert [[a for a in out.actions if isinstance(a, CountQuorumChange)]
+            for out in (both, alone, quiet, back)] == [
+        [], [CountQuorumChange(shrank=True)], [], [CountQuorumChange(shrank=False)]]
+
+
+def test_the_quorum_shows_in_the_operators_metrics_until_the_job_finishes() -> None:
+    """kubetrain_replica_groups{state} follows status.replicaGroups; the quorum's changes are
+    counted by direction, however short each was."""
+    metrics = OperatorMetrics()
+
+    def scraped() -> dict[tuple[str, str], float]:
+        text = generate_latest(metrics.registry).decode()
+        return {(sample.name, sample.labels.get("state") or sample.labels["direction"]):
+                sample.value for family in text_string_to_metric_families(text)
+                if family.name in ("kubetrain_replica_groups", "kubetrain_quorum_changes")
+                for sample in family.samples if not sample.name.endswith("_created")}
+
+    groups = {"groups": 3, "ready": 3, "inQuorum": 3, "skippedSamples": 0, "restarts": [0] * 3}
+    metrics.show_job_status("ml", "demo", {"phase": "Running", "replicaGroups": groups})
+    assert scraped() == {("kubetrain_replica_groups", "total"): 3,
+                         ("kubetrain_replica_groups", "ready"): 3,
+                         ("kubetrain_replica_groups", "in_quorum"): 3}
+    # A count makes no API call: the writer's client never connects.
+    applier = ActionApplier(ApiWriter(client.ApiClient()), metrics, "kubetrain-operator",
+                            "pod-1")
+    applier.apply({"metadata": {"namespace": "ml", "name": "demo"}}, Expectations(), [
+        CountQuorumChange(shrank=True), CountQuorumChange(shrank=False),
+        CountQuorumChange(shrank=True)])
+    metrics.show_job_status("ml", "demo", {"phase": "Running", "replicaGroups": {
+        **groups, "ready": 2, "inQuorum": 2}})
+    assert scraped() == {("kubetrain_replica_groups", "total"): 3,
+                         ("kubetrain_replica_groups", "ready"): 2,
+                         ("kubetrain_replica_groups", "in_quorum"): 2,
+                         ("kubetrain_quorum_changes_total", "shrank"): 2,
+                         ("kubetrain_quorum_changes_total", "grew"): 1}
+    metrics.show_job_status("ml", "demo", {"phase": "Succeeded", "replicaGroups": groups})
+    assert not [key for key in scraped() if key[0] == "kubetrain_replica_groups"]

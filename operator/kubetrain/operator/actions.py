@@ -112,6 +112,14 @@ class CountFailure:
 
 
 @dataclass(frozen=True)
+class CountQuorumChange:
+    """Bookkeeping for the metric kubetrain_quorum_changes_total: the quorum of replica
+    groups shrank or grew (spec.faultTolerance)."""
+
+    shrank: bool
+
+
+@dataclass(frozen=True)
 class ReconcileAt:
     """Reconcile the job again at `time`, when a restart's backoff ends: no event of the
     API's comes then (controller-runtime's RequeueAfter). The kopf handlers schedule it."""
@@ -120,5 +128,5 @@ class ReconcileAt:
 
 
 Action = (CreateObject | CreateStatusSecret | UpdateConfigMap | DeletePod | DeleteJob
-          | WriteStatus | RecordEvent | CountRestart | CountFailure | ReconcileAt
-          | PatchObject | DeleteObject)
+          | WriteStatus | RecordEvent | CountRestart | CountFailure | CountQuorumChange
+          | ReconcileAt | PatchObject | DeleteObject)

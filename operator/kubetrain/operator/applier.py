@@ -24,6 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from kubetrain.operator.actions import (
     Action,
     CountFailure,
+    CountQuorumChange,
     CountRestart,
     CreateObject,
     CreateStatusSecret,
@@ -181,6 +182,8 @@ class ActionApplier:
                 self.metrics.hang_restarts.inc()
         elif isinstance(action, CountFailure):
             self.metrics.worker_failures.labels(action.failure_class).inc()
+        elif isinstance(action, CountQuorumChange):
+            self.metrics.quorum_changes.labels("shrank" if action.shrank else "grew").inc()
         elif isinstance(action, ReconcileAt):
             pass  # no API call: the handlers schedule the pass (`_wake_when_asked`)
 

@@ -77,6 +77,18 @@ class OperatorMetrics:
         self.worker_failures = Counter(
             "kubetrain_worker_failures", "Worker pod failures by failure class "
             "(status.lastFailure.class).", ["class"], registry=self.registry)
+        # spec.faultTolerance. The counter misses no change between two scrapes, however
+        # short the quorum's dip; the gauge says where each job stands.
+        self.quorum_changes = Counter(
+            "kubetrain_quorum_changes", "Changes in a job's quorum of replica groups "
+            "(QuorumChanged events), by direction: shrank or grew.", ["direction"],
+            registry=self.registry)
+        self.replica_groups = _JobGauge(
+            "kubetrain_replica_groups", "A fault-tolerant job's replica groups "
+            "(status.replicaGroups): all of them (total), those whose pods are all ready "
+            "(ready), and those in the last quorum worker 0's trainer stepped in "
+            "(in_quorum).", ("state",))
+        self.registry.register(self.replica_groups)
         self.api_errors = Counter("kubetrain_operator_api_errors",
                                   "Kubernetes API calls that failed.", registry=self.registry)
         self.rank_slowness = _JobGauge(
@@ -89,11 +101,17 @@ class OperatorMetrics:
         self.registry.register(self.avoided_nodes)
 
     def show_job_status(self, namespace: str, job: str, status: Mapping[str, Any] | None) -> None:
-        """Set the gauges that follow the job's status, kubetrain_rank_slowness and
-        kubetrain_avoided_nodes (none once it finished or is gone)."""
+        """Set the gauges that follow the job's status, kubetrain_rank_slowness,
+        kubetrain_avoided_nodes and kubetrain_replica_groups (none once it finished or is
+        gone)."""
         status = status or {}
         if status.get("phase") in ("Succeeded", "Failed"):
             status = {}
+        groups = status.get("replicaGroups") or {}
+        self.replica_groups.show(namespace, job, [
+            ((state,), float(groups[field])) for state, field in (
+                ("total", "groups"), ("ready", "ready"), ("in_quorum", "inQuorum"))
+            if groups.get(field) is not None])
         avoided = len(status.get("avoidedNodes") or [])
         self.avoided_nodes.show(namespace, job, [((), avoided)] if avoided else [])
         ranks = (status.get("ranks") or {}).get("ranks") or []

@@ -33,6 +33,7 @@ from kubetrain.api.trainingjob import (
     step_folder,
 )
 from kubetrain.operator import stragglers
+from kubetrain.operator.actions import CountQuorumChange
 from kubetrain.operator.facts import MetricsSample
 from kubetrain.operator.reconcile_pass import ReconcilePass
 
@@ -96,6 +97,7 @@ def _replica_groups(decision: ReconcilePass) -> None:
             f"{before}); " + ("the others train on without the absent groups' share of each "
                               "batch" if in_quorum < before else "the returning groups "
                               "took a live group's state")), warning=in_quorum < before)
+        decision.actions.append(CountQuorumChange(shrank=in_quorum < before))
 
 
 def world_size(job: TrainingJob) -> int:
