@@ -104,7 +104,7 @@ def kills(cluster: Cluster, count: int, stall_seconds: float) -> int:
             for when, said in seen:
                 print(f"    [{when:6.1f}s] {said}")
             for group in done.steps:
-                errors = [line for line in cluster.worker_lines(NAME, group)[done.marks[group]:]
+                errors = [line for line in cluster.worker_lines(NAME, group, done.marks[group])
                           if "got exception" in line]
                 print(f"  group {group}'s errors: {errors or 'none'}")
     cluster.delete(NAME)

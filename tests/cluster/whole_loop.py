@@ -65,6 +65,8 @@ GROUP, VERSION, PLURAL = "kubetrain.io", "v1alpha1", "trainingjobs"
 # under that name (it is never pulled).
 TRAINER_IMAGE = "ghcr.io/kubetrain/trainer:dev"
 SYSTEM_TAINT = {"key": "node-role.kubernetes.io/system", "value": "true", "effect": "NoSchedule"}
+# Where each of a worker's logs (one per pod it was) ended: Cluster.worker_mark.
+LogMark = dict[Path, int]
 
 
 @dataclass
@@ -127,7 +129,7 @@ class GroupFault:
     whole_at: int  # the first live group's first step with the quorum whole again
     # Each live group's (step, seconds) from the fault until 3 steps after `whole_at`.
     steps: dict[int, list[tuple[int, float]]]
-    marks: list[int]  # each group's first pod's log length when the fault came
+    marks: list[LogMark]  # where each group's logs ended when the fault came
 
 
 def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[int],
@@ -137,13 +139,13 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
     group printed 3 steps past that."""
     live = [index for index in range(groups) if index not in broken]
     first = live[0]
-    marks = [len(cluster.worker_lines(name, index)) for index in range(groups)]
+    marks = [cluster.worker_mark(name, index) for index in range(groups)]
     at_step = max(steps_printed(cluster.worker_lines(name, first)))
     broken_at = time.monotonic()
     inject()
 
     def healed(group: int) -> str | None:
-        return next((line for line in cluster.worker_lines(name, group)[marks[group]:]
+        return next((line for line in cluster.worker_lines(name, group, marks[group])
                      if line.startswith("healed from a live replica group")), None)
 
     heals = {group: cluster.wait_for(f"{name}-worker-{group} to heal from a live group",
@@ -153,7 +155,7 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
 
     def whole() -> int | None:
         """The first step the first live group printed after its quorum was whole again."""
-        lines = cluster.worker_lines(name, first)[marks[first]:]
+        lines = cluster.worker_lines(name, first, marks[first])
         at = [i for i, line in enumerate(lines)
               if (found := quorums([line])) and found[0][1] == groups]
         after = steps_printed(lines[at[0]:]) if at else []
@@ -165,7 +167,7 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
                          lambda index=index: max(steps_printed(cluster.worker_lines(
                              name, index)), default=0) >= whole_at + 3, 60, every=0.1)
     steps = {index: [(step, seconds) for step, seconds
-                     in step_seconds(cluster.worker_lines(name, index)[marks[index]:])
+                     in step_seconds(cluster.worker_lines(name, index, marks[index]))
                      if step <= whole_at + 3] for index in live}
     return GroupFault(at_step, heals, healed_after, whole_at, steps, marks)
 
@@ -311,15 +313,27 @@ class Cluster:
         """Every line rank 0 printed, over all incarnations of worker 0 (oldest first)."""
         return self.worker_lines(name, 0)
 
-    def worker_lines(self, name: str, index: int) -> list[str]:
-        """Every line worker `index` printed, over all its incarnations (oldest first): with
-        spec.faultTolerance each group's first pod has its group's rank 0."""
+    def worker_lines(self, name: str, index: int, since: LogMark | None = None) -> list[str]:
+        """Every line worker `index` printed, over all its incarnations (oldest first), or
+        only those after `since` (`worker_mark`): with spec.faultTolerance each group's
+        first pod has its group's rank 0."""
         lines = []
-        for log in sorted((self.agent.workdir / "pods").glob("*/log"),
-                          key=lambda path: path.stat().st_ctime):
-            if (log.parent / "name").read_text() == f"{NAMESPACE}/{name}-worker-{index}":
-                lines += log.read_text(errors="replace").splitlines()
+        for log in self._worker_logs(name, index):
+            lines += log.read_text(errors="replace").splitlines()[
+                (since or {}).get(log, 0):]
         return lines
+
+    def worker_mark(self, name: str, index: int) -> LogMark:
+        """Where each of worker `index`'s logs ends now. A mark per log, not a count of the
+        lines before: a lost node's pod may still write to its log after its replacement
+        began its own, which then comes first by time of last change."""
+        return {log: len(log.read_text(errors="replace").splitlines())
+                for log in self._worker_logs(name, index)}
+
+    def _worker_logs(self, name: str, index: int) -> list[Path]:
+        return [log for log in sorted((self.agent.workdir / "pods").glob("*/log"),
+                                      key=lambda path: path.stat().st_ctime)
+                if (log.parent / "name").read_text() == f"{NAMESPACE}/{name}-worker-{index}"]
 
     def trainer_pid(self, pod: str) -> int:
         """The pid of the trainer process (torchrun's worker) of a running pod."""

@@ -252,7 +252,7 @@ def _through_a_fault(cluster: Cluster, name: str, what: str, broken: list[int],
     first = min(done.steps)
     steps = {workers[index]: stepped for index, stepped in done.steps.items()}
     pauses = {worker: max(seconds for _, seconds in stepped) for worker, stepped in steps.items()}
-    seen = cluster.worker_lines(name, first)[done.marks[first]:]
+    seen = cluster.worker_lines(name, first, done.marks[first])
     print(f"{what} of {', '.join(workers[index] for index in broken)} at step {done.at_step}; "
           + "; ".join(f"{heal!r}" for heal in done.heals.values())
           + f" {done.healed_after:.1f}s later; quorum whole again from step {done.whole_at}; "
@@ -276,7 +276,7 @@ def _through_a_fault(cluster: Cluster, name: str, what: str, broken: list[int],
     for group, heal in done.heals.items():
         assert heal.endswith("no checkpoint read"), heal
         healed_steps.append(int(re.search(r"at step (\d+)", heal).group(1)))  # type: ignore[union-attr]
-        after = cluster.worker_lines(name, group)[done.marks[group]:]
+        after = cluster.worker_lines(name, group, done.marks[group])
         assert not [line for line in after if line.startswith("resumed from ")], after
         # (The broken trainer may have printed a few steps after the mark, before it died.)
         assert steps_printed(after[after.index(heal):])[0] == healed_steps[-1] + 1, after
