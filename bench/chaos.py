@@ -65,7 +65,9 @@ seconds the healthy groups lost (the longest gap between two of their steps, by 
 trainers' own clocks, from the fault until the quorum was whole again, less their median
 step; goal at most 1 s) and the rejoin (from the fault until the group healed from a live
 one); for the whole-group restart, the seconds lost as the fault mix prices them. Goodput
-of each faulted job against its uninterrupted twin. About 6 minutes on 2 cores.
+of each faulted job against its uninterrupted twin, and its final loss (worker 0's mean
+over the last LOSS_WINDOW steps) against the twin's after as many samples trained: the
+groups' goal at most 1 + LOSS_TOLERANCE. About 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import re
 import statistics
 import sys
 import threading
@@ -80,7 +83,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "cluster"), str(REPO / "images" / "offline")]
@@ -94,6 +97,7 @@ from whole_loop import (  # noqa: E402
     break_groups,
     missing_host_support,
     out_of_memory_job,
+    quorums,
     replica_groups_job,
     resumes,
     standalone,
@@ -194,9 +198,14 @@ def worker_pod(cluster: Cluster, name: str) -> str:
     return f"{name}-worker-{WORKER}"
 
 
-def run_uninterrupted(cluster: Cluster, name: str, manifest: dict[str, Any]
-                      ) -> tuple[float, float, dict[str, Any]]:
-    """(wall seconds from apply to Succeeded, seconds per step while training, status)."""
+class Uninterrupted(NamedTuple):
+    wall: float  # seconds from apply to Succeeded
+    step_seconds: float  # seconds per step while training
+    status: dict[str, Any]
+    lines: list[str]  # what worker 0 printed
+
+
+def run_uninterrupted(cluster: Cluster, name: str, manifest: dict[str, Any]) -> Uninterrupted:
     applied = time.monotonic()
     cluster.apply(manifest)
     wait(cluster, f"{name}'s first step", lambda: printed(cluster, name) >= 1)
@@ -204,9 +213,43 @@ def run_uninterrupted(cluster: Cluster, name: str, manifest: dict[str, Any]
     cluster.wait_for_phase(name, "Succeeded", timeout=600)
     done = time.monotonic()
     steps = manifest["spec"]["optimization"]["maxSteps"]
-    status = cluster.job(name)["status"]
+    status, lines = cluster.job(name)["status"], cluster.worker_lines(name, 0)
     cluster.delete(name)
-    return done - applied, (done - first) / max(1, steps - 1), status
+    return Uninterrupted(done - applied, (done - first) / max(1, steps - 1), status, lines)
+
+
+# The training loss two runs of a job are compared by: the mean over a window of steps
+# (each step's last print, after any redo), which evens out the micro-batches' noise.
+LOSS_WINDOW = 100
+# --fault-tolerance: the faulted groups' loss over their uninterrupted twin's at as many
+# samples trained, at most this (docs/fault-tolerance.md, "The loss": the local bench's run
+# ended 0.9 % above its twin there).
+LOSS_TOLERANCE = 0.02
+
+
+def printed_losses(lines: list[str]) -> dict[int, float]:
+    """Each step's training loss worker 0 printed (`lines`), the last print of a redone step."""
+    return {int(m[1]): float(m[2]) for line in lines
+            if (m := re.match(r"step (\d+)/\d+ \| epoch [\d.]+ \| loss ([\d.]+) \|", line))}
+
+
+def window_loss(losses: dict[int, float], end: int) -> float | None:
+    """The mean loss of the LOSS_WINDOW steps up to `end`."""
+    window = [loss for step, loss in losses.items() if end - LOSS_WINDOW < step <= end]
+    return statistics.fmean(window) if window else None
+
+
+def samples_trained(lines: list[str], groups: int) -> dict[int, float]:
+    """The steps' worth of samples a job had trained by each step worker 0 printed: a step
+    counts the share of the replica groups in its quorum (`step N: G of M replica groups in
+    the quorum` says when that changed; a job that printed none had every group)."""
+    changes = quorums(lines)
+    trained, by_step = 0.0, {}
+    for step in sorted(printed_losses(lines)):
+        present = [size for at, size in changes if at <= step]
+        trained += (present[-1] if present else groups) / groups
+        by_step[step] = trained
+    return by_step
 
 
 def recover(cluster: Cluster, name: str, inject: Callable[[], None],
@@ -369,8 +412,8 @@ def run_oom(cluster: Cluster) -> tuple[Row, str]:
         f"shown as: {signal.what if signal else 'not shown'}")
     cluster.delete(name)
     say(f"OOM baseline: the same job started at micro-batch {healed}")
-    base_wall, _, _ = run_uninterrupted(cluster, f"{name}-base", out_of_memory_job(
-        f"{name}-base", cluster.s3, healed, OOM_STEPS))
+    base_wall = run_uninterrupted(cluster, f"{name}-base", out_of_memory_job(
+        f"{name}-base", cluster.s3, healed, OOM_STEPS)).wall
     row = Row("OOM (second job)", None, signal.at - faulted if signal else None,
               signal.what if signal else "not shown", again, redone, wall - base_wall)
     note = (f"OOM job: {wall:.1f}s from apply to Succeeded (micro-batch 16 → {healed}, "
@@ -571,13 +614,22 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
     """--fault-tolerance: prints the rows; 1 when a fault cost the healthy groups more
     than the goal."""
     walls: dict[str, float] = {}
+    lines: dict[str, list[str]] = {}  # what worker 0 printed, by run
     rows: list[GroupRow] = []
     for run, groups in (("replica groups", True), ("whole-group restart", False)):
         name = "chaos-groups" if groups else "chaos-plain"
         say(f"{run}: uninterrupted")
-        walls[f"{run} uninterrupted"], step_s, _ = run_uninterrupted(
+        base = run_uninterrupted(
             cluster, f"{name}-base",
             groups_job(cluster, f"{name}-base", steps, groups, heartbeat_ms, collective_ms))
+        walls[f"{run} uninterrupted"] = base.wall
+        lines[f"{run} uninterrupted"] = base.lines
+        step_s = base.step_seconds
+        if groups:  # a group dropped with nothing broken: the heartbeat timeout too short
+            formed = [groups for _, groups in quorums(base.lines)]
+            dips = sum(1 for index, size in enumerate(formed) if size < GROUPS
+                       and GROUPS in formed[:index])
+            say(f"  the quorum shrank {dips} times with no fault")
         say(f"  {walls[f'{run} uninterrupted']:.1f}s, {step_s * 1000:.0f} ms per step")
         say(f"{run}: under faults")
         applied = time.monotonic()
@@ -606,6 +658,7 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
                 cluster.agent.restore_node(node)
         cluster.wait_for_phase(name, "Succeeded", timeout=600)
         walls[f"{run} faulted"] = time.monotonic() - applied
+        lines[f"{run} faulted"] = cluster.worker_lines(name, 0)
         cluster.delete(name)
     print(f"\nwhole loop, {GROUPS} workers x 1 process, tiny preset, {steps} steps, checkpoint "
           f"every {GROUPS_EVERY}, the groups' heartbeat timeout {heartbeat_ms} ms and collective "
@@ -616,10 +669,31 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
         print(f"{row.fault:<16}{row.run:<22}{row.at_step:>8}{row.lost:>7.2f}s{rejoin:>9}")
     print()
     for run in ("replica groups", "whole-group restart"):
-        base, faulted = walls[f"{run} uninterrupted"], walls[f"{run} faulted"]
-        print(f"{run}: uninterrupted {base:.1f}s, under the three faults {faulted:.1f}s: "
-              f"goodput {base / faulted:.2f}")
+        calm_wall, faulted = walls[f"{run} uninterrupted"], walls[f"{run} faulted"]
+        print(f"{run}: uninterrupted {calm_wall:.1f}s, under the three faults {faulted:.1f}s: "
+              f"goodput {calm_wall / faulted:.2f}")
     missed = 0
+    for run in ("replica groups", "whole-group restart"):
+        # The faulted run's last steps against the twin's after as many samples: a step a
+        # group missed trained without its share, and a whole-group restart redoes its
+        # lost steps with the same batches.
+        under_faults = printed_losses(lines[f"{run} faulted"])
+        trained = max(samples_trained(lines[f"{run} faulted"], GROUPS).values(), default=0.0)
+        same = next((step for step, done in samples_trained(
+            lines[f"{run} uninterrupted"], GROUPS).items() if done >= trained - 0.5), 0)
+        broken = window_loss(under_faults, max(under_faults, default=0))
+        calm = window_loss(printed_losses(lines[f"{run} uninterrupted"]), same)
+        if calm is None or broken is None:
+            print(f"{run}: no step lines to compare the loss by")
+            missed += 1
+            continue
+        ratio = broken / calm
+        met = ratio <= 1 + LOSS_TOLERANCE
+        missed += not met
+        print(f"{run}: loss over the last {LOSS_WINDOW} steps under the faults {broken:.4f} "
+              f"({trained:.0f} steps' worth of samples); the uninterrupted run's "
+              f"over its {LOSS_WINDOW} steps to step {same} {calm:.4f}: ratio {ratio:.4f}, "
+              f"tolerance {1 + LOSS_TOLERANCE:g}: {'met' if met else 'MISSED'}")
     for row in rows:
         if row.run == "replica groups":
             met = row.lost <= HEALTHY_LOST_GOAL
@@ -684,8 +758,8 @@ def main() -> int:
                                         args.collective_ms)
         else:
             say("whole loop up; the uninterrupted run")
-            base_wall, step_s, base_status = run_uninterrupted(cluster, "chaos-base",
-                                                               job("chaos-base"))
+            base_wall, step_s, base_status, _ = run_uninterrupted(cluster, "chaos-base",
+                                                                  job("chaos-base"))
             say(f"  {base_wall:.1f}s from apply to Succeeded, {step_s * 1000:.0f} ms per step")
             say("the same job under faults")
             logged: list[tuple[float, str]] = []
