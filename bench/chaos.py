@@ -67,7 +67,8 @@ step; goal at most 1 s) and the rejoin (from the fault until the group healed fr
 one); for the whole-group restart, the seconds lost as the fault mix prices them. Goodput
 of each faulted job against its uninterrupted twin, and its final loss (worker 0's mean
 over the last LOSS_WINDOW steps) against the twin's after as many samples trained: the
-groups' goal at most 1 + LOSS_TOLERANCE. About 10 minutes on 2 cores.
+groups' goal a ratio of at most 1 + LOSS_TOLERANCE plus twice its standard error. About 8
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import re
 import statistics
 import sys
@@ -222,8 +224,8 @@ def run_uninterrupted(cluster: Cluster, name: str, manifest: dict[str, Any]) -> 
 # (each step's last print, after any redo), which evens out the micro-batches' noise.
 LOSS_WINDOW = 100
 # --fault-tolerance: the faulted groups' loss over their uninterrupted twin's at as many
-# samples trained, at most this (docs/fault-tolerance.md, "The loss": the local bench's run
-# ended 0.9 % above its twin there).
+# samples trained, at most this beyond twice the two windows' noise (docs/fault-tolerance.md,
+# "The loss": the local bench's run, by validation loss, ended 0.9 % above its twin there).
 LOSS_TOLERANCE = 0.02
 
 
@@ -233,10 +235,13 @@ def printed_losses(lines: list[str]) -> dict[int, float]:
             if (m := re.match(r"step (\d+)/\d+ \| epoch [\d.]+ \| loss ([\d.]+) \|", line))}
 
 
-def window_loss(losses: dict[int, float], end: int) -> float | None:
-    """The mean loss of the LOSS_WINDOW steps up to `end`."""
+def window_loss(losses: dict[int, float], end: int) -> tuple[float, float] | None:
+    """The mean loss of the LOSS_WINDOW steps up to `end`, and its standard error (each
+    step's loss is one micro-batch's: ±10 % from step to step on the tiny preset)."""
     window = [loss for step, loss in losses.items() if end - LOSS_WINDOW < step <= end]
-    return statistics.fmean(window) if window else None
+    if len(window) < 2:
+        return None
+    return statistics.fmean(window), statistics.stdev(window) / math.sqrt(len(window))
 
 
 def samples_trained(lines: list[str], groups: int) -> dict[int, float]:
@@ -687,13 +692,17 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
             print(f"{run}: no step lines to compare the loss by")
             missed += 1
             continue
-        ratio = broken / calm
-        met = ratio <= 1 + LOSS_TOLERANCE
+        # The two windows' noise (standard error of the ratio) is allowed twice beyond the
+        # tolerance: the claim is that the curves differ by no more than that, not that
+        # two windows of single micro-batches' losses agree to 2 %.
+        ratio, noise = broken[0] / calm[0], math.hypot(broken[1], calm[1]) / calm[0]
+        met = ratio <= 1 + LOSS_TOLERANCE + 2 * noise
         missed += not met
-        print(f"{run}: loss over the last {LOSS_WINDOW} steps under the faults {broken:.4f} "
-              f"({trained:.0f} steps' worth of samples); the uninterrupted run's "
-              f"over its {LOSS_WINDOW} steps to step {same} {calm:.4f}: ratio {ratio:.4f}, "
-              f"tolerance {1 + LOSS_TOLERANCE:g}: {'met' if met else 'MISSED'}")
+        print(f"{run}: loss over the last {LOSS_WINDOW} steps under the faults "
+              f"{broken[0]:.4f} ({trained:.0f} steps' worth of samples); the uninterrupted "
+              f"run's over its {LOSS_WINDOW} steps to step {same} {calm[0]:.4f}: ratio "
+              f"{ratio:.4f} (standard error {noise:.4f}), at most 1 + {LOSS_TOLERANCE:g} + "
+              f"twice that: {'met' if met else 'MISSED'}")
     for row in rows:
         if row.run == "replica groups":
             met = row.lost <= HEALTHY_LOST_GOAL

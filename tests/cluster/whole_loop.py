@@ -148,9 +148,19 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
         return next((line for line in cluster.worker_lines(name, group, marks[group])
                      if line.startswith("healed from a live replica group")), None)
 
-    heals = {group: cluster.wait_for(f"{name}-worker-{group} to heal from a live group",
-                                     lambda group=group: healed(group), 240, every=0.1)
-             for group in sorted(broken)}
+    heals = {}
+    for group in sorted(broken):
+        try:
+            heals[group] = cluster.wait_for(f"{name}-worker-{group} to heal from a live group",
+                                            lambda group=group: healed(group), 240, every=0.1)
+        except AssertionError as error:
+            said = [line for line in cluster.worker_lines(name, group, marks[group])
+                    if not re.match(r"step \d+/", line)]
+            logs = {str(log.parent.name): len(log.read_text(errors="replace").splitlines())
+                    for log in cluster.worker_logs(name, group)}
+            raise AssertionError(f"{error}\n---- {name}-worker-{group}'s logs (lines): {logs}, "
+                                 f"marked at {marks[group]}; since, but its steps:\n"
+                                 + "\n".join(said[-80:])) from None
     healed_after = time.monotonic() - broken_at
 
     def whole() -> int | None:
@@ -318,7 +328,7 @@ class Cluster:
         only those after `since` (`worker_mark`): with spec.faultTolerance each group's
         first pod has its group's rank 0."""
         lines = []
-        for log in self._worker_logs(name, index):
+        for log in self.worker_logs(name, index):
             lines += log.read_text(errors="replace").splitlines()[
                 (since or {}).get(log, 0):]
         return lines
@@ -328,9 +338,10 @@ class Cluster:
         lines before: a lost node's pod may still write to its log after its replacement
         began its own, which then comes first by time of last change."""
         return {log: len(log.read_text(errors="replace").splitlines())
-                for log in self._worker_logs(name, index)}
+                for log in self.worker_logs(name, index)}
 
-    def _worker_logs(self, name: str, index: int) -> list[Path]:
+    def worker_logs(self, name: str, index: int) -> list[Path]:
+        """The log of each pod worker `index` has been, by time of last change."""
         return [log for log in sorted((self.agent.workdir / "pods").glob("*/log"),
                                       key=lambda path: path.stat().st_ctime)
                 if (log.parent / "name").read_text() == f"{NAMESPACE}/{name}-worker-{index}"]
