@@ -92,6 +92,11 @@ def main() -> int:
                       callbacks=[KubetrainCallback(), Steps(args.step_seconds)])
     latest = sdk.latest_checkpoint()
     trainer.train(resume_from_checkpoint=str(latest) if latest is not None else None)
+    # The process group transformers began ends here, before the interpreter's: left to
+    # exit, a rank once aborted in its teardown ("terminate called without an active
+    # exception", exit -6) after the last checkpoint, and torchrun restarted the group.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
