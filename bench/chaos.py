@@ -77,7 +77,6 @@ import argparse
 import functools
 import logging
 import math
-import re
 import statistics
 import sys
 import threading
@@ -97,6 +96,7 @@ from whole_loop import (  # noqa: E402
     a_node_to_lose,
     advanced_after_resume,
     break_groups,
+    losses_printed,
     missing_host_support,
     out_of_memory_job,
     quorums,
@@ -229,12 +229,6 @@ LOSS_WINDOW = 100
 LOSS_TOLERANCE = 0.02
 
 
-def printed_losses(lines: list[str]) -> dict[int, float]:
-    """Each step's training loss worker 0 printed (`lines`), the last print of a redone step."""
-    return {int(m[1]): float(m[2]) for line in lines
-            if (m := re.match(r"step (\d+)/\d+ \| epoch [\d.]+ \| loss ([\d.]+) \|", line))}
-
-
 def window_loss(losses: dict[int, float], end: int) -> tuple[float, float] | None:
     """The mean loss of the LOSS_WINDOW steps up to `end`, and its standard error (each
     step's loss is one micro-batch's: ±10 % from step to step on the tiny preset)."""
@@ -250,7 +244,7 @@ def samples_trained(lines: list[str], groups: int) -> dict[int, float]:
     the quorum` says when that changed; a job that printed none had every group)."""
     changes = quorums(lines)
     trained, by_step = 0.0, {}
-    for step in sorted(printed_losses(lines)):
+    for step in sorted(losses_printed(lines)):
         present = [size for at, size in changes if at <= step]
         trained += (present[-1] if present else groups) / groups
         by_step[step] = trained
@@ -631,9 +625,9 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
         lines[f"{run} uninterrupted"] = base.lines
         step_s = base.step_seconds
         if groups:  # a group dropped with nothing broken: the heartbeat timeout too short
-            formed = [groups for _, groups in quorums(base.lines)]
-            dips = sum(1 for index, size in enumerate(formed) if size < GROUPS
-                       and GROUPS in formed[:index])
+            sizes = [size for _, size in quorums(base.lines)]
+            whole = sizes.index(GROUPS) if GROUPS in sizes else len(sizes)
+            dips = sum(size < GROUPS for size in sizes[whole:])
             say(f"  the quorum shrank {dips} times with no fault")
         say(f"  {walls[f'{run} uninterrupted']:.1f}s, {step_s * 1000:.0f} ms per step")
         say(f"{run}: under faults")
@@ -682,12 +676,12 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
         # The faulted run's last steps against the twin's after as many samples: a step a
         # group missed trained without its share, and a whole-group restart redoes its
         # lost steps with the same batches.
-        under_faults = printed_losses(lines[f"{run} faulted"])
+        under_faults = losses_printed(lines[f"{run} faulted"])
         trained = max(samples_trained(lines[f"{run} faulted"], GROUPS).values(), default=0.0)
         same = next((step for step, done in samples_trained(
             lines[f"{run} uninterrupted"], GROUPS).items() if done >= trained - 0.5), 0)
         broken = window_loss(under_faults, max(under_faults, default=0))
-        calm = window_loss(printed_losses(lines[f"{run} uninterrupted"]), same)
+        calm = window_loss(losses_printed(lines[f"{run} uninterrupted"]), same)
         if calm is None or broken is None:
             print(f"{run}: no step lines to compare the loss by")
             missed += 1

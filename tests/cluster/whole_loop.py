@@ -104,6 +104,12 @@ def steps_printed(lines: list[str]) -> list[int]:
     return [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/\d+ \|", line))]
 
 
+def losses_printed(lines: list[str]) -> dict[int, float]:
+    """Each step's training loss rank 0 printed, the last print of a step redone."""
+    return {int(m[1]): float(m[2]) for line in lines
+            if (m := re.match(r"step (\d+)/\d+ \| epoch [\d.]+ \| loss ([\d.]+) \|", line))}
+
+
 def quorums(lines: list[str]) -> list[tuple[int, int]]:
     """(step, groups) of each `step N: G of M replica groups in the quorum` line."""
     return [(int(m.group(1)), int(m.group(2))) for line in lines
