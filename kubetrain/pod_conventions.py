@@ -143,17 +143,24 @@ LIGHTHOUSE_PORT: Final = 29510  # torchft's default
 def lighthouse_command(job: TrainingJob, *, bind: str = f"[::]:{LIGHTHOUSE_PORT}") -> list[str]:
     """The lighthouse of a job with spec.faultTolerance, listening on `bind`.
 
-    A group silent for heartbeatTimeoutMilliseconds drops out of the quorum; one that is
-    heartbeating but has not asked for the step's quorum within the same time is left out
-    of that step (it is starting up, or stalled), so neither holds the others up longer.
-    Below minReplicaGroups no quorum forms and the groups wait (then fail) together.
+    A group silent for heartbeatTimeoutMilliseconds drops out of the quorum. One that
+    heartbeats but has not asked for the next quorum is waited for as long as a collective
+    may take (collectiveTimeoutMilliseconds, or the heartbeat timeout if longer), then left
+    out of that quorum: such a group is most likely still in the last step's all-reduce,
+    waiting out a peer that vanished without a reset (a lost node), and it holds the job's
+    newest state. Groups that came back meanwhile wait for it and heal from it; left out,
+    they would form a quorum of their own from the checkpoint, and it would heal from them
+    (a majority lost at once). The wait costs the others only when a group stalls with its
+    heartbeat alive (a hung trainer), once. Below minReplicaGroups no quorum forms and the
+    groups wait (then fail) together.
     """
     tolerance = job.spec.fault_tolerance
     assert tolerance is not None, "only a job with spec.faultTolerance has a lighthouse"
-    timeout = str(tolerance.heartbeat_timeout_milliseconds)
+    heartbeat = tolerance.heartbeat_timeout_milliseconds
+    join = max(heartbeat, tolerance.collective_timeout_milliseconds)
     return [LIGHTHOUSE_PROGRAM, "--bind", bind,
             "--min_replicas", str(tolerance.min_replica_groups),
-            "--heartbeat_timeout_ms", timeout, "--join_timeout_ms", timeout]
+            "--heartbeat_timeout_ms", str(heartbeat), "--join_timeout_ms", str(join)]
 
 
 def lighthouse_name(job_name: str) -> str:

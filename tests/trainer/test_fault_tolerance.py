@@ -11,41 +11,25 @@ the variables the operator gives.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kubetrain.api.manifest import load_job
-from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, lighthouse_command
-from tests.trainer.conftest import Launcher, write_tiny_job
+from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
+from tests.trainer.conftest import Launcher, lighthouse, write_tiny_job
 
 pytestmark = pytest.mark.slow
 
 HEARTBEAT_MS = 1000
 MAX_STEPS = 200
-
-
-@contextlib.contextmanager
-def lighthouse(job: TrainingJob, port: int) -> Iterator[str]:
-    """torchft's lighthouse for `job`, as the operator runs it, on loopback: its address."""
-    command = lighthouse_command(job, bind=f"127.0.0.1:{port}")
-    process = subprocess.Popen([str(Path(sys.executable).with_name(command[0])), *command[1:]],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.kill()
-        process.wait()
 
 
 def _wait_for(condition: Any, timeout: float, what: str) -> None:

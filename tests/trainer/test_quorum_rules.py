@@ -1,0 +1,124 @@
+"""The quorum rules of the lighthouse the operator runs (`pod_conventions.lighthouse_command`).
+
+torchft's real lighthouse, asked by torchft's own client as each group's Manager asks it:
+no trainer runs, so each rule is shown in a few seconds and at the moment it matters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+from torchft._torchft import LighthouseClient
+
+from kubetrain.api.trainingjob import TrainingJob
+from kubetrain.local.launch import free_port
+from tests.trainer.conftest import lighthouse
+
+HEARTBEAT_MS = 300
+COLLECTIVE_MS = 4000
+PATIENCE = timedelta(seconds=30)
+
+
+def _job(minimal_manifest: dict[str, Any]) -> TrainingJob:
+    spec = minimal_manifest["spec"]
+    spec["workers"] = {"replicas": 3}
+    spec["faultTolerance"] = {"replicaGroups": 3,
+                              "heartbeatTimeoutMilliseconds": HEARTBEAT_MS,
+                              "collectiveTimeoutMilliseconds": COLLECTIVE_MS}
+    return TrainingJob.model_validate(minimal_manifest)
+
+
+class Group:
+    """A replica group's Manager as the lighthouse sees it: a heartbeat every 50 ms from its
+    server, whatever its loop does, until the group dies; quorum requests from its loop."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self.client = LighthouseClient(address, connect_timeout=timedelta(seconds=5))
+        self.id = f"demo-group-{name}"
+        self.client.heartbeat(self.id)
+        self._dead = threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._dead.wait(0.05):
+            self.client.heartbeat(self.id)
+
+    def dies(self) -> None:
+        self._dead.set()
+
+    def ask(self, pool: ThreadPoolExecutor, step: int) -> Future[Any]:
+        """Ask for a quorum at `step`; the answer arrives when the lighthouse forms a quorum
+        with this group in it."""
+        return pool.submit(self.client.quorum, replica_id=self.id, timeout=PATIENCE,
+                           address=f"{self.id}-manager", store_address="", step=step,
+                           world_size=1)
+
+
+@contextlib.contextmanager
+def groups(address: str, names: list[str]) -> Iterator[list[Group]]:
+    started = [Group(address, name) for name in names]
+    try:
+        yield started
+    finally:
+        for group in started:
+            group.dies()
+
+
+def test_groups_back_from_a_majority_loss_wait_for_the_survivor_in_its_collective(
+        minimal_manifest: dict[str, Any]) -> None:
+    """A node holding groups 0 and 2 is lost during an all-reduce: group 1 heartbeats but
+    cannot ask for a quorum until its collective times out. The two replacements, back
+    sooner, must not form a quorum of their own at the checkpoint's step (two of three
+    heartbeating groups may): they wait for group 1 and get a quorum with it, whose step is
+    the newest, so they heal from it and group 1 keeps what it trained."""
+    with lighthouse(_job(minimal_manifest), free_port()) as address, \
+            ThreadPoolExecutor(8) as pool, \
+            groups(address, ["0:before", "1", "2:before"]) as old:
+        first = [group.ask(pool, step=278) for group in old]
+        assert {len(answer.result(timeout=10).participants) for answer in first} == {3}
+
+        # The node goes silent; group 1 sits in the all-reduce with its groups.
+        old[0].dies()
+        old[2].dies()
+        time.sleep(2 * HEARTBEAT_MS / 1000)  # 0 and 2 are dead to the lighthouse now
+        with groups(address, ["0:after", "2:after"]) as replacements:
+            back = [group.ask(pool, step=0) for group in replacements]
+            asked = time.monotonic()
+
+            # Longer than the heartbeat timeout (the join timeout it had): still no quorum.
+            time.sleep(5 * HEARTBEAT_MS / 1000)
+            assert not any(answer.done() for answer in back), \
+                "the groups that came back formed a quorum without the live group 1"
+
+            # Group 1's collective times out (before COLLECTIVE_MS here): it asks.
+            quorums = [answer.result(timeout=10)
+                       for answer in [*back, old[1].ask(pool, step=278)]]
+            assert time.monotonic() - asked < COLLECTIVE_MS / 1000
+    for quorum in quorums:
+        steps = {member.replica_id: member.step for member in quorum.participants}
+        assert steps == {old[1].id: 278, replacements[0].id: 0, replacements[1].id: 0}, \
+            "one quorum of the three, the survivor's step the newest: the others heal from it"
+
+
+def test_a_stalled_group_that_heartbeats_holds_the_others_no_longer_than_a_collective(
+        minimal_manifest: dict[str, Any]) -> None:
+    """The wait's bound: a group that heartbeats and never asks (a hung trainer) is left out
+    of the quorum after collectiveTimeoutMilliseconds, and the others step on."""
+    with lighthouse(_job(minimal_manifest), free_port()) as address, \
+            ThreadPoolExecutor(8) as pool, \
+            groups(address, ["0", "1", "2"]) as three:
+        assert all(len(answer.result(timeout=10).participants) == 3
+                   for answer in [group.ask(pool, step=5) for group in three])
+        asked = time.monotonic()
+        others = [group.ask(pool, step=6) for group in three[:2]]  # group 2 hangs
+        quorums = [answer.result(timeout=COLLECTIVE_MS / 1000 + 10) for answer in others]
+        waited = time.monotonic() - asked
+    assert {member.replica_id for quorum in quorums for member in quorum.participants} == \
+        {three[0].id, three[1].id}
+    assert COLLECTIVE_MS / 1000 - 0.5 < waited < COLLECTIVE_MS / 1000 + 2, waited
