@@ -52,10 +52,10 @@ MemoryCopiesShareNode events: after the node loss both pods may run on the one n
 --steps defaults to 4 x --s3-every there (a 40-step smoke took about 2 minutes).
 
     sudo .venv/bin/python bench/chaos.py --fault-tolerance [--steps 1000] [--heartbeat-ms 1000]
-        [--collective-ms 10000]
+        [--collective-ms 10000] [--procs-per-group 1]
 
 Replica groups (spec.faultTolerance, issue 49) instead: a job of 3 groups of one pod
-(one process each, a checkpoint every 20 steps), uninterrupted and then with group 1's
+(one process each, or --procs-per-group, FSDP2 across them; a checkpoint every 20 steps), uninterrupted and then with group 1's
 trainer killed, then its container, then a node lost (group 1's if that leaves the
 lighthouse and a group running, else the other: `a_node_to_lose`), each 2 steps past a
 checkpoint at least 20 steps after the last fault; beside it today's whole-group restart,
@@ -570,14 +570,15 @@ class GroupRow:
 
 
 def groups_job(cluster: Cluster, name: str, steps: int, groups: bool,
-               heartbeat_ms: int, collective_ms: int) -> dict[str, Any]:
-    """3 workers of one process; with `groups`, each its own replica group."""
+               heartbeat_ms: int, collective_ms: int, procs: int) -> dict[str, Any]:
+    """3 workers of `procs` processes; with `groups`, each its own replica group."""
     if groups:
         return replica_groups_job(name, cluster.s3, groups=GROUPS, steps=steps,
                                   heartbeat_ms=heartbeat_ms, collective_ms=collective_ms,
-                                  checkpoint_every=GROUPS_EVERY)
-    return training_job(name, cluster.s3, workers={"replicas": GROUPS},
-                        optimization={"maxSteps": steps, "globalBatchTokens": 4 * 64 * GROUPS},
+                                  checkpoint_every=GROUPS_EVERY, procs_per_worker=procs)
+    return training_job(name, cluster.s3, workers={"replicas": GROUPS, "procsPerWorker": procs},
+                        optimization={"maxSteps": steps,
+                                      "globalBatchTokens": 4 * 64 * GROUPS * procs},
                         checkpoint={"everySteps": GROUPS_EVERY})
 
 
@@ -609,7 +610,7 @@ def group_fault(cluster: Cluster, name: str, fault: str, inject: Callable[[str],
 
 
 def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
-                         collective_ms: int) -> int:
+                         collective_ms: int, procs: int) -> int:
     """--fault-tolerance: prints the rows; 1 when a fault cost the healthy groups more
     than the goal."""
     walls: dict[str, float] = {}
@@ -620,7 +621,8 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
         say(f"{run}: uninterrupted")
         base = run_uninterrupted(
             cluster, f"{name}-base",
-            groups_job(cluster, f"{name}-base", steps, groups, heartbeat_ms, collective_ms))
+            groups_job(cluster, f"{name}-base", steps, groups, heartbeat_ms, collective_ms,
+                       procs))
         walls[f"{run} uninterrupted"] = base.wall
         lines[f"{run} uninterrupted"] = base.lines
         step_s = base.step_seconds
@@ -632,7 +634,8 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
         say(f"  {walls[f'{run} uninterrupted']:.1f}s, {step_s * 1000:.0f} ms per step")
         say(f"{run}: under faults")
         applied = time.monotonic()
-        cluster.apply(groups_job(cluster, name, steps, groups, heartbeat_ms, collective_ms))
+        cluster.apply(groups_job(cluster, name, steps, groups, heartbeat_ms, collective_ms,
+                                 procs))
         lost_nodes: list[str] = []
         faults = (("trainer kill", cluster.kill_trainer),
                   ("container kill", cluster.kill_container),
@@ -659,9 +662,9 @@ def fault_tolerance_rows(cluster: Cluster, steps: int, heartbeat_ms: int,
         walls[f"{run} faulted"] = time.monotonic() - applied
         lines[f"{run} faulted"] = cluster.worker_lines(name, 0)
         cluster.delete(name)
-    print(f"\nwhole loop, {GROUPS} workers x 1 process, tiny preset, {steps} steps, checkpoint "
-          f"every {GROUPS_EVERY}, the groups' heartbeat timeout {heartbeat_ms} ms and collective "
-          f"timeout {collective_ms} ms; faults on worker {WORKER}")
+    print(f"\nwhole loop, {GROUPS} workers x {procs} process(es), tiny preset, {steps} steps, "
+          f"checkpoint every {GROUPS_EVERY}, the groups' heartbeat timeout {heartbeat_ms} ms "
+          f"and collective timeout {collective_ms} ms; faults on worker {WORKER}")
     print(f"{'fault':<16}{'run':<22}{'at step':>8}{'lost':>8}{'rejoin':>9}")
     for row in rows:
         rejoin = "—" if row.rejoin is None else f"{row.rejoin:.1f}s"
@@ -735,6 +738,9 @@ def main() -> int:
     parser.add_argument("--collective-ms", type=int, default=collective,
                         help="--fault-tolerance: the groups' collectiveTimeoutMilliseconds "
                         f"(default {collective}, the API's): what a lost node costs them")
+    parser.add_argument("--procs-per-group", type=int, default=1,
+                        help="--fault-tolerance: trainer processes in each group's pod (default "
+                        "1; issue 49's shape is 2, FSDP2 across them)")
     args = parser.parse_args()
     if args.steps is None:
         args.steps = (4 * args.s3_every if args.memory_tier
@@ -758,7 +764,7 @@ def main() -> int:
         elif args.fault_tolerance:
             say("whole loop up; the replica groups' rows")
             code = fault_tolerance_rows(cluster, args.steps, args.heartbeat_ms,
-                                        args.collective_ms)
+                                        args.collective_ms, args.procs_per_group)
         else:
             say("whole loop up; the uninterrupted run")
             base_wall, step_s, base_status, _ = run_uninterrupted(cluster, "chaos-base",

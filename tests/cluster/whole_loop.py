@@ -453,11 +453,14 @@ def training_job(name: str, s3: str, **overrides: Any) -> dict[str, Any]:
 
 
 def replica_groups_job(name: str, s3: str, *, groups: int, steps: int, heartbeat_ms: int,
-                       collective_ms: int, checkpoint_every: int = 20) -> dict[str, Any]:
-    """`groups` workers of one process, each its own replica group (spec.faultTolerance):
-    one micro-batch of 4 sequences a group each step."""
-    manifest = training_job(name, s3, workers={"replicas": groups},
-                            optimization={"maxSteps": steps, "globalBatchTokens": 4 * 64 * groups},
+                       collective_ms: int, checkpoint_every: int = 20,
+                       procs_per_worker: int = 1) -> dict[str, Any]:
+    """`groups` workers of `procs_per_worker` processes, each its own replica group
+    (spec.faultTolerance): one micro-batch of 4 sequences a process each step."""
+    manifest = training_job(name, s3,
+                            workers={"replicas": groups, "procsPerWorker": procs_per_worker},
+                            optimization={"maxSteps": steps,
+                                          "globalBatchTokens": 4 * 64 * groups * procs_per_worker},
                             checkpoint={"everySteps": checkpoint_every})
     manifest["spec"]["faultTolerance"] = {"replicaGroups": groups,
                                           "heartbeatTimeoutMilliseconds": heartbeat_ms,
