@@ -94,12 +94,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubetrain run: {job.metadata.name} is suspended (spec.runPolicy.suspend: true): "
               "set it to false to run it", file=sys.stderr)
         return 1
-    if job.spec.fault_tolerance is not None and job.spec.own_code:
-        print("kubetrain run: an own-code job's replica groups (spec.faultTolerance) do not run "
-              "on one machine yet, kubetrain's trainer's do: remove faultTolerance to run your "
-              "code as one group here, or run it on Kubernetes (docs/fault-tolerance.md)",
-              file=sys.stderr)
-        return 1
     options = RunOptions(kill_at_steps=tuple(args.kill_at_steps))
     if job.spec.own_code:
         print(_own_code_plan(local_job, workspace), file=sys.stderr)
@@ -243,17 +237,28 @@ def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Worksp
     from kubetrain.local.own_code import node_checkpoint_dir
     from kubetrain.operator.own_code_container import own_code_container
 
-    rendezvous = Rendezvous(port=0, run_id=f"{job.metadata.name}-<pid>-<attempt>")
-    reporter = {"KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:<port>/status",
-                "KUBEFLOW_TRAINER_SERVER_TOKEN": str(workspace.root / "status-token")}
+    run_id = f"{job.metadata.name}-<pid>-<attempt>"
     lines = [f"# {job.metadata.name}: your code here (kubetrain run) and on Kubernetes",
              "# here: each node's checkpoint folder is emptied at every attempt, which "
              "restores the newest commit of spec.checkpoint.uri first, as a new pod does; "
              "rendezvous port 0 = a free port per attempt"]
+    if job.spec.fault_tolerance is not None:
+        lines.append("# here: each replica group is a torchrun group of its own, beside "
+                     "torchft's lighthouse at 127.0.0.1:<port>; a failed group restarts alone, "
+                     "and each group's rank 0 reports to an endpoint of its own")
     for index in range(job.spec.workers.replicas):
+        group = replica_group_of(job, index)
+        token = workspace.root / ("status-token" if group is None
+                                  else f"status-token-group-{group}")
+        reporter = {"KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:<port>/status",
+                    "KUBEFLOW_TRAINER_SERVER_TOKEN": str(token)}
+        rendezvous = Rendezvous(port=0, run_id=run_id if group is None
+                                else f"{run_id}-group-{group}-<restart>")
         launch = own_code_agent_launch(local_job, workspace.manifest, index, rendezvous,
                                        node_checkpoint_dir(workspace, index), reporter,
                                        workspace.torchrun_logs)
+        if group is not None:
+            launch.env.update(replica_group_env(job, index, "http://127.0.0.1:<port>"))
         lines.append(f"\n# simulated node {index} (output: {workspace.worker_log(index)})")
         lines.append(_shell_lines(launch.env, launch.argv))
     container = own_code_container(job)

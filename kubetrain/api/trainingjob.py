@@ -219,8 +219,8 @@ class TrainingJobSpec(ApiModel):
         "groups of whole pods that replicate one another, so when a group fails the others "
         "keep training and it heals from a live peer when it comes back; omit it for "
         "whole-job restarts from a checkpoint. The operator runs torchft's lighthouse and "
-        "one torchrun group per replica group, as `kubetrain run` does for kubetrain's "
-        "trainer: docs/fault-tolerance.md.",
+        "one torchrun group per replica group, as `kubetrain run` does on one machine: "
+        "docs/fault-tolerance.md.",
     )
     checkpoint: CheckpointSpec = Field(description="Checkpoint location and cadence.")
     storage: StorageSpec = Field(

@@ -32,6 +32,7 @@ Kubernetes.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -150,7 +151,9 @@ class LocalRun:
         # ...and its goodput, from the steps it reports (kubetrain's trainer logs its own).
         self.goodput = (ReportedGoodput.resumed(self.workspace.metrics_log) if own_code
                         else None)
-        self.endpoint: LocalStatusEndpoint | None = None
+        # Own code's report endpoints: one for the run, or one a replica group (each group's
+        # rank 0 reports the steps it trains into its group's log, as kubetrain's trainer).
+        self.endpoints: list[LocalStatusEndpoint] = []
         self.pending_kills = sorted(set(self.options.kill_at_steps))
         self.restarts: list[str] = []
         # The micro-batch of each attempt that changed it (out of memory), the spec's first.
@@ -182,8 +185,8 @@ class LocalRun:
         with ExitStack() as stack:
             stack.enter_context(self._signals_forwarded())
             if self.job.spec.own_code:
-                self.endpoint = stack.enter_context(LocalStatusEndpoint(
-                    self.workspace.root / "status-token", self._append))
+                self.endpoints = [stack.enter_context(endpoint)
+                                  for endpoint in self._own_code_endpoints()]
             if self.relay is not None:
                 try:
                     self.lighthouse_url = stack.enter_context(
@@ -361,12 +364,30 @@ class LocalRun:
         return [index for index in range(self.job.spec.workers.replicas)
                 if self._group_of(index) == group]
 
+    def _own_code_endpoints(self) -> list[LocalStatusEndpoint]:
+        """The report endpoint of the run's metrics log; with replica groups, one a group
+        into its group's log, whose steps `EventRelay` passes on once."""
+        token = self.workspace.root / "status-token"
+        if self.relay is None:
+            return [LocalStatusEndpoint(token, self._append)]
+        return [LocalStatusEndpoint(
+            token.with_name(f"{token.name}-group-{group}"), functools.partial(
+                append_event, group_metrics_log(self.workspace.metrics_log, group)))
+            for group in range(len(self.relay.readers))]
+
     def _own_code_launch(self, manifest: Path, index: int, rendezvous: Rendezvous,
                          checkpoint_dir: Path) -> AgentLaunch:
-        assert self.endpoint is not None
-        return own_code_agent_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
-                               self.endpoint.reporter_env(), self.workspace.torchrun_logs,
-                               len(self.micro_batches) - 1)
+        """Node `index` of own code; in a replica group, told its group and the lighthouse
+        as the operator tells its pods, and reporting to its group's endpoint."""
+        group = 0 if self.relay is None else self._group_of(index)
+        launch = own_code_agent_launch(self.job, manifest, index, rendezvous, checkpoint_dir,
+                                       self.endpoints[group].reporter_env(),
+                                       self.workspace.torchrun_logs,
+                                       len(self.micro_batches) - 1)
+        if self.relay is not None:
+            assert self.lighthouse_url is not None
+            launch.env.update(replica_group_env(self.job, index, self.lighthouse_url))
+        return launch
 
     def _watch(self, nodes: list[Node], restart_group: Callable[[int], list[Node]]
                ) -> _Attempt:

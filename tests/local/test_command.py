@@ -79,17 +79,26 @@ def test_dry_run_of_replica_groups_shows_each_groups_rendezvous_and_variables(
         assert f"--metrics-log runs/demo/metrics.group-{group}.jsonl" in node
 
 
-def test_an_own_code_jobs_replica_groups_are_refused_here_naming_the_way(
+def test_dry_run_of_an_own_code_jobs_replica_groups_shows_each_groups_variables(
         job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     manifest = yaml.safe_load(job_file.read_text())
-    manifest["spec"]["workers"] = {"replicas": 2, "procsPerWorker": 1}
+    manifest["spec"]["workers"] = {"replicas": 4, "procsPerWorker": 1}
     manifest["spec"]["faultTolerance"] = {"replicaGroups": 2}
     manifest["spec"]["trainer"] = {"image": "example.com/mine:1", "command": ["train.py"]}
     for typed in ("data", "image", "model"):
         del manifest["spec"][typed]
     job_file.write_text(yaml.safe_dump(manifest))
-    assert main(["run", str(job_file)]) == 1
-    assert "remove faultTolerance to run your code as one group here" in capsys.readouterr().err
+    assert main(["run", "--dry-run", str(job_file)]) == 0
+    local = capsys.readouterr().out.partition("# on Kubernetes")[0]
+    assert "a failed group restarts alone" in local
+    nodes = local.split("# simulated node ")[1:]
+    assert len(nodes) == 4
+    for index, node in enumerate(nodes):
+        group = index // 2
+        assert f"KUBETRAIN_REPLICA_GROUP={group} " in node
+        assert "TORCHFT_LIGHTHOUSE='http://127.0.0.1:<port>'" in node
+        assert f"--rdzv-id 'demo-<pid>-<attempt>-group-{group}-<restart>'" in node
+        assert f"status-token-group-{group}" in node, "each group reports to its own endpoint"
 
 
 def test_dry_run_never_prints_credentials(

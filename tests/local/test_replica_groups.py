@@ -11,6 +11,7 @@ once.
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 import time
 from pathlib import Path
@@ -95,6 +96,62 @@ def test_a_lost_node_restarts_its_replica_group_alone_which_heals_from_the_live_
     assert "exported model" in output
     assert f"step {healed['step']}: replica group 1 healed from a live group" in output
     assert (run / "logs" / "lighthouse.log").exists()
+
+
+# Own code's groups: torchft's Manager in the user's script, 0.05 s a step; the kill comes
+# at the first report at or past OWN_KILL_AT, and group 1's restart (the entry, torchrun,
+# torch's import, the heal) is back long before group 0 ends.
+OWN_STEPS = 300
+OWN_KILL_AT = 30
+
+
+@pytest.mark.slow
+def test_own_torchft_code_runs_in_groups_and_a_lost_node_restarts_its_group_alone(
+        tmp_path: Path) -> None:
+    """An own-code job with faultTolerance (tests/own_code/torchft_ddp.py, reporting through
+    kubetrain.sdk) runs here as on Kubernetes: each group a torchrun of its own beside the
+    lighthouse, told its group; group 1's node lost mid-run restarts alone and heals from
+    group 0, which trains on; the run's log has each reported step once, in order."""
+    name = "own-groups"
+    script = Path(__file__).parents[1] / "own_code" / "torchft_ddp.py"
+    manifest = {
+        "apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "trainer": {"image": "ghcr.io/me/train:1", "command": ["python", str(script)],
+                        "args": ["--steps", str(OWN_STEPS), "--step-seconds", "0.05",
+                                 "--report"]},
+            "workers": {"replicas": 2, "procsPerWorker": 1},
+            "faultTolerance": {"replicaGroups": 2, "heartbeatTimeoutMilliseconds": HEARTBEAT_MS},
+            "checkpoint": {"uri": "checkpoints"},
+            "runPolicy": {"maxRestarts": 2, "backoffSeconds": 1},
+        },
+    }
+    code, output = finish(start_run(tmp_path, manifest, "--kill-worker-at-step",
+                                    str(OWN_KILL_AT)))
+    assert code == 0, output
+    assert "restarting replica group 1 alone" in output, output
+    logs = tmp_path / "runs" / name / "logs"
+
+    def printed(worker: int, prefix: str) -> list[int]:
+        return [int(match) for match in re.findall(
+            rf"^{prefix} (\d+)", (logs / f"worker-{worker}.log").read_text(), re.MULTILINE)]
+
+    # Group 0 trained every step to the end, one torchrun all along; group 1 was started
+    # twice and healed from group 0 past the kill.
+    steps = printed(0, "own-code step")
+    assert steps == list(range(steps[0], OWN_STEPS + 1)), steps
+    assert (logs / "worker-0.log").read_text().count("=== kubetrain run: attempt") == 1
+    assert (logs / "worker-1.log").read_text().count("=== kubetrain run: attempt") == 2
+    healed = [step for step in printed(1, "own-code healed at step") if step > OWN_KILL_AT]
+    assert healed, printed(1, "own-code")
+    assert printed(1, "own-code step")[-1] == OWN_STEPS
+    # Each group reported to its own endpoint; the run's log has each step once, in order.
+    merged = of_kind(events(tmp_path, name), "step")
+    reported = [event["step"] for event in merged]
+    assert reported == sorted(set(reported)) and reported[-1] == OWN_STEPS, reported
+    assert all("group" in event for event in merged), "a report passed by no group's log"
+    assert len(of_kind(events(tmp_path, name), "failure")) == 1
 
 
 def test_the_relay_passes_each_step_once_and_starts_over_for_a_whole_restart(

@@ -7,7 +7,9 @@ a replica id, here from KUBETRAIN_REPLICA_GROUP (a torchtitan script takes it as
 --fault_tolerance.replica_id). That is what the operator gives each pod of a group.
 
 Rank 0 prints `own-code step N loss L` for each committed step, and `own-code healed at
-step N` when the step count jumped in one (the state came from a live group).
+step N` when the step count jumped in one (the state came from a live group). With
+`--report` it also reports each step through kubetrain.sdk, as a script that wants
+kubetrain's progress bar and status does (`kubetrain run` kills a node at a step by them).
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="sleep after each step, so a test can act mid-run")
+    parser.add_argument("--report", action="store_true",
+                        help="report each step's progress through kubetrain.sdk")
     args = parser.parse_args()
+    if args.report:
+        from kubetrain import sdk
     torch.manual_seed(0)  # every group draws the same initial weights
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -54,6 +60,8 @@ def main() -> None:
             if after > before + 1:
                 print(f"own-code healed at step {after - 1}", flush=True)
             print(f"own-code step {after} loss {loss.item():.4f}", flush=True)
+            if args.report:
+                sdk.report(after, total_steps=args.steps, loss=loss.item())
         time.sleep(args.step_seconds)
     manager.shutdown(wait=False)
 
