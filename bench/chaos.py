@@ -54,21 +54,21 @@ MemoryCopiesShareNode events: after the node loss both pods may run on the one n
     sudo .venv/bin/python bench/chaos.py --fault-tolerance [--steps 1000] [--heartbeat-ms 1000]
         [--collective-ms 10000] [--procs-per-group 1]
 
-Replica groups (spec.faultTolerance, issue 49) instead: a job of 3 groups of one pod
-(one process each, or --procs-per-group, FSDP2 across them; a checkpoint every 20 steps), uninterrupted and then with group 1's
-trainer killed, then its container, then a node lost (group 1's if that leaves the
-lighthouse and a group running, else the other: `a_node_to_lose`), each 2 steps past a
-checkpoint at least 20 steps after the last fault; beside it today's whole-group restart,
-the same 3 workers without groups, uninterrupted and under the same three faults (the
-node of worker 1). Per fault: for the groups, the
+Replica groups (spec.faultTolerance, issue 49) instead: a job of 3 groups of one pod (one
+process each, or --procs-per-group with FSDP2 across them; a checkpoint every 20 steps),
+uninterrupted and then with group 1's trainer killed, then its container, then a node lost
+(group 1's if that leaves the lighthouse and a group running, else the other:
+`a_node_to_lose`), each 2 steps past a checkpoint at least 20 steps after the last fault;
+beside it today's whole-group restart, the same 3 workers without groups, uninterrupted
+and under the same three faults (the node of worker 1). Per fault: for the groups, the
 seconds the healthy groups lost (the longest gap between two of their steps, by the
 trainers' own clocks, from the fault until the quorum was whole again, less their median
 step; goal at most 1 s) and the rejoin (from the fault until the group healed from a live
 one); for the whole-group restart, the seconds lost as the fault mix prices them. Goodput
 of each faulted job against its uninterrupted twin, and its final loss (worker 0's mean
 over the last LOSS_WINDOW steps) against the twin's after as many samples trained: the
-groups' goal a ratio of at most 1 + LOSS_TOLERANCE plus twice its standard error. About 8
-minutes on 2 cores.
+groups' goal a ratio of at most 1 + LOSS_TOLERANCE plus twice its standard error. About 10
+minutes on 2 cores (18 with --procs-per-group 2).
 """
 
 from __future__ import annotations

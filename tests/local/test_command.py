@@ -59,46 +59,47 @@ def test_dry_run_shows_each_node_and_the_operators_pod(
     assert env["PET_NPROC_PER_NODE"] == "2"
 
 
-def test_dry_run_of_replica_groups_shows_each_groups_rendezvous_and_variables(
-        job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _dry_run_of_groups(job_file: Path, capsys: pytest.CaptureFixture[str], procs: int,
+                       **spec: Any) -> tuple[str, list[str]]:
+    """`kubetrain run --dry-run` of the job in 2 replica groups of 2 pods (with `spec` on
+    top): what it shows for here, and each simulated node's part of it, each checked for
+    its group's variables."""
     manifest = yaml.safe_load(job_file.read_text())
-    manifest["spec"]["workers"] = {"replicas": 4, "procsPerWorker": 2}
+    manifest["spec"]["workers"] = {"replicas": 4, "procsPerWorker": procs}
     manifest["spec"]["faultTolerance"] = {"replicaGroups": 2}
+    manifest["spec"].update(spec)
+    for typed in ("data", "image", "model") if "trainer" in spec else ():
+        del manifest["spec"][typed]
     job_file.write_text(yaml.safe_dump(manifest))
     assert main(["run", "--dry-run", str(job_file)]) == 0
     local = capsys.readouterr().out.partition("# on Kubernetes")[0]
-    assert "restarts a failed replica group alone" in local
     nodes = local.split("# simulated node ")[1:]
     assert len(nodes) == 4
     for index, node in enumerate(nodes):
         group = index // 2  # 2 pods a group: a torchrun group of 2 nodes
         assert f"KUBETRAIN_REPLICA_GROUP={group} " in node
         assert "TORCHFT_LIGHTHOUSE='http://127.0.0.1:<port>'" in node
-        assert "--nnodes 2:2" in node
         assert f"--rdzv-id 'demo-<pid>-<attempt>-group-{group}-<restart>'" in node
-        assert f"--metrics-log runs/demo/metrics.group-{group}.jsonl" in node
+    return local, nodes
+
+
+def test_dry_run_of_replica_groups_shows_each_groups_rendezvous_and_variables(
+        job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    local, nodes = _dry_run_of_groups(job_file, capsys, procs=2)
+    assert "restarts a failed replica group alone" in local
+    for index, node in enumerate(nodes):
+        assert "--nnodes 2:2" in node
+        assert f"--metrics-log runs/demo/metrics.group-{index // 2}.jsonl" in node
 
 
 def test_dry_run_of_an_own_code_jobs_replica_groups_shows_each_groups_variables(
         job_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    manifest = yaml.safe_load(job_file.read_text())
-    manifest["spec"]["workers"] = {"replicas": 4, "procsPerWorker": 1}
-    manifest["spec"]["faultTolerance"] = {"replicaGroups": 2}
-    manifest["spec"]["trainer"] = {"image": "example.com/mine:1", "command": ["train.py"]}
-    for typed in ("data", "image", "model"):
-        del manifest["spec"][typed]
-    job_file.write_text(yaml.safe_dump(manifest))
-    assert main(["run", "--dry-run", str(job_file)]) == 0
-    local = capsys.readouterr().out.partition("# on Kubernetes")[0]
+    local, nodes = _dry_run_of_groups(
+        job_file, capsys, procs=1,
+        trainer={"image": "example.com/mine:1", "command": ["train.py"]})
     assert "a failed group restarts alone" in local
-    nodes = local.split("# simulated node ")[1:]
-    assert len(nodes) == 4
     for index, node in enumerate(nodes):
-        group = index // 2
-        assert f"KUBETRAIN_REPLICA_GROUP={group} " in node
-        assert "TORCHFT_LIGHTHOUSE='http://127.0.0.1:<port>'" in node
-        assert f"--rdzv-id 'demo-<pid>-<attempt>-group-{group}-<restart>'" in node
-        assert f"status-token-group-{group}" in node, "each group reports to its own endpoint"
+        assert f"status-token-group-{index // 2}" in node, "each group reports on its own"
 
 
 def test_dry_run_never_prints_credentials(
