@@ -87,6 +87,8 @@ def main() -> int:
             threading.Thread(target=time.sleep, args=(args.linger_after_stop,)).start()
             return EXIT_STOPPED
         time.sleep(args.step_seconds)
+    dist.barrier()  # docs/own-code.md: ending the process group
+    dist.destroy_process_group()
     return 0
 
 

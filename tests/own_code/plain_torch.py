@@ -101,11 +101,19 @@ def main() -> int:
         if stop:
             if rank == 0:
                 print(f"own-code stopped at step {step} on SIGTERM", flush=True)
-            dist.destroy_process_group()
+            end_process_group()
             return EXIT_STOPPED
         time.sleep(args.step_seconds)
-    dist.destroy_process_group()
+    end_process_group()
     return 0
+
+
+def end_process_group() -> None:
+    """A barrier, then the end of the process group: the last collective's work (a tensor
+    of Python's) is freed on a gloo thread that needs the GIL, and the group's destructor,
+    as DDP's reducer is freed, joins that thread holding the GIL (docs/own-code.md)."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
