@@ -207,14 +207,17 @@ def _plan(job: TrainingJob, workspace: Workspace) -> str:
     workers = job.spec.workers
     nodes = "node" if workers.replicas == 1 else "nodes"
     processes = "process" if workers.procs_per_worker == 1 else "processes"
-    tolerance = job.spec.fault_tolerance
-    groups = ("" if tolerance is None else
-              f" in {tolerance.replica_groups} replica groups under torchft's lighthouse")
     return (f"{job.metadata.name}: {workers.replicas} simulated {nodes} x "
-            f"{workers.procs_per_worker} training {processes}{groups}, "
+            f"{workers.procs_per_worker} training {processes}{_groups(job)}, "
             f"{_length(job)}; "
             f"data {job.spec.data.train}, checkpoints {job.spec.checkpoint.uri}, "
             f"metrics http://127.0.0.1:{job.spec.metrics.port}/metrics, logs {workspace.logs}/")
+
+
+def _groups(job: TrainingJob) -> str:
+    tolerance = job.spec.fault_tolerance
+    return ("" if tolerance is None else
+            f" in {tolerance.replica_groups} replica groups under torchft's lighthouse")
 
 
 def _own_code_plan(job: TrainingJob, workspace: Workspace) -> str:
@@ -224,7 +227,8 @@ def _own_code_plan(job: TrainingJob, workspace: Workspace) -> str:
     processes = "process" if workers.procs_per_worker == 1 else "processes"
     return (f"{job.metadata.name}: {workers.replicas} simulated {nodes} x "
             f"{workers.procs_per_worker} {processes} of your code "
-            f"({shlex.join([*job.spec.trainer.command, *job.spec.trainer.args])}); "
+            f"({shlex.join([*job.spec.trainer.command, *job.spec.trainer.args])})"
+            f"{_groups(job)}; "
             f"checkpoints {job.spec.checkpoint.uri}, logs {workspace.logs}/")
 
 

@@ -130,6 +130,7 @@ def test_own_torchft_code_runs_in_groups_and_a_lost_node_restarts_its_group_alon
     code, output = finish(start_run(tmp_path, manifest, "--kill-worker-at-step",
                                     str(OWN_KILL_AT)))
     assert code == 0, output
+    assert "in 2 replica groups under torchft's lighthouse" in output
     assert "restarting replica group 1 alone" in output, output
     logs = tmp_path / "runs" / name / "logs"
 
