@@ -239,9 +239,9 @@ def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Worksp
 
     from kubetrain.local.launch import own_code_agent_launch
     from kubetrain.local.own_code import node_checkpoint_dir
+    from kubetrain.local.trainer_status_endpoint import token_file
     from kubetrain.operator.own_code_container import own_code_container
 
-    run_id = f"{job.metadata.name}-<pid>-<attempt>"
     lines = [f"# {job.metadata.name}: your code here (kubetrain run) and on Kubernetes",
              "# here: each node's checkpoint folder is emptied at every attempt, which "
              "restores the newest commit of spec.checkpoint.uri first, as a new pod does; "
@@ -252,13 +252,10 @@ def own_code_dry_run(job: TrainingJob, local_job: TrainingJob, workspace: Worksp
                      "and each group's rank 0 reports to an endpoint of its own")
     for index in range(job.spec.workers.replicas):
         group = replica_group_of(job, index)
-        token = workspace.root / ("status-token" if group is None
-                                  else f"status-token-group-{group}")
         reporter = {"KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:<port>/status",
-                    "KUBEFLOW_TRAINER_SERVER_TOKEN": str(token)}
-        rendezvous = Rendezvous(port=0, run_id=run_id if group is None
-                                else f"{run_id}-group-{group}-<restart>")
-        launch = own_code_agent_launch(local_job, workspace.manifest, index, rendezvous,
+                    "KUBEFLOW_TRAINER_SERVER_TOKEN": str(token_file(workspace.root, group))}
+        launch = own_code_agent_launch(local_job, workspace.manifest, index,
+                                       _dry_run_rendezvous(job, index),
                                        node_checkpoint_dir(workspace, index), reporter,
                                        workspace.torchrun_logs)
         if group is not None:
@@ -313,16 +310,23 @@ def _local_launch(job: TrainingJob, workspace: Workspace, index: int) -> AgentLa
     spec.faultTolerance, on its replica group's rendezvous, told its group and the
     lighthouse, writing its group's metrics log (kubetrain.local.replica_groups)."""
     group = replica_group_of(job, index)
-    run_id = f"{job.metadata.name}-<pid>-<attempt>"
     if group is None:
         return agent_launch(job, workspace.manifest, workspace.metrics_log, index,
-                            Rendezvous(port=0, run_id=run_id), workspace.torchrun_logs)
+                            _dry_run_rendezvous(job, index), workspace.torchrun_logs)
     launch = agent_launch(job, workspace.manifest,
                           group_metrics_log(workspace.metrics_log, group), index,
-                          Rendezvous(port=0, run_id=f"{run_id}-group-{group}-<restart>"),
-                          workspace.torchrun_logs)
+                          _dry_run_rendezvous(job, index), workspace.torchrun_logs)
     launch.env.update(replica_group_env(job, index, "http://127.0.0.1:<port>"))
     return launch
+
+
+def _dry_run_rendezvous(job: TrainingJob, index: int) -> Rendezvous:
+    """Node `index`'s rendezvous as the runner names it, its port and ids shown as
+    placeholders: the run's, or its replica group's (kubetrain.local.runner)."""
+    run_id = f"{job.metadata.name}-<pid>-<attempt>"
+    group = replica_group_of(job, index)
+    return Rendezvous(port=0, run_id=run_id if group is None
+                      else f"{run_id}-group-{group}-<restart>")
 
 
 def _side_by_side(launch: AgentLaunch, pod: dict[str, Any]) -> list[str]:

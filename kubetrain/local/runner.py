@@ -75,7 +75,7 @@ from kubetrain.local.replica_groups import (
     lighthouse,
 )
 from kubetrain.local.report import write_after_run
-from kubetrain.local.trainer_status_endpoint import LocalStatusEndpoint
+from kubetrain.local.trainer_status_endpoint import LocalStatusEndpoint, token_file
 from kubetrain.local.workspace import Workspace
 from kubetrain.pod_conventions import (
     ATTEMPT_STARTED_ENV,
@@ -367,12 +367,11 @@ class LocalRun:
     def _own_code_endpoints(self) -> list[LocalStatusEndpoint]:
         """The report endpoint of the run's metrics log; with replica groups, one a group
         into its group's log, whose steps `EventRelay` passes on once."""
-        token = self.workspace.root / "status-token"
+        root = self.workspace.root
         if self.relay is None:
-            return [LocalStatusEndpoint(token, self._append)]
-        return [LocalStatusEndpoint(
-            token.with_name(f"{token.name}-group-{group}"), functools.partial(
-                append_event, group_metrics_log(self.workspace.metrics_log, group)))
+            return [LocalStatusEndpoint(token_file(root), self._append)]
+        return [LocalStatusEndpoint(token_file(root, group), functools.partial(
+            append_event, group_metrics_log(self.workspace.metrics_log, group)))
             for group in range(len(self.relay.readers))]
 
     def _own_code_launch(self, manifest: Path, index: int, rendezvous: Rendezvous,

@@ -51,6 +51,12 @@ _METRICS = {REPORT_LOSS: "loss", REPORT_LEARNING_RATE: "lr", REPORT_EPOCH: "epoc
             "epoch": "epoch", REPORT_TOKENS_PER_SECOND: "tokens_per_second"}
 
 
+def token_file(root: Path, group: int | None = None) -> Path:
+    """Where a run's status endpoint keeps its token: one for the run, or one a replica
+    group's (each group's rank 0 reports to an endpoint of its own)."""
+    return root / ("status-token" if group is None else f"status-token-group-{group}")
+
+
 def _whole(text: object) -> int | None:
     try:
         value = int(str(text))

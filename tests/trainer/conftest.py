@@ -24,10 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.launch import free_port
 from kubetrain.local.node import descendants, rank_processes
-from kubetrain.pod_conventions import lighthouse_command
 
 JobFactory = Callable[..., Path]
 
@@ -192,19 +190,6 @@ class Launcher:
         complete = text[:text.rfind("\n") + 1]
         found = [json.loads(line) for line in complete.splitlines() if line.strip()]
         return [event for event in found if kind is None or event["event"] == kind]
-
-
-@contextlib.contextmanager
-def lighthouse(job: TrainingJob, port: int) -> Iterator[str]:
-    """torchft's lighthouse for `job`, as the operator runs it, on loopback: its address."""
-    command = lighthouse_command(job, bind=f"127.0.0.1:{port}")
-    process = subprocess.Popen([str(Path(sys.executable).with_name(command[0])), *command[1:]],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture(scope="session")  # stateless: module-scoped fixtures may train with it too

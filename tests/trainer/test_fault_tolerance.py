@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 
 from kubetrain.api.manifest import load_job
+from kubetrain.local.replica_groups import lighthouse
 from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
-from tests.trainer.conftest import Launcher, lighthouse, write_tiny_job
+from tests.trainer.conftest import Launcher, write_tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -50,11 +51,8 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
                                          "warmupSteps": 5},
                            checkpoint={"uri": str(checkpoints), "everySteps": 10_000})
             for group in range(2)]
-    port = launcher.free_port()
-
     def start(group: int) -> subprocess.Popen[str]:
-        env = {**launcher.env(), REPLICA_GROUP_ENV: str(group),
-               LIGHTHOUSE_ENV: f"http://127.0.0.1:{port}"}
+        env = {**launcher.env(), REPLICA_GROUP_ENV: str(group), LIGHTHOUSE_ENV: address}
         output = (jobs[group].parent / f"output-{time.monotonic_ns()}.txt").open("w")
         return subprocess.Popen(launcher.command(jobs[group], 2), env=env, text=True,
                                 stdout=output, stderr=subprocess.STDOUT,
@@ -63,7 +61,7 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
     def steps(group: int) -> list[dict[str, Any]]:
         return launcher.events(jobs[group], "step")
 
-    with lighthouse(load_job(jobs[0]), port):
+    with lighthouse(load_job(jobs[0]), tmp_path / "lighthouse.log") as address:
         agents = [start(0), start(1)]
         try:
             _wait_for(lambda: len(steps(1)) >= 10, 120, "group 1's first steps")
@@ -146,12 +144,11 @@ def test_without_a_quorum_of_the_minimum_groups_the_trainer_fails_saying_so(
     job = write_tiny_job(prepared_corpus, tmp_path, "ft", workers={"replicas": 2},
                          faultTolerance={"replicaGroups": 2, "minReplicaGroups": 2,
                                          "quorumTimeoutSeconds": 2})
-    port = launcher.free_port()
     termination_log = tmp_path / "termination-log"
     termination_log.touch()  # the kubelet makes it in the container
-    env = {**launcher.env(), REPLICA_GROUP_ENV: "0", LIGHTHOUSE_ENV: f"http://127.0.0.1:{port}",
-           TERMINATION_LOG_ENV: str(termination_log)}
-    with lighthouse(load_job(job), port):
+    with lighthouse(load_job(job), tmp_path / "lighthouse.log") as address:
+        env = {**launcher.env(), REPLICA_GROUP_ENV: "0", LIGHTHOUSE_ENV: address,
+               TERMINATION_LOG_ENV: str(termination_log)}
         done = subprocess.run(launcher.command(job, 1, in_pod=True), env=env,
                               capture_output=True, text=True, timeout=120)
     # Under torchrun the pod's exit is the agent's; what the trainer died of is in the
@@ -177,11 +174,10 @@ def test_own_torchft_code_gets_what_it_needs_from_the_groups_variables(
         "trainer": {"image": "own:1", "command": ["python", "train.py"]},
         "workers": {"replicas": 2}, "faultTolerance": {"replicaGroups": 2,
                                                        "heartbeatTimeoutMilliseconds": 1000}}})
-    port = launcher.free_port()
     outputs = [tmp_path / f"group-{group}.txt" for group in range(2)]
 
     def start(group: int) -> subprocess.Popen[str]:
-        env = {**launcher.env(), **replica_group_env(job, group, f"http://127.0.0.1:{port}"),
+        env = {**launcher.env(), **replica_group_env(job, group, address),
                "RUST_LOG": "warn"}
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -194,7 +190,7 @@ def test_own_torchft_code_gets_what_it_needs_from_the_groups_variables(
         return [int(line.split()[len(prefix.split())]) for line in text.splitlines()
                 if line.startswith(prefix)]
 
-    with lighthouse(job, port):
+    with lighthouse(job, tmp_path / "lighthouse.log") as address:
         agents = [start(0), start(1)]
         try:
             _wait_for(lambda: min(len(lines(0, "own-code step ")),

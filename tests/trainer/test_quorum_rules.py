@@ -12,13 +12,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torchft._torchft import LighthouseClient
 
 from kubetrain.api.trainingjob import TrainingJob
-from kubetrain.local.launch import free_port
-from tests.trainer.conftest import lighthouse
+from kubetrain.local.replica_groups import lighthouse
 
 HEARTBEAT_MS = 300
 COLLECTIVE_MS = 4000
@@ -71,13 +71,13 @@ def groups(address: str, names: list[str]) -> Iterator[list[Group]]:
 
 
 def test_groups_back_from_a_majority_loss_wait_for_the_survivor_in_its_collective(
-        minimal_manifest: dict[str, Any]) -> None:
+        minimal_manifest: dict[str, Any], tmp_path: Path) -> None:
     """A node holding groups 0 and 2 is lost during an all-reduce: group 1 heartbeats but
     cannot ask for a quorum until its collective times out. The two replacements, back
     sooner, must not form a quorum of their own at the checkpoint's step (two of three
     heartbeating groups may): they wait for group 1 and get a quorum with it, whose step is
     the newest, so they heal from it and group 1 keeps what it trained."""
-    with lighthouse(_job(minimal_manifest), free_port()) as address, \
+    with lighthouse(_job(minimal_manifest), tmp_path / "lighthouse.log") as address, \
             ThreadPoolExecutor(8) as pool, \
             groups(address, ["0:before", "1", "2:before"]) as old:
         first = [group.ask(pool, step=278) for group in old]
@@ -107,10 +107,10 @@ def test_groups_back_from_a_majority_loss_wait_for_the_survivor_in_its_collectiv
 
 
 def test_a_stalled_group_that_heartbeats_holds_the_others_no_longer_than_a_collective(
-        minimal_manifest: dict[str, Any]) -> None:
+        minimal_manifest: dict[str, Any], tmp_path: Path) -> None:
     """The wait's bound: a group that heartbeats and never asks (a hung trainer) is left out
     of the quorum after collectiveTimeoutMilliseconds, and the others step on."""
-    with lighthouse(_job(minimal_manifest), free_port()) as address, \
+    with lighthouse(_job(minimal_manifest), tmp_path / "lighthouse.log") as address, \
             ThreadPoolExecutor(8) as pool, \
             groups(address, ["0", "1", "2"]) as three:
         assert all(len(answer.result(timeout=10).participants) == 3
