@@ -12,8 +12,9 @@ metrics log of its own (`group_metrics_log`). The run's one log, which the progr
 the restart policy, the summary and the report read, gets each step, evaluation and
 checkpoint once, from whichever group logs it first (`EventRelay`): the groups train the
 same steps, and a group that comes back after a failure heals at its peers' step and logs
-only steps that were logged already. A group's quorum changes and heals are passed on as
-they come, with the group that saw them.
+only steps that were logged already; a step older than one passed on (own code's groups
+report now and then, each on its own clock) is not passed on. A group's quorum changes and
+heals are passed on as they come, with the group that saw them.
 """
 
 from __future__ import annotations
@@ -115,11 +116,13 @@ class EventRelay:
         self.readers = [MetricsLogReader(path, _size(path)) for path in
                         (group_metrics_log(run_log, group) for group in range(groups))]
         self._seen: set[tuple[object, ...]] = set()
+        self._last_step: int | None = None  # the furthest `step` passed on this attempt
         self._finished_exported: bool | None = None  # the `finished` passed on: exported?
 
     def attempt(self) -> None:
         """A new attempt of every group begins: its events are new again."""
         self._seen.clear()
+        self._last_step = None
         self._finished_exported = None
 
     def pump(self) -> None:
@@ -148,6 +151,13 @@ class EventRelay:
             return True
         if key in self._seen:
             return False
+        if kind == "step" and isinstance(step, int):
+            # Own code's groups report a step now and then, each on its own clock: one
+            # group's older step, read after another's newer one, would send the run's
+            # progress back.
+            if self._last_step is not None and step < self._last_step:
+                return False
+            self._last_step = step
         self._seen.add(key)
         return True
 

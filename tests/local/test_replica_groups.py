@@ -181,6 +181,11 @@ def test_the_relay_passes_each_step_once_and_starts_over_for_a_whole_restart(
         {"event": "finished", "step": 2, "export_uri": "s3://b/export"})
     log(1, {"event": "finished", "step": 2, "export_uri": None})
     relay.pump()
+    # Own code's groups report now and then: group 1's step 5, then group 0's older 4.
+    log(1, {"event": "step", "step": 5})
+    relay.pump()
+    log(0, {"event": "step", "step": 4})
+    relay.pump()
     relay.attempt()  # every group restarts from the checkpoint at step 2... and logs again
     log(1, {"event": "resumed", "step": 2}, {"event": "step", "step": 3})
     relay.pump()
@@ -188,7 +193,7 @@ def test_the_relay_passes_each_step_once_and_starts_over_for_a_whole_restart(
     assert [(e["event"], e.get("step"), e["group"]) for e in parse_lines(run_log.read_text())] == [
         ("start", 0, 0), ("step", 1, 0), ("quorum", 1, 0), ("healed", 1, 1),
         ("step", 2, 0), ("checkpoint", 2, 1), ("finished", 2, 1), ("finished", 2, 0),
-        ("resumed", 2, 1), ("step", 3, 1)]
+        ("step", 5, 1), ("resumed", 2, 1), ("step", 3, 1)]
 
 
 # The node processes the watch tests give the runner: real processes that end as a node's
