@@ -1,5 +1,8 @@
 """A user's own torchft training script, run as one replica group of a job (spec.trainer
-with spec.faultTolerance): torchft's Manager, DistributedDataParallel and OptimizerWrapper.
+with spec.faultTolerance): torchft's Manager and OptimizerWrapper, the gradients averaged
+by `Manager.allreduce`. (torchft 0.2.0's DistributedDataParallel wrapper crashed a live
+group now and then when its peer was killed mid-all-reduce: its comm hook asserts on the
+failed work's future instead of reporting the error to the Manager.)
 
 A test asset, never part of a product image. It knows nothing of kubetrain beyond what
 torchft itself reads: TORCHFT_LIGHTHOUSE, torchrun's RANK/WORLD_SIZE/MASTER_ADDR/PORT, and
@@ -21,7 +24,7 @@ from datetime import timedelta
 
 import torch
 from torch import nn
-from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft import Manager, Optimizer, ProcessGroupGloo
 
 
 def main() -> None:
@@ -44,7 +47,6 @@ def main() -> None:
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
         replica_id=f"own-code-{os.environ['KUBETRAIN_REPLICA_GROUP']}",
         timeout=timedelta(seconds=30))
-    model = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, optimizer)
     rank = int(os.environ["RANK"])
     while manager.current_step() < args.steps:
@@ -54,6 +56,10 @@ def main() -> None:
         optimizer.zero_grad()  # starts the step's quorum
         loss = nn.functional.mse_loss(model(inputs), inputs[:, :8].sum(dim=1, keepdim=True))
         loss.backward()
+        # The groups' average: a failed all-reduce is reported to the Manager, and the step
+        # then does not commit.
+        for work in [manager.allreduce(p.grad) for p in model.parameters()]:
+            work.wait()
         optimizer.step()  # only when every group present commits; a group behind heals here
         after = manager.current_step()
         if after > before and rank == 0:

@@ -162,7 +162,7 @@ def test_without_a_quorum_of_the_minimum_groups_the_trainer_fails_saying_so(
 def test_own_torchft_code_gets_what_it_needs_from_the_groups_variables(
         minimal_manifest: dict[str, Any], tmp_path: Path, launcher: Launcher) -> None:
     """An own-code job's torchft script (tests/own_code/torchft_ddp.py: torchft's Manager,
-    DistributedDataParallel and Optimizer, nothing of kubetrain) run with the variables the
+    Optimizer wrapper and Manager.allreduce, nothing of kubetrain) run with the variables the
     operator gives each pod of a group (`replica_group_env`): one group killed, the other
     steps on, and the restarted one heals from it."""
     from kubetrain.api.manifest import parse_job
