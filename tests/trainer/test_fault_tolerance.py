@@ -2,8 +2,10 @@
 
 Two groups of two gloo ranks each (FSDP2 shards within a group), each its own torchrun,
 and the lighthouse the operator would run (`pod_conventions.lighthouse_command`). One
-group is killed outright mid-run: the other steps on alone, and the killed group, started
-again, takes the live group's state (no checkpoint exists to read) and both finish. Then:
+group goes silent mid-run (SIGSTOP: no reset, no heartbeat, as on a lost node), then is
+killed: the other steps on alone, never waiting for the all-reduce's timeout, and the killed
+group, started again, takes the live group's state (no checkpoint exists to read) and both
+finish. Then:
 a job of groups started outside them is refused; a group without a quorum of the minimum
 fails as QuorumLost; and a torchft script of one's own (own code) heals the same way with
 the variables the operator gives.
@@ -30,6 +32,8 @@ from tests.trainer.conftest import Launcher, write_tiny_job
 pytestmark = pytest.mark.slow
 
 HEARTBEAT_MS = 1000
+# Far above a step's pause here: a live group that waited for it would fail the gap's bound.
+COLLECTIVE_MS = 30_000
 MAX_STEPS = 200
 
 
@@ -46,7 +50,8 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
     jobs = [write_tiny_job(prepared_corpus, tmp_path / f"group-{group}", "ft",
                            workers={"replicas": 2, "procsPerWorker": 2},
                            faultTolerance={"replicaGroups": 2,
-                                           "heartbeatTimeoutMilliseconds": HEARTBEAT_MS},
+                                           "heartbeatTimeoutMilliseconds": HEARTBEAT_MS,
+                                           "collectiveTimeoutMilliseconds": COLLECTIVE_MS},
                            optimization={"maxSteps": MAX_STEPS, "microBatchSize": 4,
                                          "warmupSteps": 5},
                            checkpoint={"uri": str(checkpoints), "everySteps": 10_000})
@@ -65,8 +70,15 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
         agents = [start(0), start(1)]
         try:
             _wait_for(lambda: len(steps(1)) >= 10, 120, "group 1's first steps")
-            os.killpg(agents[1].pid, signal.SIGKILL)  # the agent and its ranks, at once
+            # Group 1 silent, as its node lost: its processes and connections stay, nothing
+            # answers, its heartbeats stop. Group 0, in an all-reduce with it, hears of it
+            # from the lighthouse (silent_peers.py), not by the collective's timeout.
+            os.killpg(agents[1].pid, signal.SIGSTOP)
             killed_at = time.time()
+            silent_from = len(steps(0))
+            _wait_for(lambda: len(steps(0)) >= silent_from + 10, 60,
+                      "group 0 to step on without the silent group")
+            os.killpg(agents[1].pid, signal.SIGKILL)  # the agent and its ranks, at once
             agents[1].wait()
             agents[1] = start(1)  # group 0 steps on alone while it starts
             _wait_for(lambda: launcher.events(jobs[1], "healed"), 120, "group 1 to heal")
@@ -78,7 +90,8 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
                     os.killpg(agent.pid, signal.SIGKILL)
 
     # The live group never stopped: its longest pause between two logged steps after the
-    # kill is the lighthouse's heartbeat timeout and a few steps' time, not a restart's.
+    # group went silent is the lighthouse's heartbeat timeout and a few steps' time, not
+    # the collective's timeout (30 s) nor a restart's.
     times = [event["time"] for event in steps(0) if event["time"] > killed_at - 1]
     assert max(b - a for a, b in itertools.pairwise(times)) < HEARTBEAT_MS / 1000 + 3
 

@@ -1,7 +1,8 @@
 """The quorum rules of the lighthouse the operator runs (`pod_conventions.lighthouse_command`).
 
 torchft's real lighthouse, asked by torchft's own client as each group's Manager asks it:
-no trainer runs, so each rule is shown in a few seconds and at the moment it matters.
+no trainer runs, so each rule is shown in a few seconds and at the moment it matters. Last,
+what the trainer reads from it to end an all-reduce with a group lost without a word.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -19,6 +21,7 @@ from torchft._torchft import LighthouseClient
 
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.replica_groups import lighthouse
+from kubetrain.trainer.silent_peers import SilentPeers, silent_members
 
 HEARTBEAT_MS = 300
 COLLECTIVE_MS = 4000
@@ -122,3 +125,54 @@ def test_a_stalled_group_that_heartbeats_holds_the_others_no_longer_than_a_colle
     assert {member.replica_id for quorum in quorums for member in quorum.participants} == \
         {three[0].id, three[1].id}
     assert COLLECTIVE_MS / 1000 - 0.5 < waited < COLLECTIVE_MS / 1000 + 2, waited
+
+
+class _Collective:
+    """A step's all-reduce as the trainer holds it (`wait()`), that ends when told to."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+    def wait(self) -> bool:
+        return self.ended.wait()
+
+
+def test_a_silent_member_of_the_quorum_is_named_from_the_lighthouse_within_its_heartbeat(
+        minimal_manifest: dict[str, Any], tmp_path: Path) -> None:
+    """What the trainer reads to end an all-reduce with a group lost without a word
+    (silent_peers.py): torchft's real status page names the quorum's members that stopped
+    heartbeating, once the heartbeat timeout has passed, and no other."""
+    timeout = HEARTBEAT_MS / 1000
+    with lighthouse(_job(minimal_manifest), tmp_path / "lighthouse.log") as address, \
+            ThreadPoolExecutor(8) as pool, \
+            groups(address, ["0", "1", "2"]) as three:
+        assert all(len(answer.result(timeout=10).participants) == 3
+                   for answer in [group.ask(pool, step=5) for group in three])
+        watch = SilentPeers(address, timeout)
+
+        def page() -> str:
+            with urllib.request.urlopen(f"{address}/status", timeout=5) as answer:
+                return answer.read().decode()
+
+        assert silent_members(page(), timeout) == []
+        # A healthy all-reduce that takes its time: the wait ends with it, naming no one.
+        slow = _Collective()
+        threading.Timer(3 * timeout, slow.ended.set).start()
+        assert watch.wait([slow]) == []
+        assert slow.ended.is_set()
+
+        # Group 2's node is lost while the others wait in an all-reduce with it.
+        stuck = _Collective()
+        three[2].dies()
+        lost = time.monotonic()
+        assert watch.wait([stuck]) == [three[2].id]
+        named = time.monotonic() - lost
+        assert not stuck.ended.is_set()  # left to its own thread, not waited for
+        assert silent_members(page(), timeout) == [three[2].id]
+    # The lighthouse counts a group gone after the heartbeat timeout; the trainer hears of
+    # it at its next look, a quarter of the timeout later at most (and a heartbeat's 50 ms).
+    assert timeout < named < 1.25 * timeout + 0.5, named
+    stuck.ended.set()
+    # A page of another form (another torchft's) names no one: the collective's own timeout
+    # still ends the wait, as without this.
+    assert silent_members("<html>no quorum here</html>", timeout) == []

@@ -68,6 +68,7 @@ from torch.utils._pytree import tree_map
 
 from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from kubetrain.trainer.goodput import GoodputLedger
+from kubetrain.trainer.silent_peers import SilentPeers
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -95,6 +96,10 @@ class QuorumLost(RuntimeError):
     ahead and resume from the latest checkpoint together: a whole-job restart."""
 
 
+class SilentReplicaGroups(RuntimeError):
+    """Members of the step's quorum fell silent (their node lost) during its all-reduce."""
+
+
 class NotInAReplicaGroup(RuntimeError):
     """spec.faultTolerance is set, but this process was not started as one of its groups."""
 
@@ -119,9 +124,11 @@ class ReplicaGroups:
     manager: Manager
     process_group: Any  # torchft's ProcessGroupGloo or ProcessGroupNCCL across the groups
     heal: HealState
+    silent_peers: SilentPeers  # ends an all-reduce with a group the lighthouse lost
     groups: int
     min_groups: int
     timeout_seconds: int
+    rank: int  # in the group's torchrun world
     samples_per_group_step: int  # one group's samples in one step, set by the loop
     skipped_samples: int = 0  # absent groups' and uncommitted steps' samples, passed over
     participants: int = 0  # groups in the last quorum, this one included unless healing
@@ -178,10 +185,13 @@ class ReplicaGroups:
             # torchft numbers a replica by the digits its id ends with.
             replica_id=f"{job_name}-group-{group}",
             rank=world.rank, world_size=world.world_size)
+        silent_peers = SilentPeers(os.environ[LIGHTHOUSE_ENV],
+                                   spec.heartbeat_timeout_milliseconds / 1000)
         return cls(manager=manager, process_group=process_group, heal=heal,
-                   groups=spec.replica_groups,
+                   silent_peers=silent_peers, groups=spec.replica_groups,
                    min_groups=spec.min_replica_groups,
-                   timeout_seconds=spec.quorum_timeout_seconds, samples_per_group_step=0)
+                   timeout_seconds=spec.quorum_timeout_seconds, rank=world.rank,
+                   samples_per_group_step=0)
 
     def first_quorum(self) -> int:
         """Join the quorum before loading anything. The step of the peers this group is
@@ -217,8 +227,18 @@ class ReplicaGroups:
         with self._quorum_errors():
             self._wait_for_quorum()
             works = [self.manager.allreduce(tensor) for tensor in flat]
-        for work, tensor, bucket in zip(works, flat, buckets, strict=True):
-            work.wait()
+        # A group lost without a word (silent_peers.py) ends the wait, and the step.
+        silent = self.silent_peers.wait(works, holding=getattr(self.process_group, "_pg", None))
+        if silent:
+            error = SilentReplicaGroups(
+                f"the lighthouse has not heard from {', '.join(silent)} for "
+                "heartbeatTimeoutMilliseconds: this step's all-reduce with them is ended (not "
+                "waited for to collectiveTimeoutMilliseconds) and the step passed over")
+            if self.rank == 0:
+                print(error, flush=True)
+            self.manager.report_error(error)
+            return
+        for tensor, bucket in zip(flat, buckets, strict=True):
             for gradient, averaged in zip(bucket, _unflatten_dense_tensors(tensor, bucket),
                                           strict=True):
                 gradient.copy_(averaged)
