@@ -108,6 +108,7 @@ from whole_loop import (  # noqa: E402
 )
 
 from kubetrain.api.fault_tolerance import FaultToleranceSpec  # noqa: E402
+from kubetrain.trainer.silent_peers import SAID as SILENT_PEER  # noqa: E402
 
 EVERY = 8
 WORKER = 1  # the worker every fault hits: worker 0 hosts the rendezvous
@@ -601,11 +602,21 @@ def group_fault(cluster: Cluster, name: str, fault: str, inject: Callable[[str],
         target, broken = f"{name}-worker-{WORKER}", [WORKER]
     say(f"{fault} of {target} (group {', '.join(map(str, broken))}) at step "
         f"{printed(cluster, name)}")
+    live = [index for index in range(GROUPS) if index not in broken]
+
+    def silenced() -> int:
+        """The live groups' all-reduces ended because the lighthouse named a peer silent
+        (silent_peers.py), not by a reset from it or between all-reduces."""
+        return sum(SILENT_PEER in line for index in live
+                   for line in cluster.worker_lines(name, index))
+
+    before = silenced()
     done = break_groups(cluster, name, GROUPS, broken, lambda: inject(target))
     lost = max(max(gaps) - statistics.median(gaps) for gaps in (
         [seconds for _, seconds in stepped] for stepped in done.steps.values()))
     say(f"  healed after {done.healed_after:.1f}s; the healthy groups lost "
-        f"{lost:.2f}s; the quorum whole again from step {done.whole_at}")
+        f"{lost:.2f}s; the quorum whole again from step {done.whole_at}; all-reduces "
+        f"ended on the lighthouse's word that a peer was silent: {silenced() - before}")
     return GroupRow(fault, "replica groups", done.at_step, lost, done.healed_after)
 
 

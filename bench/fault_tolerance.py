@@ -88,7 +88,9 @@ class Run:
         log = self.jobs[group].with_name("metrics.jsonl")
         if not log.exists():
             return []
-        return [event for line in log.read_text().splitlines() if line.strip()
+        # (A line still being written, without its newline, is read next time.)
+        return [event for line in log.read_text().splitlines(keepends=True)
+                if line.endswith("\n") and line.strip()
                 for event in [json.loads(line)] if event["event"] == kind]
 
 

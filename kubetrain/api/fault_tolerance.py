@@ -89,8 +89,10 @@ class FaultToleranceSpec(ApiModel):
         description="How long a cross-group all-reduce may take before the step is dropped "
         "and the quorum formed again (the timeout of torchft's process group, torchtitan's "
         "process_group_timeout_ms), 1000 to 600000: it also bounds the process group's "
-        "forming. A group lost without a word, as on a lost node, holds the others this long; "
-        "set it above the all-reduce's time on a healthy but loaded network.",
+        "forming. A group lost without a word (a lost node) holds the others only until the "
+        "lighthouse has not heard from it for heartbeatTimeoutMilliseconds, this long at "
+        "most should the lighthouse not say; set it above the all-reduce's time on a healthy "
+        "but loaded network.",
     )
 
     @model_validator(mode="after")

@@ -160,13 +160,19 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
             heals[group] = cluster.wait_for(f"{name}-worker-{group} to heal from a live group",
                                             lambda group=group: healed(group), 240, every=0.1)
         except AssertionError as error:
-            said = [line for line in cluster.worker_lines(name, group, marks[group])
-                    if not re.match(r"step \d+/", line)]
+            def said(index: int, most: int) -> str:
+                return "\n".join([line for line in cluster.worker_lines(name, index, marks[index])
+                                  if not re.match(r"step \d+/", line)][-most:])
+
             logs = {str(log.parent.name): len(log.read_text(errors="replace").splitlines())
                     for log in cluster.worker_logs(name, group)}
+            # What the live groups did meanwhile (a survivor that never asked for the quorum
+            # leaves the returning groups to resume from the checkpoint).
+            survivors = "".join(f"\n---- {name}-worker-{index} since the fault, but its "
+                                f"steps:\n{said(index, 40)}" for index in live)
             raise AssertionError(f"{error}\n---- {name}-worker-{group}'s logs (lines): {logs}, "
                                  f"marked at {marks[group]}; since, but its steps:\n"
-                                 + "\n".join(said[-80:])) from None
+                                 f"{said(group, 80)}{survivors}") from None
     healed_after = time.monotonic() - broken_at
 
     def whole() -> int | None:

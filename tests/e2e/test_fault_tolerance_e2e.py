@@ -74,8 +74,9 @@ CHECKPOINT_EVERY = 20
 # restart of a group (container start, torch import, rendezvous, heal) takes several
 # times this, so a group that waited for it fails here.
 LONGEST_PAUSE_SECONDS = HEARTBEAT_MS / 1000 + 9
-# A lost node's groups vanish without a word: a step's all-reduce with them ends at this
-# timeout (under LONGEST_PAUSE_SECONDS), well above a healthy one's on the loaded machine.
+# A lost node's groups vanish without a word: a step's all-reduce with them ends when the
+# lighthouse counts them silent (the heartbeat timeout: trainer/.../silent_peers.py), at the
+# latest at this timeout (under LONGEST_PAUSE_SECONDS), well above a healthy one's here.
 COLLECTIVE_MS = 5000
 
 

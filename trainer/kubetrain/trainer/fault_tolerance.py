@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_map
 
 from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from kubetrain.trainer.goodput import GoodputLedger
-from kubetrain.trainer.silent_peers import SilentPeers
+from kubetrain.trainer.silent_peers import SAID, SilentPeers
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -231,7 +231,7 @@ class ReplicaGroups:
         silent = self.silent_peers.wait(works, holding=getattr(self.process_group, "_pg", None))
         if silent:
             error = SilentReplicaGroups(
-                f"the lighthouse has not heard from {', '.join(silent)} for "
+                f"{SAID} {', '.join(silent)} for "
                 "heartbeatTimeoutMilliseconds: this step's all-reduce with them is ended (not "
                 "waited for to collectiveTimeoutMilliseconds) and the step passed over")
             if self.rank == 0:

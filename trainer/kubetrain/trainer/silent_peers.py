@@ -17,7 +17,7 @@ collective timeout.
 
 The status page is torchft's HTML (torchft_lighthouse's `/status`; the lighthouse has no
 other way to say who is silent). A page this cannot read aborts nothing: the collective
-timeout still bounds the wait, as without this. tests/trainer/test_silent_peers.py reads
+timeout still bounds the wait, as without this. tests/trainer/test_quorum_rules.py reads
 the page of the torchft installed, so a torchft that changes it fails there, not here.
 """
 
@@ -28,6 +28,9 @@ import threading
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
+
+# How the trainer's line begins when it ends an all-reduce on the lighthouse's word.
+SAID = "the lighthouse has not heard from"
 
 # The page's parts: the members of the previous (the last formed) quorum, in bold, then the
 # heartbeats, one "<replica id>: seen <seconds>s ago" a line.
