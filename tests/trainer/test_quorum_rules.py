@@ -2,12 +2,14 @@
 
 torchft's real lighthouse, asked by torchft's own client as each group's Manager asks it:
 no trainer runs, so each rule is shown in a few seconds and at the moment it matters. Last,
-what the trainer reads from it to end an all-reduce with a group lost without a word.
+what the trainer reads from it to end an all-reduce with a group lost without a word, and
+the forming of a quorum whose store was on a lost node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 import urllib.request
@@ -17,10 +19,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import AllreduceOptions
 from torchft._torchft import LighthouseClient
 
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.replica_groups import lighthouse
+from kubetrain.trainer.fault_tolerance import reaching_the_store_first
 from kubetrain.trainer.silent_peers import SilentPeers, silent_members
 
 HEARTBEAT_MS = 300
@@ -176,3 +183,32 @@ def test_a_silent_member_of_the_quorum_is_named_from_the_lighthouse_within_its_h
     # A page of another form (another torchft's) names no one: the collective's own timeout
     # still ends the wait, as without this.
     assert silent_members("<html>no quorum here</html>", timeout) == []
+
+
+def test_a_quorum_whose_store_is_on_a_lost_node_fails_its_forming_at_once_not_at_the_timeout(
+        ) -> None:
+    """A quorum formed as a node is lost can name a group of that node as its store's host
+    (fault_tolerance.reaching_the_store_first): the others' forming fails within the
+    heartbeat-sized bound, not the collective timeout; a live store forms the group."""
+    from torchft.process_group import ProcessGroupGloo
+
+    forming = reaching_the_store_first(ProcessGroupGloo, 0.5)(timeout=timedelta(seconds=30))
+    # A lost host answers nothing: a listener whose queue of connections is full drops the
+    # next one's SYN, as a vanished node's network does (a closed port would reset at once).
+    with socket.socket() as lost:
+        lost.bind(("127.0.0.1", 0))
+        lost.listen(0)
+        port = lost.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # fills the queue
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"did not answer within 0.5s"):
+                forming.configure(f"127.0.0.1:{port}/torchft/7/0", "group-1", 0, 1)
+            assert time.monotonic() - started < 3  # not the 30 s timeout
+
+    # A live store: the group forms, and averages.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=10))
+    forming.configure(f"127.0.0.1:{store.port}/torchft/8/0", "group-1", 0, 1)
+    tensor = torch.full((3,), 2.0)
+    forming.allreduce([tensor], AllreduceOptions()).wait()
+    assert tensor.tolist() == [2.0, 2.0, 2.0]

@@ -85,6 +85,9 @@ BUCKET_BYTES = 25 * 1024 * 1024
 # with a 10 s quorum timeout: the lighthouse killed and back in 2 s, a group stepped again
 # 7.9 s after the kill; without retries both groups ended at the timeout.
 QUORUM_RETRIES = 2
+# The least time given a quorum's store to answer a connection (a live one answers in
+# milliseconds; `reaching_the_store_first`): the heartbeat timeout when that is longer.
+STORE_REACHED_SECONDS = 1.0
 INSTALL_FAULT_TOLERANCE = "pip install 'kubetrain[fault-tolerance]' (or pip install torchft)"
 
 
@@ -166,11 +169,15 @@ class ReplicaGroups:
             raise ImportError(f"faultTolerance needs torchft: {INSTALL_FAULT_TOLERANCE}") \
                 from error
         timeout = timedelta(seconds=spec.quorum_timeout_seconds)
-        # A peer that vanished mid-all-reduce (no reset: a lost node) is found by this
-        # timeout alone; the manager's own, for the quorum and healing, stays the longer one.
+        # The cross-group process group's collectives and its forming end at this timeout
+        # at the latest (the lighthouse's word ends them sooner: silent_peers.py, and
+        # `reaching_the_store_first`); the manager's own, for the quorum and healing, stays
+        # the longer one.
         collective = timedelta(milliseconds=spec.collective_timeout_milliseconds)
-        process_group = (ProcessGroupNCCL(timeout=collective) if world.device.type == "cuda"
-                         else ProcessGroupGloo(timeout=collective))
+        process_group = reaching_the_store_first(
+            ProcessGroupNCCL if world.device.type == "cuda" else ProcessGroupGloo,
+            max(spec.heartbeat_timeout_milliseconds / 1000, STORE_REACHED_SECONDS),
+        )(timeout=collective)
         heal = HealState(state, timeout.total_seconds())
         manager = Manager(
             pg=process_group, min_replica_size=spec.min_replica_groups,
@@ -399,6 +406,35 @@ def _sent(name: str, value: Stateful) -> Any:
     if isinstance(value, GoodputLedger):
         return value.snapshot()
     return tree_map(_local, value.state_dict())
+
+
+def reaching_the_store_first(process_group: type, seconds: float) -> type:
+    """torchft's `process_group` class, whose forming for a new quorum first reaches the
+    quorum's store (hosted by its first group) within `seconds`, or fails then.
+
+    A quorum formed just as a node is lost can still name a group of that node: its request
+    for the quorum reached the lighthouse before its heartbeats stopped. When that group
+    hosts the quorum's store, the others' forming waited for the collective timeout to reach
+    it (7.3 s in a whole-loop run at 5000 ms), a lost host sending no reset. A live host
+    answers a connection at once. The failed forming fails the step (torchft's Manager takes
+    the error), and the next quorum, the lost group's heartbeats stale by then, leaves it
+    out."""
+
+    class ReachingTheStoreFirst(process_group):
+        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+            host, _, port = store_addr.partition("/")[0].rpartition(":")
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=seconds):
+                    pass
+            except OSError as error:
+                raise RuntimeError(f"the quorum's store at {host}:{port} did not answer "
+                                   f"within {seconds:g}s: its group is most likely lost "
+                                   f"({error})") from error
+            super().configure(store_addr, *args, **kwargs)
+
+    ReachingTheStoreFirst.__name__ = ReachingTheStoreFirst.__qualname__ = \
+        f"{process_group.__name__}ReachingTheStoreFirst"
+    return ReachingTheStoreFirst
 
 
 def reachable_host() -> str:
