@@ -238,9 +238,10 @@ class ReplicaGroups:
         silent = self.silent_peers.wait(works, holding=getattr(self.process_group, "_pg", None))
         if silent:
             error = SilentReplicaGroups(
-                f"{SAID} {', '.join(silent)} for "
-                "heartbeatTimeoutMilliseconds: this step's all-reduce with them is ended (not "
-                "waited for to collectiveTimeoutMilliseconds) and the step passed over")
+                f"{SAID} {', '.join(silent)} for heartbeatTimeoutMilliseconds "
+                f"({self.silent_peers.heartbeat_timeout_seconds:g}s): this step's all-reduce "
+                "with them ended there, not at collectiveTimeoutMilliseconds, and the step is "
+                "passed over")
             if self.rank == 0:
                 print(error, flush=True)
             self.manager.report_error(error)
