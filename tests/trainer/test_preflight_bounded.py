@@ -6,6 +6,7 @@ connection turn what it gives into the check's failure. In-process, no torchrun.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -15,7 +16,14 @@ import torch
 import torch.distributed as dist
 
 from kubetrain.api.trainingjob import PreflightPolicy
-from kubetrain.trainer.preflight import Preflight, PreflightFailed, open_store, run_bounded
+from kubetrain.trainer.distributed import attempt_store
+from kubetrain.trainer.preflight import (
+    Preflight,
+    PreflightFailed,
+    StorePortTaken,
+    open_store,
+    run_bounded,
+)
 
 
 def test_a_call_that_returns_in_time_gives_its_result_from_a_daemon_thread() -> None:
@@ -90,6 +98,23 @@ def test_a_store_that_refuses_fails_the_check_naming_rank_0() -> None:
                                               r"rank 1 .*nobody listens") as caught:
         open_store(PreflightPolicy(timeout_seconds=1), 1, connect)
     assert isinstance(caught.value.__cause__, ConnectionRefusedError)
+
+
+def test_a_store_port_taken_before_rank_0_listens_restarts_the_attempt_blaming_no_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun's agent finds MASTER_PORT free, and another socket of the host may take it
+    before rank 0 listens (seen on CI): rank 0's real TCPStore cannot bind, and the error is
+    no preflight verdict naming rank 0's node, for a restart's new port mends it."""
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(StorePortTaken, match="EADDRINUSE"):
+            open_store(PreflightPolicy(timeout_seconds=5), 0, attempt_store)
 
 
 def test_a_join_that_raises_fails_the_check_without_leaving_a_thread_behind() -> None:

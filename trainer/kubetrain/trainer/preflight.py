@@ -47,6 +47,7 @@ This module must not touch the model, the data or the loop.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -124,6 +125,13 @@ class PreflightFailed(Exception):
         super().__init__(message)
         self.nodes = nodes
         self.reported_nodes = reported_nodes or []
+
+
+class StorePortTaken(RuntimeError):
+    """Rank 0 could not host the attempt's store: its port (MASTER_PORT, which torchrun's
+    agent found free) was taken before rank 0 listened. No fault of the node, so no preflight
+    verdict: the error propagates, torchrun restarts the attempt in place, and its new
+    rendezvous round picks a new port."""
 
 
 def matmul_error(device: torch.device) -> float:
@@ -558,7 +566,17 @@ def open_store(policy: PreflightPolicy, rank: int,
     try:
         return outcome.value(f"not connected within {timeout.total_seconds():g}s")
     except Exception as error:
+        if rank == 0 and _address_in_use(error):
+            raise StorePortTaken(
+                f"rank 0 could not listen on the attempt's store port ({error}): another "
+                "socket on this host took it after torchrun's agent chose it; the attempt "
+                "restarts and the next rendezvous round chooses another") from error
         raise unreachable_store(rank, error) from error
+
+
+def _address_in_use(error: BaseException) -> bool:
+    """Whether `error` is a failure to listen because the address is in use."""
+    return getattr(error, "errno", None) == errno.EADDRINUSE or "EADDRINUSE" in str(error)
 
 
 def unreachable_store(rank: int, error: Exception) -> PreflightFailed:
