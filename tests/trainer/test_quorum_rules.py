@@ -3,7 +3,8 @@
 torchft's real lighthouse, asked by torchft's own client as each group's Manager asks it:
 no trainer runs, so each rule is shown in a few seconds and at the moment it matters. Last,
 what the trainer reads from it to end an all-reduce with a group lost without a word, and
-the forming of a quorum whose store was on a lost node.
+the forming of a quorum that names a group lost as it formed: its store's host, or another
+member.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from torchft._torchft import LighthouseClient
 
 from kubetrain.api.trainingjob import TrainingJob
 from kubetrain.local.replica_groups import lighthouse
-from kubetrain.trainer.fault_tolerance import reaching_the_store_first
-from kubetrain.trainer.silent_peers import SilentPeers, silent_members
+from kubetrain.trainer.fault_tolerance import forming_watched
+from kubetrain.trainer.silent_peers import SilentPeers, SilentReplicaGroups, silent_members
 
 HEARTBEAT_MS = 300
 COLLECTIVE_MS = 4000
@@ -188,11 +189,13 @@ def test_a_silent_member_of_the_quorum_is_named_from_the_lighthouse_within_its_h
 def test_a_quorum_whose_store_is_on_a_lost_node_fails_its_forming_at_once_not_at_the_timeout(
         ) -> None:
     """A quorum formed as a node is lost can name a group of that node as its store's host
-    (fault_tolerance.reaching_the_store_first): the others' forming fails within the
+    (fault_tolerance.forming_watched): the others' forming fails within the
     heartbeat-sized bound, not the collective timeout; a live store forms the group."""
     from torchft.process_group import ProcessGroupGloo
 
-    forming = reaching_the_store_first(ProcessGroupGloo, 0.5)(timeout=timedelta(seconds=30))
+    # (A group of one forms at once: the lighthouse is never asked, and nothing listens there.)
+    nobody = SilentPeers("http://127.0.0.1:9", HEARTBEAT_MS / 1000)
+    forming = forming_watched(ProcessGroupGloo, 0.5, nobody)(timeout=timedelta(seconds=30))
     # A lost host answers nothing: a listener whose queue of connections is full drops the
     # next one's SYN, as a vanished node's network does (a closed port would reset at once).
     with socket.socket() as lost:
@@ -212,3 +215,32 @@ def test_a_quorum_whose_store_is_on_a_lost_node_fails_its_forming_at_once_not_at
     tensor = torch.full((3,), 2.0)
     forming.allreduce([tensor], AllreduceOptions()).wait()
     assert tensor.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_quorum_member_lost_as_it_formed_fails_the_forming_within_its_heartbeat(
+        minimal_manifest: dict[str, Any], tmp_path: Path) -> None:
+    """A quorum formed as a node is lost can name a group of that node that does not host the
+    store: gloo's forming waits for every member to connect, and the lighthouse's word
+    (SilentPeers.form) ends it once that group is silent for the heartbeat timeout, not at
+    the collective timeout."""
+    from torchft.process_group import ProcessGroupGloo
+
+    timeout = HEARTBEAT_MS / 1000
+    with lighthouse(_job(minimal_manifest), tmp_path / "lighthouse.log") as address, \
+            ThreadPoolExecutor(4) as pool, \
+            groups(address, ["0", "1"]) as two:
+        assert all(len(answer.result(timeout=10).participants) == 2
+                   for answer in [group.ask(pool, step=5) for group in two])
+        forming = forming_watched(ProcessGroupGloo, 0.5, SilentPeers(address, timeout))(
+            timeout=timedelta(seconds=30))
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30))
+        two[1].dies()  # group 1 never connects: its node is gone
+        lost = time.monotonic()
+        with pytest.raises(SilentReplicaGroups, match=f"{two[1].id} .*the forming of this "
+                                                      "quorum's process group"):
+            forming.configure(f"127.0.0.1:{store.port}/torchft/9/0", two[0].id, 0, 2)
+        failed = time.monotonic() - lost
+    # The lighthouse counts group 1 gone after the heartbeat timeout, and the forming hears
+    # of it at its next look, a quarter of the timeout later at most: not the 30 s timeout.
+    assert timeout < failed < 1.25 * timeout + 1.0, failed

@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_map
 
 from kubetrain.pod_conventions import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from kubetrain.trainer.goodput import GoodputLedger
-from kubetrain.trainer.silent_peers import SAID, SilentPeers
+from kubetrain.trainer.silent_peers import SilentPeers, SilentReplicaGroups
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -86,7 +86,7 @@ BUCKET_BYTES = 25 * 1024 * 1024
 # 7.9 s after the kill; without retries both groups ended at the timeout.
 QUORUM_RETRIES = 2
 # The least time given a quorum's store to answer a connection (a live one answers in
-# milliseconds; `reaching_the_store_first`): the heartbeat timeout when that is longer.
+# milliseconds; `forming_watched`): the heartbeat timeout when that is longer.
 STORE_REACHED_SECONDS = 1.0
 INSTALL_FAULT_TOLERANCE = "pip install 'kubetrain[fault-tolerance]' (or pip install torchft)"
 
@@ -97,10 +97,6 @@ class QuorumLost(RuntimeError):
     QuorumLost. torchrun restarts the group's processes in place; they rejoin the quorum
     and heal from a live group, or, where every group lost it and restarted, find no group
     ahead and resume from the latest checkpoint together: a whole-job restart."""
-
-
-class SilentReplicaGroups(RuntimeError):
-    """Members of the step's quorum fell silent (their node lost) during its all-reduce."""
 
 
 class NotInAReplicaGroup(RuntimeError):
@@ -171,12 +167,15 @@ class ReplicaGroups:
         timeout = timedelta(seconds=spec.quorum_timeout_seconds)
         # The cross-group process group's collectives and its forming end at this timeout
         # at the latest (the lighthouse's word ends them sooner: silent_peers.py, and
-        # `reaching_the_store_first`); the manager's own, for the quorum and healing, stays
-        # the longer one.
+        # `forming_watched`); the manager's own, for the quorum and healing, stays the
+        # longer one.
         collective = timedelta(milliseconds=spec.collective_timeout_milliseconds)
-        process_group = reaching_the_store_first(
+        silent_peers = SilentPeers(os.environ[LIGHTHOUSE_ENV],
+                                   spec.heartbeat_timeout_milliseconds / 1000)
+        process_group = forming_watched(
             ProcessGroupNCCL if world.device.type == "cuda" else ProcessGroupGloo,
             max(spec.heartbeat_timeout_milliseconds / 1000, STORE_REACHED_SECONDS),
+            silent_peers,
         )(timeout=collective)
         heal = HealState(state, timeout.total_seconds())
         manager = Manager(
@@ -192,8 +191,6 @@ class ReplicaGroups:
             # torchft numbers a replica by the digits its id ends with.
             replica_id=f"{job_name}-group-{group}",
             rank=world.rank, world_size=world.world_size)
-        silent_peers = SilentPeers(os.environ[LIGHTHOUSE_ENV],
-                                   spec.heartbeat_timeout_milliseconds / 1000)
         return cls(manager=manager, process_group=process_group, heal=heal,
                    silent_peers=silent_peers, groups=spec.replica_groups,
                    min_groups=spec.min_replica_groups,
@@ -237,11 +234,8 @@ class ReplicaGroups:
         # A group lost without a word (silent_peers.py) ends the wait, and the step.
         silent = self.silent_peers.wait(works, holding=getattr(self.process_group, "_pg", None))
         if silent:
-            error = SilentReplicaGroups(
-                f"{SAID} {', '.join(silent)} for heartbeatTimeoutMilliseconds "
-                f"({self.silent_peers.heartbeat_timeout_seconds:g}s): this step's all-reduce "
-                "with them ended there, not at collectiveTimeoutMilliseconds, and the step is "
-                "passed over")
+            error = SilentReplicaGroups(silent, self.silent_peers.heartbeat_timeout_seconds,
+                                        "this step's all-reduce (the step is passed over)")
             if self.rank == 0:
                 print(error, flush=True)
             self.manager.report_error(error)
@@ -409,33 +403,43 @@ def _sent(name: str, value: Stateful) -> Any:
     return tree_map(_local, value.state_dict())
 
 
-def reaching_the_store_first(process_group: type, seconds: float) -> type:
-    """torchft's `process_group` class, whose forming for a new quorum first reaches the
-    quorum's store (hosted by its first group) within `seconds`, or fails then.
+def forming_watched(process_group: type, store_seconds: float,
+                    silent_peers: SilentPeers) -> type:
+    """torchft's `process_group` class, whose forming for a new quorum ends early when the
+    quorum names a group already lost.
 
     A quorum formed just as a node is lost can still name a group of that node: its request
-    for the quorum reached the lighthouse before its heartbeats stopped. When that group
-    hosts the quorum's store, the others' forming waited for the collective timeout to reach
-    it (7.3 s in a whole-loop run at 5000 ms), a lost host sending no reset. A live host
-    answers a connection at once. The failed forming fails the step (torchft's Manager takes
-    the error), and the next quorum, the lost group's heartbeats stale by then, leaves it
-    out."""
+    for the quorum reached the lighthouse before its heartbeats stopped. A lost group sends
+    no reset, and the others' forming would wait for the collective timeout:
+    - when that group hosts the quorum's store (its first group does): 7.3 s in a whole-loop
+      run at 5000 ms. The forming first connects to the store within `store_seconds`; a live
+      host answers at once.
+    - when it is another member: gloo's forming connects to every member. It runs on a
+      thread of its own while `silent_peers` asks the lighthouse (`SilentPeers.form`), and
+      fails as soon as the lighthouse counts a member silent.
+    The failed forming fails the step (torchft's Manager takes the error), and the next
+    quorum, the lost group's heartbeats stale by then, leaves it out."""
 
-    class ReachingTheStoreFirst(process_group):
+    class FormingWatched(process_group):
         def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
             host, _, port = store_addr.partition("/")[0].rpartition(":")
             try:
-                with socket.create_connection((host.strip("[]"), int(port)), timeout=seconds):
+                with socket.create_connection((host.strip("[]"), int(port)),
+                                              timeout=store_seconds):
                     pass
             except OSError as error:
                 raise RuntimeError(f"the quorum's store at {host}:{port} did not answer "
-                                   f"within {seconds:g}s: its group is most likely lost "
+                                   f"within {store_seconds:g}s: its group is most likely lost "
                                    f"({error})") from error
             super().configure(store_addr, *args, **kwargs)
 
-    ReachingTheStoreFirst.__name__ = ReachingTheStoreFirst.__qualname__ = \
-        f"{process_group.__name__}ReachingTheStoreFirst"
-    return ReachingTheStoreFirst
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            create = super()._create_pg
+            return silent_peers.form(lambda: create(store, rank, world_size))
+
+    FormingWatched.__name__ = FormingWatched.__qualname__ = \
+        f"{process_group.__name__}FormingWatched"
+    return FormingWatched
 
 
 def reachable_host() -> str:

@@ -9,11 +9,17 @@ heartbeatTimeoutMilliseconds it counts the group as gone. `SilentPeers` asks it.
 While a step's all-reduce has waited longer than a healthy one takes (half the heartbeat
 timeout), it reads the lighthouse's status page every quarter of the heartbeat timeout. When
 a member of the lighthouse's last quorum (the one the step runs in) has not heartbeated for
-the heartbeat timeout, it aborts this rank's side of the cross-group process group: the
-all-reduce fails here, torchft's Manager records the error, the step does not commit (its
-batch is passed over and counted, as any failed step's), and the next quorum is formed
-without the lost group. The live groups lose the heartbeat timeout and a step, not the
-collective timeout.
+the heartbeat timeout, this rank stops waiting (gloo cannot abort a collective in flight: it
+is left to end on a thread of its own), torchft's Manager is told the step failed, the step
+does not commit (its batch is passed over and counted, as any failed step's), and the next
+quorum is formed without the lost group. The live groups lose the heartbeat timeout and a
+step, not the collective timeout.
+
+The same watch bounds the forming of a quorum's process group (`SilentPeers.form`): gloo
+connects to every member of the new quorum, and a quorum formed just as a node was lost can
+name a group of that node (its request reached the lighthouse before its heartbeats
+stopped). The forming fails as soon as the lighthouse counts that group silent, and with it
+the step; the next quorum leaves the group out.
 
 The status page is torchft's HTML (torchft_lighthouse's `/status`; the lighthouse has no
 other way to say who is silent). A page this cannot read aborts nothing: the collective
@@ -26,8 +32,9 @@ from __future__ import annotations
 import re
 import threading
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 # How the trainer's line begins when it ends an all-reduce on the lighthouse's word.
 SAID = "the lighthouse has not heard from"
@@ -38,6 +45,20 @@ _HEARTBEATS_HEADING = "<h2>Heartbeats</h2>"
 _QUORUM_HEADING = "<h3>Previous Quorum</h3>"
 _MEMBER = re.compile(r"<b>([^<]+)</b>")
 _HEARTBEAT = re.compile(r"^\s*(\S+): seen ([0-9.eE+-]+)s ago\s*$", re.MULTILINE)
+
+T = TypeVar("T")
+
+
+class SilentReplicaGroups(RuntimeError):
+    """Members of the step's quorum fell silent (their node lost) while this rank waited for
+    them: in the step's all-reduce, or in forming the quorum's process group."""
+
+    def __init__(self, silent: list[str], heartbeat_timeout_seconds: float,
+                 what_ended: str) -> None:
+        super().__init__(f"{SAID} {', '.join(silent)} for heartbeatTimeoutMilliseconds "
+                         f"({heartbeat_timeout_seconds:g}s): {what_ended} with them ended "
+                         "there, not at collectiveTimeoutMilliseconds")
+        self.silent = silent
 
 
 def silent_members(page: str, heartbeat_timeout_seconds: float) -> list[str]:
@@ -84,15 +105,49 @@ class SilentPeers:
         own = [getattr(work, "_work", work) for work in works]
         threading.Thread(target=wait_for_works, args=(own, holding),
                          name="kubetrain-collective", daemon=True).start()
-        # A healthy all-reduce ends before the first look: no request at all.
+        silent = self._until_silent(ended)
+        if silent:
+            return silent
+        for work in works:  # done: torchft's own wait finishes them (the average's division)
+            work.wait()
+        return []
+
+    def form(self, create: Callable[[], T]) -> T:
+        """What `create()` makes (a process group: gloo's forming connects to every member
+        of the new quorum), or SilentReplicaGroups as soon as the lighthouse names a member
+        of that quorum silent. The forming is then left to its thread, and what it makes or
+        raises later is dropped."""
+        ended = threading.Event()
+        made: list[T] = []
+        failed: list[BaseException] = []
+
+        def forming() -> None:
+            try:
+                made.append(create())
+            except BaseException as error:  # raised here, in the caller's thread
+                failed.append(error)
+            finally:
+                ended.set()
+
+        threading.Thread(target=forming, name="kubetrain-forming", daemon=True).start()
+        silent = self._until_silent(ended)
+        if silent:
+            raise SilentReplicaGroups(silent, self.heartbeat_timeout_seconds,
+                                      "the forming of this quorum's process group")
+        if failed:
+            raise failed[0]
+        return made[0]
+
+    def _until_silent(self, ended: threading.Event) -> list[str]:
+        """[] once `ended` is set; or, when it is not set within half the heartbeat timeout
+        (a healthy wait ends before the first look, so it makes no request at all), the
+        silent members of the lighthouse's last quorum as soon as it names them."""
         if not ended.wait(self.heartbeat_timeout_seconds / 2):
             while not ended.is_set():
                 silent = self._silent()
                 if silent and not ended.is_set():
                     return silent
                 ended.wait(self.heartbeat_timeout_seconds / 4)
-        for work in works:  # done: torchft's own wait finishes them (the average's division)
-            work.wait()
         return []
 
     def _silent(self) -> list[str]:
