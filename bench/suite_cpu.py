@@ -44,9 +44,11 @@ KINDS = [
     ("own-code scripts (tests/own_code)", r"own[-_]code/\w+\.py"),
     ("trainers started without the launcher", r"-m kubetrain\.trainer\b"),
     ("the tests' own worker scripts", r"tests/\S+_worker\.py"),
-    ("pytest (its workers and their in-process tests)", r"pytest|execnet|exec\(eval\(sys\.stdin"),
     ("operators", r"kubetrain\S* operator"),
     ("kubetrain run and other CLI calls", r"-m kubetrain |bin/kubetrain "),
+    # (Its xdist workers are execnet's `python -c`; the tests' own processes name pytest's
+    # temporary folders on their command lines, so nothing looser than this.)
+    ("pytest (its workers and their in-process tests)", r"bin/pytest |exec\(eval\(sys\.stdin"),
     ("containerd, runc, ctr", r"^(containerd|runc|ctr|containerd-shim)"),
     ("image builds (buildah, pip in them)", r"buildah|storage-untar|pip install"),
     ("torchft's lighthouse", r"torchft_lighthouse"),
