@@ -16,14 +16,9 @@ import torch
 import torch.distributed as dist
 
 from kubetrain.api.trainingjob import PreflightPolicy
+from kubetrain.trainer.bounded import run_bounded
 from kubetrain.trainer.distributed import attempt_store
-from kubetrain.trainer.preflight import (
-    Preflight,
-    PreflightFailed,
-    StorePortTaken,
-    open_store,
-    run_bounded,
-)
+from kubetrain.trainer.preflight import Preflight, PreflightFailed, StorePortTaken, open_store
 
 
 def test_a_call_that_returns_in_time_gives_its_result_from_a_daemon_thread() -> None:

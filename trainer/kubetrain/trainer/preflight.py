@@ -52,17 +52,17 @@ import json
 import math
 import os
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
-from typing import Generic, TypeVar, cast
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from kubetrain.api.trainingjob import PreflightPolicy
+from kubetrain.trainer.bounded import run_bounded
 from kubetrain.trainer.rank_timing import where_am_i
 
 MATMUL_SIZE = 256
@@ -190,44 +190,6 @@ def _finish(work: dist.Work | None, deadline: float) -> None:
             raise TimeoutError("the all-reduce did not complete by the deadline")
         time.sleep(POLL_SECONDS / 5)
     work.wait()  # raises the collective's own error, if it failed
-
-
-@dataclass(frozen=True)
-class Bounded(Generic[T]):
-    """How a call `run_bounded` gave a deadline ended: `finished` with its result or its
-    `error`, or not finished by then (its daemon thread left behind, still running)."""
-
-    finished: bool
-    result: T | None = None
-    error: Exception | None = None
-
-    def value(self, late: str) -> T:
-        """The call's result; its own error raised again, or TimeoutError(`late`) when it
-        had not finished."""
-        if not self.finished:
-            raise TimeoutError(late)
-        if self.error is not None:
-            raise self.error
-        return cast(T, self.result)
-
-
-def run_bounded(call: Callable[[], T], seconds: float, *, name: str) -> Bounded[T]:
-    """`call()` on a daemon thread called `name`, waited for at most `seconds`: the check's
-    joins, group splits and store connections wait on a stalled peer for their own
-    timeouts (30 minutes and more), which no caller can shorten, so the thread is left
-    behind at the deadline and the process ends without waiting for it."""
-    outcome: list[Bounded[T]] = []
-
-    def run() -> None:
-        try:
-            outcome.append(Bounded(True, result=call()))
-        except Exception as error:
-            outcome.append(Bounded(True, error=error))
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join(max(0.0, seconds))
-    return outcome[0] if outcome else Bounded(False)
 
 
 class Preflight:

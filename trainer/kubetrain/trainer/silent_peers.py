@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kubetrain.trainer.bounded import Running
+
 # How the trainer's line begins when it ends an all-reduce on the lighthouse's word.
 SAID = "the lighthouse has not heard from"
 
@@ -89,23 +91,18 @@ class SilentPeers:
         gloo cannot abort a collective in flight, and the last reference to its process
         group, dropped when the next quorum replaces it, would wait in its destructor for
         the collective's timeout."""
-        ended = threading.Event()
-
         def wait_for_works(works: list[Any], holding: Any) -> None:
             try:
                 for work in works:
                     work.wait()
             except Exception:  # (the caller's wait on torchft's works reports it)
-                pass
-            finally:
-                ended.set()  # (`holding` is let go when this returns)
+                pass  # (`holding` is let go when this returns)
 
         # The process group's own works: torchft's wrappers report a failure to the
         # Manager, which an abandoned step's, failing later, must not do to a later step.
         own = [getattr(work, "_work", work) for work in works]
-        threading.Thread(target=wait_for_works, args=(own, holding),
-                         name="kubetrain-collective", daemon=True).start()
-        silent = self._until_silent(ended)
+        waiting = Running(lambda: wait_for_works(own, holding), name="kubetrain-collective")
+        silent = self._until_silent(waiting.ended)
         if silent:
             return silent
         for work in works:  # done: torchft's own wait finishes them (the average's division)
@@ -117,26 +114,12 @@ class SilentPeers:
         of the new quorum), or SilentReplicaGroups as soon as the lighthouse names a member
         of that quorum silent. The forming is then left to its thread, and what it makes or
         raises later is dropped."""
-        ended = threading.Event()
-        made: list[T] = []
-        failed: list[BaseException] = []
-
-        def forming() -> None:
-            try:
-                made.append(create())
-            except BaseException as error:  # raised here, in the caller's thread
-                failed.append(error)
-            finally:
-                ended.set()
-
-        threading.Thread(target=forming, name="kubetrain-forming", daemon=True).start()
-        silent = self._until_silent(ended)
+        forming = Running(create, name="kubetrain-forming")
+        silent = self._until_silent(forming.ended)
         if silent:
             raise SilentReplicaGroups(silent, self.heartbeat_timeout_seconds,
                                       "the forming of this quorum's process group")
-        if failed:
-            raise failed[0]
-        return made[0]
+        return forming.outcome().value("")  # (ended: its result, or its error raised)
 
     def _until_silent(self, ended: threading.Event) -> list[str]:
         """[] once `ended` is set; or, when it is not set within half the heartbeat timeout
