@@ -8,7 +8,6 @@ see the same losses step by step (the same samples in the same order).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -26,6 +25,7 @@ from safetensors.torch import load_file
 
 from kubetrain.api.trainingjob import StorageSpec
 from kubetrain.local.launch import free_port
+from kubetrain.local.metrics_log import MetricsLogReader
 from kubetrain.trainer.checkpoint import committed_checkpoints
 from kubetrain.trainer.prepare import PreparedDataset
 from kubetrain.trainer.storage import open_storage
@@ -69,10 +69,9 @@ def _torchrun(manifest: Path, log: Path, ranks: int, restarts: int = 0) -> subpr
 
 
 def _events(log: Path, kind: str) -> list[dict[str, Any]]:
-    if not log.exists():
-        return []
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return [event for event in lines if event["event"] == kind]
+    """The logged events of `kind`, read as the runner reads them: a line rank 0 is still
+    writing waits (a clean clone's run parsed one half-written and failed)."""
+    return [event for event in MetricsLogReader(log).read_new() if event["event"] == kind]
 
 
 def _last_step(log: Path) -> int:

@@ -199,3 +199,28 @@ def test_checkpoint_load_by_tier_reaches_the_exposition_the_log_and_the_jobs_sta
     assert status["badputSeconds"]["checkpointLoadByTier"] == tiers
     # A trainer that does not export the split leaves it out of the status.
     assert "checkpointLoadByTier" not in goodput_status(seconds).wire()["badputSeconds"]
+
+
+def test_a_run_appending_after_a_torn_last_line_starts_its_records_on_a_line_of_their_own(
+        tiny_job, tmp_path: Path) -> None:
+    job = load_job(tiny_job("torn"))
+    log = tmp_path / "metrics.jsonl"
+    whole = json.dumps({"event": "step", "step": 7, "loss": 3.5}) + "\n"
+    log.write_text(whole + '{"event": "step", "step": 8, "lo')  # the last run ended mid-line
+    reporter = Reporter(job.spec, enabled=True, metrics_log=log, job_name="torn", serve=False)
+    try:
+        reporter.started(8, 1)
+    finally:
+        reporter.close()
+
+    first, torn, started = log.read_text().splitlines()
+    assert json.loads(first)["step"] == 7 and torn == '{"event": "step", "step": 8, "lo'
+    assert json.loads(started)["event"] == "start"
+    # A log that ends where a line does gets no blank line.
+    reporter = Reporter(job.spec, enabled=True, metrics_log=log, job_name="torn", serve=False)
+    try:
+        reporter.started(8, 1)
+    finally:
+        reporter.close()
+    assert [json.loads(line)["event"] for line in log.read_text().splitlines()[2:]] == [
+        "start", "start"]

@@ -27,6 +27,7 @@ wait for.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -263,6 +264,19 @@ class StepReport:
     ranks: tuple[RankTiming, ...] = ()  # every rank's compute and wait, by rank
 
 
+def _append_on_a_new_line(path: Path) -> IO[str]:
+    """`path` opened to append lines, line-buffered for the readers that tail it. A run that
+    ended mid-line (a full disk, a lost node) left a torn last line: the first record of
+    this run starts on a line of its own, so readers lose only the torn one."""
+    log = path.open("a+b")
+    size = log.seek(0, os.SEEK_END)
+    if size:
+        log.seek(size - 1)
+        if log.read(1) != b"\n":
+            log.write(b"\n")  # append mode: written at the end, wherever the reads were
+    return io.TextIOWrapper(log, encoding="utf-8", line_buffering=True)
+
+
 class Reporter:
     """Rank 0's outlet for every figure of the run; a silent no-op on other ranks."""
 
@@ -278,7 +292,7 @@ class Reporter:
         if not enabled:
             return
         metrics_log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = metrics_log.open("a", buffering=1)  # line-buffered: readers tail it
+        self._log = _append_on_a_new_line(metrics_log)
         # `*_created` series carry only the process start time, which the restarts and
         # last-step gauges already tell; without them /metrics has exactly the documented names.
         disable_created_metrics()
