@@ -69,7 +69,16 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
     with lighthouse(load_job(jobs[0]), tmp_path / "lighthouse.log") as address:
         agents = [start(0), start(1)]
         try:
-            _wait_for(lambda: len(steps(1)) >= 10, 120, "group 1's first steps")
+            # Both groups in one quorum first: the group that starts first trains alone
+            # until the other joins (under load, group 1 trained its first 10 steps before
+            # group 0 had started, and went silent before the two ever met).
+            _wait_for(lambda: any(quorum["groups"] == 2
+                                  for quorum in launcher.events(jobs[0], "quorum")),
+                      120, "both groups in one quorum")
+            together = next(quorum["step"] for quorum in launcher.events(jobs[0], "quorum")
+                            if quorum["groups"] == 2)
+            _wait_for(lambda: [step for step in steps(0) if step["step"] >= together + 10],
+                      60, "10 steps of both groups together")
             # Group 1 silent, as its node lost: its processes and connections stay, nothing
             # answers, its heartbeats stop. Group 0, in an all-reduce with it, hears of it
             # from the lighthouse (silent_peers.py), not by the collective's timeout.
