@@ -69,10 +69,10 @@ $(CHECKOV_VENV)/.installed: tests/chart/checkov-requirements.txt
 # venv, then lint, the lowest-bounds run and kubeflow's SDK, which need it; beside them the
 # Debian packages, the images and checkov, which do not. The venv's install keeps one core
 # busy for its first two minutes; the images' base fills the other (apt's calls wait for
-# each other on one lock). Then the whole suite, on two pytest-xdist workers
+# each other on one lock). Then the whole suite, on three pytest-xdist workers
 # (tests/conftest.py says how the tests are shared between them), whose whole-loop and
 # image tests run the images just built.
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target \
 		$(VENV)/.installed images packages checkov lint lowest $(KUBEFLOW_SDK)/.installed
-	$(BIN)/pytest -n 2
+	$(BIN)/pytest -n 3

@@ -2,7 +2,7 @@
 
     python bench/suite_cpu.py [--every 0.5] [--top 12] [-- COMMAND ...]
 
-Runs COMMAND (default: `.venv/bin/pytest -n 2 -p no:cacheprovider`, the suite as `make
+Runs COMMAND (default: `.venv/bin/pytest -n 3 -p no:cacheprovider`, the suite as `make
 test` runs it once the images exist) as this process's child, this process the subreaper
 of everything below it, and every `--every` seconds reads each process's CPU time from
 /proc. Prints the CPU seconds of each kind of process (`KINDS`: trainer ranks, the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 _PR_SET_CHILD_SUBREAPER = 36
 TICK = os.sysconf("SC_CLK_TCK")
-DEFAULT_COMMAND = [".venv/bin/pytest", "-n", "2", "-p", "no:cacheprovider"]
+DEFAULT_COMMAND = [".venv/bin/pytest", "-n", "3", "-p", "no:cacheprovider"]
 
 # (kind, pattern on "comm | command line"), the first match wins.
 KINDS = [

@@ -215,7 +215,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-# `make test` shares the tests between two pytest-xdist workers. A module's tests stay
+# `make test` shares the tests between three pytest-xdist workers. A module's tests stay
 # together and in file order, so its module-scoped fixtures (a trained teacher, a running
 # cluster) are built once and a test may print what an earlier one measured. The modules
 # of tests/real_server share one control plane: they all go to one worker, and so do the
