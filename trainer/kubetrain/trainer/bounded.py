@@ -22,7 +22,7 @@ class Bounded(Generic[T]):
 
     finished: bool
     result: T | None = None
-    error: Exception | None = None
+    error: BaseException | None = None
 
     def value(self, late: str) -> T:
         """The call's result; its own error raised again, or TimeoutError(`late`) when it
@@ -47,7 +47,7 @@ class Running(Generic[T]):
     def _run(self) -> None:
         try:
             self._outcome = Bounded(True, result=self._call())
-        except Exception as error:
+        except BaseException as error:  # raised again in the caller's thread, if it asks
             self._outcome = Bounded(True, error=error)
         finally:
             self.ended.set()
