@@ -5,18 +5,18 @@ of the test process. They are stand-ins: no test here shows how the real control
 behave. That is the real-server tier's job (tests/real_server, with `KUBEBUILDER_ASSETS`).
 
 - `Scheduler` (kube-scheduler, and the gang schedulers' plug-ins): binds each pending pod
-  without a node to a Ready node whose labels match the pod's nodeSelector and required
-  node affinity (In, NotIn, Exists, DoesNotExist on any label), whose NoSchedule/NoExecute
-  taints the pod tolerates, that has room for the pod's requests (each resource the node
-  lists in status.allocatable, `pods` included), and that keeps the pod within the domain
-  of its required pod affinity (topologyKey, matchLabels), choosing the one in its
-  preferred affinity's domain, then running the fewest pods, as least-allocated scoring
-  spreads equal pods. It binds by patching `spec.nodeName`; a real API server takes only
-  the `pods/binding` subresource. A pod no node fits gets the condition PodScheduled
-  False, reason Unschedulable, with a message that counts the nodes by why they do not
-  fit, as kube-scheduler's "0/3 nodes are available: ..." (its wording differs), and True
-  once it binds it; the operator's too-few-nodes rule reads that condition. Pods held by a
-  scheduling gate wait.
+  without a node to a Ready node not cordoned (spec.unschedulable) whose labels match the
+  pod's nodeSelector and required node affinity (In, NotIn, Exists, DoesNotExist on any
+  label), whose NoSchedule/NoExecute taints the pod tolerates, that has room for the pod's
+  requests (each resource the node lists in status.allocatable, `pods` included), and that
+  keeps the pod within the domain of its required pod affinity (topologyKey, matchLabels),
+  choosing the one in its preferred affinity's domain, then running the fewest pods, as
+  least-allocated scoring spreads equal pods. It binds by patching `spec.nodeName`; a real
+  API server takes only the `pods/binding` subresource. A pod no node fits gets the
+  condition PodScheduled False, reason Unschedulable, with a message that counts the nodes
+  by why they do not fit, as kube-scheduler's "0/3 nodes are available: ..." (its wording
+  differs), and True once it binds it; the operator's too-few-nodes rule reads that
+  condition. Pods held by a scheduling gate wait.
 
   Gangs: a pod that names a group (a Workload API PodGroup in spec.schedulingGroup, a
   Volcano PodGroup in the annotation scheduling.k8s.io/group-name, a scheduler-plugins
@@ -482,8 +482,8 @@ def _mark_unschedulable(core: client.CoreV1Api, pod: Manifest, nodes: list[Manif
     """PodScheduled False, reason Unschedulable, saying why each node does not fit (and why
     its group waits); written when the words change, so that lastTransitionTime says since
     when it has not been scheduled."""
-    why = Counter("not Ready" if not schedulable(node) else round_.why_not(pod, node)
-                  for node in nodes)
+    why = Counter("not Ready" if not ready(node) else "were unschedulable" if cordoned(node)
+                  else round_.why_not(pod, node) for node in nodes)
     why.pop("", None)  # nodes it would fit alone: its group is what keeps it waiting
     reasons = ", ".join(f"{count} node(s) {reason}" for reason, count in sorted(why.items()))
     message = f"0/{len(nodes)} nodes are available" + (f": {reasons}." if reasons else ".")
@@ -516,10 +516,21 @@ def _mark_scheduled(core: client.CoreV1Api, pod: Manifest) -> None:
 
 
 def schedulable(node: Manifest) -> bool:
+    """Whether its kubelet reports it Ready and it is not cordoned."""
+    return ready(node) and not cordoned(node)
+
+
+def ready(node: Manifest) -> bool:
     """Whether its kubelet reports it Ready."""
     conditions = {c.get("type"): c.get("status")
                   for c in (node.get("status") or {}).get("conditions") or []}
     return conditions.get("Ready") == "True"
+
+
+def cordoned(node: Manifest) -> bool:
+    """Whether it is cordoned (`kubectl cordon`: spec.unschedulable), which keeps new pods
+    off it, as kube-scheduler's NodeUnschedulable plug-in does; its pods run on."""
+    return bool((node.get("spec") or {}).get("unschedulable"))
 
 
 def _tolerates(pod: Manifest, taint: Manifest) -> bool:

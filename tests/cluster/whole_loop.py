@@ -259,6 +259,16 @@ class Cluster:
         self.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL,
                                                          name, {"spec": {"replicas": replicas}})
 
+    @contextmanager
+    def cordoned(self, node: str) -> Iterator[None]:
+        """`kubectl cordon NODE` for the block, then `kubectl uncordon NODE`: no pod is placed
+        there meanwhile (tests/cluster/controllers.py's Scheduler); its pods run on."""
+        self.core.patch_node(node, {"spec": {"unschedulable": True}})
+        try:
+            yield
+        finally:
+            self.core.patch_node(node, {"spec": {"unschedulable": None}})
+
     def job(self, name: str) -> dict[str, Any]:
         return dict(self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL,
                                                              name))

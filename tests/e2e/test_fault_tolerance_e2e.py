@@ -11,9 +11,11 @@ live one (no checkpoint read, though one exists) and train on with them:
 - group 1's container is killed outright (torchrun and its trainer, as an OOM kill or a
   crash of the runtime does): the operator replaces that group's pod and no other;
 - group 1's trainer is killed: torchrun restarts it in place, in the same pod;
-- a node is lost (group 1's, when that leaves a group and the lighthouse running): its
-  network goes silent first, so the live groups get no reset from it, only silence; the
-  operator replaces its groups' pods on the node left.
+- group 1's node is lost: its network goes silent first, so the live groups get no reset
+  from it, only silence; the operator replaces group 1's pod on the node left. Every pod
+  starts on node-a (node-b cordoned while they are placed), so group 1's pod replaced after
+  the container kill is alone on node-b, as a group on GPUs fills nodes of its own: the
+  loss takes one group and leaves the lighthouse and two groups stepping.
 
 Status and events show each change of the quorum. Last, the lighthouse's container is
 killed: the operator creates the lighthouse again, and the groups go on where they were or,
@@ -59,13 +61,16 @@ from kubetrain.pod_conventions import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 GROUPS = 3
+# Cordoned while the job's pods are first placed; group 1's replaced pod lands there alone.
+SPARE_NODE = "node-b"
 HEARTBEAT_MS = 1000
-# 40-100 ms a step with 3 groups: the container's replacement (6-14 s), the trainer's
-# restart in place (1.2 s) and the lighthouse's return (under 1 s) cost ~200 steps. The node
-# loss needs the most: when the lost node held two groups, the one left steps alone, 15 ms
-# a step on a quiet machine, while their pods are made again (~10 s, ~700 steps). At 600
-# a clean clone's run ended (step 600 from the loss at step 215) before they were back.
-MAX_STEPS = 1000
+# 40-100 ms a step with 3 groups: each replacement of group 1's pod (after the container
+# kill and the node loss: 6-14 s) costs 100-250 steps, the trainer's restart in place (1.2 s)
+# and the lighthouse's return (under 1 s) a few dozen; a quiet run killed the lighthouse at
+# step 389. While the node loss took two groups (the layout before node-b was cordoned), the
+# group left stepped alone at 15 ms a step and the loss cost up to 400 steps: 1000 were
+# needed, 600 too few.
+MAX_STEPS = 750
 CHECKPOINT_EVERY = 20
 # The longest the live groups may go between two logged steps (by their own clocks,
 # `step_seconds`) while a group is down and while it rejoins: the lighthouse's
@@ -90,20 +95,22 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     name = "replica-groups"
     workers = [f"{name}-worker-{index}" for index in range(GROUPS)]
     broken, live = workers[1], [workers[0], workers[2]]
-    cluster.apply(replica_groups_job(name, cluster.s3, groups=GROUPS, steps=MAX_STEPS,
-                                     heartbeat_ms=HEARTBEAT_MS, collective_ms=COLLECTIVE_MS,
-                                     checkpoint_every=CHECKPOINT_EVERY))
+    lighthouse = f"{name}-lighthouse"
+    with cluster.cordoned(SPARE_NODE):
+        cluster.apply(replica_groups_job(name, cluster.s3, groups=GROUPS, steps=MAX_STEPS,
+                                         heartbeat_ms=HEARTBEAT_MS, collective_ms=COLLECTIVE_MS,
+                                         checkpoint_every=CHECKPOINT_EVERY))
+        pods = cluster.wait_for(f"{lighthouse} and {GROUPS} workers placed", lambda: (
+            found if len(found := {p["metadata"]["name"]: p for p in cluster.pods(name)
+                                   if p["spec"].get("nodeName")}) == GROUPS + 1 else None), 60)
+    assert SPARE_NODE not in {pod["spec"]["nodeName"] for pod in pods.values()}, pods
 
     # The lighthouse: a Pod and a ClusterIP Service by the name the workers are given.
-    lighthouse = f"{name}-lighthouse"
     service = cluster.wait_for("the lighthouse's Service", lambda: next(
         (s for s in cluster.core.list_namespaced_service(NAMESPACE).items
          if s.metadata.name == lighthouse), None), 60)
     assert service.spec.type == "ClusterIP"
     assert [port.port for port in service.spec.ports] == [LIGHTHOUSE_PORT]
-    pods = cluster.wait_for(f"{lighthouse} and {GROUPS} workers", lambda: (
-        found if len(found := {p["metadata"]["name"]: p for p in cluster.pods(name)})
-        == GROUPS + 1 else None), 60)
     assert pods[lighthouse]["spec"]["containers"][0]["command"][0] == "torchft_lighthouse"
     for index, worker in enumerate(workers):
         env = {e["name"]: e.get("value") for e in pods[worker]["spec"]["containers"][0]["env"]}
@@ -131,6 +138,8 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     assert now[broken][0] != before[broken][0] and now[broken][1] != before[broken][1], now
     for pod in (*live, lighthouse):
         assert now[pod] == before[pod], (pod, before, now)
+    placed = {pod["metadata"]["name"]: pod["spec"]["nodeName"] for pod in cluster.pods(name)}
+    assert placed[broken] == SPARE_NODE, placed  # the node with the fewest pods
     # The new pod's start (container, torch's import, rendezvous) took far longer than the
     # live groups' longest pause: they did not wait for it.
     assert max(container.pauses.values()) < container.healed_after / 2, container
@@ -162,11 +171,12 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     cluster.wait_for("status.replicaGroups.restarts: group 1's two", lambda: (
         cluster.job(name)["status"]["replicaGroups"].get("restarts") == [0, 2, 0]), 30)
 
-    # A node lost (its network silent, no FIN or RST from its pods; its processes gone, its
-    # heartbeats stopped): the groups it ran are replaced on the node left, the others step
-    # on, and the lost ones heal from them.
+    # Group 1's node lost (its network silent, no FIN or RST from its pod; its processes
+    # gone, its heartbeats stopped): the group is replaced on the node left, the others step
+    # on, and the lost one heals from them.
     cluster.wait_for_printed_step(name, trainer.rejoined_at + 20, timeout=60)
     node, lost = a_node_to_lose(cluster, name, GROUPS, 1)
+    assert (node, lost) == (SPARE_NODE, [1]), (node, lost)
     try:
         node_loss = _through_a_fault(cluster, name, f"the loss of {node}", lost,
                                      lambda: cluster.agent.lose_node(node))

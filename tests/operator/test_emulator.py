@@ -188,6 +188,24 @@ def test_the_stand_in_scheduler_marks_a_pod_no_node_fits_unschedulable(
     assert [(c.type, c.status) for c in bound.status.conditions] == [("PodScheduled", "True")]
 
 
+def test_the_stand_in_scheduler_places_nothing_on_a_cordoned_node(core: client.CoreV1Api) -> None:
+    now = datetime.now(UTC)
+    for name in ("node-a", "node-b"):
+        _node(core, name, now)
+        core.patch_node(name, {"spec": {"unschedulable": True}})  # kubectl cordon
+    core.create_namespaced_pod("ns", _pod("waiting"))
+    with Scheduler(api=core.api_client, period=0.05):
+        condition = eventually(lambda: next(
+            (c for c in (core.read_namespaced_pod("waiting", "ns").status.conditions or [])
+             if c.type == "PodScheduled"), None), what="the PodScheduled condition")
+    assert condition.message == "0/2 nodes are available: 2 node(s) were unschedulable."
+    core.patch_node("node-b", {"spec": {"unschedulable": None}})  # kubectl uncordon
+    with Scheduler(api=core.api_client, period=0.05):
+        bound = eventually(lambda: core.read_namespaced_pod("waiting", "ns").spec.node_name,
+                           what="the pod bound")
+    assert bound == "node-b"
+
+
 def test_the_stand_in_node_lifecycle_taints_a_silent_node_and_untaints_it_when_it_beats(
         core: client.CoreV1Api) -> None:
     now = datetime.now(UTC)
