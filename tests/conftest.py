@@ -269,11 +269,18 @@ def _on_the_whole_loop(item: pytest.Item) -> bool:
 # containers, pip installs): minutes each, where the others' modules take seconds.
 PROCESS_HEAVY = ("tests/trainer/", "tests/local/", "tests/storage/", "tests/images/",
                  "tests/install/", "tests/own_code/")
+# Modules that start no process of their own but take tens of seconds, mostly waiting (on
+# probes' timeouts, an operator's scenarios): handed out with the process-heavy ones. Last,
+# in file order, test_lifeline_watch's 39 s held the end of a 921 s run (2026-12-01) with
+# the other two workers done and the cores 0-20 % busy for its last 25 s.
+LONG_WAITING = ("tests/operator/test_lifeline_watch.py",
+                "tests/operator/test_operator_integration.py", "tests/chart/test_rbac.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under xdist, the order the modules are handed out in: the e2e modules first, then
-    those that start real processes, then the rest, each module whole and in file order.
+    those that start real processes or wait long, then the rest, each module whole and in
+    file order.
     The long modules go early so that the end of the run is short ones that keep both
     workers busy: with the trainer modules last (file order), one worker sat idle for the
     last 112 s of a 1,789 s run; with only the modules marked slow first, 115 s of 1,835 s
@@ -292,6 +299,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def order(item: pytest.Item) -> tuple[bool, bool]:
         return (not item.nodeid.startswith("tests/e2e/"),
-                not item.nodeid.startswith(PROCESS_HEAVY))
+                not item.nodeid.startswith((*PROCESS_HEAVY, *LONG_WAITING)))
 
     items.sort(key=order)
