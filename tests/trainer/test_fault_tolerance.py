@@ -54,7 +54,12 @@ def test_the_live_group_steps_on_and_the_killed_one_heals_from_it(
                                            "collectiveTimeoutMilliseconds": COLLECTIVE_MS},
                            optimization={"maxSteps": MAX_STEPS, "microBatchSize": 4,
                                          "warmupSteps": 5},
-                           checkpoint={"uri": str(checkpoints), "everySteps": 10_000})
+                           checkpoint={"uri": str(checkpoints), "everySteps": 10_000},
+                           # Not this test's subject, and here nobody restarts a group it
+                           # fails: under the suite's load one rank's all-reduce waited on
+                           # a descheduled peer in all five timed rounds (0.08 GB/s against a
+                           # 0.27 median), group 0 exited 89, and the groups never met.
+                           runPolicy={"preflight": {"enabled": False}})
             for group in range(2)]
     def start(group: int) -> subprocess.Popen[str]:
         env = {**launcher.env(), REPLICA_GROUP_ENV: str(group), LIGHTHOUSE_ENV: address}
