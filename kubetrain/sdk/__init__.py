@@ -13,6 +13,7 @@
             sdk.mark_complete(path, step)      # kubetrain uploads it to checkpoint.uri
         if sdk.stop_agreed():
             break
+    sdk.mark_finished()                        # last: a teardown that hangs is ended
 
 Torch-free on import: `stop_agreed` imports torch.distributed when called, and the
 transformers callback lives in `kubetrain.sdk.transformers_callback`. Outside a cluster
@@ -24,11 +25,16 @@ environment, SIGTERM, exit codes) is docs/own-code.md.
 from __future__ import annotations
 
 from kubetrain.sdk.batch import gradient_accumulation_steps, micro_batch_size
-from kubetrain.sdk.checkpoints import checkpoint_dir, latest_checkpoint, mark_complete
+from kubetrain.sdk.checkpoints import (
+    checkpoint_dir,
+    latest_checkpoint,
+    mark_complete,
+    mark_finished,
+)
 from kubetrain.sdk.progress import report
 from kubetrain.sdk.stop import stop_agreed, stop_requested
 
 __all__ = [
     "checkpoint_dir", "gradient_accumulation_steps", "latest_checkpoint", "mark_complete",
-    "micro_batch_size", "report", "stop_agreed", "stop_requested",
+    "mark_finished", "micro_batch_size", "report", "stop_agreed", "stop_requested",
 ]

@@ -19,7 +19,12 @@ The marker is `<folder>/.kubetrain/complete-rank-<RANK>.json`, written atomicall
 kubetrain restored or completed from the uploaded copy has `.kubetrain/restored.json`. A
 mark made after `stop_agreed()` said yes is a stop mark (`Mark.stop`): it names the process,
 which has nothing left to save, so kubetrain's entry ends it if it has not exited
-`STOP_LINGER_SECONDS` later (kubetrain.trainer.own_code).
+`LINGER_SECONDS` later (kubetrain.trainer.own_code).
+
+`mark_finished()`, the last call of a process whose work is done, writes
+`<checkpoint_dir>/.kubetrain/finished-rank-<RANK>.json`: once every process of the pod has
+written one, kubetrain's entry ends those still running `LINGER_SECONDS` after the last
+(a teardown that hangs) and the pod exits 0.
 Torch-free; this module's functions are the one reading of the markers.
 """
 
@@ -39,6 +44,9 @@ DEFAULT_CHECKPOINT_DIR = "checkpoints"
 MARKER_DIR = ".kubetrain"
 RESTORED_MARKER = "restored.json"
 _RANK_MARKER_PREFIX = "complete-rank-"
+_FINISHED_MARKER_PREFIX = "finished-rank-"
+# torchrun's count of the restarts in place of its processes: which attempt marked.
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -127,6 +135,65 @@ def mark_complete(path: str | os.PathLike[str], step: int, *, sharded: bool = Fa
         "stop": mark.stop, "time": mark.time,
         **({"pid": mark.process.pid, "processStarted": mark.process.started}
            if mark.process is not None else {})})
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One process's statement that its work is done: what is left is its teardown."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    attempt: int  # torchrun's restart count when it marked
+    process: ProcessIdentity | None
+    time: float  # when, in seconds since the epoch
+
+
+def mark_finished() -> None:
+    """Say that this process has done all its work: its last checkpoint is marked and
+    nothing it does from here on (freeing its process group, the interpreter's exit) is
+    needed. Call it last, on every rank, before `destroy_process_group()`.
+
+    A process group's teardown can hang (gloo's and NCCL's destructors, threads that are not
+    daemons): once every process of the pod has marked its finish, kubetrain's entry ends
+    any still running `LINGER_SECONDS` later and the pod exits 0, instead of holding its
+    node until someone deletes the job. After a stop (`stop_agreed()` said yes) it does
+    nothing: the process was stopped, not finished, and its stop mark already has it ended.
+    """
+    if stopping():
+        return
+    world_size = _env_int("WORLD_SIZE", 1)
+    process = ProcessIdentity.of(os.getpid())
+    rank = _env_int("RANK", 0)
+    _write_json(checkpoint_dir() / MARKER_DIR / f"{_FINISHED_MARKER_PREFIX}{rank}.json", {
+        "rank": rank, "localRank": _env_int("LOCAL_RANK", 0),
+        "localWorldSize": _env_int("LOCAL_WORLD_SIZE", world_size),
+        "attempt": _env_int(RESTART_COUNT_ENV, 0), "time": time.time(),
+        **({"pid": process.pid, "processStarted": process.started}
+           if process is not None else {})})
+
+
+def finished_marks(local_dir: Path) -> list[Finished]:
+    """The finish marks in `local_dir` (unreadable ones skipped, as for `marks`)."""
+    found = []
+    for path in sorted((local_dir / MARKER_DIR).glob(f"{_FINISHED_MARKER_PREFIX}*.json")):
+        try:
+            data = json.loads(path.read_text())
+            process = (ProcessIdentity(int(data["pid"]), int(data["processStarted"]))
+                       if "pid" in data else None)
+            found.append(Finished(rank=int(data["rank"]), local_rank=int(data["localRank"]),
+                                  local_world_size=int(data["localWorldSize"]),
+                                  attempt=int(data["attempt"]), process=process,
+                                  time=float(data["time"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def forget_finished(local_dir: Path) -> None:
+    """Remove the finish marks of the processes an earlier start of the pod ran."""
+    for path in (local_dir / MARKER_DIR).glob(f"{_FINISHED_MARKER_PREFIX}*.json"):
+        path.unlink(missing_ok=True)
 
 
 def mark_restored(folder: Path, step: int) -> None:

@@ -6,6 +6,8 @@
     args = TrainingArguments(output_dir=str(sdk.checkpoint_dir()), save_steps=500, ...)
     trainer = Trainer(model, args, ..., callbacks=[KubetrainCallback()])
     trainer.train(resume_from_checkpoint=sdk.latest_checkpoint() is not None)
+    ...                                        # trainer.save_model(), an evaluation
+    sdk.mark_finished()                        # then end the process group
 
 It marks each checkpoint folder the Trainer saves (`<output_dir>/checkpoint-<step>`)
 complete once every rank has written its files (every rank marks its own part: a pod
@@ -13,6 +15,8 @@ without a shared filesystem holds only its ranks' files, such as their RNG state
 kubetrain uploads it. On SIGTERM every rank agrees at the next step's end (an all-reduce),
 the Trainer saves one checkpoint there and stops, and the process exits with 143 (stopped,
 not finished) so that neither kubetrain nor your script mistakes it for the end of training.
+It does not mark the finish at the end of training: your script may do more after
+`train()` returns, and `sdk.mark_finished()` says when it is done (docs/own-code.md).
 Progress is reported by transformers' own KubeflowCallback, which it adds when
 KUBEFLOW_TRAINER_SERVER_URL is set. transformers' `enable_jit_checkpoint` is not the same:
 it decides per process, so a rank whose pod was not signalled never joins the save.

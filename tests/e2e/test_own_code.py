@@ -58,7 +58,7 @@ from whole_loop import own_code_commits as committed
 from whole_loop import own_code_resumes as resumed
 from whole_loop import own_code_steps as trained
 
-from kubetrain.trainer.own_code import STOP_LINGER_SECONDS
+from kubetrain.trainer.own_code import LINGER_SECONDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -232,7 +232,7 @@ def test_suspend_lets_go_of_the_pods_at_once_commits_the_stop_step_and_redoes_no
     each rank marking its sharded save as soon as its dcp.save returned, no barrier), whose
     processes take minutes to end after their stop checkpoint, as one whose teardown hangs:
     a suspend commits the stop step and lets go of the pods within the stop's save, its
-    upload and STOP_LINGER_SECONDS, not after torchrun's 200 s shutdown timeout; the resume
+    upload and LINGER_SECONDS, not after torchrun's 200 s shutdown timeout; the resume
     redoes no step."""
     # 36 steps of 0.3 s: the suspend is asked at step 8 and lands within a few steps.
     cluster, steps = scripts, 36
@@ -260,10 +260,10 @@ def test_suspend_lets_go_of_the_pods_at_once_commits_the_stop_step_and_redoes_no
     print(f"suspended after step {stopped}, pods gone {released:.1f} s after the suspend "
           f"(S3: {in_s3}); resumed from {resumed(lines)}")
     assert f"own-code stopped at step {stopped} on SIGTERM" in before
-    # Each process was ended once it had lingered STOP_LINGER_SECONDS after its stop mark;
+    # Each process was ended once it had lingered LINGER_SECONDS after its stop mark;
     # the rest is a step, the save, the upload and the pod's teardown, with slack for a
     # loaded machine. Without that the pods stayed until torchrun's 200 s timeout.
-    assert released < STOP_LINGER_SECONDS + 30, f"the pods were held {released:.0f} s"
+    assert released < LINGER_SECONDS + 30, f"the pods were held {released:.0f} s"
     assert any("marked its stop checkpoint" in line for line in before), before
     # The only checkpoint is the one saved on SIGTERM (the interval is never reached).
     assert in_s3 == {f"step-{stopped:06d}": stopped}

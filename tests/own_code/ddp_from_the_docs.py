@@ -87,7 +87,8 @@ def main() -> int:
             threading.Thread(target=time.sleep, args=(args.linger_after_stop,)).start()
             return EXIT_STOPPED
         time.sleep(args.step_seconds)
-    dist.barrier()  # docs/own-code.md: ending the process group
+    sdk.mark_finished()  # docs/own-code.md: ending the process group
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

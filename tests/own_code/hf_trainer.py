@@ -92,13 +92,16 @@ def main() -> int:
                       callbacks=[KubetrainCallback(), Steps(args.step_seconds)])
     latest = sdk.latest_checkpoint()
     trainer.train(resume_from_checkpoint=str(latest) if latest is not None else None)
+    # Nothing left that matters: should the teardown below hang, kubetrain ends the process.
+    sdk.mark_finished()
     # The process group ends here, after a barrier. Its last collective (the Trainer's
     # all_gather at the end of train()) may still be being freed on a gloo thread, which
     # needs the GIL for that; the group itself is freed with the model as main() returns,
     # and its destructor joins that thread holding the GIL: without the barrier, a rank
     # hung there now and then (py-spy: ~ProcessGroupGloo in std::thread::join, the thread
     # in ~AsyncAllgatherWork waiting for the GIL), or aborted ("terminate called without
-    # an active exception"), after the last checkpoint. The barrier waits without the GIL.
+    # an active exception"), after the last checkpoint. The barrier waits without the GIL,
+    # and makes the hang rare, not impossible (docs/own-code.md).
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

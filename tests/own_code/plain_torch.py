@@ -104,6 +104,7 @@ def main() -> int:
             end_process_group()
             return EXIT_STOPPED
         time.sleep(args.step_seconds)
+    sdk.mark_finished()
     end_process_group()
     return 0
 

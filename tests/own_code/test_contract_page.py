@@ -35,7 +35,7 @@ from kubetrain.protocol import (
     TRAINER_EXIT_CODES,
 )
 from kubetrain.sdk.progress import MIN_INTERVAL_SECONDS
-from kubetrain.trainer.own_code import STOP_LINGER_SECONDS, SYNC_INTERVAL_SECONDS
+from kubetrain.trainer.own_code import LINGER_SECONDS, SYNC_INTERVAL_SECONDS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "own-code.md"
 
@@ -104,15 +104,14 @@ def test_the_exit_code_table_is_the_protocols() -> None:
     ("SIGTERM and the grace period", f"grace period ({TERMINATION_GRACE_SECONDS} s)"),
     ("SIGTERM and the grace period",
      f"`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, {WORKER_SHUTDOWN_SECONDS} s: two thirds of the grace"),
-    ("SIGTERM and the grace period", f"is still running {STOP_LINGER_SECONDS:g} s later"),
-    ("Marking a save complete", f"if it is still running {STOP_LINGER_SECONDS:g} s later"),
+    ("SIGTERM and the grace period", f"is still running {LINGER_SECONDS:g} s later"),
+    ("Marking a save complete", f"if it is still running {LINGER_SECONDS:g} s later"),
+    ("Ending the process group", f"still running {LINGER_SECONDS:g} s after the last call"),
     ("Checkpoints and resume", f"every `KUBETRAIN_SYNC_SECONDS` ({SYNC_INTERVAL_SECONDS:g} s)"),
 ])
 def test_the_times_the_page_states_are_the_codes(heading: str, sentence: str) -> None:
-    if heading == "Marking a save complete":
-        text = PAGE.read_text().split("### Marking a save complete", 1)[1].split("\n## ", 1)[0]
-    elif heading == "Checkpoints and resume":
-        text = section(heading)
+    if heading in ("Marking a save complete", "Ending the process group"):  # subsections
+        text = PAGE.read_text().split(f"### {heading}", 1)[1].split("\n## ", 1)[0]
     else:
         text = section(heading)
     assert sentence in " ".join(text.split())

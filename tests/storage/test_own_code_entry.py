@@ -19,11 +19,12 @@ import yaml
 from kubetrain import sdk
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import PreflightPolicy, StorageSpec
-from kubetrain.sdk.checkpoints import Mark, stop_marks
+from kubetrain.sdk.checkpoints import Finished, Mark, ProcessIdentity, stop_marks
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, commits
 from kubetrain.trainer.own_code import (
-    STOP_LINGER_SECONDS,
+    LINGER_SECONDS,
     end_lingering,
+    lingering_after_finish,
     prepare,
     start_preflight,
 )
@@ -148,13 +149,90 @@ def test_a_process_that_lingers_after_its_stop_checkpoint_is_ended_and_the_pod_l
     signalled = time.monotonic()
     run.send_signal(signal.SIGTERM)
     # The command saved and marked its stop checkpoint at once, then would have run for
-    # 600 s more: it is ended STOP_LINGER_SECONDS after its mark, the checkpoint committed.
-    assert run.wait(timeout=STOP_LINGER_SECONDS + 60) == 143
+    # 600 s more: it is ended LINGER_SECONDS after its mark, the checkpoint committed.
+    assert run.wait(timeout=LINGER_SECONDS + 60) == 143
     released = time.monotonic() - signalled
-    assert released < STOP_LINGER_SECONDS + 30, released
+    assert released < LINGER_SECONDS + 30, released
     assert "has not exited: ending it" in run.stderr.read()
     remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
     assert [c.step for c in commits(remote)] == [1]
+
+
+# Under torchrun: each rank prints its start, rank 0 saves and marks step 7, every rank
+# marks its finish; then rank 1 exits and rank 0 hangs in its teardown (a thread that is
+# not a daemon and never ends, as a process group's destructor joining its threads).
+_FINISHING = """
+import os, threading, time
+from kubetrain import sdk
+rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"rank {rank} attempt {attempt} started", flush=True)
+if rank == "0":
+    folder = sdk.checkpoint_dir() / "step-7"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "step.txt").write_text("7")
+    sdk.mark_complete(folder, 7)
+sdk.mark_finished()
+if rank == "0":
+    threading.Thread(target=time.sleep, args=(600,)).start()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_pod_whose_processes_all_finished_exits_0_though_one_hangs_in_its_teardown(
+        tmp_path: Path, job_file: Path, s3_bucket: str, s3_spec: StorageSpec) -> None:
+    script = tmp_path / "finish.py"
+    script.write_text(_FINISHING)
+    started = time.monotonic()
+    # torchrun may restart its processes in place (a pod's agent does, runPolicy.maxRestarts):
+    # the one ended must not count as failed, or the whole attempt would run again.
+    run = subprocess.run(
+        [sys.executable, "-m", "kubetrain.trainer.own_code", str(job_file), "--",
+         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "--max-restarts=2", "--monitor-interval=0.1", str(script)],
+        env={**os.environ, "KUBETRAIN_CHECKPOINT_DIR": str(tmp_path / "pod"),
+             "KUBETRAIN_FINAL_SYNC_SECONDS": "30", "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    took = time.monotonic() - started
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert sorted(line for line in run.stdout.splitlines() if "started" in line) == [
+        "rank 0 attempt 0 started", "rank 1 attempt 0 started"], run.stdout
+    assert "marked its finish (sdk.mark_finished), and rank(s) 0 still run" in run.stderr
+    assert took < LINGER_SECONDS + 60, took  # not the 600 s the thread would have held it
+    remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
+    assert [c.step for c in commits(remote)] == [7]  # the last checkpoint, uploaded
+
+
+def test_processes_are_ended_after_their_finish_only_when_the_whole_pod_finished(
+        tmp_path: Path) -> None:
+    def process(*argv: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", *argv])
+
+    first, second = process(), process()
+    try:
+        identities = [ProcessIdentity.of(child.pid) for child in (first, second)]
+
+        def finish(local_rank: int, attempt: int, at: float) -> Finished:
+            return Finished(rank=local_rank, local_rank=local_rank, local_world_size=2,
+                            attempt=attempt, process=identities[local_rank], time=at)
+
+        one = [finish(0, 0, 100.0)]
+        # Rank 1 has not finished (it may still be saving): nobody is ended.
+        assert lingering_after_finish(one, 1000.0) == []
+        both = [*one, finish(1, 0, 105.0)]
+        # Both finished: ended LINGER_SECONDS after the last mark, not before.
+        assert lingering_after_finish(both, 105.0 + LINGER_SECONDS - 1) == []
+        assert lingering_after_finish(both, 105.0 + LINGER_SECONDS + 1) == both
+        # A mark of an earlier attempt (torchrun restarted the processes since) counts for
+        # nothing: rank 1 of the new attempt has not finished.
+        assert lingering_after_finish([finish(0, 1, 200.0), finish(1, 0, 105.0)], 1000.0) == []
+        # A process that has exited is not ended.
+        second.kill()
+        second.wait()
+        assert lingering_after_finish(both, 1000.0) == [both[0]]
+    finally:
+        for child in (first, second):
+            child.kill()
+            child.wait()
 
 
 def test_only_a_process_past_its_stop_mark_is_ended(tmp_path: Path) -> None:
@@ -169,8 +247,8 @@ def test_only_a_process_past_its_stop_mark_is_ended(tmp_path: Path) -> None:
         assert stop.process is not None and stop.process.pid == lingering.pid
         ended: set[Mark] = set()
         # Within the linger time nothing is ended; after it only the stop mark's process.
-        assert end_lingering(tmp_path, stop.time + STOP_LINGER_SECONDS - 1, ended) == []
-        assert end_lingering(tmp_path, stop.time + STOP_LINGER_SECONDS + 1, ended) == [stop]
+        assert end_lingering(tmp_path, stop.time + LINGER_SECONDS - 1, ended) == []
+        assert end_lingering(tmp_path, stop.time + LINGER_SECONDS + 1, ended) == [stop]
         assert lingering.wait(timeout=10) == -signal.SIGKILL
         assert training.poll() is None  # a periodic save's mark ends nobody
         assert end_lingering(tmp_path, stop.time + 3600, ended) == []  # never twice

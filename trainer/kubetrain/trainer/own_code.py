@@ -11,10 +11,14 @@ command (kubetrain.operator.own_code_container builds the line):
 3. passes SIGTERM and SIGINT through to COMMAND (torchrun gives them to the workers);
    a process that has saved and marked its stop checkpoint (a mark made after
    `sdk.stop_agreed()` said yes) has nothing left to do but exit: one still running
-   STOP_LINGER_SECONDS after that mark is ended (SIGKILL), so that the pod lets go of its
+   LINGER_SECONDS after that mark is ended (SIGKILL), so that the pod lets go of its
    node within a step, a save and its upload, not after torchrun's shutdown timeout
    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, two thirds of the grace period) of waiting for a
    process that hangs in its own teardown;
+   likewise, once every process of the pod has marked its finish (`sdk.mark_finished()`,
+   its last call), those still running LINGER_SECONDS after the last mark are ended and
+   the pod exits 0: torchrun's agent is stopped first (SIGTERM), so that it does not
+   take the ended processes for failed ones and restart them;
 4. once COMMAND ends, syncs until its last marked checkpoint is committed (at most
    KUBETRAIN_FINAL_SYNC_SECONDS), warns about folders never marked complete, and exits
    with COMMAND's exit status (128 + N when a signal N ended it).
@@ -82,8 +86,11 @@ from kubetrain.protocol import (
 from kubetrain.sdk.checkpoints import (
     CHECKPOINT_DIR_ENV,
     DEFAULT_CHECKPOINT_DIR,
+    Finished,
     Mark,
     complete_here,
+    finished_marks,
+    forget_finished,
     stop_marks,
 )
 from kubetrain.sdk.progress import SERVER_URL_ENV, post_status
@@ -100,9 +107,14 @@ SYNC_INTERVAL_SECONDS = 10.0
 # checkpoint interval (docs/own-code.md). A job sets it through trainer.env.
 SYNC_SECONDS_ENV = "KUBETRAIN_SYNC_SECONDS"
 DEFAULT_FINAL_SYNC_SECONDS = 90.0
-# How long a process may run on after marking its stop checkpoint: for what user code does
-# after its last save (closing a logger, flushing its output), not for training.
-STOP_LINGER_SECONDS = 10.0
+# How long a process may run on after marking its stop checkpoint or its finish: for what
+# user code does after its last save (closing a logger, flushing its output), not for
+# training.
+LINGER_SECONDS = 10.0
+# Between stopping torchrun's agent and ending the lingering processes: the agent's main
+# thread takes the signal at its next monitoring tick (0.1 s), and from then on stops its
+# processes rather than restarting them.
+AGENT_STOP_SECONDS = 1.0
 LINGER_CHECK_SECONDS = 0.5
 
 
@@ -399,7 +411,7 @@ def _record_failure(failure_class: str, message: str, micro_batch_size: int,
 
 
 def end_lingering(local_dir: Path, now: float, ended: set[Mark],
-                  linger_seconds: float = STOP_LINGER_SECONDS) -> list[Mark]:
+                  linger_seconds: float = LINGER_SECONDS) -> list[Mark]:
     """End (SIGKILL) each process that marked its stop checkpoint in `local_dir` more than
     `linger_seconds` before `now` (time.time()) and still runs; the marks of those ended,
     which `ended` collects so that none is ended twice."""
@@ -419,6 +431,38 @@ def end_lingering(local_dir: Path, now: float, ended: set[Mark],
         ended.add(mark)
         killed.append(mark)
     return killed
+
+
+def lingering_after_finish(marks: list[Finished], now: float,
+                           linger_seconds: float = LINGER_SECONDS) -> list[Finished]:
+    """The processes to end because the pod's work is done: once every process of the
+    latest attempt (local ranks 0 to LOCAL_WORLD_SIZE - 1) has marked its finish, those
+    still running `linger_seconds` after the last mark (time.time() `now`); else none."""
+    if not marks:
+        return []
+    attempt = max(mark.attempt for mark in marks)
+    latest = [mark for mark in marks if mark.attempt == attempt]
+    if {mark.local_rank for mark in latest} != set(range(latest[0].local_world_size)):
+        return []
+    if now - max(mark.time for mark in latest) < linger_seconds:
+        return []
+    return [mark for mark in latest if mark.process is not None and mark.process.alive()]
+
+
+def end_finished(lingering: list[Finished]) -> None:
+    """End the processes that linger after the pod's finish: first torchrun's agent, here
+    (SIGTERM: it stops its processes instead of restarting them as failed), then them."""
+    log.warning("every process of this pod marked its finish (sdk.mark_finished), and "
+                "rank(s) %s still run %.0f s later: ending them; the pod exits 0",
+                ", ".join(str(mark.rank) for mark in lingering), LINGER_SECONDS)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(AGENT_STOP_SECONDS)
+    for mark in lingering:
+        if mark.process is not None and mark.process.alive():
+            try:
+                os.kill(mark.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
 
 
 def write_failure(exit_code: int, micro_batch_size: int) -> None:
@@ -447,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_COMMAND_NOT_FOUND
     local_dir = Path(os.environ.get(CHECKPOINT_DIR_ENV) or DEFAULT_CHECKPOINT_DIR)
     local_dir.mkdir(parents=True, exist_ok=True)
+    forget_finished(local_dir)  # a container restarted in its pod: its processes are new
     remote = open_storage(spec.checkpoint.uri, spec.storage)
     fallback = (open_storage(spec.checkpoint.resume_from, spec.storage)
                 if spec.checkpoint.resume_from else None)
@@ -462,20 +507,29 @@ def main(argv: list[str] | None = None) -> int:
             sync.sync_once()
 
     ended: set[Mark] = set()
+    finished = threading.Event()
 
     def end_lingering_alongside() -> None:
         while not stopping.wait(LINGER_CHECK_SECONDS):
             end_lingering(local_dir, time.time(), ended)
+            if not finished.is_set():
+                lingering = lingering_after_finish(finished_marks(local_dir), time.time())
+                if lingering:
+                    finished.set()
+                    end_finished(lingering)
 
     syncer = threading.Thread(target=sync_alongside, name="checkpoint-sync", daemon=True)
-    linger = threading.Thread(target=end_lingering_alongside, name="stop-linger", daemon=True)
+    linger = threading.Thread(target=end_lingering_alongside, name="linger", daemon=True)
     syncer.start()
     linger.start()
     status = _run(args.command)
     stopping.set()
     syncer.join()
     linger.join()
-    if ended and status == SIGNAL_EXIT_BASE + signal.SIGKILL:
+    if finished.is_set() and (status == 0 or is_signal_exit(status)):
+        # Every process had finished its work; the signals were the entry's own.
+        status = 0
+    elif ended and status == SIGNAL_EXIT_BASE + signal.SIGKILL:
         # The command's own end, not a kill from outside: it had saved and marked its stop.
         status = EXIT_SIGNALLED
     final_seconds = float(os.environ.get(FINAL_SYNC_SECONDS_ENV,
