@@ -190,6 +190,7 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
     # The lighthouse's container killed: the operator makes it again, and nothing is lost.
     cluster.wait_for_printed_step(name, node_loss.rejoined_at + 20, timeout=60)
     mark = len(cluster.worker_lines(name, 0))
+    marks = [cluster.worker_mark(name, index) for index in range(GROUPS)]
     at = max(steps_printed(cluster.worker_lines(name, 0)))
     saved = cluster.job(name)["status"]["latestCheckpoint"]["step"]
     cluster.kill_container(lighthouse)
@@ -209,8 +210,17 @@ def test_a_broken_replica_group_heals_from_live_ones_that_never_stop_and_so_does
               r"(healed|resumed|finished|kubetrain_worker_failure)|step \d+: .*replica", line)))
     assert after[0] > saved, (saved, at, after[:5])
 
-    for index in range(GROUPS):
-        assert f"finished at step {MAX_STEPS}: max_steps" in cluster.worker_lines(name, index)
+    # Group 0 trained to the end (the job succeeds with worker 0's pod). A group that lost
+    # the quorum while the lighthouse was away restarts in place, and may still be on its
+    # way back when the job ends: group 0, stepping alone at 15-20 ms a step, can train the
+    # 450-odd steps left before a loaded machine has restarted a trainer (a from-nothing
+    # run of a8dedb7: both other groups). Each such group said so as it ended.
+    finish = f"finished at step {MAX_STEPS}: max_steps"
+    assert finish in cluster.worker_lines(name, 0)
+    for index in range(1, GROUPS):
+        since = cluster.worker_lines(name, index, since=marks[index])
+        assert finish in since or any(
+            re.match(r"rank \d+: QuorumLost: ", line) for line in since), (index, since[-15:])
     job = cluster.job(name)
     assert job["status"]["progress"]["step"] == MAX_STEPS, job["status"]
     assert "WorkerFailure" in events and broken in events, events
