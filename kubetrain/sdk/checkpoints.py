@@ -33,8 +33,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from kubetrain.sdk.stop import stopping
 
@@ -45,6 +47,7 @@ MARKER_DIR = ".kubetrain"
 RESTORED_MARKER = "restored.json"
 _RANK_MARKER_PREFIX = "complete-rank-"
 _FINISHED_MARKER_PREFIX = "finished-rank-"
+T = TypeVar("T")
 # torchrun's count of the restarts in place of its processes: which attempt marked.
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
@@ -132,9 +135,7 @@ def mark_complete(path: str | os.PathLike[str], step: int, *, sharded: bool = Fa
         "step": mark.step, "rank": mark.rank, "worldSize": mark.world_size,
         "localWorldSize": mark.local_world_size, "groupRank": mark.group_rank,
         "groupWorldSize": mark.group_world_size, "sharded": mark.sharded,
-        "stop": mark.stop, "time": mark.time,
-        **({"pid": mark.process.pid, "processStarted": mark.process.started}
-           if mark.process is not None else {})})
+        "stop": mark.stop, "time": mark.time, **_process_fields(mark.process)})
 
 
 @dataclass(frozen=True)
@@ -163,31 +164,20 @@ def mark_finished() -> None:
     if stopping():
         return
     world_size = _env_int("WORLD_SIZE", 1)
-    process = ProcessIdentity.of(os.getpid())
     rank = _env_int("RANK", 0)
     _write_json(checkpoint_dir() / MARKER_DIR / f"{_FINISHED_MARKER_PREFIX}{rank}.json", {
         "rank": rank, "localRank": _env_int("LOCAL_RANK", 0),
         "localWorldSize": _env_int("LOCAL_WORLD_SIZE", world_size),
         "attempt": _env_int(RESTART_COUNT_ENV, 0), "time": time.time(),
-        **({"pid": process.pid, "processStarted": process.started}
-           if process is not None else {})})
+        **_process_fields(ProcessIdentity.of(os.getpid()))})
 
 
 def finished_marks(local_dir: Path) -> list[Finished]:
     """The finish marks in `local_dir` (unreadable ones skipped, as for `marks`)."""
-    found = []
-    for path in sorted((local_dir / MARKER_DIR).glob(f"{_FINISHED_MARKER_PREFIX}*.json")):
-        try:
-            data = json.loads(path.read_text())
-            process = (ProcessIdentity(int(data["pid"]), int(data["processStarted"]))
-                       if "pid" in data else None)
-            found.append(Finished(rank=int(data["rank"]), local_rank=int(data["localRank"]),
-                                  local_world_size=int(data["localWorldSize"]),
-                                  attempt=int(data["attempt"]), process=process,
-                                  time=float(data["time"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return found
+    return _read_markers(local_dir, _FINISHED_MARKER_PREFIX, lambda data: Finished(
+        rank=int(data["rank"]), local_rank=int(data["localRank"]),
+        local_world_size=int(data["localWorldSize"]), attempt=int(data["attempt"]),
+        process=_process_of(data), time=float(data["time"])))
 
 
 def forget_finished(local_dir: Path) -> None:
@@ -211,22 +201,34 @@ def _write_json(path: Path, document: dict[str, object]) -> None:
 def marks(folder: Path) -> list[Mark]:
     """The ranks' marks in `folder` (unreadable ones skipped: a marker is written atomically,
     so one that does not parse was not written by `mark_complete`)."""
+    return _read_markers(folder, _RANK_MARKER_PREFIX, lambda data: Mark(
+        step=int(data["step"]), rank=int(data["rank"]), world_size=int(data["worldSize"]),
+        local_world_size=int(data["localWorldSize"]), group_rank=int(data["groupRank"]),
+        group_world_size=int(data["groupWorldSize"]), sharded=bool(data["sharded"]),
+        stop=bool(data.get("stop")), process=_process_of(data),
+        time=float(data.get("time", 0.0))))
+
+
+def _read_markers(folder: Path, prefix: str, parse: Callable[[dict[str, Any]], T]) -> list[T]:
+    """Each marker `folder`/.kubetrain/`prefix`*.json parsed, in name order; one that does
+    not read or parse is skipped."""
     found = []
-    for path in sorted((folder / MARKER_DIR).glob(f"{_RANK_MARKER_PREFIX}*.json")):
+    for path in sorted((folder / MARKER_DIR).glob(f"{prefix}*.json")):
         try:
-            data = json.loads(path.read_text())
-            process = (ProcessIdentity(int(data["pid"]), int(data["processStarted"]))
-                       if "pid" in data else None)
-            found.append(Mark(step=int(data["step"]), rank=int(data["rank"]),
-                              world_size=int(data["worldSize"]),
-                              local_world_size=int(data["localWorldSize"]),
-                              group_rank=int(data["groupRank"]),
-                              group_world_size=int(data["groupWorldSize"]),
-                              sharded=bool(data["sharded"]), stop=bool(data.get("stop")),
-                              process=process, time=float(data.get("time", 0.0))))
+            found.append(parse(json.loads(path.read_text())))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return found
+
+
+def _process_fields(process: ProcessIdentity | None) -> dict[str, object]:
+    """A marker's fields naming the process that wrote it (none when it is not known)."""
+    return {} if process is None else {"pid": process.pid, "processStarted": process.started}
+
+
+def _process_of(data: dict[str, Any]) -> ProcessIdentity | None:
+    return (ProcessIdentity(int(data["pid"]), int(data["processStarted"]))
+            if "pid" in data else None)
 
 
 def restored_step(folder: Path) -> int | None:
