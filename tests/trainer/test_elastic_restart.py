@@ -96,6 +96,15 @@ def _pending_sigterm(pid: int) -> bool:
     return bool(int(status["ShdPnd"], 16) & (1 << (signal.SIGTERM - 1)))
 
 
+def _state(pid: int) -> str:
+    """Process `pid`'s state letter and name, or "gone"."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0] + " " + stat[stat.index("(") + 1:stat.rindex(")")]
+
+
 def _renice(pids: list[int], niceness: int) -> None:
     """Give every thread of processes `pids` (the threads a process has now; later ones
     inherit) `niceness`; nothing for a process that has ended."""
@@ -132,6 +141,7 @@ def _stop_the_agent_as_its_ranks_finish(launcher: Any, job: Path) -> float | Non
         await_step(10)
         _renice(ranks, 19)
         await_step(12)
+        seen = time.monotonic()
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)
         _renice(ranks, 0)  # what they do from here on is what the test times
@@ -141,7 +151,14 @@ def _stop_the_agent_as_its_ranks_finish(launcher: Any, job: Path) -> float | Non
                 assert time.monotonic() < deadline, "the agent never signalled its ranks"
                 time.sleep(0.01)
         except ProcessLookupError:
-            return None  # a rank finished before it was held: nothing was tried
+            # A rank finished before it was held: nothing was tried. What each rank was then,
+            # for a run where every try ends here (a clean clone's suite, three times in a row,
+            # though it never did here beside three spinning processes).
+            states = {pid: _state(pid) for pid in ranks}
+            logged = [e["event"] for e in launcher.events(job, None)][-4:]
+            print(f"held {time.monotonic() - seen:.3f}s after the last step was seen; ranks "
+                  f"{states}; last events {logged}")
+            return None
         finally:
             for pid in ranks:
                 with contextlib.suppress(ProcessLookupError):
