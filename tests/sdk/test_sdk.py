@@ -203,13 +203,15 @@ for step in (1, 2):
         sys.exit(1)
     (root / f"step-{step}").mkdir()
     sdk.mark_complete(root / f"step-{step}", step, sharded=True)
+sdk.mark_finished()  # the script's last call, as docs/own-code.md asks
 """
 
 
 def test_a_mark_made_after_the_stop_was_agreed_is_a_stop_mark_naming_its_process(
         tmp_path: Path) -> None:
     child = subprocess.run([sys.executable, "-c", _STOP_MARK_SCRIPT, str(tmp_path)],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, checkpoints.CHECKPOINT_DIR_ENV: str(tmp_path)})
     assert child.returncode == 0, child.stderr
     (periodic,) = checkpoints.marks(tmp_path / "step-1")
     (stop,) = checkpoints.marks(tmp_path / "step-2")
@@ -219,6 +221,23 @@ def test_a_mark_made_after_the_stop_was_agreed_is_a_stop_mark_naming_its_process
     assert not stop.process.alive()  # the child has exited: its pid names no process now
     this = checkpoints.ProcessIdentity.of(os.getpid())
     assert this is not None and this.alive()
+    # Stopped, not finished: no finish mark, so the entry ends nothing as finished.
+    assert checkpoints.finished_marks(tmp_path) == []
+
+
+def test_a_process_that_was_not_stopped_marks_its_finish_naming_its_rank_attempt_and_process(
+        tmp_path: Path) -> None:
+    script = "from kubetrain import sdk\nsdk.stop_requested()\nsdk.mark_finished()\n"
+    env = {**os.environ, checkpoints.CHECKPOINT_DIR_ENV: str(tmp_path), "RANK": "3",
+           "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4",
+           "TORCHELASTIC_RESTART_COUNT": "2"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
+    (finished,) = checkpoints.finished_marks(tmp_path)
+    assert (finished.rank, finished.local_rank, finished.local_world_size,
+            finished.attempt) == (3, 1, 2, 2)
+    assert finished.process is not None and not finished.process.alive()
+    checkpoints.forget_finished(tmp_path)
+    assert checkpoints.finished_marks(tmp_path) == []
 
 
 _STOP_SCRIPT = """
