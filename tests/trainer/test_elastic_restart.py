@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -105,21 +106,16 @@ def _state(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[0] + " " + stat[stat.index("(") + 1:stat.rindex(")")]
 
 
-def _renice(pids: list[int], niceness: int) -> None:
-    """Give every thread of processes `pids` (the threads a process has now; later ones
-    inherit) `niceness`; nothing for a process that has ended."""
-    for pid in pids:
-        with contextlib.suppress(FileNotFoundError):
-            for thread in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
+HOLDER = Path(__file__).with_name("hold_at_step.py")
 
 
 def _stop_the_agent_as_its_ranks_finish(launcher: Any, job: Path) -> float | None:
     """Run `job` on 2 ranks; once the last step is logged (past the last step boundary:
     the final save, the export and the report are left), hold both ranks (SIGSTOP), send
     their agent SIGTERM, and let them go on once it has signalled them. Seconds from then
-    until the agent ended; None when a rank had ended before it could be held."""
+    until the agent ended; None when a rank ended before it could be held, or while held
+    (the agent's SIGTERM ends a rank at once past its handler's removal, after the final
+    save and export): then nothing was tried."""
     # A session of its own: a failed check kills the agent's whole tree, not the agent alone
     # (a clean clone's failure left its fork server and ranks running).
     agent = subprocess.Popen(launcher.command(job, ranks=2), env=launcher.env(),
@@ -128,41 +124,38 @@ def _stop_the_agent_as_its_ranks_finish(launcher: Any, job: Path) -> float | Non
     try:
         ranks = [launcher.worker_pid(agent.pid, rank) for rank in (0, 1)]
         deadline = time.monotonic() + 120
-
-        def await_step(step: int) -> None:
-            while not any(e["step"] == step for e in launcher.events(job, "step")):
-                assert agent.poll() is None and time.monotonic() < deadline, \
-                    "training never ended"
-                time.sleep(0.002)
-
-        # The ranks' last steps and their finishing at the lowest priority: on a loaded
-        # machine they finish before this process, polling at the normal one, is scheduled
-        # to see the last step otherwise (three tries lost in a row under two other workers).
-        await_step(10)
-        _renice(ranks, 19)
-        await_step(12)
-        seen = time.monotonic()
-        for pid in ranks:
-            os.kill(pid, signal.SIGSTOP)
-        _renice(ranks, 0)  # what they do from here on is what the test times
-        os.kill(agent.pid, signal.SIGTERM)
+        # Held by a process of its own, the moment the last step is logged (hold_at_step.py
+        # says why not by this one).
+        holder = subprocess.Popen([sys.executable, str(HOLDER), str(launcher.log(job)), "12",
+                                   *map(str, ranks)])
         try:
-            while not all(_pending_sigterm(pid) for pid in ranks):
+            while holder.poll() is None and agent.poll() is None:
+                assert time.monotonic() < deadline, "training never ended"
+                time.sleep(0.05)
+            try:
+                held = holder.wait(timeout=10) == 0  # once the agent ended: its last look
+            except subprocess.TimeoutExpired:
+                held = False  # the agent ended without the last step logged
+        finally:
+            holder.kill()
+            holder.wait()
+        if held:
+            os.kill(agent.pid, signal.SIGTERM)
+        try:
+            while held and not all(_pending_sigterm(pid) for pid in ranks):
                 assert time.monotonic() < deadline, "the agent never signalled its ranks"
                 time.sleep(0.01)
         except ProcessLookupError:
-            # A rank finished before it was held: nothing was tried. What each rank was then,
-            # for a run where every try ends here (a clean clone's suite, three times in a row,
-            # though it never did here beside three spinning processes).
+            held = False
+        if not held:
+            # What each rank was, for a run where every try ends here.
             states = {pid: _state(pid) for pid in ranks}
             logged = [e["event"] for e in launcher.events(job, None)][-4:]
-            print(f"held {time.monotonic() - seen:.3f}s after the last step was seen; ranks "
-                  f"{states}; last events {logged}")
+            print(f"not held: the holder exited {holder.returncode}; ranks {states}; "
+                  f"last events {logged}")
             return None
-        finally:
-            for pid in ranks:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
         continued = time.monotonic()
         output, _ = agent.communicate(timeout=60)
         stopped = time.monotonic() - continued
