@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import yaml
 from build_images import BuiltImage
@@ -556,16 +557,30 @@ def own_code_job(name: str, s3: str, *, steps: int, save_every: int, step_second
     }
 
 
+@contextmanager
+def s3_credentials() -> Iterator[None]:
+    """The keys the pods get from s3-credentials, in this process's environment only inside
+    the block (boto3 reads them as it makes its client): the tests that run in this process
+    after this one keep its own keys (tests/conftest.py)."""
+    with mock.patch.dict(os.environ, CREDENTIALS):
+        yield
+
+
+def cluster_storage(cluster: Cluster, uri: str) -> Any:
+    """The cluster's S3 at `uri`, opened with the pods' keys."""
+    from kubetrain.api.trainingjob import StorageSpec
+    from kubetrain.trainer.storage import open_storage
+
+    with s3_credentials():
+        return open_storage(uri, StorageSpec(endpoint=cluster.s3, region="us-east-1"))
+
+
 def own_code_commits(cluster: Cluster, name: str) -> dict[str, int]:
     """The folders an own-code job has committed under its checkpoint.uri, with their steps:
     what a new pod's entry could restore now."""
-    from kubetrain.api.trainingjob import StorageSpec
     from kubetrain.trainer.checkpoint_sync import commits
-    from kubetrain.trainer.storage import open_storage
 
-    os.environ.update(CREDENTIALS)  # as the pods get them from s3-credentials
-    store = open_storage(f"s3://checkpoints/{name}",
-                         StorageSpec(endpoint=cluster.s3, region="us-east-1"))
+    store = cluster_storage(cluster, f"s3://checkpoints/{name}")
     return {commit.folder: commit.step for commit in commits(store)}
 
 

@@ -44,13 +44,14 @@ from typing import Any
 import pytest
 from kubernetes import client
 from whole_loop import (
-    CREDENTIALS,
     EVERY,
     MAX_STEPS,
     NAMESPACE,
     Cluster,
     Row,
+    cluster_storage,
     out_of_memory_job,
+    s3_credentials,
     training_job,
 )
 
@@ -66,18 +67,9 @@ _wait_for_printed_step = Cluster.wait_for_printed_step
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def _storage(cluster: Cluster) -> Any:
-    from kubetrain.api.trainingjob import StorageSpec
-
-    os.environ.update(CREDENTIALS)
-    return StorageSpec(endpoint=cluster.s3, region="us-east-1")
-
-
 def _export(cluster: Cluster, name: str) -> Path:
     """Download `<checkpoint uri>/export` into a local folder."""
-    from kubetrain.trainer.storage import open_storage
-
-    store = open_storage(f"s3://checkpoints/{name}/export", _storage(cluster))
+    store = cluster_storage(cluster, f"s3://checkpoints/{name}/export")
     target = cluster.folder / "exports" / name
     target.mkdir(parents=True, exist_ok=True)
     for found in store.list(""):
@@ -112,6 +104,7 @@ def test_two_workers_train_to_succeeded_with_progress_checkpoint_and_export(
     import torch
     import transformers
 
+    from kubetrain.api.trainingjob import StorageSpec
     from kubetrain.trainer.checkpoint import committed_checkpoints
 
     rows = uninterrupted.rows
@@ -129,8 +122,9 @@ def test_two_workers_train_to_succeeded_with_progress_checkpoint_and_export(
     assert status["phase"] == "Succeeded"
     assert status["progress"]["step"] == status["progress"]["maxSteps"] == MAX_STEPS
     latest = status["latestCheckpoint"]
-    committed = committed_checkpoints(f"s3://checkpoints/{uninterrupted.name}",
-                                      _storage(cluster))
+    with s3_credentials():
+        committed = committed_checkpoints(f"s3://checkpoints/{uninterrupted.name}",
+                                          StorageSpec(endpoint=cluster.s3, region="us-east-1"))
     assert latest["uri"] == f"s3://checkpoints/{uninterrupted.name}"
     assert latest["step"] == committed[0].step == MAX_STEPS, (latest, committed)
     # No fault, no alarm, over the whole run: a condition that never held is absent, and
