@@ -34,10 +34,11 @@ DEFAULT_COMMAND = [".venv/bin/pytest", "-n", "3", "-p", "no:cacheprovider"]
 # (kind, pattern on "comm | command line"), the first match wins.
 KINDS = [
     (RANKS := "trainer ranks (forked by the launcher)", r"^kt-rank-"),
-    # (A rank forked from a fork server has its command line: its name, set at its start,
-    # tells them apart, and a process first seen as a fork server is looked at again.)
+    # (A rank forked from a fork server has its command line, and the fork server the
+    # agent's: their names, set at their starts, tell them apart, and a process first seen
+    # as a fork server is looked at again.)
     (FORK_SERVER := "the launcher's fork servers (the loop's imports)",
-     r"multiprocessing\.forkserver"),
+     r"^kt-fork-server|multiprocessing\.forkserver"),
     ("the launcher's torchrun agents", r"kubetrain\.trainer\.launch"),
     ("own-code entries (kubetrain.trainer.own_code)", r"kubetrain\.trainer\.own_code"),
     ("plain torchrun agents", r"torch\.distributed\.run|torchrun"),

@@ -39,6 +39,8 @@ AGENT_PID_ENV: Final = "KUBETRAIN_AGENT_PID"
 # Each training process names itself PREFIX + its rank (/proc/PID/comm, what ps and top
 # show): under the launcher they all have the fork server's command line.
 RANK_PROCESS_PREFIX: Final = "kt-rank-"
+# ... and their fork server, a fork of the agent, names itself this.
+FORK_SERVER_NAME: Final = "kt-fork-server"
 
 # --- exit codes of a trainer process ----------------------------------------------------
 

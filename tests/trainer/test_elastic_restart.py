@@ -15,13 +15,6 @@ from typing import Any
 import pytest
 
 
-def _trainer_processes(agent: int) -> list[int]:
-    """The training processes torchrun (pid `agent`) started."""
-    children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
-    return [int(pid) for pid in children
-            if b"kubetrain.trainer" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-
-
 def _sigterm_one_rank_at(launcher: Any, job: Any, step: int) -> None:
     """Train `job` on 2 ranks under torchrun --max-restarts=1 and SIGTERM one rank once
     `step` is logged, as Kubernetes does to an evicted pod: every rank saves the same
@@ -36,7 +29,7 @@ def _sigterm_one_rank_at(launcher: Any, job: Any, step: int) -> None:
         while not any(e["step"] >= step for e in launcher.events(job, "step")):
             assert agent.poll() is None and time.monotonic() < deadline, "training never began"
             time.sleep(0.1)
-        os.kill(_trainer_processes(agent.pid)[-1], signal.SIGTERM)
+        os.kill(launcher.worker_pid(agent.pid, 1), signal.SIGTERM)
         output, _ = agent.communicate(timeout=150)
     finally:
         if agent.poll() is None:

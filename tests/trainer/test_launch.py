@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kubetrain.local.node import descendants, rank_processes
+from kubetrain.protocol import FORK_SERVER_NAME
 
 
 def parent_of(pid: int) -> int:
@@ -41,7 +42,7 @@ def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_lo
     tiny_job: Any, launcher: Any,
 ) -> None:
     """kill -9 of one rank: torchrun restarts the group in place, and the new ranks are
-    forked by the same server as the first ones (a child of the agent, started once),
+    forked by the same server as the first ones (a fork of the agent, made once),
     resume from the checkpoint and finish; the agent exits 0."""
     job = tiny_job("warm", optimization={"maxSteps": 30, "microBatchSize": 8, "warmupSteps": 5},
                    checkpoint={"everySteps": 4, "export": False})
@@ -56,6 +57,11 @@ def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_lo
         first = ranks_below(agent.pid)
         (server,) = set(first.values())
         assert server != agent.pid and parent_of(server) == agent.pid, "no fork server"
+        # The server is a fork of the agent, made once it had imported torch, not a new
+        # interpreter importing torch a second time: the agent's command line, its own name.
+        assert Path(f"/proc/{server}/cmdline").read_bytes() == Path(
+            f"/proc/{agent.pid}/cmdline").read_bytes()
+        assert Path(f"/proc/{server}/comm").read_text().strip() == FORK_SERVER_NAME
         os.kill(max(first), signal.SIGKILL)
         second: dict[int, int] = {}
         while len(second) < 2:

@@ -5,9 +5,9 @@ torchrun starts each training process as a new interpreter, which imports torch 
 the training loop again: about 2 s of a CPU core, in every restart of the group,
 while the group waits. This launcher is torchrun itself (its options, its PET_*
 variables, its elastic agent and rendezvous) with its start method `forkserver`:
-a fork server, started before anything else, imports the loop once while the agent
-imports torch and meets its peers, and each training process, in every attempt, is
-forked from it ready to train. The trainer runs as `python -m kubetrain.trainer
+a fork server, forked from the agent once it has imported torch, imports the rest of
+the loop while the agent meets its peers, and each training process, in every attempt,
+is forked from it ready to train. The trainer runs as `python -m kubetrain.trainer
 JOB.yaml [trainer options]` would.
 
 The fork server never initialises a device or starts a thread, so forking it is
@@ -20,16 +20,20 @@ while torchrun runs.
 from __future__ import annotations
 
 import argparse
+import io
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import socket
 import sys
 from collections.abc import Sequence
+from multiprocessing import connection, resource_tracker
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, cast
 
-from kubetrain.protocol import AGENT_PID_ENV
+from kubetrain.protocol import AGENT_PID_ENV, FORK_SERVER_NAME
 from kubetrain.trainer.lifeline import PodLifeline, in_a_pod
 
 # The fork server imports this module before it forks anything (see kubetrain.trainer.preload).
@@ -38,16 +42,75 @@ PRELOAD = "kubetrain.trainer.preload"
 _TRAINER = Path(__file__).with_name("__main__.py")
 
 
-def start_fork_server(argv: Sequence[str]) -> None:
-    """Start the fork server the training processes will come from, with the environment
-    they need: whatever it has when it starts, every one of them inherits."""
+def prepare_fork_server(argv: Sequence[str]) -> None:
+    """Set the environment the training processes need, before torch loads (OpenMP reads
+    it then): whatever the fork server has when it starts, every one of them inherits."""
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     os.environ["PYTHONUNBUFFERED"] = "1"  # as torchrun's `python -u`: logs as they happen
     if _processes_per_node(argv) != "1":
         # torchrun sets this default later, in the agent only; OpenMP reads it as torch loads.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Where the fork server below has died, multiprocessing starts its own, which imports
+    # the loop too.
     multiprocessing.set_forkserver_preload([PRELOAD])
-    multiprocessing.forkserver.ensure_running()
+
+
+def start_fork_server_from_here() -> None:
+    """Fork this process, torch imported and no thread of its own started yet, into the
+    fork server that multiprocessing's `forkserver` start method uses: it imports the rest
+    of the loop, while the agent meets its peers, and forks every training process.
+
+    multiprocessing's own fork server is a new interpreter, which imported torch a second
+    time: 1.2-1.5 s of a core in every pod start (the agent's import and the server's ran
+    side by side on two cores). Its state is set here as its `ensure_running` sets it (a
+    listening socket, the pipe whose end tells the server that its clients are gone), and
+    the server runs multiprocessing's own loop; only how it starts differs.
+    """
+    # Private to multiprocessing (typeshed leaves them out), as in ForkServer.ensure_running.
+    server: Any = multiprocessing.forkserver._forkserver
+    resource_tracker.ensure_running()
+    address = cast(Any, connection).arbitrary_address("AF_UNIX")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        sys.stdout.flush()  # or the fork would write what is buffered again
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the fork server, until its clients are gone
+            try:
+                _become_fork_server(listener.fileno(), alive_r)
+            finally:
+                os._exit(0)  # not this process's exit handlers: the agent's
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+
+
+def _become_fork_server(listener: int, alive_r: int) -> None:
+    """In the fork: what a new interpreter started by multiprocessing has (only `listener`
+    and `alive_r` open besides the standard streams, multiprocessing's own state fresh,
+    output unbuffered as under `python -u`), then multiprocessing's fork server."""
+    keep = sorted({0, 1, 2, listener, alive_r})
+    for low, high in itertools.pairwise([*keep, os.sysconf("SC_OPEN_MAX")]):
+        os.closerange(low + 1, high)
+    multiprocessing.forkserver.ForkServer.__init__(multiprocessing.forkserver._forkserver)
+    resource_tracker.ResourceTracker.__init__(resource_tracker._resource_tracker)
+    Path("/proc/self/comm").write_text(FORK_SERVER_NAME)  # not the agent, in ps
+    _unbuffered_output()
+    multiprocessing.forkserver.main(listener, alive_r, [PRELOAD])
+
+
+def _unbuffered_output() -> None:
+    """stdout and stderr as `python -u` makes them (PYTHONUNBUFFERED, set for the training
+    processes, is read only as an interpreter starts, and the fork server's was this one's)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(stream.fileno(), "w", closefd=False),
+                                            encoding=stream.encoding, errors=stream.errors,
+                                            write_through=True))
 
 
 def _processes_per_node(argv: Sequence[str]) -> str:
@@ -61,13 +124,14 @@ def _processes_per_node(argv: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    start_fork_server(argv)
+    prepare_fork_server(argv)
 
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import parse_args, run
 
     from kubetrain.trainer.rendezvous import register_rendezvous
 
+    start_fork_server_from_here()
     register_rendezvous()  # where kubetrain is on the path but not installed: no entry point
     args = parse_args(argv)
     lifeline = _pod_lifeline(args.training_script)
