@@ -28,6 +28,7 @@ import multiprocessing.forkserver
 import os
 import socket
 import sys
+import traceback
 from collections.abc import Sequence
 from multiprocessing import connection, resource_tracker
 from pathlib import Path
@@ -79,10 +80,15 @@ def start_fork_server_from_here() -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:  # the fork server, until its clients are gone
+            status = 1
             try:
                 _become_fork_server(listener.fileno(), alive_r)
+            except SystemExit:  # the server's way out: every client has gone
+                status = 0
+            except BaseException:  # the agent starts multiprocessing's own in its place
+                traceback.print_exc()
             finally:
-                os._exit(0)  # not this process's exit handlers: the agent's
+                os._exit(status)  # not this process's exit handlers: the agent's
         os.close(alive_r)
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
@@ -98,7 +104,8 @@ def _become_fork_server(listener: int, alive_r: int) -> None:
         os.closerange(low + 1, high)
     multiprocessing.forkserver.ForkServer.__init__(multiprocessing.forkserver._forkserver)
     resource_tracker.ResourceTracker.__init__(resource_tracker._resource_tracker)
-    Path("/proc/self/comm").write_text(FORK_SERVER_NAME)  # not the agent, in ps
+    if sys.platform == "linux":
+        Path("/proc/self/comm").write_text(FORK_SERVER_NAME)  # not the agent, in ps
     _unbuffered_output()
     multiprocessing.forkserver.main(listener, alive_r, [PRELOAD])
 
