@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -174,3 +175,38 @@ def test_the_agent_logs_a_traceback_as_torch_does_without_importing_the_compiler
     assert "same text: True" in done.stdout, done.stdout
     assert "RuntimeError: a rank failed" in done.stdout and "failed (exitcode: 1)" in done.stdout
 
+
+
+
+# A process started the way the launcher starts its ranks (from the fork server forked off
+# this one) prints a line without flushing it, then sleeps: the line must reach the pipe now.
+PRINTS_THEN_SLEEPS = """
+import multiprocessing, sys
+from kubetrain.trainer import launch
+launch.prepare_fork_server([])
+launch.start_fork_server_from_here()
+child = multiprocessing.get_context("forkserver").Process(
+    target=exec, args=("import time; print('printed'); time.sleep(60)",))
+child.start()
+child.join()
+"""
+
+
+def test_the_fork_servers_children_print_each_line_as_it_happens() -> None:
+    """The fork server is a fork of the launcher, whose output a pipe made block-buffered
+    (PYTHONUNBUFFERED, which the launcher sets for its ranks, is read only as an interpreter
+    starts): its children's lines still reach the pipe as they print them, as a pod's log
+    needs, not in one block at their exit."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    started = subprocess.Popen([sys.executable, "-c", PRINTS_THEN_SLEEPS], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        assert started.stdout is not None
+        ready, _, _ = select.select([started.stdout], [], [], 60)
+        line = started.stdout.readline() if ready else b""
+        assert started.poll() is None, started.communicate()[1][-3000:]
+        assert line == b"printed\n"
+    finally:
+        os.killpg(started.pid, signal.SIGKILL)
+        started.wait()
