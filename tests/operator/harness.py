@@ -602,7 +602,8 @@ def scenario_volcano_and_coscheduling_groups_follow_a_rescale(kube: Kube) -> Non
         kube.scale_job(name, 3)
         eventually(lambda name=name, api=api: kube.placement(name, *api, "podgroups")[name][
             "spec"]["minMember"] == 3, what=f"{gang}'s minMember follows the scale")
-        assert "GangResized" in eventually(lambda name=name: kube.event_reasons(name))
+        eventually(lambda name=name: "GangResized" in kube.event_reasons(name),
+                   what=f"{gang}'s GangResized event")
         kube.patch_job(name, {"spec": {"runPolicy": {"suspend": True}}})
         eventually(lambda name=name, api=api: not kube.placement(name, *api, "podgroups"),
                    what=f"suspend to release the {gang} group")

@@ -101,7 +101,8 @@ def test_hang_detection_restarts_a_group_whose_step_stopped(cluster: EmulatedClu
         status = job["status"]
         assert status["progress"]["step"] == 42 and status["progress"]["loss"] == 3.25
         assert status["latestCheckpoint"]["step"] == 40
-        assert "ProgressDeadlineExceeded" in eventually(lambda: kube.event_reasons("hang"))
+        eventually(lambda: "ProgressDeadlineExceeded" in kube.event_reasons("hang"),
+                   what="the ProgressDeadlineExceeded event")
     finally:
         server.shutdown()
 
