@@ -142,6 +142,32 @@ def test_the_launcher_registers_the_kubetrain_rendezvous_where_no_entry_point_do
     assert launcher.events(job, "finished")[-1]["step"] == 3
 
 
+# The fork of the launcher fails as it becomes the fork server (multiprocessing's server
+# loop raises in it: a Python whose private state the fork no longer matches).
+FORK_SERVER_FAILS = """
+import multiprocessing.forkserver, runpy
+def fails(*args, **kwargs):
+    raise RuntimeError("this fork server cannot serve")
+multiprocessing.forkserver.main = fails
+runpy.run_module("kubetrain.trainer.launch", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_where_the_launchers_fork_server_fails_multiprocessings_own_serves_the_ranks(
+    tiny_job: Any, launcher: Any,
+) -> None:
+    """The fork prints why it failed and exits; the agent finds it gone when it first starts
+    a rank, and multiprocessing starts its own server (a new interpreter, which imports the
+    loop itself): the training runs as before."""
+    job = tiny_job("fallback", optimization={"maxSteps": 3, "warmupSteps": 1})
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_SERVER_FAILS, *launch_command(launcher, job)[3:]],
+        env=launcher.env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "RuntimeError: this fork server cannot serve" in done.stderr, done.stderr[-4000:]
+    assert launcher.events(job, "finished")[-1]["step"] == 3
+
+
 # The agent's formatter against torch's own, on one record with a traceback: the same
 # text, and torch._dynamo imported only by torch's.
 SAME_TRACEBACK = """
