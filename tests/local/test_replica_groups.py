@@ -75,7 +75,7 @@ def test_a_lost_node_restarts_its_replica_group_alone_which_heals_from_the_live_
 
     # Group 1 started again (a second `start`), healed from group 0 past the kill, read no
     # checkpoint though some existed, and finished with it.
-    assert len(of_kind(groups[1], "start")) == 2, of_kind(groups[1], "start")
+    assert len(of_kind(groups[1], "start")) == 2, (of_kind(groups[1], "start"), output)
     (healed,) = [event for event in of_kind(groups[1], "healed") if event["step"] > KILL_AT]
     assert not of_kind(groups[1], "resumed") and of_kind(groups[0], "checkpoint")
     assert of_kind(groups[1], "finished")[0]["step"] == MAX_STEPS
