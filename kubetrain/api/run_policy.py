@@ -73,8 +73,9 @@ class PreflightPolicy(ApiModel):
     )
     min_bandwidth_fraction: float = Field(
         default=0.5, gt=0, le=1,
-        description="A rank whose all-reduce bandwidth is under this fraction of the median "
-        "rank's fails the check.",
+        description="A rank whose best link to a neighbouring rank (a tensor exchanged with "
+        "each of its two neighbours in the ring of ranks) is under this fraction of the "
+        "median rank's fails the check: a slow node's every link is slow.",
     )
 
 

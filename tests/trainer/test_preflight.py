@@ -8,10 +8,12 @@ store protocol with two ranks in two threads over one store, and the verdict's r
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +36,7 @@ from kubetrain.trainer.preflight import (
 )
 
 PASSED = re.compile(r"preflight: 2 ranks passed in (\d+\.\d+)s \(matmul ok, all-reduce "
-                    r"(\d+\.\d+) GB/s median, (\d+\.\d+) min\)")
+                    r"\d+\.\d+ GB/s median, links (\d+\.\d+) GB/s median, (\d+\.\d+) min\)")
 
 
 def test_two_ranks_pass_print_the_check_and_goodput_books_its_time(healthy_runs) -> None:
@@ -192,25 +194,25 @@ def test_rank_0_that_never_judges_is_named_by_the_others(monkeypatch) -> None:
     assert check.writes_the_failure()
 
 
-@pytest.mark.parametrize(("bandwidths", "failing"), [
+@pytest.mark.parametrize(("links", "failing"), [
     ([1.0, 0.9, 1.1, 0.95], []),
     ([1.0, 0.4, 1.1, 0.95], [1]),  # under half the median 0.975
     ([1.0, 0.49, 0.48, 1.0], []),  # the median itself is low: nobody is under half of it
 ])
-def test_a_rank_under_the_bandwidth_fraction_of_the_median_fails(
-        bandwidths: list[float], failing: list[int]) -> None:
-    check = Preflight(PreflightPolicy(), rank=0, world_size=len(bandwidths),
+def test_a_rank_whose_best_link_is_under_the_fraction_of_the_median_fails(
+        links: list[float], failing: list[int]) -> None:
+    check = Preflight(PreflightPolicy(), rank=0, world_size=len(links),
                       device=torch.device("cpu"), store=None)
     reports: list[RankReport | None] = [
-        RankReport(rank, f"pod-{rank}", f"node-{rank}", rank, bandwidth=bandwidth)
-        for rank, bandwidth in enumerate(bandwidths)]
+        RankReport(rank, f"pod-{rank}", f"node-{rank}", rank, bandwidth=1.0, link=link)
+        for rank, link in enumerate(links)]
     assert [failure.rank for failure in check._judge_group(reports)] == failing
 
 
 def test_only_the_ranks_that_never_reported_are_blamed_for_a_stuck_all_reduce() -> None:
     check = Preflight(PreflightPolicy(), rank=0, world_size=3, device=torch.device("cpu"),
                       store=None)
-    stuck = "its all-reduce failed: the all-reduce did not complete by the deadline"
+    stuck = "its all-reduce failed: the collective did not complete by the deadline"
     reports: list[RankReport | None] = [
         RankReport(0, "pod-0", "node-0", 0, problem=stuck), None,
         RankReport(2, "pod-2", "node-2", 2, problem=stuck)]
@@ -261,7 +263,8 @@ def test_a_rank_stalled_between_the_two_stages_fails_the_check_not_an_unknown_er
 # --- under a mesh of two dimensions (HSDP, tensor parallelism) --------------------------
 
 MESH_PASSED = re.compile(r"preflight: 4 ranks passed in \d+\.\d+s \(matmul ok, all-reduce "
-                         r"\d+\.\d+ GB/s median, \d+\.\d+ min; by mesh dimension, GB/s "
+                         r"\d+\.\d+ GB/s median, links \d+\.\d+ GB/s median, \d+\.\d+ min; "
+                         r"by mesh dimension, GB/s "
                          r"median, dp_replicate (\d+\.\d+), dp_shard (\d+\.\d+)\)")
 
 
@@ -404,3 +407,80 @@ def _stop_a_rank_once(launcher: Any, job: Any, tmp_path: Path, *, ranks: int, ra
               if line.startswith("kubetrain_worker_failure_info")]
     print(line)
     return output, line
+
+
+# --- the links: which rank is slow --------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
+def test_the_link_rounds_meet_each_ranks_two_ring_neighbours_once_in_disjoint_pairs(
+        world_size: int) -> None:
+    from kubetrain.trainer.preflight import link_pairings
+
+    rounds = link_pairings(world_size)
+    met = sorted(tuple(sorted((rank, partner))) for pairs in rounds
+                 for rank, partner in pairs.items() if rank < partner)
+    ring = sorted({tuple(sorted((rank, (rank + 1) % world_size))) for rank in range(world_size)})
+    assert met == ring  # each neighbouring pair once, nobody else
+    for pairs in rounds:  # a rank has one partner a round, and it has the rank as its own
+        assert all(pairs[partner] == rank for rank, partner in pairs.items())
+    assert len(rounds) == (1 if world_size == 2 else 2 if world_size % 2 == 0 else 3)
+
+
+# One rank of a 4-rank gloo group: joins, then (the one named SLOW) takes a CPU it shares with
+# a busy process at niceness 15, about 3 % of it, every thread of it; then measures.
+MEASURES = """
+import json, os, subprocess, sys, time
+import torch, torch.distributed as dist
+from kubetrain.trainer.preflight import all_reduce_bandwidth, link_bandwidth
+dist.init_process_group("gloo")
+cpu, slow = int(os.environ["CPU"]), bool(os.environ.get("SLOW"))
+spin = f"import os\\nwhile os.getppid() == {os.getpid()}: pass"  # until this process is gone
+busy = subprocess.Popen([sys.executable, "-c", spin],
+                        preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) if slow else None
+for thread in os.listdir("/proc/self/task"):
+    os.sched_setaffinity(int(thread), {cpu})
+    if slow:
+        os.setpriority(os.PRIO_PROCESS, int(thread), 15)
+dist.barrier()
+try:
+    deadline = time.monotonic() + 90
+    device = torch.device("cpu")
+    print(json.dumps({"bandwidth": all_reduce_bandwidth(device, deadline),
+                      "link": link_bandwidth(device, deadline)}))
+finally:
+    if busy is not None:
+        busy.kill()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_links_blame_the_slow_rank_alone_where_its_neighbours_wait_on_it(
+        launcher: Any) -> None:
+    """Rank 2 of 4 is starved of CPU, as a slow node is slow: the all-reduce's ring takes
+    every rank as long, but only rank 2's best link is slow, so only rank 2 fails the check
+    (its neighbours 1 and 3 each have a healthy other link)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: one shared by the slow rank and a busy process")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launcher.free_port()),
+           "WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen(
+        [sys.executable, "-c", MEASURES], text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env, "RANK": str(rank), "CPU": str(cpus[-1] if rank == 2 else cpus[0]),
+             **({"SLOW": "1"} if rank == 2 else {})}) for rank in range(4)]
+    try:
+        outputs = [rank.communicate(timeout=150) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
+    measured = [json.loads(out) for out, _ in outputs]
+    check = Preflight(PreflightPolicy(), rank=0, world_size=4, device=torch.device("cpu"),
+                      store=None)
+    reports: list[RankReport | None] = [
+        RankReport(rank, f"pod-{rank}", f"node-{rank}", rank, **figures)
+        for rank, figures in enumerate(measured)]
+    assert [failure.rank for failure in check._judge_group(reports)] == [2], measured

@@ -17,9 +17,16 @@ a group that does not form (a rank stalled after its device check) fails the che
    enters init_process_group with a peer that cannot answer.
 2. Group, once the process group is formed: an all-reduce over it, started with
    async_op and polled until the deadline (so a peer that stalls now cannot hang it),
-   measures each rank's bus bandwidth; reports and verdict go through the store again.
-   A rank under `minBandwidthFraction` times the median rank's bandwidth fails. A group of
-   one has nobody to all-reduce with and skips this stage.
+   checks the sum and measures the group's bus bandwidth (printed, not judged: a ring
+   all-reduce takes every rank as long as its slowest link, so a slow node slows every
+   rank's measurement alike, and only who arrived late would tell them apart). Then each
+   rank exchanges a tensor with each of its two neighbours in the ring of ranks, one pair
+   at a time in rounds of disjoint pairs (`link_pairings`), and reports its best link's
+   bandwidth: a slow node's links are all slow, a healthy neighbour's other link is not.
+   A rank whose best link is under `minBandwidthFraction` times the median rank's fails.
+   Reports and verdict go through the store again. A group of one has nobody to exchange
+   with and skips this stage; in a group of two both ranks share their one link, so a
+   slow one cannot be told from its partner.
 3. Mesh, under a mesh of two or more dimensions (HSDP, tensor parallelism; `mesh`, from
    `mesh.preflight_dimensions`): the flat all-reduce may pass while a dimension's own
    groups (the pairs across pods, the ranks of one pod) cannot form or all-reduce. Every
@@ -32,7 +39,7 @@ a group that does not form (a rank stalled after its device check) fails the che
    the fraction allows without any fault).
 
 A rank fails when its product is wrong, it raises, it has not reported by the deadline
-(a stalled or stopped process), or its bandwidth is too low. When some ranks never
+(a stalled or stopped process), or its best link is too slow. When some ranks never
 reported, they are the ones blamed: the others' all-reduces timing out follows from
 them. Each report carries the rank's pod and node (the downward API's
 KUBETRAIN_POD_NAME and KUBETRAIN_NODE_NAME, else the host name) and its torchrun agent
@@ -83,7 +90,8 @@ class RankReport:
     node: str
     agent: int  # torchrun's GROUP_RANK: the ranks of one agent share a pod and node
     problem: str = ""
-    bandwidth: float = 0.0  # GB/s of bus bandwidth (group stage)
+    bandwidth: float = 0.0  # GB/s of the all-reduce's bus bandwidth (group stage)
+    link: float = 0.0  # GB/s of its best link to a neighbouring rank (group stage)
     dimensions: dict[str, float] = field(default_factory=dict)  # GB/s by dimension (mesh)
 
     def named(self) -> str:
@@ -169,6 +177,57 @@ def all_reduce_bandwidth(device: torch.device, deadline: float,
     return moved / fastest / 1e9
 
 
+def link_pairings(world_size: int) -> list[dict[int, int]]:
+    """Rounds of disjoint pairs (rank: its partner) in which each rank meets both its
+    neighbours in the ring of ranks, each once: two rounds for an even world, three for an
+    odd one (the last rank and the first meet alone), one for a world of two."""
+    links = ([(rank, (rank + 1) % world_size) for rank in range(world_size)]
+             if world_size > 2 else [(0, 1)] if world_size == 2 else [])
+    rounds: list[dict[int, int]] = []
+    for a, b in links:
+        pairs = next((pairs for pairs in rounds if a not in pairs and b not in pairs), None)
+        if pairs is None:
+            pairs = {}
+            rounds.append(pairs)
+        pairs[a], pairs[b] = b, a
+    return rounds
+
+
+def link_bandwidth(device: torch.device, deadline: float) -> float:
+    """GB/s of this rank's best link: the fastest of a few exchanges (a tensor sent to the
+    partner while one is received from it) with each of its partners in `link_pairings`,
+    the better partner's; raises when a received tensor is not what was sent.
+
+    Every rank goes through the rounds in order, exchanging only with its partner of each:
+    a pair's exchange starts once both are done with their earlier rounds, so no rank waits
+    on one that waits on it. The rounds of a pair with a slow node are slow for both, but
+    a healthy rank's other partner is not slow; a slow node's every partner is."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sent = torch.full((ALL_REDUCE_BYTES[device.type] // 4,), float(rank + 1), device=device)
+    received = torch.empty_like(sent)
+    best = 0.0
+    for pairs in link_pairings(world_size):
+        partner = pairs.get(rank)
+        if partner is None:
+            continue
+        fastest = math.inf
+        for timed in [False] + [True] * ALL_REDUCE_ROUNDS:  # the first sets the pair up
+            started = time.perf_counter()
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, partner),
+                                                dist.P2POp(dist.irecv, received, partner)]):
+                # (gloo's sends and receives say they are complete only once waited for)
+                work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if timed:
+                fastest = min(fastest, time.perf_counter() - started)
+        if float(received[0]) != partner + 1 or float(received[-1]) != partner + 1:
+            raise ValueError(f"it received {float(received[0]):g} from rank {partner}, "
+                             f"not {partner + 1}")
+        best = max(best, sent.numel() * 4 / fastest / 1e9)
+    return best
+
+
 def mesh_groups(sizes: dict[str, int]) -> dict[str, list[list[int]]]:
     """The process groups of each dimension of a row-major mesh of `sizes` (name: size,
     outermost first), as init_device_mesh lays it out: the ranks that differ only in that
@@ -187,7 +246,7 @@ def _finish(work: dist.Work | None, deadline: float) -> None:
     assert work is not None
     while not work.is_completed():
         if time.monotonic() > deadline:
-            raise TimeoutError("the all-reduce did not complete by the deadline")
+            raise TimeoutError("the collective did not complete by the deadline")
         time.sleep(POLL_SECONDS / 5)
     work.wait()  # raises the collective's own error, if it failed
 
@@ -211,7 +270,8 @@ class Preflight:
         pod, node = where_am_i()
         self.me = RankReport(rank, pod, node, int(os.environ.get("GROUP_RANK", "0")))
         self.verdict: Verdict | None = None
-        self.bandwidths: list[float] = []
+        self.bandwidths: list[float] = []  # the all-reduce's, by rank
+        self.links: list[float] = []  # each rank's best link's
         # The groups of each dimension of several ranks, when two or more such dimensions
         # lay out this world (one alone is the world, which the group stage checks).
         sizes = mesh or {}
@@ -243,16 +303,23 @@ class Preflight:
         self._stage("device", mine, self._judge_device)
 
     def check_group(self) -> None:
-        """The all-reduce over the formed group, its bandwidth judged (raises PreflightFailed)."""
+        """The all-reduce over the formed group, then the links to each rank's neighbours,
+        whose bandwidth is judged (raises PreflightFailed)."""
         if self.store is None or self.world_size == 1:
             return
-        # Each rank gives up on its all-reduce a little before the deadline, so its
+        # Each rank gives up on its exchanges a little before the deadline, so its
         # report still reaches rank 0 in time.
         give_up = self.deadline - min(1.0, self.policy.timeout_seconds / 10)
         try:
             mine = replace(self.me, bandwidth=all_reduce_bandwidth(self.device, give_up))
         except Exception as raised:
             mine = replace(self.me, problem=f"its all-reduce failed: {raised}")
+        else:
+            try:
+                mine = replace(mine, link=link_bandwidth(self.device, give_up))
+            except Exception as raised:
+                mine = replace(mine, problem=f"its exchange with a neighbouring rank failed: "
+                                             f"{raised}")
         self._stage("group", mine, self._judge_group)
 
     def check_mesh(self) -> None:
@@ -360,9 +427,9 @@ class Preflight:
         mesh = "".join(f", {name} {bandwidth:.2f}"
                        for name, bandwidth in self.mesh_bandwidths.items())
         return (f"preflight: {ranks} passed in {seconds:.2f}s (matmul ok, all-reduce "
-                f"{statistics.median(self.bandwidths):.2f} GB/s median, "
-                f"{min(self.bandwidths):.2f} min" + (f"; by mesh dimension, GB/s median{mesh}"
-                                                     if mesh else "") + ")")
+                f"{statistics.median(self.bandwidths):.2f} GB/s median, links "
+                f"{statistics.median(self.links):.2f} GB/s median, {min(self.links):.2f} min"
+                + (f"; by mesh dimension, GB/s median{mesh}" if mesh else "") + ")")
 
     # --- judging ------------------------------------------------------------------
 
@@ -381,12 +448,13 @@ class Preflight:
         if failed:
             return failed
         self.bandwidths = [report.bandwidth for report in present]
-        median = statistics.median(self.bandwidths)
+        self.links = [report.link for report in present]
+        median = statistics.median(self.links)
         floor = self.policy.min_bandwidth_fraction * median
-        return [Failure(report.rank, f"its all-reduce bandwidth {report.bandwidth:.2f} GB/s "
-                        f"is under {self.policy.min_bandwidth_fraction:g} x the median "
-                        f"{median:.2f} GB/s", report)
-                for report in present if report.bandwidth < floor]
+        return [Failure(report.rank, f"its best link to a neighbouring rank moved "
+                        f"{report.link:.2f} GB/s, under {self.policy.min_bandwidth_fraction:g}"
+                        f" x the median rank's {median:.2f} GB/s", report)
+                for report in present if report.link < floor]
 
     def _judge_mesh(self, reports: list[RankReport | None]) -> list[Failure]:
         missing = self._missing(reports)
