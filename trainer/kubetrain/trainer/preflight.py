@@ -215,10 +215,10 @@ def link_bandwidth(device: torch.device, deadline: float) -> float:
             started = time.perf_counter()
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, partner),
                                                 dist.P2POp(dist.irecv, received, partner)]):
-                # (gloo's sends and receives say they are complete only once waited for)
-                work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                if device.type == "cuda":  # NCCL's: polled, as a wait would hang on a stall
+                    _finish(work, deadline)
+                else:  # gloo's sends and receives say they are complete only once waited for
+                    work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
             if timed:
                 fastest = min(fastest, time.perf_counter() - started)
         if float(received[0]) != partner + 1 or float(received[-1]) != partner + 1:
