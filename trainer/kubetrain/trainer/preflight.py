@@ -200,11 +200,15 @@ def link_bandwidth(device: torch.device, deadline: float) -> float:
 
     Every rank goes through the rounds in order, exchanging only with its partner of each:
     a pair's exchange starts once both are done with their earlier rounds, so no rank waits
-    on one that waits on it. The rounds of a pair with a slow node are slow for both, but
-    a healthy rank's other partner is not slow; a slow node's every partner is."""
+    on one that waits on it. Each timed exchange follows an untimed one of a single number,
+    which both ranks leave once the other has come: a partner that arrives late (descheduled
+    for a moment on a busy host) costs the punctual one nothing, and a pair's exchange takes
+    both as long. The rounds of a pair with a slow node are slow for both, but a healthy
+    rank's other partner is not slow; a slow node's every partner is."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sent = torch.full((ALL_REDUCE_BYTES[device.type] // 4,), float(rank + 1), device=device)
     received = torch.empty_like(sent)
+    here, there = sent[:1].clone(), received[:1].clone()
     best = 0.0
     for pairs in link_pairings(world_size):
         partner = pairs.get(rank)
@@ -212,13 +216,9 @@ def link_bandwidth(device: torch.device, deadline: float) -> float:
             continue
         fastest = math.inf
         for timed in [False] + [True] * ALL_REDUCE_ROUNDS:  # the first sets the pair up
+            _exchange(here, there, partner, device, deadline)
             started = time.perf_counter()
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, partner),
-                                                dist.P2POp(dist.irecv, received, partner)]):
-                if device.type == "cuda":  # NCCL's: polled, as a wait would hang on a stall
-                    _finish(work, deadline)
-                else:  # gloo's sends and receives say they are complete only once waited for
-                    work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            _exchange(sent, received, partner, device, deadline)
             if timed:
                 fastest = min(fastest, time.perf_counter() - started)
         if float(received[0]) != partner + 1 or float(received[-1]) != partner + 1:
@@ -226,6 +226,17 @@ def link_bandwidth(device: torch.device, deadline: float) -> float:
                              f"not {partner + 1}")
         best = max(best, sent.numel() * 4 / fastest / 1e9)
     return best
+
+
+def _exchange(sent: torch.Tensor, received: torch.Tensor, partner: int,
+              device: torch.device, deadline: float) -> None:
+    """Send `sent` to `partner` while receiving `received` from it, by `deadline`."""
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, partner),
+                                        dist.P2POp(dist.irecv, received, partner)]):
+        if device.type == "cuda":  # NCCL's: polled, as a wait would hang on a stall
+            _finish(work, deadline)
+        else:  # gloo's sends and receives say they are complete only once waited for
+            work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
 
 
 def mesh_groups(sizes: dict[str, int]) -> dict[str, list[list[int]]]:
