@@ -1,9 +1,10 @@
 """The preflight check (runPolicy.preflight): every rank's matmul and check-in through the
-attempt's store, the all-reduce bandwidth, and what a failure ends. Real torchrun runs
-(gloo, 2 ranks) show the passing line and its goodput, and a rank stopped from outside as
-soon as it exists: rank 0 names it and its node by the deadline, and torchrun, though
-allowed 3 restarts in place, ends after the first attempt. In-process tests run the
-store protocol with two ranks in two threads over one store, and the verdict's rules."""
+attempt's store, the all-reduce and each rank's links, and what a failure ends. Real
+torchrun runs (gloo, 2 ranks) show the passing line and its goodput, and a rank stopped
+from outside as soon as it exists: rank 0 names it and its node by the deadline, and
+torchrun, though allowed 3 restarts in place, ends after the first attempt. In-process
+tests run the store protocol with two ranks in two threads over one store, and the
+verdict's rules; four gloo processes, one starved of CPU, show whom the links blame."""
 
 from __future__ import annotations
 
