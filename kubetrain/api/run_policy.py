@@ -62,9 +62,9 @@ class PreflightPolicy(ApiModel):
     enabled: bool = Field(
         default=True,
         description="Before the first step, every rank multiplies matrices on its device "
-        "(checked against a reference) and all-reduces over the group (bandwidth measured): "
-        "a rank that fails or is too slow gets its node avoided and the group restarts "
-        "without it.",
+        "(checked against a reference), all-reduces over the group and exchanges a tensor "
+        "with each neighbouring rank (its links' bandwidth measured): a rank that fails or "
+        "is too slow gets its node avoided and the group restarts without it.",
     )
     timeout_seconds: int = Field(
         default=60, ge=1, le=3600,

@@ -45,9 +45,9 @@ all-reduced, every rank saves the same checkpoint and `fit` returns exit code
 others. A finished run (maxSteps or early stopping) saves, exports and returns 0.
 
 Preflight: before joining the group each rank checks its device, and once the group
-is formed, its all-reduce bandwidth, and under a 2-D or 3-D mesh an all-reduce over each
-dimension's group (preflight.py, `runPolicy.preflight`); rank 0 prints the result and
-goodput books the time as `preflight`.
+is formed, an all-reduce and each rank's links to its neighbours, and under a 2-D or 3-D
+mesh an all-reduce over each dimension's group (preflight.py, `runPolicy.preflight`);
+rank 0 prints the result and goodput books the time as `preflight`.
 
 Failing: a device out of memory (torch.OutOfMemoryError), a GPU that failed
 (`failure_classes.is_gpu_error`), a collective that timed out or a failed preflight is

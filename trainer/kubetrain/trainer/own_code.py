@@ -44,8 +44,8 @@ the pod's procsPerWorker devices before COMMAND starts: in a child process where
 sees a GPU, so that no device context stays in this one, else here on a thread (torch is
 loaded here for torchrun's agent anyway, and a child would load it a second time); a
 failure writes the PreflightFailed line naming this node and exits 89, and the operator
-avoids the node. The group stage (all-reduce bandwidth) needs the process group your
-code forms, and is the trainer's only.
+avoids the node. The group stage (an all-reduce, each rank's links) needs the process
+group your code forms, and is the trainer's only.
 
 torch is imported only where it is needed (the preflight, torchrun's agent, a failure
 line), never by importing this module: the restore starts before torch has loaded.
