@@ -40,15 +40,19 @@ def launch_command(launcher: Any, job: Path, *options: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_loop(
-    tiny_job: Any, launcher: Any,
+    tiny_job: Any, launcher: Any, tmp_path: Path,
 ) -> None:
     """kill -9 of one rank: torchrun restarts the group in place, and the new ranks are
     forked by the same server as the first ones (a fork of the agent, made once),
-    resume from the checkpoint and finish; the agent exits 0."""
+    resume from the checkpoint and finish; the agent exits 0 and leaves nothing of
+    multiprocessing's (the fork server's socket) in the temporary folder."""
     job = tiny_job("warm", optimization={"maxSteps": 30, "microBatchSize": 8, "warmupSteps": 5},
                    checkpoint={"everySteps": 4, "export": False})
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     agent = subprocess.Popen(launch_command(launcher, job, "--max-restarts=1"),
-                             env=launcher.env(), stdout=subprocess.PIPE,
+                             env={**launcher.env(), "TMPDIR": str(temporary)},
+                             stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -86,6 +90,7 @@ def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_lo
     resumed = launcher.events(job, "resumed")
     assert len(resumed) == 1 and resumed[0]["step"] >= 4
     assert launcher.events(job, "finished")[-1]["step"] == 30
+    assert not list(temporary.glob("pymp-*")), list(temporary.iterdir())
 
 
 def test_a_failure_no_restart_can_cure_ends_the_launcher_without_one(

@@ -20,6 +20,7 @@ while torchrun runs.
 from __future__ import annotations
 
 import argparse
+import atexit
 import io
 import itertools
 import logging
@@ -213,10 +214,12 @@ def exit_without_teardown() -> NoReturn:
     By then every training process has ended and been reaped, the rendezvous is closed and
     the lifeline stopped: what is left is Python unloading torch, 0.9 s of a core on a
     2-core machine, which delays the pod's end (and whoever waits on it: a finished job's
-    status, a suspend letting go of its pods) for nothing. The streams and log handlers
-    are flushed first. A failure still ends the normal way, its traceback printed.
+    status, a suspend letting go of its pods) for nothing. The exit handlers still run
+    (multiprocessing's removes the folder of the fork server's socket, which each launch
+    left in /tmp before: a workstation's `kubetrain run`s, a pod's restarts), and the
+    streams are flushed. A failure still ends the normal way, its traceback printed.
     """
-    logging.shutdown()
+    atexit._run_exitfuncs()  # logging's among them, which flushes its handlers
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
