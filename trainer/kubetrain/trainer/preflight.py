@@ -74,8 +74,9 @@ from kubetrain.trainer.rank_timing import where_am_i
 
 MATMUL_SIZE = 256
 MATMUL_TOLERANCE = 1e-2  # relative Frobenius error of the float32 product
-ALL_REDUCE_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}  # per rank; a few ms on either
-ALL_REDUCE_ROUNDS = 5  # timed, after one untimed round that sets the connections up
+# What each rank sends in an all-reduce or an exchange with a neighbour: a few ms on either.
+MEASURED_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
+TIMED_ROUNDS = 5  # of each measurement, after one untimed that sets the connections up
 VERDICT_GRACE_SECONDS = 5.0  # past the deadline, for rank 0's verdict to arrive
 POLL_SECONDS = 0.005
 T = TypeVar("T")
@@ -163,12 +164,12 @@ def all_reduce_bandwidth(device: torch.device, deadline: float,
     would mark them slow; a slow device or link slows every round.
     """
     world_size = dist.get_world_size(group)
-    tensor = torch.ones(ALL_REDUCE_BYTES[device.type] // 4, dtype=torch.float32, device=device)
+    tensor = torch.ones(MEASURED_BYTES[device.type] // 4, dtype=torch.float32, device=device)
     _finish(dist.all_reduce(tensor, group=group, async_op=True), deadline)
     if float(tensor[0]) != world_size:  # ones summed over the group
         raise ValueError(f"it summed {float(tensor[0]):g}, not {world_size}")
     fastest = math.inf
-    for _ in range(ALL_REDUCE_ROUNDS):
+    for _ in range(TIMED_ROUNDS):
         started = time.perf_counter()
         _finish(dist.all_reduce(tensor, group=group, async_op=True), deadline)
         fastest = min(fastest, time.perf_counter() - started)
@@ -181,8 +182,9 @@ def link_pairings(world_size: int) -> list[dict[int, int]]:
     """Rounds of disjoint pairs (rank: its partner) in which each rank meets both its
     neighbours in the ring of ranks, each once: two rounds for an even world, three for an
     odd one (the last rank and the first meet alone), one for a world of two."""
-    links = ([(rank, (rank + 1) % world_size) for rank in range(world_size)]
-             if world_size > 2 else [(0, 1)] if world_size == 2 else [])
+    # The ring's edges, each once: a world of two has one (0-1 and 1-0 are the same).
+    links = list(dict.fromkeys(tuple(sorted((rank, (rank + 1) % world_size)))
+                               for rank in range(world_size) if world_size > 1))
     rounds: list[dict[int, int]] = []
     for a, b in links:
         pairs = next((pairs for pairs in rounds if a not in pairs and b not in pairs), None)
@@ -206,7 +208,7 @@ def link_bandwidth(device: torch.device, deadline: float) -> float:
     both as long. The rounds of a pair with a slow node are slow for both, but a healthy
     rank's other partner is not slow; a slow node's every partner is."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    sent = torch.full((ALL_REDUCE_BYTES[device.type] // 4,), float(rank + 1), device=device)
+    sent = torch.full((MEASURED_BYTES[device.type] // 4,), float(rank + 1), device=device)
     received = torch.empty_like(sent)
     here, there = sent[:1].clone(), received[:1].clone()
     best = 0.0
@@ -215,7 +217,7 @@ def link_bandwidth(device: torch.device, deadline: float) -> float:
         if partner is None:
             continue
         fastest = math.inf
-        for timed in [False] + [True] * ALL_REDUCE_ROUNDS:  # the first sets the pair up
+        for timed in [False] + [True] * TIMED_ROUNDS:  # the first sets the pair up
             _exchange(here, there, partner, device, deadline)
             started = time.perf_counter()
             _exchange(sent, received, partner, device, deadline)
