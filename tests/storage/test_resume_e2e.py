@@ -8,6 +8,7 @@ see the same losses step by step (the same samples in the same order).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 from kubetrain.api.trainingjob import StorageSpec
 from kubetrain.local.launch import free_port
 from kubetrain.local.metrics_log import MetricsLogReader
+from kubetrain.local.node import descendants, rank_processes
 from kubetrain.trainer.checkpoint import committed_checkpoints
 from kubetrain.trainer.prepare import PreparedDataset
 from kubetrain.trainer.storage import open_storage
@@ -59,10 +61,12 @@ def _manifest(path: Path, *, train: str, checkpoint: str, endpoint: str) -> Path
 
 
 def _torchrun(manifest: Path, log: Path, ranks: int, restarts: int = 0) -> subprocess.Popen[bytes]:
+    """torchrun as a worker pod runs it: kubetrain's launcher, whose ranks fork from a
+    server that imported the training loop once."""
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        [sys.executable, "-m", "kubetrain.trainer.launch", "--standalone",
          f"--nproc-per-node={ranks}", f"--max-restarts={restarts}",
-         "-m", "kubetrain.trainer", str(manifest), "--metrics-log", str(log)],
+         str(manifest), "--metrics-log", str(log)],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=manifest.parent,
         stdout=subprocess.DEVNULL, stderr=open(log.with_suffix(".err"), "wb"),
     )
@@ -89,23 +93,15 @@ def _wait_for(condition: Callable[[], bool], process: subprocess.Popen[bytes],
 
 
 def _workers(agent: subprocess.Popen[bytes]) -> list[int]:
-    """The trainer processes torchrun's agent started (its children)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == agent.pid:
-                children.append(int(entry.name))
-    return sorted(children)
+    """The training processes below torchrun's agent (children of its fork server)."""
+    return sorted(rank_processes(descendants(agent.pid)))
 
 
 def _stop(agent: subprocess.Popen[bytes]) -> None:
-    """Kill whatever is left of a torchrun launch: its workers first, then the agent."""
-    for worker in _workers(agent):
-        os.kill(worker, signal.SIGKILL)
+    """Kill whatever is left of a torchrun launch: its processes first, then the agent."""
+    for pid in descendants(agent.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     if agent.poll() is None:
         agent.kill()
         agent.wait()

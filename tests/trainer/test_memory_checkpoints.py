@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from kubetrain.api.trainingjob import TrainingJobSpec
+from kubetrain.local.node import descendants
 from kubetrain.trainer.checkpoint import ModelState, RandomState
 from kubetrain.trainer.goodput import CHECKPOINT_LOAD, S3_TIER, STARTUP, GoodputLedger
 from kubetrain.trainer.memory_checkpoint import (
@@ -330,10 +331,11 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
     port = launcher.free_port()
 
     def node(name: str, restarts: int) -> subprocess.Popen[str]:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+        # torchrun as a worker pod runs it (kubetrain.trainer.launch).
+        command = [sys.executable, "-m", "kubetrain.trainer.launch", "--nnodes=2",
                    "--nproc-per-node=1", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=memory-node-loss",
-                   f"--max-restarts={restarts}", "-m", "kubetrain.trainer", str(job),
+                   f"--max-restarts={restarts}", str(job),
                    "--metrics-log", str(launcher.log(job))]
         # As in a worker pod (worker_env.torchrun_env): a fresh store at each rendezvous round.
         env = {**launcher.env(), FOLDER_ENV: str(tmp_path / name), NODE_ENV: name,
@@ -347,7 +349,7 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
     replacement = None
     try:
         _wait_for_step(launcher, job, 7, [survivor, lost])
-        for pid in [*_children(lost.pid), lost.pid]:  # the node's agent and its trainer
+        for pid in [*descendants(lost.pid), lost.pid]:  # the node's agent and its trainer
             os.kill(pid, signal.SIGKILL)
         killed_at = max(e["step"] for e in launcher.events(job, "step"))
         lost.wait(timeout=30)
@@ -373,9 +375,6 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
     assert _s3_checkpoints(job)[-1].parent.name == "step-00000024"
     assert launcher.events(job, "finished")[-1]["step"] == 24
 
-
-def _children(agent: int) -> list[int]:
-    return [int(pid) for pid in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
 
 
 def test_a_restore_from_own_memory_books_the_memory_tier_and_from_s3_the_s3_tier(
