@@ -349,7 +349,7 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
     replacement = None
     try:
         _wait_for_step(launcher, job, 7, [survivor, lost])
-        for pid in [*descendants(lost.pid), lost.pid]:  # the node's agent and its trainer
+        for pid in [*descendants(lost.pid), lost.pid]:  # the node's launch, all of it
             os.kill(pid, signal.SIGKILL)
         killed_at = max(e["step"] for e in launcher.events(job, "step"))
         lost.wait(timeout=30)
@@ -374,7 +374,6 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
         "no S3 checkpoint existed to resume from"
     assert _s3_checkpoints(job)[-1].parent.name == "step-00000024"
     assert launcher.events(job, "finished")[-1]["step"] == 24
-
 
 
 def test_a_restore_from_own_memory_books_the_memory_tier_and_from_s3_the_s3_tier(
