@@ -210,7 +210,8 @@ def link_bandwidth(device: torch.device, deadline: float) -> float:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     sent = torch.full((MEASURED_BYTES[device.type] // 4,), float(rank + 1), device=device)
     received = torch.empty_like(sent)
-    here, there = sent[:1].clone(), received[:1].clone()
+    here = sent[:1].clone()  # the handshake's single number, and its partner's
+    there = torch.empty_like(here)
     best = 0.0
     for pairs in link_pairings(world_size):
         partner = pairs.get(rank)
