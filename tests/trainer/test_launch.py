@@ -9,7 +9,9 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,18 @@ def launch_command(launcher: Any, job: Path, *options: str) -> list[str]:
             "--nproc-per-node=2", *options, str(job), "--metrics-log", str(launcher.log(job))]
 
 
+@pytest.fixture
+def short_temporary_folder() -> Iterator[Path]:
+    """A temporary folder of a short path: the fork server's socket in it must fit AF_UNIX's
+    108 bytes, which a folder under pytest's tmp_path can overflow (pytest-100/popen-gw2/...
+    did in a clean clone's run, and the launcher could not bind it)."""
+    with tempfile.TemporaryDirectory(prefix="kt-") as folder:
+        yield Path(folder)
+
+
 @pytest.mark.slow
 def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_loop(
-    tiny_job: Any, launcher: Any, tmp_path: Path,
+    tiny_job: Any, launcher: Any, short_temporary_folder: Path,
 ) -> None:
     """kill -9 of one rank: torchrun restarts the group in place, and the new ranks are
     forked by the same server as the first ones (a fork of the agent, made once),
@@ -48,8 +59,7 @@ def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_lo
     multiprocessing's (the fork server's socket) in the temporary folder."""
     job = tiny_job("warm", optimization={"maxSteps": 30, "microBatchSize": 8, "warmupSteps": 5},
                    checkpoint={"everySteps": 4, "export": False})
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
+    temporary = short_temporary_folder
     agent = subprocess.Popen(launch_command(launcher, job, "--max-restarts=1"),
                              env={**launcher.env(), "TMPDIR": str(temporary)},
                              stdout=subprocess.PIPE,
@@ -57,7 +67,9 @@ def test_a_restart_in_place_forks_its_ranks_from_the_server_that_imported_the_lo
     try:
         deadline = time.monotonic() + 120
         while not any(e["step"] >= 8 for e in launcher.events(job, "step")):
-            assert agent.poll() is None and time.monotonic() < deadline, "training never began"
+            ended = agent.poll() is not None  # then what it printed says why
+            assert not ended and time.monotonic() < deadline, (
+                "training never began: " + (agent.communicate()[0][-4000:] if ended else ""))
             time.sleep(0.05)
         first = ranks_below(agent.pid)
         (server,) = set(first.values())
