@@ -107,7 +107,7 @@ def test_a_restart_turns_redone_steps_into_lost_progress_and_the_gap_into_downti
     ledger.load_state_dict(checkpoint)
     clock.advance(0.5)
     ledger.charge(CHECKPOINT_LOAD)
-    ledger.resume(heartbeat)
+    assert ledger.resume(heartbeat) == 15  # steps 11..15 are booked as redone
     train(ledger, clock, range(11, 21))
 
     seconds = ledger.seconds
@@ -149,7 +149,7 @@ def test_without_a_heartbeat_everything_after_the_checkpoint_is_downtime() -> No
     clock.advance(2.0)
     ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
     ledger.load_state_dict(checkpoint)
-    ledger.resume(None)
+    assert ledger.resume(None) is None
     clock.advance(1.0)
     ledger.charge(STARTUP)
     assert ledger.seconds[LOST_PROGRESS] == 0.0
@@ -164,7 +164,7 @@ def test_a_kill_before_the_first_checkpoint_loses_all_its_steps() -> None:
     heartbeat = ledger.snapshot()
     clock.advance(10.0)
     again = GoodputLedger(attempt_started=clock.now, clock=clock)
-    again.resume(heartbeat)
+    assert again.resume(heartbeat) == 4
     assert again.seconds[LOST_PROGRESS] == pytest.approx(8.0)
     assert again.seconds[DATA_WAIT] == pytest.approx(2.0)
     assert again.seconds[DOWNTIME] == pytest.approx(10.0)
@@ -196,7 +196,7 @@ def test_a_checkpoint_of_another_job_starts_the_accounting_afresh() -> None:
     clock.advance(100.0)
     ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
     ledger.load_state_dict(checkpoint)
-    ledger.resume(heartbeat, from_this_job=False)
+    assert ledger.resume(heartbeat, from_this_job=False) is None
     assert ledger.wall_seconds == 0.0
     assert ledger.origin == clock.now
 
@@ -207,7 +207,7 @@ def test_a_heartbeat_of_another_origin_is_ignored() -> None:
     clock.advance(3.0)
     ledger = GoodputLedger(attempt_started=clock.now, clock=clock)
     ledger.load_state_dict(checkpoint)
-    ledger.resume({**heartbeat, "origin": 12345.0})
+    assert ledger.resume({**heartbeat, "origin": 12345.0}) is None
     assert ledger.seconds[LOST_PROGRESS] == 0.0
     assert ledger.wall_seconds == pytest.approx(clock.now)
 

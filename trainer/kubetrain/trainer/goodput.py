@@ -265,7 +265,7 @@ class GoodputLedger(Stateful):
         self._mark = max(self.clock(), self._mark)
 
     def resume(self, heartbeat: Mapping[str, Any] | None, *,
-               from_this_job: bool = True, out_of_memory_restarts: int = 0) -> None:
+               from_this_job: bool = True, out_of_memory_restarts: int = 0) -> int | None:
         """Carry the earlier attempts' time into this one.
 
         Call once, after the checkpoint was loaded (or none was). `heartbeat` is
@@ -274,6 +274,10 @@ class GoodputLedger(Stateful):
         heartbeat's totals are this job's time, and accounting starts afresh.
         `out_of_memory_restarts` is the job's count so far: above the one booked, the
         attempt being resumed ran out of memory and its lost time is charged to `oom`.
+
+        Returns the step of the heartbeat whose time was carried past the checkpoint: the
+        steps up to it are booked as lost progress, the time after it as downtime. None
+        when no heartbeat was newer than the checkpoint.
         """
         restored, self._restored = self._restored, None
         restored_tiers, self._restored_tiers = self._restored_tiers, None
@@ -282,13 +286,13 @@ class GoodputLedger(Stateful):
         after_oom = out_of_memory_restarts > booked
         self.out_of_memory_restarts = out_of_memory_restarts
         if not from_this_job:
-            return
+            return None
         if heartbeat is not None and restored is not None \
                 and float(heartbeat["origin"]) != restored["origin"]:
             heartbeat = None  # another job wrote it (a reused checkpoint URI)
         if restored is None:
             if heartbeat is None:
-                return
+                return None
             # Killed before its first checkpoint: everything it trained is redone.
             restored = {"origin": float(heartbeat["origin"]), "time": float(heartbeat["origin"]),
                         "step": 0, "seconds": _zero()}
@@ -297,7 +301,9 @@ class GoodputLedger(Stateful):
         before = dict(restored["seconds"])
         tiers = dict(restored_tiers or _tiers(None))
         gap_started = restored["time"]
+        carried = None
         if heartbeat is not None and float(heartbeat["time"]) > gap_started:
+            carried = int(heartbeat["step"])
             for cause in CAUSES:
                 spent = float(heartbeat["seconds"].get(cause, 0.0)) - restored["seconds"][cause]
                 lost = OUT_OF_MEMORY if after_oom else LOST_PROGRESS
@@ -311,6 +317,7 @@ class GoodputLedger(Stateful):
             0.0, self.attempt_started - gap_started)
         self._before = before
         self._tiers_before = tiers
+        return carried
 
 
 class StragglerBooking:

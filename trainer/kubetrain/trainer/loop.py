@@ -665,15 +665,16 @@ class Trainer:
         # Booked by the tier it came from (a fresh start's look for one, by none).
         goodput.charge_load(load_tier(restored, loaded))
         # A checkpoint of another job (resumeFrom) does not carry this job's time.
-        goodput.resume(self._last_heartbeat(run),
-                       from_this_job=(not step or restored is not None
-                                      or run.checkpointer.latest is not None),
-                       out_of_memory_restarts=self.out_of_memory_restarts)
+        redone_through = goodput.resume(
+            self._last_heartbeat(run),
+            from_this_job=(not step or restored is not None
+                           or run.checkpointer.latest is not None),
+            out_of_memory_restarts=self.out_of_memory_restarts)
         if step:
             resumed_from = (restored.uri if restored is not None
                             else run.checkpointer.latest.uri if run.checkpointer.latest
                             else str(spec.checkpoint.resume_from))
-            reporter.resumed(step, resumed_from, run.world.world_size)
+            reporter.resumed(step, resumed_from, run.world.world_size, redone_through)
         if run.checkpointer.best is not None:
             reporter.kept_best(run.checkpointer.best.step, run.checkpointer.best.val_loss)
         reporter.started(step, run.world.world_size, *run.output_loss)

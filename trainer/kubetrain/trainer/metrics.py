@@ -322,9 +322,16 @@ class Reporter:
         if output_loss:
             self._print(f"output projection and loss: {output_loss} ({why})")
 
-    def resumed(self, step: int, uri: str, world_size: int) -> None:
-        self._event("resumed", step=step, uri=uri, world_size=world_size)
-        self._print(f"resumed from {uri} at step {step} with {world_size} processes")
+    def resumed(self, step: int, uri: str, world_size: int,
+                redone_through: int | None = None) -> None:
+        """Training goes on from the checkpoint of `step`. `redone_through` is the step of
+        the earlier attempt's last heartbeat past it: goodput books the steps up to it as
+        lost progress and the time after it as downtime (goodput.py)."""
+        self._event("resumed", step=step, uri=uri, world_size=world_size,
+                    redone_through=redone_through)
+        redone = (f"; steps {step + 1}-{redone_through} are trained again (lost progress)"
+                  if redone_through is not None and redone_through > step else "")
+        self._print(f"resumed from {uri} at step {step} with {world_size} processes{redone}")
 
     def healed(self, step: int, groups: int) -> None:
         """A replica group came back (or fell behind) and took a live group's state, that
