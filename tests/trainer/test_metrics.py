@@ -25,7 +25,7 @@ LOG_FIELDS = {
              "tokens_per_second", "mfu", "step_time", "data_wait_ratio", "ranks", "time"},
     "eval": {"event", "step", "val_loss", "perplexity", "time"},
     "checkpoint": {"event", "step", "uri", "val_loss", "best", "time"},
-    "resumed": {"event", "step", "uri", "world_size", "time"},
+    "resumed": {"event", "step", "uri", "world_size", "redone_through", "time"},
     "start": {"event", "step", "max_steps", "world_size", "output_loss", "time"},
     "finished": {"event", "step", "reason", "best_val_loss", "export_uri", "export_step",
                  "export_format", "time"},
@@ -42,7 +42,7 @@ RANKS = (RankTiming(0, "job-worker-0", "node-a", 0.15, 0.10, 6.0),
 
 
 def _report_a_run(reporter: Reporter) -> None:
-    reporter.resumed(40, "file:///ckpt/step-00000040", 2)
+    reporter.resumed(40, "file:///ckpt/step-00000040", 2, redone_through=47)
     reporter.started(40, 2)
     reporter.stepped(41, 1024, 0.25)
     reporter.logged(StepReport(step=41, epoch=0.5, loss=3.5, learning_rate=1e-3, grad_norm=0.9,
@@ -120,6 +120,7 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
         "resumed", "start", "step", "eval", "checkpoint", "goodput", "finished"]
     for event in events:
         assert set(event) == LOG_FIELDS[event["event"]]
+    assert events[0]["redone_through"] == 47  # steps 41-47 are redone: lost progress
 
 
 def test_a_reporter_on_another_rank_writes_and_serves_nothing(tiny_job, tmp_path: Path) -> None:
