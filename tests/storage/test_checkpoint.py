@@ -167,6 +167,26 @@ def test_an_async_save_keeps_the_state_of_the_step_it_was_called_at(
     checkpointer.close()
 
 
+def test_a_checkpoint_loads_into_an_optimizer_of_another_kernel_which_keeps_its_own() -> None:
+    """Param groups come back with the saving process's kernel (`fused`, `foreach`): the
+    loading optimizer keeps its own, which its grad scaler was set up for (the trainer's
+    fused CPU Adam resuming a checkpoint of the per-parameter loop, torch's default)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    saving = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    saving.step()
+    state = ModelState(model, saving).state_dict()
+    loading = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ModelState(model, loading).load_state_dict(state)
+    assert all(group["fused"] for group in loading.param_groups)
+    assert loading.state_dict()["state"][0]["step"] == 1  # the state itself came back
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    scaler.step(loading)  # the loop's kernel would refuse the scale the scaler hands it
+    assert loading.state_dict()["state"][0]["step"] == 2
+
+
 def test_uncommitted_saves_are_ignored_and_rotation_keeps_the_newest(
         s3_bucket: str, s3_spec: StorageSpec, prepared_corpus: PreparedDataset) -> None:
     uri = f"s3://{s3_bucket}/job"

@@ -7,6 +7,8 @@ from itertools import pairwise
 
 import pytest
 import torch
+from torch.amp import GradScaler
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from kubetrain.api.trainingjob import ModelSpec, OptimizationSpec
 from kubetrain.trainer.model import Transformer
@@ -82,5 +84,12 @@ def test_weight_decay_applies_to_matrices_and_not_to_norm_scales() -> None:
     norms = {id(m.weight) for name, m in model.named_modules() if name.endswith("norm")}
     assert {id(p) for p in undecayed["params"]} == norms
     assert isinstance(optimizer, torch.optim.AdamW)
+    assert all(group["fused"] for group in optimizer.param_groups)  # the CPU's fused kernel
+    # fp16 under FSDP: the sharded scaler's found-inf flag has a shape the fused kernel
+    # cannot take (`test_sigterm_saves_one_checkpoint...` trains with it).
+    sharded = build_optimizer(model, spec, PEAK, torch.device("cpu"), ShardedGradScaler("cpu"))
+    assert not any(group["fused"] for group in sharded.param_groups)
+    plain = build_optimizer(model, spec, PEAK, torch.device("cpu"), GradScaler("cpu"))
+    assert all(group["fused"] for group in plain.param_groups)
     sgd = build_optimizer(model, OptimizationSpec(optimizer="sgd"), PEAK, torch.device("cpu"))
     assert isinstance(sgd, torch.optim.SGD)

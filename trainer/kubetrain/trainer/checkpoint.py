@@ -181,6 +181,10 @@ class BestCheckpoint:
 # --- Stateful wrappers -----------------------------------------------------------------
 
 
+# Options of torch's optimizers that choose how a step is computed, not what it computes.
+_KERNEL_OPTIONS = ("fused", "foreach")
+
+
 class ModelState(Stateful):
     """Model and optimizer as DCP state: DTensor shards under FSDP2, so loads reshard."""
 
@@ -193,8 +197,16 @@ class ModelState(Stateful):
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The param groups come back with the saving process's options, the optimizer's
+        # kernel among them; which kernel runs is this process's choice (its device, its
+        # grad scaler: optim.build_optimizer), and a grad scaler that disagrees with the
+        # kernel fails the step (it hands a fused optimizer its scale to apply).
+        kernel = {key: self.optimizer.defaults[key] for key in _KERNEL_OPTIONS
+                  if key in self.optimizer.defaults}
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optimizer"])
+        for group in self.optimizer.param_groups:
+            group.update(kernel)
 
 
 class ModelWeights(Stateful):

@@ -482,7 +482,8 @@ class Trainer:
         parallel.dp_size = data_world  # the global batch is split over every group's ranks
         if mesh.tensor_parallel is not None:  # parallelize set the vocabulary-parallel loss
             why = f"tensorParallel {mesh.shape.tensor_parallel} splits the vocabulary"
-        optimizer = build_optimizer(parallel.module, opt, spec.learning_rate, world.device)
+        optimizer = build_optimizer(parallel.module, opt, spec.learning_rate, world.device,
+                                    parallel.scaler)
         # Epochs become steps once, from the data and the global batch (see `epochs`).
         max_steps = opt.steps_for(tokens_per_epoch=train_data.samples_per_epoch * spec.data.seq_len,
                                   seq_len=spec.data.seq_len, world_size=data_world)
