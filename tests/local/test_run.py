@@ -51,7 +51,9 @@ def test_run_recovers_from_a_lost_worker_matches_an_uninterrupted_run_and_books_
     max_steps = 100
     results = {}
     outputs = {}
-    for name, extra in (("steady", ()), ("killed", ("--kill-worker-at-step", "50"))):
+    # The kill comes 15 steps after the checkpoint of step 40: the heartbeats of the steps
+    # redone may lag a few steps on a loaded machine, and some must have landed.
+    for name, extra in (("steady", ()), ("killed", ("--kill-worker-at-step", "55"))):
         manifest = tiny_job(name, corpus, data, f"s3://{s3_bucket}/{name}",
                             max_steps=max_steps, storage=storage)
         # A heartbeat per step, so the goodput accounting resolves the kill to the step.
@@ -65,7 +67,7 @@ def test_run_recovers_from_a_lost_worker_matches_an_uninterrupted_run_and_books_
     assert finished["step"] == max_steps
     resumed = of_kind(killed, "resumed")
     assert len(resumed) == 1, "the kill should have caused exactly one resume"
-    assert 0 < resumed[0]["step"] <= 50, "resumed from a checkpoint saved before the kill"
+    assert 0 < resumed[0]["step"] <= 55, "resumed from a checkpoint saved before the kill"
     val_losses = [event["val_loss"] for event in of_kind(killed, "eval")]
     assert val_losses[-1] < val_losses[0] - 1.0, f"validation loss did not fall: {val_losses}"
 
