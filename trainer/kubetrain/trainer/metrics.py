@@ -326,10 +326,11 @@ class Reporter:
                 redone_through: int | None = None) -> None:
         """Training goes on from the checkpoint of `step`. `redone_through` is the step of
         the earlier attempt's last heartbeat past it: goodput books the steps up to it as
-        lost progress and the time after it as downtime (goodput.py)."""
+        lost progress (`oom` after an out-of-memory restart) and the time after it as
+        downtime (goodput.py)."""
         self._event("resumed", step=step, uri=uri, world_size=world_size,
                     redone_through=redone_through)
-        redone = (f"; steps {step + 1}-{redone_through} are trained again (lost progress)"
+        redone = (f"; steps {step + 1}-{redone_through} are trained again"
                   if redone_through is not None and redone_through > step else "")
         self._print(f"resumed from {uri} at step {step} with {world_size} processes{redone}")
 
