@@ -55,7 +55,7 @@ def _report_a_run(reporter: Reporter) -> None:
 
 
 def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
-        tiny_job, tmp_path: Path) -> None:
+        tiny_job, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = load_job(tiny_job("reported"))
     log = tmp_path / "metrics.jsonl"
     reporter = Reporter(job.spec, enabled=True, metrics_log=log, job_name="reported")
@@ -121,6 +121,12 @@ def test_the_exposition_passes_promtool_and_the_log_has_the_documented_events(
     for event in events:
         assert set(event) == LOG_FIELDS[event["event"]]
     assert events[0]["redone_through"] == 47  # steps 41-47 are redone: lost progress
+    # The resumed line keeps its shape (the whole loop's tests match its end); the steps
+    # trained again follow on a line of their own.
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == [
+        "resumed from file:///ckpt/step-00000040 at step 40 with 2 processes",
+        "steps 41-47 are trained again (after the checkpoint, before the restart)"], printed
 
 
 def test_a_reporter_on_another_rank_writes_and_serves_nothing(tiny_job, tmp_path: Path) -> None:

@@ -330,9 +330,11 @@ class Reporter:
         downtime (goodput.py)."""
         self._event("resumed", step=step, uri=uri, world_size=world_size,
                     redone_through=redone_through)
-        redone = (f"; steps {step + 1}-{redone_through} are trained again"
-                  if redone_through is not None and redone_through > step else "")
-        self._print(f"resumed from {uri} at step {step} with {world_size} processes{redone}")
+        self._print(f"resumed from {uri} at step {step} with {world_size} processes")
+        # On a line of its own: the line above keeps the shape that readers of the log match.
+        if redone_through is not None and redone_through > step:
+            self._print(f"steps {step + 1}-{redone_through} are trained again (after the "
+                        f"checkpoint, before the restart)")
 
     def healed(self, step: int, groups: int) -> None:
         """A replica group came back (or fell behind) and took a live group's state, that
