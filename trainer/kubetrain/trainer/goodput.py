@@ -301,9 +301,9 @@ class GoodputLedger(Stateful):
         before = dict(restored["seconds"])
         tiers = dict(restored_tiers or _tiers(None))
         gap_started = restored["time"]
-        carried = None
+        redone_through = None
         if heartbeat is not None and float(heartbeat["time"]) > gap_started:
-            carried = int(heartbeat["step"])
+            redone_through = int(heartbeat["step"])
             for cause in CAUSES:
                 spent = float(heartbeat["seconds"].get(cause, 0.0)) - restored["seconds"][cause]
                 lost = OUT_OF_MEMORY if after_oom else LOST_PROGRESS
@@ -317,7 +317,7 @@ class GoodputLedger(Stateful):
             0.0, self.attempt_started - gap_started)
         self._before = before
         self._tiers_before = tiers
-        return carried
+        return redone_through
 
 
 class StragglerBooking:
