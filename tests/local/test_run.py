@@ -97,7 +97,8 @@ def _assert_goodput_books_the_kill(folder: Path, name: str, found: list[dict[str
     # the resumed checkpoint's save and evaluation, booked as those. (On loaded cores a few
     # steps took twice the median: the times are summed, not estimated from a typical step.)
     through = resumed["redone_through"]
-    assert resumed["step"] + 2 <= through <= redone[-1]["step"], (resumed, len(redone))
+    assert through is not None and resumed["step"] + 2 <= through <= redone[-1]["step"], (
+        resumed, len(redone))
     times = [event["step_time"] for event in redone if event["step"] <= through]
     seconds = of_kind(found, "goodput")[-1]["seconds"]
     print(f"redone {len(redone)} steps, {len(times)} of them before the last heartbeat, in "
