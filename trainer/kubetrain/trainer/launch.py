@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, NoReturn, cast
 
 from kubetrain.protocol import AGENT_PID_ENV, FORK_SERVER_NAME
+from kubetrain.trainer.collector import collector_paused
 from kubetrain.trainer.lifeline import PodLifeline, in_a_pod
 
 # The fork server imports this module before it forks anything (see kubetrain.trainer.preload).
@@ -134,10 +135,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     prepare_fork_server(argv)
 
-    from torch.distributed.elastic.multiprocessing.errors import record
-    from torch.distributed.run import parse_args, run
+    # torch's import, without the collector's passes (kubetrain.trainer.collector); the
+    # fork server forked below inherits the frozen objects.
+    with collector_paused():
+        from torch.distributed.elastic.multiprocessing.errors import record
+        from torch.distributed.run import parse_args, run
 
-    from kubetrain.trainer.rendezvous import register_rendezvous
+        from kubetrain.trainer.rendezvous import register_rendezvous
 
     start_fork_server_from_here()
     register_rendezvous()  # where kubetrain is on the path but not installed: no entry point

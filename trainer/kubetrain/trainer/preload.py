@@ -12,15 +12,12 @@ The collector is off while they load, and what they created is frozen out of its
 passes, as kubetrain.trainer.__main__ does for a process that imports them itself.
 """
 
-import gc
+from kubetrain.trainer.collector import collector_paused
 
-gc.disable()
-import torch._dynamo  # noqa: E402, F401
+with collector_paused():
+    import torch._dynamo  # noqa: F401
 
-import kubetrain.trainer.loop  # noqa: E402, F401
-from kubetrain.trainer.loss import preload_fused_loss  # noqa: E402
+    import kubetrain.trainer.loop  # noqa: F401
+    from kubetrain.trainer.loss import preload_fused_loss
 
-preload_fused_loss()
-
-gc.freeze()
-gc.enable()
+    preload_fused_loss()
