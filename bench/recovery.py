@@ -330,9 +330,10 @@ def main() -> None:
         parser.error(f"--rows: no row {', '.join(sorted(unknown))} (rows: {', '.join(ROWS)})")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
     with tempfile.TemporaryDirectory(prefix="kubetrain-recovery-") as folder, \
+            loop.node_runtime(Path(folder), build_images()) as node, \
             EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
             NodeLifecycle(api=api.api_client()), \
-            loop.whole_loop(api, Path(folder) / "loop", build_images()) as cluster:
+            loop.whole_loop(api, Path(folder) / "loop", node) as cluster:
         stages: dict[str, float] = {}
         node_loss: dict[str, float] = {}
         timeline: dict[str, list[tuple[float, str]]] = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 from collections import Counter
@@ -41,6 +40,35 @@ def _torchrun_files_in_the_sessions_folder(
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PET_LOG_DIR", str(tmp_path_factory.mktemp("torchrun")))
         yield
+
+
+@pytest.fixture(scope="session")
+def node_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A containerd with the trainer and operator images imported (whole_loop.NodeRuntime),
+    once a session: the whole loop's nodes run their pods in it (tests/e2e/conftest.py:
+    `cluster`), and tests/images runs the images in it directly. The images are built if
+    not cached. Skipped without root and the runtime's tools (failed under CI). The
+    modules that use it share one worker (NODE_RUNTIME_MODULES, below), or each
+    worker would import the images again."""
+    from build_images import build_images
+    from machine_state import left_behind, snapshot
+    from pod_network import ensure_namespace_folder
+    from whole_loop import missing_host_support, node_runtime
+
+    reason = missing_host_support()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI needs the whole loop: {reason}", pytrace=False)
+        pytest.skip(reason)
+    images = build_images(("operator", "trainer"), log=lambda line: print(line, flush=True))
+    folder = tmp_path_factory.mktemp("node-runtime")
+    ensure_namespace_folder()  # the session's, removed at its end (pytest_sessionfinish)
+    before = snapshot()
+    with node_runtime(folder, images) as node:
+        mine = [str(folder), node.runtime.cgroup_parent, str(node.runtime.run_dir)]
+        yield node
+    left = left_behind(before, snapshot(), mine)
+    assert not left, "the node runtime left this on the machine:\n" + "\n".join(left)
 
 
 @pytest.fixture(scope="session")
@@ -219,15 +247,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # together and in file order, so its module-scoped fixtures (a trained teacher, a running
 # cluster) are built once and a test may print what an earlier one measured. The modules
 # of tests/real_server share one control plane: they all go to one worker, and so do the
-# e2e modules whose scenarios run on the session's whole loop (tests/e2e/conftest.py:
-# `cluster`), which one worker starts once, and the trainer modules that read the same
-# healthy runs. The e2e modules start first, being the longest part.
+# modules on the session's node runtime (`node_runtime`: the e2e modules whose scenarios
+# run on the whole loop, tests/e2e/conftest.py's `cluster`, and tests/images), which one
+# worker starts once, and the trainer modules that read the same healthy runs. The e2e
+# modules start first, being the longest part.
 # (xdist's `--dist loadgroup` would say this with marks, but under pytest 9.2 it silently
 # stops grouping: pytest-dev/pytest-xdist#1386.)
 
-WHOLE_LOOP_MODULES = ("tests/e2e/test_whole_loop.py", "tests/e2e/test_nodes.py",
-                      "tests/e2e/test_own_code.py", "tests/e2e/test_hsdp.py",
-                      "tests/e2e/test_fault_tolerance_e2e.py")
+# The modules on the session's node runtime: a second worker would import the images into
+# a containerd of its own again (40-50 s of containerd's CPU), and start a second whole loop.
+NODE_RUNTIME_MODULES = ("tests/e2e/test_whole_loop.py", "tests/e2e/test_nodes.py",
+                        "tests/e2e/test_own_code.py", "tests/e2e/test_hsdp.py",
+                        "tests/e2e/test_fault_tolerance_e2e.py", "tests/images/test_images.py")
 # Modules that read the same session-scoped runs (tests/trainer/conftest.py: healthy_runs).
 HEALTHY_RUN_MODULES = ("tests/trainer/test_preflight.py", "tests/trainer/test_rank_timing.py")
 
@@ -238,7 +269,7 @@ def _scope(nodeid: str) -> str:
         return "tests/real_server"
     if module in HEALTHY_RUN_MODULES:
         return "tests/trainer/healthy-runs"
-    return "tests/e2e/whole-loop" if module in WHOLE_LOOP_MODULES else module
+    return "tests/node-runtime" if module in NODE_RUNTIME_MODULES else module
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -255,14 +286,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByModule(config, log)
 
 
-E2E_CONFTEST = Path(__file__).parent / "e2e" / "conftest.py"
-
-
-def _on_the_whole_loop(item: pytest.Item) -> bool:
-    """Whether `item` uses the session's whole loop (tests/e2e/conftest.py: `cluster`)."""
-    info = getattr(item, "_fixtureinfo", None)
-    definitions = info.name2fixturedefs.get("cluster", ()) if info is not None else ()
-    return bool(definitions) and Path(inspect.getfile(definitions[-1].func)) == E2E_CONFTEST
+def _on_the_node_runtime(item: pytest.Item) -> bool:
+    """Whether `item` uses the session's node runtime (`node_runtime`, itself or through
+    the whole loop's `cluster`)."""
+    return "node_runtime" in getattr(item, "fixturenames", ())
 
 
 # The folders whose tests start real processes (torchrun launches, `kubetrain run`,
@@ -286,14 +313,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     last 112 s of a 1,789 s run; with only the modules marked slow first, 115 s of 1,835 s
     (long modules with no slow mark, test_preflight's 144 s among them, still came last).
 
-    A module on the session's whole loop that WHOLE_LOOP_MODULES does not name is an error:
-    on the other worker it would start a second whole loop (a containerd, the trainer
-    image's import, an operator), as test_fault_tolerance_e2e.py did until it was named."""
+    A module on the session's node runtime that NODE_RUNTIME_MODULES does not name is an
+    error: on another worker it would start a second one (a containerd, the images' import,
+    for the whole loop an operator too), as test_fault_tolerance_e2e.py did until it was
+    named."""
     strays = sorted({item.nodeid.split("::", 1)[0] for item in items
-                     if _on_the_whole_loop(item)} - set(WHOLE_LOOP_MODULES))
+                     if _on_the_node_runtime(item)} - set(NODE_RUNTIME_MODULES))
     if strays:
-        raise pytest.UsageError(f"{', '.join(strays)} run on the session's whole loop "
-                                "(`cluster`): add them to WHOLE_LOOP_MODULES in tests/conftest.py")
+        raise pytest.UsageError(f"{', '.join(strays)} run on the session's node runtime "
+                                "(`node_runtime`, or the whole loop's `cluster`): add them to "
+                                "NODE_RUNTIME_MODULES in tests/conftest.py")
     if not hasattr(config, "workerinput"):
         return
 

@@ -595,60 +595,74 @@ def own_code_resumes(lines: list[str]) -> list[int]:
             if (m := re.fullmatch(r"own-code resumed from step (\d+)", line))]
 
 
+@dataclass(frozen=True)
+class NodeRuntime:
+    """A containerd with the trainer and operator images imported: their refs in it."""
+
+    runtime: Runtime
+    trainer: str
+    operator: str
+
+
 @contextmanager
-def whole_loop(api: EmulatedCluster, folder: Path,
-               images: Mapping[str, BuiltImage]) -> Iterator[Cluster]:
+def node_runtime(folder: Path, images: Mapping[str, BuiltImage]) -> Iterator[NodeRuntime]:
+    """A containerd under `folder` with `images`' trainer and operator imported (built by
+    images/offline; the import is most of the whole loop's start: 40-50 s of containerd's
+    CPU), stopped after the block."""
+    runtime = Runtime.start(folder / "containerd")
+    try:
+        yield NodeRuntime(runtime, runtime.import_image(images["trainer"].archive),
+                          runtime.import_image(images["operator"].archive))
+    finally:
+        runtime.stop()
+
+
+@contextmanager
+def whole_loop(api: EmulatedCluster, folder: Path, node: NodeRuntime) -> Iterator[Cluster]:
     """Nodes, S3 with the prepared corpus, the operator: everything a user's job needs.
 
     On `api`, a running emulated cluster with its stand-in controllers; the pods run as
-    containers of `images` (built by images/offline) in a containerd of their own; files
-    under `folder`.
+    containers of `node`'s images in its containerd; files under `folder`.
     """
     import boto3
     from moto.server import ThreadedMotoServer
 
-    runtime = Runtime.start(folder / "containerd")
-    try:
-        trainer = runtime.import_image(images["trainer"].archive)
-        operator_image = runtime.import_image(images["operator"].archive)
-        # Two nodes for the workers, and a tainted system node for the operator: a node
-        # lost in a scenario never takes the operator with it.
-        agent = NodeAgent(api.api_client(), folder / "agent",
-                          namespaces={NAMESPACE, RELEASE_NAMESPACE}, runtime=runtime,
-                          nodes=[Node("node-a"), Node("node-b"),
-                                 Node("system", taints=[SYSTEM_TAINT])],
-                          images={TRAINER_IMAGE: trainer},
-                          # Several trainers share 2 cores: one thread each.
-                          image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                                     "TOKENIZERS_PARALLELISM": "false"})
-        with agent:
-            # The API server reads pods' logs from their kubelet: here, the node agent.
-            api.emulator.kubelets.append(agent.container_log)
-            # Bound on the pod network's gateway: the pods reach it there, and so does the host.
-            server = ThreadedMotoServer(ip_address=agent.network.gateway, port=0, verbose=False)
-            server.start()
-            try:
-                host, port = server.get_host_and_port()
-                s3 = f"http://{host}:{port}"
-                _prepare_corpus(s3, folder, boto3)
-                core = client.CoreV1Api(api.api_client())
-                core.create_namespaced_secret(NAMESPACE, {
-                    "metadata": {"name": "s3-credentials"}, "type": "Opaque",
-                    "data": {key: base64.b64encode(value.encode()).decode()
-                             for key, value in CREDENTIALS.items()}})
-                # The operator's pod reaches the API on the pod network's gateway.
-                url = api.serve_on(agent.network.gateway)
-                operator = OperatorPod(api.api_client(), agent, url, folder, values={
-                    "resyncSeconds": 1, "nodeSelector": {"kubernetes.io/hostname": "system"},
-                    "tolerations": [{**SYSTEM_TAINT, "operator": "Equal"}]})
-                agent.images = {**agent.images, operator.image: operator_image}
-                with operator:
-                    yield Cluster(api, agent, operator, s3, folder)
-            finally:
-                server.stop()
-                api.emulator.kubelets.remove(agent.container_log)
-    finally:
-        runtime.stop()
+    # Two nodes for the workers, and a tainted system node for the operator: a node
+    # lost in a scenario never takes the operator with it.
+    agent = NodeAgent(api.api_client(), folder / "agent",
+                      namespaces={NAMESPACE, RELEASE_NAMESPACE}, runtime=node.runtime,
+                      nodes=[Node("node-a"), Node("node-b"),
+                             Node("system", taints=[SYSTEM_TAINT])],
+                      images={TRAINER_IMAGE: node.trainer},
+                      # Several trainers share 2 cores: one thread each.
+                      image_env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                 "TOKENIZERS_PARALLELISM": "false"})
+    with agent:
+        # The API server reads pods' logs from their kubelet: here, the node agent.
+        api.emulator.kubelets.append(agent.container_log)
+        # Bound on the pod network's gateway: the pods reach it there, and so does the host.
+        server = ThreadedMotoServer(ip_address=agent.network.gateway, port=0, verbose=False)
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            s3 = f"http://{host}:{port}"
+            _prepare_corpus(s3, folder, boto3)
+            core = client.CoreV1Api(api.api_client())
+            core.create_namespaced_secret(NAMESPACE, {
+                "metadata": {"name": "s3-credentials"}, "type": "Opaque",
+                "data": {key: base64.b64encode(value.encode()).decode()
+                         for key, value in CREDENTIALS.items()}})
+            # The operator's pod reaches the API on the pod network's gateway.
+            url = api.serve_on(agent.network.gateway)
+            operator = OperatorPod(api.api_client(), agent, url, folder, values={
+                "resyncSeconds": 1, "nodeSelector": {"kubernetes.io/hostname": "system"},
+                "tolerations": [{**SYSTEM_TAINT, "operator": "Equal"}]})
+            agent.images = {**agent.images, operator.image: node.operator}
+            with operator:
+                yield Cluster(api, agent, operator, s3, folder)
+        finally:
+            server.stop()
+            api.emulator.kubelets.remove(agent.container_log)
 
 
 @contextmanager
@@ -667,11 +681,12 @@ def standalone(prefix: str, log: Callable[[str], None]) -> Iterator[Cluster]:
     made_netns_folder = ensure_namespace_folder()
     before = snapshot()
     with tempfile.TemporaryDirectory(prefix=prefix) as folder, \
+            node_runtime(Path(folder), images) as node, \
             EmulatedCluster(Path(folder)) as api, Scheduler(api=api.api_client()), \
             NodeLifecycle(api=api.api_client()), \
-            whole_loop(api, Path(folder) / "loop", images) as cluster:
+            whole_loop(api, Path(folder) / "loop", node) as cluster:
         mine = [folder, cluster.agent.network.bridge, f"kt{cluster.agent.network.tag}-",
-                cluster.agent.runtime.cgroup_parent]
+                node.runtime.cgroup_parent]
         yield cluster
     left = left_behind(before, snapshot(), mine)
     if made_netns_folder:

@@ -12,18 +12,15 @@ by every module whose scenarios run jobs on it: each job has its own name.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from build_images import build_images
 from controllers import NodeLifecycle, Scheduler
 from emulator import EmulatedCluster
 from machine_state import left_behind, snapshot
-from pod_network import ensure_namespace_folder
-from whole_loop import Cluster, missing_host_support, whole_loop
+from whole_loop import Cluster, NodeRuntime, whole_loop
 
 
 @contextmanager
@@ -43,21 +40,19 @@ def emulated_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emula
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """The whole loop for the session's scenarios; skipped (failed under CI) without root."""
-    reason = missing_host_support()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI needs the whole loop: {reason}", pytrace=False)
-        pytest.skip(reason)
-    images = build_images(("operator", "trainer"), log=lambda line: print(line, flush=True))
+def cluster(tmp_path_factory: pytest.TempPathFactory, node_runtime: NodeRuntime,
+            ) -> Iterator[Cluster]:
+    """The whole loop for the session's scenarios, its pods in the session's node runtime
+    (tests/conftest.py); skipped (failed under CI) without root."""
     folder = tmp_path_factory.mktemp("whole-loop")
-    ensure_namespace_folder()  # the session's, not the loop's (tests/conftest.py removes it)
     before = snapshot()
     with _emulated(tmp_path_factory.mktemp("whole-loop-api")) as api, \
-            whole_loop(api, folder, images) as running:
+            whole_loop(api, folder, node_runtime) as running:
+        # Its own folder, bridge and namespaces, and its pods' containers in the node
+        # runtime's folder (their root filesystems' mounts); the runtime itself, its
+        # cgroups among them, outlives the loop.
         mine = [str(folder), running.agent.network.bridge, f"kt{running.agent.network.tag}-",
-                running.agent.runtime.cgroup_parent if running.agent.runtime else folder.name]
+                str(node_runtime.runtime.folder)]
         yield running
     # Everything the node agent, its containers and the pod network changed is undone,
     # whatever the scenarios did (this runs after a failed one too).

@@ -1,5 +1,6 @@
 """The operator and trainer images, built offline as `make images` builds them, run in a
-real containerd (tests/cluster/containerd.py) the way a node runs a pod's containers.
+real containerd (tests/cluster/containerd.py) the way a node runs a pod's containers: the
+session's node runtime (tests/conftest.py), the one the whole loop's nodes run pods in.
 
 The images come from images/offline/build_images.py: built on first use (a few minutes),
 then from the content-hashed cache, so an unchanged tree builds nothing. Needs root (the
@@ -24,6 +25,7 @@ from build_images import BuiltImage, build_images
 from containerd import ContainerSpec, Mount, Runtime
 from machine_state import left_behind, snapshot
 from pod_network import ensure_namespace_folder
+from whole_loop import NodeRuntime
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0,
@@ -39,26 +41,43 @@ def images() -> dict[str, BuiltImage]:
 
 
 @pytest.fixture(scope="module")
-def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime]:
-    runtime = Runtime.start(tmp_path_factory.mktemp("containerd"))
-    try:
-        yield runtime
-    finally:
-        runtime.stop()
+def runtime(node_runtime: NodeRuntime) -> Runtime:
+    """The session's containerd with both images imported (tests/conftest.py), as the whole
+    loop's nodes run them: imported once a session, not again for this module."""
+    return node_runtime.runtime
 
 
 @pytest.fixture(scope="module")
-def operator_image(runtime: Runtime, images: dict[str, BuiltImage]) -> str:
-    return runtime.import_image(images["operator"].archive)
+def operator_image(node_runtime: NodeRuntime) -> str:
+    return node_runtime.operator
 
 
 @pytest.fixture(scope="module")
-def trainer_image(runtime: Runtime, images: dict[str, BuiltImage]) -> str:
-    return runtime.import_image(images["trainer"].archive)
+def trainer_image(node_runtime: NodeRuntime) -> str:
+    return node_runtime.trainer
+
+
+# Every container name this module's tests made: each test's containers are removed after
+# it (_containers_removed), not with the runtime, which is the session's.
+_NAMED: set[str] = set()
 
 
 def _name(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    _NAMED.add(name)
+    return name
+
+
+@pytest.fixture(autouse=True)
+def _containers_removed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test on the session's runtime, its containers go (their tasks, mounts
+    and snapshots), as the whole loop's node agent removes a pod's: the runtime outlives
+    this module, and the whole loop's check at its end finds any left."""
+    yield
+    if "runtime" in request.fixturenames:
+        runtime: Runtime = request.getfixturevalue("runtime")
+        for name in sorted(_NAMED & runtime.containers.keys()):
+            runtime.containers[name].remove()
 
 
 def test_operator_image_runs_its_help_as_65532_on_a_read_only_root(
