@@ -240,6 +240,8 @@ class Cluster:
     s3: str
     folder: Path
     rows: dict[str, list[Row]] = field(default_factory=dict)
+    # Each pod's log, with the pod's namespace/name (worker_logs): read once per pod.
+    _pod_names: dict[Path, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         api = self.api.api_client()
@@ -364,10 +366,18 @@ class Cluster:
                 for log in self.worker_logs(name, index)}
 
     def worker_logs(self, name: str, index: int) -> list[Path]:
-        """The log of each pod worker `index` has been, by time of last change."""
-        return [log for log in sorted((self.agent.workdir / "pods").glob("*/log"),
-                                      key=lambda path: path.stat().st_ctime)
-                if (log.parent / "name").read_text() == f"{NAMESPACE}/{name}-worker-{index}"]
+        """The log of each pod worker `index` has been, by time of last change.
+
+        Polled up to 20 times a second while every pod of the session's scenarios is in
+        the agent's folder: each pod's name is read once, the first time its log is seen
+        (the agent writes the name before the container whose log it is starts)."""
+        for pod in os.scandir(self.agent.workdir / "pods"):
+            log = Path(pod.path, "log")
+            if log not in self._pod_names and log.exists():
+                self._pod_names[log] = (log.parent / "name").read_text()
+        wanted = f"{NAMESPACE}/{name}-worker-{index}"
+        return sorted((log for log, pod in self._pod_names.items() if pod == wanted),
+                      key=lambda path: path.stat().st_ctime)
 
     def trainer_pid(self, pod: str) -> int:
         """The pid of the trainer process (torchrun's worker) of a running pod."""
