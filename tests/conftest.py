@@ -7,9 +7,12 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:  # whole_loop imports the kubernetes client: only where a test needs it
+    from whole_loop import NodeRuntime
 
 REPO = Path(__file__).resolve().parents[1]
 # The harnesses that stand in for parts of a cluster (tests/cluster/) and the offline image
@@ -43,7 +46,7 @@ def _torchrun_files_in_the_sessions_folder(
 
 
 @pytest.fixture(scope="session")
-def node_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def node_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeRuntime]:
     """A containerd with the trainer and operator images imported (whole_loop.NodeRuntime),
     once a session: the whole loop's nodes run their pods in it (tests/e2e/conftest.py:
     `cluster`), and tests/images runs the images in it directly. The images are built if
