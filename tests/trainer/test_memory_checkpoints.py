@@ -358,7 +358,15 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
         output, _ = survivor.communicate(timeout=300)
         # torchrun's exit barrier holds the replacement until both agents are done, which on
         # a loaded machine takes more than a minute after the survivor's
-        replaced, _ = replacement.communicate(timeout=240)
+        try:
+            replaced, _ = replacement.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            replacement.kill()
+            replaced, _ = replacement.communicate()
+            raise AssertionError(
+                f"the replacement node ran on 240 s after the survivor ended "
+                f"({survivor.returncode}):\n--- replacement\n{replaced[-6000:]}"
+                f"\n--- survivor\n{output[-4000:]}") from None
     finally:
         for agent in (survivor, lost, replacement):
             if agent is not None and agent.poll() is None:
