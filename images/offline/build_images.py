@@ -472,22 +472,6 @@ def _build_missing(plan: _Plan, cache: Path, work: Path, missing: list[str], log
         context = work / "context"
         tags = {n: f"ghcr.io/kubetrain/{n}:{plan.version}" for n in images}
 
-        def operator() -> None:
-            buildah.build("operator", REPO / "images/operator.Dockerfile", context,
-                          tags["operator"], {"PYTHON_IMAGE": PYTHON_BASE})
-
-        def trainer() -> None:
-            buildah.build("pytorch-cpu base", HERE / "pytorch-cpu.Containerfile", HERE,
-                          TORCH_BASE, {"PYTHON_IMAGE": PYTHON_BASE, "TORCH_VERSION": TORCH_VERSION,
-                                       "TORCH_PIP_ARGS": TORCH_PIP_ARGS})
-            buildah.build("trainer", REPO / "images/trainer.Dockerfile", context,
-                          tags["trainer"], {"PYTORCH_IMAGE": TORCH_BASE})
-
-        # the two chains are independent: side by side, each waits on pip as much as on CPU
-        jobs = {"operator": operator, "trainer": trainer}
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            for future in [pool.submit(jobs[n]) for n in images]:
-                future.result()
         lock = threading.Lock()
 
         def push(name: str) -> None:
@@ -500,8 +484,25 @@ def _build_missing(plan: _Plan, cache: Path, work: Path, missing: list[str], log
                 _store(tmp, plan.path(cache, name), {"ref": tags[name], "size": size})
             log(f"images: wrote {name} archive in {time.monotonic() - t:.0f} s")
 
+        def operator() -> None:
+            buildah.build("operator", REPO / "images/operator.Dockerfile", context,
+                          tags["operator"], {"PYTHON_IMAGE": PYTHON_BASE})
+            push("operator")
+
+        def trainer() -> None:
+            buildah.build("pytorch-cpu base", HERE / "pytorch-cpu.Containerfile", HERE,
+                          TORCH_BASE, {"PYTHON_IMAGE": PYTHON_BASE, "TORCH_VERSION": TORCH_VERSION,
+                                       "TORCH_PIP_ARGS": TORCH_PIP_ARGS})
+            buildah.build("trainer", REPO / "images/trainer.Dockerfile", context,
+                          tags["trainer"], {"PYTORCH_IMAGE": TORCH_BASE})
+            push("trainer")
+
+        # The two chains are independent: side by side, each waits on pip as much as on CPU,
+        # and each writes its archive as soon as its image is built (the operator's while
+        # the trainer still builds: 18 s of a cold build's 344 s were that archive, after).
+        jobs = {"operator": operator, "trainer": trainer}
         with ThreadPoolExecutor(max_workers=2) as pool:
-            for future in [pool.submit(push, n) for n in images]:
+            for future in [pool.submit(jobs[n]) for n in images]:
                 future.result()
 
 
