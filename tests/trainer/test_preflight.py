@@ -436,13 +436,17 @@ import torch, torch.distributed as dist
 from kubetrain.trainer.preflight import all_reduce_bandwidth, link_bandwidth
 dist.init_process_group("gloo")
 cpu, slow = int(os.environ["CPU"]), bool(os.environ.get("SLOW"))
-spin = f"import os\\nwhile os.getppid() == {os.getpid()}: pass"  # until this process is gone
-busy = subprocess.Popen([sys.executable, "-c", spin],
+# Until this process is gone; it says when it spins: on loaded cores a new interpreter takes
+# longer to start than the measurements, which ran before it once and found rank 2 the fastest.
+spin = f"print('spinning', flush=True)\\nwhile __import__('os').getppid() == {os.getpid()}: pass"
+busy = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE,
                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) if slow else None
 for thread in os.listdir("/proc/self/task"):
     os.sched_setaffinity(int(thread), {cpu})
     if slow:
         os.setpriority(os.PRIO_PROCESS, int(thread), 15)
+if busy is not None:
+    assert busy.stdout.readline() == b"spinning\\n"
 dist.barrier()
 try:
     deadline = time.monotonic() + 90
