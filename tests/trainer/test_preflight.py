@@ -438,7 +438,7 @@ dist.init_process_group("gloo")
 cpu, slow = int(os.environ["CPU"]), bool(os.environ.get("SLOW"))
 # Until this process is gone; it says when it spins: on loaded cores a new interpreter takes
 # longer to start than the measurements, which ran before it once and found rank 2 the fastest.
-spin = f"print('spinning', flush=True)\\nwhile __import__('os').getppid() == {os.getpid()}: pass"
+spin = f"import os\\nprint('spinning', flush=True)\\nwhile os.getppid() == {os.getpid()}: pass"
 busy = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE,
                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) if slow else None
 for thread in os.listdir("/proc/self/task"):
