@@ -162,10 +162,13 @@ def test_a_process_that_lingers_after_its_stop_checkpoint_is_ended_and_the_pod_l
 # marks its finish; then rank 1 exits and rank 0 hangs in its teardown (a thread that is
 # not a daemon and never ends, as a process group's destructor joining its threads).
 _FINISHING = """
-import os, threading, time
+import os, sys, threading, time
 from kubetrain import sdk
 rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
-print(f"rank {rank} attempt {attempt} started", flush=True)
+# One write, line and newline together: the ranks share the pipe, and print's two writes
+# (under torchrun's unbuffered output) once came out as both lines and then both newlines.
+sys.stdout.write(f"rank {rank} attempt {attempt} started\\n")
+sys.stdout.flush()
 if rank == "0":
     folder = sdk.checkpoint_dir() / "step-7"
     folder.mkdir(parents=True, exist_ok=True)
