@@ -9,7 +9,10 @@
   a trained teacher, a torchrun launch a module's tests read), which `--durations` books to
   whichever test happened to need them first;
 - for each pytest-xdist worker, the time it was busy and the time it sat idle at the end,
-  waiting for the other: the cost of a schedule that does not keep both busy.
+  waiting for the other: the cost of a schedule that does not keep both busy;
+- the CPU time each module used: its tests' process (every thread of it) and the child
+  processes it started and waited for (torchrun launches, CLIs, pip). On CI's two cores
+  the suite is CPU-bound, so a module's CPU, not its wall time, is what it costs the others.
 
 Every item's, module's and fixture's time also goes to pytest's cache, under the key
 `TIMES_KEY` (`.pytest_cache/v/kubetrain/suite-times`), so the next cut is chosen from the whole
@@ -23,6 +26,7 @@ somewhere else, not from the budget.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections import defaultdict
 from typing import Any
@@ -43,6 +47,7 @@ CEILING_SECONDS = 2300
 SLOWEST = 10
 MODULES = 15
 FIXTURES = 10
+CPU_MODULES = 5
 TIMES_KEY = "kubetrain/suite-times"
 
 
@@ -58,6 +63,7 @@ class SuiteBudget:
         self.busy: dict[str, float] = defaultdict(float)
         self.last_report: dict[str, float] = {}
         self.fixtures: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)  # by module
 
     # --- on every process that runs tests (the one process without xdist) ---------------
 
@@ -73,10 +79,19 @@ class SuiteBudget:
                 key = f"{fixturedef.argname} ({fixturedef.scope}, first for {where})"
                 self.fixtures[key] += time.monotonic() - started
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        started = _cpu_seconds()
+        try:
+            return (yield)
+        finally:
+            self.cpu[item.nodeid.split("::", 1)[0]] += _cpu_seconds() - started
+
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         workeroutput = getattr(session.config, "workeroutput", None)
-        if workeroutput is not None:  # an xdist worker: its fixtures go to the controller
+        if workeroutput is not None:  # an xdist worker: its times go to the controller
             workeroutput["fixture_seconds"] = dict(self.fixtures)
+            workeroutput["cpu_seconds"] = dict(self.cpu)
             return
         self.elapsed = time.monotonic() - self.started
         if os.environ.get("CI") == "true" and self.elapsed > CEILING_SECONDS:
@@ -100,8 +115,11 @@ class SuiteBudget:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        for key, seconds in getattr(node, "workeroutput", {}).get("fixture_seconds", {}).items():
+        output = getattr(node, "workeroutput", {})
+        for key, seconds in output.get("fixture_seconds", {}).items():
             self.fixtures[key] += seconds
+        for module, seconds in output.get("cpu_seconds", {}).items():
+            self.cpu[module] += seconds
 
     @pytest.hookimpl(trylast=True)  # last of the summaries: the tail CI's record keeps
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -123,6 +141,11 @@ class SuiteBudget:
             write("shared fixtures' setup (in the items above, where first needed):")
             for key, seconds in _top(self.fixtures, FIXTURES):
                 write(f"  {seconds:7.1f} s  {key}")
+        if self.cpu:
+            top = ", ".join(f"{module.removeprefix('tests/')} {seconds:.0f} s"
+                            for module, seconds in _top(self.cpu, CPU_MODULES))
+            write(f"CPU: {sum(self.cpu.values()):.0f} s in the tests' processes and the "
+                  f"children they waited for; most: {top}")
         end = self.started + elapsed
         for worker in sorted(self.busy):
             idle = end - self.last_report.get(worker, self.started)
@@ -144,7 +167,14 @@ class SuiteBudget:
             "items": dict(_rounded(self.items)),
             "modules": dict(_rounded(self.modules)),
             "fixtures": dict(_rounded(self.fixtures)),
+            "module_cpu_seconds": dict(_rounded(self.cpu)),
         })
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process (all its threads) and of its children waited for."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _rounded(seconds: dict[str, float]) -> list[tuple[str, float]]:
