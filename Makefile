@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test suite lint lowest packages images checkov
+.PHONY: demo test lint lowest packages images checkov
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,19 +65,14 @@ $(CHECKOV_VENV)/.installed: tests/chart/checkov-requirements.txt
 	$(CHECKOV_VENV)/bin/pip install -q -r tests/chart/checkov-requirements.txt
 	touch $@
 
-# Everything side by side, each step as soon as what it needs is there (--output-sync keeps
-# each step's output together): the venv, then lint, the lowest-bounds run and kubeflow's
-# SDK, which need it; beside them the Debian packages, the images and checkov, which do not
-# (apt's calls wait for each other on one lock). The suite starts once its own needs are
-# there, beside the images and the lowest-bounds run: in a set-up alone from nothing
-# (2026-12-02, 375 s) they were there at 167 s, and over the whole set-up a fifth of the
-# two cores sat idle (pip and buildah wait on the disk), which the tests now fill. The tests
-# that run the images wait for their build (build_images takes the cache's lock). The suite
-# runs on three pytest-xdist workers (tests/conftest.py says how the tests are shared).
+# What the suite needs, side by side (--output-sync keeps each one's output together): the
+# venv, then lint, the lowest-bounds run and kubeflow's SDK, which need it; beside them the
+# Debian packages, the images and checkov, which do not. The venv's install keeps one core
+# busy for its first two minutes; the images' base fills the other (apt's calls wait for
+# each other on one lock). Then the whole suite, on three pytest-xdist workers
+# (tests/conftest.py says how the tests are shared between them), whose whole-loop and
+# image tests run the images just built.
 test:
-	$(MAKE) --no-print-directory -j --output-sync=target images lint lowest suite
-
-# The suite alone (`make test` runs it beside the rest of its set-up). `+` marks its line
-# as make's own, which --output-sync leaves unbuffered: pytest's progress shows as it goes.
-suite: $(VENV)/.installed packages checkov $(KUBEFLOW_SDK)/.installed
-	+$(BIN)/pytest -n 3
+	$(MAKE) --no-print-directory -j4 --output-sync=target \
+		$(VENV)/.installed images packages checkov lint lowest $(KUBEFLOW_SDK)/.installed
+	$(BIN)/pytest -n 3

@@ -305,16 +305,12 @@ PROCESS_HEAVY = ("tests/trainer/", "tests/local/", "tests/storage/", "tests/imag
 # the other two workers done and the cores 0-20 % busy for its last 25 s.
 LONG_WAITING = ("tests/operator/test_lifeline_watch.py",
                 "tests/operator/test_operator_integration.py", "tests/chart/test_rbac.py")
-# Modules that build on the images' python base without the node runtime: `make test` starts
-# the suite beside the image build, which they wait for (build_images' lock). Handed out
-# after the process-heavy ones, by when it is done, not to a second worker at the start.
-AFTER_THE_IMAGES = ("tests/images/test_pip_build_config.py",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under xdist, the order the modules are handed out in: the e2e modules first, then
-    those that start real processes or wait long, then those that wait for the image build
-    (AFTER_THE_IMAGES), then the rest, each module whole and in file order.
+    those that start real processes or wait long, then the rest, each module whole and in
+    file order.
     The long modules go early so that the end of the run is short ones that keep both
     workers busy: with the trainer modules last (file order), one worker sat idle for the
     last 112 s of a 1,789 s run; with only the modules marked slow first, 115 s of 1,835 s
@@ -333,12 +329,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not hasattr(config, "workerinput"):
         return
 
-    def order(item: pytest.Item) -> int:
-        module = item.nodeid.split("::", 1)[0]
-        if module.startswith("tests/e2e/"):
-            return 0
-        if module in AFTER_THE_IMAGES:
-            return 2
-        return 1 if module.startswith((*PROCESS_HEAVY, *LONG_WAITING)) else 3
+    def order(item: pytest.Item) -> tuple[bool, bool]:
+        return (not item.nodeid.startswith("tests/e2e/"),
+                not item.nodeid.startswith((*PROCESS_HEAVY, *LONG_WAITING)))
 
     items.sort(key=order)

@@ -308,18 +308,11 @@ def _unmount_under(path: Path) -> None:
 
 
 @contextmanager
-def _locked(folder: Path, log: Log) -> Iterator[None]:
-    """One build at a time per cache folder: `make test` starts the suite beside `make
-    images`, and the tests that run the images wait here for that build."""
+def _locked(folder: Path) -> Iterator[None]:
+    """One build at a time per cache folder (make images and a test may start together)."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            started = time.monotonic()
-            log(f"images: waiting for the build already running on {folder} to end")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            log(f"images: waited {time.monotonic() - started:.0f} s for that build")
+        fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
@@ -433,7 +426,7 @@ def build_images(names: Sequence[str] = IMAGES, log: Log = print) -> dict[str, B
     cache = cache_dir()
     # util-linux's mount (mmdebstrap's) makes /run/mount, libmount's utab folder
     had_run_mount = os.path.exists("/run/mount")
-    with _locked(cache, log):
+    with _locked(cache):
         work = Path(tempfile.mkdtemp(prefix="work-", dir=cache))
         try:
             plan = _plan(work)

@@ -61,8 +61,8 @@ fi
 # The lowest ruff lints as `make lint` does (a second); the lowest mypy takes minutes
 # on torch's sources, so it is not run here.
 "$LOWEST/bin/ruff" check --quiet .
-# `make test` runs this beside the suite, on the same two cores, so its time is the suite's
-# too. test_lifeline_watch.py (35 s of its 92 s in a clean clone of 2026-12-01) is left
+# This run is the last of `make test`'s steps before the suite, so its time is the suite's
+# wait. test_lifeline_watch.py (35 s of its 92 s in a clean clone of 2026-12-01) is left
 # out: it tests the operator's own sockets and timing, and the operator on kopf, kubernetes
 # and prometheus-client, the dependencies it shares, runs in the other operator modules.
 exec "$LOWEST/bin/python" -m pytest -p no:cacheprovider \
