@@ -444,6 +444,12 @@ class Runtime:
             raise ContainerdError("stopping the runtime: " + "; ".join(errors))
 
     @property
+    def removes_shim_folders(self) -> bool:
+        """Whether `stop()` removes /run/containerd and its shims' socket folder: neither
+        was there when the runtime started, so its first shim made them."""
+        return not self._shim_sockets_existed and not self._run_containerd_existed
+
+    @property
     def running(self) -> bool:
         """Whether this runtime's containerd process runs."""
         return self._process is not None and self._process.poll() is None

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from controllers import NodeLifecycle, Scheduler
 from emulator import EmulatedCluster
-from machine_state import left_behind, snapshot
+from machine_state import SHARED_RUN, left_behind, snapshot
 from whole_loop import Cluster, NodeRuntime, whole_loop
 
 
@@ -56,7 +56,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, node_runtime: NodeRuntime,
         yield running
     # Everything the node agent, its containers and the pod network changed is undone,
     # whatever the scenarios did (this runs after a failed one too).
-    left = left_behind(before, snapshot(), mine)
+    # (The runtime's first shim may have been the loop's: the runtime, not the loop, made
+    # and removes the shims' folders then.)
+    outlives = SHARED_RUN if node_runtime.runtime.removes_shim_folders else set()
+    left = [line for line in left_behind(before, snapshot(), mine) if line[2:] not in outlives]
     assert not left, "the whole loop left this on the machine:\n" + "\n".join(left)
 
 
