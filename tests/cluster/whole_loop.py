@@ -131,6 +131,9 @@ class GroupFault:
     """Replica groups broken on purpose (`break_groups`), as the others saw it."""
 
     at_step: int  # group 0's last printed step when the fault came (or the first live group's)
+    # Each live group's last printed step when the fault came: their logs are read one after
+    # the other, and a loaded machine's log pipes lag apart by a few steps.
+    last_steps: dict[int, int]
     heals: dict[int, str]  # each broken group's `healed from a live replica group ...` line
     healed_after: float  # seconds from the fault until the last of those lines was read
     whole_at: int  # the first live group's first step with the quorum whole again
@@ -147,7 +150,9 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
     live = [index for index in range(groups) if index not in broken]
     first = live[0]
     marks = [cluster.worker_mark(name, index) for index in range(groups)]
-    at_step = max(steps_printed(cluster.worker_lines(name, first)))
+    last_steps = {index: max(steps_printed(cluster.worker_lines(name, index)), default=0)
+                  for index in live}
+    at_step = last_steps[first]
     broken_at = time.monotonic()
     inject()
 
@@ -192,7 +197,7 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
     steps = {index: [(step, seconds) for step, seconds
                      in step_seconds(cluster.worker_lines(name, index, marks[index]))
                      if step <= whole_at + 3] for index in live}
-    return GroupFault(at_step, heals, healed_after, whole_at, steps, marks)
+    return GroupFault(at_step, last_steps, heals, healed_after, whole_at, steps, marks)
 
 
 def a_node_to_lose(cluster: Cluster, name: str, groups: int, broken: int
