@@ -97,6 +97,14 @@ def start_fork_server_from_here() -> None:
     server._forkserver_pid = pid
 
 
+def stop_fork_server() -> None:
+    """Once the agent has ended, close the fork server's pipe and wait for it to end: it
+    is reaped by the launcher that forked it, not adopted as an orphan, so a launch's CPU
+    time (the server's and its training processes') is counted to the launch."""
+    server: Any = multiprocessing.forkserver._forkserver
+    server._stop()  # as multiprocessing stops its own (ForkServer._stop)
+
+
 def _become_fork_server(listener: int, alive_r: int) -> None:
     """In the fork: what a new interpreter started by multiprocessing has (only `listener`
     and `alive_r` open besides the standard streams, multiprocessing's own state fresh,
@@ -157,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         record(run)(args)
     finally:
+        stop_fork_server()
         if lifeline is not None:
             lifeline.close()
 
