@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from forked_torchrun import command as forked_torchrun  # (tests/) torchrun, ranks forked
 from safetensors.torch import load_file, save_file
 
 from kubetrain.api.manifest import parse_job
@@ -352,8 +352,8 @@ def test_two_fsdp_ranks_each_read_only_their_shards_and_equal_one_process(
     folders = ([request.getfixturevalue("sharded_dynamics_model")] if dynamics
                else [hf_models["sharded"], *request.getfixturevalue("sharded_family_models")])
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKER), str(tmp_path), *map(str, folders)],
+        forked_torchrun("--standalone", "--nproc-per-node=2", str(WORKER), str(tmp_path),
+                        *map(str, folders)),
         timeout=120, capture_output=True, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"the workers failed:\n{done.stdout}\n{done.stderr}"

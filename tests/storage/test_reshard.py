@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from forked_torchrun import command as forked_torchrun  # (tests/) torchrun, ranks forked
 
 from kubetrain.api.trainingjob import StorageSpec
 from kubetrain.trainer.checkpoint import MANIFEST_NAME, latest_checkpoint
@@ -23,8 +23,7 @@ WORKER = Path(__file__).with_name("fsdp_checkpoint_worker.py")
 def _torchrun(ranks: int, *args: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(WORKER), *args],
+        forked_torchrun("--standalone", f"--nproc-per-node={ranks}", str(WORKER), *args),
         check=True, env=env, timeout=120, capture_output=True,
     )
 

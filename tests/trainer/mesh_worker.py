@@ -17,7 +17,6 @@ data-parallel ranks and the full gradients; and the batch.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -108,7 +107,8 @@ def main(out: str, meshes: str, families: str = "llama") -> None:
 
 
 if __name__ == "__main__":
+    # Launched by tests/forked_torchrun.py: this rank is a fork, which ends without the
+    # interpreter's teardown once main returns (torch's C++ teardown, which under load now
+    # and then aborted with "terminate called without an active exception" after the work
+    # was done).
     main(*sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as fsdp_loss_worker.py: skip torch's exit-time teardown

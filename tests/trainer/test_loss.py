@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from forked_torchrun import command as forked_torchrun  # (tests/) torchrun, ranks forked
 
 from kubetrain.api.trainingjob import ModelDims
 from kubetrain.sizing import loss_chunk_tokens
@@ -160,8 +161,7 @@ def two_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     launch."""
     out = tmp_path_factory.mktemp("fsdp-loss") / "results.pt"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKER), str(out), "fp32,bf16"],
+        forked_torchrun("--standalone", "--nproc-per-node=2", str(WORKER), str(out), "fp32,bf16"),
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return torch.load(out)
@@ -188,8 +188,8 @@ def test_every_loss_equals_the_full_logits_under_fsdp2_with_nccl(tmp_path: Path)
     ranks = torch.cuda.device_count()
     out = tmp_path / "results.pt"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(WORKER), str(out), "bf16"],
+        forked_torchrun("--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(out),
+                        "bf16"),
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     results = torch.load(out)["bf16"]

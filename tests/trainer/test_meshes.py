@@ -26,6 +26,7 @@ from kubetrain.trainer.model import Transformer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import Launcher, deep_merge  # the trainer tests' launcher
+from forked_torchrun import command as forked_torchrun  # (tests/) torchrun, ranks forked
 from mesh_worker import SEQ, dims  # the worker's model and batch
 
 WORKER = Path(__file__).with_name("mesh_worker.py")
@@ -154,8 +155,8 @@ def mesh_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("mesh-worker") / "result.pt"
     meshes = ",".join(f"{strategy}:{tp}:{tied}" for strategy, tp, tied, _ in MESHES)
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-         str(WORKER), str(out), meshes, "llama,gemma3"],
+        forked_torchrun("--standalone", "--nproc-per-node=4", str(WORKER), str(out), meshes,
+                        "llama,gemma3"),
         env=Launcher().env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return torch.load(out)
