@@ -118,10 +118,11 @@ def test_a_rank_stopped_at_start_is_named_by_the_deadline_and_torchrun_does_not_
     # One attempt only: its check failed once, and no attempt ever got to start again.
     assert output.count("PreflightFailed: preflight failed") == 1, output[-4000:]
     assert "preflight: 2 ranks passed" not in output
-    # Start-up (imports: up to ~15 s while the other xdist worker runs the whole loop on
-    # the same 2 cores), then the deadline (and, judged by rank 1, the verdict's grace):
+    # Start-up (imports: up to ~15 s while the other xdist workers run the whole loop on
+    # the same 2 cores, 22.8 s in a from-nothing run of 0d3e3ba on a machine 1.85x slower
+    # than the day before), then the deadline (and, judged by rank 1, the verdict's grace):
     # far from the minutes a stopped peer costs without the check (gloo waits 30).
-    assert failed_at < deadline + 20 + 5 * stopped_rank, output[-4000:]
+    assert failed_at < deadline + 30 + 5 * stopped_rank, output[-4000:]
     assert ended < failed_at + shutdown + 5, output[-4000:]
     [line] = [line for line in termination_log.read_text().splitlines()
               if line.startswith("kubetrain_worker_failure_info")]
