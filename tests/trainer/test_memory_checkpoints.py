@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -344,7 +345,14 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
                                 stderr=subprocess.STDOUT, text=True)
 
     survivor = node("node-a", restarts=2)
-    time.sleep(1)  # node a hosts the rendezvous, as worker 0's pod does
+    # Node a hosts the rendezvous, as worker 0's pod does: node b starts once node a's store
+    # listens. (A 1 s head start was not enough on a slow machine, where torch's import
+    # takes 3-6 s: node b hosted the store, and its loss took the survivor's rendezvous.)
+    deadline = time.monotonic() + 120
+    while not _listens(port):
+        assert survivor.poll() is None and time.monotonic() < deadline, \
+            "node a's rendezvous never listened"
+        time.sleep(0.05)
     lost = node("node-b", restarts=0)
     replacement = None
     try:
@@ -382,6 +390,11 @@ def test_a_lost_node_resumes_from_its_partners_copy_on_the_other_node(
         "no S3 checkpoint existed to resume from"
     assert _s3_checkpoints(job)[-1].parent.name == "step-00000024"
     assert launcher.events(job, "finished")[-1]["step"] == 24
+
+
+def _listens(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_a_restore_from_own_memory_books_the_memory_tier_and_from_s3_the_s3_tier(
