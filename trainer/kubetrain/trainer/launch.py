@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import io
 import itertools
 import logging
@@ -102,7 +103,10 @@ def stop_fork_server() -> None:
     is reaped by the launcher that forked it, not adopted as an orphan, so a launch's CPU
     time (the server's and its training processes') is counted to the launch."""
     server: Any = multiprocessing.forkserver._forkserver
-    server._stop()  # as multiprocessing stops its own (ForkServer._stop)
+    # (Already reaped, or its socket already gone: nothing is left to stop, and the
+    # agent's own error, if any, is what the launch ends with.)
+    with contextlib.suppress(ChildProcessError, FileNotFoundError):
+        server._stop()  # as multiprocessing stops its own (ForkServer._stop)
 
 
 def _become_fork_server(listener: int, alive_r: int) -> None:
