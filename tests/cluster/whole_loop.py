@@ -130,7 +130,6 @@ def step_seconds(lines: list[str]) -> list[tuple[int, float]]:
 class GroupFault:
     """Replica groups broken on purpose (`break_groups`), as the others saw it."""
 
-    at_step: int  # group 0's last printed step when the fault came (or the first live group's)
     # Each live group's last printed step when the fault came: their logs are read one after
     # the other, and a loaded machine's log pipes lag apart by a few steps.
     last_steps: dict[int, int]
@@ -140,6 +139,11 @@ class GroupFault:
     # Each live group's (step, seconds) from the fault until 3 steps after `whole_at`.
     steps: dict[int, list[tuple[int, float]]]
     marks: list[LogMark]  # where each group's logs ended when the fault came
+
+    @property
+    def at_step(self) -> int:
+        """The first live group's last printed step when the fault came."""
+        return self.last_steps[min(self.last_steps)]
 
 
 def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[int],
@@ -152,7 +156,6 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
     marks = [cluster.worker_mark(name, index) for index in range(groups)]
     last_steps = {index: max(steps_printed(cluster.worker_lines(name, index)), default=0)
                   for index in live}
-    at_step = last_steps[first]
     broken_at = time.monotonic()
     inject()
 
@@ -197,7 +200,7 @@ def break_groups(cluster: Cluster, name: str, groups: int, broken: Collection[in
     steps = {index: [(step, seconds) for step, seconds
                      in step_seconds(cluster.worker_lines(name, index, marks[index]))
                      if step <= whole_at + 3] for index in live}
-    return GroupFault(at_step, last_steps, heals, healed_after, whole_at, steps, marks)
+    return GroupFault(last_steps, heals, healed_after, whole_at, steps, marks)
 
 
 def a_node_to_lose(cluster: Cluster, name: str, groups: int, broken: int

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from controllers import NodeLifecycle, Scheduler
 from emulator import EmulatedCluster
-from machine_state import SHARED_RUN, left_behind, snapshot
+from machine_state import left_behind, snapshot
 from whole_loop import Cluster, NodeRuntime, whole_loop
 
 
@@ -58,8 +58,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, node_runtime: NodeRuntime,
     # whatever the scenarios did (this runs after a failed one too).
     # (The runtime's first shim may have been the loop's: the runtime, not the loop, made
     # and removes the shims' folders then.)
-    outlives = SHARED_RUN if node_runtime.runtime.removes_shim_folders else set()
-    left = [line for line in left_behind(before, snapshot(), mine) if line[2:] not in outlives]
+    left = left_behind(before, snapshot(), mine,
+                       shims_outlive=node_runtime.runtime.removes_shim_folders)
     assert not left, "the whole loop left this on the machine:\n" + "\n".join(left)
 
 
