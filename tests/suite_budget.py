@@ -14,9 +14,10 @@
   processes it started and waited for (torchrun launches, CLIs, pip). On CI's two cores
   the suite is CPU-bound, so a module's CPU, not its wall time, is what it costs the others.
 
-Every item's, module's and fixture's time also goes to pytest's cache, under the key
-`TIMES_KEY` (`.pytest_cache/v/kubetrain/suite-times`), so the next cut is chosen from the whole
-list, not the top of it (tests/install/from-nothing.sh keeps it beside its log).
+Every item's, module's and fixture's time, and every item's and module's CPU, also go to
+pytest's cache, under the key `TIMES_KEY` (`.pytest_cache/v/kubetrain/suite-times`), so the
+next cut is chosen from the whole list, not the top of it (tests/install/from-nothing.sh
+keeps it beside its log).
 
 Under `CI=true` a run whose pytest took longer than `CEILING_SECONDS` fails, naming the
 modules that took the most: a test that makes the suite slower has to take the time from
@@ -64,6 +65,7 @@ class SuiteBudget:
         self.last_report: dict[str, float] = {}
         self.fixtures: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = defaultdict(float)  # by module
+        self.item_cpu: dict[str, float] = defaultdict(float)
 
     # --- on every process that runs tests (the one process without xdist) ---------------
 
@@ -85,13 +87,16 @@ class SuiteBudget:
         try:
             return (yield)
         finally:
-            self.cpu[item.nodeid.split("::", 1)[0]] += _cpu_seconds() - started
+            spent = _cpu_seconds() - started
+            self.cpu[item.nodeid.split("::", 1)[0]] += spent
+            self.item_cpu[item.nodeid] += spent
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         workeroutput = getattr(session.config, "workeroutput", None)
         if workeroutput is not None:  # an xdist worker: its times go to the controller
             workeroutput["fixture_seconds"] = dict(self.fixtures)
             workeroutput["cpu_seconds"] = dict(self.cpu)
+            workeroutput["item_cpu_seconds"] = dict(self.item_cpu)
             return
         self.elapsed = time.monotonic() - self.started
         if os.environ.get("CI") == "true" and self.elapsed > CEILING_SECONDS:
@@ -120,6 +125,8 @@ class SuiteBudget:
             self.fixtures[key] += seconds
         for module, seconds in output.get("cpu_seconds", {}).items():
             self.cpu[module] += seconds
+        for nodeid, seconds in output.get("item_cpu_seconds", {}).items():
+            self.item_cpu[nodeid] += seconds
 
     @pytest.hookimpl(trylast=True)  # last of the summaries: the tail CI's record keeps
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -168,6 +175,7 @@ class SuiteBudget:
             "modules": dict(_rounded(self.modules)),
             "fixtures": dict(_rounded(self.fixtures)),
             "module_cpu_seconds": dict(_rounded(self.cpu)),
+            "item_cpu_seconds": dict(_rounded(self.item_cpu)),
         })
 
 

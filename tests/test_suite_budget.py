@@ -1,5 +1,5 @@
-"""The suite's budget report (tests/suite_budget.py) books each module's CPU time: its
-tests' own process and the child processes they waited for."""
+"""The suite's budget report (tests/suite_budget.py) books each module's and each item's CPU
+time: its tests' own process and the child processes they waited for."""
 
 from __future__ import annotations
 
@@ -50,3 +50,6 @@ def pytest_configure(config):
     booked = kept["module_cpu_seconds"]
     assert booked["test_busy.py"] >= 0.45, booked
     assert booked["test_idle.py"] < 0.2, booked
+    by_item = kept["item_cpu_seconds"]
+    assert by_item["test_busy.py::test_burns_cpu_in_a_child"] >= 0.45, by_item
+    assert by_item["test_idle.py::test_sleeps"] < 0.2, by_item
