@@ -19,6 +19,7 @@ import yaml
 from kubetrain import sdk
 from kubetrain.api.manifest import parse_job
 from kubetrain.api.trainingjob import PreflightPolicy, StorageSpec
+from kubetrain.local.launch import free_port
 from kubetrain.sdk.checkpoints import Finished, Mark, ProcessIdentity, stop_marks
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, commits
 from kubetrain.trainer.own_code import (
@@ -203,6 +204,56 @@ def test_a_pod_whose_processes_all_finished_exits_0_though_one_hangs_in_its_tear
     assert took < LINGER_SECONDS + 60, took  # not the 600 s the thread would have held it
     remote = open_storage(f"s3://{s3_bucket}/mine", s3_spec)
     assert [c.step for c in commits(remote)] == [7]  # the last checkpoint, uploaded
+
+
+
+# Two pods of one process each: both mark their finish; the rank of the pod named by
+# HANG_IN_TEARDOWN then hangs as above, the other exits.
+_TWO_PODS_FINISHING = """
+import os, sys, threading, time
+from kubetrain import sdk
+sdk.mark_finished()
+if os.environ.get("HANG_IN_TEARDOWN") == "1":
+    threading.Thread(target=time.sleep, args=(600,)).start()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_pod_whose_peer_was_ended_after_its_finish_is_not_held_in_torchruns_exit_barrier(
+        tmp_path: Path, job_file: Path) -> None:
+    """The pod that hosts the rendezvous store (worker 0) ends cleanly and waits in torchrun's
+    exit barrier for the other pod's agent; that pod's rank hangs in its teardown and its
+    entry ends it. The ended agent still arrives at the barrier, so worker 0's pod exits 0
+    then too, not after the barrier's 300 s."""
+    script = tmp_path / "finish.py"
+    script.write_text(_TWO_PODS_FINISHING)
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def pod(name: str, hosts: bool) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kubetrain.trainer.own_code", str(job_file), "--",
+             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+             "--rdzv-backend=kubetrain", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-pods",
+             f"--rdzv-conf=is_host={int(hosts)}", "--max-restarts=2", "--monitor-interval=0.1",
+             str(script)],
+            env={**os.environ, "KUBETRAIN_CHECKPOINT_DIR": str(tmp_path / name),
+                 "HANG_IN_TEARDOWN": str(int(not hosts)), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+    started = time.monotonic()
+    pods = {"worker-0": pod("worker-0", hosts=True), "worker-1": pod("worker-1", hosts=False)}
+    ended = {}
+    try:
+        for name, process in pods.items():
+            output = process.communicate(timeout=200)
+            ended[name] = (process.returncode, time.monotonic() - started, output)
+    finally:
+        for process in pods.values():
+            process.kill()
+    for name, (code, took, (out, err)) in ended.items():
+        assert code == 0, f"{name} exited {code}:\n{out}{err[-4000:]}"
+        assert took < LINGER_SECONDS + 60, f"{name} took {took:.0f} s:\n{err[-4000:]}"
+    assert "marked its finish (sdk.mark_finished), and rank(s)" in ended["worker-1"][2][1]
 
 
 def test_processes_are_ended_after_their_finish_only_when_the_whole_pod_finished(

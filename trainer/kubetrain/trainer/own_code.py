@@ -95,7 +95,7 @@ from kubetrain.sdk.checkpoints import (
 )
 from kubetrain.sdk.progress import SERVER_URL_ENV, post_status
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
-from kubetrain.trainer.rendezvous import register_rendezvous
+from kubetrain.trainer.rendezvous import arrive_at_exit_barrier, register_rendezvous
 from kubetrain.trainer.storage import Storage, open_storage
 
 log = logging.getLogger("kubetrain.own_code")
@@ -451,10 +451,13 @@ def lingering_after_finish(marks: list[Finished], now: float,
 
 def end_finished(lingering: list[Finished]) -> None:
     """End the processes that linger after the pod's finish: first torchrun's agent, here
-    (SIGTERM: it stops its processes instead of restarting them as failed), then them."""
+    (SIGTERM: it stops its processes instead of restarting them as failed), then them.
+    The agent is counted in torchrun's exit barrier first, as if its processes had exited:
+    the other pods' agents, whose processes did, wait there for it, worker 0's among them."""
     log.warning("every process of this pod marked its finish (sdk.mark_finished), and "
                 "rank(s) %s still run %.0f s later: ending them; the pod exits 0",
                 ", ".join(str(mark.rank) for mark in lingering), LINGER_SECONDS)
+    arrive_at_exit_barrier()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(AGENT_STOP_SECONDS)
     for mark in lingering:

@@ -104,12 +104,32 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     by the agent whose host is the endpoint's: worker 0's)."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
+    global _latest
     _, store = create_backend(params)
-    return _handler_class()(
+    _latest = _handler_class()(
         store, params.run_id, params.min_nodes, params.max_nodes,
         params.local_addr or socket.getfqdn(),
         join_seconds=params.get_as_int("join_timeout", JOIN_TIMEOUT_SECONDS) or 0,
         last_call_seconds=params.get_as_int("last_call_timeout", LAST_CALL_SECONDS) or 0)
+    return _latest
+
+
+_latest: Any = None  # this process's newest handler: the one its agent (torchrun) runs on
+
+
+def arrive_at_exit_barrier() -> bool:
+    """Count this process's agent in torchrun's exit barrier for its round, as the agent
+    counts itself once its workers have succeeded; False where there is nothing to count
+    (no kubetrain rendezvous here, no round yet, or the store is gone).
+
+    For an agent about to be stopped because its pod's processes have all finished and one
+    hangs in its teardown (kubetrain.trainer.own_code): stopped, the agent never reaches the
+    barrier, and the agents whose processes exited wait there for it, for torch's 300 s,
+    holding their pods; worker 0's too, which hosts the store and so waits for every other.
+    """
+    if _latest is None:
+        return False
+    return bool(_latest.arrive_at_exit_barrier())
 
 
 def _handler_class() -> type[Any]:
@@ -166,6 +186,7 @@ def _define() -> type[Any]:
             self.last_call_seconds = last_call_seconds
             self.poll = poll_seconds(max_nodes)
             self.round: int | None = None  # the last round this agent was a member of
+            self.world = 0  # and how many agents it had
             self._waiting: tuple[float, int] = (-1.0, 0)  # (asked at, answer)
             self._bootstrap: RendezvousStoreInfo | None = None
             self._shared_store: Any = None
@@ -213,6 +234,7 @@ def _define() -> type[Any]:
                 round_ += 1
             self.round = round_
             rank, world = members.index(self.descriptor), len(members)
+            self.world = world
             log.info("rendezvous %s: round %d formed, rank %d of %d", self.run_id, round_,
                      rank, world)
             return self._info(round_, rank, world)
@@ -241,6 +263,25 @@ def _define() -> type[Any]:
             latest = self._latest_round()
             self.store.compare_set(self._key("members", latest), "", CLOSED)
             self.store.set(self._key("opened", latest + 1), "1")
+
+        def arrive_at_exit_barrier(self) -> bool:
+            """See the module's function of this name."""
+            # torch's own barrier, on the round's store the agent was given (_info): its
+            # keys are private to torch, and a change of them fails the test that ends a
+            # pod whose peer waits there (tests/storage/test_own_code_entry.py).
+            from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+            from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+            if self.round is None:
+                return False
+            try:
+                _barrier_nonblocking(self._round_store(self.round), self.world,
+                                     _TERMINAL_STATE_SYNC_ID)
+            except (ValueError, RuntimeError, TimeoutError) as error:
+                log.warning("rendezvous %s: not counted in torchrun's exit barrier: %s",
+                            self.run_id, error)
+                return False
+            return True
 
         def shutdown(self) -> bool:
             """Close the rendezvous as this agent ends; False where the store is gone (its
@@ -332,7 +373,7 @@ def _define() -> type[Any]:
             """What torchrun's agent gets for the round: as torch's dynamic rendezvous gives
             it, a store of the round's own (a prefix of the rendezvous store) and the
             address its workers meet at."""
-            store = dist.PrefixStore(f"torch.rendezvous.{self.run_id}.{round_}", self.store)
+            store = self._round_store(round_)
             if not self.use_agent_store:
                 return RendezvousInfo(store, rank, world, RendezvousStoreInfo.build(
                     rank, store, local_addr=self.address))
@@ -345,6 +386,10 @@ def _define() -> type[Any]:
                 self._bootstrap = RendezvousStoreInfo.build(
                     rank, store, local_addr=self.address, server_port=port)
             return RendezvousInfo(store, rank, world, self._bootstrap)
+
+        def _round_store(self, round_: int) -> Any:
+            """The round's own store, as torch's dynamic rendezvous makes it."""
+            return dist.PrefixStore(f"torch.rendezvous.{self.run_id}.{round_}", self.store)
 
     return Rendezvous
 
