@@ -206,7 +206,6 @@ def test_a_pod_whose_processes_all_finished_exits_0_though_one_hangs_in_its_tear
     assert [c.step for c in commits(remote)] == [7]  # the last checkpoint, uploaded
 
 
-
 # Two pods of one process each: both mark their finish; the rank of the pod named by
 # HANG_IN_TEARDOWN then hangs as above, the other exits.
 _TWO_PODS_FINISHING = """

@@ -117,19 +117,18 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 _latest: Any = None  # this process's newest handler: the one its agent (torchrun) runs on
 
 
-def arrive_at_exit_barrier() -> bool:
+def arrive_at_exit_barrier() -> None:
     """Count this process's agent in torchrun's exit barrier for its round, as the agent
-    counts itself once its workers have succeeded; False where there is nothing to count
-    (no kubetrain rendezvous here, no round yet, or the store is gone).
+    counts itself once its workers have succeeded; nothing where there is nothing to count
+    (no kubetrain rendezvous here, no round yet), a warning where the store is gone.
 
     For an agent about to be stopped because its pod's processes have all finished and one
     hangs in its teardown (kubetrain.trainer.own_code): stopped, the agent never reaches the
     barrier, and the agents whose processes exited wait there for it, for torch's 300 s,
     holding their pods; worker 0's too, which hosts the store and so waits for every other.
     """
-    if _latest is None:
-        return False
-    return bool(_latest.arrive_at_exit_barrier())
+    if _latest is not None:
+        _latest.arrive_at_exit_barrier()
 
 
 def _handler_class() -> type[Any]:
@@ -186,7 +185,6 @@ def _define() -> type[Any]:
             self.last_call_seconds = last_call_seconds
             self.poll = poll_seconds(max_nodes)
             self.round: int | None = None  # the last round this agent was a member of
-            self.world = 0  # and how many agents it had
             self._waiting: tuple[float, int] = (-1.0, 0)  # (asked at, answer)
             self._bootstrap: RendezvousStoreInfo | None = None
             self._shared_store: Any = None
@@ -234,7 +232,6 @@ def _define() -> type[Any]:
                 round_ += 1
             self.round = round_
             rank, world = members.index(self.descriptor), len(members)
-            self.world = world
             log.info("rendezvous %s: round %d formed, rank %d of %d", self.run_id, round_,
                      rank, world)
             return self._info(round_, rank, world)
@@ -264,7 +261,7 @@ def _define() -> type[Any]:
             self.store.compare_set(self._key("members", latest), "", CLOSED)
             self.store.set(self._key("opened", latest + 1), "1")
 
-        def arrive_at_exit_barrier(self) -> bool:
+        def arrive_at_exit_barrier(self) -> None:
             """See the module's function of this name."""
             # torch's own barrier, on the round's store the agent was given (_info): its
             # keys are private to torch, and a change of them fails the test that ends a
@@ -273,15 +270,14 @@ def _define() -> type[Any]:
             from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
             if self.round is None:
-                return False
+                return
             try:
-                _barrier_nonblocking(self._round_store(self.round), self.world,
+                members = self._members(self.round) or []
+                _barrier_nonblocking(self._round_store(self.round), len(members),
                                      _TERMINAL_STATE_SYNC_ID)
             except (ValueError, RuntimeError, TimeoutError) as error:
                 log.warning("rendezvous %s: not counted in torchrun's exit barrier: %s",
                             self.run_id, error)
-                return False
-            return True
 
         def shutdown(self) -> bool:
             """Close the rendezvous as this agent ends; False where the store is gone (its
