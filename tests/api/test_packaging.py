@@ -31,6 +31,18 @@ def test_operator_side_imports_no_torch(module: str) -> None:
     assert loaded == "[]"
 
 
+def test_an_own_code_pods_entry_loads_torchrun_and_the_device_check_not_fsdp() -> None:
+    """What an own-code pod's entry imports before the user's command starts: torch,
+    torchrun's agent and the preflight's device check, never FSDP, DTensor or sympy (the
+    training loop's), which took 1.2-1.5 s of a core in every pod start while the device
+    check reached them through rank_timing."""
+    loaded = _python(
+        "import sys, torch.distributed.run, kubetrain.trainer.own_code, "
+        "kubetrain.trainer.preflight; print(sorted({m for m in sys.modules if m.startswith("
+        "('torch.distributed.fsdp', 'torch.distributed.tensor', 'sympy'))}))")
+    assert loaded == "[]"
+
+
 @pytest.mark.parametrize("flags", [(), ("-S",)], ids=["site", "no-site"])
 def test_operator_folder_does_not_shadow_the_standard_library(flags: tuple[str, ...]) -> None:
     # Run from the repository root, where a top-level operator/__init__.py would win.

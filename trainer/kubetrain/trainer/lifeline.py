@@ -27,7 +27,7 @@ import selectors
 import socket
 import threading
 
-from kubetrain.pod_conventions import POD_NAME_ENV
+from kubetrain.pod_conventions import NODE_NAME_ENV, POD_NAME_ENV
 from kubetrain.protocol import (
     AGENT_PID_ENV,
     BEAT,
@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 def in_a_pod() -> bool:
     """Whether this process runs in a worker pod the operator made (and follows)."""
     return bool(os.environ.get(POD_NAME_ENV))
+
+
+def where_am_i() -> tuple[str, str]:
+    """This process's pod and node: the downward API's (the operator sets both), else the host."""
+    host = socket.gethostname()
+    return (os.environ.get(POD_NAME_ENV) or host, os.environ.get(NODE_NAME_ENV) or host)
 
 
 class PodLifeline:

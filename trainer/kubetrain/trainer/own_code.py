@@ -95,6 +95,7 @@ from kubetrain.sdk.checkpoints import (
 )
 from kubetrain.sdk.progress import SERVER_URL_ENV, post_status
 from kubetrain.trainer.checkpoint_sync import CheckpointSync, restore
+from kubetrain.trainer.lifeline import where_am_i
 from kubetrain.trainer.rendezvous import arrive_at_exit_barrier, register_rendezvous
 from kubetrain.trainer.storage import Storage, open_storage
 
@@ -285,8 +286,6 @@ def start_preflight(policy: PreflightPolicy, devices: int, in_child: bool
 
     def verdict() -> tuple[str, list[str]]:
         check.join(max(0.0, deadline - time.monotonic()))
-        from kubetrain.trainer.rank_timing import where_am_i  # once the check has loaded torch
-
         node = where_am_i()[1]
         if check.is_alive():
             if in_child:  # (a thread cannot be stopped: it is left behind, the entry exits)

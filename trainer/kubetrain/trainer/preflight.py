@@ -70,7 +70,7 @@ import torch.distributed as dist
 
 from kubetrain.api.trainingjob import PreflightPolicy
 from kubetrain.trainer.bounded import run_bounded
-from kubetrain.trainer.rank_timing import where_am_i
+from kubetrain.trainer.lifeline import where_am_i
 
 MATMUL_SIZE = 256
 MATMUL_TOLERANCE = 1e-2  # relative Frobenius error of the float32 product

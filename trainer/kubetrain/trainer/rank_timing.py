@@ -39,8 +39,6 @@ every rank books goodput's `straggler` cause (`goodput.StragglerBooking`).
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,7 +54,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 
-from kubetrain.pod_conventions import NODE_NAME_ENV, POD_NAME_ENV
+from kubetrain.trainer.lifeline import where_am_i
 
 
 class WaitClock:
@@ -226,12 +224,6 @@ class RankTiming:
     # Seconds computing since this process started: a counter, which a reader that samples
     # now and then (the operator) turns into the compute time between its samples.
     compute_seconds_total: float = 0.0
-
-
-def where_am_i() -> tuple[str, str]:
-    """This process's pod and node: the downward API's (the operator sets both), else the host."""
-    host = socket.gethostname()
-    return (os.environ.get(POD_NAME_ENV) or host, os.environ.get(NODE_NAME_ENV) or host)
 
 
 def gather_rank_timings(compute_seconds: float, wait_seconds: float,
