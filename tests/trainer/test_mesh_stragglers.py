@@ -105,10 +105,11 @@ def test_under_hsdp_the_paused_rank_alone_is_named(tiny_job, launcher) -> None:
                                        micro_batch=32)
     for event in logged[1:]:
         computes = [timing["compute_seconds"] for timing in event["ranks"]]
-        # The other pod's ranks waited for rank 1 in the replicas' all-reduce: as wait.
-        # (Its own pod's rank 0 may show some of its wait as compute under load: once
-        # 0.24 s against rank 1's 0.21, with the other pod's at 0.09, in a CI run.)
-        assert computes[1] > max(computes[2:]), event["ranks"]
+        # The others waited for rank 1 as wait: its own pod's rank 0 in the shards'
+        # collectives and the gradient norm's reduction, the other pod's in the replicas'
+        # all-reduce too. (The norm's was once untimed: rank 0 booked rank 1's pauses
+        # there as compute, 1.3x the median's three intervals in a row in a clean clone.)
+        assert computes[1] == max(computes), event["ranks"]
     totals = [sum(event["ranks"][rank]["compute_seconds"] for event in logged[1:])
               for rank in range(4)]
     assert max(totals) == totals[1], totals

@@ -720,9 +720,13 @@ class Trainer:
         # Clip on the global norm (DTensor shards under FSDP2 reduce across ranks).
         if parallel.scaler is not None:
             parallel.scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(grad_norm, DTensor):
-            with meter.clock.waiting():
+        # On DTensor shards get_total_norm reduces their partial norms across ranks: a
+        # collective, where a rank waits for a slower peer. (Its own arithmetic, one read of
+        # the local shards, is timed with it.)
+        sharded = any(isinstance(grad, DTensor) for grad in grads)
+        with meter.clock.waiting() if sharded else contextlib.nullcontext():
+            grad_norm = torch.nn.utils.get_total_norm(grads)
+            if isinstance(grad_norm, DTensor):
                 grad_norm = grad_norm.full_tensor()
         clip_norm = self.spec.optimization.grad_clip_norm
         if clip_norm is not None:
