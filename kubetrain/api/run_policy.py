@@ -75,7 +75,8 @@ class PreflightPolicy(ApiModel):
         default=0.5, gt=0, le=1,
         description="A rank whose best link to a neighbouring rank (a tensor exchanged with "
         "each of its two neighbours in the ring of ranks) is under this fraction of the "
-        "median rank's fails the check: a slow node's every link is slow.",
+        "median rank's is measured again, with every rank, and fails the check when it is "
+        "under it in both rounds: a slow node's every link is slow, a busy moment passes.",
     )
 
 

@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS = 16
 PREFLIGHT = re.compile(r"preflight: 4 ranks passed in \d+\.\d+s \(matmul ok, all-reduce "
-                       r"\d+\.\d+ GB/s median, links \d+\.\d+ GB/s median, \d+\.\d+ min; "
+                       r"\d+\.\d+ GB/s median, links \d+\.\d+ GB/s median, \d+\.\d+ min"
+                       r"(?:; measured again[^;]*)?; "  # a link slow once on a busy host
                        r"by mesh dimension, GB/s median, "
                        r"dp_replicate \d+\.\d+, dp_shard \d+\.\d+\)")
 

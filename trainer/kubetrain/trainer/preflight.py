@@ -23,7 +23,10 @@ a group that does not form (a rank stalled after its device check) fails the che
    rank exchanges a tensor with each of its two neighbours in the ring of ranks, one pair
    at a time in rounds of disjoint pairs (`link_pairings`), and reports its best link's
    bandwidth: a slow node's links are all slow, a healthy neighbour's other link is not.
-   A rank whose best link is under `minBandwidthFraction` times the median rank's fails.
+   A rank whose best link is under `minBandwidthFraction` times the median rank's is
+   measured again, with every rank, before it is judged: it fails only when its link is
+   under that bar in both rounds. A process descheduled through one round on a busy host
+   is not a slow node, and a failure here marks its node to avoid.
    Reports and verdict go through the store again. A group of one has nobody to exchange
    with and skips this stage; in a group of two both ranks share their one link, so a
    slow one cannot be told from its partner.
@@ -106,6 +109,7 @@ class Failure:
     rank: int
     why: str
     report: RankReport | None = None
+    slow_link: bool = False  # its link alone was under the bar: measured again first
 
 
 @dataclass
@@ -119,6 +123,9 @@ class Verdict:
     # The lowest reporting rank of each torchrun agent: it writes its pod's termination
     # message and stops its agent (one writer per pod).
     writers: list[int] = field(default_factory=list)
+    # When every failing rank failed on its link alone: those ranks, measured again
+    # (with every rank) before the stage is judged.
+    slow_links: list[int] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -286,6 +293,9 @@ class Preflight:
         self.verdict: Verdict | None = None
         self.bandwidths: list[float] = []  # the all-reduce's, by rank
         self.links: list[float] = []  # each rank's best link's
+        # On rank 0: the first round of links' reports, and the ranks it found slow.
+        self.first_round: list[RankReport] = []
+        self.slow_first: set[int] = set()
         # The groups of each dimension of several ranks, when two or more such dimensions
         # lay out this world (one alone is the world, which the group stage checks).
         sizes = mesh or {}
@@ -329,12 +339,22 @@ class Preflight:
         except Exception as raised:
             mine = replace(self.me, problem=f"its all-reduce failed: {raised}")
         else:
-            try:
-                mine = replace(mine, link=link_bandwidth(self.device, give_up))
-            except Exception as raised:
-                mine = replace(mine, problem=f"its exchange with a neighbouring rank failed: "
-                                             f"{raised}")
-        self._stage("group", mine, self._judge_group)
+            mine = self._measure_links(mine, give_up)
+        try:
+            self._stage("group", mine, self._judge_group)
+        except PreflightFailed:
+            assert self.verdict is not None
+            if not self.verdict.slow_links:
+                raise
+            self._stage("group-again", self._measure_links(mine, give_up),
+                        self._judge_links_again)
+
+    def _measure_links(self, mine: RankReport, give_up: float) -> RankReport:
+        try:
+            return replace(mine, link=link_bandwidth(self.device, give_up))
+        except Exception as raised:
+            return replace(mine, problem=f"its exchange with a neighbouring rank failed: "
+                                         f"{raised}")
 
     def check_mesh(self) -> None:
         """The all-reduce over this rank's group of each mesh dimension (raises
@@ -440,10 +460,14 @@ class Preflight:
                     "in a group of one)")
         mesh = "".join(f", {name} {bandwidth:.2f}"
                        for name, bandwidth in self.mesh_bandwidths.items())
+        again = (f"; measured again, as rank{'s' if len(self.slow_first) > 1 else ''} "
+                 f"{', '.join(map(str, sorted(self.slow_first)))} moved under "
+                 f"{self.policy.min_bandwidth_fraction:g} x the median in the first round"
+                 if self.slow_first else "")
         return (f"preflight: {ranks} passed in {seconds:.2f}s (matmul ok, all-reduce "
                 f"{statistics.median(self.bandwidths):.2f} GB/s median, links "
                 f"{statistics.median(self.links):.2f} GB/s median, {min(self.links):.2f} min"
-                + (f"; by mesh dimension, GB/s median{mesh}" if mesh else "") + ")")
+                + again + (f"; by mesh dimension, GB/s median{mesh}" if mesh else "") + ")")
 
     # --- judging ------------------------------------------------------------------
 
@@ -462,13 +486,30 @@ class Preflight:
         if failed:
             return failed
         self.bandwidths = [report.bandwidth for report in present]
+        return self._slow_links(present)
+
+    def _judge_links_again(self, reports: list[RankReport | None]) -> list[Failure]:
+        """The second round of links: a rank under the bar in both rounds fails; one under
+        it only once passes."""
+        first = {report.rank: report.link for report in self.first_round}
+        failed = self._judge_group(reports)
+        if any(not failure.slow_link for failure in failed):
+            return failed  # a rank missing, or an exchange that failed, this time
+        return [replace(failure, why=f"{failure.why}, in both of two rounds (the first: "
+                                     f"{first[failure.rank]:.2f} GB/s)", slow_link=False)
+                for failure in failed if failure.rank in self.slow_first]
+
+    def _slow_links(self, present: list[RankReport]) -> list[Failure]:
         self.links = [report.link for report in present]
         median = statistics.median(self.links)
         floor = self.policy.min_bandwidth_fraction * median
-        return [Failure(report.rank, f"its best link to a neighbouring rank moved "
-                        f"{report.link:.2f} GB/s, under {self.policy.min_bandwidth_fraction:g}"
-                        f" x the median rank's {median:.2f} GB/s", report)
-                for report in present if report.link < floor]
+        failed = [Failure(report.rank, f"its best link to a neighbouring rank moved "
+                          f"{report.link:.2f} GB/s, under {self.policy.min_bandwidth_fraction:g}"
+                          f" x the median rank's {median:.2f} GB/s", report, slow_link=True)
+                  for report in present if report.link < floor]
+        if not self.first_round:  # rank 0 keeps the first round's, for the second's verdict
+            self.first_round, self.slow_first = present, {failure.rank for failure in failed}
+        return failed
 
     def _judge_mesh(self, reports: list[RankReport | None]) -> list[Failure]:
         missing = self._missing(reports)
@@ -545,6 +586,8 @@ class Preflight:
                                     else f"{named}: {failure.why}")
             if report.node not in verdict.nodes:
                 verdict.nodes.append(report.node)
+        if failures and all(failure.slow_link for failure in failures):
+            verdict.slow_links = [failure.rank for failure in failures]
         return verdict
 
     def _await_verdict(self, stage: str) -> Verdict:
