@@ -8,10 +8,10 @@ operator's slowness rule (`kubetrain.operator.stragglers`) compares compute time
 What is measured, per step, on each rank's host clock:
 - wait: the time spent inside collectives. The loop's own (the stop agreement at each
   step boundary, and the gradient norm: on DTensor shards `get_total_norm` reduces
-  their partial norms across ranks inside it, so the whole call is timed) and FSDP2's parameter all-gathers and
-  gradient reduce-scatters, which FSDP lets a caller replace (`set_custom_all_gather`,
-  `set_custom_reduce_scatter`): the replacements here are FSDP's defaults with a clock
-  around them.
+  their partial norms across ranks inside it, so the whole call is timed) and FSDP2's
+  parameter all-gathers and gradient reduce-scatters, which FSDP lets a caller replace
+  (`set_custom_all_gather`, `set_custom_reduce_scatter`): the replacements here are
+  FSDP's defaults with a clock around them.
   Under HSDP, FSDP2 also all-reduces each gradient shard across the replicate dimension
   with a plain `dist.all_reduce` it offers no hook for: `time_fsdp_collectives` puts the
   clock around that call too (`_TimedAllReduce`), or a rank waiting there for a slow
