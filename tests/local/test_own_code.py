@@ -235,6 +235,23 @@ def test_interrupted_own_code_saves_on_sigterm_and_resumes_with_no_step_redone(
     assert len(steps) == len(set(steps)) == 60, steps  # no step trained twice
 
 
+def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path) -> None:
+    """The runner's deadline, whatever the trainer: it stops the run as Ctrl-C does, and
+    the trainer saves on SIGTERM. Own code that sleeps through its steps, so the 30 s the
+    deadline needs (it counts the start: at 15 s a from-nothing run of 2026-11-29 reached
+    it before the first step) are not 30 s of a core taken from the suite's other tests.
+    One worker: the deadline is the runner's, whatever the group's size."""
+    job = own_code_job("deadline", str(SCRIPTS / "plain_torch.py"), steps=5000,
+                       save_every=5000, step_seconds=0.3, replicas=1)
+    job["spec"]["runPolicy"]["activeDeadlineSeconds"] = 30
+    code, output = finish(start_run(tmp_path, job), RUN_TIMEOUT)
+    assert code == 1, output
+    assert "running longer than 30s (spec.runPolicy.activeDeadlineSeconds)" in output, output
+    stopped = trained_steps(tmp_path, "deadline")
+    assert stopped and stopped[-1] < 5000, output
+    assert commits(tmp_path, "deadline") == {f"step-{stopped[-1]:06d}": stopped[-1]}, output
+
+
 @pytest.mark.slow
 def test_transformers_trainer_reports_through_kubeflow_callback_and_resumes_after_a_kill(
         tmp_path: Path) -> None:

@@ -199,25 +199,6 @@ def test_a_frozen_worker_is_detected_as_a_hang_and_the_group_restarts(
     assert len(list((tmp_path / "runs" / name / "logs" / "torchrun").iterdir())) == 4
 
 
-def test_active_deadline_stops_the_run_with_a_checkpoint(tmp_path: Path, corpus: Path) -> None:
-    name = "deadline"
-    # The deadline counts the start too: at 15 s, a from-nothing run of 2026-11-29 (two
-    # xdist workers on 2 cores) reached it before the first step. 30 s, as the progress
-    # deadlines here, outlasts a start under that load.
-    manifest = tiny_job(name, corpus, "data", "checkpoints", max_steps=5000,
-                        run_policy={"activeDeadlineSeconds": 30})
-    # One worker: the deadline is the runner's, whatever the group's size, and a second
-    # worker would only train at full speed for those 30 s beside the suite's other tests.
-    manifest["spec"]["workers"]["replicas"] = 1
-    code, output = finish(start_run(tmp_path, manifest))
-    assert code == 1, output
-    assert "activeDeadlineSeconds" in output
-    found = events(tmp_path, name)
-    assert not of_kind(found, "finished")
-    last_step = max(event["step"] for event in of_kind(found, "step"))
-    assert max(event["step"] for event in of_kind(found, "checkpoint")) >= last_step
-
-
 def test_run_fine_tunes_a_qwen3_checkpoint_and_exports_what_transformers_loads(
         tmp_path: Path, corpus: Path, prepared_corpus: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
