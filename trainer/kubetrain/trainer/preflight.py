@@ -293,9 +293,8 @@ class Preflight:
         self.verdict: Verdict | None = None
         self.bandwidths: list[float] = []  # the all-reduce's, by rank
         self.links: list[float] = []  # each rank's best link's
-        # On rank 0: the first round of links' reports, and the ranks it found slow.
-        self.first_round: list[RankReport] = []
-        self.slow_first: set[int] = set()
+        # On rank 0: the ranks whose link the first round found slow, with its GB/s.
+        self.slow_first: dict[int, float] = {}
         # The groups of each dimension of several ranks, when two or more such dimensions
         # lay out this world (one alone is the world, which the group stage checks).
         sizes = mesh or {}
@@ -477,39 +476,44 @@ class Preflight:
             for report in reports if report is not None and report.problem]
 
     def _judge_group(self, reports: list[RankReport | None]) -> list[Failure]:
-        missing = self._missing(reports)
-        if missing:
-            return missing  # the others' all-reduces could not finish without them
-        present = [report for report in reports if report is not None]
-        failed = [Failure(report.rank, report.problem, report)
-                  for report in present if report.problem]
+        present, failed = self._reported(reports)
         if failed:
             return failed
         self.bandwidths = [report.bandwidth for report in present]
-        return self._slow_links(present)
+        failed = self._slow_links(present)
+        slow = {failure.rank for failure in failed}
+        self.slow_first = {report.rank: report.link for report in present if report.rank in slow}
+        return failed
 
     def _judge_links_again(self, reports: list[RankReport | None]) -> list[Failure]:
         """The second round of links: a rank under the bar in both rounds fails; one under
         it only once passes."""
-        first = {report.rank: report.link for report in self.first_round}
-        failed = self._judge_group(reports)
-        if any(not failure.slow_link for failure in failed):
-            return failed  # a rank missing, or an exchange that failed, this time
+        present, failed = self._reported(reports)
+        if failed:
+            return failed
         return [replace(failure, why=f"{failure.why}, in both of two rounds (the first: "
-                                     f"{first[failure.rank]:.2f} GB/s)", slow_link=False)
-                for failure in failed if failure.rank in self.slow_first]
+                                     f"{self.slow_first[failure.rank]:.2f} GB/s)",
+                        slow_link=False)
+                for failure in self._slow_links(present) if failure.rank in self.slow_first]
+
+    def _reported(self, reports: list[RankReport | None],
+                  ) -> tuple[list[RankReport], list[Failure]]:
+        """The reports of a group stage, or its failures before any link is judged."""
+        missing = self._missing(reports)
+        if missing:
+            return [], missing  # the others' all-reduces could not finish without them
+        present = [report for report in reports if report is not None]
+        return present, [Failure(report.rank, report.problem, report)
+                         for report in present if report.problem]
 
     def _slow_links(self, present: list[RankReport]) -> list[Failure]:
         self.links = [report.link for report in present]
         median = statistics.median(self.links)
         floor = self.policy.min_bandwidth_fraction * median
-        failed = [Failure(report.rank, f"its best link to a neighbouring rank moved "
-                          f"{report.link:.2f} GB/s, under {self.policy.min_bandwidth_fraction:g}"
-                          f" x the median rank's {median:.2f} GB/s", report, slow_link=True)
-                  for report in present if report.link < floor]
-        if not self.first_round:  # rank 0 keeps the first round's, for the second's verdict
-            self.first_round, self.slow_first = present, {failure.rank for failure in failed}
-        return failed
+        return [Failure(report.rank, f"its best link to a neighbouring rank moved "
+                        f"{report.link:.2f} GB/s, under {self.policy.min_bandwidth_fraction:g}"
+                        f" x the median rank's {median:.2f} GB/s", report, slow_link=True)
+                for report in present if report.link < floor]
 
     def _judge_mesh(self, reports: list[RankReport | None]) -> list[Failure]:
         missing = self._missing(reports)
