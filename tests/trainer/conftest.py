@@ -53,11 +53,11 @@ def write_tiny_job(prepared_corpus: Any, folder: Path, name: str = "tiny",
                        "export": False},
         "metrics": {"port": free_port(), "logEverySteps": 1},
         # The suite's host is shared by three test workers at once: a rank of a 4-rank job
-        # can be starved for every one of its link exchanges (CI, stop 79: 0.60 GB/s against
-        # the median's 1.36), which fails the link judgment at its default of half the
-        # median with no fault in the job. Tests here judge links only where a rank is far
-        # slower; test_preflight's links section starves a rank on purpose and judges at
-        # the default.
+        # can be starved for every one of its link exchanges (CI, stop 78: 0.60 GB/s against
+        # the median's 1.36). The preflight measures such a rank again before failing it,
+        # but the starving can outlast both rounds here with no fault in the job. Tests
+        # here judge links only where a rank is far slower; test_preflight's links section
+        # starves a rank on purpose and judges at the default.
         "runPolicy": {"preflight": {"minBandwidthFraction": 0.1}},
     }
     manifest = {"apiVersion": "kubetrain.io/v1alpha1", "kind": "TrainingJob",
