@@ -143,7 +143,9 @@ def _straggler_run(cluster: Cluster, name: str, action: str) -> dict[str, Any]:
                   f"was slowed: {condition['message']}")
             # The right pod and node, in the condition and in one event.
             assert slow_pod in condition["message"] and node in condition["message"], condition
-            [event] = _events(cluster, name, "Straggler")
+            # The operator patches the status before it records the pass's events.
+            [event] = cluster.wait_for("the Straggler event", lambda: _events(
+                cluster, name, "Straggler"), 30, every=0.2)
             assert slow_pod in event and node in event and f"for {window} intervals" in event, \
                 event
             if action == "Replace":  # the node stays slow for whatever the job starts there
